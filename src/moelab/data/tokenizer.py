@@ -1,0 +1,96 @@
+"""Byte-level BPE tokenizer (HF ``tokenizers``): train on a corpus, load, encode, decode.
+
+Byte-level BPE covers every string (any Unicode, code, emoji) with no unknown token, and
+``decode(encode(text)) == text`` exactly. ``<|endoftext|>`` (id 0) separates documents.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Iterable, Iterator, Sequence
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from moelab.data.corpus import DataError, iter_documents, load_manifest
+from moelab.util import atomic_write_text
+
+EOS_TOKEN = "<|endoftext|>"
+# end-of-text tokens of common tokenizers, for tokenizer.json files trained elsewhere
+_EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
+_MIN_VOCAB = 256 + 1 + 1  # every byte, the separator, and at least one merge
+
+
+def _text_batches(corpus_dir: Path, size: int = 1000) -> Iterator[list[str]]:
+    batch = []
+    for doc in iter_documents(corpus_dir, "train"):
+        batch.append(doc["text"])
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def train_tokenizer(corpus_dir: Path | str, out_path: Path | str,
+                    vocab_size: int = 4096) -> Tokenizer:
+    """Train a byte-level BPE on the corpus' train split and save it (atomically) to out_path."""
+    if vocab_size < _MIN_VOCAB:
+        raise DataError(f"vocab_size={vocab_size}: must be >= {_MIN_VOCAB} "
+                        "(256 byte tokens + <|endoftext|> + merges)")
+    load_manifest(corpus_dir)  # a clear error if the corpus is missing or unfinished
+    tok = Tokenizer(models.BPE())
+    # add_prefix_space=False: no invented leading space, so decoding gives the text back exactly
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],  # first special token -> id 0
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
+        show_progress=False,
+    )
+    tok.train_from_iterator(_text_batches(Path(corpus_dir)), trainer=trainer)
+    atomic_write_text(out_path, tok.to_str())
+    return tok
+
+
+def load_tokenizer(path: Path | str) -> Tokenizer:
+    """Load a tokenizer.json (or a folder holding one), from moelab or any HF tokenizer."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"tokenizer {path}: not found; train one with `moelab data build` "
+                        "or point data.tokenizer at an existing tokenizer.json")
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - the Rust error types are not exported
+        raise DataError(f"tokenizer {path}: not a valid HF tokenizer.json ({e})") from None
+    eos_id(tok, where=str(path))  # fail now, not at the first packed document
+    return tok
+
+
+def eos_id(tok: Tokenizer, where: str = "tokenizer") -> int:
+    """Id of the document separator: <|endoftext|>, else a known end-of-text special token."""
+    for name in _EOS_CANDIDATES:
+        i = tok.token_to_id(name)
+        if i is not None:
+            return i
+    raise DataError(f"{where}: no end-of-text token (looked for {', '.join(_EOS_CANDIDATES)}); "
+                    f"add {EOS_TOKEN} as a special token or train one with `moelab data build`")
+
+
+def tokenizer_sha256(tok: Tokenizer) -> str:
+    """Hash of the tokenizer's full definition: a different tokenizer means re-tokenizing."""
+    return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+
+
+def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text, without any special tokens a post-processor would add."""
+    # encode_batch_fast runs in parallel and skips the offsets we never use
+    return [e.ids for e in tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+
+def decode(tok: Tokenizer, ids: Iterable[int]) -> str:
+    """Text of ``ids``; special tokens such as <|endoftext|> are kept, so streams read back."""
+    return tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -1,0 +1,68 @@
+"""Routers: choose top-k experts per token and their combine weights, plus router losses/stats.
+
+Two rules:
+- ``softmax_aux``: softmax over experts, top-k of the probabilities, weights renormalised to
+  sum to one, balanced by the auxiliary load-balance loss (Switch/GShard form).
+- ``sigmoid_bias``: top-k of (logit + bias) where the bias is non-gradient state nudged towards
+  balance after each step; combine weights are sigmoid(raw logit) of the chosen experts,
+  optionally rescaled to sum to ``combine_sum`` (the reference uses 2.5). No auxiliary loss.
+
+The router runs in float32 whatever the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from moelab.config import ModelConfig
+
+
+class Routing(NamedTuple):
+    expert_NK: jax.Array  # int32 chosen experts per token
+    weight_NK: jax.Array  # float32 combine weights
+    load_E: jax.Array  # float32 assignments per expert (valid tokens only)
+    aux_loss: jax.Array  # load-balance loss (computed for both rules; in the loss only for softmax)
+    z_loss: jax.Array  # router z-loss: mean logsumexp(logits)^2
+    entropy: jax.Array  # mean per-token entropy of softmax(logits), nats
+
+
+def route(logits_NE, bias_E, cfg: ModelConfig, valid_N=None) -> Routing:
+    """Route N tokens given router logits [N, E] (float32) and the balancing bias [E]."""
+    logits = logits_NE.astype(jnp.float32)
+    N, E = logits.shape
+    k = cfg.top_k
+    valid = jnp.ones((N,), jnp.float32) if valid_N is None else valid_N.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    if cfg.router == "softmax_aux":
+        top_p, expert = jax.lax.top_k(probs, k)
+        weight = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
+    else:
+        _, expert = jax.lax.top_k(logits + jax.lax.stop_gradient(bias_E)[None, :], k)
+        weight = jax.nn.sigmoid(jnp.take_along_axis(logits, expert, axis=-1))
+        if cfg.combine_sum > 0:
+            weight = weight * (cfg.combine_sum / jnp.sum(weight, axis=-1, keepdims=True))
+    onehot = jax.nn.one_hot(expert, E, dtype=jnp.float32) * valid[:, None, None]
+    load = jnp.sum(onehot, axis=(0, 1))
+    n_valid = jnp.maximum(jnp.sum(valid), 1.0)
+    # Switch-style balance loss: E * sum_e (fraction of assignments to e) * (mean prob of e).
+    frac = load / (n_valid * k)
+    mean_prob = jnp.sum(probs * valid[:, None], axis=0) / n_valid
+    aux = E * jnp.sum(jax.lax.stop_gradient(frac) * mean_prob)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    z = jnp.sum(valid * lse**2) / n_valid
+    ent = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
+    entropy = jnp.sum(valid * ent) / n_valid
+    return Routing(expert.astype(jnp.int32), weight.astype(jnp.float32), load, aux, z, entropy)
+
+
+def update_bias(bias_E, load_E, rate: float):
+    """Loss-free balancing: raise the bias of under-loaded experts, lower over-loaded ones.
+
+    Sign update as in DeepSeek-V3; the result is mean-centred so only relative biases matter.
+    """
+    err = jnp.mean(load_E) - load_E
+    new = bias_E + rate * jnp.sign(err)
+    return new - jnp.mean(new)

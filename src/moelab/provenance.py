@@ -1,0 +1,44 @@
+"""Provenance of a run: code version, config hash, data fingerprint, library versions."""
+
+from __future__ import annotations
+
+import hashlib
+import platform
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+from moelab.config import RunConfig
+
+LIBRARIES = ("moelab", "jax", "jaxlib", "optax", "orbax-checkpoint", "tokenizers", "numpy")
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def provenance(cfg: RunConfig, data_fingerprint: str) -> dict:
+    commit = _git("rev-parse", "HEAD")
+    diff = _git("diff", "HEAD")
+    versions = {}
+    for lib in LIBRARIES:
+        try:
+            versions[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            versions[lib] = None
+    return {
+        "git_commit": commit.strip() if commit else None,
+        "git_dirty": bool(diff),
+        "git_diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None,
+        "config_hash": cfg.hash(),
+        "data_fingerprint": data_fingerprint,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": versions,
+    }

@@ -1,0 +1,54 @@
+"""Load a trained run folder for inference (``moelab generate``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import yaml
+
+from moelab.config import RunConfig, config_from_dict
+from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
+from moelab.generate import make_sampler
+from moelab.train.checkpoint import Checkpointer
+from moelab.train.step import init_train_state
+
+
+@dataclass
+class LoadedRun:
+    cfg: RunConfig
+    step: int
+    params: dict
+    model_state: dict
+    tokenizer: object
+
+    def generate(self, prompt: str, max_tokens: int = 100, *, temperature: float = 0.8,
+                 top_p: float = 0.95, seed: int = 0) -> str:
+        sample = make_sampler(self.cfg.model, self.cfg.data.seq_len)
+        ids = encode_batch(self.tokenizer, [prompt])[0]
+        out = sample(self.params, self.model_state, ids, max_tokens, temperature=temperature,
+                     top_p=top_p, seed=seed, stop_id=eos_id(self.tokenizer))
+        return decode(self.tokenizer, out)
+
+
+def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "
+                                "`moelab train` first")
+    cfg = config_from_dict(yaml.safe_load(cfg_path.read_text()))
+    target = jax.eval_shape(lambda: init_train_state(cfg, jax.random.PRNGKey(0)))
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
+    if step is None:
+        got = ckpt.restore_latest(target)
+        if got is None:
+            raise FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint yet; train first")
+        step, state, _ = got
+    else:
+        if step not in ckpt.steps():
+            raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: "
+                                    f"{ckpt.steps()}")
+        state, _ = ckpt.restore(step, target)
+    tok = load_tokenizer(run_dir / "tokenizer.json")
+    return LoadedRun(cfg, step, state["params"], state["model_state"], tok)

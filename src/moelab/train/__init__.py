@@ -1,0 +1,1 @@
+"""Training loop pieces for moelab: checkpointing, optimisation, the train step."""

@@ -1,0 +1,383 @@
+"""Tests for moelab.train.checkpoint: exact round trips, pruning, damage fallback, crash leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from moelab.train.checkpoint import Checkpointer, CheckpointError, CheckpointWarning
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+_OPT = optax.adamw(1e-2, weight_decay=0.1)
+
+
+@jax.jit
+def _adamw_state_after_one_update(params):
+    opt_state = _OPT.init(params)
+    grads = jax.tree.map(lambda p: (jnp.cos(p.astype(jnp.float32)) * 0.3).astype(p.dtype), params)
+    _, opt_state = _OPT.update(grads, opt_state, params)
+    return opt_state
+
+
+def make_state(seed: int, *, d: int = 32, n_exp: int = 4) -> dict:
+    """A small but realistic train state: params (f32 + bf16), adamw state after one update,
+    router state, a raw uint32 rng key and a couple of numpy leaves.
+
+    Values come from numpy (device_put compiles nothing); the optax step is one jitted call, so
+    building states is fast even where eager op-by-op dispatch is slow.
+    """
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, dtype=jnp.float32):
+        return jnp.asarray(rng.standard_normal(shape, dtype=np.float32).astype(dtype))
+
+    params = {
+        "embed": normal(64, d),
+        "blocks": [
+            {
+                "attn": normal(d, d, dtype=jnp.bfloat16),
+                "moe": {"router": normal(d, n_exp), "experts": normal(n_exp, d, 2 * d, dtype=jnp.bfloat16)},
+            }
+        ],
+    }
+    return {
+        "params": params,
+        "opt_state": _adamw_state_after_one_update(params),
+        "router": {
+            "expert_load": jnp.asarray(np.arange(n_exp, dtype=np.int32) * (seed + 1)),
+            "bias": normal(n_exp),
+        },
+        "rng": jnp.asarray(rng.integers(0, 2**32, size=2, dtype=np.uint32)),  # raw uint32 key data
+        "step": jnp.asarray(np.int32(seed * 10)),
+        "np_tokens_seen": np.array([seed, 2**40 + seed], dtype=np.int64),
+        "np_u32": np.array([2**32 - 1, 0, 12345 + seed], dtype=np.uint32),
+    }
+
+
+def fresh_target() -> dict:
+    """Same structure as make_state, different values (as after re-initialisation)."""
+    return jax.tree.map(
+        lambda x: np.zeros_like(x) if isinstance(x, np.ndarray) else jnp.asarray(np.zeros(x.shape, x.dtype)),
+        make_state(99),
+    )
+
+
+def leaf_bytes(x) -> tuple:
+    a = np.asarray(x)
+    return a.dtype, a.shape, a.tobytes()
+
+
+def assert_tree_exact(got, want) -> None:
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        assert leaf_bytes(g) == leaf_bytes(w), jax.tree_util.keystr(path)
+
+
+def trees_differ(a, b) -> bool:
+    return any(leaf_bytes(x) != leaf_bytes(y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def largest_file(d: Path) -> Path:
+    return max((p for p in d.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def damage(step_dir: Path, mode: str) -> None:
+    state = step_dir / "state"
+    if mode == "flip":  # silent bit rot in an array chunk: only the checksum notices
+        f = largest_file(state)
+        b = bytearray(f.read_bytes())
+        b[len(b) // 2] ^= 0x5A
+        f.write_bytes(bytes(b))
+    elif mode == "truncate":
+        f = largest_file(state)
+        os.truncate(f, f.stat().st_size // 2)
+    elif mode == "delete":
+        largest_file(state).unlink()
+    elif mode == "orbax_metadata":
+        (state / "_METADATA").unlink()
+    elif mode == "meta_json":
+        (step_dir / "meta.json").write_text("{not json")
+    elif mode == "manifest":
+        (step_dir / "manifest.json").write_text('{"format": "moelab-checkpoint/1", "ste')
+    else:
+        raise ValueError(mode)
+
+
+META = {"data": {"shard": 3, "offset": 123456}, "config": {"model": {"d_model": 32}}, "loss": 2.5, "tags": ["a", None]}
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def test_round_trip_exact(tmp_path):
+    state = make_state(1)
+    ck = Checkpointer(tmp_path / "ckpt", keep=3)
+    path = ck.save(7, state, META)
+    assert path == tmp_path / "ckpt" / "step_00000007" and (path / "meta.json").is_file()
+    assert ck.steps() == [7]
+
+    target = fresh_target()
+    assert trees_differ(target, state)  # the assertions below can fail
+
+    step, restored, meta = ck.restore_latest(target)
+    assert step == 7
+    assert meta == META
+    assert_tree_exact(restored, state)
+    # optax namedtuples survive, leaf kinds follow the target
+    adam = restored["opt_state"][0]
+    assert isinstance(adam, optax.ScaleByAdamState) and type(adam) is type(state["opt_state"][0])
+    assert adam.mu["blocks"][0]["attn"].dtype == jnp.bfloat16
+    assert int(adam.count) == 1
+    assert restored["rng"].dtype == jnp.uint32 and isinstance(restored["rng"], jax.Array)
+    assert isinstance(restored["np_tokens_seen"], np.ndarray) and restored["np_tokens_seen"][1] == 2**40 + 1
+    jax.random.wrap_key_data(restored["rng"])  # still a usable key
+
+    # abstract target (jax.eval_shape) works too; leaf kinds follow the target, not what was saved
+    abstract = jax.eval_shape(lambda: {k: v for k, v in make_state(1).items() if not k.startswith("np_")})
+    abstract["np_u32"] = jax.ShapeDtypeStruct((3,), jnp.uint32)  # saved as numpy, wanted as jax
+    abstract["np_tokens_seen"] = np.zeros(2, np.int64)
+    abstract["rng"] = np.zeros(2, np.uint32)  # saved as jax, wanted as numpy
+    state2, meta2 = ck.restore(7, abstract)
+    assert meta2 == META
+    assert_tree_exact(state2, state)
+    assert isinstance(state2["params"]["embed"], jax.Array)
+    assert isinstance(state2["np_u32"], jax.Array) and isinstance(state2["rng"], np.ndarray)
+
+
+def test_no_checkpoints_and_dir_created_on_save(tmp_path):
+    d = tmp_path / "does" / "not" / "exist"
+    ck = Checkpointer(d)
+    assert ck.steps() == [] and ck.restore_latest(fresh_target()) is None
+    assert not d.exists()  # reading never creates anything
+    d.mkdir(parents=True)
+    assert ck.restore_latest(fresh_target()) is None
+    with pytest.raises(CheckpointError, match="step 5"):
+        ck.restore(5, fresh_target())
+    ck.save(0, make_state(0), {})
+    assert ck.steps() == [0]
+
+
+def test_keep_last_n_and_overwrite(tmp_path):
+    ck = Checkpointer(tmp_path, keep=2)
+    states = {s: make_state(s) for s in range(1, 6)}
+    for s, st in states.items():
+        ck.save(s, st, {"step": s})
+    assert ck.steps() == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000005"]
+    with pytest.raises(CheckpointError):
+        ck.restore(3, fresh_target())
+    got, meta = ck.restore(4, fresh_target())
+    assert meta == {"step": 4}
+    assert_tree_exact(got, states[4])
+
+    # saving the same step again replaces it cleanly
+    ck.save(5, states[1], {"step": 5, "again": True})
+    assert ck.steps() == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000005"]
+    step, got, meta = ck.restore_latest(fresh_target())
+    assert step == 5 and meta == {"step": 5, "again": True}
+    assert_tree_exact(got, states[1])
+
+
+@pytest.mark.parametrize("mode", ["flip", "truncate", "delete", "orbax_metadata", "meta_json", "manifest"])
+def test_damaged_newest_falls_back(tmp_path, capsys, mode):
+    ck = Checkpointer(tmp_path, keep=3)
+    s1, s2 = make_state(1), make_state(2)
+    ck.save(10, s1, {"step": 10})
+    ck.save(20, s2, {"step": 20})
+    damage(tmp_path / "step_00000020", mode)
+    capsys.readouterr()
+
+    with pytest.warns(CheckpointWarning, match=r"step 20\b") as rec:
+        res = ck.restore_latest(fresh_target())
+    assert res is not None
+    step, got, meta = res
+    assert step == 10 and meta == {"step": 10}
+    assert_tree_exact(got, s1)
+    assert len(rec) == 1
+    err = capsys.readouterr().err
+    assert "step 20" in err and "unusable" in err
+
+
+def test_target_mismatch_falls_back(tmp_path):
+    """A newer checkpoint whose shapes do not fit the target (changed config) is skipped."""
+    ck = Checkpointer(tmp_path)
+    s1 = make_state(1)
+    ck.save(1, s1, {})
+    s2 = make_state(2)
+    s2["params"]["embed"] = jnp.asarray(np.ones((64, 16), np.float32))  # e.g. d_model changed
+    ck.save(2, s2, {})
+    with pytest.warns(CheckpointWarning, match=r"step 2\b.*embed"):
+        step, got, _ = ck.restore_latest(fresh_target())
+    assert step == 1
+    assert_tree_exact(got, s1)
+
+    # a dtype change is a mismatch too (no silent casting)
+    bad = fresh_target()
+    bad["params"]["embed"] = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16)
+    with pytest.raises(CheckpointError, match="embed"):
+        ck.restore(1, bad)
+
+
+def test_all_damaged_raises(tmp_path):
+    ck = Checkpointer(tmp_path)
+    for s in (3, 4):
+        ck.save(s, make_state(s), {})
+    damage(tmp_path / "step_00000003", "truncate")
+    damage(tmp_path / "step_00000004", "flip")
+    with pytest.warns(CheckpointWarning), pytest.raises(RuntimeError, match=r"all 2 checkpoints") as exc:
+        ck.restore_latest(fresh_target())
+    assert "step 3" in str(exc.value) and "step 4" in str(exc.value)
+
+
+CRASH_SCRIPT = """
+import os, sys
+sys.path.insert(0, {src!r})
+import numpy as np
+import moelab.train.checkpoint as C
+
+real = C.atomic_write_json
+def crash(path, obj):
+    if str(path).endswith("manifest.json"):
+        os._exit(17)  # killed after orbax and meta.json are written, before the commit
+    real(path, obj)
+C.atomic_write_json = crash
+C.Checkpointer({d!r}).save(2, {{"w": np.arange(10, dtype=np.float32)}}, {{"x": 1}})
+"""
+
+
+def test_interrupted_save_is_not_a_checkpoint(tmp_path):
+    ck = Checkpointer(tmp_path)
+    s1 = {"w": np.arange(10, dtype=np.float32) * 3}
+    ck.save(1, s1, {"x": 0})
+
+    r = subprocess.run([sys.executable, "-c", CRASH_SCRIPT.format(src=SRC, d=str(tmp_path))], capture_output=True)
+    assert r.returncode == 17, r.stderr.decode()[-2000:]
+    leftovers = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")]
+    assert len(leftovers) == 1 and (leftovers[0] / "state").is_dir() and (leftovers[0] / "meta.json").is_file()
+    # also: an orbax-style tmp dir and a step dir without a manifest (never committed)
+    (tmp_path / "step_00000003.orbax-checkpoint-tmp-1234").mkdir()
+    (tmp_path / "step_00000004").mkdir()
+
+    assert ck.steps() == [1]
+    target = {"w": np.zeros(10, np.float32)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warnings: the leftovers are simply ignored
+        step, got, meta = ck.restore_latest(target)
+    assert step == 1 and meta == {"x": 0}
+    assert_tree_exact(got, s1)
+
+    ck.save(5, {"w": np.ones(10, np.float32)}, {"x": 5})  # the next save cleans up crash leftovers
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+    assert ck.steps() == [1, 5]
+
+
+MESH_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, {src!r})
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
+from moelab.train.checkpoint import Checkpointer
+assert jax.device_count() == 4
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "expert"))
+w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8) / 7
+e = (np.arange(4 * 8 * 16) % 251).astype(jnp.bfloat16).reshape(4, 8, 16)
+state = {{"w": jax.device_put(w, NamedSharding(mesh, P("data", None))),
+          "e": jax.device_put(e, NamedSharding(mesh, P("expert", None, "data")))}}
+ck = Checkpointer({d!r})
+ck.save(1, state, {{}})
+# restore with different shardings (abstract target) ...
+sh = {{"w": NamedSharding(mesh, P(None, "expert")), "e": NamedSharding(mesh, P())}}
+tgt = {{k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sh[k]) for k, v in state.items()}}
+_, got, _ = ck.restore_latest(tgt)
+for k in state:
+    assert got[k].sharding == sh[k], (k, got[k].sharding)
+    assert got[k].dtype == state[k].dtype
+    assert np.asarray(got[k]).tobytes() == np.asarray(state[k]).tobytes(), k
+# ... and onto a single device
+one = SingleDeviceSharding(jax.devices()[1])
+got, _ = ck.restore(1, {{k: jax.device_put(np.zeros(v.shape, v.dtype), one) for k, v in state.items()}})
+for k in state:
+    assert got[k].sharding == one
+    assert np.asarray(got[k]).tobytes() == np.asarray(state[k]).tobytes(), k
+print("MESH_OK")
+"""
+
+
+def test_sharded_save_and_restore_on_mesh(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-c", MESH_SCRIPT.format(src=SRC, d=str(tmp_path))],
+        capture_output=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 0 and b"MESH_OK" in r.stdout, r.stderr.decode()[-3000:]
+
+
+def test_rejects_bad_meta_without_writing(tmp_path):
+    ck = Checkpointer(tmp_path)
+    with pytest.raises(TypeError, match="JSON"):
+        ck.save(1, make_state(1), {"obj": object()})
+    assert ck.steps() == [] and not any(tmp_path.iterdir())
+    with pytest.raises(ValueError):
+        Checkpointer(tmp_path, keep=0)
+
+
+def test_manifest_records_every_file(tmp_path):
+    ck = Checkpointer(tmp_path)
+    path = ck.save(3, make_state(3), {"a": 1})
+    manifest = json.loads((path / "manifest.json").read_text())
+    on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {"manifest.json"}
+    assert set(manifest["files"]) == on_disk
+    assert "meta.json" in on_disk and any(f.startswith("state/") for f in on_disk)
+
+
+def test_typed_prng_key_round_trip(tmp_path):
+    """New-style typed keys (jax.random.key) also survive, besides raw uint32 key data."""
+    key = jax.random.wrap_key_data(jnp.asarray(np.array([123456789, 4000000000], np.uint32)))
+    ck = Checkpointer(tmp_path)
+    ck.save(1, {"key": key}, {})
+    target = {"key": jax.random.wrap_key_data(jnp.asarray(np.zeros(2, np.uint32)))}
+    got, _ = ck.restore(1, target)
+    assert jax.dtypes.issubdtype(got["key"].dtype, jax.dtypes.prng_key)
+    assert leaf_bytes(jax.random.key_data(got["key"])) == leaf_bytes(jax.random.key_data(key))
+
+
+def test_failed_overwrite_keeps_previous(tmp_path, monkeypatch):
+    """If re-saving an existing step fails at the commit, the previous checkpoint is kept."""
+    import moelab.train.checkpoint as C
+
+    ck = Checkpointer(tmp_path)
+    s1 = {"w": np.arange(6, dtype=np.float32)}
+    ck.save(1, s1, {"v": 1})
+    real_rename = os.rename
+
+    def failing_rename(src, dst, *a, **k):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError("disk full (simulated)")
+        return real_rename(src, dst, *a, **k)
+
+    monkeypatch.setattr(C.os, "rename", failing_rename)
+    with pytest.raises(OSError, match="simulated"):
+        ck.save(1, {"w": np.zeros(6, np.float32)}, {"v": 2})
+    monkeypatch.undo()
+    assert ck.steps() == [1]
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
+    got, meta = ck.restore(1, {"w": np.ones(6, np.float32)})
+    assert meta == {"v": 1}
+    assert_tree_exact(got, s1)

@@ -1,0 +1,341 @@
+"""Data path: corpus building, tokenizer, token store, mixture sampler, eval windows.
+
+Everything runs on small synthetic corpora; the built-in corpus is only located, never built.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from moelab.data import (
+    DataError,
+    MixtureSampler,
+    TokenStore,
+    build_token_store,
+    build_user_corpus,
+    builtin_sources,
+    decode,
+    encode_batch,
+    ensure_token_store,
+    eos_id,
+    eval_windows,
+    heldout_text,
+    iter_documents,
+    load_manifest,
+    load_tokenizer,
+    train_tokenizer,
+)
+from moelab.data.corpus import gutenberg_books, is_heldout, split_paragraphs
+
+UNICODE_TEXT = ("Grüße, naïve café! 你好，世界。 Emoji: 🎉🚀👩‍💻 and ∑ₙ x² ≠ ∞\n\n"
+                "def f(x: int) -> int:\n\treturn x ** 2  # tab-indented\r\n"
+                "    trailing spaces   \n\n\n")
+
+
+def _words(rng: random.Random, alphabet: str, n: int) -> str:
+    return " ".join("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 7)))
+                    for _ in range(n))
+
+
+def _write_domains(root: Path, n_docs: int = 40) -> Path:
+    """Two folders = two domains with disjoint characters: letters (some non-ASCII) vs digits."""
+    rng = random.Random(0)
+    for domain, alphabet in (("alpha", "abcdefghéü"), ("num", "0123456789")):
+        (root / domain).mkdir(parents=True)
+        for i in range(n_docs):
+            text = "\n".join(_words(rng, alphabet, 20) for _ in range(rng.randint(3, 8)))
+            (root / domain / f"doc{i:03d}.txt").write_text(text)
+    return root
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A two-domain corpus, its tokenizer (vocab 400) and token store."""
+    root = tmp_path_factory.mktemp("small")
+    src = _write_domains(root / "src")
+    corpus = root / "corpus"
+    manifest = build_user_corpus([src], corpus, heldout_fraction=0.2)
+    tok = train_tokenizer(corpus, root / "tokenizer.json", vocab_size=400)
+    build_token_store(corpus, tok, root / "store")
+    return {"root": root, "corpus": corpus, "manifest": manifest, "tok": tok,
+            "store": TokenStore(root / "store")}
+
+
+# ---------------------------------------------------------------------------------------------
+# corpus
+
+
+def test_builtin_sources_are_found():
+    src = builtin_sources()
+    assert set(src) == {"prose", "bible", "shakespeare", "code"}
+    assert src["prose"].name == "big.txt" and src["prose"].stat().st_size > 1_000_000
+    assert src["bible"].name == "kjv.jsonl" and src["bible"].is_file()
+    assert len(list(src["shakespeare"].glob("*_gut.txt"))) >= 30
+    assert (src["code"] / "os.py").is_file()
+
+
+def test_split_paragraphs_keeps_text_and_sizes():
+    rng = random.Random(1)
+    paras = [_words(rng, "abcdefgh", rng.randint(5, 200)) for _ in range(300)]
+    chunks = split_paragraphs("\n\n".join(paras), min_bytes=4096, max_bytes=8192)
+    assert "\n\n".join(chunks) == "\n\n".join(paras)  # cut only at blank lines, nothing lost
+    sizes = [len(c.encode()) for c in chunks]
+    assert all(4096 <= s <= 8192 for s in sizes[:-1]), sizes
+
+
+def test_gutenberg_boilerplate_is_dropped():
+    text = ("License blah\n*** START OF THE PROJECT GUTENBERG EBOOK, MY BOOK ***\nBody one.\n"
+            "*** END OF THE PROJECT GUTENBERG EBOOK, MY BOOK ***\nMore license\n")
+    assert [(s, b.strip()) for s, b in gutenberg_books(text)] == [("my-book", "Body one.")]
+    assert gutenberg_books("plain text") == [("text", "plain text")]
+
+
+def _messy_inputs(root: Path) -> Path:
+    d = root / "inputs" / "mydomain"
+    d.mkdir(parents=True)
+    (d / "good.txt").write_text(UNICODE_TEXT, encoding="utf-8")
+    (d / "notes.md").write_text("# Notes\n\nSome *markdown*.\n")
+    (d / "empty.txt").write_bytes(b"")
+    (d / "blob.bin").write_bytes(b"\x89PNG\x00\x00\x01binary")
+    (d / "latin1.txt").write_bytes("café crème".encode("latin-1"))
+    lines = [json.dumps({"text": "jsonl doc one"}),
+             json.dumps({"title": "no text here"}),
+             "{not json",
+             json.dumps({"text": 42}),
+             "",
+             json.dumps({"text": "nul \u0000 inside"}),
+             json.dumps({"text": "jsonl doc with domain", "domain": "news"})]
+    (d / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.table({"text": ["parquet row 0", None, "parquet row 2"],
+                             "domain": ["pq", "pq", None]}), d / "table.parquet")
+    pq.write_table(pa.table({"body": ["no text column"]}), d / "notext.parquet")
+    return root / "inputs"
+
+
+def test_user_corpus_skips_bad_inputs(tmp_path, capsys):
+    inputs = _messy_inputs(tmp_path)
+    m = build_user_corpus([inputs], tmp_path / "corpus")
+    skipped = {item.split(": ", 1)[0]: item.split(": ", 1)[1] for item in m["skipped"]["items"]}
+    assert skipped == {
+        "inputs/mydomain/blob.bin": "binary content (NUL bytes)",
+        "inputs/mydomain/docs.jsonl line 2": "missing field 'text'",
+        "inputs/mydomain/docs.jsonl line 3": "not valid JSON",
+        "inputs/mydomain/docs.jsonl line 4": "field 'text' is not a string",
+        "inputs/mydomain/docs.jsonl line 6": "binary content (NUL bytes)",
+        "inputs/mydomain/empty.txt": "empty file",
+        "inputs/mydomain/latin1.txt": "not valid UTF-8 text",
+        "inputs/mydomain/notext.parquet": "no 'text' column (columns: body)",
+        "inputs/mydomain/table.parquet row 1": "empty text (null)",
+    }
+    assert m["skipped"]["count"] == 9
+    assert "skipped 9 inputs" in capsys.readouterr().err
+
+    docs = [d for s in ("train", "heldout") for d in iter_documents(tmp_path / "corpus", s)]
+    by_text = {d["text"]: d["domain"] for d in docs}
+    assert by_text == {UNICODE_TEXT: "mydomain", "# Notes\n\nSome *markdown*.\n": "mydomain",
+                       "jsonl doc one": "mydomain", "jsonl doc with domain": "news",
+                       "parquet row 0": "pq", "parquet row 2": "mydomain"}
+    n = sum(s["docs"] for d in m["domains"].values() for s in d.values())
+    assert n == 6 and m["total"]["train"]["docs"] + m["total"]["heldout"]["docs"] == 6
+
+
+def test_user_corpus_domain_argument_and_single_file(tmp_path):
+    f = tmp_path / "one.txt"
+    f.write_text("hello world")
+    m = build_user_corpus(f, tmp_path / "c", domain="my domain/x")
+    assert list(m["domains"]) == ["my_domain_x"]  # cleaned: it names files and metric keys
+
+
+def test_nothing_usable_is_a_clear_error(tmp_path):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "empty.txt").write_bytes(b"")
+    (d / "blob.bin").write_bytes(b"\x00\x01\x02")
+    with pytest.raises(ValueError, match=r"no usable documents in .*bad.*skipped 2 inputs"):
+        build_user_corpus([d], tmp_path / "corpus")
+    assert not (tmp_path / "corpus" / "manifest.json").exists()
+    with pytest.raises(DataError, match="not found: .*nope"):
+        build_user_corpus([tmp_path / "nope"], tmp_path / "corpus")
+    with pytest.raises(DataError, match="manifest.json missing"):
+        load_manifest(tmp_path / "corpus")
+
+
+def test_split_is_deterministic_and_by_document(tmp_path):
+    src = _write_domains(tmp_path / "src", n_docs=300)
+    m1 = build_user_corpus([src], tmp_path / "c1", heldout_fraction=0.2)
+    m2 = build_user_corpus([src], tmp_path / "c2", heldout_fraction=0.2)
+    assert m1["fingerprint"] == m2["fingerprint"]
+    for name in ("train.jsonl", "heldout.jsonl", "manifest.json"):
+        assert (tmp_path / "c1" / name).read_bytes() == (tmp_path / "c2" / name).read_bytes()
+    train = {d["id"] for d in iter_documents(tmp_path / "c1", "train")}
+    held = {d["id"] for d in iter_documents(tmp_path / "c1", "heldout")}
+    assert not train & held and len(train | held) == 600
+    assert held == {i for i in train | held if is_heldout(i, 0.2)}  # the side depends on the id
+    assert 0.14 < len(held) / 600 < 0.26
+    # a different fraction changes the split, hence the fingerprint
+    assert build_user_corpus([src], tmp_path / "c3", 0.05)["fingerprint"] != m1["fingerprint"]
+
+
+def test_every_domain_gets_a_heldout_document(tmp_path):
+    src = _write_domains(tmp_path / "src", n_docs=5)
+    m = build_user_corpus([src], tmp_path / "c", heldout_fraction=0.0)
+    for domain in ("alpha", "num"):
+        assert m["domains"][domain]["heldout"]["docs"] == 1
+        assert m["domains"][domain]["train"]["docs"] == 4
+    held = [d["id"] for d in iter_documents(tmp_path / "c", "heldout")]
+    assert sorted(held) == ["src/alpha/doc000.txt", "src/num/doc000.txt"]  # first by id
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def test_tokenizer_round_trip_and_eos(small, tmp_path):
+    tok = small["tok"]
+    assert eos_id(tok) == 0 and tok.token_to_id("<|endoftext|>") == 0
+    assert tok.get_vocab_size() == 400
+    texts = [UNICODE_TEXT, "abc 123", " leading space", "", "x" * 1000]
+    ids = encode_batch(tok, texts)
+    assert [decode(tok, i) for i in ids] == texts
+    assert 0 not in ids[0]  # the separator never appears inside a document
+    assert decode(tok, ids[1] + [0]) == "abc 123<|endoftext|>"
+    reloaded = load_tokenizer(small["root"] / "tokenizer.json")
+    assert encode_batch(reloaded, texts) == ids
+
+
+def test_load_tokenizer_errors(small, tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        load_tokenizer(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{ not a tokenizer")
+    with pytest.raises(DataError, match="not a valid HF tokenizer.json"):
+        load_tokenizer(tmp_path / "bad.json")
+    blob = json.loads(small["tok"].to_str())
+    blob["added_tokens"] = []
+    del blob["model"]["vocab"]["<|endoftext|>"]
+    (tmp_path / "noeos.json").write_text(json.dumps(blob))
+    with pytest.raises(DataError, match="no end-of-text token"):
+        load_tokenizer(tmp_path / "noeos.json")
+
+
+# ---------------------------------------------------------------------------------------------
+# token store
+
+
+def test_store_equals_direct_tokenization(small):
+    store, tok = small["store"], small["tok"]
+    assert store.dtype == np.uint16 and store.vocab_size == 400 and store.eos_id == 0
+    for split in ("train", "heldout"):
+        assert store.domains(split) == ["alpha", "num"]
+        for domain in store.domains(split):
+            docs = [d for d in iter_documents(small["corpus"], split) if d["domain"] == domain]
+            want = [t for ids in encode_batch(tok, [d["text"] for d in docs]) for t in ids + [0]]
+            got = store.tokens(split, domain)
+            np.testing.assert_array_equal(got, np.array(want))
+            assert store.n_tokens(split, domain) == len(want)
+            assert store.n_docs(split, domain) == len(docs)
+            assert store.n_bytes(split, domain) == sum(len(d["text"].encode()) for d in docs)
+            assert np.sum(got == 0) == len(docs)
+
+
+def test_store_missing_incomplete_and_reuse(small, tmp_path):
+    with pytest.raises(DataError, match="moelab data build"):
+        TokenStore(tmp_path / "none")
+    out = tmp_path / "store"
+    s1 = ensure_token_store(small["corpus"], small["tok"], out)
+    assert s1.fingerprint == small["store"].fingerprint
+    mtime = (out / "train" / "alpha.bin").stat().st_mtime_ns
+    ensure_token_store(small["corpus"], small["tok"], out)  # up to date: not rebuilt
+    assert (out / "train" / "alpha.bin").stat().st_mtime_ns == mtime
+    (out / "index.json").unlink()  # as if interrupted before the index was written
+    s2 = ensure_token_store(small["corpus"], small["tok"], out)
+    np.testing.assert_array_equal(s2.tokens("train", "num"), s1.tokens("train", "num"))
+    assert not list(out.rglob("*.tmp"))
+
+
+# ---------------------------------------------------------------------------------------------
+# sampler
+
+
+def _row_domain(tok, row) -> str:
+    text = decode(tok, row).replace("<|endoftext|>", "")
+    letters, digits = any(c.isalpha() for c in text), any(c.isdigit() for c in text)
+    assert letters != digits, f"row mixes domains: {text!r}"
+    return "alpha" if letters else "num"
+
+
+def test_sampler_is_deterministic_and_reads_contiguous_windows(small):
+    s = MixtureSampler(small["store"], seq_len=32, batch_size=8, seed=7)
+    b = s.batch(3)
+    assert b.shape == (8, 33) and b.dtype == np.int32
+    np.testing.assert_array_equal(b, s.batch(3))
+    assert not np.array_equal(b, s.batch(4))
+    assert not np.array_equal(b, MixtureSampler(small["store"], seq_len=32, batch_size=8,
+                                                seed=8).batch(3))
+    for row, dom in zip(b, s.batch_domains(3)):
+        stream = np.asarray(small["store"].tokens("train", dom))
+        windows = np.lib.stride_tricks.sliding_window_view(stream, 33)
+        assert (windows == row).all(axis=1).any()  # a real contiguous slice of its domain
+        assert _row_domain(small["tok"], row) == dom
+
+
+def test_sampler_resume_gives_the_same_batches(small):
+    run = MixtureSampler(small["store"], seq_len=16, batch_size=4, seed=1)
+    full = [run.batch(i) for i in range(10)]
+    resumed = MixtureSampler(small["store"], seq_len=16, batch_size=4, seed=1)
+    for i in range(5, 10):
+        np.testing.assert_array_equal(resumed.batch(i), full[i])
+
+
+def test_mixture_weights_are_respected(small):
+    store, tok = small["store"], small["tok"]
+    only_num = MixtureSampler(store, seq_len=16, batch_size=16, mixture={"alpha": 0, "num": 1})
+    assert {_row_domain(tok, r) for i in range(20) for r in only_num.batch(i)} == {"num"}
+    s = only_num.with_mixture({"alpha": 3, "num": 1})
+    assert s.probs == {"alpha": 0.75, "num": 0.25}
+    rows = [_row_domain(tok, r) for i in range(100) for r in s.batch(i)]
+    assert 0.70 < rows.count("alpha") / len(rows) < 0.80
+    default = s.with_mixture(None).probs  # proportional to training tokens
+    n = {d: store.n_tokens("train", d) for d in ("alpha", "num")}
+    assert default["alpha"] == pytest.approx(n["alpha"] / sum(n.values()))
+    state = s.state()
+    assert state["seed"] == 0 and state["mixture"] == {"alpha": 3, "num": 1}
+    assert state["store"] == store.fingerprint
+
+
+def test_mixture_errors(small):
+    with pytest.raises(DataError, match=r"unknown domain\(s\) code; available in train: alpha"):
+        MixtureSampler(small["store"], seq_len=16, batch_size=4, mixture={"code": 1.0})
+    with pytest.raises(DataError, match="weight > 0"):
+        MixtureSampler(small["store"], seq_len=16, batch_size=4, mixture={"alpha": 0.0})
+
+
+# ---------------------------------------------------------------------------------------------
+# evaluation
+
+
+def test_eval_windows_cover_the_stream_once(small):
+    store, L = small["store"], 16
+    toks = np.asarray(store.tokens("heldout", "alpha"))
+    w, bpt = eval_windows(store, "alpha", L, max_tokens=10 * L + 5)
+    assert w.shape == (10, L + 1) and w.dtype == np.int32
+    np.testing.assert_array_equal(w[:, 1:].reshape(-1), toks[1: 10 * L + 1])  # targets, once
+    np.testing.assert_array_equal(w[:-1, -1], w[1:, 0])  # consecutive, non-overlapping targets
+    assert bpt == store.n_bytes("heldout", "alpha") / store.n_tokens("heldout", "alpha")
+    w_all, _ = eval_windows(store, "alpha", L, max_tokens=10**9)  # capped by the stream
+    assert len(w_all) == (len(toks) - 1) // L
+    with pytest.raises(DataError, match="fewer than seq_len"):
+        eval_windows(store, "alpha", len(toks), max_tokens=10**9)
+
+
+def test_heldout_text(small):
+    docs = [d["text"] for d in iter_documents(small["corpus"], "heldout") if d["domain"] == "num"]
+    assert heldout_text(small["corpus"], "num") == "\n".join(docs) and docs
+    with pytest.raises(DataError, match="available: alpha, num"):
+        heldout_text(small["corpus"], "code")
