@@ -192,3 +192,23 @@ def test_init_std_and_untied_head():
     assert abs(std - 0.88 * 0.5 / 8) < 0.01
     assert p["head"].shape == (64, 128) and p["embed"].shape == (128, 64)
     assert not np.allclose(p["head"].T, p["embed"])
+
+
+@pytest.mark.parametrize("window", [0, 50])
+def test_chunked_causal_attention_equals_one_block(window):
+    """attention() splits queries into chunks that skip masked keys; compare to one full block."""
+    T = 256
+    assert layers.query_chunks(T) > 1
+    cfg = ModelConfig(d_model=16, n_heads=4, n_kv_heads=2, head_dim=8)
+    ks = jax.random.split(jax.random.PRNGKey(7), 5)
+    p = {"wq": jax.random.normal(ks[0], (16, 32)) * 0.3, "wk": jax.random.normal(ks[1], (16, 16)) * 0.3,
+         "wv": jax.random.normal(ks[2], (16, 16)) * 0.3, "wo": jax.random.normal(ks[3], (32, 16)) * 0.3}
+    x = jax.random.normal(ks[4], (2, T, 16))
+    cos, sin = layers.rope_tables(jnp.arange(T), 8, 10_000.0)
+    got = layers.attention(p, x, cfg, window, cos, sin)
+    q = layers.apply_rope((x @ p["wq"]).reshape(2, T, 4, 8), cos, sin, 8).reshape(2, T, 2, 2, 8)
+    k = layers.apply_rope((x @ p["wk"]).reshape(2, T, 2, 8), cos, sin, 8)
+    v = (x @ p["wv"]).reshape(2, T, 2, 8)
+    pos = jnp.arange(T)
+    want = layers._attend(q, k, v, pos, pos, window).reshape(2, T, 32) @ p["wo"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from moelab.config import ConfigError, load_config, preset_names
+from moelab.train.checkpoint import CheckpointError
 
 EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE arguments after the config, "
                     "e.g. `moelab train tiny train.steps=100 model.n_experts=16`.")
@@ -56,6 +57,9 @@ def cmd_data_build(args) -> int:
         manifest = corpus.build_builtin_corpus(out / "corpus", heldout_fraction=args.heldout)
     print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
     tok_path = Path(args.tokenizer) if args.tokenizer else out / f"tokenizer-{args.vocab}.json"
+    if args.tokenizer and not tok_path.exists():
+        raise FileNotFoundError(f"--tokenizer {tok_path}: not found; give an existing "
+                                "tokenizer.json or omit --tokenizer to train one")
     if not tok_path.exists():
         tokenizer.train_tokenizer(out / "corpus", tok_path, vocab_size=args.vocab)
     tok = tokenizer.load_tokenizer(tok_path)
@@ -63,8 +67,11 @@ def cmd_data_build(args) -> int:
     index = store.build_token_store(out / "corpus", tok, store_dir)
     print(f"corpus: {out / 'corpus'}\ntokenizer: {tok_path}\ntoken store: {store_dir}")
     if args.inputs:
-        print(f"train on it with: moelab train tiny data.data_dir={out}"
-              + (f" data.tokenizer={tok_path}" if args.tokenizer else ""))
+        hint = f"moelab train tiny data.data_dir={out} model.vocab_size={args.vocab}"
+        if args.tokenizer:
+            hint = (f"moelab train tiny data.data_dir={out} data.tokenizer={tok_path} "
+                    f"model.vocab_size={tok.get_vocab_size()}")
+        print(f"train on it with: {hint}")
     del index
     return 0
 
@@ -138,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
         print(f"moelab: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -190,7 +190,16 @@ class RunConfig:
         self.data.validate()
         self.optim.validate()
         self.train.validate()
+        _require(self.warmup_steps <= self.schedule_steps, "optim.warmup_steps",
+                 f"must be <= the schedule length ({self.schedule_steps} steps)")
         return self
+
+    def with_frozen_schedule(self) -> "RunConfig":
+        """The same config with the LR schedule's length and warmup written out explicitly, so
+        that a later change of ``train.steps`` (stop earlier or later) cannot stretch it."""
+        optim = dataclasses.replace(self.optim, schedule_steps=self.schedule_steps,
+                                    warmup_steps=self.warmup_steps)
+        return dataclasses.replace(self, optim=optim)
 
     @property
     def schedule_steps(self) -> int:
@@ -219,7 +228,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        raise ConfigError(f"{prefix}.{unknown[0]}: unknown field; valid fields: "
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"{where}: unknown field; valid fields: "
                           f"{', '.join(sorted(names))}")
     kwargs = {}
     for name, value in data.items():
@@ -242,7 +252,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return int(value)
     if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, str):  # YAML reads 3e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
     if hint is str:

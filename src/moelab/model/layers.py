@@ -40,14 +40,33 @@ def apply_rope(x_BTHQ, cos, sin, rot_dims: int):
     return out.astype(x_BTHQ.dtype)
 
 
-def attention_mask(T: int, window):
-    """Causal mask [T, T]; with ``window`` > 0 a query sees only the last ``window`` keys.
+def attention_mask(q_pos, k_pos, window):
+    """Causal mask [Tq, Tk]; with ``window`` > 0 a query sees only the last ``window`` keys.
 
     ``window`` may be a traced scalar (it varies per layer inside the layer scan).
     """
-    t = jnp.arange(T)[:, None]
-    s = jnp.arange(T)[None, :]
+    t, s = q_pos[:, None], k_pos[None, :]
     return (s <= t) & ((window <= 0) | (t - s < window))
+
+
+def query_chunks(T: int) -> int:
+    """How many query chunks causal attention is split into (chunk c only reads keys <= its end).
+
+    Skipping the masked upper triangle this way saves ~40% of attention work at 4 chunks.
+    """
+    for n in (16, 8, 4, 2):
+        if T % n == 0 and T // n >= 64:
+            return n
+    return 1
+
+
+def _attend(q_BCKGQ, k_BSKQ, v_BSKQ, q_pos, k_pos, window):
+    scores = jnp.einsum("btkgq,bskq->bkgts", q_BCKGQ, k_BSKQ, preferred_element_type=jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(q_BCKGQ.shape[-1]))
+    mask = attention_mask(q_pos, k_pos, window)
+    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKQ.dtype)
+    return jnp.einsum("bkgts,bskq->btkgq", probs, v_BSKQ)
 
 
 def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin):
@@ -64,12 +83,12 @@ def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin):
     rot = int(Q * cfg.rope_fraction)
     q, k = apply_rope(q, cos, sin, rot), apply_rope(k, cos, sin, rot)
     q = q.reshape(B, T, K, G, Q)
-    scores = jnp.einsum("btkgq,bskq->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(Q))
-    mask = attention_mask(T, window)
-    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskq->btkgq", probs, v).reshape(B, T, H * Q)
+    n = query_chunks(T)
+    C = T // n
+    pos = jnp.arange(T)
+    outs = [_attend(q[:, c * C:(c + 1) * C], k[:, :(c + 1) * C], v[:, :(c + 1) * C],
+                    pos[c * C:(c + 1) * C], pos[:(c + 1) * C], window) for c in range(n)]
+    out = jnp.concatenate(outs, axis=1).reshape(B, T, H * Q)
     return out @ p["wo"]
 
 

@@ -62,8 +62,13 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     """The config to use in ``run_dir``: the saved one, updated only where a resume allows."""
     saved_path = run_dir / "config.yaml"
     if not saved_path.exists():
-        return cfg
+        return cfg.with_frozen_schedule()
     saved = config_from_dict(yaml.safe_load(saved_path.read_text()))
+    if cfg.optim.schedule_steps == 0:  # "follow train.steps" means the length it started with
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
+            cfg.optim, schedule_steps=saved.optim.schedule_steps,
+            warmup_steps=cfg.optim.warmup_steps or saved.optim.warmup_steps))
+    cfg = cfg.with_frozen_schedule()
     old, new = _flatten(saved.to_dict()), _flatten(cfg.to_dict())
     diff = [k for k in new if old.get(k) != new[k]]
     bad = [k for k in diff if k not in RESUMABLE_CHANGES]

@@ -53,7 +53,7 @@ def make_train_step(cfg: RunConfig, experts_fn=None) -> Callable:
             "train/loss": stats["ce"], "train/total_loss": loss,
             "train/z_loss": stats["logit_z"], "train/aux_loss": stats["aux_loss"],
             "train/router_z_loss": stats["router_z"],
-            "train/grad_norm": optax.global_norm(grads),
+            "train/grad_norm": optax.tree.norm(grads),
             "train/lr": lr_at(state["step"], cfg.optim.lr, cfg.warmup_steps, cfg.schedule_steps,
                               cfg.optim.floor),
             **router_metrics(stats),

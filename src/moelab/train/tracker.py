@@ -27,7 +27,10 @@ class JsonlTracker:
     def __init__(self, path: Path | str):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            os.write(self._fd, b"\n")  # end a line cut short by a crash; keep records whole
 
     def _write(self, record: dict) -> None:
         line = json.dumps({k: _clean(v) for k, v in record.items()}, sort_keys=True) + "\n"
@@ -50,11 +53,14 @@ class WandbTracker:
     """Mirrors metrics and events to Weights & Biases (``WANDB_MODE=offline`` works)."""
 
     def __init__(self, project: str, run_dir: Path, config: dict, name: str):
+        import hashlib
+
         import wandb
 
-        self._wandb = wandb
+        # The id must be unique per run folder, so that a resume continues the same W&B run.
+        run_id = f"{name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
         self.run = wandb.init(project=project, dir=str(run_dir), config=config, name=name,
-                              id=name, resume="allow")
+                              id=run_id, resume="allow")
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log({k: _clean(v) for k, v in metrics.items()}, step=int(step))

@@ -1,0 +1,72 @@
+"""Training throughput of the presets next to this machine's measured matmul peak.
+
+    .venv/bin/python bench/train_throughput.py [--presets tiny small] [--steps 5]
+
+Prints tokens/s, model FLOP/s (6 x active matmul parameters + attention, per trained token)
+and MFU against the best measured dense matmul FLOP/s (the physical limit), and saves the table
+to bench/results/train_throughput.json. Random tokens: throughput does not depend on the text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import print_table, save
+
+import jax
+import jax.numpy as jnp
+
+from moelab.config import load_config
+from moelab.flops import param_counts, train_flops_per_token
+from moelab.train.peak import measure_peak_flops
+from moelab.train.step import init_train_state, make_train_step
+
+
+def measure(preset: str, steps: int, overrides: list[str]) -> dict:
+    cfg = load_config(preset, overrides)
+    m, d = cfg.model, cfg.data
+    state = init_train_state(cfg, jax.random.PRNGKey(0))
+    step = make_train_step(cfg)
+    batches = [jax.random.randint(jax.random.PRNGKey(i), (d.batch_size, d.seq_len + 1), 0,
+                                  m.vocab_size) for i in range(2)]
+    t = time.perf_counter()
+    state, metrics = step(state, batches[0])
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for i in range(steps):
+        state, metrics = step(state, batches[i % 2])
+    jax.block_until_ready(metrics)
+    dt = (time.perf_counter() - t) / steps
+    tokens = d.batch_size * d.seq_len
+    fpt = train_flops_per_token(m, d.seq_len)
+    counts = param_counts(m)
+    return {"preset": preset, "params_total": counts["total"], "params_active": counts["active"],
+            "tokens_per_step": tokens, "step_s": dt, "tokens_per_s": tokens / dt,
+            "flops_per_token": fpt, "model_flops_per_s": fpt * tokens / dt,
+            "compile_s": compile_s, "moe_impl": m.moe_impl, "dtype": m.compute_dtype}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per preset (after compile)")
+    ap.add_argument("overrides", nargs="*", help="config overrides applied to every preset")
+    args = ap.parse_args()
+    peak = max(measure_peak_flops(n) for n in (1024, 2048, 4096))
+    rows = [measure(p, args.steps, args.overrides) for p in args.presets]
+    for r in rows:
+        r["mfu"] = r["model_flops_per_s"] / peak
+    print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); measured matmul peak "
+          f"{peak / 1e9:.1f} GFLOP/s (best of 1024/2048/4096 float32 square matmuls)")
+    print_table(rows, [("preset", "preset", "s"), ("params_active", "active params", ",d"),
+                       ("tokens_per_step", "tokens/step", ",d"), ("step_s", "step s", ".3f"),
+                       ("tokens_per_s", "tokens/s", ",.0f"),
+                       ("model_flops_per_s", "model FLOP/s", ".3e"), ("mfu", "MFU", ".1%"),
+                       ("compile_s", "compile s", ".1f")])
+    save("train_throughput", rows, peak_flops=peak)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,304 @@
+"""The `moelab` command line (help, errors, generate, data build) and the metric trackers."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import data_dir, shared_run, subprocess_env  # noqa: F401  (session fixture)
+from moelab.cli import main
+from moelab.config import load_config
+from moelab.train.tracker import JsonlTracker, Trackers, read_metrics
+
+MOELAB = Path(sys.executable).parent / "moelab"  # the installed console script
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    """main(argv) -> (exit code, stdout, stderr); argparse's SystemExit counts as a return."""
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+# ---------------------------------------------------------------------------------------------
+# help
+
+
+def test_console_script_help():
+    assert MOELAB.is_file(), f"{MOELAB} missing: is moelab installed in this environment?"
+    p = subprocess.run([str(MOELAB), "--help"], capture_output=True, text=True, timeout=120,
+                       env=subprocess_env())
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage: moelab")
+    for cmd in ("train", "generate", "data", "plan", "presets"):
+        assert cmd in p.stdout
+
+
+def test_train_help(capsys):
+    rc, out, _ = run_main(["train", "--help"], capsys)
+    assert rc == 0
+    assert out.startswith("usage: moelab train")
+    assert "--run-dir" in out and "SECTION.FIELD=VALUE" in out
+    assert "resumes" in out
+
+
+@pytest.mark.parametrize("argv", [["generate", "--help"], ["data", "build", "--help"],
+                                  ["plan", "--help"]])
+def test_subcommand_help(argv, capsys):
+    rc, out, _ = run_main(argv, capsys)
+    assert rc == 0 and out.startswith("usage: moelab " + " ".join(argv[:-1]))
+
+
+def test_no_command_is_a_usage_error(capsys):
+    rc, _, err = run_main([], capsys)
+    assert rc == 2 and "usage: moelab" in err
+
+
+def test_presets_and_plan(capsys):
+    rc, out, _ = run_main(["presets"], capsys)
+    assert rc == 0 and "tiny" in out.split()
+    rc, out, _ = run_main(["plan", "tiny", "model.n_experts=16"], capsys)
+    assert rc == 0 and out.startswith("tiny: total ")
+    rc2, out2, _ = run_main(["plan", "model.n_experts=16"], capsys)  # config name defaults to tiny
+    assert rc2 == 0 and out2 == out
+
+
+# ---------------------------------------------------------------------------------------------
+# config errors on the command line
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["train", "tiny", "model.top_k=99"], "model.top_k"),
+    (["train", "model.top_k=99"], "model.top_k"),  # no config: tiny is implied
+    (["train", "tiny", "model.d_modle=3"], "model.d_modle"),
+    (["train", "tiny", "model.d_model=abc"], "model.d_model"),
+    (["train", "tiny", "train.steps"], "override 'train.steps'"),
+])
+def test_train_config_errors_are_one_clear_line(argv, field, capsys, tmp_path):
+    rc, out, err = run_main(argv + ["--run-dir", str(tmp_path / "r")], capsys)
+    assert rc == 2
+    assert err.startswith(f"moelab: error: {field}"), err
+    assert "Traceback" not in err and out == ""
+    assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def test_train_missing_config_file(capsys, tmp_path):
+    rc, _, err = run_main(["train", str(tmp_path / "missing.yaml")], capsys)
+    assert rc == 2 and err.startswith("moelab: error: config file") and "not found" in err
+
+
+def test_train_error_message_mentions_the_limit(capsys, tmp_path):
+    rc, _, err = run_main(["train", "tiny", "model.top_k=99", "--run-dir", str(tmp_path)], capsys)
+    assert rc == 2
+    assert "model.top_k: must be <= n_experts=8" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir):  # noqa: F811
+    return shared_run(tmp_path_factory, data_dir)[0]
+
+
+def test_generate_prints_the_prompt_and_a_continuation(trained, capsys):
+    argv = ["generate", str(trained), "--prompt", "The red cat", "--max-tokens", "12",
+            "--seed", "3"]
+    rc, out, err = run_main(argv, capsys)
+    assert rc == 0, err
+    assert out.startswith("The red cat")
+    assert len(out.rstrip("\n")) > len("The red cat")
+    rc2, out2, _ = run_main(argv, capsys)  # the same seed gives the same text
+    assert rc2 == 0 and out2 == out
+
+
+def test_generate_greedy_from_an_older_checkpoint(trained, capsys):
+    base = ["generate", str(trained), "--prompt", "def get_", "--max-tokens", "8",
+            "--temperature", "0"]
+    rc, out10, err = run_main(base + ["--step", "10"], capsys)
+    assert rc == 0, err
+    assert out10.startswith("def get_") and len(out10.rstrip("\n")) > len("def get_")
+    rc, out10b, _ = run_main(base + ["--step", "10", "--seed", "99"], capsys)
+    assert rc == 0 and out10b == out10  # greedy ignores the seed
+    rc, out30, _ = run_main(base, capsys)  # newest checkpoint (step 30): another model
+    assert rc == 0 and out30.startswith("def get_")
+    rc, _, err = run_main(base + ["--step", "7"], capsys)
+    assert rc == 2 and "no checkpoint at step 7" in err and "[10, 20, 30]" in err
+
+
+def test_generate_on_a_non_run_folder_fails_clearly(tmp_path, capsys):
+    rc, out, err = run_main(["generate", str(tmp_path)], capsys)
+    assert rc == 2 and out == ""
+    assert err.startswith("moelab: error:") and "not a run folder" in err
+    assert "Traceback" not in err
+
+
+def test_generate_on_a_run_without_checkpoints(tmp_path, capsys, trained):
+    (tmp_path / "config.yaml").write_text((trained / "config.yaml").read_text())
+    rc, _, err = run_main(["generate", str(tmp_path)], capsys)
+    assert rc == 2 and "no checkpoint yet" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# data build with user inputs
+
+
+def _user_inputs(root: Path) -> Path:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    rng = np.random.default_rng(0)
+    for domain in ("notes", "logs"):
+        (root / domain).mkdir(parents=True)
+        for i in range(12):
+            text = "\n".join(" ".join(rng.choice(words, 12)) for _ in range(20))
+            (root / domain / f"f{i:02d}.txt").write_text(f"{domain} {i}\n{text}\n")
+    (root / "notes" / "binary.bin").write_bytes(b"abc\x00\x01\x02def")
+    (root / "notes" / "empty.txt").write_text("   \n")
+    (root / "logs" / "latin1.txt").write_bytes("caf\xe9 cr\xe8me".encode("latin-1"))
+    (root / "logs" / "records.jsonl").write_text(
+        '{"text": "a good record", "domain": "logs"}\n{"text": 5}\nnot json\n')
+    return root
+
+
+def test_data_build_with_user_inputs_reports_skipped(tmp_path, capsys):
+    src = _user_inputs(tmp_path / "src")
+    out_dir = tmp_path / "built"
+    rc, out, err = run_main(["data", "build", str(src / "notes"), str(src / "logs"),
+                             "--out", str(out_dir), "--vocab", "300", "--heldout", "0.2"],
+                            capsys)
+    assert rc == 0, err
+    manifest_printed = json.loads(out[: out.index("\ncorpus:")])
+    assert sorted(manifest_printed["domains"]) == ["logs", "notes"]
+    assert manifest_printed["kind"] == "user"
+    assert "skipped" not in manifest_printed
+    assert manifest_printed["total"]["train"]["docs"] + \
+        manifest_printed["total"]["heldout"]["docs"] == 25  # 24 files + 1 good JSONL record
+    # the skipped inputs are reported on stderr, by name and reason
+    assert "skipped 5 inputs" in err
+    for needle in ("binary.bin", "empty.txt", "latin1.txt", "records.jsonl line 2",
+                   "records.jsonl line 3"):
+        assert needle in err, needle
+    on_disk = json.loads((out_dir / "corpus" / "manifest.json").read_text())
+    assert on_disk["skipped"]["count"] == 5
+    assert (out_dir / "tokenizer-300.json").is_file()
+    stores = list(out_dir.glob("tokens-*"))
+    assert len(stores) == 1 and str(stores[0]) in out
+    assert "train on it with: moelab train tiny" in out
+
+
+def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
+    """The printed `moelab train ...` command must train on what was just built: with
+    --vocab 300 the tiny preset's vocab_size (4096) would look for tokenizer-4096.json and
+    train a new tokenizer instead of using tokenizer-300.json."""
+    src = _user_inputs(tmp_path / "src")
+    out_dir = tmp_path / "built"
+    rc, out, err = run_main(["data", "build", str(src), "--out", str(out_dir), "--vocab", "300"],
+                            capsys)
+    assert rc == 0, err
+    hint = next(line for line in out.splitlines() if line.startswith("train on it with:"))
+    argv = hint.split("moelab train ", 1)[1].split()
+    cfg = load_config(argv[0], argv[1:])
+    assert Path(cfg.data.data_dir) == out_dir
+    tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else \
+        Path(cfg.data.data_dir) / f"tokenizer-{cfg.model.vocab_size}.json"
+    assert tok.is_file(), f"the hinted command would not use {out_dir}/tokenizer-300.json"
+
+
+def test_data_build_with_nothing_usable_fails_clearly(tmp_path, capsys):
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "empty.txt").write_text("")
+    rc, _, err = run_main(["data", "build", str(tmp_path / "in"), "--out", str(tmp_path / "o")],
+                          capsys)
+    assert rc == 2 and err.startswith("moelab: error:") and "no usable documents" in err
+    rc, _, err = run_main(["data", "build", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
+                          capsys)
+    assert rc == 2 and "not found" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# trackers
+
+
+def test_jsonl_tracker_writes_whole_json_lines(tmp_path):
+    import jax.numpy as jnp
+
+    path = tmp_path / "sub" / "metrics.jsonl"
+    t = JsonlTracker(path)
+    t.log(1, {"train/loss": 2.5, "np": np.float32(1.5), "jax": jnp.float32(0.25),
+              "bad": float("nan"), "inf": float("inf"), "n": np.int64(7)})
+    t.event("start", 0, config_hash="abc", note="multi\nline")
+    t.log(2, {"train/loss": 2.0})
+    t.close()
+    t.close()  # idempotent
+    raw = path.read_text()
+    assert raw.endswith("\n")
+    lines = raw.split("\n")[:-1]
+    assert len(lines) == 3
+    recs = [json.loads(line) for line in lines]  # every line is a complete JSON object
+    assert recs[0]["step"] == 1 and recs[0]["train/loss"] == 2.5
+    assert recs[0]["np"] == 1.5 and recs[0]["jax"] == 0.25 and recs[0]["n"] == 7
+    assert recs[0]["bad"] == "nan" and recs[0]["inf"] == "inf"  # JSON has no NaN/inf
+    assert isinstance(recs[0]["time"], float)
+    assert recs[1]["event"] == "start" and recs[1]["note"] == "multi\nline"
+    # appending: a second tracker on the same file adds lines, never truncates
+    t2 = JsonlTracker(path)
+    t2.log(3, {"train/loss": 1.0})
+    t2.close()
+    assert len(path.read_text().splitlines()) == 4
+
+
+def test_read_metrics_merges_per_step_and_ignores_a_truncated_last_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    t = Trackers(JsonlTracker(path), None)
+    t.event("start", 0)
+    t.log(1, {"train/loss": 3.0, "train/lr": 0.1})
+    t.log(2, {"train/loss": 2.0})
+    t.log(2, {"eval/a/loss": 2.2})  # the same step: merged into one record
+    t.event("interrupted", 2, signal="SIGTERM")
+    t.log(2, {"train/loss": 1.9})  # logged again after a resume: the newest value wins
+    t.close()
+    with open(path, "a") as f:
+        f.write('{"step": 3, "train/loss": 1.')  # a crash mid-write
+    recs, evs = read_metrics(path)
+    assert [r["step"] for r in recs] == [1, 2]
+    assert recs[0]["train/loss"] == 3.0 and recs[0]["train/lr"] == 0.1
+    assert recs[1]["train/loss"] == 1.9 and recs[1]["eval/a/loss"] == 2.2
+    assert [(e["event"], e["step"]) for e in evs] == [("start", 0), ("interrupted", 2)]
+    assert evs[1]["signal"] == "SIGTERM"
+    assert read_metrics(tmp_path / "absent.jsonl") == ([], [])
+
+
+def test_records_after_a_truncated_line_are_not_lost(tmp_path):
+    """After a crash left a partial last line, the resumed run appends to the same file: its
+    first record must not be glued onto the partial line (and lost with it)."""
+    path = tmp_path / "metrics.jsonl"
+    t = JsonlTracker(path)
+    t.log(1, {"train/loss": 3.0})
+    t.close()
+    with open(path, "a") as f:
+        f.write('{"step": 2, "train/loss": 2.')
+    t = JsonlTracker(path)
+    t.event("resume", 1)
+    t.log(2, {"train/loss": 2.5})
+    t.close()
+    recs, evs = read_metrics(path)
+    assert [(e["event"], e["step"]) for e in evs] == [("resume", 1)]
+    assert [r["step"] for r in recs] == [1, 2] and recs[1]["train/loss"] == 2.5
+
+
+def test_nan_loss_is_logged_as_a_string_and_read_back(tmp_path):
+    path = tmp_path / "m.jsonl"
+    t = JsonlTracker(path)
+    t.log(5, {"train/loss": float("nan")})
+    t.close()
+    (rec,), _ = read_metrics(path)
+    assert rec["train/loss"] == "nan" and math.isnan(float(rec["train/loss"]))

@@ -1,0 +1,280 @@
+"""Run configuration: presets, YAML files, dotted overrides, validation messages, hashing."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from moelab.config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    RunConfig,
+    TrainConfig,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+    preset_names,
+    save_config,
+)
+
+
+def _field_names(cls) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+# ---------------------------------------------------------------------------------------------
+# presets and files
+
+
+def test_preset_names_lists_the_shipped_presets():
+    names = preset_names()
+    assert "tiny" in names
+    assert names == sorted(names)
+    assert all(not n.endswith(".yaml") for n in names)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_loads_and_validates(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.validate() is cfg
+    # a preset is fully resolved: saving and reloading it gives the same config
+    again = config_from_dict(yaml.safe_load(yaml.safe_dump(cfg.to_dict())))
+    assert again == cfg
+    assert again.hash() == cfg.hash()
+
+
+def test_tiny_preset_values_come_from_the_yaml():
+    cfg = load_config("tiny")
+    assert cfg.model.router == "sigmoid_bias"
+    assert cfg.model.d_model == 128 and cfg.model.latent_dim == 64
+    assert cfg.data.seq_len == 256 and cfg.train.steps == 600
+    # fields the preset does not name keep their dataclass defaults
+    assert cfg.optim.floor == OptimConfig().floor
+    assert cfg.train.keep_ckpts == TrainConfig().keep_ckpts
+
+
+def test_yaml_file_round_trip(tmp_path):
+    cfg = load_config("tiny", ["train.steps=7", "model.n_experts=4", "model.top_k=1"])
+    path = tmp_path / "run.yaml"
+    save_config(cfg, path)
+    assert load_config(str(path)) == cfg
+
+
+def test_missing_yaml_file_is_a_clear_error(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError) as e:
+        load_config(str(missing))
+    msg = str(e.value)
+    assert str(missing) in msg and "not found" in msg
+    assert "tiny" in msg  # lists the presets as the alternative
+
+
+def test_bad_yaml_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  d_model: [1, 2\n  n_layers: 3\n")
+    with pytest.raises(ConfigError, match="invalid YAML") as e:
+        load_config(str(path))
+    assert str(path) in str(e.value)
+
+
+def test_yaml_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- model\n- data\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(str(path))
+
+
+def test_unknown_preset_name_lists_presets():
+    with pytest.raises(ConfigError) as e:
+        load_config("no_such_preset_xyz")
+    msg = str(e.value)
+    assert "no_such_preset_xyz" in msg and "no such preset" in msg
+    for name in preset_names():
+        assert name in msg
+
+
+def test_empty_yaml_file_gives_the_defaults(tmp_path):
+    path = tmp_path / "empty.yaml"
+    path.write_text("")
+    assert load_config(str(path)) == RunConfig()
+
+
+# ---------------------------------------------------------------------------------------------
+# overrides
+
+
+def test_overrides_are_parsed_as_yaml_values():
+    cfg = load_config("tiny", ["train.steps=5", "train.wandb=true", "optim.lr=0.01",
+                               "data.mixture={a: 1, b: 2.5}", "model.router=softmax_aux"])
+    assert cfg.train.steps == 5 and isinstance(cfg.train.steps, int)
+    assert cfg.train.wandb is True
+    assert cfg.optim.lr == 0.01
+    assert cfg.data.mixture == {"a": 1.0, "b": 2.5}
+    assert all(isinstance(v, float) for v in cfg.data.mixture.values())
+    assert cfg.model.router == "softmax_aux"
+
+
+def test_overrides_do_not_modify_their_input():
+    base = {"train": {"steps": 3}}
+    out = apply_overrides(base, ["train.steps=9", "model.d_model=64"])
+    assert base == {"train": {"steps": 3}}
+    assert out == {"train": {"steps": 9}, "model": {"d_model": 64}}
+
+
+def test_override_value_may_contain_equals_sign():
+    cfg = load_config("tiny", ["data.tokenizer=/tmp/a=b/tok.json"])
+    assert cfg.data.tokenizer == "/tmp/a=b/tok.json"
+
+
+def test_integral_float_is_accepted_for_an_int_field():
+    assert load_config("tiny", ["train.steps=12.0"]).train.steps == 12
+    with pytest.raises(ConfigError, match=r"train\.steps: expected an integer"):
+        load_config("tiny", ["train.steps=12.5"])
+
+
+def test_scientific_notation_float_override():
+    """`optim.lr=3e-3` is how people write learning rates. YAML 1.1 (PyYAML) reads "3e-3" as a
+    string (it wants "3.0e-3"), so the float field must accept a numeric string."""
+    cfg = load_config("tiny", ["optim.lr=3e-3"])
+    assert cfg.optim.lr == pytest.approx(3e-3)
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("train.steps", "expected section.field=value"),
+    ("steps=5", "key must be section.field"),
+])
+def test_malformed_overrides(item, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config("tiny", [item])
+
+
+# ---------------------------------------------------------------------------------------------
+# validation messages name the field
+
+
+def test_unknown_field_names_it_and_lists_valid_fields():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["model.d_modle=3"])
+    msg = str(e.value)
+    assert msg.startswith("model.d_modle")
+    assert "unknown field" in msg
+    for name in _field_names(ModelConfig):
+        assert name in msg
+
+
+def test_unknown_field_in_other_sections():
+    for section, cls in (("data", DataConfig), ("optim", OptimConfig), ("train", TrainConfig)):
+        with pytest.raises(ConfigError) as e:
+            load_config("tiny", [f"{section}.bogus=1"])
+        msg = str(e.value)
+        assert msg.startswith(f"{section}.bogus: unknown field")
+        assert all(n in msg for n in _field_names(cls))
+
+
+def test_unknown_section_is_named_without_a_stray_dot():
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["modle.d_model=3"])
+    msg = str(e.value)
+    assert "modle" in msg and "unknown field" in msg
+    for section in ("model", "data", "optim", "train"):
+        assert section in msg
+    assert msg.startswith("modle"), msg  # not ".modle: ..."
+
+
+@pytest.mark.parametrize("override, field, needle", [
+    ("model.d_model=abc", "model.d_model", "expected an integer, got 'abc'"),
+    ("model.d_model=true", "model.d_model", "expected an integer"),
+    ("optim.lr=fast", "optim.lr", "expected a number"),
+    ("train.wandb=maybe", "train.wandb", "expected true/false"),
+    ("model.router=3", "model.router", "expected a string"),
+    ("data.mixture=5", "data.mixture", "expected a mapping"),
+    ("data.mixture={a: x}", "data.mixture.a", "expected a number"),
+])
+def test_wrong_type_names_the_field(override, field, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [override])
+    msg = str(e.value)
+    assert msg.startswith(field + ":"), msg
+    assert needle in msg
+
+
+@pytest.mark.parametrize("overrides, field, needle", [
+    (["model.n_heads=4", "model.n_kv_heads=3"], "model.n_kv_heads", "must divide n_heads=4"),
+    (["model.n_experts=4", "model.top_k=5"], "model.top_k", "must be <= n_experts=4"),
+    (["model.d_model=0"], "model.d_model", "positive"),
+    (["model.router=topk"], "model.router", "softmax_aux"),
+    (["model.moe_impl=fast"], "model.moe_impl", "auto"),
+    (["model.latent_dim=999"], "model.latent_dim", "d_model"),
+    (["model.rope_fraction=1.5"], "model.rope_fraction", "[0, 1]"),
+    (["model.head_dim=30", "model.rope_fraction=0.1"], "model.rope_fraction", "even"),
+    (["model.compute_dtype=float16"], "model.compute_dtype", "bfloat16"),
+    (["data.seq_len=0"], "data.seq_len", "> 0"),
+    (["data.mixture={a: -1}"], "data.mixture.a", ">= 0"),
+    (["data.mixture={a: 0, b: 0}"], "data.mixture", "at least one"),
+    (["optim.lr=0"], "optim.lr", "> 0"),
+    (["optim.floor=1.5"], "optim.floor", "[0, 1]"),
+    (["optim.b2=1.0"], "optim.b1/b2", "[0, 1)"),
+    (["train.steps=0"], "train.steps", "> 0"),
+    (["train.ckpt_every=0"], "train.ckpt_every", "> 0"),
+    (["train.peak_flops=-1"], "train.peak_flops", ">= 0"),
+])
+def test_invalid_values_name_the_field(overrides, field, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides)
+    msg = str(e.value)
+    assert msg.startswith(field + ":"), msg
+    assert needle in msg
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+def test_config_from_dict_validates():
+    with pytest.raises(ConfigError, match=r"^model\.top_k"):
+        config_from_dict({"model": {"n_experts": 2, "top_k": 3}})
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        config_from_dict({"model": 5})
+
+
+# ---------------------------------------------------------------------------------------------
+# derived values and hashing
+
+
+def test_schedule_and_warmup_defaults():
+    cfg = load_config("tiny", ["train.steps=1000"])
+    assert cfg.schedule_steps == 1000  # 0 = train.steps
+    assert cfg.warmup_steps == 10  # 0 = 1% of the schedule
+    cfg = load_config("tiny", ["train.steps=50", "optim.schedule_steps=400",
+                               "optim.warmup_steps=0"])
+    assert cfg.schedule_steps == 400 and cfg.warmup_steps == 4
+    cfg = load_config("tiny", ["train.steps=50"])
+    assert cfg.warmup_steps == 1  # at least one step
+    cfg = load_config("tiny", ["optim.warmup_steps=7"])
+    assert cfg.warmup_steps == 7
+
+
+def test_hash_is_stable_and_changes_with_any_field():
+    a, b = load_config("tiny"), load_config("tiny")
+    assert a.hash() == b.hash()
+    assert len(a.hash()) == 12 and all(c in "0123456789abcdef" for c in a.hash())
+    seen = {a.hash()}
+    for override in ("model.d_model=64", "train.steps=601", "optim.lr=0.002",
+                     "data.mixture={x: 1}", "train.wandb=true", "data.seed=1"):
+        h = load_config("tiny", [override]).hash()
+        assert h not in seen, override
+        seen.add(h)
+    # the hash depends on values, not on how they were written
+    assert load_config("tiny", ["train.steps=600"]).hash() == a.hash()
+    assert load_config("tiny", ["train.steps=600.0"]).hash() == a.hash()
+
+
+def test_hash_is_independent_of_mixture_order():
+    x = load_config("tiny", ["data.mixture={a: 1, b: 2}"])
+    y = load_config("tiny", ["data.mixture={b: 2, a: 1}"])
+    assert x.hash() == y.hash()

@@ -1,0 +1,525 @@
+"""Training: LR schedule, weight-decay mask, learning, exact resume, signals, damaged checkpoints,
+config changes on resume, the metrics log, the router bias, and W&B offline logging.
+
+Everything trains a micro MoE (d_model 32, 2 layers, 4 experts, seq_len 32, batch 4) on a small
+synthetic three-domain corpus built once per session (tests/helpers.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from helpers import (
+    DOMAINS,
+    MICRO,
+    SHARED_RUN_TRAIN,
+    data_dir,  # noqa: F401  (session fixture)
+    micro_config,
+    micro_dict,
+    shared_run,
+    subprocess_env,
+    write_config_yaml,
+)
+from moelab.config import ConfigError, OptimConfig, config_from_dict
+from moelab.model import transformer as tr
+from moelab.train.checkpoint import Checkpointer, CheckpointWarning
+from moelab.train.loop import resolve_run_config, train
+from moelab.train.optim import decay_mask, lr_at, make_optimizer
+from moelab.train.step import init_train_state
+from moelab.train.tracker import read_metrics
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def expected_lr(step: int, peak: float, warmup: int, total: int, floor: float) -> float:
+    """The documented schedule, written independently: linear warmup reaching the peak at step
+    warmup-1, then linear decay reaching floor*peak at step ``total``, flat afterwards."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if step >= total:
+        return floor * peak
+    return peak - (peak - floor * peak) * (step - warmup) / (total - warmup)
+
+
+OPT = MICRO["optim"]
+SCHED = (OPT["lr"], OPT["warmup_steps"], OPT["schedule_steps"], OPT["floor"])  # of every run
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    recs, _ = read_metrics(run_dir / "metrics.jsonl")
+    return {r["step"]: r["train/loss"] for r in recs if "train/loss" in r}
+
+
+def events(run_dir: Path) -> list[dict]:
+    return read_metrics(run_dir / "metrics.jsonl")[1]
+
+
+def load_state(run_dir: Path, cfg, step: int | None = None) -> tuple[int, dict]:
+    """(step, full train state) from a run's checkpoints (newest valid one by default)."""
+    target = jax.eval_shape(lambda: init_train_state(cfg, jax.random.PRNGKey(0)))
+    ck = Checkpointer(run_dir / "checkpoints")
+    if step is None:
+        step, state, _ = ck.restore_latest(target)
+    else:
+        state, _ = ck.restore(step, target)
+    return step, state
+
+
+def assert_trees_equal(a, b) -> None:
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree_util.tree_flatten_with_path(b)
+    assert ta == tb
+    for (path, x), (_, y) in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
+                                      err_msg=jax.tree_util.keystr(path))
+
+
+def quiet_train(cfg, run_dir: Path) -> dict:
+    return train(cfg, run_dir, verbose=False, sample_prompt=None)
+
+
+# ---------------------------------------------------------------------------------------------
+# LR schedule and weight-decay mask (no training)
+
+SCHEDULES = [  # (peak, warmup, total, floor)
+    (3e-3, 10, 100, 0.05),
+    (1e-3, 1, 12, 0.1),
+    (5e-4, 7, 50, 0.0),
+    (2e-3, 4, 5, 1.0),  # floor 1 = constant after warmup
+]
+
+
+@pytest.mark.parametrize("peak, warmup, total, floor", SCHEDULES)
+def test_lr_at_matches_the_formula_at_every_step(peak, warmup, total, floor):
+    steps = np.arange(0, total + 30)
+    want = np.array([expected_lr(int(s), peak, warmup, total, floor) for s in steps])
+    got_scalar = np.array([float(lr_at(int(s), peak, warmup, total, floor)) for s in steps])
+    np.testing.assert_allclose(got_scalar, want, rtol=1e-6, atol=1e-12)
+    # the same schedule on a traced array (as inside optax / the jitted step)
+    got_traced = np.asarray(jax.jit(lambda s: lr_at(s, peak, warmup, total, floor))(
+        jnp.asarray(steps, jnp.int32)))
+    np.testing.assert_allclose(got_traced, want, rtol=1e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("peak, warmup, total, floor", SCHEDULES)
+def test_lr_schedule_shape(peak, warmup, total, floor):
+    lr = lambda s: float(lr_at(s, peak, warmup, total, floor))  # noqa: E731
+    assert lr(warmup - 1) == pytest.approx(peak, rel=1e-6)  # peak reached at the end of warmup
+    assert lr(0) == pytest.approx(peak / warmup, rel=1e-6)
+    warm = [lr(s) for s in range(warmup)]
+    assert all(b > a for a, b in zip(warm, warm[1:]))  # strictly rising during warmup
+    decay = [lr(s) for s in range(warmup, total + 1)]
+    assert all(b <= a for a, b in zip(decay, decay[1:]))  # never rising after warmup
+    assert lr(total) == pytest.approx(floor * peak, rel=1e-6, abs=1e-12)  # exactly the floor
+    for s in (total + 1, total + 10, 10 * total):
+        assert lr(s) == pytest.approx(floor * peak, rel=1e-6, abs=1e-12)  # flat afterwards
+    if floor < 1 and total - warmup >= 2:
+        assert lr(total - 1) > floor * peak * (1 + 1e-6)  # not reached early
+
+
+def test_optimizer_uses_the_schedule():
+    """One adamw step with a unit gradient moves a parameter by about lr_at(0)."""
+    peak, warmup, total = 1e-2, 4, 20
+    opt = make_optimizer(OptimConfig(lr=peak, weight_decay=0.0), warmup, total)
+    params = {"blocks": {"w": jnp.zeros((2, 3))}}
+    state = opt.init(params)
+    moved = []
+    for _ in range(6):
+        updates, state = opt.update({"blocks": {"w": jnp.ones((2, 3))}}, state, params)
+        moved.append(-float(updates["blocks"]["w"][0, 0]))
+    want = [expected_lr(s, peak, warmup, total, 0.05) for s in range(6)]
+    np.testing.assert_allclose(moved, want, rtol=1e-4)
+
+
+def test_decay_mask_excludes_norms_and_embedding():
+    cfg = micro_config(Path("/nonexistent"), model={"latent_dim": 16})  # adds lat_norm too
+    params = jax.eval_shape(lambda: tr.init_params(cfg.model, jax.random.PRNGKey(0)))
+    mask = decay_mask(params)
+    assert mask["embed"] is False
+    assert mask["final_norm"] is False
+    for name in ("attn_norm", "moe_norm", "lat_norm"):  # 2-D (stacked) but still norms
+        assert params["blocks"][name].ndim == 2
+        assert mask["blocks"][name] is False, name
+    assert mask["head"] is True
+    for name in ("wq", "wk", "wv", "wo", "router", "w_gate", "w_up", "w_down", "sh_gate",
+                 "sh_up", "sh_down", "lat_down", "lat_up"):
+        assert mask["blocks"][name] is True, name
+
+
+def test_weight_decay_applies_only_to_masked_leaves():
+    cfg = micro_config(Path("/nonexistent"), optim={"weight_decay": 0.5, "lr": 0.1})
+    opt = make_optimizer(cfg.optim, warmup=1, total=10)
+    params = {"embed": jnp.ones((4, 3)), "final_norm": jnp.ones(3), "head": jnp.ones((3, 4)),
+              "blocks": {"attn_norm": jnp.ones((2, 3)), "wq": jnp.ones((2, 3, 3))}}
+    zero = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = opt.update(zero, opt.init(params), params)
+    new = optax.apply_updates(params, updates)
+    for leaf in (new["embed"], new["final_norm"], new["blocks"]["attn_norm"]):
+        np.testing.assert_array_equal(np.asarray(leaf), 1.0)
+    for leaf in (new["head"], new["blocks"]["wq"]):
+        np.testing.assert_allclose(np.asarray(leaf), 1.0 - 0.1 * 0.5, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# a shared 30-step run: learning, metrics log, summary
+
+
+@pytest.fixture(scope="module")
+def run30(tmp_path_factory, data_dir):  # noqa: F811
+    return shared_run(tmp_path_factory, data_dir)
+
+
+def test_training_reduces_the_loss(run30, data_dir):  # noqa: F811
+    run, summary = run30
+    loss = losses(run)
+    assert sorted(loss) == list(range(1, 31))
+    first, last = np.mean([loss[s] for s in range(1, 6)]), np.mean([loss[s] for s in range(26, 31)])
+    assert first == pytest.approx(math.log(512), abs=0.5)  # starts near uniform over the vocab
+    assert last < first - 0.5, (first, last)
+    # held-out loss fell as well, in every domain, between the step-10 and the final evaluation
+    recs = {r["step"]: r for r in read_metrics(run / "metrics.jsonl")[0]}
+    for d in DOMAINS:
+        assert recs[30][f"eval/{d}/loss"] < recs[10][f"eval/{d}/loss"]
+        assert summary[f"eval/{d}/loss"] < math.log(512) - 0.5
+
+
+def test_metrics_log_has_the_expected_keys(run30):
+    run, _ = run30
+    recs, evs = read_metrics(run / "metrics.jsonl")
+    train_keys = ["train/loss", "train/z_loss", "train/grad_norm", "train/lr",
+                  "throughput/tokens_per_s", "throughput/mfu", "train/tokens",
+                  "moe/drop_fraction", "moe/load_max_over_mean", "moe/routing_entropy",
+                  "moe/layer_0/load_max_over_mean", "moe/layer_1/load_max_over_mean",
+                  "moe/layer_0/routing_entropy"]
+    by_step = {r["step"]: r for r in recs}
+    for step in range(1, 31):  # log_every=1
+        r = by_step[step]
+        for k in train_keys:
+            assert k in r, (step, k)
+            assert isinstance(r[k], (int, float)) and math.isfinite(r[k]), (step, k, r[k])
+        assert r["train/tokens"] == step * 4 * 32
+        assert r["moe/load_max_over_mean"] >= 1.0
+        assert 0.0 <= r["moe/routing_entropy"] <= math.log(4) + 1e-5
+        assert r["moe/drop_fraction"] == 0.0
+        assert r["train/grad_norm"] > 0
+    assert by_step[30]["throughput/tokens_per_s"] > 0 and by_step[30]["throughput/mfu"] > 0
+    # evaluations: at eval_every=10 (not at the last step: the final one covers it) and at the end
+    for step in (10, 20, 30):
+        for d in DOMAINS:
+            for kind in ("loss", "bpb"):
+                v = by_step[step][f"eval/{d}/{kind}"]
+                assert math.isfinite(v) and v > 0
+    assert not any(k.startswith("eval/") for k in by_step[15])
+    kinds = [e["event"] for e in evs]
+    assert kinds[0] == "start" and kinds[-1] == "finished"
+    assert evs[-1]["step"] == 30
+
+
+def test_logged_lr_follows_the_schedule(run30):
+    run, _ = run30
+    recs, _ = read_metrics(run / "metrics.jsonl")
+    assert SHARED_RUN_TRAIN["steps"] > OPT["schedule_steps"]  # runs on past the schedule's end
+    lr = {r["step"]: r["train/lr"] for r in recs}
+    for step, got in lr.items():
+        # the LR logged at step s is the one used by the s-th update (schedule index s-1)
+        assert got == pytest.approx(expected_lr(step - 1, *SCHED), rel=1e-6)
+    peak, warmup, total, floor = SCHED
+    assert lr[1] == pytest.approx(peak / warmup, rel=1e-6)
+    assert lr[warmup] == pytest.approx(peak, rel=1e-6)
+    for step in range(total + 1, 31):  # flat at the floor after schedule_steps
+        assert lr[step] == pytest.approx(floor * peak, rel=1e-6)
+
+
+def test_run_folder_and_summary(run30):
+    run, summary = run30
+    for name in ("config.yaml", "tokenizer.json", "provenance.json", "metrics.jsonl",
+                 "summary.json"):
+        assert (run / name).is_file(), name
+    on_disk = json.loads((run / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(summary))
+    assert on_disk["step"] == on_disk["steps"] == 30
+    assert on_disk["interrupted"] is None
+    assert on_disk["tokens_trained"] == 30 * 128
+    assert on_disk["params_active"] < on_disk["params_total"]
+    for d in DOMAINS:
+        assert math.isfinite(on_disk[f"eval/{d}/bpb"])
+    assert on_disk["sample"].startswith("The ") and len(on_disk["sample"]) > len("The ")
+    prov = json.loads((run / "provenance.json").read_text())
+    assert prov["config_hash"] == on_disk["config_hash"]
+    assert Checkpointer(run / "checkpoints").steps() == [10, 20, 30]
+
+
+def test_sigmoid_router_bias_moves_during_training(run30, data_dir):  # noqa: F811
+    run, _ = run30
+    cfg = micro_config(data_dir, train=SHARED_RUN_TRAIN)
+    biases = [np.asarray(load_state(run, cfg, s)[1]["model_state"]["router_bias"])
+              for s in (10, 20, 30)]
+    for b in biases:
+        assert b.shape == (2, 4)
+        assert np.abs(b).max() > 0  # moved away from its zero init
+        np.testing.assert_allclose(b.mean(axis=-1), 0.0, atol=1e-6)  # mean-centred per layer
+    assert not np.array_equal(biases[0], biases[1])
+    assert not np.array_equal(biases[1], biases[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# exact resume
+
+RESUME = {"optim": {"schedule_steps": 12}, "train": {"steps": 12, "ckpt_every": 4}}
+
+
+def resume_cfg(data_dir: Path, steps: int = 12, **train_extra):  # noqa: F811
+    return micro_config(data_dir, optim=RESUME["optim"],
+                        train={**RESUME["train"], "steps": steps, **train_extra})
+
+
+@pytest.fixture(scope="module")
+def resume_runs(tmp_path_factory, data_dir):  # noqa: F811
+    """Run A: 12 steps at once. Run B: 6 steps, then again to 12 in the same folder."""
+    root = tmp_path_factory.mktemp("resume")
+    a, b = root / "A", root / "B"
+    summary_a = quiet_train(resume_cfg(data_dir), a)
+    summary_b1 = quiet_train(resume_cfg(data_dir, steps=6), b)
+    b_after_6 = {"losses": losses(b), "events": events(b),
+                 "ckpts": Checkpointer(b / "checkpoints").steps()}
+    summary_b2 = quiet_train(resume_cfg(data_dir), b)
+    return {"A": a, "B": b, "summary_a": summary_a, "summary_b1": summary_b1,
+            "summary_b2": summary_b2, "b_after_6": b_after_6}
+
+
+def test_resume_gives_identical_losses_and_params(resume_runs, data_dir):  # noqa: F811
+    a, b = resume_runs["A"], resume_runs["B"]
+    la, lb = losses(a), losses(b)
+    assert sorted(la) == list(range(1, 13))
+    assert sorted(lb) == list(range(1, 13))
+    for s in range(1, 13):
+        assert lb[s] == la[s], (s, la[s], lb[s])  # exact float equality
+    assert resume_runs["b_after_6"]["ckpts"] == [4, 6]
+    assert Checkpointer(a / "checkpoints").steps() == [4, 8, 12]
+    cfg = resume_cfg(data_dir)
+    sa, state_a = load_state(a, cfg)
+    sb, state_b = load_state(b, cfg)
+    assert sa == sb == 12
+    assert_trees_equal(state_a, state_b)  # params, optimizer state, router bias, step
+    assert int(state_a["step"]) == 12
+    kinds = [(e["event"], e["step"]) for e in events(b)]
+    assert ("resume", 6) in kinds and kinds[-1] == ("finished", 12)
+    assert resume_runs["summary_b2"]["step"] == 12
+    assert resume_runs["summary_b2"]["train/loss"] == resume_runs["summary_a"]["train/loss"]
+
+
+def test_stopping_before_the_schedule_end_keeps_the_lr_above_floor(resume_runs):
+    """train.steps=6 < optim.schedule_steps=12: the run stops mid-schedule."""
+    b6 = resume_runs["b_after_6"]
+    assert resume_runs["summary_b1"]["step"] == 6
+    recs, _ = read_metrics(resume_runs["A"] / "metrics.jsonl")
+    lr_a = {r["step"]: r["train/lr"] for r in recs}
+    recs_b, _ = read_metrics(resume_runs["B"] / "metrics.jsonl")
+    lr_b = {r["step"]: r["train/lr"] for r in recs_b}
+    peak, _, total, floor = SCHED
+    assert total == 12
+    assert lr_b[6] == pytest.approx(expected_lr(5, *SCHED), rel=1e-6)
+    assert lr_b[6] > floor * peak * 1.5
+    assert lr_b[6] == lr_a[6]  # the same schedule as the run that went on to step 12
+    assert lr_a[12] == pytest.approx(expected_lr(11, *SCHED), rel=1e-6)
+    assert max(b6["losses"]) == 6
+
+
+def test_router_bias_is_restored_on_resume(resume_runs, data_dir):  # noqa: F811
+    cfg = resume_cfg(data_dir)
+    _, at6 = load_state(resume_runs["B"], cfg, 6)
+    bias6 = np.asarray(at6["model_state"]["router_bias"])
+    assert np.abs(bias6).max() > 0  # the bias moved in the first invocation
+    _, a12 = load_state(resume_runs["A"], cfg, 12)
+    _, b12 = load_state(resume_runs["B"], cfg, 12)
+    bias_a, bias_b = (np.asarray(s["model_state"]["router_bias"]) for s in (a12, b12))
+    assert not np.array_equal(bias_a, bias6)
+    # B continued from its step-6 bias: were it reset to zero on resume, six more sign steps of
+    # +-0.01 from zero could not land on A's twelve-step bias.
+    np.testing.assert_array_equal(bias_b, bias_a)
+    # and the bias change from 6 to 12 is a sum of six mean-centred sign steps of size 0.01
+    assert np.abs(bias_b - bias6).max() <= 6 * 0.01 * 2 + 1e-6
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(resume_runs, data_dir,  # noqa: F811
+                                                                  tmp_path, capsys):
+    run = tmp_path / "damaged"
+    shutil.copytree(resume_runs["A"], run)
+    newest = run / "checkpoints" / "step_00000012"
+    files = sorted((p for p in (newest / "state").rglob("*") if p.is_file()),
+                   key=lambda p: p.stat().st_size)
+    victim = files[-1]
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    n_events = len(events(run))
+
+    with pytest.warns(CheckpointWarning, match="step 12"):
+        summary = quiet_train(resume_cfg(data_dir), run)
+    err = capsys.readouterr().err
+    assert "WARNING" in err and "step_00000012" in err
+
+    new_events = events(run)[n_events:]
+    assert (new_events[0]["event"], new_events[0]["step"]) == ("resume", 8)
+    assert summary["step"] == 12
+    la, lr = losses(resume_runs["A"]), losses(run)
+    for s in range(9, 13):  # retrained from step 8: the same losses as the original run
+        assert lr[s] == la[s], s
+    # the damaged step-12 checkpoint was replaced by a good one, equal to the original run's
+    cfg = resume_cfg(data_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)
+        step, state = load_state(run, cfg)
+    assert step == 12
+    assert_trees_equal(state, load_state(resume_runs["A"], cfg, 12)[1])
+
+
+def test_changing_a_non_resumable_field_is_refused(resume_runs, data_dir):  # noqa: F811
+    a = resume_runs["A"]
+    saved = (a / "config.yaml").read_text()
+    n_lines = len((a / "metrics.jsonl").read_text().splitlines())
+    bad = micro_config(data_dir, optim=RESUME["optim"], train=RESUME["train"],
+                       model={"d_model": 64})
+    with pytest.raises(ConfigError) as e:
+        train(bad, a, verbose=False, sample_prompt=None)
+    msg = str(e.value)
+    assert msg.startswith("model.d_model:")
+    assert "32" in msg and "64" in msg and str(a) in msg
+    # nothing in the run folder was touched
+    assert (a / "config.yaml").read_text() == saved
+    assert len((a / "metrics.jsonl").read_text().splitlines()) == n_lines
+
+    for section, field, value in (("optim", "lr", 0.02), ("data", "seed", 3),
+                                  ("optim", "schedule_steps", 24), ("train", "seed", 1),
+                                  ("data", "mixture", {"prose": 1.0})):
+        d = micro_dict(data_dir, optim=RESUME["optim"], train=RESUME["train"])
+        d[section][field] = value
+        with pytest.raises(ConfigError, match=rf"^{section}\.{field}:"):
+            resolve_run_config(config_from_dict(d), a)
+
+
+def test_resumable_fields_may_change(resume_runs, data_dir):  # noqa: F811
+    cfg = resume_cfg(data_dir, steps=40, log_every=5, eval_every=7, ckpt_every=9, keep_ckpts=2,
+                     eval_tokens=128, peak_flops=2e12, wandb=True, wandb_project="other")
+    assert resolve_run_config(cfg, resume_runs["A"]) == cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# SIGTERM in a `moelab train` subprocess, then resume
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_matches_a_reference(data_dir, tmp_path):  # noqa: F811
+    cfg_dict = micro_dict(data_dir, optim=RESUME["optim"],
+                          train={"steps": 100_000, "ckpt_every": 1000})
+    cfg_yaml = write_config_yaml(tmp_path / "sigterm.yaml", cfg_dict)
+    run = tmp_path / "runs" / "interrupted"
+    out, err = open(tmp_path / "stdout.txt", "w"), open(tmp_path / "stderr.txt", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moelab.cli", "train", str(cfg_yaml), "--run-dir", str(run)],
+        cwd=tmp_path, env=subprocess_env(), stdout=out, stderr=err)
+    try:
+        deadline = time.time() + 240
+        while True:
+            recs, _ = read_metrics(run / "metrics.jsonl")
+            if recs and recs[-1]["step"] >= 3:
+                break
+            assert proc.poll() is None, (tmp_path / "stderr.txt").read_text()[-3000:]
+            assert time.time() < deadline, "the training subprocess never reached step 3"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        out.close()
+        err.close()
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert rc == 143, stderr[-3000:]
+    assert "SIGTERM received" in stderr
+
+    summary = json.loads((run / "summary.json").read_text())
+    stop = summary["step"]
+    assert summary["interrupted"] == "SIGTERM"
+    assert 3 <= stop < 100_000
+    ckpts = Checkpointer(run / "checkpoints").steps()
+    assert ckpts[-1] == stop and all(c % 1000 == 0 for c in ckpts[:-1])  # ckpt_every=1000
+    evs = events(run)
+    assert (evs[-1]["event"], evs[-1]["step"], evs[-1]["signal"]) == ("interrupted", stop,
+                                                                     "SIGTERM")
+    assert not any(e["event"] == "finished" for e in evs)
+    assert max(losses(run)) == stop  # the step it stopped at was logged
+    assert "stopped by SIGTERM" in (tmp_path / "stdout.txt").read_text()
+
+    # resume in-process to stop+3 (train.steps may change on resume) and compare with a
+    # reference run of the same config that was never interrupted
+    end = stop + 3
+    cfg = resume_cfg(data_dir, steps=end, ckpt_every=1000)
+    resumed = quiet_train(cfg, run)
+    assert resumed["step"] == end and resumed["interrupted"] is None
+    assert [(e["event"], e["step"]) for e in events(run)][-2:] == [("resume", stop),
+                                                                   ("finished", end)]
+    ref = tmp_path / "reference"
+    quiet_train(cfg, ref)
+    got, want = losses(run), losses(ref)
+    assert sorted(got) == sorted(want) == list(range(1, end + 1))
+    for s in range(stop + 1, end + 1):
+        assert got[s] == want[s], (s, got[s], want[s])
+    for s in range(1, stop + 1):  # the interrupted process trained the same steps, too
+        assert got[s] == want[s], (s, got[s], want[s])
+    assert_trees_equal(load_state(run, cfg)[1], load_state(ref, cfg)[1])
+
+
+# ---------------------------------------------------------------------------------------------
+# W&B (offline)
+
+
+def test_wandb_offline_run_is_written_inside_the_run_dir(data_dir, tmp_path, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home" / var.lower()))
+    run = tmp_path / "wb_run"
+    summary = quiet_train(resume_cfg(data_dir, steps=2, wandb=True), run)
+    assert summary["step"] == 2
+    offline = sorted((run / "wandb").glob("offline-run-*"))
+    assert offline, sorted(p.name for p in run.rglob("*"))[:50]
+    assert list(offline[0].glob("*.wandb")), sorted(p.name for p in offline[0].iterdir())
+    assert sorted(losses(run)) == [1, 2]  # the JSONL log is still written
+
+
+def test_extending_train_steps_does_not_silently_change_the_schedule(data_dir, tmp_path):  # noqa: F811
+    """With optim.schedule_steps=0 the LR schedule length *is* train.steps. train.steps counts
+    as resumable ("does not change what is being trained"), so resuming a 6-step run with
+    train.steps=12 must either keep the 6-step schedule the run was trained with, or refuse;
+    silently re-timing the schedule makes the LR jump back up mid-run."""
+    from moelab.config import save_config
+
+    first = micro_config(data_dir, optim={"schedule_steps": 0, "warmup_steps": 0},
+                         train={"steps": 6})
+    assert first.optim.schedule_steps == 0 and first.schedule_steps == 6
+    save_config(first, tmp_path / "config.yaml")  # what train() leaves in the run folder
+    longer = micro_config(data_dir, optim={"schedule_steps": 0, "warmup_steps": 0},
+                          train={"steps": 12})
+    try:
+        resolved = resolve_run_config(longer, tmp_path)
+    except ConfigError as e:
+        assert "schedule" in str(e) or "train.steps" in str(e)
+    else:
+        assert resolved.schedule_steps == 6, (
+            f"resume re-timed the LR schedule from 6 to {resolved.schedule_steps} steps")
