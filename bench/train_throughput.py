@@ -42,7 +42,9 @@ def measure(preset: str, steps: int, overrides: list[str]) -> dict:
     tokens = d.batch_size * d.seq_len
     fpt = train_flops_per_token(m, d.seq_len)
     counts = param_counts(m)
-    return {"preset": preset, "params_total": counts["total"], "params_active": counts["active"],
+    stats = jax.devices()[0].memory_stats() or {}
+    return {"preset": preset, "seq_len": d.seq_len, "batch": d.batch_size,
+            "peak_mem_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None, "params_total": counts["total"], "params_active": counts["active"],
             "tokens_per_step": tokens, "step_s": dt, "tokens_per_s": tokens / dt,
             "flops_per_token": fpt, "model_flops_per_s": fpt * tokens / dt,
             "compile_s": compile_s, "moe_impl": m.moe_impl, "dtype": m.compute_dtype}
@@ -52,20 +54,28 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
     ap.add_argument("--steps", type=int, default=5, help="timed steps per preset (after compile)")
+    ap.add_argument("--peak-dtype", default=None,
+                    help="dtype of the peak matmul (default: float32 on CPU, bfloat16 elsewhere)")
+    ap.add_argument("--name", default="train_throughput", help="results file name")
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every preset")
     args = ap.parse_args()
-    peak = max(measure_peak_flops(n) for n in (1024, 2048, 4096))
-    rows = [measure(p, args.steps, args.overrides) for p in args.presets]
-    for r in rows:
-        r["mfu"] = r["model_flops_per_s"] / peak
+    cpu = jax.default_backend() == "cpu"
+    dtype = args.peak_dtype or ("float32" if cpu else "bfloat16")
+    sizes = (1024, 2048, 4096) if cpu else (4096, 8192)
+    peak = max(measure_peak_flops(n, dtype=dtype) for n in sizes)
     print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); measured matmul peak "
-          f"{peak / 1e9:.1f} GFLOP/s (best of 1024/2048/4096 float32 square matmuls)")
+          f"{peak / 1e9:.1f} GFLOP/s (best {dtype} square matmul of sizes {sizes})", flush=True)
+    rows = []
+    for p in args.presets:  # results are saved after each preset, so a cut-off run keeps some
+        r = measure(p, args.steps, args.overrides)
+        r["mfu"] = r["model_flops_per_s"] / peak
+        rows.append(r)
+        save(args.name, rows, peak_flops=peak, peak_dtype=dtype, overrides=args.overrides)
     print_table(rows, [("preset", "preset", "s"), ("params_active", "active params", ",d"),
                        ("tokens_per_step", "tokens/step", ",d"), ("step_s", "step s", ".3f"),
                        ("tokens_per_s", "tokens/s", ",.0f"),
                        ("model_flops_per_s", "model FLOP/s", ".3e"), ("mfu", "MFU", ".1%"),
-                       ("compile_s", "compile s", ".1f")])
-    save("train_throughput", rows, peak_flops=peak)
+                       ("peak_mem_gib", "peak GiB", ".1f"), ("compile_s", "compile s", ".1f")])
 
 
 if __name__ == "__main__":
