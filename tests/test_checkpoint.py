@@ -381,3 +381,14 @@ def test_failed_overwrite_keeps_previous(tmp_path, monkeypatch):
     got, meta = ck.restore(1, {"w": np.ones(6, np.float32)})
     assert meta == {"v": 1}
     assert_tree_exact(got, s1)
+
+
+def test_relative_checkpoint_dir_works(tmp_path, monkeypatch):
+    """`moelab train --run-dir runs/x` passes a relative path; orbax needs absolute ones."""
+    monkeypatch.chdir(tmp_path)
+    ck = Checkpointer("runs/x/checkpoints", keep=2)
+    state = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    ck.save(3, state, {"step": 3})
+    step, got, meta = ck.restore_latest(state)
+    assert step == 3 and meta == {"step": 3}
+    np.testing.assert_array_equal(got["w"], state["w"])

@@ -178,18 +178,59 @@ class TrainConfig:
         _require(self.peak_flops >= 0, f"{p}.peak_flops", "must be >= 0 (0 = measure)")
 
 
+TRANSPORTS = ("pooled_wave", "expert_cells", "ragged", "waterfill")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Devices, the one mesh (data x expert) and the expert-parallel transport."""
+
+    devices: int = 1  # devices to train on; 0 = all visible devices
+    expert: int = 1  # expert-parallel degree (the mesh's "expert" axis); data = devices / expert
+    transport: str = "pooled_wave"  # used whenever the mesh has more than one device
+    capacity_factor: float = 1.25  # expert_cells: rows per (sender, expert); waterfill: per expert
+    sender_cf: float = 1.10  # pooled_wave: rows per (sender, destination rank) per wave
+    receiver_cf: float = 1.15  # pooled_wave: rows per local expert per wave
+    waves: int = 3  # pooled_wave: sequential waves; local experts must divide into them
+    ragged_impl: str = "auto"  # ragged/waterfill: auto | native (ragged_all_to_all) | emulated
+
+    def validate(self, p: str = "parallel") -> None:
+        _require(self.devices >= 0, f"{p}.devices", "must be >= 0 (0 = all visible devices)")
+        _require(self.expert >= 1, f"{p}.expert", "must be >= 1")
+        _require(self.devices == 0 or self.devices % self.expert == 0, f"{p}.expert",
+                 f"must divide parallel.devices={self.devices}")
+        _require(self.transport in TRANSPORTS, f"{p}.transport",
+                 f"must be one of {', '.join(TRANSPORTS)}")
+        for name in ("capacity_factor", "sender_cf", "receiver_cf"):
+            _require(getattr(self, name) > 0, f"{p}.{name}", "must be > 0")
+        _require(self.waves >= 1, f"{p}.waves", "must be >= 1")
+        _require(self.ragged_impl in ("auto", "native", "emulated"), f"{p}.ragged_impl",
+                 "must be auto, native or emulated")
+
+
 @dataclass(frozen=True)
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def validate(self) -> "RunConfig":
         self.model.validate()
         self.data.validate()
         self.optim.validate()
         self.train.validate()
+        self.parallel.validate()
+        par, m = self.parallel, self.model
+        _require(m.n_experts % par.expert == 0, "parallel.expert",
+                 f"must divide model.n_experts={m.n_experts} (each rank holds n_experts/expert)")
+        _require(par.devices == 0 or self.data.batch_size % par.devices == 0, "data.batch_size",
+                 f"must be divisible by parallel.devices={par.devices} (each device gets rows)")
+        local = m.n_experts // par.expert
+        uses_transport = par.devices != 1 and par.transport == "pooled_wave"
+        _require(not uses_transport or local % par.waves == 0, "parallel.waves",
+                 f"must divide the local expert count n_experts/expert={local} (pooled_wave)")
         _require(self.warmup_steps <= self.schedule_steps, "optim.warmup_steps",
                  f"must be <= the schedule length ({self.schedule_steps} steps)")
         return self

@@ -110,8 +110,9 @@ def routed_experts(x_NH, expert_NK, weight_NK, w, cfg: ModelConfig, impl: str | 
 def moe_branch(p: dict, x_ND, bias_E, cfg: ModelConfig, valid_N=None, experts_fn=None):
     """The whole MoE branch on flattened tokens [N, D]. Returns (output [N, D], Routing).
 
-    ``experts_fn(z_NH, expert_NK, weight_NK, weights)`` replaces the single-device routed-expert
-    compute (expert-parallel transports plug in here).
+    ``experts_fn(z_NH, expert_NK, weight_NK, weights, valid_NK) -> (out_NH, counts)`` replaces
+    the single-device routed-expert compute: expert-parallel transports plug in here and report
+    int32 assignment/drop counts (per device), which land summed in ``Routing.drops``.
     """
     logits = jnp.dot(x_ND.astype(jnp.float32), p["router"].astype(jnp.float32))
     r: Routing = route(logits, bias_E, cfg, valid_N)
@@ -122,10 +123,18 @@ def moe_branch(p: dict, x_ND, bias_E, cfg: ModelConfig, valid_N=None, experts_fn
     if cfg.use_latent:
         z = rms_norm(x_ND @ p["lat_down"], p["lat_norm"], cfg.norm_eps)
     ew = {"w_gate": p["w_gate"], "w_up": p["w_up"], "w_down": p["w_down"]}
+    valid_NK = jnp.ones(r.expert_NK.shape, bool)
+    if valid_N is not None:
+        valid_NK = valid_NK & valid_N[:, None].astype(bool)
     if experts_fn is None:
         routed = routed_experts(z, r.expert_NK, weight, ew, cfg)
+        zero = jnp.zeros((), jnp.int32)
+        counts = {"assignments": jnp.sum(valid_NK, dtype=jnp.int32), "sender_dropped": zero,
+                  "receiver_dropped": zero}
     else:
-        routed = experts_fn(z, r.expert_NK, weight, ew)
+        routed, per_device = experts_fn(z, r.expert_NK, weight, ew, valid_NK)
+        counts = {k: jnp.sum(v, dtype=jnp.int32) for k, v in per_device.items()}
+    r = r._replace(drops=counts)
     if cfg.use_latent:
         routed = routed @ p["lat_up"]
     out = routed

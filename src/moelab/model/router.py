@@ -27,6 +27,9 @@ class Routing(NamedTuple):
     aux_loss: jax.Array  # load-balance loss (computed for both rules; in the loss only for softmax)
     z_loss: jax.Array  # router z-loss: mean logsumexp(logits)^2
     entropy: jax.Array  # mean per-token entropy of softmax(logits), nats
+    # int32 assignment and drop counts {"assignments", "sender_dropped", "receiver_dropped"};
+    # filled in by the MoE branch (all dropless paths report zero drops)
+    drops: dict | None = None
 
 
 def route(logits_NE, bias_E, cfg: ModelConfig, valid_N=None) -> Routing:

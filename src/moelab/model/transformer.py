@@ -113,7 +113,7 @@ def lm_loss(params, state, tokens_B1T, cfg: ModelConfig, valid_BT=None, experts_
     if cfg.router == "softmax_aux":
         loss = loss + cfg.aux_loss_coef * aux
     stats = {"ce": ce, "logit_z": logit_z, "aux_loss": aux, "router_z": router_z,
-             "load_LE": r.load_E, "entropy_L": r.entropy}
+             "load_LE": r.load_E, "entropy_L": r.entropy, "drops_L": r.drops}
     return loss, stats
 
 

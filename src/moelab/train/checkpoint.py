@@ -120,7 +120,7 @@ class Checkpointer:
     def __init__(self, ckpt_dir: Path | str, keep: int = 3, *, verify: bool = True):
         if int(keep) < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.dir = Path(ckpt_dir)
+        self.dir = Path(ckpt_dir).absolute()  # orbax requires absolute paths
         self.keep = int(keep)
         self.verify = verify
         self._ocp: ocp.Checkpointer | None = None

@@ -37,14 +37,15 @@ from moelab.generate import make_sampler
 from moelab.provenance import provenance
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.peak import measure_peak_flops
-from moelab.train.step import init_train_state, make_eval_step, make_train_step
+from moelab.parallel.mesh import mesh_from_config, shard_batch, state_shardings
+from moelab.train.step import init_train_state, make_eval_step, make_train_step, transport_fns
 from moelab.train.tracker import JsonlTracker, Trackers, WandbTracker
 from moelab.util import atomic_write_bytes, atomic_write_json, info
 
 # Fields that may change when a run is resumed: they do not change what is being trained.
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.ckpt_every",
                      "train.keep_ckpts", "train.eval_tokens", "train.peak_flops", "train.wandb",
-                     "train.wandb_project"}
+                     "train.wandb_project", "parallel.devices", "parallel.expert"}
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -80,7 +81,8 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     return cfg
 
 
-def _domain_eval(eval_fn, params, model_state, windows: np.ndarray, batch: int) -> float:
+def _domain_eval(eval_fn, params, model_state, windows: np.ndarray, batch: int,
+                 put=jnp.asarray) -> float:
     """Mean next-token loss (nats) over all windows, in fixed-size batches (one compilation)."""
     total, n = 0.0, 0
     for i in range(0, len(windows), batch):
@@ -89,12 +91,13 @@ def _domain_eval(eval_fn, params, model_state, windows: np.ndarray, batch: int) 
         valid[: len(chunk)] = True
         if len(chunk) < batch:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - len(chunk), 0)])
-        total += float(eval_fn(params, model_state, jnp.asarray(chunk), jnp.asarray(valid)))
+        total += float(eval_fn(params, model_state, put(chunk), put(valid)))
         n += int(valid.sum()) * (windows.shape[1] - 1)
     return total / max(n, 1)
 
 
-def evaluate(cfg: RunConfig, eval_fn, state: dict, store: TokenStore, max_tokens: int) -> dict:
+def evaluate(cfg: RunConfig, eval_fn, state: dict, store: TokenStore, max_tokens: int,
+             put=jnp.asarray) -> dict:
     """Held-out loss and bits per byte per domain."""
     out = {}
     for domain in store.domains("heldout"):
@@ -102,7 +105,7 @@ def evaluate(cfg: RunConfig, eval_fn, state: dict, store: TokenStore, max_tokens
             continue  # too short for one window at this sequence length
         windows, bytes_per_token = eval_windows(store, domain, cfg.data.seq_len, max_tokens)
         loss = _domain_eval(eval_fn, state["params"], state["model_state"], windows,
-                            cfg.data.batch_size)
+                            cfg.data.batch_size, put)
         out[f"eval/{domain}/loss"] = loss
         out[f"eval/{domain}/bpb"] = loss / math.log(2) / bytes_per_token
     return out
@@ -163,7 +166,11 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
                              batch_size=cfg.data.batch_size, mixture=cfg.data.mixture or None,
                              seed=cfg.data.seed)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
+    mesh = mesh_from_config(cfg.parallel)
     state = init_train_state(cfg, jax.random.PRNGKey(cfg.train.seed))
+    if mesh is not None:  # restore lands in the target's shardings
+        state = jax.device_put(state, state_shardings(mesh, state))
+    put_batch = (lambda b: jnp.asarray(b)) if mesh is None else (lambda b: shard_batch(b, mesh))
     restored = ckpt.restore_latest(state)
     start = 0
     if restored is not None:
@@ -183,8 +190,11 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
         f"per token; {tokens_per_step} tokens/step; {flops_per_token / 1e6:.1f} MFLOP/token; "
         f"peak {peak / 1e9:.0f} GFLOP/s")
 
-    step_fn = make_train_step(cfg)
-    eval_fn = make_eval_step(cfg)
+    train_experts, eval_experts = transport_fns(cfg, mesh)
+    step_fn = make_train_step(cfg, train_experts)
+    eval_fn = make_eval_step(cfg, eval_experts)
+    if mesh is not None:
+        say(f"mesh: {dict(mesh.shape)}; transport {cfg.parallel.transport} (evaluation: dropless)")
     steps = cfg.train.steps
     metrics: dict = {}
     evals: dict = {}
@@ -199,7 +209,7 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
     with _StopFlag() as flag:
         step = start
         while step < steps:
-            state, m = step_fn(state, jnp.asarray(sampler.batch(step)))
+            state, m = step_fn(state, put_batch(sampler.batch(step)))
             step += 1
             if timing["t_first"] is None:  # exclude compilation from throughput
                 jax.block_until_ready(m)
@@ -223,7 +233,7 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
                     f"{rate:,.0f} tok/s | MFU {100 * metrics['throughput/mfu']:.1f}% | "
                     f"ETA {_fmt_time(eta) if rate else '?'}")
             if step % cfg.train.eval_every == 0 and step < steps and not flag.signal:
-                evals = evaluate(cfg, eval_fn, state, store, cfg.train.eval_tokens)
+                evals = evaluate(cfg, eval_fn, state, store, cfg.train.eval_tokens, put_batch)
                 trackers.log(step, evals)
                 say("  eval " + "  ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in evals.items()
                                           if k.endswith("/bpb")) + " bits/byte")
@@ -243,7 +253,7 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
     summary.update({k: metrics.get(k) for k in ("train/loss", "throughput/tokens_per_s",
                                                  "throughput/mfu")})
     if stop_signal is None:
-        evals = evaluate(cfg, eval_fn, state, store, cfg.train.eval_tokens)
+        evals = evaluate(cfg, eval_fn, state, store, cfg.train.eval_tokens, put_batch)
         trackers.log(step, evals)
         summary.update(evals)
         if "prose" in store.domains("heldout"):

@@ -22,17 +22,49 @@ def init_train_state(cfg: RunConfig, key) -> dict:
             "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(rkey)}
 
 
+def _fraction(num, den):
+    return num.astype(jnp.float32) / jnp.maximum(den.astype(jnp.float32), 1.0)
+
+
 def router_metrics(stats: dict, prefix: str = "moe") -> dict:
-    """Per-layer expert load max/mean and routing entropy, plus their means over layers."""
+    """Per layer and overall: expert load max/mean, routing entropy, and the drop fractions
+    (sender, receiver, total) from the transports' exact counts. Overall fractions are summed
+    counts over summed assignments, not means of per-layer fractions."""
     load = stats["load_LE"]
     ratio = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
+    d = stats["drops_L"]
+    total_L = d["sender_dropped"] + d["receiver_dropped"]
+    n = jnp.sum(d["assignments"])
     out = {f"{prefix}/load_max_over_mean": jnp.mean(ratio),
            f"{prefix}/routing_entropy": jnp.mean(stats["entropy_L"]),
-           f"{prefix}/drop_fraction": stats.get("drop_fraction", jnp.float32(0.0))}
+           f"{prefix}/drop_fraction": _fraction(jnp.sum(total_L), n),
+           f"{prefix}/sender_drop_fraction": _fraction(jnp.sum(d["sender_dropped"]), n),
+           f"{prefix}/receiver_drop_fraction": _fraction(jnp.sum(d["receiver_dropped"]), n)}
     for i in range(load.shape[0]):
         out[f"{prefix}/layer_{i}/load_max_over_mean"] = ratio[i]
         out[f"{prefix}/layer_{i}/routing_entropy"] = stats["entropy_L"][i]
+        out[f"{prefix}/layer_{i}/drop_fraction"] = _fraction(total_L[i], d["assignments"][i])
+        out[f"{prefix}/layer_{i}/sender_drop_fraction"] = _fraction(d["sender_dropped"][i],
+                                                                    d["assignments"][i])
+        out[f"{prefix}/layer_{i}/receiver_drop_fraction"] = _fraction(d["receiver_dropped"][i],
+                                                                      d["assignments"][i])
     return out
+
+
+def transport_fns(cfg: RunConfig, mesh):
+    """(train experts_fn, eval experts_fn) for a mesh: the configured transport for training,
+    the dropless ragged one for evaluation (the loss the model has without drops).
+    None, None on a single device (the local MoE kernel is dropless)."""
+    if mesh is None:
+        return None, None
+    from moelab.parallel.transport import TransportConfig, make_transport_fn
+
+    par = cfg.parallel
+    tc = TransportConfig(par.transport, capacity_factor=par.capacity_factor,
+                         sender_cf=par.sender_cf, receiver_cf=par.receiver_cf, waves=par.waves,
+                         ragged_impl=par.ragged_impl)
+    dropless = TransportConfig("ragged", ragged_impl=par.ragged_impl)
+    return make_transport_fn(mesh, tc), make_transport_fn(mesh, dropless)
 
 
 def make_train_step(cfg: RunConfig, experts_fn=None) -> Callable:
@@ -63,12 +95,13 @@ def make_train_step(cfg: RunConfig, experts_fn=None) -> Callable:
     return jax.jit(step_fn, donate_argnums=0)
 
 
-def make_eval_step(cfg: RunConfig) -> Callable:
+def make_eval_step(cfg: RunConfig, experts_fn=None) -> Callable:
     """Summed next-token loss (nats) over the valid rows of a batch of windows [B, T+1]."""
     mcfg = cfg.model
 
     def eval_fn(params, model_state, batch_B1T, row_valid_B):
-        logits, _ = tr.forward(params, model_state, batch_B1T[:, :-1], mcfg)
+        logits, _ = tr.forward(params, model_state, batch_B1T[:, :-1], mcfg,
+                               experts_fn=experts_fn)
         lse = jax.nn.logsumexp(logits, axis=-1)
         tgt = jnp.take_along_axis(logits, batch_B1T[:, 1:, None], axis=-1)[..., 0]
         nll = jnp.sum(lse - tgt, axis=-1)

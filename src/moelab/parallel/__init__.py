@@ -1,0 +1,1 @@
+"""Expert parallelism: the one mesh (``mesh``) and the expert-parallel transports."""

@@ -1,0 +1,88 @@
+"""The one device mesh, axes ("data", "expert"), and the partition specs used with it.
+
+Tokens of a batch are sharded over both axes (every device holds its own tokens); routed-expert
+weights are sharded over "expert" on their leading E axis and replicated over "data". Each
+expert-parallel group is the set of devices that share a "data" index; collectives of the
+transports run over "expert" only. "expert" is the inner (fastest-varying) axis so an EP group
+is a run of neighbouring devices (on GPU hosts: the NVLink-local ones).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+DATA = "data"
+EXPERT = "expert"
+BATCH_AXES = (DATA, EXPERT)
+
+
+def make_mesh(data: int | None = None, expert: int = 1, devices=None) -> Mesh:
+    """Mesh [data, expert] over ``devices`` (default: all of jax.devices()).
+
+    ``data=None`` takes every device not used by ``expert``. Axis types are Auto so plain
+    ``jit`` + ``shard_map`` code works without explicit-sharding annotations.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if expert < 1 or n % expert:
+        raise ValueError(f"expert={expert}: must be a positive divisor of the device count ({n})")
+    if data is None:
+        data = n // expert
+    if data * expert != n:
+        raise ValueError(f"data={data} * expert={expert} must equal the device count ({n})")
+    grid = np.asarray(devices, dtype=object).reshape(data, expert)
+    return Mesh(grid, BATCH_AXES, axis_types=(AxisType.Auto, AxisType.Auto))
+
+
+def batch_spec(ndim: int = 2) -> P:
+    """Leading (token/batch) axis over ("data", "expert"); the rest replicated."""
+    return P(BATCH_AXES, *([None] * (ndim - 1)))
+
+
+def expert_weight_spec(ndim: int = 3) -> P:
+    """Routed-expert weights [E, ...]: E over "expert", replicated over "data"."""
+    return P(EXPERT, *([None] * (ndim - 1)))
+
+
+def per_device_spec() -> P:
+    """A vector with one entry per device (e.g. drop counts), ordered like the batch shards."""
+    return P(BATCH_AXES)
+
+
+def expert_weight_shardings(mesh: Mesh, weights: dict) -> dict:
+    return {k: NamedSharding(mesh, expert_weight_spec(v.ndim)) for k, v in weights.items()}
+
+
+def shard_batch(x, mesh: Mesh):
+    return jax.device_put(x, NamedSharding(mesh, batch_spec(x.ndim)))
+
+
+def shard_expert_weights(weights: dict, mesh: Mesh) -> dict:
+    return jax.device_put(weights, expert_weight_shardings(mesh, weights))
+
+
+ROUTED_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+def state_shardings(mesh: Mesh, state):
+    """Shardings for a train state (params, optimizer moments, ...): routed-expert weights
+    [L, E, ...] (and their optimizer moments, which share their names) split over "expert";
+    everything else replicated."""
+    def one(path, leaf):
+        name = getattr(path[-1], "key", None) if path else None
+        if name in ROUTED_WEIGHTS and getattr(leaf, "ndim", 0) == 4:
+            return NamedSharding(mesh, P(None, EXPERT, None, None))
+        return NamedSharding(mesh, P())
+    return jax.tree_util.tree_map_with_path(one, state)
+
+
+def mesh_from_config(par) -> Mesh | None:
+    """The run's mesh from its ``ParallelConfig``; None for a plain single-device run."""
+    n = par.devices or len(jax.devices())
+    if n > len(jax.devices()):
+        raise ValueError(f"parallel.devices={par.devices}: only {len(jax.devices())} visible")
+    if n == 1:
+        return None
+    return make_mesh(expert=par.expert, devices=jax.devices()[:n])

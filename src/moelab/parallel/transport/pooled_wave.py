@@ -1,0 +1,110 @@
+"""Pooled-wave transport (TRANSPORT.md, "Pooled-wave"): one pool per destination rank shared by
+its E_l experts, dealt round-robin into W waves of identical shape, expert ids in-band as header
+rows, a sender limit (cf_s) and a receiver limit (cf_r) with drops counted separately.
+
+Per wave: dispatch all_to_all [S, M + P, H] -> receiver gate -> compact [E_l, R, H] -> SwiGLU ->
+expand -> return all_to_all [S, P, H] -> fp32 combine. Forward: 2W all_to_alls; gradient: 4W
+(the transposes), because the per-wave compute is rematerialised from the dispatched payload,
+which is kept, and the returned rows are kept for the combine.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from moelab.parallel.transport.common import (
+    TransportConfig, assignment_arrays, capacity, check_payload_dtype, combine_rows, decode_ids,
+    drop_stats, encode_ids, gather_rows, header_rows, invert, logical_capacity, rank_in_group,
+    swiglu_bank, token_of)
+
+
+def check_waves(n_local: int, waves: int) -> None:
+    if n_local % waves:
+        raise ValueError(f"pooled_wave: local experts E_l={n_local} must be divisible by "
+                         f"waves={waves}; change transport.waves or the expert-parallel degree")
+
+
+def sender_slots(dest_A, keep_valid_A, S: int, W: int):
+    """Striping: r = rank among this rank's valid assignments to the same destination (token
+    order); wave = r mod W, slot = r div W."""
+    r, _ = rank_in_group(jnp.where(keep_valid_A, dest_A, S), S)
+    return r % W, r // W
+
+
+def receiver_gate(ids_SP, n_local: int, R: int, R_logical):
+    """Which arrived rows each local expert keeps, and where they go in the compact bank.
+
+    Round-robin across sources: a row's turn q is its rank among its source's rows for the same
+    expert (slot order); rows are ranked by (q, source), so every source gets its turn before any
+    gets a second row and each source's kept rows are a prefix of what it sent.
+    Returns cpos [S*P] (compact row, or E_l*R when not kept) and the number dropped here.
+    """
+    S, P = ids_SP.shape
+    local = jnp.where(ids_SP > 0, ids_SP - 1, n_local).reshape(-1)  # n_local = empty slot
+    source = jnp.repeat(jnp.arange(S, dtype=jnp.int32), P)
+    turn, _ = rank_in_group(jnp.where(local < n_local, source * n_local + local, S * n_local),
+                            S * n_local)
+    rank, _ = rank_in_group(local, n_local, key_A=turn * S + source)
+    arrived = local < n_local
+    keep = arrived & (rank < R_logical)
+    cpos = jnp.where(keep, local * R + rank, n_local * R)
+    return cpos, jnp.sum(arrived) - jnp.sum(keep)
+
+
+@jax.checkpoint
+def wave_compute(x_arr_MH, cpos_M, csrc_C, w):
+    """Compact -> SwiGLU -> expand, rematerialised in the backward from the kept payload."""
+    n_local = w["w_gate"].shape[0]
+    x_c = gather_rows(x_arr_MH, csrc_C, cpos_M[:, None])
+    y_c = swiglu_bank(x_c.reshape(n_local, -1, x_c.shape[-1]), w)
+    y_c = y_c.reshape(-1, y_c.shape[-1]).astype(x_arr_MH.dtype)
+    return gather_rows(y_c, cpos_M, csrc_C[:, None])
+
+
+def pooled_wave(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: TransportConfig,
+                valid_TK=None, axis: str = "expert"):
+    """Per-rank pooled-wave transport; call inside shard_map over ``axis``.
+    Returns (out [T, H] in z's dtype, drop stats)."""
+    T, H = z_TH.shape
+    k = expert_TK.shape[1]
+    A = T * k
+    S = jax.lax.axis_size(axis)
+    E_l = n_experts // S
+    W = cfg.waves
+    check_waves(E_l, W)
+    check_payload_dtype(z_TH.dtype)
+    P = capacity(cfg.sender_cf, A, S * W)
+    R = capacity(cfg.receiver_cf, A, E_l * W)
+    M = header_rows(P, E_l, H)
+
+    expert_A, valid_A = assignment_arrays(expert_TK, valid_TK)
+    n_valid = jnp.sum(valid_A.astype(jnp.int32))
+    P_l = logical_capacity(cfg.sender_cf, n_valid, S * W, P)
+    R_l = logical_capacity(cfg.receiver_cf, jax.lax.psum(n_valid, axis), n_experts * W, R)
+
+    dest_A = expert_A // E_l
+    wave_A, slot_A = sender_slots(dest_A, valid_A, S, W)
+    sent_A = valid_A & (slot_A < P_l)
+    local_id_A = expert_A % E_l + 1  # 0 = empty slot
+
+    out = jnp.zeros((T, H), jnp.float32)
+    receiver_dropped = jnp.int32(0)
+    for w in range(W):
+        pos_A = jnp.where(sent_A & (wave_A == w), dest_A * P + slot_A, S * P)
+        src_M = invert(pos_A, S * P)
+        ids_SP = jnp.take(local_id_A, src_M, mode="fill", fill_value=0).reshape(S, P)
+        rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
+        payload = jnp.concatenate([encode_ids(ids_SP, E_l, H, z_TH.dtype),
+                                   rows.reshape(S, P, H)], axis=1)
+        arrived = jax.lax.all_to_all(payload, axis, 0, 0, tiled=True)  # [source, M + P, H]
+
+        cpos_M, dropped = receiver_gate(decode_ids(arrived[:, :M], P, E_l), E_l, R, R_l)
+        receiver_dropped = receiver_dropped + dropped
+        y_arr = wave_compute(arrived[:, M:].reshape(S * P, H), cpos_M, invert(cpos_M, E_l * R),
+                             w_local)
+        back = jax.lax.all_to_all(y_arr.reshape(S, P, H), axis, 0, 0, tiled=True)
+        out = out + combine_rows(back.reshape(S * P, H), weight_TK, pos_A.reshape(T, k), src_M)
+
+    stats = drop_stats(n_valid, n_valid - jnp.sum(sent_A), receiver_dropped)
+    return out.astype(z_TH.dtype), stats

@@ -1,0 +1,63 @@
+"""Training with expert parallelism on 8 fake CPU devices follows the single-device run."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import data_dir, micro_config  # noqa: F401  (session fixture)
+from moelab.train.loop import train
+from moelab.train.tracker import read_metrics
+
+STEPS = 5
+MODEL = {"n_experts": 8}
+DATA = {"batch_size": 8}
+
+
+def losses(run_dir):
+    records, _ = read_metrics(run_dir / "metrics.jsonl")
+    return {r["step"]: r for r in records if "train/loss" in r}
+
+
+def run(tmp_path, data_dir, name, **parallel):
+    if len(jax.devices()) < 8:
+        pytest.fail("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+                    "must be set before JAX is imported (tests/conftest.py does this)")
+    cfg = micro_config(data_dir, model=MODEL, data=DATA, train={"steps": STEPS},
+                       parallel=parallel)
+    train(cfg, tmp_path / name, verbose=False, sample_prompt=None)
+    return losses(tmp_path / name)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+    return run(tmp_path_factory.mktemp("ep1"), data_dir, "ep1")
+
+
+@pytest.mark.parametrize("parallel", [
+    {"devices": 8, "expert": 8, "transport": "ragged"},
+    {"devices": 8, "expert": 4, "transport": "pooled_wave", "waves": 2, "sender_cf": 8.0,
+     "receiver_cf": 8.0},
+    {"devices": 8, "expert": 2, "transport": "waterfill", "capacity_factor": 8.0},
+], ids=["ragged-ep8", "pooled_wave-ep4", "waterfill-ep2"])
+def test_expert_parallel_training_follows_single_device(tmp_path, data_dir, reference, parallel):
+    got = run(tmp_path, data_dir, "ep", **parallel)
+    assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))
+    for s in reference:
+        np.testing.assert_allclose(got[s]["train/loss"], reference[s]["train/loss"], rtol=2e-5)
+        np.testing.assert_allclose(got[s]["train/grad_norm"], reference[s]["train/grad_norm"],
+                                   rtol=1e-3)
+        assert got[s]["moe/drop_fraction"] == 0.0
+
+
+def test_pooled_wave_with_tight_capacity_reports_drops(tmp_path, data_dir, reference):
+    got = run(tmp_path, data_dir, "tight", devices=8, expert=4, transport="pooled_wave",
+              waves=2, sender_cf=0.6, receiver_cf=0.6)
+    last = got[STEPS]
+    assert last["moe/drop_fraction"] > 0
+    np.testing.assert_allclose(last["moe/drop_fraction"], last["moe/sender_drop_fraction"]
+                               + last["moe/receiver_drop_fraction"], rtol=1e-6)
+    per_layer = [last[f"moe/layer_{i}/drop_fraction"] for i in range(2)]
+    assert min(per_layer) > 0
+    assert abs(last["train/loss"] - reference[STEPS]["train/loss"]) > 1e-6  # drops change it

@@ -1,0 +1,442 @@
+"""Expert-parallel transports on 8 fake CPU devices against the dense reference (TRANSPORT.md
+invariants). Every test needs 8 devices and fails (never skips) without them.
+
+Shapes are tiny and jitted runners are cached per (config, EP) so compiles are shared.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+from moelab.config import ModelConfig
+from moelab.model.moe import experts_dense, moe_branch
+from moelab.parallel.mesh import make_mesh
+from moelab.parallel.transport import (
+    KINDS, TransportConfig, drop_fractions, drop_totals, make_transport_fn)
+from moelab.parallel.transport.common import (
+    capacity, check_payload_dtype, decode_ids, encode_ids, id_digits)
+from moelab.parallel.transport.drop_bench import skewed_routing
+
+N_DEV = 8
+T, H, I, E, K = 32, 16, 8, 24, 3  # per-device tokens, widths, experts, routes
+N = N_DEV * T
+EPS = (1, 2, 4, 8)
+
+
+def require_devices():
+    if len(jax.devices()) < N_DEV:
+        pytest.fail(f"needs {N_DEV} devices, found {len(jax.devices())}: set "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax "
+                    "(tests/conftest.py does this)")
+
+
+def big(kind: str, **kw) -> TransportConfig:
+    """Capacity large enough that nothing can drop."""
+    cf = float(E)
+    return TransportConfig(kind, capacity_factor=cf, sender_cf=cf, receiver_cf=cf, **kw)
+
+
+def random_inputs(seed=0, n=N, e=E, k=K, h=H, i=I, dtype=jnp.float32):
+    """Random tokens, distinct experts per token, combine weights in [0.1, 1), expert weights."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape, scale=1.0: jnp.asarray(rng.standard_normal(shape) * scale, dtype)
+    return {"z": normal(n, h),
+            "expert": jnp.asarray(rng.permuted(np.tile(np.arange(e), (n, 1)), axis=1)[:, :k],
+                                  jnp.int32),
+            "weight": jnp.asarray(rng.uniform(0.1, 1.0, (n, k)), jnp.float32),
+            "w": {"w_gate": normal(e, h, i, scale=0.3), "w_up": normal(e, h, i, scale=0.3),
+                  "w_down": normal(e, i, h, scale=0.3)},
+            "g": normal(n, h)}
+
+
+@lru_cache(maxsize=None)
+def runner(cfg: TransportConfig, ep: int):
+    """jit(out, stats, grads wrt (z, combine weights, expert weights)) for one config and EP."""
+    require_devices()
+    fn = make_transport_fn(make_mesh(expert=ep), cfg)
+
+    @jax.jit
+    def run(z, expert, weight, w, g):
+        out, vjp, stats = jax.vjp(lambda z, wt, w: fn(z, expert, wt, w), z, weight, w,
+                                  has_aux=True)
+        return out, stats, vjp(g)
+
+    return run
+
+
+@jax.jit
+def dense_run(z, expert, weight, w, g):
+    out, vjp = jax.vjp(lambda z, wt, w: experts_dense(z, expert, wt, w), z, weight, w)
+    return out, vjp(g)
+
+
+def run(cfg, ep, d, expert=None):
+    expert = d["expert"] if expert is None else expert
+    return runner(cfg, ep)(d["z"], expert, d["weight"], d["w"], d["g"])
+
+
+def assert_close(a, b, tol=1e-5):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=tol, atol=tol)
+
+
+def masked_dense(d, expert, kept_NK):
+    """Dense reference with the kept mask applied; the combine-weight gradient is masked too
+    (a dropped weight has no effect on the output)."""
+    out, (dz, dwt, dw) = dense_run(d["z"], expert, d["weight"] * kept_NK, d["w"], d["g"])
+    return out, (dz, dwt * kept_NK, dw)
+
+
+DATA = random_inputs()
+
+
+# ----------------------------------------------------------------------------- parity
+
+@pytest.mark.parametrize("ep", EPS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_matches_dense_with_enough_capacity(kind, ep):
+    out, stats, grads = run(big(kind), ep, DATA)
+    ref_out, ref_grads = dense_run(DATA["z"], DATA["expert"], DATA["weight"], DATA["w"],
+                                   DATA["g"])
+    assert_close(out, ref_out)
+    assert_close(grads, ref_grads)
+    assert drop_totals(stats) == {"assignments": N * K, "sender_dropped": 0,
+                                  "receiver_dropped": 0, "dropped": 0}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dropless_results_identical_across_ep(kind):
+    results = [run(big(kind), ep, DATA) for ep in EPS]
+    out0, _, (dz0, dwt0, dw0) = results[0]
+    for out, _, (dz, dwt, dw) in results[1:]:
+        if kind == "pooled_wave":
+            # k > 2 routes of a token are summed in wave order, which depends on the striping
+            # (hence on EP): equal up to fp32 rounding of the reordered sum.
+            assert_close((out, dz, dwt), (out0, dz0, dwt0), tol=2e-6)
+        else:
+            for a, b in ((out, out0), (dz, dz0), (dwt, dwt0)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        # Expert-weight gradients are reduced over a different number of data-parallel shards.
+        assert_close(dw, dw0, tol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bit_identical_reruns(kind):
+    cfg = TransportConfig(kind, capacity_factor=1.0, sender_cf=1.0, receiver_cf=1.0)
+    first = jax.tree.map(np.asarray, run(cfg, 4, DATA))
+    again = jax.tree.map(np.asarray, run(cfg, 4, DATA))
+    for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- drop rules
+
+def blocks(expert_NK, ep):
+    """Per EP group, per source rank: that rank's [T, k] expert ids (batch order)."""
+    x = np.asarray(expert_NK).reshape(N_DEV // ep, ep, T, -1)
+    return [[x[g, s] for s in range(ep)] for g in range(N_DEV // ep)]
+
+
+def ref_pooled_wave_kept(expert_NK, ep, cfg):
+    """Literal re-implementation of the pooled-wave rule; returns the kept mask [N, k]."""
+    S, k, E_l, W = ep, expert_NK.shape[1], E // ep, cfg.waves
+    A = T * k
+    P, R = capacity(cfg.sender_cf, A, S * W), capacity(cfg.receiver_cf, A, E_l * W)
+    kept = []
+    for group in blocks(expert_NK, ep):
+        P_l = min(capacity(cfg.sender_cf, A, S * W), P)
+        R_l = min(capacity(cfg.receiver_cf, S * A, E * W), R)
+        keep = [np.zeros(A, bool) for _ in range(S)]
+        arrivals = {}  # (dest, wave, local) -> per source list of assignments, slot order
+        for s, ex in enumerate(group):
+            flat = ex.reshape(-1)
+            for d in range(S):
+                for r, a in enumerate(np.flatnonzero(flat // E_l == d)):
+                    if r // W < P_l:
+                        key = (d, r % W, flat[a] % E_l)
+                        arrivals.setdefault(key, [[] for _ in range(S)])[s].append(a)
+        for lists in arrivals.values():
+            taken, turn = 0, 0
+            while any(turn < len(x) for x in lists):
+                for s in range(S):
+                    if turn < len(lists[s]) and taken < R_l:
+                        keep[s][lists[s][turn]] = True
+                        taken += 1
+                turn += 1
+        kept += [x.reshape(T, k) for x in keep]
+    return np.concatenate(kept)
+
+
+def sender_drops_closed_form(expert_NK, ep, cfg):
+    """TRANSPORT.md step 2: sum over (source, destination) of max(0, n - W * P_logical)."""
+    E_l, W, A = E // ep, cfg.waves, T * expert_NK.shape[1]
+    P_l = capacity(cfg.sender_cf, A, ep * W)
+    return sum(max(0, int(np.sum(ex // E_l == d)) - W * P_l)
+               for group in blocks(expert_NK, ep) for ex in group for d in range(ep))
+
+
+def check_kept(cfg, ep, expert, kept):
+    """Output and gradients equal the dense reference with the kept mask; dropped assignments
+    contribute exactly zero (their combine-weight gradient is exactly 0)."""
+    out, stats, grads = run(cfg, ep, DATA, expert)
+    ref_out, ref_grads = masked_dense(DATA, expert, jnp.asarray(kept, jnp.float32))
+    assert_close(out, ref_out)
+    assert_close(grads, ref_grads)
+    dwt = np.asarray(grads[1])
+    assert np.all(dwt[~kept] == 0) and np.all(dwt[kept] != 0)
+    return drop_totals(stats)
+
+
+def test_pooled_wave_drop_attribution():
+    ep, cfg = 4, TransportConfig("pooled_wave", sender_cf=1.0, receiver_cf=0.9)
+    expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=1))
+    kept = ref_pooled_wave_kept(expert, ep, cfg)
+    totals = check_kept(cfg, ep, expert, kept)
+    sender = sender_drops_closed_form(expert, ep, cfg)
+    assert sender > 0 and totals["sender_dropped"] == sender
+    assert totals["receiver_dropped"] > 0
+    assert totals["dropped"] == N * K - kept.sum()
+    assert totals["assignments"] == N * K
+
+
+def test_expert_cells_drop_attribution():
+    ep, cf = 2, 1.0
+    cfg = TransportConfig("expert_cells", capacity_factor=cf)
+    expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=2))
+    c = capacity(cf, T * K, E)
+    kept = np.zeros((N, K), bool)
+    for b, ex in enumerate(np.asarray(expert).reshape(N_DEV, T * K)):
+        rank = np.array([np.sum(ex[:a] == ex[a]) for a in range(T * K)])
+        kept[b * T:(b + 1) * T] = (rank < c).reshape(T, K)
+    totals = check_kept(cfg, ep, expert, kept)
+    assert totals["sender_dropped"] == N * K - kept.sum() > 0
+    assert totals["receiver_dropped"] == 0
+
+
+def ref_waterfill_kept(expert_NK, ep, cf):
+    """Literal waterfilling: per group, min(count, cap), slack to overflowing experts in order,
+    then round-robin over sources, each source keeping a prefix of its rows."""
+    S, k, E_l = ep, expert_NK.shape[1], E // ep
+    kept = []
+    for group in blocks(expert_NK, ep):
+        flat = [ex.reshape(-1) for ex in group]
+        count = np.array([[np.sum(f == e) for e in range(E)] for f in flat])  # [S, E]
+        cap = min(capacity(cf, int(count.sum()), E), capacity(cf, T * k, E_l))
+        keep_e = np.minimum(count.sum(0), cap)
+        for g0 in range(0, E, E_l):
+            slack = E_l * cap - keep_e[g0:g0 + E_l].sum()
+            for e in range(g0, g0 + E_l):
+                extra = min(slack, count[:, e].sum() - keep_e[e])
+                keep_e[e] += extra
+                slack -= extra
+        share = np.zeros((S, E), int)
+        for e in range(E):
+            turn = 0
+            while share[:, e].sum() < keep_e[e]:
+                for s in range(S):
+                    if count[s, e] > turn and share[:, e].sum() < keep_e[e]:
+                        share[s, e] += 1
+                turn += 1
+        for s in range(S):
+            rank = np.array([np.sum(flat[s][:a] == flat[s][a]) for a in range(T * k)])
+            kept.append((rank < share[s, flat[s]]).reshape(T, k))
+    return np.concatenate(kept)
+
+
+def test_waterfill_acceptance():
+    ep, cf = 4, 1.0
+    expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=3))
+    kept = ref_waterfill_kept(expert, ep, cf)
+    totals = check_kept(TransportConfig("waterfill", capacity_factor=cf), ep, expert, kept)
+    assert totals["receiver_dropped"] == N * K - kept.sum() > 0
+    assert totals["sender_dropped"] == 0
+
+
+def oversubscribed_routing(counts_per_source):
+    """Expert 0 is route 0 of the first counts[s] tokens of each source; every other route is a
+    distinct random expert in 1..E-1."""
+    rng = np.random.default_rng(7)
+    ex = rng.permuted(np.tile(np.arange(1, E), (N, 1)), axis=1)[:, :K]
+    for b in range(N_DEV):
+        ex[b * T:b * T + counts_per_source[b % len(counts_per_source)], 0] = 0
+    return jnp.asarray(ex, jnp.int32)
+
+
+@pytest.mark.parametrize("kind", ["pooled_wave", "waterfill"])
+def test_receiver_fairness(kind):
+    """One expert oversubscribed by unequal sources: kept counts of the sources that were cut
+    differ by at most one, and each source keeps a prefix of its rows for that expert."""
+    ep, counts = 4, (30, 12, 5, 24)
+    cfg = TransportConfig(kind, capacity_factor=1.0, sender_cf=float(E), receiver_cf=3.0,
+                          waves=1)
+    expert = oversubscribed_routing(counts)
+    _, _, (_, dwt, _) = run(cfg, ep, DATA, expert)
+    kept = np.asarray(dwt)[:, 0] != 0  # route 0 is the expert-0 route on the first n tokens
+    for g in range(N_DEV // ep):
+        per_source = []
+        for s in range(ep):
+            b = g * ep + s
+            mine = kept[b * T:b * T + counts[s]]
+            n_kept = int(mine.sum())
+            assert np.all(mine[:n_kept]) and not np.any(mine[n_kept:]), "kept rows not a prefix"
+            per_source.append(n_kept)
+        cut = [n for n, c in zip(per_source, counts) if n < c]
+        assert cut, "expert 0 was not oversubscribed"
+        assert max(cut) - min(cut) <= 1
+        assert all(c <= max(cut) for n, c in zip(per_source, counts) if n == c)
+
+
+def test_waterfill_drops_less_than_pooled_wave():
+    """At equal capacity factors on a skewed routing (the full table: drop_bench)."""
+    require_devices()
+    expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=4))
+    cf, mesh = 1.1, make_mesh(expert=4)
+    drops = {}
+    for cfg in (TransportConfig("pooled_wave", sender_cf=cf, receiver_cf=cf),
+                TransportConfig("waterfill", capacity_factor=cf)):
+        _, stats = jax.jit(make_transport_fn(mesh, cfg))(DATA["z"], expert, DATA["weight"],
+                                                         DATA["w"])
+        drops[cfg.kind] = drop_totals(stats)["dropped"]
+    assert 0 < drops["waterfill"] < drops["pooled_wave"]
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def primitives(jaxpr, acc=None):
+    """(primitive name, first output dtype) for every equation, recursing into sub-jaxprs."""
+    acc = [] if acc is None else acc
+    for eqn in jaxpr.eqns:
+        acc.append((eqn.primitive.name, str(eqn.outvars[0].aval.dtype) if eqn.outvars else ""))
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    primitives(sub.jaxpr, acc)
+                elif isinstance(sub, jcore.Jaxpr):
+                    primitives(sub, acc)
+    return acc
+
+
+# Collectives per layer, from the design: each float exchange is transposed once in the
+# backward; the dispatched payload is kept, so no dispatch is repeated by the remat.
+# ragged/waterfill on CPU use the emulation: all_to_all for rows, ids and return.
+W = TransportConfig().waves
+EXPECTED = {"expert_cells": ({"all_to_all": 2}, {"all_to_all": 4}),
+            "pooled_wave": ({"all_to_all": 2 * W}, {"all_to_all": 4 * W}),
+            "ragged": ({"all_to_all": 3}, {"all_to_all": 5}),
+            "waterfill": ({"all_to_all": 3, "all_gather": 1}, {"all_to_all": 5, "all_gather": 1})}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_collective_counts_and_no_float_scatter_add(kind):
+    require_devices()
+    fn = make_transport_fn(make_mesh(expert=4), TransportConfig(kind))
+    f = lambda z, wt, w: fn(z, DATA["expert"], wt, w)[0]
+    args = (DATA["z"], DATA["weight"], DATA["w"])
+    fwd = primitives(jax.make_jaxpr(f)(*args).jaxpr)
+    grad = primitives(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a) * DATA["g"]),
+                                              argnums=(0, 1, 2)))(*args).jaxpr)
+    names = ("all_to_all", "all_gather", "ragged_all_to_all", "psum")
+    count = lambda prims: {n: c for n, c in Counter(p for p, _ in prims).items()
+                           if n in names[:3]}
+    assert (count(fwd), count(grad)) == EXPECTED[kind]
+    assert not [p for p, dt in grad if p == "scatter-add" and "float" in dt]
+
+
+# ----------------------------------------------------------------------------- ids, config
+
+@pytest.mark.parametrize("max_id", [6, 255, 256, 300, 70_000])
+def test_in_band_ids_are_exact_in_bf16(max_id):
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, max_id + 1, (3, 50)), jnp.int32)
+    ids = ids.at[0, 0].set(max_id)
+    header = encode_ids(ids, max_id, 16, jnp.bfloat16)
+    assert header.dtype == jnp.bfloat16 and id_digits(max_id) == (1 if max_id < 256 else
+                                                                    2 if max_id < 65536 else 3)
+    np.testing.assert_array_equal(np.asarray(decode_ids(header, 50, max_id)), np.asarray(ids))
+
+
+def test_payload_dtype_guard():
+    with pytest.raises(ValueError, match="payload dtype"):
+        check_payload_dtype(jnp.float8_e4m3fn)
+
+
+def test_pooled_wave_many_local_experts_bf16():
+    """E_l = 258 > 256 local experts with a bf16 payload: ids survive, outputs are right."""
+    require_devices()
+    e = 258
+    d = random_inputs(seed=5, e=e, k=2, i=4, dtype=jnp.bfloat16)
+    cfg = TransportConfig("pooled_wave", sender_cf=1.0, receiver_cf=float(e))
+    out, stats = jax.jit(make_transport_fn(make_mesh(expert=1), cfg))(
+        d["z"], d["expert"], d["weight"], d["w"])
+    # Reference per assignment: y = swiglu(z, w[e]) in float32 from the same bf16 inputs.
+    w32 = jax.tree.map(lambda a: a[d["expert"]].astype(jnp.float32), d["w"])  # [N, k, ...]
+    z32 = d["z"].astype(jnp.float32)
+    g = jnp.einsum("nh,nkhi->nki", z32, w32["w_gate"])
+    u = jnp.einsum("nh,nkhi->nki", z32, w32["w_up"])
+    y = jnp.einsum("nki,nkih->nkh", jax.nn.silu(g) * u, w32["w_down"])
+    ref = jnp.einsum("nkh,nk->nh", y, d["weight"])
+    assert drop_totals(stats)["dropped"] == 0
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2e-2,
+                               atol=2e-2)
+
+
+def test_waves_must_divide_local_experts():
+    require_devices()
+    fn = make_transport_fn(make_mesh(expert=8), TransportConfig("pooled_wave", waves=2))
+    with pytest.raises(ValueError, match="divisible by waves=2"):
+        jax.eval_shape(fn, DATA["z"], DATA["expert"], DATA["weight"], DATA["w"])
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="transport.kind"):
+        TransportConfig("cells").validate()
+    with pytest.raises(ValueError, match="transport.waves"):
+        TransportConfig(waves=0).validate()
+
+
+def test_padding_takes_no_capacity_and_experts_fn_plugs_in():
+    """Invalid (padding) assignments are not counted and do not consume capacity; the
+    transport plugs into moe_branch as its experts_fn."""
+    require_devices()
+    mesh = make_mesh(expert=2)
+    cfg = TransportConfig("pooled_wave", sender_cf=float(E), receiver_cf=float(E))
+    valid = jnp.asarray(np.arange(N)[:, None] % 4 != 3).repeat(K, axis=1)
+    args = (DATA["z"], DATA["expert"], DATA["weight"] * valid, DATA["w"])
+    out, stats = jax.jit(make_transport_fn(mesh, cfg))(*args, valid)
+    totals = drop_totals(stats)
+    assert totals["assignments"] == int(valid.sum()) and totals["dropped"] == 0
+    assert_close(out, experts_dense(*args))
+    fracs = drop_fractions(stats)
+    assert set(fracs) == {"drop_fraction", "sender_drop_fraction", "receiver_drop_fraction"}
+    # inside the MoE branch: same output as the single-device path, counts summed over devices
+    mcfg = ModelConfig(d_model=H, n_experts=E, top_k=K, expert_dim=I, n_shared=0)
+    p = {"router": jax.random.normal(jax.random.PRNGKey(11), (H, E)), **DATA["w"]}
+    local, r_local = moe_branch(p, DATA["z"], jnp.zeros(E), mcfg)
+    sharded, r = jax.jit(lambda p, z: moe_branch(p, z, jnp.zeros(E), mcfg,
+                                                 experts_fn=make_transport_fn(mesh, cfg)))(p, DATA["z"])
+    assert_close(sharded, local)
+    assert int(r.drops["assignments"]) == int(r_local.drops["assignments"]) == N * K
+
+
+@pytest.mark.parametrize("kind", ["ragged", "waterfill"])
+def test_native_ragged_path_traces(kind):
+    """XLA:CPU cannot run ragged_all_to_all, but the native path must trace and differentiate:
+    rows, ids and the return move by ragged_all_to_all; the two float ones are transposed."""
+    require_devices()
+    fn = make_transport_fn(make_mesh(expert=4), TransportConfig(kind, ragged_impl="native"))
+    f = lambda z, wt, w: fn(z, DATA["expert"], wt, w)[0]
+    args = (DATA["z"], DATA["weight"], DATA["w"])
+    fwd = Counter(primitives(jax.make_jaxpr(f)(*args).jaxpr))
+    grad = Counter(primitives(jax.make_jaxpr(
+        jax.grad(lambda *a: jnp.sum(f(*a) * DATA["g"]), argnums=(0, 1, 2)))(*args).jaxpr))
+    n = lambda c, name: sum(v for (p, dt), v in c.items() if p == name)
+    assert (n(fwd, "ragged_all_to_all"), n(fwd, "all_to_all"), n(fwd, "all_gather")) == (3, 0, 1)
+    # (JAX's transpose of ragged_all_to_all exchanges its int32 offsets with small all_to_alls.)
+    assert n(grad, "ragged_all_to_all") == 5
+    assert not [p for p, dt in grad if p == "all_to_all" and "float" in dt]
