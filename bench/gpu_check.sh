@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One prepared accelerator check: training MFU and peak memory of the GPU path (bf16 compute,
-# ragged_dot experts) for `small` and the d768 ladder rung, against the measured bf16 matmul peak.
+# the default blocks MoE kernel) for `small` and the d768 ladder rung, against the measured bf16
+# matmul peak.
 # Results: bench/results/gpu_*.json (copied to $OUT when set).
 set -u
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

@@ -508,12 +508,10 @@ def test_extending_train_steps_does_not_silently_change_the_schedule(data_dir, t
     as resumable ("does not change what is being trained"), so resuming a 6-step run with
     train.steps=12 must either keep the 6-step schedule the run was trained with, or refuse;
     silently re-timing the schedule makes the LR jump back up mid-run."""
-    from moelab.config import save_config
-
     first = micro_config(data_dir, optim={"schedule_steps": 0, "warmup_steps": 0},
                          train={"steps": 6})
     assert first.optim.schedule_steps == 0 and first.schedule_steps == 6
-    save_config(first, tmp_path / "config.yaml")  # what train() leaves in the run folder
+    quiet_train(first, tmp_path)  # leaves config.yaml and checkpoints in the run folder
     longer = micro_config(data_dir, optim={"schedule_steps": 0, "warmup_steps": 0},
                           train={"steps": 12})
     try:
@@ -523,3 +521,13 @@ def test_extending_train_steps_does_not_silently_change_the_schedule(data_dir, t
     else:
         assert resolved.schedule_steps == 6, (
             f"resume re-timed the LR schedule from 6 to {resolved.schedule_steps} steps")
+
+
+def test_a_run_folder_without_checkpoints_may_restart_with_another_config(data_dir, tmp_path):  # noqa: F811
+    """A first attempt that failed before any checkpoint trained nothing: a corrected config
+    (here another width) may reuse the folder instead of being refused."""
+    from moelab.config import save_config
+
+    save_config(micro_config(data_dir), tmp_path / "config.yaml")
+    wider = micro_config(data_dir, model={"d_model": 48})
+    assert resolve_run_config(wider, tmp_path).model.d_model == 48

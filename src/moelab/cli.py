@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError, CheckpointError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, CheckpointError, FloatingPointError) as e:
         print(f"moelab: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -82,7 +82,9 @@ def mesh_from_config(par) -> Mesh | None:
     """The run's mesh from its ``ParallelConfig``; None for a plain single-device run."""
     n = par.devices or len(jax.devices())
     if n > len(jax.devices()):
-        raise ValueError(f"parallel.devices={par.devices}: only {len(jax.devices())} visible")
+        raise ValueError(f"parallel.devices={par.devices}: only {len(jax.devices())} visible; "
+                         "use parallel.devices=0 for all of them (on CPU, more fake devices "
+                         "come from XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     if n == 1:
         return None
     return make_mesh(expert=par.expert, devices=jax.devices()[:n])

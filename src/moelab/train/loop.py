@@ -45,7 +45,11 @@ from moelab.util import atomic_write_bytes, atomic_write_json, info
 # Fields that may change when a run is resumed: they do not change what is being trained.
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.ckpt_every",
                      "train.keep_ckpts", "train.eval_tokens", "train.peak_flops", "train.wandb",
-                     "train.wandb_project", "parallel.devices", "parallel.expert"}
+                     "train.wandb_project", "parallel.devices", "parallel.expert",
+                     "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block"}
+
+
+FINAL_EVAL_CAP = 1_000_000  # held-out tokens per domain read by the end-of-run evaluation
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -60,9 +64,10 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 
 def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
-    """The config to use in ``run_dir``: the saved one, updated only where a resume allows."""
+    """The config to use in ``run_dir``: the saved one, updated only where a resume allows.
+    A folder without checkpoints has trained nothing yet, so any config may (re)start it."""
     saved_path = run_dir / "config.yaml"
-    if not saved_path.exists():
+    if not saved_path.exists() or not Checkpointer(run_dir / "checkpoints").steps():
         return cfg.with_frozen_schedule()
     saved = config_from_dict(yaml.safe_load(saved_path.read_text()))
     if cfg.optim.schedule_steps == 0:  # "follow train.steps" means the length it started with
@@ -76,8 +81,8 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     if bad:
         k = bad[0]
         raise ConfigError(f"{k}: {run_dir} was started with {old.get(k)!r}, now {new[k]!r}. A run "
-                          "folder trains one model: use a new --run-dir, or `moelab branch` / "
-                          "`moelab replan` to change a running schedule")
+                          "folder trains one model: use a new --run-dir (or drop the override "
+                          "to resume this run as it was configured)")
     return cfg
 
 
@@ -185,10 +190,11 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
     counts = param_counts(cfg.model)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
-    peak = cfg.train.peak_flops or measure_peak_flops()
+    n_dev = 1 if mesh is None else mesh.devices.size
+    peak = cfg.train.peak_flops or n_dev * measure_peak_flops(dtype=cfg.model.compute_dtype)
     say(f"model: {counts['total'] / 1e6:.2f}M parameters, {counts['active'] / 1e6:.2f}M active "
         f"per token; {tokens_per_step} tokens/step; {flops_per_token / 1e6:.1f} MFLOP/token; "
-        f"peak {peak / 1e9:.0f} GFLOP/s")
+        f"peak {peak / 1e9:.0f} GFLOP/s ({cfg.model.compute_dtype} matmul x {n_dev} device(s))")
 
     train_experts, eval_experts = transport_fns(cfg, mesh)
     step_fn = make_train_step(cfg, train_experts)
@@ -198,7 +204,7 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
     steps = cfg.train.steps
     metrics: dict = {}
     evals: dict = {}
-    timing = {"t_first": None, "step_first": None}
+    timing = {"t_first": None, "step_first": None, "paused": 0.0}
     t_run = time.time()
     stop_signal = None
 
@@ -206,68 +212,84 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
         ckpt.save(step, state, {"step": step, "data": sampler.state(), "config": cfg.to_dict(),
                                 "metrics": {k: float(v) for k, v in metrics.items()}})
 
-    with _StopFlag() as flag:
-        step = start
-        while step < steps:
-            state, m = step_fn(state, put_batch(sampler.batch(step)))
-            step += 1
-            if timing["t_first"] is None:  # exclude compilation from throughput
-                jax.block_until_ready(m)
-                timing["t_first"], timing["step_first"] = time.time(), step
-            if step % cfg.train.log_every == 0 or step == steps or flag.signal:
-                metrics = {k: float(v) for k, v in jax.device_get(m).items()}
-                now = time.time()
-                done = step - timing["step_first"]
-                rate = done * tokens_per_step / max(now - timing["t_first"], 1e-9) if done else 0.0
-                metrics["throughput/tokens_per_s"] = rate
-                metrics["throughput/mfu"] = rate * flops_per_token / peak
-                metrics["train/tokens"] = step * tokens_per_step
-                trackers.log(step, metrics)
-                if not math.isfinite(metrics["train/loss"]):
-                    trackers.event("diverged", step, loss=str(metrics["train/loss"]))
-                    raise FloatingPointError(f"loss is {metrics['train/loss']} at step {step}; "
-                                             "lower optim.lr or enable optim.clip_norm")
-                eta = (steps - step) * tokens_per_step / rate if rate else float("nan")
-                say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
-                    f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
-                    f"{rate:,.0f} tok/s | MFU {100 * metrics['throughput/mfu']:.1f}% | "
-                    f"ETA {_fmt_time(eta) if rate else '?'}")
-            if step % cfg.train.eval_every == 0 and step < steps and not flag.signal:
-                evals = evaluate(cfg, eval_fn, state, store, cfg.train.eval_tokens, put_batch)
-                trackers.log(step, evals)
-                say("  eval " + "  ".join(f"{k.split('/')[1]} {v:.3f}" for k, v in evals.items()
-                                          if k.endswith("/bpb")) + " bits/byte")
-            if flag.signal:
-                stop_signal = flag.signal
-                break
-            if step % cfg.train.ckpt_every == 0 and step < steps:
-                save(step)
-        if step > start or restored is None:
-            save(step)
+    def paused(fn, *args):
+        """Run evaluation or a save outside the throughput clock."""
+        t0 = time.time()
+        out = fn(*args)
+        timing["paused"] += time.time() - t0
+        return out
 
-    summary = {"run_dir": str(run_dir), "step": step, "steps": steps,
-               "interrupted": stop_signal, "config_hash": cfg.hash(),
-               "params_total": counts["total"], "params_active": counts["active"],
-               "tokens_trained": step * tokens_per_step,
-               "wall_time_s": time.time() - t_run, "peak_flops": peak}
-    summary.update({k: metrics.get(k) for k in ("train/loss", "throughput/tokens_per_s",
-                                                 "throughput/mfu")})
-    if stop_signal is None:
-        evals = evaluate(cfg, eval_fn, state, store, cfg.train.eval_tokens, put_batch)
-        trackers.log(step, evals)
-        summary.update(evals)
-        if "prose" in store.domains("heldout"):
-            summary["baseline/prose/gzip9_bpb"] = gzip_bpb(heldout_text(data.corpus_dir, "prose"))
-        if sample_prompt is not None:
-            sample = make_sampler(cfg.model, cfg.data.seq_len)
-            ids = encode_batch(tok, [sample_prompt])[0]
-            out = sample(state["params"], state["model_state"], ids, 60, seed=cfg.train.seed,
-                         stop_id=eos_id(tok))
-            summary["sample"] = sample_prompt + decode(tok, out)
-        trackers.event("finished", step)
-    else:
-        trackers.event("interrupted", step, signal=stop_signal)
-    trackers.close()
+    with _StopFlag() as flag:
+        try:
+            step = start
+            while step < steps:
+                state, m = step_fn(state, put_batch(sampler.batch(step)))
+                step += 1
+                if timing["t_first"] is None:  # exclude compilation from throughput
+                    jax.block_until_ready(m)
+                    timing["t_first"], timing["step_first"] = time.time(), step
+                if step % cfg.train.log_every == 0 or step == steps or flag.signal:
+                    metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+                    busy = time.time() - timing["t_first"] - timing["paused"]
+                    done = step - timing["step_first"]
+                    rate = done * tokens_per_step / max(busy, 1e-9) if done else 0.0
+                    metrics["throughput/tokens_per_s"] = rate
+                    metrics["throughput/mfu"] = rate * flops_per_token / peak
+                    metrics["train/tokens"] = step * tokens_per_step
+                    trackers.log(step, metrics)
+                    if not math.isfinite(metrics["train/loss"]):
+                        trackers.event("diverged", step, loss=str(metrics["train/loss"]))
+                        raise FloatingPointError(f"loss is {metrics['train/loss']} at step {step};"
+                                                 " lower optim.lr or enable optim.clip_norm")
+                    eta = (steps - step) * tokens_per_step / rate if rate else float("nan")
+                    say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
+                        f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
+                        f"{rate:,.0f} tok/s | MFU {100 * metrics['throughput/mfu']:.1f}% | "
+                        f"ETA {_fmt_time(eta) if rate else '?'}")
+                if step % cfg.train.eval_every == 0 and step < steps and not flag.signal:
+                    evals = paused(evaluate, cfg, eval_fn, state, store, cfg.train.eval_tokens,
+                                   put_batch)
+                    trackers.log(step, evals)
+                    say("  eval " + "  ".join(f"{k.split('/')[1]} {v:.3f}"
+                                              for k, v in evals.items() if k.endswith("/bpb"))
+                        + " bits/byte")
+                if flag.signal:
+                    stop_signal = flag.signal
+                    break
+                if step % cfg.train.ckpt_every == 0 and step < steps:
+                    paused(save, step)
+            if step > start or restored is None:
+                save(step)
+
+            summary = {"run_dir": str(run_dir), "step": step, "steps": steps,
+                       "interrupted": stop_signal, "config_hash": cfg.hash(),
+                       "params_total": counts["total"], "params_active": counts["active"],
+                       "tokens_trained": step * tokens_per_step,
+                       "wall_time_s": time.time() - t_run, "peak_flops": peak}
+            summary.update({k: metrics.get(k) for k in ("train/loss", "throughput/tokens_per_s",
+                                                         "throughput/mfu")})
+            if stop_signal is None:
+                # The final evaluation reads the whole held-out split (up to a cap), so the
+                # gzip baseline below is computed on the same text.
+                whole = max(store.n_tokens("heldout", d) for d in store.domains("heldout"))
+                evals = evaluate(cfg, eval_fn, state, store,
+                                 min(whole, max(cfg.train.eval_tokens, FINAL_EVAL_CAP)), put_batch)
+                trackers.log(step, evals)
+                summary.update(evals)
+                if "prose" in store.domains("heldout"):
+                    summary["baseline/prose/gzip9_bpb"] = gzip_bpb(
+                        heldout_text(data.corpus_dir, "prose"))
+                if sample_prompt is not None:
+                    sample = make_sampler(cfg.model, cfg.data.seq_len)
+                    ids = encode_batch(tok, [sample_prompt])[0]
+                    out = sample(state["params"], state["model_state"], ids, 60,
+                                 seed=cfg.train.seed, stop_id=eos_id(tok))
+                    summary["sample"] = sample_prompt + decode(tok, out)
+                trackers.event("finished", step)
+            else:
+                trackers.event("interrupted", step, signal=stop_signal)
+        finally:
+            trackers.close()
     atomic_write_json(run_dir / "summary.json", summary)
     return summary
 

@@ -59,11 +59,19 @@ def transport_fns(cfg: RunConfig, mesh):
         return None, None
     from moelab.parallel.transport import TransportConfig, make_transport_fn
 
+    from moelab.model.moe import resolve_impl
+    from moelab.parallel.mesh import EXPERT
+
     par = cfg.parallel
-    tc = TransportConfig(par.transport, capacity_factor=par.capacity_factor,
-                         sender_cf=par.sender_cf, receiver_cf=par.receiver_cf, waves=par.waves,
-                         ragged_impl=par.ragged_impl)
-    dropless = TransportConfig("ragged", ragged_impl=par.ragged_impl)
+    kernel = "ragged" if resolve_impl(cfg.model) == "ragged" else "blocks"
+    common = dict(ragged_impl=par.ragged_impl, kernel=kernel, block=cfg.model.moe_block)
+    dropless = TransportConfig("ragged", **common)
+    if mesh.shape[EXPERT] == 1:  # pure data parallelism: nothing travels, so nothing may drop
+        tc = dropless
+    else:
+        tc = TransportConfig(par.transport, capacity_factor=par.capacity_factor,
+                             sender_cf=par.sender_cf, receiver_cf=par.receiver_cf,
+                             waves=par.waves, **common)
     return make_transport_fn(mesh, tc), make_transport_fn(mesh, dropless)
 
 

@@ -28,6 +28,8 @@ class TransportConfig:
     receiver_cf: float = 1.15  # pooled_wave: rows per local expert per wave
     waves: int = 3  # pooled_wave: sequential waves (E_l must be divisible by it)
     ragged_impl: str = "auto"  # ragged/waterfill: "auto" | "native" | "emulated" (CPU)
+    kernel: str = "blocks"  # dropless expert compute: "blocks" (padded-block einsum) | "ragged"
+    block: int = 32  # rows per block of the blocks kernel
 
     def validate(self, p: str = "transport") -> "TransportConfig":
         if self.kind not in KINDS:
@@ -37,6 +39,8 @@ class TransportConfig:
                 raise ValueError(f"{p}.{name}: must be > 0")
         if self.waves < 1:
             raise ValueError(f"{p}.waves: must be >= 1")
+        if self.kernel not in ("blocks", "ragged") or self.block < 1:
+            raise ValueError(f"{p}.kernel/block: kernel must be 'blocks' or 'ragged', block >= 1")
         if self.ragged_impl not in ("auto", "native", "emulated"):
             raise ValueError(f"{p}.ragged_impl: must be 'auto', 'native' or 'emulated'")
         return self
@@ -159,18 +163,19 @@ def swiglu_bank(x_ERH, w):
     return jnp.einsum("eri,eih->erh", jax.nn.silu(g) * u, w["w_down"])
 
 
-def grouped_swiglu(x_RH, local_R, n_local: int, w, block: int = 32):
+def grouped_swiglu(x_RH, local_R, n_local: int, w, kernel: str = "blocks", block: int = 32):
     """SwiGLU on rows with arbitrary per-expert counts (dropless); ``local == n_local`` marks an
-    empty row (output 0). Rows are sorted by expert (stable). On accelerators: ``ragged_dot``.
-    On CPU: each expert's rows padded to whole blocks of ``block`` rows and one batched einsum
-    (faster there, and every row goes through the same [block, H] x [H, I] product whatever the
-    number of experts per rank, so results do not depend on the expert-parallel degree)."""
+    empty row (output 0). Rows are sorted by expert (stable). ``kernel="ragged"``: ``ragged_dot``.
+    ``"blocks"`` (the default, see ``moelab.model.moe.resolve_impl``): each expert's rows padded
+    to whole blocks of ``block`` rows and one batched einsum (every row goes through the same
+    [block, H] x [H, I] product whatever the number of experts per rank, so results do not depend
+    on the expert-parallel degree)."""
     R = x_RH.shape[0]
     order = jnp.argsort(local_R, stable=True)
     counts = jnp.bincount(local_R, length=n_local + 1)[:n_local].astype(jnp.int32)
     start = jnp.cumsum(counts) - counts
     sorted_local = local_R[order]
-    if jax.default_backend() != "cpu":
+    if kernel == "ragged":
         pos_R = jnp.arange(R, dtype=jnp.int32)  # sorted position = row of the ragged_dot input
         n_rows = R
     else:
@@ -188,7 +193,7 @@ def grouped_swiglu(x_RH, local_R, n_local: int, w, block: int = 32):
                                                      unique_indices=True)
     src = invert(dst_R, n_rows)
     xs = gather_rows(x_RH, src, dst_R[:, None])  # one-to-one both ways: gathering VJP
-    if jax.default_backend() != "cpu":
+    if kernel == "ragged":
         g = jax.lax.ragged_dot(xs, w["w_gate"], counts)
         u = jax.lax.ragged_dot(xs, w["w_up"], counts)
         ys = jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(xs.dtype), w["w_down"], counts)

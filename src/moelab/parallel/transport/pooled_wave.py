@@ -22,7 +22,7 @@ from moelab.parallel.transport.common import (
 def check_waves(n_local: int, waves: int) -> None:
     if n_local % waves:
         raise ValueError(f"pooled_wave: local experts E_l={n_local} must be divisible by "
-                         f"waves={waves}; change transport.waves or the expert-parallel degree")
+                         f"waves={waves}; change parallel.waves or parallel.expert")
 
 
 def sender_slots(dest_A, keep_valid_A, S: int, W: int):

@@ -42,7 +42,7 @@ def _buffer_like(shape, ref):
     return jax.lax.pcast(buf, axes, to="varying") if axes else buf
 
 
-def _native_exchange(z_TH, dest_A, local_A, sent_A, r_A, counts_S, counts_SS, w_local, k,
+def _native_exchange(z_TH, dest_A, local_A, sent_A, r_A, counts_S, counts_SS, w_local, kernel, k,
                      recv_rows, axis):
     T, H = z_TH.shape
     A = dest_A.shape[0]
@@ -63,13 +63,13 @@ def _native_exchange(z_TH, dest_A, local_A, sent_A, r_A, counts_S, counts_SS, w_
         x, out, send_off, counts_S, dst_off_SS[me], recv_sizes, axis_name=axis)
     arrived = go(rows, _buffer_like((recv_rows, H), rows))
     ids_arr = go(ids, _buffer_like((recv_rows,), ids))
-    y = grouped_swiglu(arrived, jnp.where(ids_arr > 0, ids_arr - 1, E_l), E_l, w_local)
+    y = grouped_swiglu(arrived, jnp.where(ids_arr > 0, ids_arr - 1, E_l), E_l, w_local, *kernel)
     back = jax.lax.ragged_all_to_all(y, _buffer_like((A, H), y), recv_off, recv_sizes,
                                      src_off_SS[:, me], counts_S, axis_name=axis)
     return back, pos_A, src_M
 
 
-def _emulated_exchange(z_TH, dest_A, local_A, sent_A, r_A, w_local, k, peer_rows, axis):
+def _emulated_exchange(z_TH, dest_A, local_A, sent_A, r_A, w_local, kernel, k, peer_rows, axis):
     """CPU EMULATION of ragged_all_to_all: per-peer buffers padded to ``peer_rows``."""
     T, H = z_TH.shape
     A = dest_A.shape[0]
@@ -83,19 +83,20 @@ def _emulated_exchange(z_TH, dest_A, local_A, sent_A, r_A, w_local, k, peer_rows
     arrived = jax.lax.all_to_all(rows.reshape(S, Q, H), axis, 0, 0, tiled=True)
     ids_arr = jax.lax.all_to_all(ids.reshape(S, Q), axis, 0, 0, tiled=True).reshape(-1)
     y = grouped_swiglu(arrived.reshape(S * Q, H), jnp.where(ids_arr > 0, ids_arr - 1, E_l), E_l,
-                       w_local)
+                       w_local, *kernel)
     back = jax.lax.all_to_all(y.reshape(S, Q, H), axis, 0, 0, tiled=True)
     return back.reshape(S * Q, H), pos_A, src_M
 
 
 def ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, *, n_experts: int,
-                    recv_rows: int, peer_rows: int, native: bool, axis: str, counts_SS=None):
+                    recv_rows: int, peer_rows: int, native: bool, axis: str, counts_SS=None,
+                    kernel: tuple = ("blocks", 32)):
     """Send the assignments marked ``sent_A`` to their experts, compute, return, combine (fp32).
 
     ``recv_rows``: receive buffer of the native op (the most rows any rank can receive);
     ``peer_rows``: per-peer buffer of the emulation (the most rows one source sends one rank);
     ``counts_SS``: rows sent per (source, destination) when the caller already knows them
-    (saves the native path's all_gather).
+    (saves the native path's all_gather); ``kernel``: (expert compute kernel, block rows).
     """
     T = z_TH.shape[0]
     k = expert_A.shape[0] // T
@@ -105,10 +106,10 @@ def ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, *, n_experts: in
     r_A, counts_S = rank_in_group(jnp.where(sent_A, dest_A, S), S)
     if native:
         back, pos_A, src_M = _native_exchange(z_TH, dest_A, expert_A % E_l, sent_A, r_A, counts_S,
-                                              counts_SS, w_local, k, recv_rows, axis)
+                                              counts_SS, w_local, kernel, k, recv_rows, axis)
     else:
         back, pos_A, src_M = _emulated_exchange(z_TH, dest_A, expert_A % E_l, sent_A, r_A,
-                                                w_local, k, peer_rows, axis)
+                                                w_local, kernel, k, peer_rows, axis)
     return combine_rows(back, weight_TK, pos_A.reshape(T, k), src_M)
 
 
@@ -121,6 +122,7 @@ def ragged(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: Transpor
     expert_A, valid_A = assignment_arrays(expert_TK, valid_TK)
     # Worst case: every assignment of every source lands on one rank.
     out = ragged_exchange(z_TH, expert_A, valid_A, weight_TK, w_local, n_experts=n_experts,
-                          recv_rows=S * A, peer_rows=A, native=use_native(cfg), axis=axis)
+                          recv_rows=S * A, peer_rows=A, native=use_native(cfg), axis=axis,
+                          kernel=(cfg.kernel, cfg.block))
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
     return out.astype(z_TH.dtype), drop_stats(n_valid, 0, 0)

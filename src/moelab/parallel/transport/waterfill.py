@@ -72,6 +72,7 @@ def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: Trans
     out = ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, n_experts=n_experts,
                           recv_rows=E_l * cap, peer_rows=min(A, E_l * cap),
                           native=use_native(cfg), axis=axis,
-                          counts_SS=share_SE.reshape(S, S, E_l).sum(axis=-1))
+                          counts_SS=share_SE.reshape(S, S, E_l).sum(axis=-1),
+                          kernel=(cfg.kernel, cfg.block))
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
     return out.astype(z_TH.dtype), drop_stats(n_valid, 0, n_valid - jnp.sum(sent_A))

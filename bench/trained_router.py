@@ -1,0 +1,212 @@
+"""A small trained MoE whose router gives real routings for the transport benchmarks.
+
+    .venv/bin/python bench/trained_router.py [--steps 200]     # train (or resume) it, then stop
+
+``trained_run()`` trains, once, the ``tiny`` preset reshaped like the reference's routed path
+(64 experts top-8, latent width = expert width = d_model / 2, sigmoid-bias router with combine
+weights summing to 2.5) on the built-in corpus, in bench/results/router_run/ (resumable: a cut
+run continues where it stopped; a finished one is reused as it is).
+
+``routing_for(run_dir, tokens_BT, layer)`` runs that model on real text and returns one layer's
+routing as the transports see it: the latent inputs z [N, H], expert ids and combine weights
+[N, k] and the layer's expert weights. The forward is the model's own code (attention and
+``moe_branch`` from moelab.model, one block at a time) with a hook in ``moe_branch``'s
+``experts_fn`` slot that records what reaches the routed experts and computes them dropless, so
+later layers see exactly what a single-device forward computes.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS  # noqa: E402  (also puts src/ on sys.path)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RUN_DIR = RESULTS / "router_run"
+STEPS = 200
+
+
+def run_overrides(steps: int = STEPS) -> list[str]:
+    """The ``tiny`` preset with the reference's routed-path shape scaled to d_model 128."""
+    d_model = 128
+    return [
+        f"model.d_model={d_model}",
+        "model.n_experts=64", "model.top_k=8",
+        f"model.latent_dim={d_model // 2}", f"model.expert_dim={d_model // 2}",
+        "model.router=sigmoid_bias", "model.combine_sum=2.5",
+        # The bias moves by at most rate x steps: at the default 1e-3, 200 steps leave the load
+        # ~5x max/mean (far from the balanced routers of long runs); 1e-2 balances in time.
+        "model.bias_update_rate=0.01",
+        "model.moe_block=128",  # less padding with 64 experts (a layout choice, same maths)
+        "data.batch_size=16",  # 16 x 256 tokens/step: ~1.5 s/step on 2 cores, 200 steps ~6 min
+        f"data.data_dir={REPO / 'data' / 'builtin'}",  # independent of the working directory
+        f"train.steps={steps}", f"train.eval_every={steps}", f"train.ckpt_every={max(steps // 4, 1)}",
+        "train.log_every=20", "train.eval_tokens=16384",
+        "train.peak_flops=1e11",  # only scales the logged MFU; skips the peak measurement
+    ]
+
+
+def _finished(run_dir: Path, steps: int) -> bool:
+    p = run_dir / "summary.json"
+    if not p.exists():
+        return False
+    s = json.loads(p.read_text())
+    return s.get("step", 0) >= steps and not s.get("interrupted")
+
+
+def trained_run(steps: int = STEPS, run_dir: Path | str = RUN_DIR) -> Path:
+    """The run folder of the trained router model, training (or resuming) it if needed."""
+    from moelab.config import load_config
+    from moelab.train.loop import format_summary, resolve_run_config, train
+
+    run_dir = Path(run_dir)
+    cfg = load_config("tiny", run_overrides(steps))
+    resolve_run_config(cfg, run_dir)  # a folder trained with another config: ConfigError
+    if _finished(run_dir, steps):
+        return run_dir
+    t = time.time()
+    print(f"training the router model in {run_dir} ({steps} steps of "
+          f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens; one time, resumable) ...", flush=True)
+    summary = train(cfg, run_dir, sample_prompt=None)
+    print(format_summary(summary), flush=True)
+    print(f"router model ready in {time.time() - t:.0f}s", flush=True)
+    if summary.get("interrupted"):
+        raise SystemExit("router training interrupted; run again to resume")
+    return run_dir
+
+
+# ----------------------------------------------------------------------------- the model
+
+@functools.lru_cache(maxsize=4)
+def load(run_dir: Path | str):
+    """(RunConfig, params, model_state) of the newest checkpoint."""
+    from moelab.serve import load_run
+
+    r = load_run(Path(run_dir))
+    return r.cfg, r.params, r.model_state
+
+
+def _cast(tree, dtype):
+    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if a.dtype == jnp.float32 else a, tree)
+
+
+@functools.lru_cache(maxsize=4)
+def _routing_pass(run_dir: str):
+    """jit(tokens_BT -> per-layer [(z_NH, expert_NK, weight_NK)]) for the run's model."""
+    from moelab.model.layers import attention, rms_norm, rope_tables
+    from moelab.model.moe import moe_branch, routed_experts
+
+    cfg, params, state = load(run_dir)
+    m = cfg.model
+
+    def run(params, state, tokens_BT):
+        B, T = tokens_BT.shape
+        dt = jnp.dtype(m.compute_dtype)
+        x = params["embed"][tokens_BT].astype(dt)
+        cos, sin = rope_tables(jnp.arange(T), int(m.head_dim * m.rope_fraction), m.rope_theta)
+        out = []
+        for layer, window in enumerate(m.layer_windows()):  # as transformer.forward's scan body
+            p = {k: v[layer] for k, v in params["blocks"].items()}
+            pc = _cast({k: v for k, v in p.items() if k != "router"}, dt)
+            pc["router"] = p["router"]
+            h = rms_norm(x, pc["attn_norm"], m.norm_eps)
+            x = x + attention(pc, h, m, jnp.int32(window), cos, sin)
+            h = rms_norm(x, pc["moe_norm"], m.norm_eps).reshape(B * T, -1)
+
+            def hook(z, expert, weight, ew, valid):
+                out.append((z, expert, weight))
+                zero = jnp.zeros((), jnp.int32)
+                return routed_experts(z, expert, weight, ew, m), {
+                    "assignments": jnp.sum(valid, dtype=jnp.int32), "sender_dropped": zero,
+                    "receiver_dropped": zero}
+
+            y, _ = moe_branch(pc, h, state["router_bias"][layer], m, None, hook)
+            x = x + y.reshape(B, T, -1).astype(dt)
+        return out
+
+    return jax.jit(run)
+
+
+def routing_all(run_dir: Path | str, tokens_BT) -> list[tuple]:
+    """[(z_NH, expert_NK, weight_NK, expert weights)] for every layer, tokens flattened N = B*T
+    in row-major order (row b's tokens are N[b*T:(b+1)*T])."""
+    cfg, params, state = load(str(run_dir))
+    got = _routing_pass(str(run_dir))(params, state, jnp.asarray(tokens_BT, jnp.int32))
+    dt = jnp.dtype(cfg.model.compute_dtype)
+    out = []
+    for layer, (z, e, w) in enumerate(got):
+        ew = {k: params["blocks"][k][layer].astype(dt) for k in ("w_gate", "w_up", "w_down")}
+        out.append((z, e, w, ew))
+    return out
+
+
+def routing_for(run_dir: Path | str, tokens_BT, layer: int):
+    """(z_NH latent inputs, expert_NK, weight_NK, expert weights {w_gate, w_up, w_down}) of
+    ``layer`` on ``tokens_BT`` (N = B*T tokens, row-major)."""
+    return routing_all(run_dir, tokens_BT)[layer]
+
+
+# ----------------------------------------------------------------------------- held-out text
+
+def heldout_store(run_dir: Path | str):
+    """The run's token store (the built-in corpus tokenized by the run's tokenizer)."""
+    from moelab.data.prepare import prepare_data
+    from moelab.data.store import TokenStore
+
+    cfg, _, _ = load(str(run_dir))
+    return TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False).store_dir)
+
+
+def heldout_blocks(run_dir: Path | str, block: int) -> tuple[np.ndarray, list[str]]:
+    """Every held-out domain's stream cut into consecutive blocks of ``block`` tokens (documents
+    packed with EOS separators, as in training): int32 [n, block] and each block's domain."""
+    from moelab.data.sampler import eval_windows
+
+    store = heldout_store(run_dir)
+    blocks, domains = [], []
+    for d in store.domains("heldout"):
+        if store.n_tokens("heldout", d) < block + 1:
+            continue
+        w, _ = eval_windows(store, d, block, store.n_tokens("heldout", d))
+        blocks.append(w[:, :-1])
+        domains += [d] * len(w)
+    return np.concatenate(blocks), domains
+
+
+def heldout_batch(run_dir: Path | str, n_seqs: int, seq_len: int, seed: int = 0) -> np.ndarray:
+    """``n_seqs`` held-out windows of ``seq_len`` tokens drawn without replacement from all
+    domains (shuffled with ``seed``): int32 [n_seqs, seq_len]."""
+    blocks, _ = heldout_blocks(run_dir, seq_len)
+    if n_seqs > len(blocks):
+        raise ValueError(f"held-out text has only {len(blocks)} windows of {seq_len} tokens")
+    return blocks[np.random.default_rng(seed).permutation(len(blocks))[:n_seqs]]
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="train (or reuse) the benchmarks' router model")
+    ap.add_argument("--steps", type=int, default=STEPS)
+    args = ap.parse_args()
+    run = trained_run(args.steps)
+    cfg, _, state = load(str(run))
+    toks = heldout_batch(run, 8, cfg.data.seq_len)
+    for layer, (z, e, w, _) in enumerate(routing_all(run, toks)):
+        load_E = np.bincount(np.asarray(e).reshape(-1), minlength=cfg.model.n_experts)
+        print(f"layer {layer}: z {tuple(z.shape)}, max/mean expert load "
+              f"{load_E.max() / load_E.mean():.2f}, combine-weight sum "
+              f"{float(jnp.mean(jnp.sum(w, -1))):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Expert-parallel transports on a real routing: step time, XLA memory, bytes on the wire, drops.
+
+    .venv/bin/python bench/transport.py [--tokens-per-rank 1024] [--layer 2] [--reps 5]
+
+Runs on 8 fake CPU devices (EP 8; the script sets XLA_FLAGS itself). The routing is real: the
+router of a small trained MoE (bench/trained_router.py: 64 experts top-8, latent width H =
+d_model / 2 = 64, trained once and cached) on held-out text, 8 ranks x 1024 tokens (windows of
+the training length 256, drawn at random from every held-out domain). The expert weights are the
+trained ones of the timed layer.
+
+Table 1, per transport, for one layer's jitted forward + backward (gradient with respect to the
+latent inputs, the combine weights and the expert weights):
+- step time: median of ``--reps`` calls. 8 fake devices share this machine's CPU cores, so this
+  is compute + memory traffic of all 8 ranks, not interconnect time;
+- XLA's compiled memory analysis of that program (per device: the shard_map body is the
+  per-device SPMD program): temp, argument and output bytes. Collective buffers on GPUs are
+  allocated outside XLA's pool (TRANSPORT.md), so temp is a lower bound there;
+- bytes on the wire per rank and step, from the gradient's jaxpr: every all_to_all /
+  ragged_all_to_all / all_gather / psum equation and its operand bytes (an all_to_all keeps 1/S
+  of its operand on the rank; an all_gather sends its operand to S - 1 peers; a psum counts as a
+  ring all-reduce, 2 (S - 1) / S). On CPU, ragged and waterfill use the all_to_all EMULATION of
+  ragged_all_to_all (per-peer buffers padded to the worst case), so their jaxpr bytes are the
+  emulation's; the "native est." column gives what a native ragged_all_to_all would move for
+  this routing (real rows only: 4 float exchanges of H-wide rows + int32 ids + the counts);
+- drops (sender / receiver / total) summed over all layers of the model on the same tokens.
+
+Table 2: drops of the capacity-limited transports over a capacity-factor sweep on the same
+routing (all layers); pooled_wave uses cf_s = cf_r = cf. Drops depend only on the expert ids,
+so the sweep runs the transports forward on narrow stand-in activations and weights.
+
+With 64 experts on 8 ranks, a rank holds E_l = 8 experts, which 3 waves cannot divide; W = 4
+(2 experts per wave, like the reference's 6 experts in 3 waves) stands in for W = 3.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+
+from common import print_table, save  # noqa: E402
+from trained_router import STEPS, heldout_batch, load, routing_all, trained_run  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.extend import core as jcore  # noqa: E402
+
+from moelab.parallel.mesh import make_mesh, shard_batch, shard_expert_weights  # noqa: E402
+from moelab.parallel.transport import (  # noqa: E402
+    TransportConfig, drop_totals, make_transport_fn)
+
+MiB = 2**20
+COLLECTIVES = ("all_to_all", "ragged_all_to_all", "all_gather", "psum", "psum_invariant",
+               "psum2", "ppermute", "reduce_scatter", "psum_scatter")
+
+
+def collectives(jaxpr, acc=None, mult: int = 1) -> list[tuple[str, int, str]]:
+    """(primitive, operand bytes, dtype) of every collective, recursing into sub-jaxprs
+    (shard_map, pjit, custom_vjp, remat, ...); a scan body counts ``length`` times."""
+    acc = [] if acc is None else acc
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in COLLECTIVES:
+            ops = eqn.invars if name.startswith("psum") else eqn.invars[:1]
+            avals = [v.aval for v in ops]
+            nbytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
+            acc.append((name, nbytes * mult, str(avals[0].dtype)))
+        m = mult * int(eqn.params.get("length", 1)) if name == "scan" else mult
+        if name == "while":
+            raise ValueError("a while loop around a collective: trip count unknown")
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(sub, jcore.ClosedJaxpr):
+                    collectives(sub.jaxpr, acc, m)
+                elif isinstance(sub, jcore.Jaxpr):
+                    collectives(sub, acc, m)
+    return acc
+
+
+def wire_bytes(colls, S: int) -> float:
+    """Bytes one rank sends to other ranks for these collectives."""
+    total = 0.0
+    for name, nbytes, _ in colls:
+        if "all_to_all" in name:
+            total += nbytes * (S - 1) / S
+        elif name == "all_gather":
+            total += nbytes * (S - 1)
+        elif name.startswith("psum") or name == "reduce_scatter":
+            total += nbytes * 2 * (S - 1) / S
+        elif name == "ppermute":
+            total += nbytes
+    return total
+
+
+def memory(compiled) -> dict:
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return {}
+    if isinstance(ma, (list, tuple)):  # one per device on some versions; all equal under SPMD
+        ma = ma[0]
+    get = lambda k: getattr(ma, k, None)
+    out = {f"{k}_mib": (get(f"{k}_size_in_bytes") or 0) / MiB
+           for k in ("temp", "argument", "output", "alias")}
+    peak = get("peak_memory_in_bytes")
+    out["peak_mib"] = peak / MiB if peak else None
+    return out
+
+
+def offrank_rows(expert_NK, S: int, E: int) -> np.ndarray:
+    """Assignments per source rank whose expert lives on another rank (tokens split evenly)."""
+    e = np.asarray(expert_NK)
+    src = np.repeat(np.arange(S), e.shape[0] // S)[:, None]
+    return ((e // (E // S)) != src).sum(axis=1).reshape(S, -1).sum(axis=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens-per-rank", type=int, default=1024)
+    ap.add_argument("--layer", type=int, default=2, help="layer whose routing/weights are timed")
+    ap.add_argument("--reps", type=int, default=5, help="timed calls per transport (median)")
+    ap.add_argument("--dtype", default="float32", help="activation/expert-weight dtype "
+                    "(the trained model computes in float32; bfloat16 halves the payload)")
+    ap.add_argument("--waves", type=int, nargs="+", default=[4, 2, 1],
+                    help="pooled_wave wave counts to time (must divide E_l = 8)")
+    ap.add_argument("--router-steps", type=int, default=STEPS)
+    ap.add_argument("--seed", type=int, default=0, help="held-out window draw")
+    args = ap.parse_args()
+    t_start = time.time()
+
+    S = 8
+    if len(jax.devices()) < S:
+        raise SystemExit(f"needs {S} devices, found {len(jax.devices())}")
+    run = str(trained_run(args.router_steps))
+    cfg, _, _ = load(run)
+    m = cfg.model
+    L_seq = cfg.data.seq_len
+    n_tok = S * args.tokens_per_rank
+    if n_tok % L_seq:
+        raise SystemExit(f"{n_tok} tokens is not a whole number of {L_seq}-token windows")
+    tokens = heldout_batch(run, n_tok // L_seq, L_seq, seed=args.seed)
+    layers = routing_all(run, tokens)
+    dt = jnp.dtype(args.dtype)
+    E, k, H = m.n_experts, m.top_k, m.routed_width
+    mesh = make_mesh(expert=S)
+    print(f"backend {jax.default_backend()}, {len(jax.devices())} devices; EP {S}, {E} experts "
+          f"top-{k}, H = {H} (latent), I = {m.expert_dim}, {args.tokens_per_rank} tokens/rank "
+          f"({n_tok // L_seq} held-out windows of {L_seq}); {args.dtype}; timed layer "
+          f"{args.layer}, drops over all {len(layers)} layers", flush=True)
+
+    def inputs(layer):
+        z, e, w, ew = layers[layer]
+        return (shard_batch(z.astype(dt), mesh), shard_batch(e, mesh), shard_batch(w, mesh),
+                shard_expert_weights(jax.tree.map(lambda a: a.astype(dt), ew), mesh))
+
+    per_layer = [inputs(i) for i in range(len(layers))]
+    g = shard_batch(jax.random.normal(jax.random.PRNGKey(1), (n_tok, H), jnp.float32), mesh)
+    offrank = offrank_rows(layers[args.layer][1], S, E)  # [S] assignments leaving each rank
+
+    configs = [("expert_cells", "cf 1.25", TransportConfig("expert_cells", capacity_factor=1.25))]
+    configs += [(f"pooled_wave W={w}", "cf_s 1.10 / cf_r 1.15",
+                 TransportConfig("pooled_wave", sender_cf=1.10, receiver_cf=1.15, waves=w))
+                for w in args.waves]
+    configs += [("waterfill", "cf 1.10", TransportConfig("waterfill", capacity_factor=1.10)),
+                ("ragged", "dropless", TransportConfig("ragged"))]
+
+    rows = []
+    for name, caps, tcfg in configs:
+        t0 = time.time()
+        fn = make_transport_fn(mesh, tcfg)
+
+        def loss(z, expert, weight, w):
+            out, stats = fn(z, expert, weight, w)
+            return jnp.sum(out.astype(jnp.float32) * g), stats
+
+        step = jax.value_and_grad(loss, argnums=(0, 2, 3), has_aux=True)
+        args_t = per_layer[args.layer]
+        compiled = jax.jit(step).lower(*args_t).compile()
+        compile_s = time.time() - t0
+        colls = collectives(jax.make_jaxpr(step)(*args_t).jaxpr)
+        jax.block_until_ready(compiled(*args_t))  # warm-up
+        times = []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            jax.block_until_ready(compiled(*args_t))
+            times.append(time.perf_counter() - t)
+        totals = Counter()
+        by_layer = []
+        for i, a in enumerate(per_layer):
+            (_, stats), _ = compiled(*a)
+            d = drop_totals(stats)
+            by_layer.append(d)
+            totals.update(d)
+        n = totals["assignments"]
+        counts = Counter(c for c, _, _ in colls)
+        a2a = [b for c, b, _ in colls if "all_to_all" in c]
+        row = {"transport": name, "capacity": caps, "kind": tcfg.kind, "waves": tcfg.waves
+               if tcfg.kind == "pooled_wave" else None,
+               "step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
+               **memory(compiled),
+               "n_all_to_all": counts["all_to_all"] + counts["ragged_all_to_all"],
+               "collectives": dict(counts),
+               "payload_mib": sum(b for _, b, _ in colls) / MiB,
+               "largest_a2a_mib": max(a2a) / MiB if a2a else None,
+               "wire_mib": wire_bytes(colls, S) / MiB,
+               "sender_drop": totals["sender_dropped"] / n,
+               "receiver_drop": totals["receiver_dropped"] / n,
+               "drop": totals["dropped"] / n, "drops_by_layer": by_layer,
+               "compile_s": compile_s}
+        if tcfg.kind in ("ragged", "waterfill"):
+            # A native ragged_all_to_all moves only real rows: dispatch + return forward, their
+            # transposes backward (4 x H wide), ids forward (int32), counts (all_gather).
+            lay = by_layer[args.layer]
+            kept = 1 - lay["dropped"] / lay["assignments"]  # waterfill: accepted share (est.)
+            rows_off = offrank.mean() * kept
+            count_bytes = 4 * (S if tcfg.kind == "ragged" else E) * (S - 1)
+            row["native_wire_mib"] = (rows_off * (4 * H * dt.itemsize + 4) + count_bytes) / MiB
+        rows.append(row)
+        print(f"  {name:<18} {row['step_ms']:8.1f} ms  temp {row.get('temp_mib', -1):7.2f} MiB  wire "
+              f"{row['wire_mib']:6.2f} MiB/rank  drops {row['drop']:.2%}  "
+              f"(compile {compile_s:.0f}s)", flush=True)
+
+    w1 = next((r["temp_mib"] for r in rows if r["waves"] == 1), None)
+    for r in rows:
+        if r["waves"] and w1:
+            r["w1_temp_over_this"] = w1 / r["temp_mib"] if r.get("temp_mib") else None
+
+    # ---------------------------------------------------------------- capacity-factor sweep
+    print("capacity-factor sweep (forward only, all layers) ...", flush=True)
+    pooled_w = [w for w in args.waves if w != 1][:1] + [1]
+    z_dummy = shard_batch(jnp.ones((n_tok, 8), jnp.float32), mesh)
+    w_dummy = shard_expert_weights({"w_gate": jnp.zeros((E, 8, 1)), "w_up": jnp.zeros((E, 8, 1)),
+                                    "w_down": jnp.zeros((E, 1, 8))}, mesh)
+    sweep = []
+    for cf in (1.0, 1.05, 1.10, 1.25, 1.5):
+        row = {"cf": cf}
+        cfgs = {f"pooled_W{w}": TransportConfig("pooled_wave", sender_cf=cf, receiver_cf=cf,
+                                                waves=w) for w in pooled_w}
+        cfgs["waterfill"] = TransportConfig("waterfill", capacity_factor=cf)
+        cfgs["expert_cells"] = TransportConfig("expert_cells", capacity_factor=cf)
+        for key, tcfg in cfgs.items():
+            f = jax.jit(make_transport_fn(mesh, tcfg))
+            tot = Counter()
+            for a in per_layer:  # drops depend only on the routing: narrow stand-ins for z, w
+                tot.update(drop_totals(f(z_dummy, a[1], a[2], w_dummy)[1]))
+            n = tot["assignments"]
+            row[key] = tot["dropped"] / n
+            row[f"{key}_sender"] = tot["sender_dropped"] / n
+            row[f"{key}_receiver"] = tot["receiver_dropped"] / n
+            if key.startswith("pooled"):
+                row[f"{key}_str"] = (f"{row[key]:.2%} ({100 * row[key + '_sender']:.2f} + "
+                                     f"{100 * row[key + '_receiver']:.2f})")
+        sweep.append(row)
+
+    runtime = time.time() - t_start
+    meta = dict(router_run=run, router_steps=args.router_steps, ranks=S, n_experts=E, top_k=k,
+                latent_H=H, expert_I=m.expert_dim, tokens_per_rank=args.tokens_per_rank,
+                dtype=args.dtype, timed_layer=args.layer, n_layers=len(layers),
+                seq_len=L_seq, seed=args.seed, reps=args.reps, sweep=sweep, runtime_s=runtime,
+                notes=["8 fake CPU devices share the host's cores: step times are compute, "
+                       "not interconnect",
+                       "memory_analysis is per device (SPMD program)",
+                       "ragged/waterfill wire bytes from the jaxpr are the CPU all_to_all "
+                       "emulation's padded buffers; native_wire_mib estimates real rows",
+                       "W=3 impossible with E_l=8; W=4 (2 experts per wave) stands in"])
+    save("transport", rows, **meta)
+    print()
+    print(f"Table 1: one MoE layer, forward + backward, EP {S}, {E} experts top-{k}, H {H}, "
+          f"{args.tokens_per_rank} tokens/rank, {args.dtype}; memory and wire per rank; "
+          f"drops over {len(layers)} layers")
+    print_table(rows, [("transport", "transport", "s"), ("capacity", "capacity", "s"),
+                       ("step_ms", "step ms", ".1f"), ("temp_mib", "temp MiB", ".2f"),
+                       ("argument_mib", "arg MiB", ".2f"), ("output_mib", "out MiB", ".2f"),
+                       ("w1_temp_over_this", "W=1 temp / this", ".2f"),
+                       ("n_all_to_all", "a2a", "d"), ("largest_a2a_mib", "max a2a MiB", ".2f"),
+                       ("wire_mib", "wire MiB", ".2f"),
+                       ("native_wire_mib", "native est. MiB", ".2f"),
+                       ("sender_drop", "sender", ".2%"), ("receiver_drop", "receiver", ".2%"),
+                       ("drop", "total drop", ".2%")])
+    print()
+    print(f"Table 2: drops vs capacity factor (same routing, {len(layers)} layers; pooled_wave "
+          "cf_s = cf_r = cf, total (sender + receiver) in %)")
+    cols = [("cf", "cf", ".2f")]
+    cols += [(f"pooled_W{w}_str", f"pooled_wave W={w}", "s") for w in pooled_w]
+    cols += [("waterfill", "waterfill", ".2%"), ("expert_cells", "expert_cells", ".2%")]
+    print_table(sweep, cols)
+    print(f"\ntotal runtime {runtime:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
