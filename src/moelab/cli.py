@@ -46,33 +46,32 @@ def cmd_generate(args) -> int:
 
 
 def cmd_data_build(args) -> int:
-    from moelab.data import corpus, store, tokenizer
-    from moelab.util import sha256_file
+    from moelab.config import DataConfig
+    from moelab.data import corpus
+    from moelab.data.prepare import prepare_data, vocab_needed
+    from moelab.data.tokenizer import load_tokenizer
 
     out = Path(args.out)
+    vocab = args.vocab
+    if args.tokenizer:
+        if not Path(args.tokenizer).exists():
+            raise FileNotFoundError(f"--tokenizer {args.tokenizer}: not found; give an existing "
+                                    "tokenizer.json or omit --tokenizer to train one")
+        vocab = vocab_needed(load_tokenizer(args.tokenizer))
     if args.inputs:
         manifest = corpus.build_user_corpus([Path(p) for p in args.inputs], out / "corpus",
                                             heldout_fraction=args.heldout)
     else:
         manifest = corpus.build_builtin_corpus(out / "corpus", heldout_fraction=args.heldout)
     print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
-    tok_path = Path(args.tokenizer) if args.tokenizer else out / f"tokenizer-{args.vocab}.json"
-    if args.tokenizer and not tok_path.exists():
-        raise FileNotFoundError(f"--tokenizer {tok_path}: not found; give an existing "
-                                "tokenizer.json or omit --tokenizer to train one")
-    if not tok_path.exists():
-        tokenizer.train_tokenizer(out / "corpus", tok_path, vocab_size=args.vocab)
-    tok = tokenizer.load_tokenizer(tok_path)
-    store_dir = out / f"tokens-{sha256_file(tok_path)[:10]}"
-    index = store.build_token_store(out / "corpus", tok, store_dir)
-    print(f"corpus: {out / 'corpus'}\ntokenizer: {tok_path}\ntoken store: {store_dir}")
+    prep = prepare_data(DataConfig(data_dir=str(out), tokenizer=args.tokenizer or ""), vocab)
+    print(f"corpus: {prep.corpus_dir}\ntokenizer: {prep.tokenizer_path}\n"
+          f"token store: {prep.store_dir}")
     if args.inputs:
-        hint = f"moelab train tiny data.data_dir={out} model.vocab_size={args.vocab}"
+        hint = f"moelab train tiny data.data_dir={out} model.vocab_size={vocab}"
         if args.tokenizer:
-            hint = (f"moelab train tiny data.data_dir={out} data.tokenizer={tok_path} "
-                    f"model.vocab_size={tok.get_vocab_size()}")
+            hint += f" data.tokenizer={args.tokenizer}"
         print(f"train on it with: {hint}")
-    del index
     return 0
 
 

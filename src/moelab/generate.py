@@ -35,7 +35,8 @@ def make_sampler(cfg: ModelConfig, seq_len: int):
 
     def sample(params, state, prompt_ids: list[int], n_new: int, *, temperature: float = 0.8,
                top_p: float = 0.95, seed: int = 0, stop_id: int | None = None) -> list[int]:
-        ids = list(prompt_ids) or [0]
+        # An empty prompt starts after a document separator, as the model saw in training.
+        ids = list(prompt_ids) or [stop_id if stop_id is not None else 0]
         key = jax.random.PRNGKey(seed)
         out: list[int] = []
         for _ in range(n_new):

@@ -47,16 +47,22 @@ def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True) -> Pre
             tokenizer.train_tokenizer(corpus_dir, tok_path, vocab_size=vocab_size)
             say(f"  tokenizer ready in {time.time() - t:.0f}s")
     tok = tokenizer.load_tokenizer(tok_path)
-    if tok.get_vocab_size() > vocab_size:
-        raise ConfigError(f"model.vocab_size={vocab_size} is smaller than the tokenizer's "
-                          f"{tok.get_vocab_size()} tokens ({tok_path}); set model.vocab_size to "
-                          f"at least {tok.get_vocab_size()}")
+    needed = vocab_needed(tok)
+    if needed > vocab_size:
+        raise ConfigError(f"model.vocab_size={vocab_size} is too small for the tokenizer "
+                          f"{tok_path} (ids up to {needed - 1}); set model.vocab_size to at "
+                          f"least {needed}")
     store_dir = root / f"tokens-{sha256_file(tok_path)[:10]}"
     t = time.time()
     store.ensure_token_store(corpus_dir, tok, store_dir)  # rebuilds only when stale
     if time.time() - t > 1:
         say(f"  token store ready in {store_dir} in {time.time() - t:.0f}s")
     return PreparedData(corpus_dir, tok_path, store_dir)
+
+
+def vocab_needed(tok) -> int:
+    """Embedding rows a tokenizer needs: its largest id + 1 (added tokens may leave gaps)."""
+    return max(tok.get_vocab(with_added_tokens=True).values()) + 1
 
 
 def _describe(manifest: dict) -> str:
