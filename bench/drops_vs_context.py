@@ -23,6 +23,11 @@ Two routings per length:
   the same contiguous L-token spans as above. Only placement changes, so this isolates the
   "fewer, more correlated documents per rank" effect from any length extrapolation.
 
+Waterfill's decision depends only on the per-expert totals of the EP group, so its control
+drops cannot change with placement (a check); at context L they change only because the routing
+itself changes. Each batch holds 8 places of the held-out text (8 blocks of 4096) at every L, so
+even L = 256 is less diverse than random training windows from the whole corpus would be.
+
 Drops depend only on the expert ids, so the transports run on narrow stand-in activations and
 expert weights (H = 8, I = 1). Transports (drops summed over all layers and batches): pooled_wave cf_s 1.10 / cf_r 1.15 with
 W = 4 (E_l = 8 local experts; 3 does not divide 8), waterfill cf 1.10, and expert_cells cf 1.25

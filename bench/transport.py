@@ -22,6 +22,12 @@ latent inputs, the combine weights and the expert weights):
   ragged_all_to_all (per-peer buffers padded to the worst case), so their jaxpr bytes are the
   emulation's; the "native est." column gives what a native ragged_all_to_all would move for
   this routing (real rows only: 4 float exchanges of H-wide rows + int32 ids + the counts);
+- "bank MiB (design)": the receiver bank live at once by design (TRANSPORT.md memory table:
+  input rows + gate/up activations, H + 2I per row): one wave's E_l x R rows for pooled_wave,
+  S x E_l x c for expert_cells, the native worst case for waterfill / ragged. "W=1 temp / this"
+  is what waves buy in XLA's own estimate (pooled rows only). On XLA:CPU it is ~1 (measured:
+  the CPU buffer assignment does not keep only one wave's bank live), so the CPU cannot
+  confirm the design's W-fold saving; the "bank" column is the design's figure;
 - drops (sender / receiver / total) summed over all layers of the model on the same tokens.
 
 Table 2: drops of the capacity-limited transports over a capacity-factor sweep on the same
@@ -55,15 +61,18 @@ from jax.extend import core as jcore  # noqa: E402
 from moelab.parallel.mesh import make_mesh, shard_batch, shard_expert_weights  # noqa: E402
 from moelab.parallel.transport import (  # noqa: E402
     TransportConfig, drop_totals, make_transport_fn)
+from moelab.parallel.transport.common import capacity  # noqa: E402
 
 MiB = 2**20
 COLLECTIVES = ("all_to_all", "ragged_all_to_all", "all_gather", "psum", "psum_invariant",
                "psum2", "ppermute", "reduce_scatter", "psum_scatter")
 
 
-def collectives(jaxpr, acc=None, mult: int = 1) -> list[tuple[str, int, str]]:
-    """(primitive, operand bytes, dtype) of every collective, recursing into sub-jaxprs
-    (shard_map, pjit, custom_vjp, remat, ...); a scan body counts ``length`` times."""
+def collectives(jaxpr, mesh_shape: dict, acc=None, mult: int = 1) -> list[tuple]:
+    """(primitive, operand bytes, dtype, group size) of every collective, recursing into
+    sub-jaxprs (shard_map, pjit, custom_vjp, remat, ...); a scan body counts ``length`` times.
+    The group size is the product of the sizes of the mesh axes it runs over (a psum over the
+    size-1 "data" axis moves nothing)."""
     acc = [] if acc is None else acc
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
@@ -71,29 +80,32 @@ def collectives(jaxpr, acc=None, mult: int = 1) -> list[tuple[str, int, str]]:
             ops = eqn.invars if name.startswith("psum") else eqn.invars[:1]
             avals = [v.aval for v in ops]
             nbytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
-            acc.append((name, nbytes * mult, str(avals[0].dtype)))
+            axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+            axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+            group = int(np.prod([mesh_shape.get(a, 1) for a in axes]))
+            acc.append((name, nbytes * mult, str(avals[0].dtype), group))
         m = mult * int(eqn.params.get("length", 1)) if name == "scan" else mult
         if name == "while":
             raise ValueError("a while loop around a collective: trip count unknown")
         for v in eqn.params.values():
             for sub in v if isinstance(v, (list, tuple)) else [v]:
                 if isinstance(sub, jcore.ClosedJaxpr):
-                    collectives(sub.jaxpr, acc, m)
+                    collectives(sub.jaxpr, mesh_shape, acc, m)
                 elif isinstance(sub, jcore.Jaxpr):
-                    collectives(sub, acc, m)
+                    collectives(sub, mesh_shape, acc, m)
     return acc
 
 
-def wire_bytes(colls, S: int) -> float:
+def wire_bytes(colls) -> float:
     """Bytes one rank sends to other ranks for these collectives."""
     total = 0.0
-    for name, nbytes, _ in colls:
+    for name, nbytes, _, n in colls:
         if "all_to_all" in name:
-            total += nbytes * (S - 1) / S
+            total += nbytes * (n - 1) / n
         elif name == "all_gather":
-            total += nbytes * (S - 1)
-        elif name.startswith("psum") or name == "reduce_scatter":
-            total += nbytes * 2 * (S - 1) / S
+            total += nbytes * (n - 1)
+        elif name.startswith("psum") or name in ("reduce_scatter", "psum_scatter"):
+            total += nbytes * 2 * (n - 1) / n
         elif name == "ppermute":
             total += nbytes
     return total
@@ -111,6 +123,20 @@ def memory(compiled) -> dict:
     peak = get("peak_memory_in_bytes")
     out["peak_mib"] = peak / MiB if peak else None
     return out
+
+
+def bank_rows(tcfg: TransportConfig, A: int, S: int, E: int) -> int:
+    """Rows of one rank's receiver bank that are live at once in the design (TRANSPORT.md memory
+    table): pooled_wave one wave's E_l x R; expert_cells S x E_l x c; waterfill E_l x cap and
+    ragged S x A (native worst case; the CPU emulation pads both to S x A)."""
+    E_l = E // S
+    if tcfg.kind == "pooled_wave":
+        return E_l * capacity(tcfg.receiver_cf, A, E_l * tcfg.waves)
+    if tcfg.kind == "expert_cells":
+        return S * E_l * capacity(tcfg.capacity_factor, A, E)
+    if tcfg.kind == "waterfill":
+        return E_l * capacity(tcfg.capacity_factor, A, E_l)
+    return S * A
 
 
 def offrank_rows(expert_NK, S: int, E: int) -> np.ndarray:
@@ -183,7 +209,7 @@ def main() -> None:
         args_t = per_layer[args.layer]
         compiled = jax.jit(step).lower(*args_t).compile()
         compile_s = time.time() - t0
-        colls = collectives(jax.make_jaxpr(step)(*args_t).jaxpr)
+        colls = collectives(jax.make_jaxpr(step)(*args_t).jaxpr, dict(mesh.shape))
         jax.block_until_ready(compiled(*args_t))  # warm-up
         times = []
         for _ in range(args.reps):
@@ -198,21 +224,25 @@ def main() -> None:
             by_layer.append(d)
             totals.update(d)
         n = totals["assignments"]
-        counts = Counter(c for c, _, _ in colls)
-        a2a = [b for c, b, _ in colls if "all_to_all" in c]
+        counts = Counter(c for c, _, _, _ in colls)
+        a2a = [b for c, b, _, _ in colls if "all_to_all" in c]
         row = {"transport": name, "capacity": caps, "kind": tcfg.kind, "waves": tcfg.waves
                if tcfg.kind == "pooled_wave" else None,
                "step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
                **memory(compiled),
                "n_all_to_all": counts["all_to_all"] + counts["ragged_all_to_all"],
                "collectives": dict(counts),
-               "payload_mib": sum(b for _, b, _ in colls) / MiB,
+               "collective_list": [list(c) for c in colls],
+               "payload_mib": sum(b for c, b, _, n in colls if n > 1) / MiB,
                "largest_a2a_mib": max(a2a) / MiB if a2a else None,
-               "wire_mib": wire_bytes(colls, S) / MiB,
+               "wire_mib": wire_bytes(colls) / MiB,
                "sender_drop": totals["sender_dropped"] / n,
                "receiver_drop": totals["receiver_dropped"] / n,
                "drop": totals["dropped"] / n, "drops_by_layer": by_layer,
                "compile_s": compile_s}
+        # the bank's input rows and their gate/up activations (H + 2I per row)
+        row["bank_rows"] = bank_rows(tcfg, args.tokens_per_rank * k, S, E)
+        row["bank_mib"] = row["bank_rows"] * (H + 2 * m.expert_dim) * dt.itemsize / MiB
         if tcfg.kind in ("ragged", "waterfill"):
             # A native ragged_all_to_all moves only real rows: dispatch + return forward, their
             # transposes backward (4 x H wide), ids forward (int32), counts (all_gather).
@@ -268,7 +298,10 @@ def main() -> None:
                        "memory_analysis is per device (SPMD program)",
                        "ragged/waterfill wire bytes from the jaxpr are the CPU all_to_all "
                        "emulation's padded buffers; native_wire_mib estimates real rows",
-                       "W=3 impossible with E_l=8; W=4 (2 experts per wave) stands in"])
+                       "W=3 impossible with E_l=8; W=4 (2 experts per wave) stands in",
+                       "XLA:CPU's temp estimate does not shrink with waves (W=1 temp / W=4 temp "
+                       "~1): its buffer assignment does not serialise the waves the way the "
+                       "design assumes; bank_mib is the design's per-wave figure"])
     save("transport", rows, **meta)
     print()
     print(f"Table 1: one MoE layer, forward + backward, EP {S}, {E} experts top-{k}, H {H}, "
@@ -278,6 +311,7 @@ def main() -> None:
                        ("step_ms", "step ms", ".1f"), ("temp_mib", "temp MiB", ".2f"),
                        ("argument_mib", "arg MiB", ".2f"), ("output_mib", "out MiB", ".2f"),
                        ("w1_temp_over_this", "W=1 temp / this", ".2f"),
+                       ("bank_mib", "bank MiB (design)", ".2f"),
                        ("n_all_to_all", "a2a", "d"), ("largest_a2a_mib", "max a2a MiB", ".2f"),
                        ("wire_mib", "wire MiB", ".2f"),
                        ("native_wire_mib", "native est. MiB", ".2f"),
