@@ -36,12 +36,12 @@ RUN_DIR = RESULTS / "router_run"
 STEPS = 180
 
 
-def run_overrides(steps: int = STEPS) -> list[str]:
+def run_overrides(steps: int = STEPS, experts: int = 64) -> list[str]:
     """The ``tiny`` preset with the reference's routed-path shape scaled to d_model 128."""
     d_model = 128
     return [
         f"model.d_model={d_model}",
-        "model.n_experts=64", "model.top_k=8",
+        f"model.n_experts={experts}", "model.top_k=8",
         f"model.latent_dim={d_model // 2}", f"model.expert_dim={d_model // 2}",
         "model.router=sigmoid_bias", "model.combine_sum=2.5",
         # The bias moves by at most rate x steps: at the default 1e-3, 200 steps leave the load
@@ -64,13 +64,14 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return s.get("step", 0) >= steps and not s.get("interrupted")
 
 
-def trained_run(steps: int = STEPS, run_dir: Path | str = RUN_DIR) -> Path:
-    """The run folder of the trained router model, training (or resuming) it if needed."""
+def trained_run(steps: int = STEPS, run_dir: Path | str | None = None, experts: int = 64) -> Path:
+    """The run folder of the trained router model, training (or resuming) it if needed.
+    64 experts is the default model; another count gets its own folder (router_run_e<N>)."""
     from moelab.config import load_config
     from moelab.train.loop import format_summary, resolve_run_config, train
 
-    run_dir = Path(run_dir)
-    cfg = load_config("tiny", run_overrides(steps))
+    run_dir = Path(run_dir or (RUN_DIR if experts == 64 else f"{RUN_DIR}_e{experts}"))
+    cfg = load_config("tiny", run_overrides(steps, experts))
     resolve_run_config(cfg, run_dir)  # a folder trained with another config: ConfigError
     if _finished(run_dir, steps):
         return run_dir
@@ -197,8 +198,9 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description="train (or reuse) the benchmarks' router model")
     ap.add_argument("--steps", type=int, default=STEPS)
+    ap.add_argument("--experts", type=int, default=64)
     args = ap.parse_args()
-    run = trained_run(args.steps)
+    run = trained_run(args.steps, experts=args.experts)
     cfg, _, state = load(str(run))
     toks = heldout_batch(run, 8, cfg.data.seq_len)
     for layer, (z, e, w, _) in enumerate(routing_all(run, toks)):

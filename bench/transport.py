@@ -35,7 +35,10 @@ routing (all layers); pooled_wave uses cf_s = cf_r = cf. Drops depend only on th
 so the sweep runs the transports forward on narrow stand-in activations and weights.
 
 With 64 experts on 8 ranks, a rank holds E_l = 8 experts, which 3 waves cannot divide; W = 4
-(2 experts per wave, like the reference's 6 experts in 3 waves) stands in for W = 3.
+(2 experts per wave, like the reference's 6 experts in 3 waves) stands in for W = 3. The
+reference's own split is ``--experts 48 --waves 3 1``: a second router model with 48 experts
+(top-8), E_l = 6 per rank in 3 waves of 2, exactly as 384 experts on 64 ranks; its tables are
+saved as transport_e48.json.
 """
 
 from __future__ import annotations
@@ -153,8 +156,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="timed calls per transport (median)")
     ap.add_argument("--dtype", default="float32", help="activation/expert-weight dtype "
                     "(the trained model computes in float32; bfloat16 halves the payload)")
+    ap.add_argument("--experts", type=int, default=64, help="routed experts of the router model "
+                    "(64; 48 gives E_l = 6 per rank, the reference's split)")
     ap.add_argument("--waves", type=int, nargs="+", default=[4, 2, 1],
-                    help="pooled_wave wave counts to time (must divide E_l = 8)")
+                    help="pooled_wave wave counts to time (each must divide E_l = experts / 8)")
     ap.add_argument("--router-steps", type=int, default=STEPS)
     ap.add_argument("--seed", type=int, default=0, help="held-out window draw")
     args = ap.parse_args()
@@ -163,7 +168,7 @@ def main() -> None:
     S = 8
     if len(jax.devices()) < S:
         raise SystemExit(f"needs {S} devices, found {len(jax.devices())}")
-    run = str(trained_run(args.router_steps))
+    run = str(trained_run(args.router_steps, experts=args.experts))
     cfg, _, _ = load(run)
     m = cfg.model
     L_seq = cfg.data.seq_len
@@ -298,11 +303,12 @@ def main() -> None:
                        "memory_analysis is per device (SPMD program)",
                        "ragged/waterfill wire bytes from the jaxpr are the CPU all_to_all "
                        "emulation's padded buffers; native_wire_mib estimates real rows",
-                       "W=3 impossible with E_l=8; W=4 (2 experts per wave) stands in",
-                       "XLA:CPU's temp estimate does not shrink with waves (W=1 temp / W=4 temp "
+                       ("W=3 impossible with E_l=8; W=4 (2 experts per wave) stands in"
+                        if E // S == 8 else f"E_l={E // S} per rank"),
+                       "XLA:CPU's temp estimate does not shrink with waves (W=1 temp / W>1 temp "
                        "~1): its buffer assignment does not serialise the waves the way the "
                        "design assumes; bank_mib is the design's per-wave figure"])
-    save("transport", rows, **meta)
+    save("transport" if args.experts == 64 else f"transport_e{args.experts}", rows, **meta)
     print()
     print(f"Table 1: one MoE layer, forward + backward, EP {S}, {E} experts top-{k}, H {H}, "
           f"{args.tokens_per_rank} tokens/rank, {args.dtype}; memory and wire per rank; "

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
 
 from helpers import data_dir, micro_config  # noqa: F401  (session fixture)
+from test_multiprocess import free_port
+from moelab.config import save_config
 from moelab.train.loop import train
 from moelab.train.tracker import read_metrics
 
@@ -61,3 +69,44 @@ def test_pooled_wave_with_tight_capacity_reports_drops(tmp_path, data_dir, refer
     per_layer = [last[f"moe/layer_{i}/drop_fraction"] for i in range(2)]
     assert min(per_layer) > 0
     assert abs(last["train/loss"] - reference[STEPS]["train/loss"]) > 1e-6  # drops change it
+
+
+def test_two_processes_follow_single_device(tmp_path, data_dir, reference):
+    """The same run as 2 processes x 4 CPU devices (JAX multi-controller runtime, gloo):
+    the ordinary `moelab train` command with --coordinator/--num-processes/--process-id."""
+    cfg = micro_config(data_dir, model=MODEL, data=DATA, train={"steps": STEPS, "ckpt_every": 3},
+                       parallel={"devices": 8, "expert": 8, "transport": "ragged"})
+    cfg_path = tmp_path / "cfg.yaml"
+    save_config(cfg, cfg_path)
+    run_dir = tmp_path / "mp"
+    port = str(free_port())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["JAX_PLATFORMS"] = "cpu"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "moelab.cli", "train", str(cfg_path), "--run-dir", str(run_dir),
+         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=400)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail("two-process training timed out")
+    for i, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"process {i} failed:\n{out[-4000:]}"
+    assert "mesh: {'data': 1, 'expert': 8}" in outs[0]  # one mesh across both processes
+    got = losses(run_dir)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in reference:
+        np.testing.assert_allclose(got[s]["train/loss"], reference[s]["train/loss"], rtol=2e-5)
+        np.testing.assert_allclose(got[s]["train/grad_norm"], reference[s]["train/grad_norm"],
+                                   rtol=1e-3)
+    # process 0 alone wrote the log; both wrote the checkpoint shards, committed once
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
+        "step_00000003", "step_00000005"]
+    assert json.loads((run_dir / "summary.json").read_text())["step"] == STEPS

@@ -349,6 +349,32 @@ def test_collective_counts_and_no_float_scatter_add(kind):
     assert not [p for p, dt in grad if p == "scatter-add" and "float" in dt]
 
 
+def data_psums(jaxpr, acc=None):
+    """Number of psum-like equations reducing over the "data" axis, recursing."""
+    acc = [0] if acc is None else acc
+    for eqn in jaxpr.eqns:
+        axes = eqn.params.get("axes", eqn.params.get("axis_name", ()))
+        axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+        acc[0] += eqn.primitive.name.startswith("psum") and "data" in axes
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                    data_psums(getattr(sub, "jaxpr", sub), acc)
+    return acc[0]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expert_weight_gradient_summed_over_data_once(kind):
+    """Expert weights are replicated over "data": their gradient needs one psum over "data" per
+    weight, not one per use (pooled_wave uses them in each of its W waves)."""
+    require_devices()
+    mesh = make_mesh(expert=4)
+    assert mesh.shape["data"] == 2
+    fn = make_transport_fn(mesh, TransportConfig(kind, waves=2))
+    loss = lambda w: jnp.sum(fn(DATA["z"], DATA["expert"], DATA["weight"], w)[0] * DATA["g"])
+    assert data_psums(jax.make_jaxpr(jax.grad(loss))(DATA["w"]).jaxpr) == len(DATA["w"])
+
+
 # ----------------------------------------------------------------------------- ids, config
 
 @pytest.mark.parametrize("max_id", [6, 255, 256, 300, 70_000])

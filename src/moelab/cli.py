@@ -26,6 +26,10 @@ def cmd_train(args) -> int:
 
     source, overrides = _split_overrides(args.config, args.overrides)
     cfg = load_config(source, overrides)
+    if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
+        from moelab.parallel.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id)
     run_dir = Path(args.run_dir or Path("runs") / Path(source).stem)
     summary = train(cfg, run_dir)
     print(format_summary(summary))
@@ -105,6 +109,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
     t.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
     t.add_argument("--run-dir", help="run folder (default: runs/<config name>)")
+    mp = t.add_argument_group("several processes (one per host or per GPU; see README)")
+    mp.add_argument("--distributed", action="store_true",
+                    help="join JAX's multi-controller runtime, cluster detected by JAX (SLURM, "
+                    "Open MPI, Kubernetes)")
+    mp.add_argument("--coordinator", help="HOST:PORT of process 0 (with --num-processes and "
+                    "--process-id, for clusters JAX does not detect)")
+    mp.add_argument("--num-processes", type=int)
+    mp.add_argument("--process-id", type=int)
     t.set_defaults(fn=cmd_train)
 
     g = sub.add_parser("generate", help="sample text from a trained run")

@@ -56,7 +56,12 @@ def expert_weight_shardings(mesh: Mesh, weights: dict) -> dict:
 
 
 def shard_batch(x, mesh: Mesh):
-    return jax.device_put(x, NamedSharding(mesh, batch_spec(x.ndim)))
+    """A host batch (the same global array on every process) as a global array sharded over
+    the batch axes; each process fills only its own devices' shards, so this also works when
+    the mesh spans several processes."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, batch_spec(x.ndim)),
+                                        lambda idx: x[idx])
 
 
 def shard_expert_weights(weights: dict, mesh: Mesh) -> dict:

@@ -19,10 +19,11 @@ The manifest lets a restore detect damage that orbax itself would not notice (a 
 array chunk restores "successfully" with wrong values), as well as missing or truncated files.
 ``restore_latest`` walks from the newest checkpoint backwards, warning about each damaged one.
 
-Assumptions: one process writes a checkpoint directory at a time (``save`` removes other
-``.tmp-*`` directories as crash leftovers), and a single JAX process (``jax.process_count() == 1``;
-arrays may still be sharded over several local devices). Readers (an eval job, say) may open the
-same directory concurrently: only ``save`` modifies it.
+Assumptions: one job writes a checkpoint directory at a time (``save`` removes other ``.tmp-*``
+directories as crash leftovers). A job may be several JAX processes (the multi-controller
+runtime) on a filesystem they all see: every process calls ``save`` and ``restore``; orbax writes
+each process's shards, and process 0 alone writes ``meta.json`` and the manifest and commits.
+Readers (an eval job, say) may open the same directory concurrently: only ``save`` modifies it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from moelab.parallel.distributed import barrier, broadcast_str
 from moelab.util import atomic_write_json, info, sha256_file
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointWarning"]
@@ -184,20 +186,32 @@ class Checkpointer:
             json.dumps(meta, sort_keys=True)
         except (TypeError, ValueError) as e:
             raise TypeError(f"checkpoint meta is not JSON-serialisable: {e}") from e
-        if jax.process_count() > 1:
-            raise NotImplementedError(
-                "moelab Checkpointer supports a single JAX process; multi-host saving needs "
-                "orbax's multi-process coordination (ocp.CheckpointManager)"
-            )
-
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self._remove_leftovers()
+        main = jax.process_index() == 0
+        if main:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._remove_leftovers()
         final = self.step_dir(step)
-        tmp = self.dir / f"{_TMP_PREFIX}{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        # Every process must name the same temporary directory: process 0 picks it.
+        token = broadcast_str(f"{os.getpid()}.{uuid.uuid4().hex[:8]}")
+        tmp = self.dir / f"{_TMP_PREFIX}{final.name}.{token}"
+        if main:
+            tmp.mkdir()
+        barrier(f"checkpoint-{step}-start")
+        try:
+            self._orbax.save(tmp / STATE_DIR, args=ocp.args.StandardSave(state))  # all processes
+        except BaseException:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if main:
+            self._commit(step, tmp, final, meta)
+        barrier(f"checkpoint-{step}-committed")
+        return final
+
+    def _commit(self, step: int, tmp: Path, final: Path, meta: dict) -> None:
+        """Process 0: meta + manifest into ``tmp``, then the rename that commits it; prune."""
         old: Path | None = None
         try:
-            tmp.mkdir()
-            self._orbax.save(tmp / STATE_DIR, args=ocp.args.StandardSave(state))
             atomic_write_json(tmp / META_FILE, meta)
             files = self._hash_and_sync(tmp)
             manifest = {
@@ -224,7 +238,6 @@ class Checkpointer:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         self._prune()
-        return final
 
     def _hash_and_sync(self, root: Path) -> dict[str, dict[str, Any]]:
         files = sorted(p for p in root.rglob("*") if p.is_file())

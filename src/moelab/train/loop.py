@@ -16,6 +16,7 @@ SIGTERM finish the current step, save a checkpoint and return (a second Ctrl-C a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import math
 import signal
@@ -37,6 +38,7 @@ from moelab.generate import make_sampler
 from moelab.provenance import provenance
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.peak import measure_peak_flops
+from moelab.parallel.distributed import agree_any, barrier, is_main
 from moelab.parallel.mesh import mesh_from_config, shard_batch, state_shardings
 from moelab.train.step import init_train_state, make_eval_step, make_train_step, transport_fns
 from moelab.train.tracker import JsonlTracker, Trackers, WandbTracker
@@ -151,30 +153,45 @@ def _fmt_time(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def init_sharded_state(cfg: RunConfig, mesh) -> dict:
+    """A fresh train state, created directly in its shardings (routed experts split over the
+    "expert" axis) so no process ever holds another's shards, and restores land there too."""
+    init = functools.partial(init_train_state, cfg)
+    key = jax.random.PRNGKey(cfg.train.seed)
+    if mesh is None:
+        return jax.jit(init)(key)
+    shardings = state_shardings(mesh, jax.eval_shape(init, key))
+    return jax.jit(init, out_shardings=shardings)(key)
+
+
 def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
           sample_prompt: str | None = "The ") -> dict:
     """Train (or resume) the run in ``run_dir``. Returns the summary dict."""
     run_dir = Path(run_dir)
     cfg = resolve_run_config(cfg, run_dir)
-    say = info if verbose else (lambda _m: None)
-    data: PreparedData = prepare_data(cfg.data, cfg.model.vocab_size, verbose=verbose)
+    main = is_main()  # with several processes, process 0 alone writes the run folder
+    say = info if verbose and main else (lambda _m: None)
+    if main:  # builds the corpus/tokenizer/token store once; the others then find it built
+        data: PreparedData = prepare_data(cfg.data, cfg.model.vocab_size, verbose=verbose)
+    barrier("data-prepared")
+    if not main:
+        data = prepare_data(cfg.data, cfg.model.vocab_size, verbose=False)
     store = TokenStore(data.store_dir)
     tok = load_tokenizer(data.tokenizer_path)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir / "config.yaml")
-    # A copy of the tokenizer makes the run folder self-contained for `moelab generate`.
-    atomic_write_bytes(run_dir / "tokenizer.json", data.tokenizer_path.read_bytes())
     prov = provenance(cfg, store.fingerprint)
-    atomic_write_json(run_dir / "provenance.json", prov)
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.yaml")
+        # A copy of the tokenizer makes the run folder self-contained for `moelab generate`.
+        atomic_write_bytes(run_dir / "tokenizer.json", data.tokenizer_path.read_bytes())
+        atomic_write_json(run_dir / "provenance.json", prov)
 
     sampler = MixtureSampler(store, "train", seq_len=cfg.data.seq_len,
                              batch_size=cfg.data.batch_size, mixture=cfg.data.mixture or None,
                              seed=cfg.data.seed)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
     mesh = mesh_from_config(cfg.parallel)
-    state = init_train_state(cfg, jax.random.PRNGKey(cfg.train.seed))
-    if mesh is not None:  # restore lands in the target's shardings
-        state = jax.device_put(state, state_shardings(mesh, state))
+    state = init_sharded_state(cfg, mesh)
     put_batch = (lambda b: jnp.asarray(b)) if mesh is None else (lambda b: shard_batch(b, mesh))
     restored = ckpt.restore_latest(state)
     start = 0
@@ -182,9 +199,9 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
         start, state, _meta = restored
         say(f"resuming {run_dir} from step {start}")
 
-    trackers = Trackers(JsonlTracker(run_dir / "metrics.jsonl"),
+    trackers = Trackers(JsonlTracker(run_dir / "metrics.jsonl") if main else None,
                         WandbTracker(cfg.train.wandb_project, run_dir, cfg.to_dict(), run_dir.name)
-                        if cfg.train.wandb else None)
+                        if cfg.train.wandb and main else None)
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"))
     counts = param_counts(cfg.model)
@@ -225,10 +242,11 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
             while step < steps:
                 state, m = step_fn(state, put_batch(sampler.batch(step)))
                 step += 1
+                stop = agree_any(flag.signal is not None)  # all processes stop at the same step
                 if timing["t_first"] is None:  # exclude compilation from throughput
                     jax.block_until_ready(m)
                     timing["t_first"], timing["step_first"] = time.time(), step
-                if step % cfg.train.log_every == 0 or step == steps or flag.signal:
+                if step % cfg.train.log_every == 0 or step == steps or stop:
                     metrics = {k: float(v) for k, v in jax.device_get(m).items()}
                     busy = time.time() - timing["t_first"] - timing["paused"]
                     done = step - timing["step_first"]
@@ -246,15 +264,15 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
                         f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
                         f"{rate:,.0f} tok/s | MFU {100 * metrics['throughput/mfu']:.1f}% | "
                         f"ETA {_fmt_time(eta) if rate else '?'}")
-                if step % cfg.train.eval_every == 0 and step < steps and not flag.signal:
+                if step % cfg.train.eval_every == 0 and step < steps and not stop:
                     evals = paused(evaluate, cfg, eval_fn, state, store, cfg.train.eval_tokens,
                                    put_batch)
                     trackers.log(step, evals)
                     say("  eval " + "  ".join(f"{k.split('/')[1]} {v:.3f}"
                                               for k, v in evals.items() if k.endswith("/bpb"))
                         + " bits/byte")
-                if flag.signal:
-                    stop_signal = flag.signal
+                if stop:
+                    stop_signal = flag.signal or "SIGTERM"  # another process received it
                     break
                 if step % cfg.train.ckpt_every == 0 and step < steps:
                     paused(save, step)
@@ -276,10 +294,10 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
                                  min(whole, max(cfg.train.eval_tokens, FINAL_EVAL_CAP)), put_batch)
                 trackers.log(step, evals)
                 summary.update(evals)
-                if "prose" in store.domains("heldout"):
+                if "prose" in store.domains("heldout") and main:
                     summary["baseline/prose/gzip9_bpb"] = gzip_bpb(
                         heldout_text(data.corpus_dir, "prose"))
-                if sample_prompt is not None:
+                if sample_prompt is not None and jax.process_count() == 1:
                     sample = make_sampler(cfg.model, cfg.data.seq_len)
                     ids = encode_batch(tok, [sample_prompt])[0]
                     out = sample(state["params"], state["model_state"], ids, 60,
@@ -290,7 +308,8 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
                 trackers.event("interrupted", step, signal=stop_signal)
         finally:
             trackers.close()
-    atomic_write_json(run_dir / "summary.json", summary)
+    if main:
+        atomic_write_json(run_dir / "summary.json", summary)
     return summary
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moelab.parallel.mesh import EXPERT, batch_spec, expert_weight_spec, per_device_spec
+from moelab.parallel.mesh import DATA, EXPERT, batch_spec, expert_weight_spec, per_device_spec
 from moelab.parallel.transport.common import (
     KINDS, STAT_KEYS, TransportConfig, drop_fractions, drop_stats, drop_totals)
 from moelab.parallel.transport.expert_cells import expert_cells
@@ -59,6 +59,10 @@ def make_transport_fn(mesh, cfg: TransportConfig):
             valid_NK = jnp.ones(expert_NK.shape, bool)
 
         def body(z, expert, weight, valid, w):
+            # Expert weights are replicated over "data"; their gradient is summed over it. Marking
+            # them data-varying once here makes that one psum at this boundary, not one per use
+            # (pooled_wave uses them in each of its W waves).
+            w = jax.tree.map(lambda x: jax.lax.pcast(x, DATA, to="varying"), w)
             out, stats = per_rank(z, expert, weight, w, n_experts=E, cfg=cfg, valid_TK=valid,
                                   axis=EXPERT)
             return out, {k: v.reshape(1) for k, v in stats.items()}

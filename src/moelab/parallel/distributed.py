@@ -1,0 +1,65 @@
+"""Several processes, one program: JAX's multi-controller runtime.
+
+Every process runs the same ``moelab train``; the mesh spans the devices of all of them and the
+jitted step's collectives cross process boundaries (NCCL on GPU, gloo on CPU). Each process
+computes the same global batch on the host and hands each of its local devices only its own
+shard. Process 0 alone writes the run folder (config, metrics, summary); checkpoints are written
+by all of them together through orbax.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    """Join the multi-controller runtime. With no arguments JAX detects the cluster (SLURM,
+    Open MPI, Kubernetes, Cloud TPU); otherwise give all three. Must run before any JAX
+    computation."""
+    given = [coordinator is not None, num_processes is not None, process_id is not None]
+    if any(given) and not all(given):
+        raise ValueError("--coordinator, --num-processes and --process-id go together: give all "
+                         "three (or none, to let JAX detect the cluster)")
+    if num_processes is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"--process-id {process_id}: must be in [0, {num_processes})")
+    # CPU collectives across processes need gloo; the setting is ignored by GPU/TPU backends.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def is_main() -> bool:
+    """The process that writes logs and files."""
+    return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+    """Wait until every process reaches this point (a no-op for one process)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def agree_any(flag: bool) -> bool:
+    """True on every process if it is true on any (e.g. a stop signal seen by one of them)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
+
+
+def broadcast_str(text: str, length: int = 32) -> str:
+    """Process 0's ``text`` (ASCII, at most ``length`` characters) on every process."""
+    if jax.process_count() == 1:
+        return text
+    from jax.experimental import multihost_utils
+
+    buf = np.zeros(length, np.uint8)
+    raw = text.encode("ascii")[:length]
+    buf[: len(raw)] = np.frombuffer(raw, np.uint8)
+    out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
+    return bytes(out[out > 0].astype(np.uint8)).decode("ascii")
