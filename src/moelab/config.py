@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, NamedTuple, get_type_hints
 
 import yaml
 
@@ -26,6 +26,9 @@ class ConfigError(ValueError):
 def _require(cond: bool, field_name: str, msg: str) -> None:
     if not cond:
         raise ConfigError(f"{field_name}: {msg}")
+
+
+CONV_SITES = ("q", "k", "v", "attn", "moe")  # projections, attention-branch / MoE-branch output
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,14 @@ class ModelConfig:
     global_every: int = 0  # with a window: layers i with (i+1) % global_every == 0 are full causal
     qk_norm: bool = False  # weightless RMS norm on q and k ...
     qk_norm_scale: float = 1.0  # ... then multiplied by this (reference: 1.3)
+    global_kv_heads: int = 0  # KV heads a global layer uses (the first ones); 0 = all n_kv_heads
+    global_rope: bool = True  # False: global (full-causal) layers use no RoPE (reference)
+    xsa: bool = False  # exclusive self-attention: drop each head's output component along its v
+    attn_gate: bool = False  # per-head output gate 2*sigmoid(x W_gate), W_gate [D, H] zero-init
+    conv_sites: str = ""  # short causal depthwise convs, comma list of q,k,v,attn,moe ("" = none)
+    conv_kernel: int = 4  # taps of each short conv (identity init)
+    gated_norm_rank: int = 0  # GatedNorm x*sigmoid(W_up silu(W_down x)) after each RMSNorm; 0 = off
+    embed_norm: bool = False  # RMSNorm (+ GatedNorm) right after the embedding lookup
     # mixture of experts
     n_experts: int = 8
     top_k: int = 2
@@ -50,11 +61,12 @@ class ModelConfig:
     latent_dim: int = 0  # routed path width; 0 or d_model = no latent projection
     n_shared: int = 1
     shared_dim: int = 256
-    router: str = "softmax_aux"  # "softmax_aux" | "sigmoid_bias"
+    router: str = "softmax_aux"  # "softmax_aux" | "sigmoid_bias" | "quantile"
     aux_loss_coef: float = 0.01  # load-balance loss weight (softmax_aux; logged for both)
     router_z_coef: float = 0.0  # router z-loss weight in the loss (always logged)
     bias_update_rate: float = 1e-3  # sigmoid_bias: step size of the balancing bias
-    combine_sum: float = 0.0  # sigmoid_bias: rescale the k combine weights to sum to this; 0 = raw
+    combine_sum: float = 0.0  # sigmoid routers: rescale the k weights to sum to this; 0 = raw
+    qb_bins: int = 10_000  # quantile router: histogram bins of the balancing quantile
     moe_impl: str = "auto"  # "auto" | "blocks" | "ragged" | "dense" (dense = slow reference)
     moe_block: int = 128  # rows per block of the sorted-blocks MoE kernel
     # head / loss / numerics
@@ -76,13 +88,23 @@ class ModelConfig:
     def std(self) -> float:
         return self.init_std if self.init_std > 0 else 0.5 / math.sqrt(self.d_model)
 
+    def layer_is_global(self) -> list[bool]:
+        """Per layer: is it a global layer (every ``global_every``-th, counting from 1)?"""
+        return [self.global_every > 0 and (i + 1) % self.global_every == 0
+                for i in range(self.n_layers)]
+
     def layer_windows(self) -> list[int]:
         """Attention window per layer (0 = full causal)."""
-        out = []
-        for i in range(self.n_layers):
-            is_global = self.global_every > 0 and (i + 1) % self.global_every == 0
-            out.append(0 if (is_global or self.sliding_window == 0) else self.sliding_window)
-        return out
+        return [0 if (g or self.sliding_window == 0) else self.sliding_window
+                for g in self.layer_is_global()]
+
+    @property
+    def kv_heads_global(self) -> int:
+        return self.global_kv_heads or self.n_kv_heads
+
+    @property
+    def conv_site_set(self) -> frozenset[str]:
+        return frozenset(s.strip() for s in self.conv_sites.split(",") if s.strip())
 
     def validate(self, p: str = "model") -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -103,8 +125,21 @@ class ModelConfig:
         _require(self.n_shared >= 0, f"{p}.n_shared", "must be >= 0")
         _require(self.n_shared == 0 or self.shared_dim > 0, f"{p}.shared_dim",
                  "must be > 0 when n_shared > 0")
-        _require(self.router in ("softmax_aux", "sigmoid_bias"), f"{p}.router",
-                 "must be 'softmax_aux' or 'sigmoid_bias'")
+        _require(self.router in ("softmax_aux", "sigmoid_bias", "quantile"), f"{p}.router",
+                 "must be 'softmax_aux', 'sigmoid_bias' or 'quantile'")
+        _require(self.router != "quantile" or self.top_k < self.n_experts, f"{p}.top_k",
+                 f"must be < n_experts={self.n_experts} for the quantile router (it reads the "
+                 "(k+1)-th logit)")
+        _require(self.qb_bins >= 2, f"{p}.qb_bins", "must be >= 2")
+        _require(0 <= self.global_kv_heads <= self.n_kv_heads, f"{p}.global_kv_heads",
+                 f"must be in [0, n_kv_heads={self.n_kv_heads}] (0 = all)")
+        _require(self.n_kv_heads % self.kv_heads_global == 0, f"{p}.global_kv_heads",
+                 f"must divide n_kv_heads={self.n_kv_heads}")
+        bad = sorted(self.conv_site_set - set(CONV_SITES))
+        _require(not bad, f"{p}.conv_sites", f"unknown site {bad[0] if bad else ''!r}; use a "
+                 f"comma list of {','.join(CONV_SITES)}")
+        _require(self.conv_kernel >= 1, f"{p}.conv_kernel", "must be >= 1")
+        _require(self.gated_norm_rank >= 0, f"{p}.gated_norm_rank", "must be >= 0 (0 = off)")
         _require(self.moe_impl in ("auto", "blocks", "ragged", "dense"), f"{p}.moe_impl",
                  "must be one of auto, blocks, ragged, dense")
         _require(self.moe_block > 0, f"{p}.moe_block", "must be > 0")
@@ -117,6 +152,45 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class MixtureChange:
+    """New domain weights from ``step`` on (written by `moelab replan/branch --mixture`)."""
+
+    step: int
+    mixture: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ContextStage:
+    """Sequences of ``seq_len`` tokens from ``step`` on; batch_size 0 keeps the tokens per
+    batch of data.seq_len x data.batch_size (so only the batch shape changes)."""
+
+    step: int
+    seq_len: int
+    batch_size: int = 0
+
+
+class DataSegment(NamedTuple):
+    """A stretch of steps over which the sampler draws the same kind of batch."""
+
+    start: int
+    seq_len: int
+    batch_size: int
+    mixture: dict[str, float]
+
+
+def _check_mixture(mixture: dict[str, float], p: str) -> None:
+    for k, v in mixture.items():
+        _require(isinstance(v, (int, float)) and v >= 0, f"{p}.{k}", "weights must be numbers >= 0")
+    _require(not mixture or sum(mixture.values()) > 0, p, "at least one weight must be > 0")
+
+
+def _check_increasing(steps: list[int], p: str) -> None:
+    for i, s in enumerate(steps):
+        _require(s > (steps[i - 1] if i else 0), f"{p}[{i}].step",
+                 "steps must be > 0 and strictly increasing (step 0 is the base config)")
+
+
+@dataclass(frozen=True)
 class DataConfig:
     data_dir: str = "data/builtin"  # corpus + tokenizer + token store live here
     tokenizer: str = ""  # path to a tokenizer.json; "" = train a BPE into data_dir
@@ -125,15 +199,64 @@ class DataConfig:
     # domain -> weight; empty = proportional to each domain's training tokens
     mixture: dict[str, float] = field(default_factory=dict)
     seed: int = 0
+    # run operations: new mixtures and longer contexts from given steps on (see segments())
+    mixture_schedule: list[MixtureChange] = field(default_factory=list)
+    context_stages: list[ContextStage] = field(default_factory=list)
+
+    def stage_batch(self, stage: ContextStage) -> int:
+        return stage.batch_size or self.seq_len * self.batch_size // stage.seq_len
+
+    def segments(self) -> list[DataSegment]:
+        """What the sampler draws, from step 0 on: one segment per change of mixture or context."""
+        starts = sorted({0, *(m.step for m in self.mixture_schedule),
+                         *(c.step for c in self.context_stages)})
+        out = []
+        for s in starts:
+            stage = next((c for c in reversed(self.context_stages) if c.step <= s), None)
+            mix = next((m.mixture for m in reversed(self.mixture_schedule) if m.step <= s),
+                       self.mixture)
+            out.append(DataSegment(s, stage.seq_len if stage else self.seq_len,
+                                   self.stage_batch(stage) if stage else self.batch_size, mix))
+        return out
+
+    def segment_at(self, step: int) -> DataSegment:
+        return next(g for g in reversed(self.segments()) if g.start <= step)
+
+    def tokens_before(self, step: int) -> int:
+        """Tokens trained by the first ``step`` steps (stages may change tokens per step)."""
+        segs = self.segments()
+        ends = [g.start for g in segs[1:]] + [max(step, segs[-1].start)]
+        return sum(g.seq_len * g.batch_size * max(0, min(step, end) - g.start)
+                   for g, end in zip(segs, ends))
 
     def validate(self, p: str = "data") -> None:
         _require(self.seq_len > 0, f"{p}.seq_len", "must be > 0")
         _require(self.batch_size > 0, f"{p}.batch_size", "must be > 0")
-        for k, v in self.mixture.items():
-            _require(isinstance(v, (int, float)) and v >= 0, f"{p}.mixture.{k}",
-                     "weights must be numbers >= 0")
-        _require(not self.mixture or sum(self.mixture.values()) > 0, f"{p}.mixture",
-                 "at least one weight must be > 0")
+        _check_mixture(self.mixture, f"{p}.mixture")
+        _check_increasing([m.step for m in self.mixture_schedule], f"{p}.mixture_schedule")
+        for i, m in enumerate(self.mixture_schedule):
+            _check_mixture(m.mixture, f"{p}.mixture_schedule[{i}].mixture")
+            _require(bool(m.mixture), f"{p}.mixture_schedule[{i}].mixture",
+                     "give the new domain weights, e.g. {prose: 0.7, code: 0.3}")
+        _check_increasing([c.step for c in self.context_stages], f"{p}.context_stages")
+        tokens = self.seq_len * self.batch_size
+        for i, c in enumerate(self.context_stages):
+            q = f"{p}.context_stages[{i}]"
+            _require(c.seq_len > 0, f"{q}.seq_len", "must be > 0")
+            _require(c.batch_size >= 0, f"{q}.batch_size", "must be >= 0 (0 = same tokens/batch)")
+            _require(c.batch_size > 0 or tokens % c.seq_len == 0, f"{q}.seq_len",
+                     f"must divide the tokens per batch data.seq_len x data.batch_size={tokens} "
+                     "(tokens per batch stay constant), or set the stage's batch_size")
+
+
+@dataclass(frozen=True)
+class Decay:
+    """A re-timed decay: from step ``start``, linear from the LR the schedule had there to
+    ``floor`` x peak at step ``end``, flat afterwards (written by `moelab replan/branch`)."""
+
+    start: int
+    end: int
+    floor: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -147,9 +270,16 @@ class OptimConfig:
     b2: float = 0.95
     eps: float = 1e-8
     clip_norm: float = 0.0  # 0 = no clipping (the reference does not clip)
+    decays: list[Decay] = field(default_factory=list)  # re-timed decays, each from its start on
 
     def validate(self, p: str = "optim") -> None:
         _require(self.lr > 0, f"{p}.lr", "must be > 0")
+        for i, d in enumerate(self.decays):
+            q = f"{p}.decays[{i}]"
+            _require(d.start >= (self.decays[i - 1].start + 1 if i else 0), f"{q}.start",
+                     "must be >= 0 and after the previous decay's start")
+            _require(d.end > d.start, f"{q}.end", f"must be after start={d.start}")
+            _require(0 <= d.floor <= 1, f"{q}.floor", "must be a fraction of peak in [0, 1]")
         _require(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
         _require(self.schedule_steps >= 0, f"{p}.schedule_steps", "must be >= 0 (0 = train.steps)")
         _require(0 <= self.floor <= 1, f"{p}.floor", "must be a fraction of peak in [0, 1]")
@@ -227,6 +357,10 @@ class RunConfig:
                  f"must divide model.n_experts={m.n_experts} (each rank holds n_experts/expert)")
         _require(par.devices == 0 or self.data.batch_size % par.devices == 0, "data.batch_size",
                  f"must be divisible by parallel.devices={par.devices} (each device gets rows)")
+        for i, c in enumerate(self.data.context_stages):
+            _require(par.devices == 0 or self.data.stage_batch(c) % par.devices == 0,
+                     f"data.context_stages[{i}]", f"batch of {self.data.stage_batch(c)} sequences"
+                     f" must be divisible by parallel.devices={par.devices}")
         local = m.n_experts // par.expert
         uses_transport = par.devices != 1 and par.transport == "pooled_wave"
         _require(not uses_transport or local % par.waves == 0, "parallel.waves",
@@ -272,6 +406,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
         raise ConfigError(f"{where}: unknown field; valid fields: "
                           f"{', '.join(sorted(names))}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix}: missing field(s) {', '.join(missing)}")
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
@@ -309,6 +447,11 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping like {{name: weight}}, got {value!r}")
         return {str(k): _coerce(v, float, f"{where}.{k}") for k, v in value.items()}
+    if getattr(hint, "__origin__", None) is list:  # a list of small dataclasses (operations)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item = hint.__args__[0]
+        return [_build(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     return value
 
 

@@ -43,5 +43,16 @@ def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id runs on this machine (it may belong to another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def info(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moelab.config import DataConfig
 from moelab.data.corpus import DataError, iter_documents, load_manifest
 from moelab.data.store import TokenStore
 
@@ -99,6 +100,43 @@ class MixtureSampler:
         return {"split": self.split, "seq_len": self.seq_len, "batch_size": self.batch_size,
                 "seed": self.seed, "mixture": self.mixture, "probs": self.probs,
                 "store": self.store.fingerprint}
+
+
+class SteppedSampler:
+    """Training batches that change kind at given steps: one ``MixtureSampler`` per segment of
+    ``DataConfig.segments()`` (a new mixture or context length), each taking over at its start.
+
+    Still a pure function of the step: a run resumed on either side of a change, or across it,
+    draws exactly what an uninterrupted run draws. Every segment's sampler is built up front, so
+    a bad mixture or a too-long context fails at the start of the run, not at the change.
+    """
+
+    def __init__(self, store: TokenStore, data: DataConfig, split: str = "train"):
+        self.segments = data.segments()
+        self._samplers = [MixtureSampler(store, split, seq_len=g.seq_len, batch_size=g.batch_size,
+                                         mixture=g.mixture or None, seed=data.seed)
+                          for g in self.segments]
+
+    def at(self, step: int) -> MixtureSampler:
+        return next(s for g, s in zip(reversed(self.segments), reversed(self._samplers))
+                    if g.start <= step)
+
+    def batch(self, step: int) -> np.ndarray:
+        return self.at(step).batch(step)
+
+    def batch_domains(self, step: int) -> list[str]:
+        return self.at(step).batch_domains(step)
+
+    def change_at(self, step: int) -> dict | None:
+        """What starts at ``step`` (seq_len, batch_size, probabilities), or None."""
+        for g, s in zip(self.segments[1:], self._samplers[1:]):
+            if g.start == step:
+                return {"seq_len": g.seq_len, "batch_size": g.batch_size, "mixture": s.probs}
+        return None
+
+    def state(self) -> dict:
+        return {"segments": [{"start": g.start, **s.state()}
+                             for g, s in zip(self.segments, self._samplers)]}
 
 
 def eval_windows(store: TokenStore, domain: str, seq_len: int,

@@ -1,7 +1,9 @@
-"""Building blocks: RMSNorm, RoPE, grouped-query attention with a sliding window, SwiGLU.
+"""Building blocks: RMSNorm, GatedNorm, RoPE, short causal convolutions, grouped-query attention
+(sliding window, q/k norm, XSA, per-head output gate, fewer KV heads on global layers), SwiGLU.
 
 Shape suffixes: B batch, T query positions, S key positions, D model width, K kv heads,
-G query heads per kv head, Q head dim, F feed-forward width.
+G query heads per kv head, H query heads, Q head dim, F feed-forward width, C channels,
+R GatedNorm rank.
 """
 
 from __future__ import annotations
@@ -19,6 +21,25 @@ def rms_norm(x, scale=None, eps: float = 1e-5):
     if scale is not None:
         y = y * scale.astype(jnp.float32)
     return y.astype(x.dtype)
+
+
+def gated_norm(x, w_down_DR, w_up_RD):
+    """GatedNorm: x * sigmoid(W_up silu(W_down x)), a low-rank per-dimension gate applied to an
+    RMSNorm output (the gate lets the model re-scale dimensions the norm made uniform)."""
+    gate = jax.nn.sigmoid(jax.nn.silu(x @ w_down_DR) @ w_up_RD)
+    return x * gate.astype(x.dtype)
+
+
+def causal_conv(x_BTC, w_KC):
+    """Depthwise causal convolution over time: y[t] = sum_j w[j] * x[t - (K-1) + j].
+
+    ``w[-1]`` weighs the current position, so w = [0, ..., 0, 1] is the identity (its init).
+    """
+    n = w_KC.shape[0]
+    T = x_BTC.shape[1]
+    xp = jnp.pad(x_BTC, ((0, 0), (n - 1, 0), (0, 0)))
+    w = w_KC.astype(x_BTC.dtype)
+    return sum(xp[:, j:j + T] * w[j] for j in range(n))
 
 
 def rope_tables(positions_T, rot_dims: int, theta: float):
@@ -69,27 +90,75 @@ def _attend(q_BCKGQ, k_BSKQ, v_BSKQ, q_pos, k_pos, window):
     return jnp.einsum("bkgts,bskq->btkgq", probs, v_BSKQ)
 
 
-def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin):
-    """Grouped-query causal self-attention; ``p`` holds wq [D, H*Q], wk/wv [D, K*Q], wo [H*Q, D]."""
+def causal_attend(q_BTKGQ, k_BTKQ, v_BTKQ, window):
+    """Causal softmax attention split into query chunks; chunk c reads only keys up to its end
+    (the masked upper triangle is skipped). Materialises each chunk's scores."""
+    T = q_BTKGQ.shape[1]
+    n = query_chunks(T)
+    C = T // n
+    pos = jnp.arange(T)
+    outs = [_attend(q_BTKGQ[:, c * C:(c + 1) * C], k_BTKQ[:, :(c + 1) * C],
+                    v_BTKQ[:, :(c + 1) * C], pos[c * C:(c + 1) * C], pos[:(c + 1) * C], window)
+            for c in range(n)]
+    return jnp.concatenate(outs, axis=1)
+
+
+def kv_head_map(cfg: ModelConfig, is_global):
+    """Which stored KV head each of the n_kv_heads slots reads. Local layers: slot j -> head j.
+    Global layers with ``global_kv_heads`` = Kg < K: slot j -> head j // (K/Kg), so the query
+    heads of Kg consecutive groups share one of the first Kg heads (plain GQA with Kg heads)."""
+    K, Kg = cfg.n_kv_heads, cfg.kv_heads_global
+    local = jnp.arange(K)
+    return jnp.where(is_global, local // (K // Kg), local)
+
+
+def exclusive(out_BTKGQ, v_BTKQ):
+    """XSA: remove from each head's output its component along the value vector of its own
+    position, out - (out.v / |v|^2) v (the part plain attention gets by attending to itself)."""
+    o = out_BTKGQ.astype(jnp.float32)
+    v = v_BTKQ.astype(jnp.float32)[:, :, :, None, :]
+    dot = jnp.sum(o * v, axis=-1, keepdims=True)
+    return (o - dot / (jnp.sum(v * v, axis=-1, keepdims=True) + 1e-6) * v).astype(out_BTKGQ.dtype)
+
+
+def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global=False):
+    """Grouped-query causal self-attention; ``p`` holds wq [D, H*Q], wk/wv [D, K*Q], wo [H*Q, D]
+    and, with the options on, conv_q/conv_k/conv_v [n, C] and attn_gate [D, H].
+
+    ``window`` and ``is_global`` may be traced per-layer values (they vary inside the layer scan).
+    """
     B, T, _ = x_BTD.shape
     H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     G = H // K
-    q = (x_BTD @ p["wq"]).reshape(B, T, H, Q)
-    k = (x_BTD @ p["wk"]).reshape(B, T, K, Q)
-    v = (x_BTD @ p["wv"]).reshape(B, T, K, Q)
+    proj = {}
+    for name, w in (("q", p["wq"]), ("k", p["wk"]), ("v", p["wv"])):
+        y = x_BTD @ w
+        if name in cfg.conv_site_set:
+            y = causal_conv(y, p[f"conv_{name}"])
+        proj[name] = y
+    q = proj["q"].reshape(B, T, H, Q)
+    k = proj["k"].reshape(B, T, K, Q)
+    v = proj["v"].reshape(B, T, K, Q)
     if cfg.qk_norm:
         q = rms_norm(q, eps=cfg.norm_eps) * cfg.qk_norm_scale
         k = rms_norm(k, eps=cfg.norm_eps) * cfg.qk_norm_scale
     rot = int(Q * cfg.rope_fraction)
-    q, k = apply_rope(q, cos, sin, rot), apply_rope(k, cos, sin, rot)
-    q = q.reshape(B, T, K, G, Q)
-    n = query_chunks(T)
-    C = T // n
-    pos = jnp.arange(T)
-    outs = [_attend(q[:, c * C:(c + 1) * C], k[:, :(c + 1) * C], v[:, :(c + 1) * C],
-                    pos[c * C:(c + 1) * C], pos[:(c + 1) * C], window) for c in range(n)]
-    out = jnp.concatenate(outs, axis=1).reshape(B, T, H * Q)
-    return out @ p["wo"]
+    q_rot, k_rot = apply_rope(q, cos, sin, rot), apply_rope(k, cos, sin, rot)
+    if cfg.global_rope:
+        q, k = q_rot, k_rot
+    else:  # global layers keep q, k unrotated (no position signal but the causal mask)
+        q, k = jnp.where(is_global, q, q_rot), jnp.where(is_global, k, k_rot)
+    if cfg.kv_heads_global != K:
+        kv = kv_head_map(cfg, is_global)
+        k, v = jnp.take(k, kv, axis=2), jnp.take(v, kv, axis=2)
+    out = causal_attend(q.reshape(B, T, K, G, Q), k, v, window)
+    if cfg.xsa:
+        out = exclusive(out, v)
+    out = out.reshape(B, T, H, Q)
+    if cfg.attn_gate:
+        gate = 2.0 * jax.nn.sigmoid((x_BTD @ p["attn_gate"]).astype(jnp.float32))
+        out = out * gate[..., None].astype(out.dtype)
+    return out.reshape(B, T, H * Q) @ p["wo"]
 
 
 def swiglu(x_ND, w_gate_DF, w_up_DF, w_down_FD):

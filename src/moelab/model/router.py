@@ -1,11 +1,16 @@
 """Routers: choose top-k experts per token and their combine weights, plus router losses/stats.
 
-Two rules:
+Three rules:
 - ``softmax_aux``: softmax over experts, top-k of the probabilities, weights renormalised to
   sum to one, balanced by the auxiliary load-balance loss (Switch/GShard form).
 - ``sigmoid_bias``: top-k of (logit + bias) where the bias is non-gradient state nudged towards
   balance after each step; combine weights are sigmoid(raw logit) of the chosen experts,
   optionally rescaled to sum to ``combine_sum`` (the reference uses 2.5). No auxiliary loss.
+- ``quantile`` (QB, the reference's rule): chosen and weighted as ``sigmoid_bias``, but the
+  next step's bias is set outright from this step's routing: per expert, the (1 - k/E) quantile
+  of the margin (logit minus the token's (k+1)-th biased logit), read from a ``qb_bins``-bin
+  histogram over all tokens; bias = -quantile, mean-centred. With that bias, a fraction k/E of
+  the tokens clear each expert's bar, i.e. every expert gets its fair share.
 
 The router runs in float32 whatever the compute dtype.
 """
@@ -30,6 +35,7 @@ class Routing(NamedTuple):
     # int32 assignment and drop counts {"assignments", "sender_dropped", "receiver_dropped"};
     # filled in by the MoE branch (all dropless paths report zero drops)
     drops: dict | None = None
+    qb_bias: jax.Array | None = None  # quantile router: the balancing bias for the next step [E]
 
 
 def route(logits_NE, bias_E, cfg: ModelConfig, valid_N=None) -> Routing:
@@ -43,7 +49,9 @@ def route(logits_NE, bias_E, cfg: ModelConfig, valid_N=None) -> Routing:
         top_p, expert = jax.lax.top_k(probs, k)
         weight = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     else:
-        _, expert = jax.lax.top_k(logits + jax.lax.stop_gradient(bias_E)[None, :], k)
+        biased = logits + jax.lax.stop_gradient(bias_E)[None, :]
+        top, expert = jax.lax.top_k(biased, k + 1 if cfg.router == "quantile" else k)
+        expert = expert[:, :k]
         weight = jax.nn.sigmoid(jnp.take_along_axis(logits, expert, axis=-1))
         if cfg.combine_sum > 0:
             weight = weight * (cfg.combine_sum / jnp.sum(weight, axis=-1, keepdims=True))
@@ -58,7 +66,46 @@ def route(logits_NE, bias_E, cfg: ModelConfig, valid_N=None) -> Routing:
     z = jnp.sum(valid * lse**2) / n_valid
     ent = -jnp.sum(probs * jnp.log(jnp.maximum(probs, 1e-30)), axis=-1)
     entropy = jnp.sum(valid * ent) / n_valid
-    return Routing(expert.astype(jnp.int32), weight.astype(jnp.float32), load, aux, z, entropy)
+    qb = None
+    if cfg.router == "quantile":
+        margin = jax.lax.stop_gradient(logits - top[:, k:k + 1])
+        qb = quantile_bias(margin, valid, k / E, cfg.qb_bins)
+    return Routing(expert.astype(jnp.int32), weight.astype(jnp.float32), load, aux, z, entropy,
+                   qb_bias=qb)
+
+
+def histogram_upper_quantile(x_NE, valid_N, frac: float, bins: int):
+    """Per column e, the value q_e with a fraction ``frac`` of the valid rows above it, read from
+    a ``bins``-bin histogram over the global [min, max] of x (linear inside the bin).
+
+    A fixed-size histogram (not a sort) is what makes this cheap to combine across devices:
+    the counts of every shard add up. Accurate to about (max - min) / bins.
+    """
+    N, E = x_NE.shape
+    x = x_NE.astype(jnp.float32)
+    ok = valid_N[:, None] > 0
+    lo = jnp.min(jnp.where(ok, x, jnp.inf))
+    hi = jnp.max(jnp.where(ok, x, -jnp.inf))
+    width = jnp.maximum(hi - lo, 1e-6) / bins
+    b = jnp.clip(jnp.floor((x - lo) / width), 0, bins - 1).astype(jnp.int32)
+    col = jnp.broadcast_to(jnp.arange(E)[None, :], (N, E))
+    hist = jnp.zeros((E, bins), jnp.float32).at[col, b].add(
+        jnp.broadcast_to(valid_N[:, None], (N, E)).astype(jnp.float32))
+    target = frac * jnp.sum(valid_N.astype(jnp.float32))
+    above = jnp.cumsum(hist[:, ::-1], axis=1)[:, ::-1] - hist  # rows in bins above bin j
+    # the bin where the count from the top first reaches the target (the highest such bin)
+    reach = (above + hist) >= target
+    j = bins - 1 - jnp.argmax(reach[:, ::-1], axis=1)
+    in_bin = jnp.take_along_axis(hist, j[:, None], axis=1)[:, 0]
+    need = target - jnp.take_along_axis(above, j[:, None], axis=1)[:, 0]
+    top_edge = lo + (j + 1).astype(jnp.float32) * width
+    return top_edge - width * need / jnp.maximum(in_bin, 1.0)
+
+
+def quantile_bias(margin_NE, valid_N, frac: float, bins: int):
+    """QB: bias = -(the (1 - k/E) quantile of each expert's margin), mean-centred."""
+    q = histogram_upper_quantile(margin_NE, valid_N, frac, bins)
+    return -(q - jnp.mean(q))
 
 
 def update_bias(bias_E, load_E, rate: float):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ModelConfig
-from moelab.model.layers import attention, rms_norm, rope_tables
+from moelab.model.layers import attention, causal_conv, gated_norm, rms_norm, rope_tables
 from moelab.model.moe import moe_branch
 from moelab.model.router import update_bias
 
@@ -34,25 +34,46 @@ def param_shapes(cfg: ModelConfig) -> dict:
         # N shared SwiGLU experts summed == one SwiGLU of width N * shared_dim.
         S = cfg.n_shared * cfg.shared_dim
         blocks.update({"sh_gate": (L, D, S), "sh_up": (L, D, S), "sh_down": (L, S, D)})
-    return {"embed": (V, D), "blocks": blocks, "final_norm": (D,), "head": (D, V)}
+    if cfg.attn_gate:
+        blocks["attn_gate"] = (L, D, H)
+    width = {"q": H * Q, "k": K * Q, "v": K * Q, "attn": D, "moe": D}
+    for site in sorted(cfg.conv_site_set):
+        blocks[f"conv_{site}"] = (L, cfg.conv_kernel, width[site])
+    top = {"embed": (V, D), "final_norm": (D,), "head": (D, V)}
+    if cfg.embed_norm:
+        top["embed_norm"] = (D,)
+    if cfg.gated_norm_rank:
+        r = cfg.gated_norm_rank
+        for site in ("attn", "moe"):
+            blocks.update({f"gn_{site}_down": (L, D, r), f"gn_{site}_up": (L, r, D)})
+        for site in ("final",) + (("embed",) if cfg.embed_norm else ()):
+            top.update({f"gn_{site}_down": (D, r), f"gn_{site}_up": (r, D)})
+    return {**top, "blocks": blocks}
 
 
 def is_norm(name: str) -> bool:
     return name.endswith("norm")
 
 
+def _init_leaf(name: str, shape: tuple, std: float, key):
+    """Norm scales at one, the output gate at zero (gate 2*sigmoid(0) = 1), short convs at the
+    identity (last tap 1), everything else truncated normal with std ``std``."""
+    if is_norm(name):
+        return jnp.ones(shape, jnp.float32)
+    if name == "attn_gate":
+        return jnp.zeros(shape, jnp.float32)
+    if name.startswith("conv_"):
+        return jnp.zeros(shape, jnp.float32).at[..., -1, :].set(1.0)
+    return std * jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32)
+
+
 def init_params(cfg: ModelConfig, key) -> dict:
-    """Truncated-normal init with std ``cfg.std`` (reference: 0.5/sqrt(d_model)); norms at one."""
+    """Truncated-normal init with std ``cfg.std`` (reference: 0.5/sqrt(d_model)), see _init_leaf."""
     shapes = param_shapes(cfg)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(flat))
-    leaves = []
-    for (path, shape), k in zip(flat, keys):
-        name = path[-1].key
-        if is_norm(name):
-            leaves.append(jnp.ones(shape, jnp.float32))
-        else:
-            leaves.append(cfg.std * jax.random.truncated_normal(k, -2.0, 2.0, shape, jnp.float32))
+    leaves = [_init_leaf(path[-1].key, shape, cfg.std, k) for (path, shape), k in zip(flat, keys)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
@@ -64,33 +85,78 @@ def _cast(tree, dtype):
     return jax.tree_util.tree_map(lambda a: a.astype(dtype) if a.dtype == jnp.float32 else a, tree)
 
 
+def _pre_norm(x, p: dict, site: str, cfg: ModelConfig):
+    """RMSNorm with scale ``p[site_norm]``, then GatedNorm ``p[gn_site_*]`` when it is on."""
+    h = rms_norm(x, p[f"{site}_norm"], cfg.norm_eps)
+    if cfg.gated_norm_rank:
+        h = gated_norm(h, p[f"gn_{site}_down"], p[f"gn_{site}_up"])
+    return h
+
+
+def attention_branch(pc: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global):
+    """x + the attention branch of one block (``pc``: that layer's parameters, compute dtype)."""
+    a = attention(pc, _pre_norm(x_BTD, pc, "attn", cfg), cfg, window, cos, sin, is_global)
+    if "attn" in cfg.conv_site_set:
+        a = causal_conv(a, pc["conv_attn"])
+    return x_BTD + a
+
+
+def mixture_branch(pc: dict, x_BTD, bias_E, cfg: ModelConfig, valid_N=None, experts_fn=None):
+    """x + the MoE branch of one block, and the layer's Routing."""
+    B, T, _ = x_BTD.shape
+    h = _pre_norm(x_BTD, pc, "moe", cfg).reshape(B * T, -1)
+    y, r = moe_branch(pc, h, bias_E, cfg, valid_N, experts_fn)
+    y = y.reshape(B, T, -1).astype(x_BTD.dtype)
+    if "moe" in cfg.conv_site_set:
+        y = causal_conv(y, pc["conv_moe"])
+    return x_BTD + y, r
+
+
+def layer_params(p: dict, dt) -> dict:
+    """One layer's parameters in the compute dtype; the router stays float32."""
+    pc = _cast({k: v for k, v in p.items() if k != "router"}, dt)
+    pc["router"] = p["router"]
+    return pc
+
+
 def forward(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, experts_fn=None):
     """Logits [B, T, V] (float32) and per-layer router stats (each stacked on a leading L axis)."""
     B, T = tokens_BT.shape
     dt = jnp.dtype(cfg.compute_dtype)
     x = params["embed"][tokens_BT].astype(dt)
+    top = {k: (v if is_norm(k) else v.astype(dt)) for k, v in params.items()
+           if k.startswith("gn_") or is_norm(k)}  # norm scales stay float32, as before
+    if cfg.embed_norm:
+        x = _pre_norm(x, top, "embed", cfg)
     cos, sin = rope_tables(jnp.arange(T), int(cfg.head_dim * cfg.rope_fraction), cfg.rope_theta)
     valid_N = None if valid_BT is None else valid_BT.reshape(-1)
     windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
+    is_global = jnp.asarray(cfg.layer_is_global(), bool)
 
     def block(x_BTD, layer):
-        p, bias, window = layer
-        pc = _cast({k: v for k, v in p.items() if k != "router"}, dt)
-        pc["router"] = p["router"]  # the router stays float32
-        h = rms_norm(x_BTD, pc["attn_norm"], cfg.norm_eps)
-        x_BTD = x_BTD + attention(pc, h, cfg, window, cos, sin)
-        h = rms_norm(x_BTD, pc["moe_norm"], cfg.norm_eps).reshape(B * T, -1)
-        y, r = moe_branch(pc, h, bias, cfg, valid_N, experts_fn)
-        x_BTD = x_BTD + y.reshape(B, T, -1).astype(dt)
-        return x_BTD, r
+        p, bias, window, glob = layer
+        pc = layer_params(p, dt)
+        x_BTD = attention_branch(pc, x_BTD, cfg, window, cos, sin, glob)
+        return mixture_branch(pc, x_BTD, bias, cfg, valid_N, experts_fn)
 
     if cfg.remat:
         block = jax.checkpoint(block)
-    x, routing = jax.lax.scan(block, x, (params["blocks"], state["router_bias"], windows))
-    x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+    x, routing = jax.lax.scan(block, x, (params["blocks"], state["router_bias"], windows,
+                                         is_global))
+    x = _pre_norm(x, top, "final", cfg)
     logits = jnp.einsum("btd,dv->btv", x, params["head"].astype(dt),
                         preferred_element_type=jnp.float32)
     return logits, routing
+
+
+def token_loss(logits_BTV, targets_BT, valid_BT=None):
+    """Mean cross-entropy and mean squared log-sum-exp (the logit z-loss) over valid tokens."""
+    valid = (jnp.ones(targets_BT.shape, jnp.float32) if valid_BT is None
+             else valid_BT.astype(jnp.float32))
+    n = jnp.maximum(jnp.sum(valid), 1.0)
+    lse = jax.nn.logsumexp(logits_BTV, axis=-1)
+    tgt = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+    return jnp.sum(valid * (lse - tgt)) / n, jnp.sum(valid * lse**2) / n
 
 
 def lm_loss(params, state, tokens_B1T, cfg: ModelConfig, valid_BT=None, experts_fn=None):
@@ -101,24 +167,23 @@ def lm_loss(params, state, tokens_B1T, cfg: ModelConfig, valid_BT=None, experts_
     """
     inputs, targets = tokens_B1T[:, :-1], tokens_B1T[:, 1:]
     logits, r = forward(params, state, inputs, cfg, valid_BT, experts_fn)
-    valid = jnp.ones(targets.shape, jnp.float32) if valid_BT is None else valid_BT.astype(jnp.float32)
-    n = jnp.maximum(jnp.sum(valid), 1.0)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    ce = jnp.sum(valid * (lse - tgt)) / n
-    logit_z = jnp.sum(valid * lse**2) / n
+    ce, logit_z = token_loss(logits, targets, valid_BT)
     aux = jnp.mean(r.aux_loss)
     router_z = jnp.mean(r.z_loss)
     loss = ce + cfg.logit_z_coef * logit_z + cfg.router_z_coef * router_z
     if cfg.router == "softmax_aux":
         loss = loss + cfg.aux_loss_coef * aux
     stats = {"ce": ce, "logit_z": logit_z, "aux_loss": aux, "router_z": router_z,
-             "load_LE": r.load_E, "entropy_L": r.entropy, "drops_L": r.drops}
+             "load_LE": r.load_E, "entropy_L": r.entropy, "drops_L": r.drops,
+             "qb_bias_LE": r.qb_bias}
     return loss, stats
 
 
 def update_state(state, stats, cfg: ModelConfig):
-    """After a step: move the balancing bias (sigmoid_bias router only)."""
+    """After a step: move the balancing bias (sigmoid_bias), or set it from this step's quantiles
+    (quantile); the softmax router has no state."""
+    if cfg.router == "quantile":
+        return {**state, "router_bias": stats["qb_bias_LE"]}
     if cfg.router != "sigmoid_bias":
         return state
     bias = jax.vmap(update_bias, in_axes=(0, 0, None))(

@@ -30,18 +30,21 @@ import yaml
 
 from moelab.config import ConfigError, RunConfig, config_from_dict, save_config
 from moelab.data.prepare import PreparedData, prepare_data
-from moelab.data.sampler import MixtureSampler, eval_windows, heldout_text
+from moelab.data.sampler import SteppedSampler, eval_windows, heldout_text
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
 from moelab.flops import param_counts, train_flops_per_token
 from moelab.generate import make_sampler
+from moelab.ops.replan import commit_pending, resume_config
+from moelab.ops.schedule import OPERATION_FIELDS
 from moelab.provenance import provenance
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.peak import measure_peak_flops
 from moelab.parallel.distributed import agree_any, barrier, is_main
 from moelab.parallel.mesh import mesh_from_config, shard_batch, state_shardings
 from moelab.train.step import init_train_state, make_eval_step, make_train_step, transport_fns
-from moelab.train.tracker import JsonlTracker, Trackers, WandbTracker
+from moelab.train.tracker import (HardwareMonitor, JsonlTracker, Trackers, WandbTracker,
+                                  process_identity)
 from moelab.util import atomic_write_bytes, atomic_write_json, info
 
 # Fields that may change when a run is resumed: they do not change what is being trained.
@@ -76,10 +79,11 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
             cfg.optim, schedule_steps=saved.optim.schedule_steps,
             warmup_steps=cfg.optim.warmup_steps or saved.optim.warmup_steps))
-    cfg = cfg.with_frozen_schedule()
+    # operations (replan, branch) are kept, a pending replan applied, the past left as it was
+    cfg = resume_config(saved, cfg.with_frozen_schedule(), run_dir)
     old, new = _flatten(saved.to_dict()), _flatten(cfg.to_dict())
     diff = [k for k in new if old.get(k) != new[k]]
-    bad = [k for k in diff if k not in RESUMABLE_CHANGES]
+    bad = [k for k in diff if k not in RESUMABLE_CHANGES and k not in OPERATION_FIELDS]
     if bad:
         k = bad[0]
         raise ConfigError(f"{k}: {run_dir} was started with {old.get(k)!r}, now {new[k]!r}. A run "
@@ -185,10 +189,9 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
         # A copy of the tokenizer makes the run folder self-contained for `moelab generate`.
         atomic_write_bytes(run_dir / "tokenizer.json", data.tokenizer_path.read_bytes())
         atomic_write_json(run_dir / "provenance.json", prov)
+        commit_pending(run_dir, cfg)  # a replan applied by this resume: log it, drop the request
 
-    sampler = MixtureSampler(store, "train", seq_len=cfg.data.seq_len,
-                             batch_size=cfg.data.batch_size, mixture=cfg.data.mixture or None,
-                             seed=cfg.data.seed)
+    sampler = SteppedSampler(store, cfg.data)  # mixture changes and context stages by step
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
     mesh = mesh_from_config(cfg.parallel)
     state = init_sharded_state(cfg, mesh)
@@ -203,7 +206,8 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
                         WandbTracker(cfg.train.wandb_project, run_dir, cfg.to_dict(), run_dir.name)
                         if cfg.train.wandb and main else None)
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
-                   git_commit=prov.get("git_commit"))
+                   git_commit=prov.get("git_commit"), **process_identity())
+    hardware = HardwareMonitor()
     counts = param_counts(cfg.model)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
@@ -240,6 +244,10 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
         try:
             step = start
             while step < steps:
+                change = sampler.change_at(step)
+                if change:  # new mixture or context; a new shape recompiles: restart the clock
+                    trackers.event("data_stage", step, **change)
+                    timing.update(t_first=None, paused=0.0)
                 state, m = step_fn(state, put_batch(sampler.batch(step)))
                 step += 1
                 stop = agree_any(flag.signal is not None)  # all processes stop at the same step
@@ -250,16 +258,21 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
                     metrics = {k: float(v) for k, v in jax.device_get(m).items()}
                     busy = time.time() - timing["t_first"] - timing["paused"]
                     done = step - timing["step_first"]
-                    rate = done * tokens_per_step / max(busy, 1e-9) if done else 0.0
+                    tokens = cfg.data.tokens_before(step)
+                    rate = ((tokens - cfg.data.tokens_before(timing["step_first"]))
+                            / max(busy, 1e-9) if done else 0.0)
+                    seq_len = sampler.at(step - 1).seq_len  # metrics tagged with the context
                     metrics["throughput/tokens_per_s"] = rate
-                    metrics["throughput/mfu"] = rate * flops_per_token / peak
-                    metrics["train/tokens"] = step * tokens_per_step
-                    trackers.log(step, metrics)
+                    metrics["throughput/mfu"] = (rate * train_flops_per_token(cfg.model, seq_len)
+                                                 / peak)
+                    metrics["train/tokens"] = tokens
+                    metrics["data/seq_len"] = seq_len
+                    trackers.log(step, {**metrics, **hardware.sample()})
                     if not math.isfinite(metrics["train/loss"]):
                         trackers.event("diverged", step, loss=str(metrics["train/loss"]))
                         raise FloatingPointError(f"loss is {metrics['train/loss']} at step {step};"
                                                  " lower optim.lr or enable optim.clip_norm")
-                    eta = (steps - step) * tokens_per_step / rate if rate else float("nan")
+                    eta = (cfg.data.tokens_before(steps) - tokens) / rate if rate else float("nan")
                     say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
                         f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
                         f"{rate:,.0f} tok/s | MFU {100 * metrics['throughput/mfu']:.1f}% | "
@@ -282,7 +295,7 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
             summary = {"run_dir": str(run_dir), "step": step, "steps": steps,
                        "interrupted": stop_signal, "config_hash": cfg.hash(),
                        "params_total": counts["total"], "params_active": counts["active"],
-                       "tokens_trained": step * tokens_per_step,
+                       "tokens_trained": cfg.data.tokens_before(step),
                        "wall_time_s": time.time() - t_run, "peak_flops": peak}
             summary.update({k: metrics.get(k) for k in ("train/loss", "throughput/tokens_per_s",
                                                          "throughput/mfu")})
@@ -306,6 +319,10 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
                 trackers.event("finished", step)
             else:
                 trackers.event("interrupted", step, signal=stop_signal)
+        except BaseException as e:  # the record says why the run stopped (reports list it)
+            trackers.event("aborted" if isinstance(e, KeyboardInterrupt) else "failed", step,
+                           error=f"{type(e).__name__}: {e}")
+            raise
         finally:
             trackers.close()
     if main:

@@ -2,7 +2,10 @@
 
 Schedule (as in the reference run): linear warmup from 0 to the peak, then linear decay to
 ``floor * peak`` at ``schedule_steps``, flat afterwards. Its length is set apart from the stop
-step, so a run can stop early or be re-timed.
+step, so a run can stop early or be re-timed: each entry of ``optim.decays`` (written by
+`moelab replan` and `moelab branch`) takes over from its start step, decaying linearly from the
+LR the schedule had there to its floor at its end. The LR stays a pure function of (step,
+config), so a resumed run and the optimizer (optax counts steps) reproduce it.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from moelab.config import OptimConfig
+from moelab.config import ConfigError, OptimConfig
 
 
 def lr_at(step, peak: float, warmup: int, total: int, floor: float):
@@ -23,6 +26,33 @@ def lr_at(step, peak: float, warmup: int, total: int, floor: float):
     return jnp.where(step < warmup, warm, decay)
 
 
+def _retimed(prev, start: int, end: int, lr0: float, lr1: float):
+    def lr(step):
+        s = jnp.asarray(step, jnp.float32)
+        frac = jnp.clip((s - start) / (end - start), 0.0, 1.0)
+        return jnp.where(s < start, prev(step), lr0 + (lr1 - lr0) * frac)
+    return lr
+
+
+def lr_schedule(cfg: OptimConfig, warmup: int, total: int):
+    """step -> LR: the base schedule, then each re-timed decay of ``cfg.decays`` from its start.
+
+    A decay starts at the LR the schedule before it has at its start step (no jump) and reaches
+    ``floor * peak`` exactly at its end. A floor above that starting LR would raise the LR,
+    not decay it: refused.
+    """
+    fn = lambda step: lr_at(step, cfg.lr, warmup, total, cfg.floor)  # noqa: E731
+    for i, d in enumerate(cfg.decays):
+        with jax.ensure_compile_time_eval():  # a constant, even when built inside a jit trace
+            lr0 = float(fn(d.start))
+        if d.floor * cfg.lr > lr0 * (1 + 1e-6):
+            raise ConfigError(f"optim.decays[{i}].floor: {d.floor} x peak = {d.floor * cfg.lr:.3g}"
+                              f" is above the LR {lr0:.3g} at step {d.start}; a decay cannot "
+                              "raise the LR: lower the floor")
+        fn = _retimed(fn, d.start, d.end, lr0, d.floor * cfg.lr)
+    return fn
+
+
 def decay_mask(params) -> dict:
     """Weight decay on matrices only: not on norms, and not on the embedding table."""
     def mask(path, leaf):
@@ -32,7 +62,7 @@ def decay_mask(params) -> dict:
 
 
 def make_optimizer(cfg: OptimConfig, warmup: int, total: int) -> optax.GradientTransformation:
-    schedule = lambda step: lr_at(step, cfg.lr, warmup, total, cfg.floor)  # noqa: E731
+    schedule = lr_schedule(cfg, warmup, total)
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, mask=decay_mask)
     if cfg.clip_norm > 0:

@@ -10,7 +10,8 @@ import optax
 
 from moelab.config import RunConfig
 from moelab.model import transformer as tr
-from moelab.train.optim import lr_at, make_optimizer
+from moelab.parallel.transport.common import drop_fractions
+from moelab.train.optim import lr_schedule, make_optimizer
 
 
 def init_train_state(cfg: RunConfig, key) -> dict:
@@ -22,10 +23,6 @@ def init_train_state(cfg: RunConfig, key) -> dict:
             "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(rkey)}
 
 
-def _fraction(num, den):
-    return num.astype(jnp.float32) / jnp.maximum(den.astype(jnp.float32), 1.0)
-
-
 def router_metrics(stats: dict, prefix: str = "moe") -> dict:
     """Per layer and overall: expert load max/mean, routing entropy, and the drop fractions
     (sender, receiver, total) from the transports' exact counts. Overall fractions are summed
@@ -33,21 +30,15 @@ def router_metrics(stats: dict, prefix: str = "moe") -> dict:
     load = stats["load_LE"]
     ratio = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
     d = stats["drops_L"]
-    total_L = d["sender_dropped"] + d["receiver_dropped"]
-    n = jnp.sum(d["assignments"])
+    overall = drop_fractions(d)  # sums over the layer axis
+    per_layer = drop_fractions({k: v[:, None] for k, v in d.items()})
     out = {f"{prefix}/load_max_over_mean": jnp.mean(ratio),
            f"{prefix}/routing_entropy": jnp.mean(stats["entropy_L"]),
-           f"{prefix}/drop_fraction": _fraction(jnp.sum(total_L), n),
-           f"{prefix}/sender_drop_fraction": _fraction(jnp.sum(d["sender_dropped"]), n),
-           f"{prefix}/receiver_drop_fraction": _fraction(jnp.sum(d["receiver_dropped"]), n)}
+           **{f"{prefix}/{k}": v for k, v in overall.items()}}
     for i in range(load.shape[0]):
         out[f"{prefix}/layer_{i}/load_max_over_mean"] = ratio[i]
         out[f"{prefix}/layer_{i}/routing_entropy"] = stats["entropy_L"][i]
-        out[f"{prefix}/layer_{i}/drop_fraction"] = _fraction(total_L[i], d["assignments"][i])
-        out[f"{prefix}/layer_{i}/sender_drop_fraction"] = _fraction(d["sender_dropped"][i],
-                                                                    d["assignments"][i])
-        out[f"{prefix}/layer_{i}/receiver_drop_fraction"] = _fraction(d["receiver_dropped"][i],
-                                                                      d["assignments"][i])
+        out.update({f"{prefix}/layer_{i}/{k}": v[i] for k, v in per_layer.items()})
     return out
 
 
@@ -77,6 +68,7 @@ def transport_fns(cfg: RunConfig, mesh):
 
 def make_train_step(cfg: RunConfig, experts_fn=None) -> Callable:
     opt = make_optimizer(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
+    lr = lr_schedule(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     mcfg = cfg.model
 
     def step_fn(state: dict, batch_B1T):
@@ -94,8 +86,7 @@ def make_train_step(cfg: RunConfig, experts_fn=None) -> Callable:
             "train/z_loss": stats["logit_z"], "train/aux_loss": stats["aux_loss"],
             "train/router_z_loss": stats["router_z"],
             "train/grad_norm": optax.tree.norm(grads),
-            "train/lr": lr_at(state["step"], cfg.optim.lr, cfg.warmup_steps, cfg.schedule_steps,
-                              cfg.optim.floor),
+            "train/lr": lr(state["step"]),
             **router_metrics(stats),
         }
         return new, metrics

@@ -1,0 +1,266 @@
+"""The scaling ladder end to end on a CPU, and the fitting code on published-law data.
+
+    .venv/bin/python bench/ladder_demo.py [--part all|points|ladder] [--dir runs/ladder_demo]
+
+Part "points" (seconds): ladders of IsoFLOP points generated from a published fitted law,
+Chinchilla's approach-3 L(N, D) = 1.69 + 406.4/N^0.34 + 410.7/D^0.28 (Hoffmann et al. 2022),
+with 1% log-normal noise, 6 budgets from 6e18 to 1e21 FLOPs x 8 model sizes. `moelab ladder fit
+--points` predicts the law's compute-optimal loss at 10x and 100x the largest budget and at
+Chinchilla itself (70B, 1.4T tokens); 20 noise draws give the error spread. The points are
+generated, not measured: this checks the fitting and extrapolation machinery, not the law.
+
+Part "ladder" (about an hour of two CPU cores): the tiny preset family on the built-in corpus
+(vocab 512, seq 128, batch 16). Target: tiny (d128, 4 layers, 8 heads of 16) for 2,000 steps
+(4.1M tokens). `moelab ladder plan` derives 4 rungs (largest at ~1/5 of the target's FLOPs,
+spaced 2.5x), `moelab ladder run` trains them, `moelab ladder fit` predicts the target before it
+trains, then the target trains under `--guard`. Then a deviation check: the target's config
+with 3x the learning rate for 30% of the run, guarded against the same prediction. Every stage
+is resumable: run the script again and finished runs are reused.
+
+Saves bench/results/ladder_demo.json (and ladder_points.json, ladder_points.csv) and
+bench/results/ladder_demo.png (a copy of LADDER/plots/ladder.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from common import RESULTS, print_table, save
+
+import numpy as np
+
+from moelab.ladder.folder import load_ladder
+from moelab.ladder.guard import GuardRules, check, format_alert
+from moelab.ladder.observe import EVAL_LOSS, run_records
+from moelab.ladder.points import fit_points
+from moelab.ladder.predict import final_value
+from moelab.ladder.run import is_finished
+from moelab.util import atomic_write_text
+
+CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}
+TARGET = ["model.vocab_size=512", "model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8",
+          "data.seq_len=128", "data.batch_size=16", "train.steps=2000", "train.log_every=5",
+          "train.eval_every=400", "train.eval_tokens=131072", "train.ckpt_every=500"]
+PLAN = ["--top-share", "0.25", "--spacing", "2.5", "--depth-exp", "0.5", "--evals", "5"]
+DEVIATION = {"lr_factor": 3.0, "steps": 600}
+
+
+# ------------------------------------------------------------------------- published-law points
+
+def chinchilla(N, D):
+    c = CHINCHILLA
+    return c["E"] + c["A"] / np.asarray(N) ** c["alpha"] + c["B"] / np.asarray(D) ** c["beta"]
+
+
+def optimal(C: float) -> tuple[float, float]:
+    """The true law's compute-optimal (N, D) at C = 6 N D (closed form, Chinchilla eq. 4)."""
+    c = CHINCHILLA
+    G = (c["alpha"] * c["A"] / (c["beta"] * c["B"])) ** (1 / (c["alpha"] + c["beta"]))
+    a, b = c["beta"] / (c["alpha"] + c["beta"]), c["alpha"] / (c["alpha"] + c["beta"])
+    n = G * (C / 6) ** a
+    return n, C / (6 * n)
+
+
+def isoflop_points(seed: int, noise: float = 0.01) -> list[tuple]:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for C in np.geomspace(6e18, 1e21, 6):
+        n_opt, _ = optimal(C)
+        for N in n_opt * np.geomspace(1 / 4, 4, 8):  # sizes around the optimum, as IsoFLOPs do
+            D = C / (6 * N)
+            rows.append((N, D, float(chinchilla(N, D)) * math.exp(rng.normal(0, noise)), C))
+    return rows
+
+
+def part_points(draws: int = 20) -> dict:
+    largest = 1e21
+    queries = {"10x": optimal(10 * largest), "100x": optimal(100 * largest),
+               "Chinchilla 70B/1.4T": (70e9, 1.4e12)}
+    csv = RESULTS / "ladder_points.csv"
+    rows = isoflop_points(0)
+    atomic_write_text(csv, "N,D,loss,C\n" + "".join(f"{n:.6g},{d:.6g},{y:.6g},{c:.6g}\n"
+                                                     for n, d, y, c in rows))
+    cmd = [sys.executable, "-m", "moelab.cli", "ladder", "fit", "--points", str(csv), "--json"]
+    for n, d in queries.values():
+        cmd += ["--predict", f"N={n:.6g},D={d:.6g}"]
+    res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    out_rows = []
+    for (name, (n, d)), p in zip(queries.items(), res["predictions"]):
+        truth = float(chinchilla(n, d))
+        errs, covered = [], []
+        for seed in range(draws):  # the same fit on independent noise draws
+            pts = {k: np.array(v) for k, v in zip(("N", "D", "loss", "C"), zip(*isoflop_points(seed)))}
+            q = fit_points(pts, [(n, d)], n_boot=100, seed=seed)["predictions"][0]
+            errs.append(q["loss"] / truth - 1)
+            covered.append(q["lo"] <= truth <= q["hi"])
+        out_rows.append({"point": name, "N": n, "D": d, "C": 6 * n * d,
+                         "x_largest_budget": 6 * n * d / largest, "true_loss": truth,
+                         "predicted": p["loss"], "lo": p["lo"], "hi": p["hi"],
+                         "rel_error": p["loss"] / truth - 1,
+                         "mean_abs_rel_error_draws": float(np.mean(np.abs(errs))),
+                         "max_abs_rel_error_draws": float(np.max(np.abs(errs))),
+                         "coverage_90_draws": float(np.mean(covered))})
+    print("\npublished-law points (Chinchilla approach 3 + 1% noise), fitted by `moelab ladder "
+          "fit --points`:")
+    print(json.dumps({k: round(v, 4) for k, v in res["coefficients"].items()}))
+    print_table(out_rows, [("point", "predict at", "s"), ("x_largest_budget", "x compute", ".0f"),
+                           ("true_loss", "true", ".4f"), ("predicted", "predicted", ".4f"),
+                           ("rel_error", "error", "+.2%"),
+                           ("mean_abs_rel_error_draws", f"mean |err| ({draws})", ".2%"),
+                           ("max_abs_rel_error_draws", "max |err|", ".2%"),
+                           ("coverage_90_draws", "90% covers", ".0%")])
+    save("ladder_points", out_rows, coefficients=res["coefficients"], truth=CHINCHILLA,
+         noise=0.01, budgets="6 from 6e18 to 1e21 FLOPs, 8 sizes each (N_opt/4 .. 4 N_opt)")
+    return {"rows": out_rows, "coefficients": res["coefficients"]}
+
+
+# ------------------------------------------------------------------------------- the CPU ladder
+
+class Stage:
+    """Wall and CPU seconds (this script's children) of one stage."""
+
+    def __init__(self, name: str, log: dict):
+        self.name, self.log = name, log
+
+    def __enter__(self):
+        self.t = time.time()
+        self.cpu = _child_cpu()
+        print(f"\n== {self.name}", flush=True)
+
+    def __exit__(self, *exc):
+        self.log[self.name] = {"wall_s": time.time() - self.t, "cpu_s": _child_cpu() - self.cpu}
+
+
+def _child_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def moelab(*args: str, check: bool = True, capture: bool = False) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "moelab.cli", *args]
+    print("$ moelab " + " ".join(args), flush=True)
+    return subprocess.run(cmd, check=check, text=True, capture_output=capture)
+
+
+def alerts_of(run_dir: Path, prediction: dict) -> dict:
+    """What the guard's rules raise on a run (recomputed, pure), and the alert events its log
+    holds (written live, by the guard version of the time)."""
+    records, events = run_records(run_dir)
+    return {"alerts": check(records, prediction, GuardRules()),
+            "logged": [e for e in events if e.get("event") == "alert"]}
+
+
+def part_ladder(root: Path) -> dict:
+    stages: dict = {}
+    with Stage("plan", stages):
+        if (root / "ladder.json").exists():
+            print(f"using the plan in {root}/ladder.json")
+        else:
+            moelab("ladder", "plan", "tiny", *TARGET, *PLAN, "--out", str(root))
+    with Stage("rungs", stages):
+        moelab("ladder", "run", str(root), "--jobs", "2", "--poll", "60")
+    with Stage("fit (before the target trains)", stages):
+        fit = json.loads(moelab("ladder", "fit", str(root), "--json", capture=True).stdout)
+    lad = load_ladder(root)
+    pred_file = RESULTS / "ladder_demo_prediction.json"
+    if not (lad.target_dir / "summary.json").exists():  # the prediction made before the target
+        shutil.copyfile(root / "prediction.json", pred_file)
+    with Stage("target (guarded live)", stages):
+        moelab("ladder", "run", str(root), "--target", "--guard", "--poll", "60")
+    with Stage("deviation: 3x learning rate (guarded)", stages):
+        dev = root / "deviation_lr3x"
+        lr = lad.target.optim.lr * DEVIATION["lr_factor"]
+        dev.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(root / "prediction.json", dev / "prediction.json")
+        if not is_finished(dev, DEVIATION["steps"]):
+            moelab("train", str(lad.config_path("target")), f"optim.lr={lr}",
+                   f"train.steps={DEVIATION['steps']}", "--run-dir", str(dev), check=False)
+        moelab("ladder", "guard", str(dev))
+    with Stage("fit + plot with the observed target", stages):
+        moelab("ladder", "fit", str(root), "--json", capture=True)
+    shutil.copyfile(root / "plots" / "ladder.png", RESULTS / "ladder_demo.png")
+    return summarize(lad, fit, stages)
+
+
+def summarize(lad, fit: dict, stages: dict) -> dict:
+    pred = json.loads((lad.root / "prediction.json").read_text())
+    records = run_records(lad.target_dir)[0]
+    steps = lad.target.train.steps
+    observed = final_value(records, EVAL_LOSS, steps)
+    rows = []
+    for name, p in fit["final"].items():
+        if not name.startswith(EVAL_LOSS):
+            continue
+        rows.append({"predictor": name, "predicted": p["mid"], "lo": p.get("lo"),
+                     "hi": p.get("hi"), "observed": observed,
+                     "rel_error": p["mid"] / observed - 1,
+                     "covered": p.get("lo") is not None and p["lo"] <= observed <= p["hi"]})
+    # the training loss is noisy per batch: compare means over the last 5% of the steps
+    m = pred["metrics"]["train/loss"]
+    late = np.array(m["step"]) > 0.95 * steps
+    tr = {k: float(np.mean(np.array(m[k])[late])) for k in ("lo", "mid", "hi")}
+    obs_train = float(np.mean([r["train/loss"] for r in records
+                               if r.get("train/loss") is not None and r["step"] > 0.95 * steps]))
+    rows.append({"predictor": "train/loss (mean over the last 5% of steps)", "predicted": tr["mid"],
+                 "lo": tr["lo"], "hi": tr["hi"], "observed": obs_train,
+                 "rel_error": tr["mid"] / obs_train - 1, "covered": tr["lo"] <= obs_train <= tr["hi"]})
+    runs = {r["name"]: r for r in fit["rungs"]}
+    for r in lad.rungs:
+        s = json.loads((lad.run_dir(r.name) / "summary.json").read_text())
+        runs[r.name]["wall_time_s"] = s["wall_time_s"]
+    target_summary = json.loads((lad.target_dir / "summary.json").read_text())
+    dev = lad.root / "deviation_lr3x"
+    out = {"cost_share": fit["cost"]["share"], "rungs": list(runs.values()),
+           "target": {**fit["target"], "final_eval_loss": observed,
+                      "wall_time_s": target_summary["wall_time_s"]},
+           "final_predictions": rows, "laws": fit["laws"], "stages": stages,
+           "guard": {"rules": dataclasses.asdict(GuardRules()), "deviation": DEVIATION,
+                     "target": alerts_of(lad.target_dir, pred),
+                     "deviation_run": alerts_of(dev, pred) if dev.exists() else None}}
+    print(f"\nladder cost: {100 * out['cost_share']:.1f}% of the target's FLOPs; rungs:")
+    print_table(out["rungs"], [("name", "rung", "s"), ("params_active", "N", ",d"),
+                               ("tokens", "D", ",d"), ("flops", "FLOPs", ".3g"),
+                               ("final_eval_loss", "held-out", ".4f"),
+                               ("wall_time_s", "wall s", ".0f")])
+    print(f"\ntarget: N {fit['target']['params_active']:,}, D {fit['target']['tokens']:,}, "
+          f"{fit['target']['flops']:.3g} FLOPs, observed final held-out loss {observed:.4f}")
+    print_table(rows, [("predictor", "predictor", "s"), ("predicted", "predicted", ".4f"),
+                       ("lo", "lo", ".4f"), ("hi", "hi", ".4f"), ("observed", "observed", ".4f"),
+                       ("rel_error", "error", "+.2%"), ("covered", "in band", "")])
+    g = out["guard"]
+    for name, key in (("healthy target", "target"), ("3x-LR run", "deviation_run")):
+        alerts = (g[key] or {}).get("alerts", [])
+        print(f"\nguard on the {name}: {len(alerts)} alert(s)")
+        for a in alerts:
+            print("  " + format_alert(a))
+    for name, s in stages.items():
+        print(f"  stage {name:<40} wall {s['wall_s'] / 60:6.1f} min, CPU {s['cpu_s'] / 60:6.1f} min")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=("all", "points", "ladder"), default="all")
+    ap.add_argument("--dir", default="runs/ladder_demo", help="the ladder folder")
+    args = ap.parse_args()
+    out = {}
+    if args.part in ("all", "points"):
+        out["points"] = part_points()
+    if args.part in ("all", "ladder"):
+        out["ladder"] = part_ladder(Path(args.dir))
+        save("ladder_demo", out["ladder"]["final_predictions"], **{
+            k: v for k, v in out["ladder"].items() if k != "final_predictions"})
+        print(f"plot: {RESULTS / 'ladder_demo.png'}")
+
+
+if __name__ == "__main__":
+    main()

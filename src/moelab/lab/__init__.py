@@ -1,0 +1,1 @@
+"""Open development: experiment records, pre-registered criteria, reports and the live page."""

@@ -1,0 +1,179 @@
+"""``moelab lab ...``: experiment records, verdicts, reports and the live page."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from pathlib import Path
+
+from moelab.lab import records as rec_mod
+from moelab.lab.criteria import count_labels
+
+CRITERION_HELP = ("pre-registered criterion, repeatable: METRIC [AGG] [over steps A-B] "
+                  "[in ARM [- ARM | / ARM]] OP VALUE[%%] [; falsified if OP VALUE[%%]], e.g. "
+                  "'throughput/mfu median over steps 50-199 >= 22.5%%'")
+
+
+def cmd_new(args) -> int:
+    path, rec = rec_mod.new_record(rec_mod.lab_dir(args.lab_dir), args.title, args.hypothesis,
+                                   args.goal, args.criterion, args.min_steps, args.issue or "")
+    print(f"created {path}")
+    for c in rec.criteria:
+        print(f"  criterion: {c}")
+    print(f"attach runs with: moelab train ... --record {rec.id.split('-')[0]} --arm NAME")
+    return 0
+
+
+def record_state(path: Path, rec: rec_mod.Record) -> str:
+    """Without runs: planned; else how many runs are in each status: "2 finished, 1 failed"."""
+    from moelab.lab.runs import load_run
+
+    if not rec.runs:
+        return "planned"
+    statuses = []
+    for r in rec.runs:
+        run = rec_mod.run_path(path, r)
+        statuses.append(load_run(run).status if run.exists() else "missing")
+    counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
+    return ", ".join(f"{n} {s}" for s, n in counts.items())
+
+
+def verdict_counts(rec: rec_mod.Record) -> str:
+    verdicts = (rec.report or {}).get("verdicts") or {}
+    if not verdicts:
+        return "no report yet"
+    return count_labels(verdicts.values())
+
+
+def cmd_list(args) -> int:
+    directory = rec_mod.lab_dir(args.lab_dir)
+    found = rec_mod.list_records(directory)
+    if not found:
+        print(f"no records in {directory}/; create one with `moelab lab new TITLE --hypothesis "
+              "... --goal ... --criterion ...`")
+        return 0
+    rows = [(r.id, record_state(p, r), verdict_counts(r), r.title) for p, r in found]
+    widths = [max(len(row[i]) for row in rows + [("id", "runs", "verdicts", "")]) for i in range(3)]
+    print(f"{'id':<{widths[0]}}  {'runs':<{widths[1]}}  {'verdicts':<{widths[2]}}  title")
+    for row in rows:
+        print("  ".join(f"{v:<{w}}" for v, w in zip(row[:3], widths)) + f"  {row[3]}")
+    return 0
+
+
+def _field(name: str, text: str) -> str:
+    return textwrap.fill(text, 100, initial_indent=f"  {name:<12}", subsequent_indent=" " * 14)
+
+
+def cmd_show(args) -> int:
+    from moelab.lab.report import evaluate_record
+    from moelab.lab.runs import shown_path
+
+    path, rec = rec_mod.find(args.id, args.lab_dir)
+    print(f"{rec.id}: {rec.title}\n{_field('file', str(path))}\n{_field('created', rec.created)}")
+    if rec.issue:
+        print(_field("issue", rec.issue))
+    print(f"{_field('hypothesis', rec.hypothesis)}\n{_field('goal', rec.goal)}")
+    if rec.min_steps:
+        print(f"  min steps   {rec.min_steps} (shorter runs are flagged)")
+    runs, verdicts = evaluate_record(path, rec)
+    print("runs:" if runs else "runs: none attached yet")
+    for r in runs:
+        steps = f"step {r.last_step}/{r.planned_steps or '?'}"
+        print(f"  {r.name:<12} {r.status:<12} {steps:<14} {shown_path(r.path)}"
+              + (f"\n  {'':<12} {r.error}" if r.error else ""))
+    print("criteria (verdicts on the attached runs now):")
+    for c, v in verdicts:
+        print(f"  [{v.label()}] {c}\n      {v.detail}" + ("  (short run)" if v.short_run else ""))
+    if rec.report:
+        print(f"last report: {rec.report.get('path')} ({rec.report.get('generated')})")
+    return 0
+
+
+def cmd_attach(args) -> int:
+    path, _ = rec_mod.find(args.id, args.lab_dir)
+    attach_run(path, Path(args.run), args.arm)
+    return 0
+
+
+def attach_run(record_file: Path, run_dir: Path, arm: str | None) -> None:
+    rec = rec_mod.attach(record_file, run_dir, arm)
+    ref = next(r for r in rec.runs if rec_mod.run_path(record_file, r) == run_dir.resolve())
+    print(f"run {run_dir} is attached to {rec.id} as arm {ref.arm!r}")
+
+
+def attach_from_train(record: str, run_dir: Path, arm: str | None) -> None:
+    """``moelab train --record ID``: attach before training, so a failed run is reported too."""
+    attach_run(rec_mod.find(record)[0], run_dir, arm)
+
+
+def cmd_report(args) -> int:
+    from moelab.lab.report import publish, write_report
+
+    path, rec = rec_mod.find(args.id, args.lab_dir)
+    out = Path(args.out) if args.out else path.parent / rec.id
+    report_file, verdicts = write_report(path, rec, out)
+    for c, v in verdicts:
+        print(f"  [{v.label()}] {c}")
+    print(f"report: {report_file} (Markdown ready to paste into an issue; plots beside it)")
+    if args.publish:
+        print(publish(report_file, args.issue or rec.issue))
+    return 0
+
+
+def cmd_live(args) -> int:
+    from moelab.lab.live import serve
+
+    serve(args.target, lab=args.lab_dir, host=args.host, port=args.port, refresh_s=args.refresh)
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``lab`` and its subcommands to the top-level subparsers."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--lab-dir", help="folder of records (default: $MOELAB_LAB_DIR or "
+                        f"{rec_mod.DEFAULT_LAB_DIR}/)")
+    lab = sub.add_parser("lab", help="experiment records: hypothesis, criteria, runs, reports",
+                         description="Experiment records: pre-register a hypothesis and criteria, "
+                         "attach runs (`moelab train ... --record ID`), get verdicts and a report.")
+    lsub = lab.add_subparsers(dest="lab_command", required=True, metavar="SUBCOMMAND")
+
+    n = lsub.add_parser("new", parents=[common], help="create a record with pre-registered "
+                        "criteria")
+    n.add_argument("title")
+    n.add_argument("--hypothesis", required=True, help="what you expect and why")
+    n.add_argument("--goal", required=True, help="what the experiment should settle or deliver")
+    n.add_argument("--criterion", action="append", required=True, help=CRITERION_HELP)
+    n.add_argument("--min-steps", type=int, default=0, help="runs shorter than this are flagged "
+                   "as short runs in verdicts (0: no minimum)")
+    n.add_argument("--issue", help="the issue that discusses it (URL or number)")
+    n.set_defaults(fn=cmd_new)
+
+    ls = lsub.add_parser("list", parents=[common], help="records, run status and verdicts")
+    ls.set_defaults(fn=cmd_list)
+
+    sh = lsub.add_parser("show", parents=[common], help="one record with live verdicts")
+    sh.add_argument("id", help="record id, number or file")
+    sh.set_defaults(fn=cmd_show)
+
+    a = lsub.add_parser("attach", parents=[common], help="attach an existing run folder")
+    a.add_argument("id", help="record id, number or file")
+    a.add_argument("run", help="run folder")
+    a.add_argument("--arm", help="arm name used by criteria (default: the run folder's name)")
+    a.set_defaults(fn=cmd_attach)
+
+    r = lsub.add_parser("report", parents=[common], help="verdicts, tables, plots, provenance "
+                        "and failed runs as Markdown + PNGs")
+    r.add_argument("id", help="record id, number or file")
+    r.add_argument("--out", help="output folder (default: <lab dir>/<id>/)")
+    r.add_argument("--publish", action="store_true", help="post the report as a comment on the "
+                   "record's issue with the gh CLI (needs gh and a GitHub token)")
+    r.add_argument("--issue", help="issue to post to (default: the record's issue field)")
+    r.set_defaults(fn=cmd_report)
+
+    lv = lsub.add_parser("live", parents=[common], help="serve an auto-refreshing page with the "
+                         "curves, prediction bands and alerts of running runs")
+    lv.add_argument("target", nargs="+", help="a record id or one or more run folders")
+    lv.add_argument("--host", default="127.0.0.1")
+    lv.add_argument("--port", type=int, default=8765, help="0 picks a free port")
+    lv.add_argument("--refresh", type=float, default=5.0, help="seconds between page updates")
+    lv.set_defaults(fn=cmd_live)

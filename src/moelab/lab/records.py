@@ -1,0 +1,225 @@
+"""Experiment records: one Markdown file per experiment, with the structured part as YAML front
+matter (hypothesis, goal, pre-registered criteria, attached runs, last verdicts) and free notes
+below it. Records are meant to live in git, so the format is stable and diff-friendly.
+
+Records live in a lab folder (``experiments/`` by default, or ``$MOELAB_LAB_DIR``) as
+``<id>.md``; ids are ``NNNN-slug``. Run paths are stored relative to the record file, so the
+folder can move with the repository.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import os
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+from moelab.lab.criteria import parse_criterion
+from moelab.util import atomic_write_text
+
+DEFAULT_LAB_DIR = "experiments"
+FIELDS = ("id", "title", "created", "issue", "hypothesis", "goal", "min_steps", "criteria",
+          "runs", "report")
+
+
+@dataclass(frozen=True)
+class RunRef:
+    path: str  # relative to the record file
+    arm: str
+    attached: str  # UTC time of attachment
+    criteria_sha: str  # hash of the criteria when the run was attached (pre-registration check)
+
+
+@dataclass(frozen=True)
+class Record:
+    id: str
+    title: str
+    hypothesis: str
+    goal: str
+    criteria: tuple[str, ...]  # canonical criterion lines
+    min_steps: int = 0  # a conclusion from a run with fewer steps is flagged as a short run
+    created: str = ""
+    issue: str = ""  # the issue the experiment is discussed in (URL or number), optional
+    runs: tuple[RunRef, ...] = ()
+    report: dict = field(default_factory=dict)  # {path, generated, verdicts} of the last report
+    notes: str = ""  # the Markdown body: the author's notes and judgement
+
+    def criteria_sha(self) -> str:
+        return hashlib.sha256("\n".join(self.criteria).encode()).hexdigest()[:12]
+
+
+def now_utc() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def lab_dir(path: str | Path | None = None) -> Path:
+    return Path(path or os.environ.get("MOELAB_LAB_DIR") or DEFAULT_LAB_DIR)
+
+
+def slugify(title: str, max_len: int = 40) -> str:
+    words = re.sub(r"[^a-z0-9]+", " ", title.lower()).split()
+    slug = ""
+    for w in words:
+        if len(slug) + len(w) + 1 > max_len:
+            break
+        slug = f"{slug}-{w}" if slug else w
+    return slug or "experiment"
+
+
+def _str_presenter(dumper, data: str):
+    # Multi-line text as literal blocks, long lines folded: readable and diff-friendly. (PyYAML
+    # falls back to quotes by itself where a block would not read back the same.)
+    style = "|" if "\n" in data else ">" if len(data) > 80 else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", data, style=style)
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(str, _str_presenter)
+
+
+def render(rec: Record) -> str:
+    """The record file's text: front matter, then the notes."""
+    data = asdict(rec)
+    data["criteria"] = list(rec.criteria)
+    data["runs"] = [asdict(r) for r in rec.runs]
+    front = yaml.dump({k: data[k] for k in FIELDS}, Dumper=_Dumper, sort_keys=False,
+                      allow_unicode=True, width=90)
+    return f"---\n{front}---\n{rec.notes}"
+
+
+def parse(text: str, source: str = "record") -> Record:
+    """Inverse of ``render``; ValueError names the file and the field that is wrong."""
+    m = re.match(r"^---\n(.*?\n)---\n?(.*)$", text, re.S)
+    if not m:
+        raise ValueError(f"{source}: no front matter; a record starts with a '---' line, YAML "
+                         "fields, and another '---' line (create one with `moelab lab new`)")
+    try:
+        data = yaml.safe_load(m.group(1)) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"{source}: front matter is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: front matter must be a mapping of fields")
+    for key in ("id", "title", "hypothesis", "goal"):
+        if not isinstance(data.get(key), str) or not data[key].strip():
+            raise ValueError(f"{source}: field {key!r} is missing or empty")
+    unknown = set(data) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"{source}: unknown field(s) {sorted(unknown)}; known: {list(FIELDS)}")
+    if not isinstance(data.get("min_steps") or 0, int) or (data.get("min_steps") or 0) < 0:
+        raise ValueError(f"{source}: field 'min_steps' must be a whole number >= 0")
+    if not isinstance(data.get("report") or {}, dict):
+        raise ValueError(f"{source}: field 'report' must be a mapping (written by `moelab lab "
+                         "report`; delete it to start over)")
+    criteria = data.get("criteria") or []
+    if not isinstance(criteria, list):
+        raise ValueError(f"{source}: field 'criteria' must be a list of criterion lines")
+    for i, c in enumerate(criteria):
+        try:
+            parse_criterion(str(c))
+        except ValueError as e:
+            raise ValueError(f"{source}: criteria[{i}]: {e}") from None
+    try:
+        runs = tuple(RunRef(**r) for r in data.get("runs") or [])
+    except TypeError as e:
+        raise ValueError(f"{source}: runs: each entry needs path, arm, attached, criteria_sha "
+                         f"({e})") from None
+    return Record(id=data["id"], title=data["title"], hypothesis=data["hypothesis"],
+                  goal=data["goal"], criteria=tuple(str(c) for c in criteria),
+                  min_steps=int(data.get("min_steps") or 0), created=str(data.get("created") or ""),
+                  issue=str(data.get("issue") or ""), runs=runs, report=data.get("report") or {},
+                  notes=m.group(2))
+
+
+def record_path(directory: Path, rec_id: str) -> Path:
+    return directory / f"{rec_id}.md"
+
+
+def load(path: Path) -> Record:
+    return parse(path.read_text(encoding="utf-8"), str(path))
+
+
+def save(rec: Record, path: Path) -> None:
+    atomic_write_text(path, render(rec))
+
+
+def list_records(directory: Path) -> list[tuple[Path, Record]]:
+    if not directory.is_dir():
+        return []
+    return [(p, load(p)) for p in sorted(directory.glob("[0-9]*.md"))]
+
+
+def find(ref: str, directory: Path | None = None) -> tuple[Path, Record]:
+    """A record by path (``x.md``), full id, number (``1`` or ``0001``) or unique id prefix."""
+    if ref.endswith(".md") and Path(ref).is_file():
+        return Path(ref), load(Path(ref))
+    directory = lab_dir(directory)
+    records = list_records(directory)
+    hits = [(p, r) for p, r in records if r.id == ref]
+    if not hits and ref.isdigit():
+        hits = [(p, r) for p, r in records if int(r.id.split("-")[0]) == int(ref)]
+    hits = hits or [(p, r) for p, r in records if r.id.startswith(ref)]
+    if len(hits) == 1:
+        return hits[0]
+    if not hits:
+        known = ", ".join(r.id for _, r in records) or "none yet"
+        raise FileNotFoundError(f"record {ref!r}: not found in {directory}/ (records: {known}); "
+                                "create one with `moelab lab new`, or point MOELAB_LAB_DIR / "
+                                "--lab-dir at the folder that holds it")
+    raise ValueError(f"record {ref!r} is ambiguous: {', '.join(r.id for _, r in hits)}; "
+                     "give the full id")
+
+
+NOTES_HINT = ("Notes and judgement go here. `moelab lab report` copies them into the report, "
+              "marked as judgement (not measured).")
+NOTES_TEMPLATE = "\n# {title}\n\n" + NOTES_HINT + "\n"
+
+
+def new_record(directory: Path, title: str, hypothesis: str, goal: str, criteria: list[str],
+               min_steps: int = 0, issue: str = "") -> tuple[Path, Record]:
+    """Create the next ``NNNN-slug.md`` in ``directory`` with criteria in canonical form."""
+    if not title.strip():
+        raise ValueError("title: must not be empty")
+    for name, value in (("--hypothesis", hypothesis), ("--goal", goal)):
+        if not value.strip():
+            raise ValueError(f"{name}: must not be empty; state it before running anything")
+    if min_steps < 0:
+        raise ValueError("--min-steps: must be >= 0")
+    canonical = tuple(str(parse_criterion(c)) for c in criteria)
+    numbers = [int(r.id.split("-")[0]) for _, r in list_records(directory)]
+    rec_id = f"{max(numbers, default=0) + 1:04d}-{slugify(title)}"
+    rec = Record(id=rec_id, title=title.strip(), hypothesis=hypothesis.strip(), goal=goal.strip(),
+                 criteria=canonical, min_steps=min_steps, created=now_utc(), issue=issue,
+                 notes=NOTES_TEMPLATE.format(title=title.strip()))
+    path = record_path(directory, rec_id)
+    save(rec, path)
+    return path, rec
+
+
+def run_path(record_file: Path, ref: RunRef) -> Path:
+    return (record_file.parent / ref.path).resolve()
+
+
+def attach(record_file: Path, run_dir: Path, arm: str | None = None) -> Record:
+    """Attach a run folder (it may not exist yet) to the record; attaching again is a no-op."""
+    rec = load(record_file)
+    arm = arm or Path(run_dir).resolve().name
+    if not re.fullmatch(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*", arm):
+        raise ValueError(f"--arm {arm!r}: use letters, digits, '_', '.' and single '-' inside "
+                         "(criteria refer to arms by this name)")
+    rel = os.path.relpath(Path(run_dir).resolve(), record_file.parent.resolve())
+    for r in rec.runs:
+        if run_path(record_file, r) == Path(run_dir).resolve():
+            if r.arm != arm:
+                raise ValueError(f"{run_dir}: already attached to {rec.id} as arm {r.arm!r}")
+            return rec
+    ref = RunRef(path=rel, arm=arm, attached=now_utc(), criteria_sha=rec.criteria_sha())
+    rec = replace(rec, runs=rec.runs + (ref,))
+    save(rec, record_file)
+    return rec

@@ -1,0 +1,181 @@
+"""Reading run folders for reports and the live page: status, metric series, prediction band,
+alerts, provenance. Read-only; safe while the run is still writing (whole-line appends).
+
+A run's status comes from the events in ``metrics.jsonl`` after its last start or resume:
+finished, interrupted (SIGINT/SIGTERM, resumable), diverged, failed (an exception), aborted
+(a second Ctrl-C), or no final record at all: running when its process is alive on this host,
+crashed when it is not (killed, out of memory), unknown when it ran on another host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from moelab.ladder.observe import EVAL_LOSS
+from moelab.ladder.observe import series as derived_series
+from moelab.train.tracker import read_metrics
+from moelab.util import pid_alive
+
+USABLE = ("finished", "running")  # statuses whose metrics verdicts may rest on
+_TERMINAL = ("finished", "diverged", "failed", "aborted", "interrupted")  # by precedence
+
+
+@dataclass
+class RunData:
+    path: Path
+    arm: str
+    status: str
+    error: str | None = None
+    records: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+    summary: dict | None = None
+    provenance: dict | None = None
+    config: dict | None = None
+    prediction: dict | None = None
+    name: str = ""  # how reports show it: the arm, plus the folder when an arm has several runs
+
+    def __post_init__(self):
+        self.name = self.name or self.arm
+
+    @property
+    def last_step(self) -> int:
+        return self.records[-1]["step"] if self.records else 0
+
+    @property
+    def planned_steps(self) -> int | None:
+        return (self.config or {}).get("train", {}).get("steps")
+
+    def series(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) for every record that logged ``key``; "nan"/"inf" strings as floats.
+        ``eval/loss`` is the ladder's mean held-out loss over the domains (not logged itself)."""
+        if key == EVAL_LOSS:
+            steps, values = derived_series(self.records, key)
+            return list(zip(steps.tolist(), values.tolist()))
+        out = []
+        for r in self.records:
+            v = r.get(key)
+            if isinstance(v, (int, float, str)) and not isinstance(v, bool):
+                try:
+                    out.append((r["step"], float(v)))
+                except ValueError:
+                    continue
+        return out
+
+    def last(self, key: str) -> float | None:
+        s = self.series(key)
+        return s[-1][1] if s else None
+
+    def keys(self) -> set[str]:
+        keys = {k for r in self.records for k in r}
+        return keys | {EVAL_LOSS} if any(k.startswith("eval/") for k in keys) else keys
+
+    def alerts(self) -> list[dict]:
+        return [e for e in self.events if e.get("event") == "alert"]
+
+
+def run_status(events: list[dict], summary: dict | None) -> tuple[str, str | None]:
+    """(status, error message or None) from the events of the last start/resume."""
+    starts = [i for i, e in enumerate(events) if e.get("event") in ("start", "resume")]
+    if not starts:
+        if summary is not None:  # an older run without events
+            return ("interrupted", f"stopped by {summary['interrupted']}") \
+                if summary.get("interrupted") else ("finished", None)
+        return "not started", None
+    start = events[starts[-1]]
+    after = {e["event"]: e for e in events[starts[-1] + 1:]}
+    for kind in _TERMINAL:
+        if kind in after:
+            e = after[kind]
+            error = (e.get("error") or after.get("failed", {}).get("error")
+                     or (f"loss is {e['loss']} at step {e['step']}" if kind == "diverged" else None)
+                     or (f"stopped by {e['signal']} at step {e['step']}; run again to resume"
+                         if kind == "interrupted" else None))
+            return kind, error
+    host, pid = start.get("host"), start.get("pid")
+    if host and host != socket.gethostname():
+        return "unknown", f"no final record; it runs or ran on host {host}"
+    if pid and pid_alive(int(pid)):
+        return "running", None
+    return "crashed", ("the process ended without a final record (killed, out of memory, or the "
+                       "machine stopped)")
+
+
+def _read_json(path: Path) -> dict | None:
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); fix or remove the file") from None
+
+
+def check_prediction(pred: dict, source: str) -> dict:
+    """Validate the ladder's prediction.json: metrics.<key>.{step, lo, mid, hi} of equal length."""
+    metrics = pred.get("metrics")
+    if not isinstance(metrics, dict):
+        raise ValueError(f"{source}: field 'metrics' must map metric names to bands")
+    for key, band in metrics.items():
+        if not isinstance(band, dict) or any(k not in band for k in ("step", "lo", "hi")):
+            raise ValueError(f"{source}: metrics.{key} needs lists 'step', 'lo', 'hi' (and 'mid')")
+        n = len(band["step"])
+        if any(len(band.get(k, band["step"])) != n for k in ("lo", "mid", "hi")):
+            raise ValueError(f"{source}: metrics.{key}: 'step', 'lo', 'mid', 'hi' differ in length")
+    return pred
+
+
+def names_metric(name: str, key: str) -> bool:
+    """Whether ``name`` (from prediction.json or an alert) means the logged metric ``key``:
+    the ladder writes "loss" and "grad_norm" for train/loss and train/grad_norm."""
+    return key in (name, f"train/{name}")
+
+
+def band_for(pred: dict | None, key: str) -> dict | None:
+    """The predicted band for metric ``key``, if the prediction has one."""
+    if not pred:
+        return None
+    return next((b for name, b in pred["metrics"].items() if names_metric(name, key)), None)
+
+
+def load_run(path: Path | str, arm: str | None = None) -> RunData:
+    path = Path(path)
+    records, events = read_metrics(path / "metrics.jsonl")
+    summary = _read_json(path / "summary.json")
+    status, error = run_status(events, summary)
+    cfg_path = path / "config.yaml"
+    pred = _read_json(path / "prediction.json")
+    pred = check_prediction(pred, str(path / "prediction.json")) if pred else None
+    return RunData(path=path, arm=arm or path.name, status=status, error=error, records=records,
+                   events=events, summary=summary, provenance=_read_json(path / "provenance.json"),
+                   config=yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else None,
+                   prediction=pred)
+
+
+def shown_path(p: Path) -> str:
+    """A run folder as reports show it: relative to the current folder when inside it (no
+    machine-specific absolute paths in a report meant for a repository)."""
+    rel = os.path.relpath(p, Path.cwd())
+    return str(p) if rel.startswith("..") else rel
+
+
+def name_runs(runs: list[RunData]) -> list[RunData]:
+    """Tell apart the runs of an arm that has several (a rerun): "shared · shared-2"."""
+    counts = Counter(r.arm for r in runs)
+    for r in runs:
+        r.name = r.arm if counts[r.arm] == 1 else f"{r.arm} · {r.path.name}"
+    return runs
+
+
+def newest_usable(runs: list[RunData]) -> dict[str, RunData]:
+    """One run per arm for verdicts: the last attached run that finished or is running."""
+    out: dict[str, RunData] = {}
+    for r in runs:
+        if r.status in USABLE:
+            out[r.arm] = r
+    return out

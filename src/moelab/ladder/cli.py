@@ -1,0 +1,200 @@
+"""`moelab ladder plan | run | fit | guard`: the scaling-ladder workflow on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+EPILOG = ("Typical use: `moelab ladder plan TARGET --out runs/ladder`, `moelab ladder run "
+          "runs/ladder`, `moelab ladder fit runs/ladder`, then train the target (`moelab ladder "
+          "run runs/ladder --target --guard`) or guard any run: `moelab ladder guard RUN "
+          "--prediction runs/ladder/prediction.json`.")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, "
+                                         "e.g. 768,1024,1536,2048") from None
+
+
+def cmd_plan(args) -> int:
+    from moelab.cli import _split_overrides
+    from moelab.config import load_config
+    from moelab.ladder.folder import write_ladder
+    from moelab.ladder.plan import LadderRule, format_plan, plan_ladder
+
+    source, overrides = _split_overrides(args.config, args.overrides)
+    target = load_config(source, overrides).with_frozen_schedule()
+    rule = LadderRule(rungs=args.rungs, top_share=args.top_share, spacing=args.spacing,
+                      depth_exp=args.depth_exp, widths=args.widths or (),
+                      depths=args.depths or (), batch_size=args.batch_size, evals=args.evals)
+    rungs = plan_ladder(target, rule)
+    print(format_plan(Path(source).stem, target, rungs))
+    if args.out:
+        lad = write_ladder(args.out, Path(source).stem, target, rule, rungs)
+        print(f"ladder written to {lad.root}/ (ladder.json, configs/); next: "
+              f"moelab ladder run {lad.root}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    from moelab.ladder.folder import load_ladder
+    from moelab.ladder.run import run_ladder
+
+    lad = load_ladder(args.ladder)
+    guard = None
+    if args.guard:
+        from moelab.ladder.guard import GuardRules, guard_run
+
+        rules = GuardRules()
+        guard = lambda run_dir: guard_run(run_dir, rules=rules)  # noqa: E731
+    status = run_ladder(lad, jobs=args.jobs, names=args.rung or None, target=args.target,
+                        guard=guard, poll_s=args.poll)
+    for name, s in status.items():
+        print(f"{name:<24} {s}")
+    return 1 if any(s.startswith("failed") for s in status.values()) else 0
+
+
+def cmd_fit(args) -> int:
+    if args.points:
+        from moelab.ladder.points import fit_points, format_points, parse_predict, read_points
+
+        if args.ladder:
+            raise ValueError("give either a LADDER folder or --points FILE.csv, not both")
+        res = fit_points(read_points(args.points), [parse_predict(p) for p in args.predict or []],
+                         n_boot=args.boot, level=args.level, seed=args.seed)
+        print(json.dumps(res) if args.json else format_points(res))
+        return 0
+    if not args.ladder:
+        raise ValueError("give a LADDER folder (from `moelab ladder plan --out`) or --points "
+                         "FILE.csv")
+    if args.predict:
+        raise ValueError("--predict goes with --points; a ladder predicts its own target")
+    from moelab.ladder.folder import load_ladder
+    from moelab.ladder.predict import fit_ladder, format_report, write_outputs
+
+    lad = load_ladder(args.ladder)
+    fit = fit_ladder(lad, n_boot=args.boot, level=args.level, seed=args.seed)
+    rep, pred = write_outputs(lad, fit, Path(args.target_run) if args.target_run else None)
+    if not args.no_plots:
+        from moelab.ladder.observe import run_records
+        from moelab.ladder.plots import plot_ladder
+
+        target_dir = Path(args.target_run) if args.target_run else lad.target_dir
+        records = run_records(target_dir)[0] if (target_dir / "metrics.jsonl").exists() else None
+        png = plot_ladder(fit, pred, lad.target, lad.root / "plots" / "ladder.png", records)
+        rep["plot"] = str(png)
+    print(json.dumps(rep) if args.json else format_report(rep))
+    if not args.json:
+        print(f"written: {lad.root}/fit.json, {lad.root}/prediction.json"
+              + (f", {rep['plot']}" if "plot" in rep else ""))
+    return 0
+
+
+def cmd_guard(args) -> int:
+    from moelab.ladder.guard import GuardRules, follow, format_alert, guard_run
+
+    rules = GuardRules(loss_tol=args.loss_tol, grad_norm_max=args.grad_norm_max,
+                       patience=args.patience, window=args.window)
+    if args.follow:
+        new = follow(args.run, args.prediction, rules, interval_s=args.interval)
+    else:
+        new = guard_run(args.run, args.prediction, rules)
+    from moelab.ladder.observe import run_records
+
+    alerts = [e for e in run_records(Path(args.run))[1] if e.get("event") == "alert"]
+    print(f"{args.run}: {len(new)} new alert(s), {len(alerts)} in its log")
+    for a in alerts:
+        print("  " + format_alert(a))
+    return 3 if alerts and args.strict else 0
+
+
+def register(subparsers) -> None:
+    """Add `moelab ladder ...` to the main parser's subcommands."""
+    from moelab.ladder.guard import GuardRules
+
+    lp = subparsers.add_parser("ladder", help="scaling ladder: plan, run, fit, guard",
+                               description="Plan small rungs from a target, train them, fit "
+                               "scaling laws, predict the target and guard its live run.",
+                               epilog=EPILOG)
+    sub = lp.add_subparsers(dest="ladder_command", required=True, metavar="SUBCOMMAND")
+
+    p = sub.add_parser("plan", help="derive the rungs from a target config",
+                       description="Derive K rungs from TARGET: width, depth and heads scale; "
+                       "experts, top-k and head_dim stay; expert/latent/shared widths keep their "
+                       "ratio to d_model; tokens per active parameter stay the target's. Prints "
+                       "parameters, tokens, FLOPs and the ladder's cost share.",
+                       epilog="Overrides (SECTION.FIELD=VALUE) after TARGET apply to the target.")
+    p.add_argument("config", nargs="?", help="target preset or YAML (default: tiny)")
+    p.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides of the target")
+    p.add_argument("--rungs", type=int, default=4, help="number of rungs (default 4)")
+    p.add_argument("--top-share", type=float, default=1 / 400,
+                   help="largest rung's FLOPs as a fraction of the target's (default 0.0025)")
+    p.add_argument("--spacing", type=float, default=4.0,
+                   help="FLOPs ratio between neighbouring rungs (default 4)")
+    p.add_argument("--depth-exp", type=float, default=0.75,
+                   help="n_layers = round(L_target * (d / d_target) ** depth_exp) (default 0.75)")
+    p.add_argument("--widths", type=_ints, help="explicit rung widths, e.g. 768,1024,1536,2048")
+    p.add_argument("--depths", type=_ints, help="explicit rung depths, e.g. 8,12,16,22")
+    p.add_argument("--batch-size", type=int, default=0, help="rung batch size (default: target's)")
+    p.add_argument("--evals", type=int, default=8,
+                   help="held-out evaluations per rung, for the trajectory fit (default 8)")
+    p.add_argument("--out", help="write the ladder folder here (ladder.json, configs/)")
+    p.set_defaults(fn=cmd_plan)
+
+    r = sub.add_parser("run", help="train the rungs (resumable; finished rungs are skipped)")
+    r.add_argument("ladder", help="ladder folder written by `moelab ladder plan --out`")
+    r.add_argument("--jobs", type=int, default=1, help="rungs trained at once (default 1)")
+    r.add_argument("--rung", action="append", help="train only this rung (repeatable)")
+    r.add_argument("--target", action="store_true",
+                   help="then train the target into LADDER/target (with the prediction copied "
+                   "there when `moelab ladder fit` has made one)")
+    r.add_argument("--guard", action="store_true",
+                   help="guard the target live against LADDER/prediction.json")
+    r.add_argument("--poll", type=float, default=10.0, help="seconds between progress lines")
+    r.set_defaults(fn=cmd_run)
+
+    f = sub.add_parser("fit", help="fit scaling laws to the rungs (or to a CSV of runs) and "
+                       "predict", description="With LADDER: fit the schedule-aware law to the "
+                       "rungs' loss curves, L(C) to their final losses, bands of grad norm and "
+                       "drop fraction; write fit.json, prediction.json and plots/ladder.png. "
+                       "With --points: fit L(N, D) = E + A/N^alpha + B/D^beta to a CSV with "
+                       "columns N, D, loss (optional C) and predict at --predict points.")
+    f.add_argument("ladder", nargs="?", help="ladder folder")
+    f.add_argument("--points", help="CSV of external runs: columns N, D, loss[, C]")
+    f.add_argument("--predict", action="append", metavar="N=...,D=...",
+                   help="with --points: predict the loss here (repeatable)")
+    f.add_argument("--json", action="store_true", help="print one JSON object")
+    f.add_argument("--boot", type=int, default=200, help="bootstrap resamples (default 200)")
+    f.add_argument("--level", type=float, default=0.9,
+                   help="central interval of the bands (default 0.9)")
+    f.add_argument("--seed", type=int, default=0)
+    f.add_argument("--target-run", help="also write prediction.json into this run folder")
+    f.add_argument("--no-plots", action="store_true")
+    f.set_defaults(fn=cmd_fit)
+
+    g = sub.add_parser("guard", help="compare a run's metrics with the prediction bands",
+                       description="Read RUN/metrics.jsonl, compare loss, grad norm and drop "
+                       "fraction with the prediction bands (RUN/prediction.json or --prediction) "
+                       "and append alerts to the log as events. Rules: a metric (its deviation from "
+                       "the predicted curve smoothed by a median of 20 logged values) outside its "
+                       "band, widened by loss 2%, grad norm 50%, drops 2 points and 3 standard "
+                       "errors of the run's own noise, for 3 points in a row, from 20% of the "
+                       "run; grad norm above 4; a non-finite loss.")
+    g.add_argument("run", help="run folder")
+    g.add_argument("--prediction", help="prediction.json (default: RUN/prediction.json)")
+    g.add_argument("--follow", action="store_true", help="keep watching until the run ends")
+    g.add_argument("--interval", type=float, default=30.0, help="seconds between checks")
+    g.add_argument("--loss-tol", type=float, default=GuardRules.loss_tol,
+                   help="relative loss tolerance beyond the band")
+    g.add_argument("--grad-norm-max", type=float, default=GuardRules.grad_norm_max,
+                   help="grad norm ceiling")
+    g.add_argument("--patience", type=int, default=GuardRules.patience,
+                   help="consecutive out-of-band points before alerting")
+    g.add_argument("--window", type=int, default=GuardRules.window,
+                   help="trailing median window (logged points)")
+    g.add_argument("--strict", action="store_true", help="exit 3 when the log holds alerts")
+    g.set_defaults(fn=cmd_guard)

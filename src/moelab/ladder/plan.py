@@ -1,0 +1,238 @@
+"""Rung planning: derive K smaller runs (the ladder) from a target run by one documented rule.
+
+The rule (after the reference ladder, REFERENCE.md section 3):
+
+* only width, depth and heads change: the head dimension, the number of experts, top-k, the
+  router and every other recipe field stay as in the target;
+* expert, latent and shared widths keep their ratio to ``d_model`` (the reference: d/2);
+* heads = d_model / head_dim; KV heads keep the target's ratio to heads (the searched widths
+  keep it exactly; at a width given by hand that cannot, the largest divisor of the heads not
+  above heads x ratio);
+* depth follows width: n_layers = round(L_target * (d / d_target) ** depth_exp), at least
+  ``min_layers`` (depth_exp 0.75 by default; ``depths`` sets them by hand);
+* tokens per active parameter stay the target's, so a rung trains for
+  tokens = (target tokens / target active parameters) x (rung active parameters);
+  "active parameters" are counted as the reference counts them: attention, router, top-k
+  routed experts, latent projections and shared experts, without the embedding and the LM head
+  (``moelab.flops.param_counts(...)["active"]``). This N is also the N of the scaling laws;
+* widths: given by hand, or searched (multiples of head_dim) so that rung k's training FLOPs
+  are closest to top_share x C_target / spacing ** (K - 1 - k): rungs geometrically spaced in
+  compute, the largest ``top_share`` of the target's.
+
+Sequence length, batch size, LR schedule shape (warmup fraction, floor) and optimizer stay the
+target's; ``batch_size`` can override the batch for the rungs. The target's run operations
+(context stages, mixture changes, re-timed decays) are not copied: rungs train on its base data
+config and schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from dataclasses import dataclass, field
+
+from moelab.config import ConfigError, ModelConfig, RunConfig
+from moelab.flops import param_counts, train_flops_per_token
+
+
+@dataclass(frozen=True)
+class LadderRule:
+    rungs: int = 4
+    top_share: float = 1 / 400  # largest rung's FLOPs / target FLOPs (reference: ~0.3%)
+    spacing: float = 4.0  # FLOPs ratio between neighbouring rungs
+    depth_exp: float = 0.75
+    min_layers: int = 2
+    widths: tuple[int, ...] = ()  # explicit d_model per rung (skips the search)
+    depths: tuple[int, ...] = ()  # explicit n_layers per rung
+    batch_size: int = 0  # 0 = the target's batch size
+    evals: int = 8  # held-out evaluations per rung (for the trajectory fit)
+    min_steps: int = 20
+
+    def validate(self) -> "LadderRule":
+        def need(ok: bool, name: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"ladder.{name}: {msg}")
+
+        need(self.rungs >= 2, "rungs", "must be >= 2 (a law needs at least two sizes)")
+        need(0 < self.top_share < 1, "top_share", "must be a fraction of the target in (0, 1)")
+        need(self.spacing > 1, "spacing", "must be > 1 (each rung larger than the one before)")
+        need(self.depth_exp >= 0, "depth_exp", "must be >= 0")
+        need(self.min_layers >= 1, "min_layers", "must be >= 1")
+        for name in ("widths", "depths"):
+            vals = getattr(self, name)
+            need(not vals or len(vals) == self.rungs, name,
+                 f"give one value per rung ({self.rungs}), got {len(vals)}")
+            need(all(v > 0 for v in vals), name, "values must be positive integers")
+        need(self.batch_size >= 0, "batch_size", "must be >= 0 (0 = the target's)")
+        need(self.evals >= 2, "evals", "must be >= 2")
+        return self
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    cfg: RunConfig
+    stats: dict = field(default_factory=dict)
+
+
+def tokens_trained(cfg: RunConfig) -> int:
+    """Tokens a run trains for (its stop step, through any context stages)."""
+    return cfg.data.tokens_before(cfg.train.steps)
+
+
+# Counting traces the model (jax.eval_shape, ~0.1 s a call); the width search asks for the same
+# shapes repeatedly, so the counts are cached per (frozen, hashable) model config.
+@functools.lru_cache(maxsize=256)
+def _counts(model: ModelConfig) -> dict:
+    return param_counts(model)
+
+
+@functools.lru_cache(maxsize=256)
+def _flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    return train_flops_per_token(model, seq_len)
+
+
+def active_params(model: ModelConfig) -> int:
+    """N of the ladder: active parameters as published (embedding and LM head excluded)."""
+    return _counts(model)["active"]
+
+
+def run_stats(cfg: RunConfig) -> dict:
+    """Total/active parameters, tokens and training FLOPs of a run, all from moelab.flops."""
+    c = _counts(cfg.model)
+    tokens = tokens_trained(cfg)
+    fpt = _flops_per_token(cfg.model, cfg.data.seq_len)
+    return {"params_total": c["total"], "params_active": c["active"], "tokens": tokens,
+            "flops_per_token": fpt, "flops": fpt * tokens, "steps": cfg.train.steps,
+            "d_model": cfg.model.d_model, "n_layers": cfg.model.n_layers,
+            "n_heads": cfg.model.n_heads}
+
+
+def _scaled_width(value: int, d: int, d_target: int) -> int:
+    """A width that keeps its ratio to d_model, as a multiple of 8 (at least 8)."""
+    return max(8, 8 * round(value * d / d_target / 8))
+
+
+def scale_model(target: ModelConfig, d: int, n_layers: int) -> ModelConfig:
+    """The target's model at width ``d`` and depth ``n_layers`` (rule in the module docstring)."""
+    if d % target.head_dim:
+        raise ConfigError(f"ladder.widths: {d} is not a multiple of head_dim={target.head_dim} "
+                          "(heads = d_model / head_dim)")
+    heads = d // target.head_dim
+    kv = max(1, round(heads * target.n_kv_heads / target.n_heads))
+    while heads % kv:
+        kv -= 1
+    gkv = 0
+    if target.global_kv_heads:
+        gkv = max(1, round(kv * target.global_kv_heads / target.n_kv_heads))
+        while kv % gkv:
+            gkv -= 1
+    latent = target.latent_dim
+    if target.use_latent:
+        latent = _scaled_width(target.latent_dim, d, target.d_model)
+    return dataclasses.replace(
+        target, d_model=d, n_layers=n_layers, n_heads=heads, n_kv_heads=kv,
+        global_kv_heads=gkv,
+        expert_dim=_scaled_width(target.expert_dim, d, target.d_model),
+        shared_dim=_scaled_width(target.shared_dim, d, target.d_model),
+        latent_dim=latent if latent < d else 0)
+
+
+def _depth(target: ModelConfig, d: int, rule: LadderRule) -> int:
+    return max(rule.min_layers, round(target.n_layers * (d / target.d_model) ** rule.depth_exp))
+
+
+def rung_config(target: RunConfig, d: int, n_layers: int, rule: LadderRule) -> RunConfig:
+    """A full run config for one rung: scaled model, tokens per active parameter kept."""
+    model = scale_model(target.model, d, n_layers)
+    per_active = tokens_trained(target) / active_params(target.model)
+    batch = rule.batch_size or target.data.batch_size
+    data = dataclasses.replace(target.data, batch_size=batch, context_stages=[],
+                               mixture_schedule=[])
+    tokens = per_active * active_params(model)
+    steps = max(rule.min_steps, round(tokens / (batch * data.seq_len)))
+    warm_frac = target.warmup_steps / target.schedule_steps
+    optim = dataclasses.replace(target.optim, schedule_steps=steps, decays=[],
+                                warmup_steps=max(1, round(warm_frac * steps)))
+    train = dataclasses.replace(
+        target.train, steps=steps, eval_every=max(1, steps // rule.evals),
+        log_every=max(1, min(target.train.log_every, steps // 100)),
+        ckpt_every=max(1, steps // 4))
+    return dataclasses.replace(target, model=model, data=data, optim=optim,
+                               train=train).validate()
+
+
+def _search_widths(target: RunConfig, rule: LadderRule) -> list[int]:
+    """Widths whose rung FLOPs sit closest (in log) to the geometric compute targets. Only head
+    counts that keep the target's query-per-KV-head group exactly are candidates (5 heads cannot
+    keep a group of 2). FLOPs grow with width (up to depth rounding), so each target is
+    bracketed by bisection and the nearer neighbour wins: a few dozen counts, not one per width."""
+    c_target = run_stats(target)["flops"]
+    m = target.model
+    group = m.n_heads // m.n_kv_heads
+    heads = list(range(group, m.d_model // m.head_dim + 1, group))
+
+    @functools.lru_cache(maxsize=None)
+    def flops(i: int) -> float:
+        d = heads[i] * m.head_dim
+        return run_stats(rung_config(target, d, _depth(m, d, rule), rule))["flops"]
+
+    widths = []
+    for k in range(rule.rungs):
+        want = rule.top_share * c_target / rule.spacing ** (rule.rungs - 1 - k)
+        lo, hi = 0, len(heads) - 1
+        while lo < hi:  # first candidate whose FLOPs reach ``want``
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if flops(mid) < want else (lo, mid)
+        best = min({max(0, lo - 1), lo}, key=lambda i: abs(math.log(flops(i) / want)))
+        widths.append(heads[best] * m.head_dim)
+    if len(set(widths)) < len(widths):
+        raise ConfigError(f"ladder: the target is too small for {rule.rungs} distinct rungs at "
+                          f"top_share={rule.top_share:g}, spacing={rule.spacing:g} (widths "
+                          f"{widths}: multiples of head_dim={m.head_dim} x {group} heads per KV "
+                          "head); raise top_share, lower spacing or give --widths")
+    return widths
+
+
+def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung]:
+    """The rungs, smallest first, each with its stats and its FLOPs share of the target."""
+    rule.validate()
+    widths = list(rule.widths) or _search_widths(target, rule)
+    depths = list(rule.depths) or [_depth(target.model, d, rule) for d in widths]
+    c_target = run_stats(target)["flops"]
+    rungs = []
+    for d, n_layers in zip(widths, depths):
+        cfg = rung_config(target, d, n_layers, rule)
+        stats = run_stats(cfg)
+        stats["share"] = stats["flops"] / c_target
+        rungs.append(Rung(f"d{d}-L{n_layers}", cfg, stats))
+    if len({r.name for r in rungs}) < len(rungs):
+        raise ConfigError("ladder.widths: two rungs have the same shape; give distinct widths")
+    return rungs
+
+
+def format_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -> str:
+    """The plan as a table: parameters, tokens, FLOPs and cost share per rung and in total."""
+    t = run_stats(target)
+    rows = [(r.name, r.stats) for r in rungs] + [(f"target {target_name}", {**t, "share": 1.0})]
+    head = (f"{'rung':<22} {'layers':>6} {'heads':>5} {'total':>10} {'active':>10} "
+            f"{'tokens':>10} {'steps':>8} {'FLOPs':>10} {'% target':>9}")
+    lines = [head, "-" * len(head)]
+    for name, s in rows:
+        lines.append(f"{name:<22} {s['n_layers']:>6} {s['n_heads']:>5} {_si(s['params_total']):>10}"
+                     f" {_si(s['params_active']):>10} {_si(s['tokens']):>10} {s['steps']:>8,}"
+                     f" {s['flops']:>10.3g} {100 * s['share']:>8.3f}%")
+    share = sum(r.stats["share"] for r in rungs)
+    per_active = t["tokens"] / t["params_active"]
+    lines.append(f"ladder cost: {100 * share:.3f}% of the target's training FLOPs "
+                 f"({sum(r.stats['flops'] for r in rungs):.3g} of {t['flops']:.3g}); "
+                 f"tokens per active parameter {per_active:,.1f}")
+    return "\n".join(lines)
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g}{unit}"
+    return f"{x:.3g}"

@@ -1,0 +1,126 @@
+"""Fitting external results: a CSV of runs (N, D, loss[, C]) -> L(N, D), predictions with
+bootstrap intervals. This is how a published ladder can be checked with the same fitting code.
+
+CSV columns: ``N`` (parameters), ``D`` (tokens), ``loss``; optional ``C`` (training FLOPs), which
+adds an L(C) = E + A C^-alpha fit to the best loss at each compute budget (IsoFLOP data hold
+several sizes per budget; only the best of them lies on L(C)). Each row is one run; the
+bootstrap resamples rows.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+
+from moelab.ladder.fit import fit_with_bootstrap, make_law
+
+REQUIRED = ("N", "D", "loss")
+
+
+def read_points(path: Path | str) -> dict[str, np.ndarray]:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"--points {path}: not found")
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        cols = [c.strip() for c in reader.fieldnames or []]
+        missing = [c for c in REQUIRED if c not in cols]
+        if missing:
+            raise ValueError(f"--points {path}: missing column(s) {', '.join(missing)}; the CSV "
+                             f"needs a header with N, D, loss (optional C); found {cols}")
+        names = [c for c in (*REQUIRED, "C") if c in cols]
+        rows = []
+        for i, row in enumerate(reader, start=2):
+            row = {k.strip(): v for k, v in row.items() if k}
+            try:
+                vals = [float(row[c]) for c in names]
+            except (TypeError, ValueError):
+                raise ValueError(f"--points {path}: line {i}: every value of "
+                                 f"{', '.join(names)} must be a number, got "
+                                 f"{[row.get(c) for c in names]}") from None
+            if not all(math.isfinite(v) and v > 0 for v in vals):
+                raise ValueError(f"--points {path}: line {i}: values must be positive, got "
+                                 f"{dict(zip(names, vals))}")
+            rows.append(vals)
+    if len(rows) < 6:
+        raise ValueError(f"--points {path}: {len(rows)} rows; L(N, D) has 5 parameters, give at "
+                         "least 6 runs")
+    arr = np.array(rows)
+    return {c: arr[:, j] for j, c in enumerate(names)}
+
+
+def frontier(C: np.ndarray, loss: np.ndarray, rel: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
+    """The lowest loss of each compute budget (budgets within ``rel`` of each other are one)."""
+    order = np.argsort(C)
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and C[i] <= C[groups[-1][0]] * (1 + rel):
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    best = [g[int(np.argmin(loss[g]))] for g in groups]
+    return C[best], loss[best]
+
+
+def parse_predict(text: str) -> tuple[float, float]:
+    """'N=70e9,D=1.4e12' -> (N, D)."""
+    try:
+        kv = dict(part.split("=", 1) for part in text.replace(" ", "").split(","))
+        n, d = float(kv["N"]), float(kv["D"])
+    except (ValueError, KeyError):
+        raise ValueError(f"--predict {text!r}: expected N=...,D=..., e.g. "
+                         "--predict N=7e10,D=1.4e12") from None
+    if not (n > 0 and d > 0 and math.isfinite(n) and math.isfinite(d)):
+        raise ValueError(f"--predict {text!r}: N and D must be positive numbers")
+    return n, d
+
+
+def fit_points(points: dict[str, np.ndarray], predict: list[tuple[float, float]],
+               n_boot: int = 200, level: float = 0.9, seed: int = 0) -> dict:
+    """Coefficients, intervals and predictions of L(N, D) (and L(C) when C is given)."""
+    X = np.stack([points["N"], points["D"]], 1)
+    bf = fit_with_bootstrap(make_law(("N", "D"), X), X, points["loss"], n_boot=n_boot, seed=seed)
+    c = bf.fit.coefficients()
+    out = {"law": "L(N, D) = E + A / N^alpha + B / D^beta", "n_points": int(len(X)),
+           "level": level,
+           "coefficients": {"E": c["E"], "A": c["A_N"], "alpha": c["alpha_N"], "B": c["A_D"],
+                            "beta": c["alpha_D"]},
+           "intervals": {k: bf.intervals(level)[old] for k, old in
+                         (("E", "E"), ("A", "A_N"), ("alpha", "alpha_N"), ("B", "A_D"),
+                          ("beta", "alpha_D"))}}
+    if "C" in points:
+        C, best = frontier(points["C"], points["loss"])
+        if len(C) >= 4:
+            cf = fit_with_bootstrap(make_law(("C",), C[:, None]), C[:, None], best,
+                                    n_boot=n_boot, seed=seed)
+            cc = cf.fit.coefficients()
+            out["compute_law"] = {"law": "L(C) = E + A C^-alpha (best loss per budget)",
+                                  "n_budgets": int(len(C)), "E": cc["E"], "A": cc["A_C"],
+                                  "alpha": cc["alpha_C"]}
+    preds = []
+    if predict:
+        p = bf.predict(np.array(predict, float), level)
+        for i, (n, d) in enumerate(predict):
+            preds.append({"N": n, "D": d, "loss": float(p["mid"][i]), "lo": float(p["lo"][i]),
+                          "hi": float(p["hi"][i])})
+    out["predictions"] = preds
+    return out
+
+
+def format_points(res: dict) -> str:
+    c = res["coefficients"]
+    lines = [f"{res['law']} from {res['n_points']} runs (central {res['level']:.0%} bootstrap "
+             "intervals):"]
+    for k, v in c.items():
+        iv = res["intervals"][k]
+        lines.append(f"  {k:<6} {v:.5g}  [{iv['lo']:.5g}, {iv['hi']:.5g}]")
+    if "compute_law" in res:
+        cl = res["compute_law"]
+        lines.append(f"  {cl['law']}: E={cl['E']:.5g}, A={cl['A']:.5g}, alpha={cl['alpha']:.5g}")
+    for p in res["predictions"]:
+        lines.append(f"  N={p['N']:.4g}, D={p['D']:.4g}: loss {p['loss']:.4f} "
+                     f"[{p['lo']:.4f}, {p['hi']:.4f}]")
+    return "\n".join(lines)

@@ -1,0 +1,246 @@
+"""`moelab ladder fit` on a ladder folder: fit the laws to the rungs, predict the target.
+
+What is fitted (all with bootstrap over rungs; intervals are central ``level`` percentiles):
+
+* the schedule-aware law (moelab.ladder.schedule_law) to every rung's held-out loss curve
+  (``eval/loss``) and, separately, to its binned training loss (``train/loss``); its constant-LR
+  limit is L(N, D) = E + A/N^alpha + B/D^beta;
+* L(C) = E + A C^-alpha to the rungs' final held-out losses, E fitted, and E fixed to the
+  schedule law's E (the reference fitted with a fixed irreducible loss);
+* bands of gradient norm and drop fraction over training progress (moelab.ladder.bands).
+
+Points before ``MIN_PROGRESS`` of a run (warmup and the first fast transient) are left out of the
+loss fits. The target's prediction is written as prediction.json: for each metric, arrays
+``step``, ``lo``, ``mid``, ``hi`` over the target's steps (the contract the guard and
+`moelab lab` read).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from moelab.config import RunConfig
+from moelab.ladder import bands
+from moelab.ladder.fit import BootFit, fit_with_bootstrap, make_law
+from moelab.ladder.folder import Ladder
+from moelab.ladder.observe import EVAL_LOSS, binned, eval_domains, run_records, series
+from moelab.ladder.plan import run_stats
+from moelab.ladder.run import is_finished
+from moelab.ladder.schedule_law import Curve, RunSchedule, ScheduleFit, fit_schedule_law
+
+LEVEL = 0.9
+MIN_PROGRESS = 0.1
+TRAIN_BINS = 20
+# logged at step s, the training loss is that of the weights after s - 1 updates
+LOSS_KEYS = {EVAL_LOSS: 0, "train/loss": 1}
+BAND_KEYS = ("train/grad_norm", "moe/drop_fraction")
+PREDICTION_POINTS = 200
+
+
+@dataclass
+class RungData:
+    name: str
+    cfg: RunConfig
+    stats: dict
+    records: list[dict]
+
+
+def finished_rungs(lad: Ladder) -> list[RungData]:
+    out = []
+    for r in lad.rungs:
+        d = lad.run_dir(r.name)
+        if is_finished(d, r.cfg.train.steps):
+            out.append(RungData(r.name, r.cfg, r.stats, run_records(d)[0]))
+    if len(out) < 3:
+        raise ValueError(f"{lad.root}: {len(out)} of {len(lad.rungs)} rungs finished; the fit "
+                         f"needs at least 3: run `moelab ladder run {lad.root}` first")
+    return out
+
+
+def loss_curve(rung: RungData, key: str) -> Curve:
+    steps_total = rung.cfg.train.steps
+    steps, vals = series(rung.records, key)
+    if key == "train/loss":
+        steps, vals = binned(steps, vals, steps_total, TRAIN_BINS, start=MIN_PROGRESS)
+    keep = steps >= MIN_PROGRESS * steps_total
+    at = np.clip(steps[keep] - LOSS_KEYS[key], 1, steps_total)
+    if not keep.any():
+        raise ValueError(f"rung {rung.name}: no {key} values logged after "
+                         f"{MIN_PROGRESS:.0%} of the run")
+    return Curve(RunSchedule.from_config(rung.cfg), at, vals[keep])
+
+
+def final_value(records: list[dict], key: str, step: int) -> float | None:
+    steps, vals = series(records, key)
+    hit = vals[steps == step]
+    return float(hit[-1]) if len(hit) else None
+
+
+@dataclass
+class LadderFit:
+    rungs: list[RungData]
+    schedule: dict[str, ScheduleFit]  # per loss key
+    compute: dict[str, BootFit]  # "E_fitted", "E_fixed"
+    band_curves: dict[str, np.ndarray]  # per band key: [rungs, PROGRESS]
+    log_flops: np.ndarray
+    level: float
+    holdout: dict  # each predictor refitted without the largest rung, predicting it
+
+
+def _finals(rungs: list[RungData]) -> np.ndarray:
+    finals = [final_value(r.records, EVAL_LOSS, r.cfg.train.steps) for r in rungs]
+    if any(v is None for v in finals):
+        raise ValueError("a rung has no final held-out evaluation; re-run it with "
+                         "`moelab ladder run` (the final evaluation runs at its last step)")
+    return np.array(finals, float)
+
+
+def _compute_laws(rungs: list[RungData], e_fixed: float, n_boot: int, seed: int) -> dict:
+    flops = np.array([[r.stats["flops"]] for r in rungs])
+    finals = _finals(rungs)
+    e_fixed = min(e_fixed, 0.999 * finals.min())
+    return {"E_fitted": fit_with_bootstrap(make_law(("C",), flops), flops, finals,
+                                           n_boot=n_boot, seed=seed),
+            "E_fixed": fit_with_bootstrap(make_law(("C",), flops, fixed_E=e_fixed), flops,
+                                          finals, n_boot=n_boot, seed=seed)}
+
+
+def holdout_check(rungs: list[RungData]) -> dict:
+    """Refit every predictor on all rungs but the largest and predict the largest's final
+    held-out loss: the ladder's own extrapolation test, available before the target trains."""
+    if len(rungs) < 4:
+        return {}
+    train, test = rungs[:-1], rungs[-1]
+    observed = float(_finals([test])[0])
+    sf = fit_schedule_law([loss_curve(r, EVAL_LOSS) for r in train])
+    steps = test.cfg.train.steps
+    out = {"schedule law": float(sf.predict(RunSchedule.from_config(test.cfg),
+                                            np.array([steps]))["mid"][0])}
+    for name, bf in _compute_laws(train, sf.coefficients()["E"], 0, 0).items():
+        out[f"L(C), {name.replace('_', ' ')}"] = float(bf.fit.predict([[test.stats["flops"]]])[0])
+    return {"rung": test.name, "observed": observed,
+            "predicted": out, "rel_error": {k: v / observed - 1 for k, v in out.items()}}
+
+
+def fit_ladder(lad: Ladder, n_boot: int = 200, level: float = LEVEL, seed: int = 0) -> LadderFit:
+    rungs = finished_rungs(lad)
+    schedule = {k: fit_schedule_law([loss_curve(r, k) for r in rungs], n_boot=n_boot, seed=seed)
+                for k in LOSS_KEYS}
+    flops = np.array([[r.stats["flops"]] for r in rungs])
+    compute = _compute_laws(rungs, schedule[EVAL_LOSS].coefficients()["E"], n_boot, seed)
+    curves = {}
+    for key in BAND_KEYS:
+        rows = [bands.progress_curve(*series(r.records, key), r.cfg.train.steps) for r in rungs]
+        curves[key] = np.array(rows)
+    return LadderFit(rungs, schedule, compute, curves, np.log(flops[:, 0]), level,
+                     holdout_check(rungs))
+
+
+def prediction_steps(steps: int, n: int = PREDICTION_POINTS) -> np.ndarray:
+    return np.unique(np.linspace(1, steps, n).round().astype(int))
+
+
+def predict(fit: LadderFit, cfg: RunConfig, source: str) -> dict:
+    """The prediction.json object for a run of config ``cfg`` (usually the target)."""
+    steps_total = cfg.train.steps
+    run = RunSchedule.from_config(cfg)
+    at = prediction_steps(steps_total)
+    at = at[at >= MIN_PROGRESS * steps_total]  # the laws say nothing about the first transient
+    metrics, final = {}, {}
+    for key, lag in LOSS_KEYS.items():
+        p = fit.schedule[key].predict(run, np.clip(at - lag, 1, steps_total), fit.level)
+        metrics[key] = {"step": at.tolist(), **{k: v.tolist() for k, v in p.items()}}
+        final[key] = {k: float(v[-1]) for k, v in p.items()}
+    stats = run_stats(cfg)
+    c = np.array([[stats["flops"]]])
+    for name, bf in fit.compute.items():
+        p = bf.predict(c, fit.level)
+        final[f"{EVAL_LOSS} (L(C), {name.replace('_', ' ')})"] = {k: float(v[0])
+                                                                   for k, v in p.items()}
+    for key, curves in fit.band_curves.items():
+        b = bands.scale_band(curves, fit.log_flops, math.log(stats["flops"]),
+                             log_values=key in bands.LOG_METRICS)
+        ok = np.isfinite(b["mid"])
+        if ok.any():
+            metrics[key] = {"step": (bands.PROGRESS[ok] * steps_total).round().astype(int).tolist(),
+                            **{k: v[ok].tolist() for k, v in b.items()}}
+    domains = eval_domains(fit.rungs[-1].records)
+    return {"source": source, "level": fit.level, "steps": steps_total,
+            "config_hash": cfg.hash(),
+            "target": {k: stats[k] for k in ("params_active", "tokens", "flops")},
+            "metrics": metrics, "final": final,
+            "definitions": {EVAL_LOSS: f"mean of eval/<domain>/loss over {', '.join(domains)}",
+                            "lo/hi": f"central {fit.level:.0%} bootstrap interval over rungs "
+                            "(loss); rung envelope and scale extrapolation (grad norm, drops)"}}
+
+
+def report(fit: LadderFit, lad: Ladder, pred: dict) -> dict:
+    """fit.json: coefficients with intervals, per-rung table, the target's final predictions."""
+    t = run_stats(lad.target)
+    laws = {}
+    for key, sf in fit.schedule.items():
+        laws[f"schedule {key}"] = {
+            "form": "L = E + A N^-alpha + B S1^-beta - C S2(tau); constant LR: "
+                    "L(N, D) = E + A/N^alpha + B/D^beta",
+            "coefficients": sf.coefficients(), "intervals": sf.intervals(fit.level)}
+    for name, bf in fit.compute.items():
+        laws[f"L(C) {name.replace('_', ' ')}"] = {
+            "form": "L = E + A C^-alpha (final held-out loss vs training FLOPs)",
+            "coefficients": bf.fit.coefficients(), "intervals": bf.intervals(fit.level)}
+    rungs = []
+    for r in fit.rungs:
+        s = r.cfg.train.steps
+        rungs.append({"name": r.name, "params_active": r.stats["params_active"],
+                      "tokens": r.stats["tokens"], "flops": r.stats["flops"],
+                      "final_eval_loss": final_value(r.records, EVAL_LOSS, s)})
+    ladder_flops = sum(r.stats["flops"] for r in lad.rungs)
+    return {"ladder": str(lad.root), "level": fit.level,
+            "target": {"name": lad.target_name, "params_active": t["params_active"],
+                       "tokens": t["tokens"], "flops": t["flops"], "steps": t["steps"]},
+            "cost": {"ladder_flops": ladder_flops, "target_flops": t["flops"],
+                     "share": ladder_flops / t["flops"]},
+            "rungs": rungs, "laws": laws, "final": pred["final"], "holdout": fit.holdout}
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"ladder {rep['ladder']}: {len(rep['rungs'])} rungs, cost "
+             f"{100 * rep['cost']['share']:.2f}% of the target's FLOPs"]
+    for r in rep["rungs"]:
+        lines.append(f"  {r['name']:<14} N {r['params_active']:>12,}  D {r['tokens']:>14,}  "
+                     f"C {r['flops']:.3g}  final held-out loss {r['final_eval_loss']:.4f}")
+    for name, law in rep["laws"].items():
+        c = law["coefficients"]
+        lines.append(f"  {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in c.items()))
+    h = rep.get("holdout")
+    if h:
+        lines.append(f"  holdout: refitted without {h['rung']}, predicting its final held-out "
+                     f"loss {h['observed']:.4f}: " + ", ".join(
+                         f"{k} {v:+.2%}" for k, v in h["rel_error"].items()))
+    t = rep["target"]
+    lines.append(f"target {t['name']} (N {t['params_active']:,}, D {t['tokens']:,}, "
+                 f"C {t['flops']:.3g}), central {rep['level']:.0%} intervals:")
+    for name, p in rep["final"].items():
+        lines.append(f"  final {name:<32} {p['mid']:.4f}"
+                     + (f"  [{p['lo']:.4f}, {p['hi']:.4f}]" if "lo" in p else ""))
+    return "\n".join(lines)
+
+
+def write_outputs(lad: Ladder, fit: LadderFit,
+                  target_run: Path | None = None) -> tuple[dict, dict]:
+    """fit.json and prediction.json in the ladder folder (and the prediction into the target's
+    run folder when it exists). Returns (report, prediction)."""
+    from moelab.util import atomic_write_json
+
+    pred = predict(fit, lad.target, f"moelab ladder fit {lad.root} ("
+                   + ", ".join(r.name for r in fit.rungs) + ")")
+    rep = report(fit, lad, pred)
+    atomic_write_json(lad.root / "fit.json", rep)
+    atomic_write_json(lad.root / "prediction.json", pred)
+    for d in {lad.target_dir, target_run} - {None}:
+        if d.exists():
+            atomic_write_json(Path(d) / "prediction.json", pred)
+    return rep, pred

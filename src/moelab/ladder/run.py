@@ -1,0 +1,182 @@
+"""Train the ladder's rungs (and optionally its target) as ordinary `moelab train` runs.
+
+Each run is a child process (``python -m moelab.cli train CONFIG --run-dir DIR``) with its log
+in ``DIR/train.log``, so rungs can run side by side (``jobs``) and a crash stays contained.
+Resumable: a rung whose summary says it reached its last step is skipped; an unfinished one
+resumes from its newest checkpoint (that is what `moelab train` does on an existing folder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from moelab.ladder.folder import Ladder
+from moelab.train.tracker import read_metrics
+from moelab.util import info, pid_alive
+
+
+def is_finished(run_dir: Path, steps: int) -> bool:
+    """True when the run's last invocation reached ``steps`` without being interrupted."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return False
+    try:
+        s = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
+    return s.get("step", 0) >= steps and not s.get("interrupted")
+
+
+LOCK = ".ladder-train.pid"  # in a run folder while a ladder process trains it
+
+
+def claim(run_dir: Path) -> bool:
+    """Mark the run folder as being trained by this process; False if another live process
+    already trains it (two writers would corrupt its checkpoints). A stale mark is taken over."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(path.read_text().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and pid_alive(pid):
+                return False
+            path.unlink(missing_ok=True)  # left by a process that is gone
+            continue
+        os.write(fd, str(os.getpid()).encode())
+        os.close(fd)
+        return True
+    return False
+
+
+def release(run_dir: Path) -> None:
+    (run_dir / LOCK).unlink(missing_ok=True)
+
+
+def last_step(run_dir: Path) -> int:
+    records, _ = read_metrics(run_dir / "metrics.jsonl")
+    return records[-1]["step"] if records else 0
+
+
+@dataclass
+class _Job:
+    name: str
+    run_dir: Path
+    steps: int
+    proc: subprocess.Popen
+    log: object
+
+
+def _start(name: str, config: Path, run_dir: Path, steps: int) -> _Job:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = open(run_dir / "train.log", "ab")
+    cmd = [sys.executable, "-m", "moelab.cli", "train", str(config), "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
+    (run_dir / LOCK).write_text(str(proc.pid))  # the trainer holds the folder, even if we die
+    return _Job(name, run_dir, steps, proc, log)
+
+
+def _tail(path: Path, n: int = 15) -> str:
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    return "\n".join("    " + x for x in lines[-n:])
+
+
+def run_ladder(lad: Ladder, jobs: int = 1, names: list[str] | None = None,
+               target: bool = False, guard=None, poll_s: float = 10.0, say=info) -> dict:
+    """Train the rungs (then the target if asked). ``guard(run_dir)`` is called at every poll
+    while the target trains. Returns {name: "done" | "skipped" | "failed (rc N)"}."""
+    if jobs < 1:
+        raise ValueError(f"--jobs {jobs}: must be >= 1")
+    todo = [(r.name, lad.config_path(r.name), lad.run_dir(r.name), r.cfg.train.steps)
+            for r in lad.rungs if names is None or r.name in names]
+    if names:
+        unknown = sorted(set(names) - {r.name for r in lad.rungs})
+        if unknown:
+            raise ValueError(f"--rung {unknown[0]}: no such rung; rungs: "
+                             f"{', '.join(r.name for r in lad.rungs)}")
+    status = {}
+    pending = []
+    for item in todo:
+        if is_finished(item[2], item[3]):
+            status[item[0]] = "skipped"
+            say(f"ladder: {item[0]} already finished ({item[2]})")
+        else:
+            pending.append(item)
+    _run_pool(pending, jobs, status, None, poll_s, say)
+    if target:
+        if any(v.startswith("failed") for v in status.values()):
+            say("ladder: not starting the target: a rung failed")
+        else:
+            _run_target(lad, status, guard, poll_s, say)
+    return status
+
+
+def _run_target(lad: Ladder, status: dict, guard, poll_s: float, say) -> None:
+    steps = lad.target.train.steps
+    run_dir = lad.target_dir
+    if is_finished(run_dir, steps):
+        status["target"] = "skipped"
+        say(f"ladder: target already finished ({run_dir})")
+        if guard:
+            guard(run_dir)
+        return
+    pred = lad.root / "prediction.json"
+    if pred.exists() and not (run_dir / "prediction.json").exists():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(pred, run_dir / "prediction.json")
+    _run_pool([("target", lad.config_path("target"), run_dir, steps)], 1, status, guard,
+              poll_s, say)
+
+
+def _run_pool(items: list, jobs: int, status: dict, guard, poll_s: float, say) -> None:
+    queue = list(items)
+    running: list[_Job] = []
+    t0 = time.time()
+    while queue or running:
+        while queue and len(running) < jobs:
+            name, config, run_dir, steps = queue.pop(0)
+            if is_finished(run_dir, steps):  # finished meanwhile (another ladder process)
+                status[name] = "skipped"
+                continue
+            if not claim(run_dir):
+                status[name] = "failed (another process is training it)"
+                say(f"ladder: {name} is being trained by another process ({run_dir / LOCK}); "
+                    "skipped: run this command again when it is done")
+                continue
+            say(f"ladder: starting {name} ({steps} steps) -> {run_dir}/train.log")
+            running.append(_start(name, config, run_dir, steps))
+        if not running:
+            break
+        time.sleep(poll_s)
+        for job in list(running):
+            if guard is not None:
+                guard(job.run_dir)
+            rc = job.proc.poll()
+            if rc is None:
+                continue
+            job.log.close()
+            release(job.run_dir)
+            running.remove(job)
+            if rc == 0 and is_finished(job.run_dir, job.steps):
+                status[job.name] = "done"
+                say(f"ladder: {job.name} finished")
+            else:
+                status[job.name] = f"failed (rc {rc})"
+                say(f"ladder: {job.name} FAILED (exit {rc}); last lines of its log:\n"
+                    + _tail(job.run_dir / "train.log"))
+            if guard is not None:
+                guard(job.run_dir)
+        if running:
+            progress = " | ".join(f"{j.name} {last_step(j.run_dir)}/{j.steps}" for j in running)
+            say(f"ladder: {progress} | {len(queue)} waiting | {(time.time() - t0) / 60:.1f} min")

@@ -1,0 +1,162 @@
+"""The loss along a whole run under its own LR schedule, across model sizes.
+
+    L(N, s) = E + A * N^-alpha + B * S1(s)^-beta - C * S2(s)
+
+* N: active parameters (moelab.ladder.plan.active_params);
+* S1(s) = sum over the first s steps of r_t * tokens_t, the LR-weighted tokens (r = LR / peak):
+  the "forward area" of the LR curve, in tokens. At constant LR, S1 = D, the tokens seen;
+* S2(s): the annealing area, the drop of the LR below its peak, lagged by an exponential
+  moving average with time constant tau steps (lam = 1 - 1/tau):
+  S2(s) = lam * S2(s-1) + (1 - lam) * (1 - r_{s-1}) once warmup is over (0 before).
+
+This is the LR-annealing scaling law of Tissue et al. 2024 ("Scaling Law with Learning Rate
+Annealing", arXiv:2408.11029: L = L0 + A S1^-alpha - C S2, with S2 the sum of an LR-drop momentum;
+(1 - lam) times their S2 equals ours), joined with the model-size term of Chinchilla's
+L(N, D) = E + A/N^alpha + B/D^beta: at constant LR, S2 = 0 and S1 = D, and it *is* L(N, D).
+Warmup, linear decay, a re-timed decay, a cooldown branch: each only changes r, so one set of
+parameters predicts them all. tau is chosen from a grid by the fit; the other six parameters
+are fitted robustly (moelab.ladder.fit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moelab.config import RunConfig
+from moelab.ladder.fit import (PowerLaw, bootstrap_groups, fit_power_law, make_law,
+                               percentile_band)
+from moelab.ladder.plan import active_params
+
+TAUS = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0)  # annealing lag candidates, in steps
+
+
+@dataclass(frozen=True)
+class RunSchedule:
+    """What the law needs to know of one run: N, the LR shape and tokens of every step."""
+
+    n_active: float
+    r: np.ndarray  # LR / peak LR at each step t = 0 .. steps-1
+    tokens: np.ndarray  # tokens trained at each step
+    warmup: int
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig, steps: int | None = None) -> "RunSchedule":
+        from moelab.train.optim import lr_schedule
+
+        steps = steps or cfg.train.steps
+        t = np.arange(steps)
+        lr = np.asarray(lr_schedule(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)(t))
+        return cls(float(active_params(cfg.model)), lr / cfg.optim.lr,
+                   tokens_per_step(cfg, steps), cfg.warmup_steps)
+
+    @property
+    def steps(self) -> int:
+        return len(self.r)
+
+    def s1(self) -> np.ndarray:
+        """S1 after s steps, s = 0 .. steps (S1[0] = 0)."""
+        return np.concatenate([[0.0], np.cumsum(self.r * self.tokens)])
+
+    def s2(self, tau: float) -> np.ndarray:
+        """S2 after s steps, s = 0 .. steps."""
+        drop = np.where(np.arange(self.steps) >= self.warmup, 1.0 - self.r, 0.0)
+        lam = 1.0 - 1.0 / tau
+        out = np.zeros(self.steps + 1)
+        for t, d in enumerate(drop):  # an EMA; steps are at most a few 100k
+            out[t + 1] = lam * out[t] + (1.0 - lam) * d
+        return out
+
+    def features(self, at: np.ndarray, tau: float) -> np.ndarray:
+        """[n, 3] columns N, S1, S2 after ``at`` steps (1 <= at <= steps)."""
+        at = np.asarray(at, int)
+        if np.any(at < 1) or np.any(at > self.steps):
+            raise ValueError(f"steps must be in [1, {self.steps}]")
+        return np.stack([np.full(len(at), self.n_active), self.s1()[at], self.s2(tau)[at]], 1)
+
+
+def tokens_per_step(cfg: RunConfig, steps: int) -> np.ndarray:
+    """Tokens of each step, following the data config's context stages."""
+    out = np.zeros(steps)
+    segs = cfg.data.segments()
+    for g, nxt in zip(segs, segs[1:] + [None]):
+        end = steps if nxt is None else min(nxt.start, steps)
+        out[g.start:end] = g.seq_len * g.batch_size
+    return out
+
+
+@dataclass(frozen=True)
+class Curve:
+    """Observed loss of one run after ``at`` steps."""
+
+    run: RunSchedule
+    at: np.ndarray
+    loss: np.ndarray
+
+
+def _stack(curves: list[Curve], tau: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    X = np.concatenate([c.run.features(c.at, tau) for c in curves])
+    y = np.concatenate([c.loss for c in curves])
+    groups = np.concatenate([np.full(len(c.at), i) for i, c in enumerate(curves)])
+    return X, y, groups
+
+
+@dataclass(frozen=True)
+class ScheduleFit:
+    law: PowerLaw
+    theta: np.ndarray
+    tau: float
+    objective: float
+    thetas: np.ndarray  # bootstrap refits [n_boot, P] (empty without bootstrap)
+
+    def coefficients(self) -> dict:
+        c = self.law.coefficients(self.theta)
+        return {"E": c["E"], "A": c["A_N"], "alpha": c["alpha_N"], "B": c["A_S1"],
+                "beta": c["alpha_S1"], "C": c["c_S2"], "tau": self.tau}
+
+    def intervals(self, level: float = 0.9) -> dict:
+        if not len(self.thetas):
+            return {}
+        samples = [ScheduleFit(self.law, t, self.tau, 0.0, np.empty(0)).coefficients()
+                   for t in self.thetas]
+        out = {}
+        for k, v in self.coefficients().items():
+            lo, hi = percentile_band(np.array([s[k] for s in samples]), level)
+            out[k] = {"value": v, "lo": float(lo), "hi": float(hi)}
+        return out
+
+    def predict(self, run: RunSchedule, at: np.ndarray, level: float = 0.9) -> dict:
+        """mid (the fit) and the bootstrap's central ``level`` band after ``at`` steps."""
+        X = run.features(at, self.tau)
+        out = {"mid": self.law.predict(self.theta, X)}
+        if len(self.thetas):
+            samples = np.array([self.law.predict(t, X) for t in self.thetas])
+            out["lo"], out["hi"] = percentile_band(samples, level)
+            out["lo"] = np.minimum(out["lo"], out["mid"])
+            out["hi"] = np.maximum(out["hi"], out["mid"])
+        return out
+
+
+def fit_schedule_law(curves: list[Curve], taus=TAUS, n_boot: int = 0, seed: int = 0,
+                     fixed_E: float | None = None) -> ScheduleFit:
+    """Multi-start Huber fit for each tau, keep the best; then bootstrap over runs (curves)
+    with tau held at its estimate, each refit warm-started from the full-data fit."""
+    if len(curves) < 2:
+        raise ValueError(f"{len(curves)} run(s): the schedule law needs runs of at least two "
+                         "sizes")
+    best = None
+    for tau in taus:
+        X, y, _ = _stack(curves, tau)
+        law = make_law(("N", "S1"), X, fixed_E=fixed_E, linear=("S2",))
+        fit = fit_power_law(law, X, y)
+        if best is None or fit.objective < best[1].objective:
+            best = (tau, fit)
+    tau, fit = best
+    thetas = []
+    if n_boot:
+        X, y, groups = _stack(curves, tau)
+        need = min(3, len(curves))  # N's term needs sizes on both sides of the fit
+        for idx in bootstrap_groups(groups, n_boot, seed, need):
+            thetas.append(fit_power_law(fit.law, X[idx], y[idx], init=fit.theta).theta)
+    return ScheduleFit(fit.law, fit.theta, tau, fit.objective, np.array(thetas))

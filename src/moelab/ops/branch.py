@@ -1,0 +1,84 @@
+"""`moelab branch`: fork a new run folder from a checkpoint, e.g. an early cooldown.
+
+The branch gets a copy of one checkpoint (hard links where the filesystem allows: checkpoint
+files are never rewritten in place, so neither run can change the other's), the parent's
+tokenizer, and the parent's config with the branch's change from that step on: a linear decay
+from the LR at the step to the floor over the cooldown, and optionally a new mixture or a
+longer context. In the parent only its operations log gains one line naming the branch; its
+checkpoints, metrics and config stay byte for byte as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+from moelab.config import save_config
+from moelab.ops.record import LINEAGE, command_line, load_run_config, log_operation
+from moelab.ops.schedule import Change, PlanError, apply_change, steps_for_tokens
+from moelab.train.checkpoint import Checkpointer
+from moelab.util import atomic_write_bytes, atomic_write_json
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another filesystem, or links not allowed
+        shutil.copy2(src, dst)
+
+
+def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: float | None = None,
+                mixture: dict | None = None, seq_len: int | None = None):
+    """(the parent's config, the branch's config) for a cooldown from ``at``."""
+    cfg = load_run_config(parent)
+    steps = Checkpointer(Path(parent) / "checkpoints").steps()
+    if at not in steps:
+        raise PlanError(f"--at {at}: {parent} has no checkpoint at that step; checkpoints: "
+                        f"{', '.join(map(str, steps)) or 'none'}")
+    # the cooldown's tokens are counted at the branch's batch shape (its context stage)
+    shaped = apply_change(cfg, at, Change(mixture=mixture, seq_len=seq_len), keep_warmup=False)
+    end = steps_for_tokens(shaped, shaped.data.tokens_before(at) + cooldown_tokens)
+    return cfg, apply_change(cfg, at, Change(end=end, floor=floor, mixture=mixture,
+                                             seq_len=seq_len), keep_warmup=False)
+
+
+def branch_dir(parent: Path | str, at: int, out: Path | str | None = None) -> Path:
+    """The branch's folder: ``out``, or RUN-cooldown<STEP> beside the parent; must be new."""
+    parent = Path(parent)
+    child = Path(out) if out else parent.with_name(f"{parent.name}-cooldown{at}")
+    if child.exists():
+        raise PlanError(f"--out {child}: already exists; choose another folder")
+    if child.resolve().is_relative_to(parent.resolve()):
+        raise PlanError(f"--out {child}: inside the parent run; choose a folder beside it")
+    return child
+
+
+def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str | None = None,
+           floor: float | None = None, mixture: dict | None = None, seq_len: int | None = None,
+           reason: str = "", command: str | None = None) -> Path:
+    """Create the branch folder (it must not exist yet); returns its path."""
+    parent = Path(parent)
+    _, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor, mixture=mixture,
+                               seq_len=seq_len)
+    child = branch_dir(parent, at, out)
+    command = command or command_line()
+    src = Checkpointer(parent / "checkpoints").step_dir(at)
+    tmp = child.with_name(f".{child.name}.tmp")  # the branch appears whole or not at all
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp / "checkpoints" / src.name, copy_function=_link_or_copy)
+    if (parent / "tokenizer.json").is_file():
+        atomic_write_bytes(tmp / "tokenizer.json", (parent / "tokenizer.json").read_bytes())
+    save_config(child_cfg, tmp / "config.yaml")
+    lin = {"parent": str(parent.resolve()), "step": at, "reason": reason, "command": command,
+           "time": time.time(), "cooldown_tokens": cooldown_tokens, "end": child_cfg.train.steps}
+    atomic_write_json(tmp / LINEAGE, lin)
+    os.rename(tmp, child)
+    change = {"end": child_cfg.train.steps, "floor": child_cfg.optim.decays[-1].floor,
+              "mixture": mixture, "seq_len": seq_len, "cooldown_tokens": cooldown_tokens}
+    log_operation(child, "branched_from", at, reason=reason, command=command,
+                  parent=str(parent.resolve()), **change)
+    log_operation(parent, "branch", at, reason=reason, command=command,
+                  child=str(child.resolve()), **change)
+    return child

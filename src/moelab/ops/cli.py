@@ -1,0 +1,187 @@
+"""Command line of run operations: replan, branch, resume, history (``register(subparsers)``)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import shlex
+from pathlib import Path
+
+from moelab.ops.schedule import Change, PlanError, parse_mixture, parse_tokens, rope_note
+
+WHY = "why (recorded in the run's operations log)"
+
+
+def _change_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--floor", type=float, help="final LR as a fraction of peak (default: the "
+                   "run's optim.floor, 0.05 unless set)")
+    p.add_argument("--mixture", help="new domain weights from the step on, "
+                   "e.g. prose=0.7,code=0.3")
+    p.add_argument("--seq-len", type=int, help="new context length from the step on (tokens "
+                   "per batch stay the same: the batch gets fewer, longer rows)")
+    p.add_argument("--reason", default="", help=WHY)
+    p.add_argument("--ladder", help="a fitted scaling-ladder folder (`moelab ladder plan/run`): "
+                   "print its forecast of the held-out loss at the end of each plan")
+
+
+def _mixture(args) -> dict | None:
+    return parse_mixture(args.mixture) if args.mixture else None
+
+
+def _check_data(cfg) -> str:
+    """Build the samplers of every segment when the run's token store is at hand, so a bad
+    mixture or a context longer than a domain's stream fails now, not at the change."""
+    from moelab.data.prepare import prepare_data
+    from moelab.data.sampler import SteppedSampler
+    from moelab.data.store import TokenStore
+
+    if not (Path(cfg.data.data_dir) / "corpus" / "manifest.json").is_file():
+        return f"data: {cfg.data.data_dir} not found here; the mixture is checked at the resume"
+    SteppedSampler(TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False)
+                              .store_dir), cfg.data)
+    return "data: every mixture and context length can be drawn"
+
+
+def cmd_replan(args) -> int:
+    from moelab.ops import replan as rp
+    from moelab.ops.plot import plot_replan
+    from moelab.ops.record import load_run_config
+
+    run = Path(args.run)
+    cfg = load_run_config(run)
+    now = rp.progress(run)
+    seconds = (rp.parse_deadline(args.deadline, dt.datetime.now().astimezone())
+               if args.deadline else None)
+    end = None
+    if args.end_steps is not None or args.end_tokens is not None or seconds is not None:
+        tokens = parse_tokens(args.end_tokens, "--end-tokens") if args.end_tokens else None
+        end = rp.end_step(cfg, steps=args.end_steps, tokens=tokens, seconds_left=seconds,
+                          tokens_per_s=args.tokens_per_s or now["tokens_per_s"],
+                          tokens_now=now["tokens"])
+    change = Change(end=end, floor=args.floor, mixture=_mixture(args), seq_len=args.seq_len)
+    if change == Change():
+        raise PlanError("nothing to change: give a new end (--end-steps, --end-tokens, "
+                        "--deadline), --mixture or --seq-len")
+    before, after, at = rp.planned(run, change)
+    print(f"{run}: last logged step {now['step']:,} ({now['tokens']:,} tokens); a resume now "
+          f"starts at checkpoint step {at:,}")
+    if seconds is not None:
+        rate = args.tokens_per_s or now["tokens_per_s"]
+        print(f"deadline in {seconds / 3600:,.2f} h at {rate:,.0f} tokens/s -> end step {end:,}")
+    print(rp.format_preview(rp.preview_rows(before, after, at)))
+    if args.ladder:
+        print(rp.format_forecast(rp.ladder_forecast(args.ladder, {"now": before, "new": after})))
+    print(_check_data(after))
+    if args.seq_len:
+        print(rope_note(after))
+    print(f"plot: {plot_replan(before, after, at, args.plot or run / 'replan_preview.png')}")
+    if not args.apply:
+        print("dry run: nothing changed; add --apply to apply it at the next resume")
+        return 0
+    if rp.read_pending(run) is not None:
+        print(f"replacing the pending plan {rp.read_pending(run)['change']}")
+    rp.request(run, change, at=now["step"], reason=args.reason, command=shlex.join(args.argv))
+    print(f"pending: {run / rp.PENDING}; applied when the run resumes "
+          f"(`moelab resume {run}`), from the step it resumes at")
+    return 0
+
+
+def cmd_branch(args) -> int:
+    from moelab.ops import branch as br
+    from moelab.ops import replan as rp
+
+    parent = Path(args.run)
+    tokens = parse_tokens(args.cooldown, "--cooldown")
+    mixture = _mixture(args)
+    if not args.dry_run:
+        br.branch_dir(parent, args.at, args.out)  # refuse a used folder before planning
+    before, after = br.plan_branch(parent, args.at, tokens, floor=args.floor, mixture=mixture,
+                                   seq_len=args.seq_len)
+    print(rp.format_preview(rp.preview_rows(before, after, args.at), ("parent", "branch")))
+    if args.ladder:
+        print(rp.format_forecast(rp.ladder_forecast(args.ladder, {"parent": before,
+                                                                  "branch": after})))
+    print(_check_data(after))
+    print(rope_note(after))
+    if args.dry_run:
+        print("dry run: nothing created")
+        return 0
+    child = br.branch(parent, args.at, tokens, out=args.out, floor=args.floor,
+                      mixture=mixture, seq_len=args.seq_len, reason=args.reason,
+                      command=shlex.join(args.argv))
+    tokens = after.data.tokens_before(after.train.steps) - after.data.tokens_before(args.at)
+    print(f"branch {child}: from step {args.at} of {parent} to step {after.train.steps} "
+          f"(cooldown of {tokens:,} tokens); parent untouched but for one line in its ops.jsonl")
+    print(f"train it with: moelab resume {child}")
+    return 0
+
+
+def cmd_resume(args) -> int:
+    from moelab.config import load_config
+    from moelab.train.loop import format_summary, train
+
+    run = Path(args.run)
+    if not (run / "config.yaml").is_file():
+        raise FileNotFoundError(f"{run / 'config.yaml'}: not found; give a run folder written by "
+                                "`moelab train` or `moelab branch`")
+    summary = train(load_config(str(run / "config.yaml"), args.overrides), run)
+    print(format_summary(summary))
+    if summary["interrupted"]:
+        return 130 if summary["interrupted"] == "SIGINT" else 143
+    return 0
+
+
+def cmd_history(args) -> int:
+    from moelab.ops.record import format_history
+
+    print(format_history(args.run))
+    return 0
+
+
+def register(sub) -> None:
+    """Add the run-operation subcommands to the ``moelab`` parser's subparsers."""
+    r = sub.add_parser(
+        "replan", help="move a run's end and re-time its decay; change mixture or context",
+        description="Plan a new end for a run (steps, tokens, or a deadline at the observed "
+        "tokens/s): the LR continues from where the run is, without a jump, and decays linearly "
+        "to the floor exactly at the new end. Optionally a new mixture or context length. "
+        "Prints a before/after table and plot; with --apply the plan is applied at the next "
+        "resume, from the step the run resumes at.")
+    r.add_argument("run", help="run folder")
+    end = r.add_mutually_exclusive_group()
+    end.add_argument("--end-steps", type=int, help="new last step")
+    end.add_argument("--end-tokens", help="new end in tokens, e.g. 2.5M")
+    end.add_argument("--deadline", help="'+36h', '+2d' or an ISO date/time; the end is what "
+                     "the observed tokens/s trains by then")
+    r.add_argument("--tokens-per-s", type=float, help="throughput for --deadline (default: "
+                   "median of the run's last 20 logged values)")
+    _change_args(r)
+    r.add_argument("--apply", action="store_true", help="write the plan (default: dry run)")
+    r.add_argument("--plot", help="where to save the LR plot (default: RUN/replan_preview.png)")
+    r.set_defaults(fn=cmd_replan)
+
+    b = sub.add_parser(
+        "branch", help="fork a cooldown branch from a checkpoint (the parent is untouched)",
+        description="Fork a new run folder from the checkpoint at --at: the LR decays linearly "
+        "from its value there to the floor over --cooldown tokens, optionally with a new "
+        "mixture or a longer context. Lineage is recorded in both runs' ops.jsonl and in the "
+        "branch's lineage.json.")
+    b.add_argument("run", help="parent run folder")
+    b.add_argument("--at", type=int, required=True, help="checkpoint step to fork from")
+    b.add_argument("--cooldown", required=True, help="cooldown length in tokens, e.g. 20M")
+    b.add_argument("--out", help="branch folder (default: RUN-cooldown<STEP> beside the parent)")
+    _change_args(b)
+    b.add_argument("--dry-run", action="store_true", help="print the plan, create nothing")
+    b.set_defaults(fn=cmd_branch)
+
+    s = sub.add_parser("resume", help="continue a run folder with its saved config",
+                       description="Resume a run (or a branch) from its newest checkpoint with "
+                       "its saved config, applying a pending replan.")
+    s.add_argument("run", help="run folder")
+    s.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE for resumable fields, "
+                   "e.g. train.log_every=5")
+    s.set_defaults(fn=cmd_resume)
+
+    h = sub.add_parser("history", help="a run's operations, events and per-stage drop rates")
+    h.add_argument("run", help="run folder")
+    h.set_defaults(fn=cmd_history)

@@ -1,0 +1,147 @@
+"""A run's record of operations, its lineage, and the history and per-stage report read back.
+
+``ops.jsonl`` in a run folder is the append-only log of operations on the run: what (the event
+kind and its numbers), when (time and step), why (the reason given) and by which command. It is
+kept apart from ``metrics.jsonl``, which only the training process writes, so an operation never
+races a live run and a branch can note its child in the parent without touching the parent's
+metrics. ``lineage.json`` in a branch names its parent, the step it forked at and why.
+``history`` merges both logs in time order; ``stage_report`` answers "is it safe to raise the
+context?" with the drop fraction measured at each context length.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from moelab.config import RunConfig, config_from_dict
+from moelab.train.tracker import JsonlTracker, read_metrics
+
+OPS_LOG = "ops.jsonl"
+LINEAGE = "lineage.json"
+
+
+def command_line() -> str:
+    """The command being run, as a shell would repeat it."""
+    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
+def log_operation(run_dir: Path | str, kind: str, step: int, *, reason: str = "",
+                  command: str | None = None, **fields) -> None:
+    tracker = JsonlTracker(Path(run_dir) / OPS_LOG)
+    try:
+        tracker.event(kind, step, reason=reason, command=command or command_line(), **fields)
+    finally:
+        tracker.close()
+
+
+def load_run_config(run_dir: Path | str) -> RunConfig:
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; give a run folder written by `moelab train`")
+    return config_from_dict(yaml.safe_load(path.read_text()))
+
+
+def lineage(run_dir: Path | str) -> dict | None:
+    path = Path(run_dir) / LINEAGE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def history(run_dir: Path | str) -> list[dict]:
+    """Training events (start, resume, data stages, finished ...) and operations, by time."""
+    run_dir = Path(run_dir)
+    train_events = [{**e, "log": "train"} for e in read_metrics(run_dir / "metrics.jsonl")[1]]
+    ops_events = [{**e, "log": "ops"} for e in read_metrics(run_dir / OPS_LOG)[1]]
+    return sorted(train_events + ops_events, key=lambda e: e.get("time", 0.0))
+
+
+def transport_label(cfg: RunConfig) -> str:
+    par = cfg.parallel
+    if par.devices == 1 or par.expert == 1:
+        return "single expert group (dropless)"
+    return f"{par.transport} EP{par.expert}"
+
+
+def context_stages(cfg: RunConfig) -> list[tuple[int, int | None, int]]:
+    """(first step, end step or None, seq_len) per context length, mixture changes merged."""
+    out: list[list] = []
+    for g in cfg.data.segments():
+        if out and out[-1][2] == g.seq_len:
+            continue
+        if out:
+            out[-1][1] = g.start
+        out.append([g.start, None, g.seq_len])
+    return [tuple(s) for s in out]
+
+
+def stage_report(run_dir: Path | str) -> list[dict]:
+    """Per context stage of the run: steps, tokens, mean/max drop fractions, tokens/s, loss.
+    Drop fractions are means over the logged steps of the stage (each one a whole batch)."""
+    cfg = load_run_config(run_dir)
+    records = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl")[0] if "train/loss" in r]
+    rows = []
+    for start, end, seq_len in context_stages(cfg):
+        # a record at step s reports the step s-1 -> s, trained at the stage of step s-1
+        recs = [r for r in records if start < r["step"] <= (end if end is not None else 1e18)]
+        if not recs:
+            continue
+        drop = np.array([r.get("moe/drop_fraction", 0.0) for r in recs])
+        rate = [r["throughput/tokens_per_s"] for r in recs if r.get("throughput/tokens_per_s")]
+        rows.append({
+            "seq_len": seq_len, "first_step": start, "last_step": recs[-1]["step"],
+            "batch_size": cfg.data.segment_at(start).batch_size, "logged_steps": len(recs),
+            "drop_mean": float(drop.mean()), "drop_max": float(drop.max()),
+            "sender_drop_mean": float(np.mean([r.get("moe/sender_drop_fraction", 0.0)
+                                               for r in recs])),
+            "receiver_drop_mean": float(np.mean([r.get("moe/receiver_drop_fraction", 0.0)
+                                                 for r in recs])),
+            "tokens_per_s": float(np.median(rate)) if rate else None,
+            "loss_last": recs[-1]["train/loss"], "transport": transport_label(cfg)})
+    return rows
+
+
+def format_history(run_dir: Path | str) -> str:
+    run_dir = Path(run_dir)
+    lines = [f"run {run_dir}"]
+    lin = lineage(run_dir)
+    if lin:
+        lines.append(f"  branch of {lin['parent']} at step {lin['step']}: "
+                     f"{lin.get('reason') or '-'}")
+    skip = {"event", "step", "time", "log", "reason", "command"}
+    for e in history(run_dir):
+        when = _fmt_time(e.get("time"))
+        extra = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in skip)
+        lines.append(f"  {when}  step {e['step']:>7}  {e['event']:<18} {extra}")
+        if e.get("reason"):
+            lines.append(f"{'':>38}why: {e['reason']}")
+        if e.get("command"):
+            lines.append(f"{'':>38}by:  {e['command']}")
+    rows = stage_report(run_dir)
+    if rows:
+        lines.append(f"  context stages ({rows[0]['transport']}; drop = dropped / routed "
+                     "assignments, mean over logged steps):")
+        lines.append(f"  {'seq_len':>8} {'batch':>6} {'steps':>13} {'drop':>7} {'max':>7} "
+                     f"{'sender':>7} {'receiver':>8} {'tokens/s':>9} {'loss':>7}")
+        for r in rows:
+            rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
+            lines.append(f"  {r['seq_len']:>8} {r['batch_size']:>6} "
+                         f"{r['first_step']:>6}-{r['last_step']:<6} {r['drop_mean']:>7.2%} "
+                         f"{r['drop_max']:>7.2%} {r['sender_drop_mean']:>7.2%} "
+                         f"{r['receiver_drop_mean']:>8.2%} {rate:>9} {r['loss_last']:>7.3f}")
+    return "\n".join(lines)
+
+
+def _fmt_time(t) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "?"
+
+
+def _short(v) -> str:
+    text = json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,197 @@
+"""`moelab replan`: move a run's end, re-time its decay, change its mixture or context.
+
+A replan is a request written to ``plan_pending.json`` in the run folder and logged in the run's
+``ops.jsonl``; a live run never sees its files change under it. The next resume (`moelab resume
+RUN`, or `moelab train` on the folder) applies it at the step it resumes from: the decay starts
+there at the LR the run had there (or where warmup ends, if warmup is still running) and
+reaches the floor exactly at the new end; the pending file is then removed and the application
+logged. Binding the start at the resume step, not at request time, keeps the past of the run
+untouched however long the live run goes on before it stops.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+from moelab.config import ConfigError, RunConfig
+from moelab.ops.record import load_run_config, log_operation
+from moelab.ops.schedule import (Change, PlanError, apply_change, check_future_only,
+                                 inherit_operations, lr_curve, steps_for_tokens)
+from moelab.train.checkpoint import Checkpointer
+from moelab.train.tracker import read_metrics
+from moelab.util import atomic_write_json
+
+PENDING = "plan_pending.json"
+
+
+def resume_step(run_dir: Path | str) -> int | None:
+    """The step a resume would start from now: the newest checkpoint."""
+    return Checkpointer(Path(run_dir) / "checkpoints").latest_step()
+
+
+def progress(run_dir: Path | str) -> dict:
+    """Where the run is: last logged step, tokens, and the median of the last 20 logged
+    tokens/s (compilation and evaluation excluded by the loop)."""
+    records = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl")[0] if "train/loss" in r]
+    rates = [r["throughput/tokens_per_s"] for r in records[-20:]
+             if r.get("throughput/tokens_per_s")]
+    last = records[-1] if records else {}
+    return {"step": last.get("step", 0), "tokens": last.get("train/tokens", 0),
+            "tokens_per_s": float(np.median(rates)) if rates else None}
+
+
+def parse_deadline(text: str, now: dt.datetime) -> float:
+    """Seconds from ``now`` to a deadline: '+36h', '+2d', '+90m' or an ISO date/time."""
+    m = re.fullmatch(r"\+\s*(\d+(?:\.\d*)?)\s*([mhd])", text.strip())
+    if m:
+        return float(m.group(1)) * {"m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    try:
+        when = dt.datetime.fromisoformat(text.strip())
+    except ValueError:
+        raise PlanError(f"deadline: {text!r} is not '+36h', '+2d', '+90m' or an ISO date/time "
+                        "like 2025-07-01T12:00") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=now.tzinfo)
+    return (when - now).total_seconds()
+
+
+def end_step(cfg: RunConfig, *, steps: int | None = None, tokens: int | None = None,
+             seconds_left: float | None = None, tokens_per_s: float | None = None,
+             tokens_now: int = 0) -> int:
+    """The new last step from exactly one of: a step, a token count, or time left at an
+    observed throughput (the tokens trained by then, counted from ``tokens_now``)."""
+    given = [x is not None for x in (steps, tokens, seconds_left)]
+    if sum(given) != 1:
+        raise PlanError("give exactly one new end: --end-steps, --end-tokens or --deadline")
+    if steps is not None:
+        return steps
+    if seconds_left is not None:
+        if seconds_left <= 0:
+            raise PlanError("deadline: it has already passed; choose a later one")
+        if not tokens_per_s:
+            raise PlanError("deadline: no observed throughput in the run's metrics; give "
+                            "--tokens-per-s")
+        tokens = tokens_now + int(tokens_per_s * seconds_left)
+    return steps_for_tokens(cfg, tokens)
+
+
+def read_pending(run_dir: Path | str) -> dict | None:
+    path = Path(run_dir) / PENDING
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: unreadable ({e}); delete it and run `moelab replan` "
+                          "again") from None
+
+
+def request(run_dir: Path | str, change: Change, *, at: int, reason: str = "",
+            command: str | None = None) -> dict:
+    """Write the pending plan (replacing an earlier one) and log the request."""
+    pending = {"change": change.to_dict(), "requested_at_step": at, "reason": reason}
+    atomic_write_json(Path(run_dir) / PENDING, pending)
+    log_operation(run_dir, "replan_requested", at, reason=reason, command=command,
+                  change=change.to_dict())
+    return pending
+
+
+def planned(run_dir: Path | str, change: Change) -> tuple[RunConfig, RunConfig, int]:
+    """(config now, config after the change, step it takes effect) if the run resumed now."""
+    before = load_run_config(run_dir)
+    at = resume_step(run_dir)
+    if at is None:
+        raise PlanError(f"{run_dir}: no checkpoint yet; edit the config and start it again")
+    return before, apply_change(before, at, change, keep_warmup=True), at
+
+
+def resume_config(saved: RunConfig, cfg: RunConfig, run_dir: Path | str) -> RunConfig:
+    """The config a resume of ``run_dir`` trains with: the run's operations kept, a pending
+    replan applied at the resume step, and no operation allowed to rewrite the past."""
+    cfg = inherit_operations(saved, cfg)
+    at = resume_step(run_dir)
+    pending = read_pending(run_dir)
+    if pending is not None:
+        try:
+            cfg = apply_change(cfg, at, Change.from_dict(pending["change"]), keep_warmup=True)
+        except (PlanError, ConfigError) as e:
+            raise PlanError(f"{Path(run_dir) / PENDING}: cannot apply at step {at}: {e}. Run "
+                            "`moelab replan` again or delete the file") from None
+    check_future_only(saved, cfg, at)
+    return cfg
+
+
+def commit_pending(run_dir: Path | str, cfg: RunConfig) -> None:
+    """After the resumed config is saved: log the applied replan and remove the request."""
+    pending, at = read_pending(run_dir), resume_step(run_dir)
+    if pending is None or at is None:  # no checkpoint: a fresh start did not apply it
+        return
+    log_operation(run_dir, "replan_applied", at, reason=pending.get("reason", ""),
+                  change=pending["change"], requested_at_step=pending.get("requested_at_step"),
+                  end=cfg.train.steps, decays=[vars(d) for d in cfg.optim.decays],
+                  lr_at_step=float(lr_curve(cfg, [at])[0]))
+    (Path(run_dir) / PENDING).unlink()
+
+
+def preview_rows(before: RunConfig, after: RunConfig, at: int, n: int = 6) -> list[dict]:
+    """Before/after at the switch step, evenly between it and the later end, and both ends."""
+    last = max(before.train.steps, after.train.steps)
+    steps = sorted({at - 1, at, before.train.steps, after.train.steps,
+                    *np.linspace(at, last, n).round().astype(int).tolist()} - {-1})
+    lr0, lr1 = lr_curve(before, steps), lr_curve(after, steps)
+    return [{"step": s, "tokens_before": before.data.tokens_before(s) if s <= before.train.steps
+             else None, "lr_before": float(a) if s <= before.train.steps else None,
+             "tokens_after": after.data.tokens_before(s) if s <= after.train.steps else None,
+             "lr_after": float(b) if s <= after.train.steps else None,
+             "seq_len_after": after.data.segment_at(s).seq_len if s <= after.train.steps
+             else None}
+            for s, a, b in zip(steps, lr0, lr1)]
+
+
+def format_preview(rows: list[dict], names: tuple[str, str] = ("now", "new")) -> str:
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    a, b = (f"({n})" for n in names)
+    lines = [f"{'step':>8} {'tokens ' + a:>16} {'LR ' + a:>12} {'tokens ' + b:>16} "
+             f"{'LR ' + b:>12} {'seq_len':>8}"]
+    for r in rows:
+        lines.append(f"{r['step']:>8} {f(r['tokens_before'], ','):>16} "
+                     f"{f(r['lr_before'], '.3e'):>12} {f(r['tokens_after'], ','):>16} "
+                     f"{f(r['lr_after'], '.3e'):>12} {f(r['seq_len_after'], 'd'):>8}")
+    return "\n".join(lines)
+
+
+def ladder_forecast(ladder_dir: Path | str, plans: dict[str, RunConfig],
+                    n_boot: int = 50) -> list[dict]:
+    """The held-out loss a scaling ladder predicts at the end of each plan: its schedule-aware
+    law (moelab.ladder.schedule_law) sees the whole LR curve, re-timed decays included."""
+    from moelab.ladder.folder import load_ladder
+    from moelab.ladder.observe import EVAL_LOSS
+    from moelab.ladder.predict import LEVEL, finished_rungs, loss_curve
+    from moelab.ladder.schedule_law import RunSchedule, fit_schedule_law
+
+    rungs = finished_rungs(load_ladder(ladder_dir))
+    law = fit_schedule_law([loss_curve(r, EVAL_LOSS) for r in rungs], n_boot=n_boot)
+    rows = []
+    for name, cfg in plans.items():
+        end = cfg.train.steps
+        p = law.predict(RunSchedule.from_config(cfg), np.array([end]), LEVEL)
+        rows.append({"plan": name, "end_step": end, "tokens": cfg.data.tokens_before(end),
+                     "level": LEVEL, **{k: float(v[0]) for k, v in p.items()}})
+    return rows
+
+
+def format_forecast(rows: list[dict]) -> str:
+    lines = ["ladder forecast of the held-out loss at the end (schedule-aware law, "
+             f"central {rows[0]['level']:.0%} interval over rungs):"]
+    for r in rows:
+        band = f" [{r['lo']:.3f}, {r['hi']:.3f}]" if "lo" in r else ""
+        lines.append(f"  {r['plan']:<6} step {r['end_step']:>9,} ({r['tokens']:,} tokens): "
+                     f"{r['mid']:.3f}{band}")
+    return "\n".join(lines)

@@ -1,0 +1,475 @@
+"""The scaling ladder: rung planning, robust fits and bootstrap, the schedule-aware law, the
+ladder fit on run folders, the guard, the external-points interface and the CLI.
+
+Run folders here are written from known laws (no training), so every test is fast and knows
+the truth it checks against.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moelab.config import ConfigError, load_config
+from moelab.flops import param_counts
+from moelab.ladder.fit import fit_power_law, fit_with_bootstrap, make_law
+from moelab.ladder.folder import load_ladder, write_ladder
+from moelab.ladder.guard import GuardRules, check, guard_run
+from moelab.ladder.observe import EVAL_LOSS
+from moelab.ladder.plan import LadderRule, active_params, plan_ladder, run_stats
+from moelab.ladder.points import fit_points, frontier, read_points
+from moelab.ladder.predict import fit_ladder, write_outputs
+from moelab.ladder.run import is_finished, run_ladder
+from moelab.ladder.schedule_law import Curve, RunSchedule, fit_schedule_law
+from moelab.train.tracker import JsonlTracker, read_metrics
+from test_cli import run_main
+
+CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}
+
+
+def chinchilla_loss(N, D, law=CHINCHILLA):
+    return law["E"] + law["A"] / np.asarray(N) ** law["alpha"] + law["B"] / np.asarray(D) ** law["beta"]
+
+
+# ---------------------------------------------------------------------------------------------
+# planning
+
+
+def test_plan_reproduces_the_reference_ladder_rule():
+    target = load_config("535b-a23b")
+    rule = LadderRule(widths=(768, 1024, 1536, 2048), depths=(8, 12, 16, 22))
+    rungs = plan_ladder(target, rule)
+    per_active = run_stats(target)["tokens"] / active_params(target.model)
+    for r, d, n_layers in zip(rungs, rule.widths, rule.depths):
+        m = r.cfg.model
+        assert (m.d_model, m.n_layers, m.n_heads) == (d, n_layers, d // 128)
+        assert (m.n_experts, m.top_k, m.head_dim) == (384, 8, 128)  # what the rule keeps
+        assert m.expert_dim == m.latent_dim == m.shared_dim == d // 2
+        # tokens per active parameter held at the target's (rounded to whole steps)
+        assert r.stats["tokens"] / r.stats["params_active"] == pytest.approx(per_active, rel=0.01)
+        assert r.stats["params_active"] == param_counts(m)["active"]
+    shares = [r.stats["share"] for r in rungs]
+    assert shares == sorted(shares) and sum(shares) < 0.01  # "about 1%" (0.4% in FLOPs)
+
+
+def test_plan_search_spaces_rungs_in_compute():
+    target = load_config("tiny", ["model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8",
+                                  "model.vocab_size=512", "train.steps=2000"])
+    rule = LadderRule(rungs=4, top_share=0.25, spacing=2.5, depth_exp=0.5)
+    rungs = plan_ladder(target, rule)
+    shares = np.array([r.stats["share"] for r in rungs])
+    assert len({r.cfg.model.d_model for r in rungs}) == 4
+    assert np.all(np.diff(shares) > 0)
+    assert abs(math.log(shares[-1] / rule.top_share)) < math.log(2)  # nearest width found
+    for r in rungs:
+        r.cfg.validate()
+
+
+def test_plan_errors_name_the_field():
+    target = load_config("535b-a23b")
+    with pytest.raises(ConfigError, match="ladder.widths"):
+        plan_ladder(target, LadderRule(widths=(700, 1024, 1536, 2048)))
+    with pytest.raises(ConfigError, match="ladder.depths"):
+        plan_ladder(target, LadderRule(widths=(768, 1024, 1536, 2048), depths=(8, 12)))
+    with pytest.raises(ConfigError, match="ladder.spacing"):
+        plan_ladder(target, LadderRule(spacing=1.0))
+    with pytest.raises(ConfigError, match="too small"):
+        plan_ladder(load_config("tiny"), LadderRule(rungs=6, top_share=0.5, spacing=1.2))
+
+
+# ---------------------------------------------------------------------------------------------
+# robust fits and bootstrap
+
+
+def test_chinchilla_coefficients_recovered_from_noisy_points():
+    rng = np.random.default_rng(0)
+    N = np.exp(rng.uniform(np.log(5e7), np.log(1e10), 80))
+    D = np.exp(rng.uniform(np.log(1e9), np.log(3e11), 80))
+    y = chinchilla_loss(N, D) * np.exp(rng.normal(0, 0.003, 80))
+    X = np.stack([N, D], 1)
+    c = fit_power_law(make_law(("N", "D"), X), X, y).coefficients()
+    assert c["E"] == pytest.approx(1.69, rel=0.05)
+    assert c["alpha_N"] == pytest.approx(0.34, abs=0.03)
+    assert c["alpha_D"] == pytest.approx(0.28, abs=0.03)
+    # the fit extrapolates: 10x beyond the data in both N and D
+    big = np.array([[1e11, 3e12]])
+    assert fit_power_law(make_law(("N", "D"), X), X, y).predict(big)[0] == pytest.approx(
+        chinchilla_loss(1e11, 3e12), rel=0.01)
+
+
+def test_huber_fit_shrugs_off_an_outlier():
+    C = np.geomspace(1e18, 1e21, 12)
+    y = 2.0 + 50.0 * C ** -0.08
+    y_bad = y.copy()
+    y_bad[5] *= 1.3  # one broken run
+    X = C[:, None]
+    c = fit_power_law(make_law(("C",), X), X, y_bad).coefficients()
+    assert c["alpha_C"] == pytest.approx(0.08, rel=0.05)
+    assert c["E"] == pytest.approx(2.0, rel=0.05)
+
+
+def test_compute_law_with_fixed_E():
+    C = np.geomspace(1e15, 1e19, 8)
+    y = 1.8 + 30.0 * C ** -0.12
+    X = C[:, None]
+    c = fit_power_law(make_law(("C",), X, fixed_E=1.8), X, y).coefficients()
+    assert c["E"] == 1.8
+    assert c["A_C"] == pytest.approx(30.0, rel=1e-3) and c["alpha_C"] == pytest.approx(0.12, rel=1e-3)
+    with pytest.raises(ValueError, match="fixed E"):
+        fit_power_law(make_law(("C",), X, fixed_E=5.0), X, y)
+
+
+def test_bootstrap_intervals_cover_the_truth_at_about_their_rate():
+    """90% percentile intervals of an extrapolated prediction, over 30 independent datasets."""
+    truth = {"E": 2.0, "A": 40.0, "alpha": 0.1}
+    C = np.geomspace(1e16, 1e19, 25)
+    x_new = np.array([[1e20]])
+    truth_new = truth["E"] + truth["A"] * 1e20 ** -truth["alpha"]
+    covered = []
+    for seed in range(30):
+        rng = np.random.default_rng(100 + seed)
+        y = (truth["E"] + truth["A"] * C ** -truth["alpha"]) * np.exp(rng.normal(0, 0.01, len(C)))
+        law = make_law(("C",), C[:, None], fixed_E=truth["E"])
+        p = fit_with_bootstrap(law, C[:, None], y, n_boot=60, seed=seed).predict(x_new, 0.9)
+        covered.append(p["lo"][0] <= truth_new <= p["hi"][0])
+    rate = np.mean(covered)
+    assert 0.75 <= rate <= 1.0, f"coverage {rate:.2f} for a nominal 0.90"
+
+
+# ---------------------------------------------------------------------------------------------
+# the schedule-aware law
+
+
+SCHED_TRUTH = {"E": 2.0, "A": 30.0, "alpha": 0.3, "B": 300.0, "beta": 0.3, "C": 0.4, "tau": 30.0}
+
+
+def lr_shape(steps: int, warmup: int, decay_start: int | None = None, floor: float = 0.05,
+             decay_end: int | None = None) -> np.ndarray:
+    """Warmup, then constant until decay_start, then linear to floor at decay_end."""
+    t = np.arange(steps)
+    start = warmup if decay_start is None else decay_start
+    end = steps if decay_end is None else decay_end
+    decay = 1 - (1 - floor) * np.clip((t - start) / max(end - start, 1), 0, 1)
+    return np.where(t < warmup, (t + 1) / warmup, decay)
+
+
+def law_value(run: RunSchedule, at, p=SCHED_TRUTH) -> np.ndarray:
+    X = run.features(np.asarray(at), p["tau"])
+    return p["E"] + p["A"] * X[:, 0] ** -p["alpha"] + p["B"] * X[:, 1] ** -p["beta"] - p["C"] * X[:, 2]
+
+
+def make_run(n: float, r: np.ndarray, tokens: float = 1024.0) -> RunSchedule:
+    return RunSchedule(n, r, np.full(len(r), tokens), warmup=max(1, len(r) // 100))
+
+
+def test_schedule_features_reduce_to_tokens_at_constant_lr():
+    const = make_run(1e5, np.ones(500))
+    X = const.features(np.array([100, 500]), 30.0)
+    assert np.allclose(X[:, 1], [100 * 1024, 500 * 1024])  # S1 = D
+    assert np.allclose(X[:, 2], 0.0)  # nothing annealed
+    # at constant LR the law is exactly Chinchilla's L(N, D)
+    expect = chinchilla_loss(1e5, X[:, 1], {k: SCHED_TRUTH[k] for k in CHINCHILLA})
+    assert np.allclose(law_value(const, [100, 500]), expect)
+    r = lr_shape(500, 5, floor=0.05)
+    decayed = make_run(1e5, np.concatenate([r, np.full(300, 0.05)]))  # then 300 steps at the floor
+    s2 = decayed.s2(30.0)
+    assert s2[5] == 0.0  # warmup anneals nothing
+    assert 0.8 < s2[500] < 1 - r[-1]  # the drop, lagged by ~tau steps at the end of the decay
+    assert s2[-1] == pytest.approx(0.95, abs=1e-3)  # and caught up on the floor
+    assert decayed.s1()[500] < const.s1()[500]
+
+
+def test_schedule_law_reproduces_constant_and_decayed_curves_from_one_fit():
+    """Fit one parameter set to constant-LR and decayed runs of three sizes; it reproduces both
+    shapes and predicts a larger model under a re-timed decay (stopped at 60%, decay re-timed
+    to end there) that no run had."""
+    rng = np.random.default_rng(1)
+    curves = []
+    for n, steps in ((2e4, 300), (6e4, 600), (1.5e5, 1000)):
+        for r in (lr_shape(steps, steps // 100, decay_start=steps), lr_shape(steps, steps // 100)):
+            run = make_run(n, r)
+            at = np.unique(np.linspace(0.1 * steps, steps, 15).astype(int))
+            curves.append(Curve(run, at, law_value(run, at) * np.exp(rng.normal(0, 0.002, len(at)))))
+    fit = fit_schedule_law(curves, taus=(10.0, 30.0, 100.0))
+    for c in curves:
+        pred = fit.predict(c.run, c.at)["mid"]
+        assert np.max(np.abs(pred / law_value(c.run, c.at) - 1)) < 0.005
+    retimed = make_run(4e5, lr_shape(3000, 30, decay_start=1000, decay_end=1800)[:1800])
+    at = np.array([600, 1000, 1400, 1800])
+    err = fit.predict(retimed, at)["mid"] / law_value(retimed, at) - 1
+    assert np.max(np.abs(err)) < 0.01, err
+    c = fit.coefficients()
+    assert c["alpha"] == pytest.approx(0.3, abs=0.05) and c["beta"] == pytest.approx(0.3, abs=0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# the ladder on run folders (written from the law: no training)
+
+DOMAINS = {"prose": 0.1, "code": -0.1}  # eval/<domain>/loss = law + offset: their mean is the law
+
+
+def micro_target(data_dir: str = "unused") -> object:
+    return load_config("tiny", [
+        f"data.data_dir={data_dir}", "model.vocab_size=256", "model.d_model=96",
+        "model.n_heads=6", "model.n_kv_heads=2", "model.head_dim=16", "model.n_layers=4",
+        "data.seq_len=32", "data.batch_size=8", "train.steps=1200", "train.eval_every=150",
+        "train.log_every=4"]).with_frozen_schedule()
+
+
+def write_run(run_dir: Path, cfg, loss_fn, rng, grad_norm_fn=None, noise=0.01,
+              finished=True) -> None:
+    """A run folder as training writes it: metrics.jsonl (train/eval/grad norm/drops) and
+    summary.json, with train/loss = loss_fn(step) * (1 + noise) and eval at eval steps."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    steps = cfg.train.steps
+    tr = JsonlTracker(run_dir / "metrics.jsonl")
+    tr.event("start", 0)
+    log = list(range(cfg.train.log_every, steps + 1, cfg.train.log_every))
+    evals = set(range(cfg.train.eval_every, steps, cfg.train.eval_every)) | {steps}
+    gn = grad_norm_fn or (lambda s: 1.0 + 0.5 * math.exp(-((s / steps - 0.25) / 0.15) ** 2))
+    for s in sorted(set(log) | evals):
+        if s in log:
+            tr.log(s, {"train/loss": float(loss_fn(s - 1) * (1 + noise * rng.normal())),
+                       "train/grad_norm": float(gn(s) * (1 + 0.05 * rng.normal())),
+                       "moe/drop_fraction": 0.0})
+        if s in evals:
+            tr.log(s, {f"eval/{d}/loss": float(loss_fn(s) + off) for d, off in DOMAINS.items()})
+    if finished:
+        tr.event("finished", steps)
+    tr.close()
+    (run_dir / "summary.json").write_text(json.dumps(
+        {"step": steps if finished else steps // 2, "steps": steps, "interrupted": None}))
+
+
+@pytest.fixture(scope="module")
+def ladder(tmp_path_factory):
+    """A 4-rung ladder of a micro target, its rungs 'trained' from SCHED_TRUTH, and the fit."""
+    root = tmp_path_factory.mktemp("ladder")
+    target = micro_target()
+    rule = LadderRule(rungs=4, widths=(16, 32, 48, 64), depths=(2, 2, 3, 3), evals=8)
+    lad = write_ladder(root, "micro", target, rule, plan_ladder(target, rule))
+    rng = np.random.default_rng(3)
+    for r in lad.rungs:
+        run = RunSchedule.from_config(r.cfg)
+        write_run(lad.run_dir(r.name), r.cfg, lambda s, run=run: law_value(run, [max(s, 1)])[0], rng)
+    lad = load_ladder(root)
+    fit = fit_ladder(lad, n_boot=40)
+    rep, pred = write_outputs(lad, fit)
+    return lad, fit, rep, pred
+
+
+def test_ladder_fit_predicts_the_target_trajectory(ladder):
+    lad, fit, rep, pred = ladder
+    run = RunSchedule.from_config(lad.target)
+    truth_final = law_value(run, [lad.target.train.steps])[0]
+    final = rep["final"][EVAL_LOSS]
+    assert final["lo"] <= final["mid"] <= final["hi"]
+    assert abs(final["mid"] / truth_final - 1) < 0.02  # extrapolated from rungs <= 1/4 its size
+    m = pred["metrics"][EVAL_LOSS]
+    steps = np.array(m["step"])
+    late = steps >= 0.2 * lad.target.train.steps
+    truth = law_value(run, steps[late])
+    assert np.max(np.abs(np.array(m["mid"])[late] / truth - 1)) < 0.03
+    # the files the guard and `moelab lab` read
+    saved = json.loads((lad.root / "prediction.json").read_text())
+    for key in ("train/loss", EVAL_LOSS, "train/grad_norm", "moe/drop_fraction"):
+        assert set(saved["metrics"][key]) == {"step", "lo", "mid", "hi"}
+    assert json.loads((lad.root / "fit.json").read_text())["cost"]["share"] < 1
+    # the holdout refits without the largest rung and predicts it
+    assert rep["holdout"]["rung"] == lad.rungs[-1].name
+    assert abs(rep["holdout"]["rel_error"]["schedule law"]) < 0.02
+
+
+def test_ladder_fit_needs_three_finished_rungs(tmp_path):
+    target = micro_target()
+    rule = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 3))
+    lad = write_ladder(tmp_path, "micro", target, rule, plan_ladder(target, rule))
+    with pytest.raises(ValueError, match="0 of 3 rungs finished"):
+        fit_ladder(lad, n_boot=5)
+
+
+def test_ladder_run_skips_finished_rungs_and_reports_failures(tmp_path, monkeypatch):
+    target = micro_target()
+    rule = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 3))
+    lad = write_ladder(tmp_path, "micro", target, rule, plan_ladder(target, rule))
+    done = lad.rungs[0]
+    write_run(lad.run_dir(done.name), done.cfg, lambda s: 3.0, np.random.default_rng(0))
+    assert is_finished(lad.run_dir(done.name), done.cfg.train.steps)
+    started = []
+
+    class FakeProc:
+        def __init__(self, rc):
+            self.rc = rc
+
+        def poll(self):
+            return self.rc
+
+    def fake_start(name, config, run_dir, steps):
+        from moelab.ladder.run import _Job
+
+        started.append(name)
+        assert Path(config).exists()
+        ok = name != lad.rungs[2].name
+        if ok:
+            write_run(run_dir, load_config(str(config)), lambda s: 3.0, np.random.default_rng(0))
+        return _Job(name, run_dir, steps, FakeProc(0 if ok else 1), open(run_dir.parent / f"{name}.log", "wb"))
+
+    monkeypatch.setattr("moelab.ladder.run._start", fake_start)
+    status = run_ladder(lad, poll_s=0.0, say=lambda m: None)
+    assert started == [r.name for r in lad.rungs[1:]]
+    assert status[done.name] == "skipped" and status[lad.rungs[1].name] == "done"
+    assert status[lad.rungs[2].name].startswith("failed")
+
+
+def test_write_ladder_refuses_a_different_plan_in_the_same_folder(tmp_path):
+    target = micro_target()
+    rule = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 3))
+    write_ladder(tmp_path, "micro", target, rule, plan_ladder(target, rule))
+    other = LadderRule(rungs=3, widths=(16, 32, 64), depths=(2, 2, 3))
+    with pytest.raises(ValueError, match="different ladder"):
+        write_ladder(tmp_path, "micro", target, other, plan_ladder(target, other))
+
+
+# ---------------------------------------------------------------------------------------------
+# the guard
+
+
+def target_truth(lad):
+    run = RunSchedule.from_config(lad.target)
+    return lambda s: law_value(run, [min(max(s, 1), lad.target.train.steps)])[0]
+
+
+def test_guard_is_silent_on_a_healthy_run(ladder, tmp_path):
+    lad, *_ = ladder
+    run_dir = tmp_path / "healthy"
+    write_run(run_dir, lad.target, target_truth(lad), np.random.default_rng(7))
+    assert guard_run(run_dir, lad.root / "prediction.json", say=lambda m: None) == []
+    _, events = read_metrics(run_dir / "metrics.jsonl")
+    assert not [e for e in events if e["event"] == "alert"]
+
+
+def test_guard_fires_on_a_learning_rate_blowup_and_only_once(ladder, tmp_path):
+    """What 3x the learning rate looks like from step 40%: loss 8% above the law, grad norm
+    climbing past 4."""
+    lad, *_ = ladder
+    steps = lad.target.train.steps
+    law = target_truth(lad)
+    bad_from = int(0.4 * steps)
+
+    def loss(s):
+        return law(s) * (1.08 if s >= bad_from else 1.0)
+
+    def grad_norm(s):
+        return 1.0 if s < bad_from else 1.0 + 8.0 * (s - bad_from) / steps
+
+    run_dir = tmp_path / "lr3x"
+    write_run(run_dir, lad.target, loss, np.random.default_rng(8), grad_norm_fn=grad_norm)
+    said = []
+    alerts = guard_run(run_dir, lad.root / "prediction.json", say=said.append)
+    rules = {(a["metric"], a["rule"]) for a in alerts}
+    assert ("train/loss", "band") in rules and (EVAL_LOSS, "band") in rules
+    assert ("train/grad_norm", "grad_norm_max") in rules
+    first = min(a["step"] for a in alerts if a["metric"] == "train/loss")
+    r = GuardRules()  # a median of w values turns after w/2 bad ones, then patience
+    assert bad_from <= first <= bad_from + (r.window // 2 + r.patience + 1) * lad.target.train.log_every
+    assert len(said) == len(alerts) and all("ALERT" in s for s in said)
+    _, events = read_metrics(run_dir / "metrics.jsonl")
+    logged = [e for e in events if e["event"] == "alert"]
+    assert len(logged) == len(alerts)
+    assert {"metric", "observed", "lo", "hi", "rule", "step"} <= set(logged[0])
+    # guarding again (as a live guard does every poll) writes nothing new
+    assert guard_run(run_dir, lad.root / "prediction.json", say=lambda m: None) == []
+
+
+def test_guard_fires_on_corrupted_data_and_nonfinite_loss(ladder):
+    lad, _, _, pred = ladder
+    steps = lad.target.train.steps
+    records = [{"step": s, "train/loss": 5.5} for s in range(4, steps + 1, 4)]  # ~log(256)
+    alerts = check(records, pred, GuardRules())
+    assert alerts and alerts[0]["metric"] == "train/loss" and alerts[0]["rule"] == "band"
+    assert alerts[0]["step"] >= 0.2 * steps  # not before the guard's start
+    records[50]["train/loss"] = "nan"
+    assert any(a["rule"] == "nonfinite" for a in check(records, None, GuardRules()))
+
+
+def test_guard_errors_on_a_bad_prediction_file(tmp_path, ladder):
+    lad, *_ = ladder
+    run_dir = tmp_path / "run"
+    write_run(run_dir, lad.target, target_truth(lad), np.random.default_rng(0))
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"metrics": {"train/loss": {"step": [1, 2], "lo": [1]}}}))
+    with pytest.raises(ValueError, match="not a valid prediction"):
+        guard_run(run_dir, bad, say=lambda m: None)
+    with pytest.raises(FileNotFoundError, match="no prediction"):
+        guard_run(run_dir, tmp_path / "missing.json", say=lambda m: None)
+
+
+# ---------------------------------------------------------------------------------------------
+# external points and the command line
+
+
+def write_points(path: Path, seed: int = 0, noise: float = 0.005) -> Path:
+    rng = np.random.default_rng(seed)
+    rows = []
+    for C in np.geomspace(6e18, 3e20, 6):
+        for N in np.geomspace(5e7, 3e9, 8):
+            D = C / (6 * N)
+            loss = chinchilla_loss(N, D) * math.exp(rng.normal(0, noise))
+            rows.append(f"{N:.6g},{D:.6g},{loss:.6g},{C:.6g}")
+    path.write_text("N,D,loss,C\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_points_fit_extrapolates_tenfold_in_compute(tmp_path):
+    pts = read_points(write_points(tmp_path / "p.csv"))
+    # 10x the largest budget, at its compute-optimal size under the true law (about N = 6e9)
+    res = fit_points(pts, [(6e9, 3e21 / (6 * 6e9))], n_boot=40)
+    p = res["predictions"][0]
+    truth = chinchilla_loss(6e9, 3e21 / (6 * 6e9))
+    assert p["lo"] <= p["loss"] <= p["hi"]
+    assert abs(p["loss"] / truth - 1) < 0.01
+    assert res["coefficients"]["alpha"] == pytest.approx(0.34, abs=0.06)
+    C, best = frontier(pts["C"], pts["loss"])
+    assert len(C) == 6 and "compute_law" in res
+
+
+def test_points_cli_json(tmp_path, capsys):
+    csv = write_points(tmp_path / "p.csv")
+    rc, out, _ = run_main(["ladder", "fit", "--points", str(csv), "--predict", "N=1e9,D=2e10",
+                           "--predict", "N=7e10, D=1.4e12", "--json", "--boot", "20"], capsys)
+    assert rc == 0
+    res = json.loads(out)
+    assert set(res["coefficients"]) == {"E", "A", "alpha", "B", "beta"}
+    assert [set(p) for p in res["predictions"]] == [{"N", "D", "loss", "lo", "hi"}] * 2
+    assert res["predictions"][1]["N"] == 7e10
+
+
+@pytest.mark.parametrize("content,match", [
+    ("N,D\n1,2\n", "missing column"),
+    ("N,D,loss\n" + "1e9,abc,2.5\n" * 6, "must be a number"),
+    ("N,D,loss\n" + "1e9,1e10,2.5\n" * 3, "at least 6"),
+])
+def test_points_cli_bad_csv(tmp_path, capsys, content, match):
+    csv = tmp_path / "bad.csv"
+    csv.write_text(content)
+    rc, _, err = run_main(["ladder", "fit", "--points", str(csv)], capsys)
+    assert rc == 2 and err.startswith("moelab: error:") and match in err
+
+
+def test_cli_plan_writes_a_ladder_and_guard_reports(tmp_path, capsys, ladder):
+    rc, out, _ = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,1024,1536,2048",
+                           "--depths", "8,12,16,22", "--out", str(tmp_path / "lad")], capsys)
+    assert rc == 0 and "ladder cost:" in out and "d2048-L22" in out
+    assert len(load_ladder(tmp_path / "lad").rungs) == 4
+    rc, _, err = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,x"], capsys)
+    assert rc == 2 and "comma-separated integers" in err
+    lad, *_ = ladder
+    run_dir = tmp_path / "run"
+    write_run(run_dir, lad.target, lambda s: 6.0, np.random.default_rng(0))
+    rc, out, _ = run_main(["ladder", "guard", str(run_dir), "--prediction",
+                           str(lad.root / "prediction.json"), "--strict"], capsys)
+    assert rc == 3 and "ALERT" in out

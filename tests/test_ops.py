@@ -1,0 +1,348 @@
+"""Run operations: re-timed decays (replan), mixture changes, context stages, cooldown branches,
+the operations log and the per-stage drop report.
+
+The schedule tests are pure. The training tests use two compiled train steps only: the micro
+run's own (shared with the other test modules) and one with the re-timed decay and 2x context
+that both the replanned run and the branch train with, which is what lets them be compared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from helpers import MICRO, data_dir, micro_config, micro_dict  # noqa: F401  (session fixture)
+from moelab.cli import main
+from moelab.config import ConfigError, ContextStage, MixtureChange, config_from_dict
+from moelab.data.sampler import MixtureSampler, SteppedSampler
+from moelab.data.store import TokenStore
+from moelab.data.prepare import prepare_data
+from moelab.ops.record import load_run_config, stage_report
+from moelab.ladder.schedule_law import RunSchedule
+from moelab.ops.replan import PENDING, end_step, ladder_forecast, parse_deadline
+from moelab.ops.schedule import (Change, PlanError, apply_change, check_future_only,
+                                 inherit_operations, lr_curve, parse_mixture, parse_tokens,
+                                 rope_note, steps_for_tokens)
+from moelab.train.loop import resolve_run_config, train
+from moelab.train.tracker import read_metrics
+from moelab.ladder.folder import write_ladder
+from moelab.ladder.plan import LadderRule, plan_ladder
+from test_ladder import law_value, micro_target, write_run
+from test_train import assert_trees_equal, load_state
+
+PEAK = MICRO["optim"]["lr"]
+FLOOR = MICRO["optim"]["floor"]
+
+
+def cfg_with(optim=None, train=None, data=None):
+    """A micro config (no data needed) with some optim/train/data fields changed."""
+    return config_from_dict(micro_dict(Path("unused"), optim=optim or {}, train=train or {},
+                                       data=data or {}))
+
+
+def digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def train_records(run: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in read_metrics(run / "metrics.jsonl")[0] if "train/loss" in r}
+
+
+def ops_events(run: Path) -> list[dict]:
+    return read_metrics(run / "ops.jsonl")[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# replan: continuity of the LR, the floor at the new end, refusals (no training)
+
+# (optim overrides, schedule of the run so far as (at, end) replans, the replan tested)
+CASES = {
+    "shorten mid-decay": ({}, [], (6, 9, None)),
+    "warmup not finished": ({"warmup_steps": 10, "schedule_steps": 100}, [], (4, 50, None)),
+    "extend past the end, at the floor": ({}, [], (14, 30, None)),
+    "lower floor": ({}, [], (5, 10, 0.05)),
+    "second replan": ({"schedule_steps": 40}, [(8, 30)], (15, 20, None)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_replan_continues_the_lr_and_reaches_the_floor_at_the_new_end(name):
+    optim, earlier, (at, end, floor) = CASES[name]
+    cfg = cfg_with(optim=optim, train={"steps": 200})
+    for a, e in earlier:
+        cfg = apply_change(cfg, a, Change(end=e), keep_warmup=True)
+    new = apply_change(cfg, at, Change(end=end, floor=floor), keep_warmup=True)
+    start = max(at, cfg.warmup_steps)
+    steps = np.arange(end + 10)
+    old_lr, new_lr = lr_curve(cfg, steps), lr_curve(new, steps)
+    np.testing.assert_array_equal(new_lr[:start], old_lr[:start])  # the past is untouched
+    np.testing.assert_allclose(new_lr[start], old_lr[start], rtol=1e-6)  # no jump at the switch
+    target = (FLOOR if floor is None else floor) * PEAK
+    np.testing.assert_allclose(new_lr[end:], target, rtol=1e-6)  # floor exactly at the end
+    # linear in between, from the LR at the switch to the floor, written independently
+    want = old_lr[start] + (target - old_lr[start]) * (steps[start:end] - start) / (end - start)
+    np.testing.assert_allclose(new_lr[start:end], want, rtol=1e-5)
+    assert new.train.steps == end
+    if name == "warmup not finished":
+        assert start == 10 and new_lr[start] == pytest.approx(PEAK)  # warmup still reaches peak
+
+
+def test_branch_cooldown_decays_from_the_lr_it_finds_even_in_warmup():
+    cfg = cfg_with(optim={"warmup_steps": 10, "schedule_steps": 100}, train={"steps": 100})
+    new = apply_change(cfg, 4, Change(end=8), keep_warmup=False)
+    lr = lr_curve(new, np.arange(12))
+    np.testing.assert_allclose(lr[4], lr_curve(cfg, [4])[0], rtol=1e-6)
+    np.testing.assert_allclose(lr[8:], FLOOR * PEAK, rtol=1e-6)
+    assert np.all(np.diff(lr[4:9]) < 0)
+
+
+@pytest.mark.parametrize("at, change, message", [
+    (6, Change(end=6), "is not after the current step 6"),
+    (6, Change(end=3), "is not after the current step 6"),
+    (1, Change(end=2), "inside the warmup, which ends at step 2"),
+    (11, Change(end=20, floor=0.9), "above the LR"),  # LR at step 11 is near the 0.2 floor
+    (0, Change(end=5), "no trained step yet"),
+    (4, Change(floor=0.1), "needs a new end"),
+    (4, Change(seq_len=32), "already trains at 32"),
+    (4, Change(seq_len=48), "must divide the tokens per batch"),
+    (4, Change(end=9, floor=1.5), "fraction of peak"),
+])
+def test_impossible_plans_are_refused(at, change, message):
+    with pytest.raises((PlanError, ConfigError), match=message):
+        apply_change(cfg_with(), at, change, keep_warmup=True)
+
+
+def test_a_resume_may_not_rewrite_the_past_of_an_operation():
+    base = cfg_with(train={"steps": 20})
+    saved = apply_change(base, 6, Change(end=10, mixture={"prose": 1.0}), keep_warmup=True)
+    later = apply_change(saved, 8, Change(end=9, seq_len=64), keep_warmup=True)
+    check_future_only(saved, later, 8)  # appends from step 8 on: fine
+    with pytest.raises(ConfigError, match="optim.decays: the run was trained to step 8"):
+        check_future_only(saved, apply_change(base, 7, Change(end=10), keep_warmup=True), 8)
+    with pytest.raises(ConfigError, match="data.mixture_schedule"):
+        check_future_only(saved, dataclasses.replace(saved, data=base.data), 8)
+    # a resume from a preset that knows nothing of the operations keeps them and their end
+    kept = inherit_operations(saved, base)
+    assert kept.optim.decays == saved.optim.decays and kept.train.steps == 10
+    assert kept.data.mixture_schedule == saved.data.mixture_schedule
+
+
+# ---------------------------------------------------------------------------------------------
+# context stages and mixture changes in the sampler (no training)
+
+
+def test_context_stages_keep_tokens_per_batch_and_the_sampler_is_pure(data_dir):  # noqa: F811
+    cfg = micro_config(data_dir, data={"context_stages": [{"step": 3, "seq_len": 64},
+                                                          {"step": 5, "seq_len": 128}]})
+    store = TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False).store_dir)
+    sampler = SteppedSampler(store, cfg.data)
+    shapes = {s: sampler.batch(s).shape for s in range(8)}
+    assert [shapes[s] for s in (0, 2, 3, 4, 5, 7)] == [(4, 33), (4, 33), (2, 65), (2, 65),
+                                                       (1, 129), (1, 129)]
+    assert {rows * (cols - 1) for rows, cols in shapes.values()} == {4 * 32}
+    assert [cfg.data.tokens_before(s) for s in (3, 5, 8)] == [384, 640, 1024]
+    # each step's batch is what a plain sampler of that stage draws, in any call order
+    plain = MixtureSampler(store, seq_len=64, batch_size=2, seed=cfg.data.seed)
+    np.testing.assert_array_equal(sampler.batch(4), plain.batch(4))
+    np.testing.assert_array_equal(sampler.batch(1), SteppedSampler(store, cfg.data).batch(1))
+    assert sampler.change_at(3)["seq_len"] == 64 and sampler.change_at(4) is None
+
+
+def test_a_mixture_change_takes_effect_at_its_step_only(data_dir):  # noqa: F811
+    base = micro_config(data_dir)
+    changed = micro_config(data_dir, data={"mixture_schedule": [{"step": 3,
+                                                                 "mixture": {"code": 1}}]})
+    store = TokenStore(prepare_data(base.data, base.model.vocab_size, verbose=False).store_dir)
+    a, b = SteppedSampler(store, base.data), SteppedSampler(store, changed.data)
+    for s in range(3):
+        np.testing.assert_array_equal(a.batch(s), b.batch(s))
+    assert all(set(b.batch_domains(s)) == {"code"} for s in range(3, 12))
+    assert len({d for s in range(3, 12) for d in a.batch_domains(s)}) == 3
+
+
+def test_token_and_step_conversions_follow_the_stages():
+    cfg = cfg_with(data={"context_stages": [{"step": 4, "seq_len": 64, "batch_size": 4}]})
+    assert cfg.data.tokens_before(4) == 4 * 128 and cfg.data.tokens_before(6) == 512 + 2 * 256
+    for tokens in (1, 128, 129, 512, 513, 1024, 5000):
+        s = steps_for_tokens(cfg, tokens)
+        assert cfg.data.tokens_before(s) >= tokens > cfg.data.tokens_before(s - 1)
+
+
+def test_rope_is_checked_against_the_longest_distance_a_rope_layer_sees():
+    long = {"context_stages": [{"step": 5, "seq_len": 65536}], "batch_size": 2048}
+    assert ": ok" in rope_note(cfg_with(data={"context_stages": [{"step": 5, "seq_len": 64}]}))
+    cfg = config_from_dict(micro_dict(Path("unused"), data=long))
+    assert "WARNING" in rope_note(cfg)  # 16 rotated dims: wavelength ~20K tokens
+    windowed = config_from_dict(micro_dict(
+        Path("unused"), data=long, model={"sliding_window": 1024, "global_every": 2,
+                                          "global_rope": False}))
+    assert "attends over 1,024 tokens" in rope_note(windowed) and ": ok" in rope_note(windowed)
+
+
+def test_parsing_of_tokens_mixtures_and_deadlines():
+    assert parse_tokens("1.5M") == 1_500_000 and parse_tokens("2e3") == 2000
+    with pytest.raises(PlanError, match="not a token count"):
+        parse_tokens("lots")
+    assert parse_mixture("prose=0.7, code=0.3") == {"prose": 0.7, "code": 0.3}
+    with pytest.raises(PlanError, match="DOMAIN=WEIGHT"):
+        parse_mixture("prose")
+    now = dt.datetime(2025, 1, 1, 12, tzinfo=dt.timezone.utc)
+    assert parse_deadline("+36h", now) == 36 * 3600
+    assert parse_deadline("2025-01-02T12:00:00+00:00", now) == 86400
+    cfg = cfg_with()  # 128 tokens per step
+    assert end_step(cfg, seconds_left=10, tokens_per_s=128, tokens_now=640) == 15
+    with pytest.raises(PlanError, match="already passed"):
+        end_step(cfg, seconds_left=-1, tokens_per_s=128)
+    with pytest.raises(PlanError, match="exactly one new end"):
+        end_step(cfg, steps=5, tokens=10)
+
+
+def test_stage_report_averages_drops_per_context_stage(tmp_path):
+    cfg = cfg_with(data={"context_stages": [{"step": 4, "seq_len": 64}]}, train={"steps": 8})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict()))
+    drops = {1: 0.01, 2: 0.03, 3: 0.02, 4: 0.02, 5: 0.10, 6: 0.20, 7: 0.30, 8: 0.40}
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for s, d in drops.items():
+            f.write(json.dumps({"step": s, "train/loss": 1.0, "moe/drop_fraction": d,
+                                "moe/sender_drop_fraction": d / 2,
+                                "moe/receiver_drop_fraction": d / 2}) + "\n")
+    rows = stage_report(tmp_path)
+    assert [(r["seq_len"], r["first_step"], r["last_step"]) for r in rows] == [(32, 0, 4),
+                                                                            (64, 4, 8)]
+    assert rows[0]["drop_mean"] == pytest.approx(0.02)
+    assert rows[1]["drop_mean"] == pytest.approx(0.25)
+    assert rows[1]["drop_max"] == pytest.approx(0.40)
+    assert rows[1]["receiver_drop_mean"] == pytest.approx(0.125)
+
+
+# ---------------------------------------------------------------------------------------------
+# on real runs: mixture change across a resume, replan applied at a resume, a cooldown branch
+
+
+MIX = {"prose": 1.0, "code": 1.0}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_dir):  # noqa: F811
+    """A run stopped at step 3, and an uninterrupted parent run of 6 steps whose mixture changes
+    at step 3, with checkpoints at 3 and 6."""
+    root = tmp_path_factory.mktemp("ops")
+    train(micro_config(data_dir, train={"steps": 3}), root / "stopped", verbose=False,
+          sample_prompt=None)
+    train(micro_config(data_dir, train={"steps": 6, "ckpt_every": 3},
+                       data={"mixture_schedule": [{"step": 3, "mixture": MIX}]}),
+          root / "parent", verbose=False, sample_prompt=None)
+    return root
+
+
+def test_resume_after_a_mixture_change_equals_an_uninterrupted_run(runs, tmp_path):
+    whole, run = runs / "parent", tmp_path / "resumed"
+    shutil.copytree(runs / "stopped", run)
+    assert main(["replan", str(run), "--mixture", "prose=1,code=1", "--apply"]) == 0
+    assert main(["resume", str(run), "train.steps=6"]) == 0
+    a, b = train_records(whole), train_records(run)
+    assert sorted(a) == sorted(b) == list(range(1, 7))
+    assert [b[s]["train/loss"] for s in b] == [a[s]["train/loss"] for s in a]  # exact
+    cfg = load_run_config(run)
+    assert_trees_equal(load_state(run, cfg)[1], load_state(whole, cfg)[1])
+    assert cfg.data.mixture_schedule == [MixtureChange(3, MIX)]
+    stage = [e for e in read_metrics(run / "metrics.jsonl")[1] if e["event"] == "data_stage"]
+    assert stage[0]["step"] == 3 and stage[0]["mixture"] == {"code": 0.5, "prose": 0.5}
+
+
+def test_replan_and_branch(runs, data_dir, tmp_path, capsys):  # noqa: F811
+    """Replan (stopped run, applied at its resume) and branch (from the parent's checkpoint at
+    the same step) make the same change: the parent's mixture, a decay to the floor at step 7
+    and 2x context. Both train the same steps from the same state, so they must agree exactly;
+    the parent must not change by a byte, but for one line in its operations log."""
+    parent, run = runs / "parent", tmp_path / "replanned"
+    shutil.copytree(runs / "stopped", run)
+
+    # replan: refused, then a dry run (writes only the preview plot), then applied at resume
+    assert main(["replan", str(run), "--end-steps", "2"]) == 2
+    assert "moelab: error: end: step 2 is not after the current step 3" in capsys.readouterr().err
+    before = digest(run)
+    assert main(["replan", str(run), "--end-steps", "7", "--seq-len", "64"]) == 0
+    assert "dry run" in capsys.readouterr().out
+    assert {k: v for k, v in digest(run).items() if k != "replan_preview.png"} == before
+    assert main(["replan", str(run), "--end-steps", "7", "--seq-len", "64", "--apply",
+                 "--mixture", "prose=1,code=1", "--reason", "infrastructure late"]) == 0
+    assert (run / PENDING).is_file()
+    assert main(["resume", str(run)]) == 0
+    assert not (run / PENDING).exists()
+    kinds = [(e["event"], e["step"], e["reason"]) for e in ops_events(run)]
+    assert kinds == [("replan_requested", 3, "infrastructure late"),
+                     ("replan_applied", 3, "infrastructure late")]
+    assert ops_events(run)[0]["command"].startswith(f"moelab replan {run} --end-steps 7")
+
+    # branch: the parent's files before, after the branch, and after the branch trained
+    snapshot = digest(parent)
+    assert main(["branch", str(parent), "--at", "3", "--cooldown", "512", "--seq-len", "64",
+                 "--reason", "checkpoint for RL"]) == 0
+    child = parent.with_name("parent-cooldown3")
+    assert main(["resume", str(child), "train.keep_ckpts=1"]) == 0  # prunes its copy of step 3
+    after = digest(parent)
+    assert after.pop("ops.jsonl") != snapshot.pop("ops.jsonl", None)
+    assert after == snapshot  # checkpoints, metrics, config, summary: byte-identical
+    (branch_event,) = ops_events(parent)
+    assert branch_event["event"] == "branch" and branch_event["child"] == str(child.resolve())
+    lineage = json.loads((child / "lineage.json").read_text())
+    assert (lineage["parent"], lineage["step"], lineage["reason"]) == (
+        str(parent.resolve()), 3, "checkpoint for RL")
+    assert [e["event"] for e in ops_events(child)] == ["branched_from"]
+
+    # both: the same config from step 3 on, so the same losses and final state
+    cfg = load_run_config(child)
+    assert cfg.optim.decays == load_run_config(run).optim.decays
+    assert cfg.data.context_stages == [ContextStage(3, 64)] and cfg.train.steps == 7
+    rb, rc = train_records(run), train_records(child)
+    assert sorted(rc) == [4, 5, 6, 7]
+    assert [rb[s]["train/loss"] for s in rc] == [rc[s]["train/loss"] for s in rc]
+    assert_trees_equal(load_state(run, cfg)[1], load_state(child, cfg)[1])
+    assert {rc[s]["data/seq_len"] for s in rc} == {64} and rb[3]["data/seq_len"] == 32
+    np.testing.assert_allclose([rc[s]["train/lr"] for s in rc], lr_curve(cfg, [3, 4, 5, 6]),
+                               rtol=1e-6)
+    np.testing.assert_allclose(lr_curve(cfg, [7])[0], FLOOR * PEAK, rtol=1e-6)
+
+    # a resume from the original config keeps the operations; the history reads them back
+    kept = resolve_run_config(micro_config(data_dir, train={"steps": 3}), run)
+    assert kept.train.steps == 7 and kept.optim.decays == cfg.optim.decays
+    assert main(["history", str(child)]) == 0
+    out = capsys.readouterr().out
+    assert "branch of" in out and "checkpoint for RL" in out and "branched_from" in out
+    assert [r["seq_len"] for r in stage_report(run)] == [32, 64]
+
+
+@pytest.fixture(scope="module")
+def rungs(tmp_path_factory):
+    """tests/test_ladder.py's 3-rung ladder of a micro target, rungs written from its known
+    schedule-aware law (no training), left unfitted: the forecast fits what it needs."""
+    target, rng = micro_target(), np.random.default_rng(3)
+    rule = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 3), evals=8)
+    lad = write_ladder(tmp_path_factory.mktemp("ladder"), "micro", target, rule,
+                       plan_ladder(target, rule))
+    for r in lad.rungs:
+        truth = RunSchedule.from_config(r.cfg)
+        write_run(lad.run_dir(r.name), r.cfg, lambda s, t=truth: law_value(t, [max(s, 1)])[0], rng)
+    return lad
+
+
+def test_replan_forecast_follows_the_ladder_law_through_a_re_timed_decay(rungs):
+    """The ladder's forecast for the target's plan and for a shortened, re-timed plan matches
+    the law its rungs were written from."""
+    target = rungs.target
+    short = apply_change(target, 400, Change(end=800), keep_warmup=True)
+    rows = ladder_forecast(rungs.root, {"now": target, "new": short}, n_boot=0)
+    for row, cfg in zip(rows, (target, short)):
+        truth = law_value(RunSchedule.from_config(cfg), [cfg.train.steps])[0]
+        assert row["end_step"] == cfg.train.steps and abs(row["mid"] / truth - 1) < 0.02
+    assert rows[1]["mid"] > rows[0]["mid"]  # fewer tokens: a higher loss at the end
