@@ -457,6 +457,15 @@ def test_the_tracker_writes_nothing_partial_on_interrupt(tmp_path, sig):
     proc.send_signal(sig)
     proc.wait(timeout=30)
     raw = path.read_bytes()
+    if sig == signal.SIGKILL and not raw.endswith(b"\n"):
+        # Linux may cut a large write short on SIGKILL (a fatal signal is checked per page):
+        # readers skip the cut line and the next tracker on the file ends it before appending.
+        n_whole = raw.count(b"\n")
+        assert len(read_metrics(path)[0]) == n_whole
+        JsonlTracker(path).close()
+        raw = path.read_bytes()
+        assert raw.endswith(b"\n") and raw.count(b"\n") == n_whole + 1
+        raw = b"\n".join(raw.split(b"\n")[:n_whole]) + b"\n"
     assert raw.endswith(b"\n")
     lines = raw.split(b"\n")[:-1]
     assert len(lines) >= 20
