@@ -433,7 +433,9 @@ def test_lab_commands(tmp_path, capsys, monkeypatch, lab):
 # ---------------------------------------------------------------- tracker and hardware stats
 
 _WRITER = """
-import sys
+import signal, sys
+# A process started in the background inherits SIGINT ignored; the test needs Python's own handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from moelab.train.tracker import JsonlTracker
 t = JsonlTracker(sys.argv[1])
 blob = "x" * 200_000
@@ -450,12 +452,17 @@ def test_the_tracker_writes_nothing_partial_on_interrupt(tmp_path, sig):
     path = tmp_path / "metrics.jsonl"
     proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    deadline = time.monotonic() + 60
-    while (not path.exists() or path.stat().st_size < 5_000_000) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(sig)
-    proc.wait(timeout=30)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.monotonic() + 60
+        while (not path.exists() or path.stat().st_size < 5_000_000) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:  # never leave an endless writer behind (it would fill the disk)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     raw = path.read_bytes()
     if sig == signal.SIGKILL and not raw.endswith(b"\n"):
         # Linux may cut a large write short on SIGKILL (a fatal signal is checked per page):
