@@ -17,7 +17,7 @@ EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE argument
                     "e.g. `moelab train tiny train.steps=100 model.n_experts=16`.")
 
 
-def _split_overrides(config: str | None, overrides: list[str]) -> tuple[str, list[str]]:
+def split_overrides(config: str | None, overrides: list[str]) -> tuple[str, list[str]]:
     """Allow `moelab train train.steps=5` (no config given): a KEY=VALUE is never a config name."""
     if config is not None and "=" in config:
         return "tiny", [config, *overrides]
@@ -27,7 +27,7 @@ def _split_overrides(config: str | None, overrides: list[str]) -> tuple[str, lis
 def cmd_train(args) -> int:
     from moelab.train.loop import format_summary, train
 
-    source, overrides = _split_overrides(args.config, args.overrides)
+    source, overrides = split_overrides(args.config, args.overrides)
     cfg = load_config(source, overrides)
     if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
         from moelab.parallel.distributed import initialize
@@ -90,7 +90,7 @@ def cmd_plan(args) -> int:
     from moelab import plan
     from moelab.util import atomic_write_json
 
-    source, overrides = _split_overrides(args.config, args.overrides)
+    source, overrides = split_overrides(args.config, args.overrides)
     cfg = load_config(source, overrides)
     acc = plan.accelerator(args.accelerator, args.peak_flops, args.hbm_gib)
     layout = transports = None

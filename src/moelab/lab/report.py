@@ -62,10 +62,10 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def config_differences(runs: list[RunData]) -> dict[str, list[str]]:
     """Per run (by name), the config fields that differ from the first run's."""
-    from moelab.train.loop import _flatten  # the field names the resume check uses
+    from moelab.train.loop import flatten_config  # the field names the resume check uses
 
     runs = [r for r in runs if r.config]  # a run that never started has no config yet
-    flats = [_flatten(r.config) for r in runs]
+    flats = [flatten_config(r.config) for r in runs]
     base = flats[0] if flats else {}
     return {r.name: [f"{k}={f.get(k)}" for k in sorted(set(f) | set(base))
                     if f.get(k) != base.get(k)] for r, f in zip(runs, flats)}

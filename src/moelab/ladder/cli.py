@@ -21,12 +21,12 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_plan(args) -> int:
-    from moelab.cli import _split_overrides
+    from moelab.cli import split_overrides
     from moelab.config import load_config
     from moelab.ladder.folder import write_ladder
     from moelab.ladder.plan import LadderRule, format_plan, plan_ladder
 
-    source, overrides = _split_overrides(args.config, args.overrides)
+    source, overrides = split_overrides(args.config, args.overrides)
     target = load_config(source, overrides).with_frozen_schedule()
     rule = LadderRule(rungs=args.rungs, top_share=args.top_share, spacing=args.spacing,
                       depth_exp=args.depth_exp, widths=args.widths or (),

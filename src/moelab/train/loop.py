@@ -57,12 +57,12 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
 FINAL_EVAL_CAP = 1_000_000  # held-out tokens per domain read by the end-of-run evaluation
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten_config(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and k != "mixture":
-            out.update(_flatten(v, key + "."))
+            out.update(flatten_config(v, key + "."))
         else:
             out[key] = v
     return out
@@ -81,7 +81,7 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
             warmup_steps=cfg.optim.warmup_steps or saved.optim.warmup_steps))
     # operations (replan, branch) are kept, a pending replan applied, the past left as it was
     cfg = resume_config(saved, cfg.with_frozen_schedule(), run_dir)
-    old, new = _flatten(saved.to_dict()), _flatten(cfg.to_dict())
+    old, new = flatten_config(saved.to_dict()), flatten_config(cfg.to_dict())
     diff = [k for k in new if old.get(k) != new[k]]
     bad = [k for k in diff if k not in RESUMABLE_CHANGES and k not in OPERATION_FIELDS]
     if bad:
