@@ -3,8 +3,9 @@
     .venv/bin/python bench/drops_vs_context.py [--lengths 256 512 1024 2048 4096]
 
 The reference system saw ~2.4-3.4% drops with pooled-wave at 4K context, 18% and rising at 262K
-(REFERENCE.md section 4): with a fixed number of tokens per rank, longer sequences mean fewer,
-longer documents per rank, whose tokens route alike, so expert load is more correlated.
+(docs/reference.md#expert-parallel-transport): with a fixed number of tokens per rank, longer
+sequences mean fewer, longer documents per rank, whose tokens route alike, so expert load is
+more correlated.
 
 Setup: EP 8 on 8 fake CPU devices (set here), 4096 tokens per rank; the router of the small
 trained MoE of bench/trained_router.py (64 experts top-8, trained at seq_len 256). The held-out
@@ -53,7 +54,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from moelab.parallel.mesh import make_mesh, shard_batch, shard_expert_weights  # noqa: E402
-from moelab.parallel.transport import TransportConfig, drop_totals, make_transport_fn  # noqa: E402
+from moelab.config import ParallelConfig  # noqa: E402
+from moelab.model.experts import drop_totals  # noqa: E402
+from moelab.parallel.transport import make_transport_fn  # noqa: E402
 
 EXTRAPOLATION_NOTE = ("The model was trained at seq_len 256 with RoPE; at longer lengths its "
                       "attention runs past trained positions. The router still sees hidden "
@@ -114,10 +117,10 @@ def main() -> None:
     print(EXTRAPOLATION_NOTE, flush=True)
 
     mesh = make_mesh(expert=S)
-    tcfgs = {"pooled_wave": TransportConfig("pooled_wave", sender_cf=1.10, receiver_cf=1.15,
+    tcfgs = {"pooled_wave": ParallelConfig(transport="pooled_wave", sender_cf=1.10, receiver_cf=1.15,
                                             waves=args.waves),
-             "waterfill": TransportConfig("waterfill", capacity_factor=1.10),
-             "expert_cells": TransportConfig("expert_cells", capacity_factor=1.25)}
+             "waterfill": ParallelConfig(transport="waterfill", capacity_factor=1.10),
+             "expert_cells": ParallelConfig(transport="expert_cells", capacity_factor=1.25)}
     fns = {k: jax.jit(make_transport_fn(mesh, c)) for k, c in tcfgs.items()}
 
     # Drops depend only on the expert ids (and validity), not on the activations or the expert

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import load_config
-from moelab.flops import param_counts, train_flops_per_token
+from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.train.peak import measure_peak_flops
 from moelab.train.step import init_train_state, make_train_step
 

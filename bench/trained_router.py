@@ -105,7 +105,8 @@ def _cast(tree, dtype):
 def _routing_pass(run_dir: str):
     """jit(tokens_BT -> per-layer [(z_NH, expert_NK, weight_NK)]) for the run's model."""
     from moelab.model.layers import attention, rms_norm, rope_tables
-    from moelab.model.moe import moe_branch, routed_experts
+    from moelab.model.experts import DropCounts, routed_experts
+    from moelab.model.moe import moe_branch
 
     cfg, params, state = load(run_dir)
     m = cfg.model
@@ -126,10 +127,8 @@ def _routing_pass(run_dir: str):
 
             def hook(z, expert, weight, ew, valid):
                 out.append((z, expert, weight))
-                zero = jnp.zeros((), jnp.int32)
-                return routed_experts(z, expert, weight, ew, m), {
-                    "assignments": jnp.sum(valid, dtype=jnp.int32), "sender_dropped": zero,
-                    "receiver_dropped": zero}
+                return routed_experts(z, expert, weight, ew, m), DropCounts.of(
+                    jnp.sum(valid, dtype=jnp.int32))
 
             y, _ = moe_branch(pc, h, state["router_bias"][layer], m, None, hook)
             x = x + y.reshape(B, T, -1).astype(dt)

@@ -14,7 +14,7 @@ latent inputs, the combine weights and the expert weights):
   is compute + memory traffic of all 8 ranks, not interconnect time;
 - XLA's compiled memory analysis of that program (per device: the shard_map body is the
   per-device SPMD program): temp, argument and output bytes. Collective buffers on GPUs are
-  allocated outside XLA's pool (TRANSPORT.md), so temp is a lower bound there;
+  allocated outside XLA's pool (docs/transport.md), so temp is a lower bound there;
 - bytes on the wire per rank and step, from the gradient's jaxpr: every all_to_all /
   ragged_all_to_all / all_gather / psum equation and its operand bytes (an all_to_all keeps 1/S
   of its operand on the rank; an all_gather sends its operand to S - 1 peers; a psum counts as a
@@ -22,7 +22,7 @@ latent inputs, the combine weights and the expert weights):
   ragged_all_to_all (per-peer buffers padded to the worst case), so their jaxpr bytes are the
   emulation's; the "native est." column gives what a native ragged_all_to_all would move for
   this routing (real rows only: 4 float exchanges of H-wide rows + int32 ids + the counts);
-- "bank MiB (design)": the receiver bank live at once by design (TRANSPORT.md memory table:
+- "bank MiB (design)": the receiver bank live at once by design (docs/transport.md memory table:
   input rows + gate/up activations, H + 2I per row): one wave's E_l x R rows for pooled_wave,
   S x E_l x c for expert_cells, the native worst case for waterfill / ragged. "W=1 temp / this"
   is what waves buy in XLA's own estimate (pooled rows only). On XLA:CPU it is ~1 (measured:
@@ -62,9 +62,15 @@ import numpy as np  # noqa: E402
 from jax.extend import core as jcore  # noqa: E402
 
 from moelab.parallel.mesh import make_mesh, shard_batch, shard_expert_weights  # noqa: E402
-from moelab.parallel.transport import (  # noqa: E402
-    TransportConfig, drop_totals, make_transport_fn)
-from moelab.parallel.transport.common import capacity  # noqa: E402
+from moelab.config import ParallelConfig  # noqa: E402
+from moelab.model.experts import drop_totals  # noqa: E402
+from moelab.parallel import transport  # noqa: E402
+
+KERNEL = ("blocks", 32)  # grouped expert compute of the dropless transports: blocks of 32 rows
+
+
+def make_transport_fn(mesh, tcfg: ParallelConfig):
+    return transport.make_transport_fn(mesh, tcfg, KERNEL)
 
 MiB = 2**20
 COLLECTIVES = ("all_to_all", "ragged_all_to_all", "all_gather", "psum", "psum_invariant",
@@ -128,18 +134,12 @@ def memory(compiled) -> dict:
     return out
 
 
-def bank_rows(tcfg: TransportConfig, A: int, S: int, E: int) -> int:
-    """Rows of one rank's receiver bank that are live at once in the design (TRANSPORT.md memory
-    table): pooled_wave one wave's E_l x R; expert_cells S x E_l x c; waterfill E_l x cap and
-    ragged S x A (native worst case; the CPU emulation pads both to S x A)."""
-    E_l = E // S
-    if tcfg.kind == "pooled_wave":
-        return E_l * capacity(tcfg.receiver_cf, A, E_l * tcfg.waves)
-    if tcfg.kind == "expert_cells":
-        return S * E_l * capacity(tcfg.capacity_factor, A, E)
-    if tcfg.kind == "waterfill":
-        return E_l * capacity(tcfg.capacity_factor, A, E_l)
-    return S * A
+def bank_rows(tcfg: ParallelConfig, A: int, S: int, E: int, H: int) -> int:
+    """Rows of one rank's receiver bank that are live at once in the design (the transport's
+    memory formula, docs/transport.md "Memory per rank"): pooled_wave one wave's E_l x R;
+    expert_cells S x E_l x c; waterfill E_l x cap and ragged S x A (native worst case; the CPU
+    emulation pads both to S x A)."""
+    return transport.get(tcfg.transport).rows(tcfg, A, S, E // S, H).bank
 
 
 def offrank_rows(expert_NK, S: int, E: int) -> np.ndarray:
@@ -194,12 +194,12 @@ def main() -> None:
     g = shard_batch(jax.random.normal(jax.random.PRNGKey(1), (n_tok, H), jnp.float32), mesh)
     offrank = offrank_rows(layers[args.layer][1], S, E)  # [S] assignments leaving each rank
 
-    configs = [("expert_cells", "cf 1.25", TransportConfig("expert_cells", capacity_factor=1.25))]
+    configs = [("expert_cells", "cf 1.25", ParallelConfig(transport="expert_cells", capacity_factor=1.25))]
     configs += [(f"pooled_wave W={w}", "cf_s 1.10 / cf_r 1.15",
-                 TransportConfig("pooled_wave", sender_cf=1.10, receiver_cf=1.15, waves=w))
+                 ParallelConfig(transport="pooled_wave", sender_cf=1.10, receiver_cf=1.15, waves=w))
                 for w in args.waves]
-    configs += [("waterfill", "cf 1.10", TransportConfig("waterfill", capacity_factor=1.10)),
-                ("ragged", "dropless", TransportConfig("ragged"))]
+    configs += [("waterfill", "cf 1.10", ParallelConfig(transport="waterfill", capacity_factor=1.10)),
+                ("ragged", "dropless", ParallelConfig(transport="ragged"))]
 
     rows = []
     for name, caps, tcfg in configs:
@@ -231,8 +231,8 @@ def main() -> None:
         n = totals["assignments"]
         counts = Counter(c for c, _, _, _ in colls)
         a2a = [b for c, b, _, _ in colls if "all_to_all" in c]
-        row = {"transport": name, "capacity": caps, "kind": tcfg.kind, "waves": tcfg.waves
-               if tcfg.kind == "pooled_wave" else None,
+        row = {"transport": name, "capacity": caps, "kind": tcfg.transport, "waves": tcfg.waves
+               if tcfg.transport == "pooled_wave" else None,
                "step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
                **memory(compiled),
                "n_all_to_all": counts["all_to_all"] + counts["ragged_all_to_all"],
@@ -246,15 +246,15 @@ def main() -> None:
                "drop": totals["dropped"] / n, "drops_by_layer": by_layer,
                "compile_s": compile_s}
         # the bank's input rows and their gate/up activations (H + 2I per row)
-        row["bank_rows"] = bank_rows(tcfg, args.tokens_per_rank * k, S, E)
+        row["bank_rows"] = bank_rows(tcfg, args.tokens_per_rank * k, S, E, H)
         row["bank_mib"] = row["bank_rows"] * (H + 2 * m.expert_dim) * dt.itemsize / MiB
-        if tcfg.kind in ("ragged", "waterfill"):
+        if tcfg.transport in ("ragged", "waterfill"):
             # A native ragged_all_to_all moves only real rows: dispatch + return forward, their
             # transposes backward (4 x H wide), ids forward (int32), counts (all_gather).
             lay = by_layer[args.layer]
             kept = 1 - lay["dropped"] / lay["assignments"]  # waterfill: accepted share (est.)
             rows_off = offrank.mean() * kept
-            count_bytes = 4 * (S if tcfg.kind == "ragged" else E) * (S - 1)
+            count_bytes = 4 * (S if tcfg.transport == "ragged" else E) * (S - 1)
             row["native_wire_mib"] = (rows_off * (4 * H * dt.itemsize + 4) + count_bytes) / MiB
         rows.append(row)
         print(f"  {name:<18} {row['step_ms']:8.1f} ms  temp {row.get('temp_mib', -1):7.2f} MiB  wire "
@@ -275,10 +275,10 @@ def main() -> None:
     sweep = []
     for cf in (1.0, 1.05, 1.10, 1.25, 1.5):
         row = {"cf": cf}
-        cfgs = {f"pooled_W{w}": TransportConfig("pooled_wave", sender_cf=cf, receiver_cf=cf,
+        cfgs = {f"pooled_W{w}": ParallelConfig(transport="pooled_wave", sender_cf=cf, receiver_cf=cf,
                                                 waves=w) for w in pooled_w}
-        cfgs["waterfill"] = TransportConfig("waterfill", capacity_factor=cf)
-        cfgs["expert_cells"] = TransportConfig("expert_cells", capacity_factor=cf)
+        cfgs["waterfill"] = ParallelConfig(transport="waterfill", capacity_factor=cf)
+        cfgs["expert_cells"] = ParallelConfig(transport="expert_cells", capacity_factor=cf)
         for key, tcfg in cfgs.items():
             f = jax.jit(make_transport_fn(mesh, tcfg))
             tot = Counter()

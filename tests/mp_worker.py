@@ -22,9 +22,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from moelab.model.moe import experts_dense  # noqa: E402
+from moelab.model.experts import experts_dense  # noqa: E402
 from moelab.parallel.mesh import batch_spec, expert_weight_spec, make_mesh  # noqa: E402
-from moelab.parallel.transport import TransportConfig, make_transport_fn  # noqa: E402
+from moelab.config import ParallelConfig  # noqa: E402
+from moelab.parallel.transport import make_transport_fn  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 N_DEV = len(jax.devices())
@@ -51,7 +52,7 @@ tok = batch_spec(2)
 args = (global_array(z, tok), global_array(expert, tok), global_array(weight, tok),
         {k: global_array(v, expert_weight_spec(3)) for k, v in w.items()})
 big = float(E)
-cfg = TransportConfig(kind, capacity_factor=big, sender_cf=big, receiver_cf=big, waves=1)
+cfg = ParallelConfig(transport=kind, capacity_factor=big, sender_cf=big, receiver_cf=big, waves=1)
 fn = make_transport_fn(mesh, cfg)
 gz = global_array(g, tok)
 loss = lambda z_, ex, wt_, w_, g_: jnp.sum(fn(z_, ex, wt_, w_)[0] * g_)  # globals as arguments
@@ -67,7 +68,7 @@ err = 0.0
 for got, want in ((out, ref), (dz, ref_dz)):
     for shard in got.addressable_shards:
         err = max(err, float(np.max(np.abs(np.asarray(shard.data) - want[shard.index]))))
-dropped = sum(int(np.asarray(s.data).sum()) for s in stats["sender_dropped"].addressable_shards)
+dropped = sum(int(np.asarray(s.data).sum()) for s in stats.sender_dropped.addressable_shards)
 print(f"process {pid}: devices {N_DEV} local {len(jax.local_devices())} max_err {err:.2e} "
       f"dropped {dropped}", flush=True)
 jax.distributed.shutdown()

@@ -32,7 +32,8 @@ from moelab.data import (
     load_tokenizer,
     train_tokenizer,
 )
-from moelab.data.corpus import gutenberg_books, is_heldout, split_paragraphs
+from moelab.data.builtin_docs import gutenberg_books, split_paragraphs
+from moelab.data.corpus import is_heldout
 
 UNICODE_TEXT = ("Grüße, naïve café! 你好，世界。 Emoji: 🎉🚀👩‍💻 and ∑ₙ x² ≠ ∞\n\n"
                 "def f(x: int) -> int:\n\treturn x ** 2  # tab-indented\r\n"

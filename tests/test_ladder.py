@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from moelab.config import ConfigError, load_config
-from moelab.flops import param_counts
 from moelab.ladder.fit import fit_power_law, fit_with_bootstrap, make_law
 from moelab.ladder.folder import load_ladder, write_ladder
 from moelab.ladder.guard import GuardRules, check, guard_run
@@ -25,6 +24,7 @@ from moelab.ladder.points import fit_points, frontier, read_points
 from moelab.ladder.predict import fit_ladder, write_outputs
 from moelab.ladder.run import is_finished, run_ladder
 from moelab.ladder.schedule_law import Curve, RunSchedule, fit_schedule_law
+from moelab.planner.counts import param_counts
 from moelab.train.tracker import JsonlTracker, read_metrics
 from test_cli import run_main
 

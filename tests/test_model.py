@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from moelab.config import ModelConfig
-from moelab.model import layers, moe, router, transformer as tr
+from moelab.model import experts, layers, moe, router, transformer as tr
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -108,7 +108,7 @@ def test_dense_experts_is_the_textbook_sum():
     logits = x @ p["router"]
     r = router.route(logits, bias, cfg)
     w = {k: p[k] for k in ("w_gate", "w_up", "w_down")}
-    got = moe.experts_dense(x, r.expert_NK, r.weight_NK, w)
+    got = experts.experts_dense(x, r.expert_NK, r.weight_NK, w)
     for n in range(5):
         want = sum(float(r.weight_NK[n, j]) * layers.swiglu(x[n], w["w_gate"][e], w["w_up"][e],
                                                             w["w_down"][e])

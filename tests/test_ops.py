@@ -28,9 +28,9 @@ from moelab.data.prepare import prepare_data
 from moelab.ops.record import load_run_config, stage_report
 from moelab.ladder.schedule_law import RunSchedule
 from moelab.ops.replan import PENDING, end_step, ladder_forecast, parse_deadline
-from moelab.ops.schedule import (Change, PlanError, apply_change, check_future_only,
-                                 inherit_operations, lr_curve, parse_mixture, parse_tokens,
-                                 rope_note, steps_for_tokens)
+from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note, steps_for_tokens
+from moelab.train.changes import (Change, PlanError, apply_change, check_future_only,
+                                  inherit_operations, lr_curve)
 from moelab.train.loop import resolve_run_config, train
 from moelab.train.tracker import read_metrics
 from moelab.ladder.folder import write_ladder

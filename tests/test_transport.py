@@ -1,5 +1,5 @@
-"""Expert-parallel transports on 8 fake CPU devices against the dense reference (TRANSPORT.md
-invariants). Every test needs 8 devices and fails (never skips) without them.
+"""Expert-parallel transports on 8 fake CPU devices against the dense reference (the
+invariants of docs/transport.md). Every test needs 8 devices and fails (never skips) without them.
 
 Shapes are tiny and jitted runners are cached per (config, EP) so compiles are shared.
 """
@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from jax.extend import core as jcore
 
-from moelab.config import ModelConfig
-from moelab.model.moe import experts_dense, moe_branch
+from moelab.config import ModelConfig, ParallelConfig, RunConfig
+from moelab.model.experts import drop_fractions, drop_totals, experts_dense
+from moelab.model.moe import moe_branch
+from moelab.parallel import transport
 from moelab.parallel.mesh import make_mesh
-from moelab.parallel.transport import (
-    KINDS, TransportConfig, drop_fractions, drop_totals, make_transport_fn)
 from moelab.parallel.transport.common import (
     capacity, check_payload_dtype, decode_ids, encode_ids, id_digits)
 from moelab.parallel.transport.drop_bench import skewed_routing
@@ -28,6 +28,17 @@ N_DEV = 8
 T, H, I, E, K = 32, 16, 8, 24, 3  # per-device tokens, widths, experts, routes
 N = N_DEV * T
 EPS = (1, 2, 4, 8)
+KINDS = tuple(transport.TRANSPORTS)
+KERNEL = ("blocks", 32)  # grouped expert compute: blocks of 32 rows
+
+
+def tc(kind: str = "pooled_wave", **kw) -> ParallelConfig:
+    """The parallel config of one transport (the fields it reads)."""
+    return ParallelConfig(transport=kind, **kw)
+
+
+def make_transport_fn(mesh, cfg):
+    return transport.make_transport_fn(mesh, cfg, KERNEL)
 
 
 def require_devices():
@@ -37,10 +48,10 @@ def require_devices():
                     "(tests/conftest.py does this)")
 
 
-def big(kind: str, **kw) -> TransportConfig:
+def big(kind: str, **kw) -> ParallelConfig:
     """Capacity large enough that nothing can drop."""
     cf = float(E)
-    return TransportConfig(kind, capacity_factor=cf, sender_cf=cf, receiver_cf=cf, **kw)
+    return tc(kind, capacity_factor=cf, sender_cf=cf, receiver_cf=cf, **kw)
 
 
 def random_inputs(seed=0, n=N, e=E, k=K, h=H, i=I, dtype=jnp.float32):
@@ -57,7 +68,7 @@ def random_inputs(seed=0, n=N, e=E, k=K, h=H, i=I, dtype=jnp.float32):
 
 
 @lru_cache(maxsize=None)
-def runner(cfg: TransportConfig, ep: int):
+def runner(cfg: ParallelConfig, ep: int):
     """jit(out, stats, grads wrt (z, combine weights, expert weights)) for one config and EP."""
     require_devices()
     fn = make_transport_fn(make_mesh(expert=ep), cfg)
@@ -129,7 +140,7 @@ def test_dropless_results_identical_across_ep(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bit_identical_reruns(kind):
-    cfg = TransportConfig(kind, capacity_factor=1.0, sender_cf=1.0, receiver_cf=1.0)
+    cfg = tc(kind, capacity_factor=1.0, sender_cf=1.0, receiver_cf=1.0)
     first = jax.tree.map(np.asarray, run(cfg, 4, DATA))
     again = jax.tree.map(np.asarray, run(cfg, 4, DATA))
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
@@ -175,7 +186,7 @@ def ref_pooled_wave_kept(expert_NK, ep, cfg):
 
 
 def sender_drops_closed_form(expert_NK, ep, cfg):
-    """TRANSPORT.md step 2: sum over (source, destination) of max(0, n - W * P_logical)."""
+    """docs/transport.md, sender striping: sum over (source, destination) of max(0, n - W * P_logical)."""
     E_l, W, A = E // ep, cfg.waves, T * expert_NK.shape[1]
     P_l = capacity(cfg.sender_cf, A, ep * W)
     return sum(max(0, int(np.sum(ex // E_l == d)) - W * P_l)
@@ -195,7 +206,7 @@ def check_kept(cfg, ep, expert, kept):
 
 
 def test_pooled_wave_drop_attribution():
-    ep, cfg = 4, TransportConfig("pooled_wave", sender_cf=1.0, receiver_cf=0.9)
+    ep, cfg = 4, tc("pooled_wave", sender_cf=1.0, receiver_cf=0.9)
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=1))
     kept = ref_pooled_wave_kept(expert, ep, cfg)
     totals = check_kept(cfg, ep, expert, kept)
@@ -208,7 +219,7 @@ def test_pooled_wave_drop_attribution():
 
 def test_expert_cells_drop_attribution():
     ep, cf = 2, 1.0
-    cfg = TransportConfig("expert_cells", capacity_factor=cf)
+    cfg = tc("expert_cells", capacity_factor=cf)
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=2))
     c = capacity(cf, T * K, E)
     kept = np.zeros((N, K), bool)
@@ -254,7 +265,7 @@ def test_waterfill_acceptance():
     ep, cf = 4, 1.0
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=3))
     kept = ref_waterfill_kept(expert, ep, cf)
-    totals = check_kept(TransportConfig("waterfill", capacity_factor=cf), ep, expert, kept)
+    totals = check_kept(tc("waterfill", capacity_factor=cf), ep, expert, kept)
     assert totals["receiver_dropped"] == N * K - kept.sum() > 0
     assert totals["sender_dropped"] == 0
 
@@ -274,7 +285,7 @@ def test_receiver_fairness(kind):
     """One expert oversubscribed by unequal sources: kept counts of the sources that were cut
     differ by at most one, and each source keeps a prefix of its rows for that expert."""
     ep, counts = 4, (30, 12, 5, 24)
-    cfg = TransportConfig(kind, capacity_factor=1.0, sender_cf=float(E), receiver_cf=3.0,
+    cfg = tc(kind, capacity_factor=1.0, sender_cf=float(E), receiver_cf=3.0,
                           waves=1)
     expert = oversubscribed_routing(counts)
     _, _, (_, dwt, _) = run(cfg, ep, DATA, expert)
@@ -299,11 +310,11 @@ def test_waterfill_drops_less_than_pooled_wave():
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=4))
     cf, mesh = 1.1, make_mesh(expert=4)
     drops = {}
-    for cfg in (TransportConfig("pooled_wave", sender_cf=cf, receiver_cf=cf),
-                TransportConfig("waterfill", capacity_factor=cf)):
+    for cfg in (tc("pooled_wave", sender_cf=cf, receiver_cf=cf),
+                tc("waterfill", capacity_factor=cf)):
         _, stats = jax.jit(make_transport_fn(mesh, cfg))(DATA["z"], expert, DATA["weight"],
                                                          DATA["w"])
-        drops[cfg.kind] = drop_totals(stats)["dropped"]
+        drops[cfg.transport] = drop_totals(stats)["dropped"]
     assert 0 < drops["waterfill"] < drops["pooled_wave"]
 
 
@@ -326,7 +337,7 @@ def primitives(jaxpr, acc=None):
 # Collectives per layer, from the design: each float exchange is transposed once in the
 # backward; the dispatched payload is kept, so no dispatch is repeated by the remat.
 # ragged/waterfill on CPU use the emulation: all_to_all for rows, ids and return.
-W = TransportConfig().waves
+W = ParallelConfig().waves
 EXPECTED = {"expert_cells": ({"all_to_all": 2}, {"all_to_all": 4}),
             "pooled_wave": ({"all_to_all": 2 * W}, {"all_to_all": 4 * W}),
             "ragged": ({"all_to_all": 3}, {"all_to_all": 5}),
@@ -336,7 +347,7 @@ EXPECTED = {"expert_cells": ({"all_to_all": 2}, {"all_to_all": 4}),
 @pytest.mark.parametrize("kind", KINDS)
 def test_collective_counts_and_no_float_scatter_add(kind):
     require_devices()
-    fn = make_transport_fn(make_mesh(expert=4), TransportConfig(kind))
+    fn = make_transport_fn(make_mesh(expert=4), tc(kind))
     f = lambda z, wt, w: fn(z, DATA["expert"], wt, w)[0]
     args = (DATA["z"], DATA["weight"], DATA["w"])
     fwd = primitives(jax.make_jaxpr(f)(*args).jaxpr)
@@ -370,7 +381,7 @@ def test_expert_weight_gradient_summed_over_data_once(kind):
     require_devices()
     mesh = make_mesh(expert=4)
     assert mesh.shape["data"] == 2
-    fn = make_transport_fn(mesh, TransportConfig(kind, waves=2))
+    fn = make_transport_fn(mesh, tc(kind, waves=2))
     loss = lambda w: jnp.sum(fn(DATA["z"], DATA["expert"], DATA["weight"], w)[0] * DATA["g"])
     assert data_psums(jax.make_jaxpr(jax.grad(loss))(DATA["w"]).jaxpr) == len(DATA["w"])
 
@@ -397,7 +408,7 @@ def test_pooled_wave_many_local_experts_bf16():
     require_devices()
     e = 258
     d = random_inputs(seed=5, e=e, k=2, i=4, dtype=jnp.bfloat16)
-    cfg = TransportConfig("pooled_wave", sender_cf=1.0, receiver_cf=float(e))
+    cfg = tc("pooled_wave", sender_cf=1.0, receiver_cf=float(e))
     out, stats = jax.jit(make_transport_fn(make_mesh(expert=1), cfg))(
         d["z"], d["expert"], d["weight"], d["w"])
     # Reference per assignment: y = swiglu(z, w[e]) in float32 from the same bf16 inputs.
@@ -414,16 +425,26 @@ def test_pooled_wave_many_local_experts_bf16():
 
 def test_waves_must_divide_local_experts():
     require_devices()
-    fn = make_transport_fn(make_mesh(expert=8), TransportConfig("pooled_wave", waves=2))
+    fn = make_transport_fn(make_mesh(expert=8), tc("pooled_wave", waves=2))
     with pytest.raises(ValueError, match="divisible by waves=2"):
         jax.eval_shape(fn, DATA["z"], DATA["expert"], DATA["weight"], DATA["w"])
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="transport.kind"):
-        TransportConfig("cells").validate()
-    with pytest.raises(ValueError, match="transport.waves"):
-        TransportConfig(waves=0).validate()
+    with pytest.raises(ValueError, match="parallel.transport"):
+        transport.check_config(RunConfig(parallel=tc("cells", expert=2)))
+    with pytest.raises(ValueError, match="parallel.waves"):
+        transport.TRANSPORTS["pooled_wave"].check(tc(waves=0), 6)
+    with pytest.raises(ValueError, match="parallel.waves"):
+        transport.check_config(RunConfig(parallel=tc(devices=4, expert=4, waves=3)))
+
+
+def test_pure_data_parallelism_runs_no_transport_checks():
+    """EP 1: nothing travels, so the dropless transport trains and the configured transport's
+    own checks (here: waves dividing the 8 local experts) do not apply."""
+    cfg = RunConfig(parallel=tc("pooled_wave", devices=2, expert=1, waves=3))
+    assert transport.training_transport(cfg.parallel) == transport.DROPLESS
+    transport.check_config(cfg)
 
 
 def test_padding_takes_no_capacity_and_experts_fn_plugs_in():
@@ -431,7 +452,7 @@ def test_padding_takes_no_capacity_and_experts_fn_plugs_in():
     transport plugs into moe_branch as its experts_fn."""
     require_devices()
     mesh = make_mesh(expert=2)
-    cfg = TransportConfig("pooled_wave", sender_cf=float(E), receiver_cf=float(E))
+    cfg = tc("pooled_wave", sender_cf=float(E), receiver_cf=float(E))
     valid = jnp.asarray(np.arange(N)[:, None] % 4 != 3).repeat(K, axis=1)
     args = (DATA["z"], DATA["expert"], DATA["weight"] * valid, DATA["w"])
     out, stats = jax.jit(make_transport_fn(mesh, cfg))(*args, valid)
@@ -447,7 +468,7 @@ def test_padding_takes_no_capacity_and_experts_fn_plugs_in():
     sharded, r = jax.jit(lambda p, z: moe_branch(p, z, jnp.zeros(E), mcfg,
                                                  experts_fn=make_transport_fn(mesh, cfg)))(p, DATA["z"])
     assert_close(sharded, local)
-    assert int(r.drops["assignments"]) == int(r_local.drops["assignments"]) == N * K
+    assert int(r.drops.assignments) == int(r_local.drops.assignments) == N * K
 
 
 @pytest.mark.parametrize("kind", ["ragged", "waterfill"])
@@ -455,7 +476,7 @@ def test_native_ragged_path_traces(kind):
     """XLA:CPU cannot run ragged_all_to_all, but the native path must trace and differentiate:
     rows, ids and the return move by ragged_all_to_all; the two float ones are transposed."""
     require_devices()
-    fn = make_transport_fn(make_mesh(expert=4), TransportConfig(kind, ragged_impl="native"))
+    fn = make_transport_fn(make_mesh(expert=4), tc(kind, ragged_impl="native"))
     f = lambda z, wt, w: fn(z, DATA["expert"], wt, w)[0]
     args = (DATA["z"], DATA["weight"], DATA["w"])
     fwd = Counter(primitives(jax.make_jaxpr(f)(*args).jaxpr))

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from moelab.config import ConfigError, load_config, preset_names
+from moelab.config import ConfigError, load_config, preset_names, split_overrides
 from moelab.ladder.cli import register as register_ladder
 from moelab.lab.cli import register as register_lab
 from moelab.ops.cli import register as register_ops
@@ -15,13 +15,6 @@ from moelab.train.checkpoint import CheckpointError
 
 EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE arguments after the config, "
                     "e.g. `moelab train tiny train.steps=100 model.n_experts=16`.")
-
-
-def split_overrides(config: str | None, overrides: list[str]) -> tuple[str, list[str]]:
-    """Allow `moelab train train.steps=5` (no config given): a KEY=VALUE is never a config name."""
-    if config is not None and "=" in config:
-        return "tiny", [config, *overrides]
-    return config or "tiny", overrides
 
 
 def cmd_train(args) -> int:
@@ -87,34 +80,32 @@ def cmd_data_build(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from moelab import plan
+    from moelab import planner
     from moelab.util import atomic_write_json
 
     source, overrides = split_overrides(args.config, args.overrides)
     cfg = load_config(source, overrides)
-    acc = plan.accelerator(args.accelerator, args.peak_flops, args.hbm_gib)
+    acc = planner.accelerator(args.accelerator, args.peak_flops, args.hbm_gib)
     layout = transports = None
     if args.devices:
-        layout = plan.Layout(args.devices, args.ep, args.fsdp, args.optimizer,
-                             tuple(args.offload))
+        layout = planner.Layout(args.devices, args.ep, args.fsdp, args.optimizer,
+                                tuple(args.offload))
         par = cfg.parallel
-        transports = ([{"kind": "expert_cells", "capacity_factor": cf} for cf in args.cf]
-                      + [{"kind": "pooled_wave", "sender_cf": par.sender_cf,
-                          "receiver_cf": par.receiver_cf, "waves": w}
-                         for w in (args.waves or sorted({1, par.waves}))]
-                      + [{"kind": "waterfill", "capacity_factor": par.capacity_factor},
-                         {"kind": "ragged"}])
-    result = plan.build_plan(cfg, tokens=args.tokens, acc=acc, devices=args.devices,
-                             mfus=tuple(args.mfu), tokens_per_s=args.tokens_per_s,
-                             layout=layout, transports=transports, attention=args.attention,
-                             loss=args.loss)
-    print(plan.format_plan(source, result))
+        transports = planner.transport_options(par, {
+            "capacity_factor": args.cf, "waves": args.waves or sorted({1, par.waves})})
+    result = planner.build_plan(cfg, tokens=args.tokens, acc=acc, devices=args.devices,
+                                mfus=tuple(args.mfu), tokens_per_s=args.tokens_per_s,
+                                layout=layout, transports=transports,
+                                attention=args.attention, loss=args.loss)
+    print(planner.format_plan(source, result))
     if not args.devices:
         print("\n  (give --devices with --mfu or --tokens-per-s for time on a cluster, and "
               "--ep/--fsdp for memory per device)")
     if args.xla:
-        small = plan.scaled_config(cfg)
-        cmp = plan.compare_with_xla(small)
+        from moelab.train.step import init_train_state, make_train_step
+
+        small = planner.scaled_config(cfg)
+        cmp = planner.compare_with_xla(small, init_train_state, make_train_step)
         result["xla"] = {"scaled_model": small.model.__dict__, "seq_len": small.data.seq_len,
                          "batch": small.data.batch_size, **cmp}
         print(f"\n  XLA check at a scaled shape (d_model {small.model.d_model}, "
@@ -138,7 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moelab", description="Train sparse Mixture-of-Experts "
                                 "language models in the open.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_train, _add_generate, _add_data, _add_plan):
+        add(sub)
+    ps = sub.add_parser("presets", help="list the built-in presets")
+    ps.set_defaults(fn=cmd_presets)
+    register_lab(sub)
+    register_ops(sub)
+    register_ladder(sub)
+    return p
 
+
+def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a model (resumes from the run folder)",
                        description="Train a model; running it again on the same run folder "
                        "resumes from the newest checkpoint. Ctrl-C saves a checkpoint and stops.",
@@ -159,6 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     mp.add_argument("--process-id", type=int)
     t.set_defaults(fn=cmd_train)
 
+
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="sample text from a trained run")
     g.add_argument("run", help="run folder (e.g. runs/tiny)")
     g.add_argument("--prompt", default="The ", help="text to continue")
@@ -169,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     g.set_defaults(fn=cmd_generate)
 
+
+def _add_data(sub) -> None:
     d = sub.add_parser("data", help="corpus, tokenizer and token store")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     b = dsub.add_parser("build", help="build a corpus (built-in, or your own files), train a "
@@ -182,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--heldout", type=float, default=0.02, help="held-out fraction of documents")
     b.set_defaults(fn=cmd_data_build)
 
+
+def _add_plan(sub) -> None:
     pl = sub.add_parser("plan", help="parameters, FLOPs, time on a cluster, memory per device",
                         description="Total and active parameters (per component), training "
                         "FLOPs, days on a cluster and memory per device of a config, read from "
@@ -212,20 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--loss", default="materialized", choices=["materialized", "fused"],
                     help="loss memory: float32 logits or a chunked cross-entropy")
     pl.add_argument("--cf", type=float, nargs="*", default=[1.25, 2.0, 4.0],
-                    help="expert_cells capacity factors to compare")
+                    help="capacity factors to compare (transports with parallel.capacity_factor)")
     pl.add_argument("--waves", type=int, nargs="*", default=[],
                     help="pooled_wave wave counts to compare (default: 1 and parallel.waves)")
     pl.add_argument("--xla", action="store_true",
                     help="also compile a scaled copy here and compare with XLA's memory analysis")
     pl.add_argument("--json", help="also write the plan as JSON to this file")
     pl.set_defaults(fn=cmd_plan)
-
-    ps = sub.add_parser("presets", help="list the built-in presets")
-    ps.set_defaults(fn=cmd_presets)
-    register_lab(sub)
-    register_ops(sub)
-    register_ladder(sub)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,24 +7,33 @@ import json
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Iterator
 
 
-def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never half."""
+@contextmanager
+def open_atomic(path: Path | str, mode: str = "w") -> Iterator[IO]:
+    """Stream into a temp file next to ``path``; rename it over ``path`` only on success, so
+    readers see the old file or the whole new one, never half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically (``open_atomic``)."""
+    with open_atomic(path, "wb") as f:
+        f.write(data)
 
 
 def atomic_write_text(path: Path | str, text: str) -> None:

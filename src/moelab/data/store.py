@@ -23,9 +23,9 @@ from typing import Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from moelab.data.corpus import SPLITS, DataError, iter_documents, load_manifest, open_atomic
+from moelab.data.corpus import SPLITS, DataError, iter_documents, load_manifest
 from moelab.data.tokenizer import encode_batch, eos_id, load_tokenizer, tokenizer_sha256
-from moelab.util import atomic_write_json, info
+from moelab.util import atomic_write_json, info, open_atomic
 
 FORMAT = 1
 _BATCH_DOCS = 256  # documents per encode call: enough to keep both cores busy

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from moelab.config import flatten_config  # the field names the resume check uses
 from moelab.lab import records as rec_mod
 from moelab.lab.charts import chart_data
 from moelab.lab.criteria import (MET, NO_DATA, NOT_MET, ArmRun, Criterion, Verdict,
@@ -62,8 +63,6 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def config_differences(runs: list[RunData]) -> dict[str, list[str]]:
     """Per run (by name), the config fields that differ from the first run's."""
-    from moelab.train.loop import flatten_config  # the field names the resume check uses
-
     runs = [r for r in runs if r.config]  # a run that never started has no config yet
     flats = [flatten_config(r.config) for r in runs]
     base = flats[0] if flats else {}

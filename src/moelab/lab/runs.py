@@ -20,7 +20,7 @@ import yaml
 
 from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.observe import series as derived_series
-from moelab.train.tracker import read_metrics
+from moelab.runlog import read_metrics
 from moelab.util import pid_alive
 
 USABLE = ("finished", "running")  # statuses whose metrics verdicts may rest on

@@ -1,2 +1,2 @@
 """The scaling ladder: plan small rungs from a target, train them, fit scaling laws, predict the
-target's trajectory and guard the live run against it (REFERENCE.md section 3)."""
+target's trajectory and guard the live run against it (docs/reference.md#the-scaling-ladder)."""

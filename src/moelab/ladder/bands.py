@@ -1,9 +1,9 @@
 """Expected bands of gradient norm and drop fraction over training progress, from the rungs.
 
 The reference watched both against its ladder: on the rungs grad norm peaked ~25% into the run,
-and drops spiked early, fell to ~0, then climbed (REFERENCE.md section 3). Their shape follows
-training progress p = step / steps, so each rung's curve is smoothed (median in a window of
-``window`` of the run around p) and read on a common progress grid. At each p:
+and drops spiked early, fell to ~0, then climbed (docs/reference.md#the-scaling-ladder). Their
+shape follows training progress p = step / steps, so each rung's curve is smoothed (median in a
+window of ``window`` of the run around p) and read on a common progress grid. At each p:
 
 * mid: a straight-line fit across the rungs against log compute, evaluated at the target's
   compute (on log values for grad norm, which is positive and multiplicative), kept within one

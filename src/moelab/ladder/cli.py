@@ -21,8 +21,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def cmd_plan(args) -> int:
-    from moelab.cli import split_overrides
-    from moelab.config import load_config
+    from moelab.config import load_config, split_overrides
     from moelab.ladder.folder import write_ladder
     from moelab.ladder.plan import LadderRule, format_plan, plan_ladder
 
@@ -114,14 +113,16 @@ def cmd_guard(args) -> int:
 
 def register(subparsers) -> None:
     """Add `moelab ladder ...` to the main parser's subcommands."""
-    from moelab.ladder.guard import GuardRules
-
     lp = subparsers.add_parser("ladder", help="scaling ladder: plan, run, fit, guard",
                                description="Plan small rungs from a target, train them, fit "
                                "scaling laws, predict the target and guard its live run.",
                                epilog=EPILOG)
     sub = lp.add_subparsers(dest="ladder_command", required=True, metavar="SUBCOMMAND")
+    for add in (_add_plan, _add_run, _add_fit, _add_guard):
+        add(sub)
 
+
+def _add_plan(sub) -> None:
     p = sub.add_parser("plan", help="derive the rungs from a target config",
                        description="Derive K rungs from TARGET: width, depth and heads scale; "
                        "experts, top-k and head_dim stay; expert/latent/shared widths keep their "
@@ -145,6 +146,8 @@ def register(subparsers) -> None:
     p.add_argument("--out", help="write the ladder folder here (ladder.json, configs/)")
     p.set_defaults(fn=cmd_plan)
 
+
+def _add_run(sub) -> None:
     r = sub.add_parser("run", help="train the rungs (resumable; finished rungs are skipped)")
     r.add_argument("ladder", help="ladder folder written by `moelab ladder plan --out`")
     r.add_argument("--jobs", type=int, default=1, help="rungs trained at once (default 1)")
@@ -157,6 +160,8 @@ def register(subparsers) -> None:
     r.add_argument("--poll", type=float, default=10.0, help="seconds between progress lines")
     r.set_defaults(fn=cmd_run)
 
+
+def _add_fit(sub) -> None:
     f = sub.add_parser("fit", help="fit scaling laws to the rungs (or to a CSV of runs) and "
                        "predict", description="With LADDER: fit the schedule-aware law to the "
                        "rungs' loss curves, L(C) to their final losses, bands of grad norm and "
@@ -175,6 +180,10 @@ def register(subparsers) -> None:
     f.add_argument("--target-run", help="also write prediction.json into this run folder")
     f.add_argument("--no-plots", action="store_true")
     f.set_defaults(fn=cmd_fit)
+
+
+def _add_guard(sub) -> None:
+    from moelab.ladder.guard import GuardRules  # its defaults are the options' defaults
 
     g = sub.add_parser("guard", help="compare a run's metrics with the prediction bands",
                        description="Read RUN/metrics.jsonl, compare loss, grad norm and drop "

@@ -16,8 +16,8 @@ consecutive out-of-band points:
   the laws fit least (they are fitted from 10% on). Held-out evaluations are sparse and
   noise-free (a fixed set), so eval/loss is compared point by point (window and patience 1).
 * ``grad_norm_max``: grad norm (trailing median) above 4, the reference's own lesson (an earlier
-  ladder saw grad norms climb past 4 as the token horizon grew; REFERENCE.md section 2). Needs
-  no prediction; checked from the first step, like ``nonfinite``.
+  ladder saw grad norms climb past 4 as the token horizon grew; docs/reference.md#the-recipe).
+  Needs no prediction; checked from the first step, like ``nonfinite``.
 * ``nonfinite``: a NaN or infinite loss, at once.
 
 Everything is causal (each point is judged on what was logged up to it), so guarding a live run
@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.ladder.observe import EVAL_LOSS, rolling_median, run_records, series
-from moelab.train.tracker import JsonlTracker
+from moelab.runlog import JsonlTracker
 from moelab.util import info
 
 

@@ -1,6 +1,6 @@
 """Rung planning: derive K smaller runs (the ladder) from a target run by one documented rule.
 
-The rule (after the reference ladder, REFERENCE.md section 3):
+The rule (after the reference ladder, docs/reference.md#the-scaling-ladder):
 
 * only width, depth and heads change: the head dimension, the number of experts, top-k, the
   router and every other recipe field stay as in the target;
@@ -14,7 +14,9 @@ The rule (after the reference ladder, REFERENCE.md section 3):
   tokens = (target tokens / target active parameters) x (rung active parameters);
   "active parameters" are counted as the reference counts them: attention, router, top-k
   routed experts, latent projections and shared experts, without the embedding and the LM head
-  (``moelab.flops.param_counts(...)["active"]``). This N is also the N of the scaling laws;
+  (``moelab.planner.counts.param_counts(...)["active"]``). This N is also the N of the scaling
+  laws; tokens trained are ``moelab.planner.counts.run_tokens``, the count `moelab plan` and the
+  train loop use;
 * widths: given by hand, or searched (multiples of head_dim) so that rung k's training FLOPs
   are closest to top_share x C_target / spacing ** (K - 1 - k): rungs geometrically spaced in
   compute, the largest ``top_share`` of the target's.
@@ -33,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from moelab.config import ConfigError, ModelConfig, RunConfig
-from moelab.flops import param_counts, train_flops_per_token
+from moelab.planner.counts import param_counts, run_tokens, train_flops_per_token
 
 
 @dataclass(frozen=True)
@@ -76,11 +78,6 @@ class Rung:
     stats: dict = field(default_factory=dict)
 
 
-def tokens_trained(cfg: RunConfig) -> int:
-    """Tokens a run trains for (its stop step, through any context stages)."""
-    return cfg.data.tokens_before(cfg.train.steps)
-
-
 # Counting traces the model (jax.eval_shape, ~0.1 s a call); the width search asks for the same
 # shapes repeatedly, so the counts are cached per (frozen, hashable) model config.
 @functools.lru_cache(maxsize=256)
@@ -99,9 +96,9 @@ def active_params(model: ModelConfig) -> int:
 
 
 def run_stats(cfg: RunConfig) -> dict:
-    """Total/active parameters, tokens and training FLOPs of a run, all from moelab.flops."""
+    """Total/active parameters, tokens and training FLOPs of a run, all from the planner."""
     c = _counts(cfg.model)
-    tokens = tokens_trained(cfg)
+    tokens = run_tokens(cfg)
     fpt = _flops_per_token(cfg.model, cfg.data.seq_len)
     return {"params_total": c["total"], "params_active": c["active"], "tokens": tokens,
             "flops_per_token": fpt, "flops": fpt * tokens, "steps": cfg.train.steps,
@@ -146,7 +143,7 @@ def _depth(target: ModelConfig, d: int, rule: LadderRule) -> int:
 def rung_config(target: RunConfig, d: int, n_layers: int, rule: LadderRule) -> RunConfig:
     """A full run config for one rung: scaled model, tokens per active parameter kept."""
     model = scale_model(target.model, d, n_layers)
-    per_active = tokens_trained(target) / active_params(target.model)
+    per_active = run_tokens(target) / active_params(target.model)
     batch = rule.batch_size or target.data.batch_size
     data = dataclasses.replace(target.data, batch_size=batch, context_stages=[],
                                mixture_schedule=[])

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelab.ladder.folder import Ladder
-from moelab.train.tracker import read_metrics
+from moelab.runlog import read_metrics
 from moelab.util import info, pid_alive
 
 

@@ -17,7 +17,7 @@ The router runs in float32 whatever the compute dtype.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +32,9 @@ class Routing(NamedTuple):
     aux_loss: jax.Array  # load-balance loss (computed for both rules; in the loss only for softmax)
     z_loss: jax.Array  # router z-loss: mean logsumexp(logits)^2
     entropy: jax.Array  # mean per-token entropy of softmax(logits), nats
-    # int32 assignment and drop counts {"assignments", "sender_dropped", "receiver_dropped"};
-    # filled in by the MoE branch (all dropless paths report zero drops)
-    drops: dict | None = None
+    # int32 assignment and drop counts (moelab.model.experts.DropCounts); filled in by the MoE
+    # branch (all dropless paths report zero drops)
+    drops: Any = None
     qb_bias: jax.Array | None = None  # quantile router: the balancing bias for the next step [E]
 
 

@@ -7,6 +7,8 @@ balancing bias) lives in a separate ``state`` dict.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -16,17 +18,30 @@ from moelab.model.moe import moe_branch
 from moelab.model.router import update_bias
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """Shapes of every parameter. Block arrays carry a leading layer axis L."""
+EXPERT = "expert"  # the mesh axis routed experts are split over (moelab.parallel.mesh)
+
+
+class Param(NamedTuple):
+    """A parameter's declaration: its shape, and per dimension the mesh axis that dimension is
+    split over (None = replicated). Shardings are read from here, never inferred from names."""
+
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+
+
+def param_decls(cfg: ModelConfig) -> dict:
+    """Every parameter as a ``Param``. Block arrays carry a leading layer axis L; the routed
+    experts' E axis is split over the expert-parallel mesh axis, the rest is replicated."""
     L, D, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
     H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     E, F, R = cfg.n_experts, cfg.expert_dim, cfg.routed_width
+    routed = lambda *shape: Param(shape, (None, EXPERT) + (None,) * (len(shape) - 2))
     blocks = {
         "attn_norm": (L, D),
         "wq": (L, D, H * Q), "wk": (L, D, K * Q), "wv": (L, D, K * Q), "wo": (L, H * Q, D),
         "moe_norm": (L, D),
         "router": (L, D, E),
-        "w_gate": (L, E, R, F), "w_up": (L, E, R, F), "w_down": (L, E, F, R),
+        "w_gate": routed(L, E, R, F), "w_up": routed(L, E, R, F), "w_down": routed(L, E, F, R),
     }
     if cfg.use_latent:
         blocks.update({"lat_down": (L, D, R), "lat_norm": (L, R), "lat_up": (L, R, D)})
@@ -48,7 +63,24 @@ def param_shapes(cfg: ModelConfig) -> dict:
             blocks.update({f"gn_{site}_down": (L, D, r), f"gn_{site}_up": (L, r, D)})
         for site in ("final",) + (("embed",) if cfg.embed_norm else ()):
             top.update({f"gn_{site}_down": (D, r), f"gn_{site}_up": (r, D)})
-    return {**top, "blocks": blocks}
+    replicated = lambda v: v if isinstance(v, Param) else Param(v, (None,) * len(v))
+    return {**{k: replicated(v) for k, v in top.items()},
+            "blocks": {k: replicated(v) for k, v in blocks.items()}}
+
+
+def _decl_field(cfg: ModelConfig, field: str) -> dict:
+    return jax.tree.map(lambda p: getattr(p, field), param_decls(cfg),
+                        is_leaf=lambda x: isinstance(x, Param))
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """Shapes of every parameter (the tree of ``param_decls``)."""
+    return _decl_field(cfg, "shape")
+
+
+def param_axes(cfg: ModelConfig) -> dict:
+    """Per parameter, the mesh axis of each dimension (None = replicated)."""
+    return _decl_field(cfg, "axes")
 
 
 def is_norm(name: str) -> bool:
@@ -189,7 +221,3 @@ def update_state(state, stats, cfg: ModelConfig):
     bias = jax.vmap(update_bias, in_axes=(0, 0, None))(
         state["router_bias"], stats["load_LE"], cfg.bias_update_rate)
     return {**state, "router_bias": bias}
-
-
-def count_params(params) -> int:
-    return int(sum(x.size for x in jax.tree_util.tree_leaves(params)))

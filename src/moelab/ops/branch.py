@@ -16,8 +16,10 @@ import time
 from pathlib import Path
 
 from moelab.config import save_config
-from moelab.ops.record import LINEAGE, command_line, load_run_config, log_operation
-from moelab.ops.schedule import Change, PlanError, apply_change, steps_for_tokens
+from moelab.ops.record import LINEAGE, load_run_config
+from moelab.ops.schedule import steps_for_tokens
+from moelab.runlog import command_line, log_operation
+from moelab.train.changes import Change, PlanError, apply_change
 from moelab.train.checkpoint import Checkpointer
 from moelab.util import atomic_write_bytes, atomic_write_json
 

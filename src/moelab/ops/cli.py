@@ -7,7 +7,8 @@ import datetime as dt
 import shlex
 from pathlib import Path
 
-from moelab.ops.schedule import Change, PlanError, parse_mixture, parse_tokens, rope_note
+from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note
+from moelab.train.changes import Change, PlanError
 
 WHY = "why (recorded in the run's operations log)"
 
@@ -46,6 +47,7 @@ def cmd_replan(args) -> int:
     from moelab.ops import replan as rp
     from moelab.ops.plot import plot_replan
     from moelab.ops.record import load_run_config
+    from moelab.train.resume import read_pending
 
     run = Path(args.run)
     cfg = load_run_config(run)
@@ -78,8 +80,8 @@ def cmd_replan(args) -> int:
     if not args.apply:
         print("dry run: nothing changed; add --apply to apply it at the next resume")
         return 0
-    if rp.read_pending(run) is not None:
-        print(f"replacing the pending plan {rp.read_pending(run)['change']}")
+    if read_pending(run) is not None:
+        print(f"replacing the pending plan {read_pending(run)['change']}")
     rp.request(run, change, at=now["step"], reason=args.reason, command=shlex.join(args.argv))
     print(f"pending: {run / rp.PENDING}; applied when the run resumes "
           f"(`moelab resume {run}`), from the step it resumes at")

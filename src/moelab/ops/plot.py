@@ -8,8 +8,8 @@ import numpy as np
 
 from moelab.config import RunConfig
 from moelab.ops.record import load_run_config
-from moelab.ops.schedule import lr_curve
-from moelab.train.tracker import read_metrics
+from moelab.runlog import read_metrics
+from moelab.train.changes import lr_curve
 
 
 def _pyplot():

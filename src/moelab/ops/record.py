@@ -1,43 +1,27 @@
 """A run's record of operations, its lineage, and the history and per-stage report read back.
 
-``ops.jsonl`` in a run folder is the append-only log of operations on the run: what (the event
-kind and its numbers), when (time and step), why (the reason given) and by which command. It is
-kept apart from ``metrics.jsonl``, which only the training process writes, so an operation never
-races a live run and a branch can note its child in the parent without touching the parent's
-metrics. ``lineage.json`` in a branch names its parent, the step it forked at and why.
-``history`` merges both logs in time order; ``stage_report`` answers "is it safe to raise the
-context?" with the drop fraction measured at each context length.
+``ops.jsonl`` in a run folder (appended by ``moelab.runlog.log_operation``) is the append-only
+log of operations on the run: what (the event kind and its numbers), when (time and step), why
+(the reason given) and by which command. It is kept apart from ``metrics.jsonl``, which only the
+training process writes, so an operation never races a live run and a branch can note its child
+in the parent without touching the parent's metrics. ``lineage.json`` in a branch names its
+parent, the step it forked at and why. ``history`` merges both logs in time order;
+``stage_report`` answers "is it safe to raise the context?" with the drop fraction measured at
+each context length.
 """
 
 from __future__ import annotations
 
 import json
-import shlex
-import sys
 from pathlib import Path
 
 import numpy as np
 import yaml
 
 from moelab.config import RunConfig, config_from_dict
-from moelab.train.tracker import JsonlTracker, read_metrics
+from moelab.runlog import OPS_LOG, read_metrics
 
-OPS_LOG = "ops.jsonl"
 LINEAGE = "lineage.json"
-
-
-def command_line() -> str:
-    """The command being run, as a shell would repeat it."""
-    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
-
-
-def log_operation(run_dir: Path | str, kind: str, step: int, *, reason: str = "",
-                  command: str | None = None, **fields) -> None:
-    tracker = JsonlTracker(Path(run_dir) / OPS_LOG)
-    try:
-        tracker.event(kind, step, reason=reason, command=command or command_line(), **fields)
-    finally:
-        tracker.close()
 
 
 def load_run_config(run_dir: Path | str) -> RunConfig:

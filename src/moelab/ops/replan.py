@@ -2,36 +2,28 @@
 
 A replan is a request written to ``plan_pending.json`` in the run folder and logged in the run's
 ``ops.jsonl``; a live run never sees its files change under it. The next resume (`moelab resume
-RUN`, or `moelab train` on the folder) applies it at the step it resumes from: the decay starts
-there at the LR the run had there (or where warmup ends, if warmup is still running) and
-reaches the floor exactly at the new end; the pending file is then removed and the application
-logged. Binding the start at the resume step, not at request time, keeps the past of the run
-untouched however long the live run goes on before it stops.
+RUN`, or `moelab train` on the folder; ``moelab.train.resume``) applies it at the step it
+resumes from: the decay starts there at the LR the run had there (or where warmup ends, if
+warmup is still running) and reaches the floor exactly at the new end; the pending file is then
+removed and the application logged. Binding the start at the resume step, not at request time,
+keeps the past of the run untouched however long the live run goes on before it stops.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import json
 import re
 from pathlib import Path
 
 import numpy as np
 
-from moelab.config import ConfigError, RunConfig
-from moelab.ops.record import load_run_config, log_operation
-from moelab.ops.schedule import (Change, PlanError, apply_change, check_future_only,
-                                 inherit_operations, lr_curve, steps_for_tokens)
-from moelab.train.checkpoint import Checkpointer
-from moelab.train.tracker import read_metrics
+from moelab.config import RunConfig
+from moelab.ops.record import load_run_config
+from moelab.ops.schedule import steps_for_tokens
+from moelab.runlog import log_operation, read_metrics
+from moelab.train.changes import Change, PlanError, apply_change, lr_curve
+from moelab.train.resume import PENDING, resume_step
 from moelab.util import atomic_write_json
-
-PENDING = "plan_pending.json"
-
-
-def resume_step(run_dir: Path | str) -> int | None:
-    """The step a resume would start from now: the newest checkpoint."""
-    return Checkpointer(Path(run_dir) / "checkpoints").latest_step()
 
 
 def progress(run_dir: Path | str) -> dict:
@@ -80,17 +72,6 @@ def end_step(cfg: RunConfig, *, steps: int | None = None, tokens: int | None = N
     return steps_for_tokens(cfg, tokens)
 
 
-def read_pending(run_dir: Path | str) -> dict | None:
-    path = Path(run_dir) / PENDING
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: unreadable ({e}); delete it and run `moelab replan` "
-                          "again") from None
-
-
 def request(run_dir: Path | str, change: Change, *, at: int, reason: str = "",
             command: str | None = None) -> dict:
     """Write the pending plan (replacing an earlier one) and log the request."""
@@ -108,34 +89,6 @@ def planned(run_dir: Path | str, change: Change) -> tuple[RunConfig, RunConfig, 
     if at is None:
         raise PlanError(f"{run_dir}: no checkpoint yet; edit the config and start it again")
     return before, apply_change(before, at, change, keep_warmup=True), at
-
-
-def resume_config(saved: RunConfig, cfg: RunConfig, run_dir: Path | str) -> RunConfig:
-    """The config a resume of ``run_dir`` trains with: the run's operations kept, a pending
-    replan applied at the resume step, and no operation allowed to rewrite the past."""
-    cfg = inherit_operations(saved, cfg)
-    at = resume_step(run_dir)
-    pending = read_pending(run_dir)
-    if pending is not None:
-        try:
-            cfg = apply_change(cfg, at, Change.from_dict(pending["change"]), keep_warmup=True)
-        except (PlanError, ConfigError) as e:
-            raise PlanError(f"{Path(run_dir) / PENDING}: cannot apply at step {at}: {e}. Run "
-                            "`moelab replan` again or delete the file") from None
-    check_future_only(saved, cfg, at)
-    return cfg
-
-
-def commit_pending(run_dir: Path | str, cfg: RunConfig) -> None:
-    """After the resumed config is saved: log the applied replan and remove the request."""
-    pending, at = read_pending(run_dir), resume_step(run_dir)
-    if pending is None or at is None:  # no checkpoint: a fresh start did not apply it
-        return
-    log_operation(run_dir, "replan_applied", at, reason=pending.get("reason", ""),
-                  change=pending["change"], requested_at_step=pending.get("requested_at_step"),
-                  end=cfg.train.steps, decays=[vars(d) for d in cfg.optim.decays],
-                  lr_at_step=float(lr_curve(cfg, [at])[0]))
-    (Path(run_dir) / PENDING).unlink()
 
 
 def preview_rows(before: RunConfig, after: RunConfig, at: int, n: int = 6) -> list[dict]:

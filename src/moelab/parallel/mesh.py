@@ -13,8 +13,10 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from moelab.config import ModelConfig
+from moelab.model.transformer import EXPERT, param_axes
+
 DATA = "data"
-EXPERT = "expert"
 BATCH_AXES = (DATA, EXPERT)
 
 
@@ -68,17 +70,24 @@ def shard_expert_weights(weights: dict, mesh: Mesh) -> dict:
     return jax.device_put(weights, expert_weight_shardings(mesh, weights))
 
 
-ROUTED_WEIGHTS = ("w_gate", "w_up", "w_down")
+def _keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
 
 
-def state_shardings(mesh: Mesh, state):
-    """Shardings for a train state (params, optimizer moments, ...): routed-expert weights
-    [L, E, ...] (and their optimizer moments, which share their names) split over "expert";
-    everything else replicated."""
+def state_shardings(mesh: Mesh, state, cfg: ModelConfig):
+    """Shardings for a train state: each parameter as the model declares it
+    (``moelab.model.transformer.param_decls``: routed experts [L, E, ...] split over "expert"),
+    and each optimizer moment like the parameter it belongs to (a leaf whose path ends with a
+    parameter's path and has its rank); everything else replicated."""
+    declared = {_keys(path): axes for path, axes in jax.tree_util.tree_flatten_with_path(
+        param_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))[0]}
+
     def one(path, leaf):
-        name = getattr(path[-1], "key", None) if path else None
-        if name in ROUTED_WEIGHTS and getattr(leaf, "ndim", 0) == 4:
-            return NamedSharding(mesh, P(None, EXPERT, None, None))
+        keys = _keys(path)
+        for i in range(len(keys)):
+            axes = declared.get(keys[i:])
+            if axes is not None and len(axes) == getattr(leaf, "ndim", -1):
+                return NamedSharding(mesh, P(*axes))
         return NamedSharding(mesh, P())
     return jax.tree_util.tree_map_with_path(one, state)
 

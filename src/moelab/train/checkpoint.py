@@ -108,10 +108,6 @@ def _leaf_spec(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
     return None
 
 
-def _is_sharded_target(x: Any) -> bool:
-    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
-
-
 class Checkpointer:
     """Save/restore ``(step, state pytree, meta dict)`` under ``ckpt_dir``, keeping the newest ``keep``.
 

@@ -10,7 +10,8 @@ import optax
 
 from moelab.config import RunConfig
 from moelab.model import transformer as tr
-from moelab.parallel.transport.common import drop_fractions
+from moelab.model.experts import drop_fractions, grouped_kernel
+from moelab.parallel import transport
 from moelab.train.optim import lr_schedule, make_optimizer
 
 
@@ -29,9 +30,9 @@ def router_metrics(stats: dict, prefix: str = "moe") -> dict:
     counts over summed assignments, not means of per-layer fractions."""
     load = stats["load_LE"]
     ratio = jnp.max(load, axis=-1) / jnp.maximum(jnp.mean(load, axis=-1), 1e-9)
-    d = stats["drops_L"]
+    d = stats["drops_L"]  # DropCounts of [L] arrays
     overall = drop_fractions(d)  # sums over the layer axis
-    per_layer = drop_fractions({k: v[:, None] for k, v in d.items()})
+    per_layer = drop_fractions(type(d)(*(v[:, None] for v in d)))
     out = {f"{prefix}/load_max_over_mean": jnp.mean(ratio),
            f"{prefix}/routing_entropy": jnp.mean(stats["entropy_L"]),
            **{f"{prefix}/{k}": v for k, v in overall.items()}}
@@ -43,27 +44,14 @@ def router_metrics(stats: dict, prefix: str = "moe") -> dict:
 
 
 def transport_fns(cfg: RunConfig, mesh):
-    """(train experts_fn, eval experts_fn) for a mesh: the configured transport for training,
-    the dropless ragged one for evaluation (the loss the model has without drops).
-    None, None on a single device (the local MoE kernel is dropless)."""
+    """(train experts_fn, eval experts_fn) for a mesh: the training transport
+    (``transport.training_transport``) and the dropless one for evaluation (the loss the model
+    has without drops). None, None on a single device (the local MoE kernel is dropless)."""
     if mesh is None:
         return None, None
-    from moelab.parallel.transport import TransportConfig, make_transport_fn
-
-    from moelab.model.moe import resolve_impl
-    from moelab.parallel.mesh import EXPERT
-
-    par = cfg.parallel
-    kernel = "ragged" if resolve_impl(cfg.model) == "ragged" else "blocks"
-    common = dict(ragged_impl=par.ragged_impl, kernel=kernel, block=cfg.model.moe_block)
-    dropless = TransportConfig("ragged", **common)
-    if mesh.shape[EXPERT] == 1:  # pure data parallelism: nothing travels, so nothing may drop
-        tc = dropless
-    else:
-        tc = TransportConfig(par.transport, capacity_factor=par.capacity_factor,
-                             sender_cf=par.sender_cf, receiver_cf=par.receiver_cf,
-                             waves=par.waves, **common)
-    return make_transport_fn(mesh, tc), make_transport_fn(mesh, dropless)
+    par, kernel = cfg.parallel, grouped_kernel(cfg.model)
+    return (transport.make_transport_fn(mesh, par, kernel, transport.training_transport(par)),
+            transport.make_transport_fn(mesh, par, kernel, transport.DROPLESS))
 
 
 def make_train_step(cfg: RunConfig, experts_fn=None) -> Callable:

@@ -1,17 +1,19 @@
-"""Expert-parallel transports (TRANSPORT.md).
+"""Expert-parallel transports (docs/transport.md) and their registry.
 
-Per-rank functions, for use inside ``jax.shard_map`` over the "expert" axis, all with the
-signature ``fn(z_TH, expert_TK, weight_TK, w_local, *, n_experts, cfg, valid_TK=None,
-axis="expert") -> (out_TH, stats)``:
+Each transport module declares one ``Transport`` (``common.py``): its per-rank function (run
+inside ``jax.shard_map`` over the "expert" axis), its config checks and its memory formula.
+The training setup and ``moelab plan`` run the checks (``check_config``), ``moelab plan`` lists
+every transport's memory (``moelab.planner.memory.transport_options``) and the train step picks
+the one that trains (``training_transport``): adding a transport is one module plus one line
+here.
 
 - ``expert_cells``: fixed cells per (source, expert); the baseline.
 - ``pooled_wave``: per-destination pools in W waves, in-band ids, sender/receiver limits.
 - ``ragged``: dropless (``ragged_all_to_all``; an all_to_all emulation on CPU).
 - ``waterfill``: global waterfilling acceptance, then a ragged exchange.
 
-``make_transport_fn(mesh, cfg)`` wraps one of them over global arrays and returns
-``(out, stats)``: it is the ``experts_fn`` that ``moe_branch`` takes, which sums the stats
-into the per-layer drop counts the training step turns into metrics.
+``make_transport_fn(mesh, par, kernel)`` wraps one over global arrays: it is the
+``experts_fn`` that ``moelab.model.moe.moe_branch`` takes.
 """
 
 from __future__ import annotations
@@ -19,33 +21,56 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moelab.model.experts import DropCounts, drop_fractions, drop_totals, grouped_kernel
 from moelab.parallel.mesh import DATA, EXPERT, batch_spec, expert_weight_spec, per_device_spec
-from moelab.parallel.transport.common import (
-    KINDS, STAT_KEYS, TransportConfig, drop_fractions, drop_stats, drop_totals)
-from moelab.parallel.transport.expert_cells import expert_cells
-from moelab.parallel.transport.pooled_wave import pooled_wave
-from moelab.parallel.transport.ragged import ragged
-from moelab.parallel.transport.waterfill import waterfill
+from moelab.parallel.transport import expert_cells, pooled_wave, ragged, waterfill
+from moelab.parallel.transport.common import BufferRows, Transport
 
-TRANSPORTS = {"expert_cells": expert_cells, "pooled_wave": pooled_wave, "ragged": ragged,
-              "waterfill": waterfill}
+TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
+    pooled_wave.TRANSPORT, expert_cells.TRANSPORT, ragged.TRANSPORT, waterfill.TRANSPORT)}
+DROPLESS = "ragged"  # what runs where nothing may drop: evaluation, and EP 1
 
-__all__ = ["KINDS", "STAT_KEYS", "TRANSPORTS", "TransportConfig", "drop_fractions", "drop_stats",
-           "drop_totals", "expert_cells", "make_transport_fn", "pooled_wave",
-           "ragged", "waterfill"]
+__all__ = ["DROPLESS", "TRANSPORTS", "BufferRows", "DropCounts", "Transport", "check_config",
+           "drop_fractions", "drop_totals", "get", "make_transport_fn", "training_transport"]
 
 
-def make_transport_fn(mesh, cfg: TransportConfig):
-    """``fn(z_NH, expert_NK, weight_NK, weights, valid_NK=None) -> (out_NH, stats)`` on global
-    arrays: tokens sharded over ("data", "expert"), expert weights [E, ...] over "expert".
+def get(name: str) -> Transport:
+    if name not in TRANSPORTS:
+        raise ConfigError(f"parallel.transport={name!r}: must be one of {', '.join(TRANSPORTS)}")
+    return TRANSPORTS[name]
 
-    stats: {"assignments", "sender_dropped", "receiver_dropped"}, each int32 [n_devices] (one
-    count per device; sum them, in int64 on the host via ``drop_totals``).
-    ``valid_NK`` marks real assignments (padding tokens: False) so padding takes no capacity;
-    None = all valid.
+
+def training_transport(par: ParallelConfig) -> str:
+    """The transport a training step uses. With EP 1 nothing travels between ranks (pure data
+    parallelism), so nothing may drop: the dropless one, whatever ``parallel.transport`` says,
+    and none of the configured transport's checks apply. The one place this rule lives."""
+    return par.transport if par.expert > 1 else DROPLESS
+
+
+def check_config(cfg: RunConfig) -> RunConfig:
+    """The checks of the transports a run uses (the training one and the dropless one that
+    evaluates), with errors naming the ``parallel.*`` field; the configured transport's own
+    checks (e.g. waves dividing the local experts) do not apply at EP 1, where it never runs."""
+    par = cfg.parallel
+    get(par.transport)
+    for name in dict.fromkeys((training_transport(par), DROPLESS)):
+        TRANSPORTS[name].check(par, cfg.model.n_experts // par.expert)
+    return cfg
+
+
+def make_transport_fn(mesh, par: ParallelConfig, kernel: tuple[str, int] | None = None,
+                      name: str | None = None):
+    """``fn(z_NH, expert_NK, weight_NK, weights, valid_NK=None) -> (out_NH, DropCounts)`` on
+    global arrays: tokens sharded over ("data", "expert"), expert weights [E, ...] over "expert".
+
+    ``name`` defaults to ``par.transport``; ``kernel`` is the grouped expert compute (kernel,
+    block rows), default the model config's default. The counts are int32 [n_devices] (one per
+    device; sum them in int64 on the host with ``drop_totals``). ``valid_NK`` marks real
+    assignments (padding tokens: False) so padding takes no capacity; None = all valid.
     """
-    cfg.validate()
-    per_rank = TRANSPORTS[cfg.kind]
+    t = get(name or par.transport)
+    kernel = kernel or grouped_kernel(ModelConfig())
     n_dev = mesh.devices.size
     S = mesh.shape[EXPERT]
 
@@ -63,13 +88,13 @@ def make_transport_fn(mesh, cfg: TransportConfig):
             # them data-varying once here makes that one psum at this boundary, not one per use
             # (pooled_wave uses them in each of its W waves).
             w = jax.tree.map(lambda x: jax.lax.pcast(x, DATA, to="varying"), w)
-            out, stats = per_rank(z, expert, weight, w, n_experts=E, cfg=cfg, valid_TK=valid,
-                                  axis=EXPERT)
-            return out, {k: v.reshape(1) for k, v in stats.items()}
+            out, stats = t.run(z, expert, weight, w, n_experts=E, par=par, kernel=kernel,
+                               valid_TK=valid, axis=EXPERT)
+            return out, DropCounts(*(v.reshape(1) for v in stats))
 
         tok = batch_spec(2)
         w_specs = {k: expert_weight_spec(v.ndim) for k, v in weights.items()}
-        stat_specs = {k: per_device_spec() for k in STAT_KEYS}
+        stat_specs = DropCounts(*(per_device_spec(),) * 3)
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, tok, w_specs),
                                out_specs=(tok, stat_specs))
         return mapped(z_NH, expert_NK, weight_NK, valid_NK, weights)

@@ -1,49 +1,60 @@
-"""Pieces shared by every transport: config, capacities, ranking, gathers with gathering VJPs,
-the expert compute, in-band id encoding and drop accounting.
+"""What the transports share beyond the expert compute: the registry entry, capacities,
+in-band id encoding and the assignment arrays. Sorting, grouped SwiGLU, the gathering VJPs and
+drop counts live in ``moelab.model.experts`` (single-device MoE uses them too).
 
 Conventions (per expert-parallel rank, inside ``shard_map`` over the "expert" axis):
 T tokens, k routes, A = T*k assignments (assignment a = t*k + j), E experts, S ranks,
 E_l = E/S local experts (global expert e lives on rank e // E_l as local expert e % E_l).
-Index maps use an out-of-range sentinel (the size of the indexed axis) for "none"; gathers
-fill zeros there, so empty slots carry zeros and contribute nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("expert_cells", "pooled_wave", "ragged", "waterfill")
-STAT_KEYS = ("assignments", "sender_dropped", "receiver_dropped")
+from moelab.config import ConfigError, ParallelConfig
+
+
+class BufferRows(NamedTuple):
+    """Rows of H-wide buffers one rank allocates for one MoE layer (the memory formula).
+
+    kept: held from dispatch until the layer's backward (arrived payload, returned rows);
+    send / back: one wave's send payload and returned rows; bank: one wave's receiver bank
+    (each bank row also carries gate/up/hidden activations); waves: sequential waves."""
+
+    kept: int
+    send: int
+    bank: int
+    back: int
+    waves: int = 1
 
 
 @dataclass(frozen=True)
-class TransportConfig:
-    kind: str = "pooled_wave"  # one of KINDS
-    capacity_factor: float = 1.25  # expert_cells: rows per (source, expert); waterfill: per expert
-    sender_cf: float = 1.10  # pooled_wave: rows per (source, destination) per wave
-    receiver_cf: float = 1.15  # pooled_wave: rows per local expert per wave
-    waves: int = 3  # pooled_wave: sequential waves (E_l must be divisible by it)
-    ragged_impl: str = "auto"  # ragged/waterfill: "auto" | "native" | "emulated" (CPU)
-    kernel: str = "blocks"  # dropless expert compute: "blocks" (padded-block einsum) | "ragged"
-    block: int = 32  # rows per block of the blocks kernel
+class Transport:
+    """One expert-parallel transport, as the registry (``moelab.parallel.transport``) holds it.
 
-    def validate(self, p: str = "transport") -> "TransportConfig":
-        if self.kind not in KINDS:
-            raise ValueError(f"{p}.kind={self.kind!r}: must be one of {', '.join(KINDS)}")
-        for name in ("capacity_factor", "sender_cf", "receiver_cf"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{p}.{name}: must be > 0")
-        if self.waves < 1:
-            raise ValueError(f"{p}.waves: must be >= 1")
-        if self.kernel not in ("blocks", "ragged") or self.block < 1:
-            raise ValueError(f"{p}.kernel/block: kernel must be 'blocks' or 'ragged', block >= 1")
-        if self.ragged_impl not in ("auto", "native", "emulated"):
-            raise ValueError(f"{p}.ragged_impl: must be 'auto', 'native' or 'emulated'")
-        return self
+    run: the per-rank function, ``run(z_TH, expert_TK, weight_TK, w_local, *, n_experts, par,
+      kernel, valid_TK, axis) -> (out_TH, DropCounts)``, called inside shard_map;
+    rows: ``rows(par, A, S, E_l, H) -> BufferRows``, the buffers ``run`` allocates for A
+      assignments on each of S ranks with E_l local experts and H-wide rows (moelab plan);
+    fields: the ``parallel.*`` fields it reads (``moelab plan`` sweeps the capacity ones);
+    check: ``check(par, n_local)`` raises ConfigError naming the ``parallel.*`` field to fix."""
+
+    name: str
+    run: Callable
+    rows: Callable[[ParallelConfig, int, int, int, int], BufferRows]
+    fields: tuple[str, ...]
+    check: Callable[[ParallelConfig, int], None] = lambda par, n_local: None
+
+
+def require(cond: bool, field: str, msg: str) -> None:
+    """A transport's config check: the message names the ``parallel.*`` field and the fix."""
+    if not cond:
+        raise ConfigError(f"parallel.{field}: {msg}")
 
 
 # ----------------------------------------------------------------------------- capacities
@@ -62,151 +73,6 @@ def logical_capacity(cf: float, n_valid, groups: int, physical: int):
     """The limit actually applied: follows the valid count (padding never steals capacity) and
     never exceeds the physical buffer."""
     return jnp.minimum(capacity(cf, n_valid, groups), physical)
-
-
-# ----------------------------------------------------------------------------- ranking / maps
-
-def rank_in_group(group_A, n_groups: int, key_A=None):
-    """Rank of each element among the elements of its group, ordered by ``key_A`` then index
-    (stable). ``group == n_groups`` is the "none" group. Returns (rank_A, count per group)."""
-    A = group_A.shape[0]
-    order = jnp.argsort(group_A, stable=True) if key_A is None else jnp.lexsort((key_A, group_A))
-    counts = jnp.bincount(group_A, length=n_groups + 1)
-    start = jnp.cumsum(counts) - counts
-    rank_sorted = jnp.arange(A, dtype=jnp.int32) - start[group_A[order]].astype(jnp.int32)
-    rank = jnp.zeros((A,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
-    return rank, counts[:n_groups].astype(jnp.int32)
-
-
-def invert(pos_A, size: int):
-    """Slot -> element map from an element -> slot map (slot ``size`` = not placed; result
-    ``A`` = empty slot)."""
-    A = pos_A.shape[0]
-    empty = jnp.full((size,), A, jnp.int32)
-    return empty.at[pos_A].set(jnp.arange(A, dtype=jnp.int32), mode="drop")
-
-
-def _take(x, idx):
-    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
-
-
-# ----------------------------------------------------------------------------- gathers
-
-@jax.custom_vjp
-def gather_rows(x_NH, src_M, pos_NK):
-    """out[m] = x[src[m]] (zeros where src[m] is out of range).
-
-    ``pos_NK`` is the inverse map: the slots row n was copied to (out of range = none), so the
-    backward is a gather too, dx[n] = sum_j g[pos[n, j]], instead of the scatter-add that XLA
-    would emit as the transpose of a gather. Covers dispatch (k slots per token) and the
-    one-to-one compact/expand maps (k = 1).
-    """
-    return _take(x_NH, src_M)
-
-
-def _gather_rows_fwd(x_NH, src_M, pos_NK):
-    return _take(x_NH, src_M), (src_M, pos_NK)
-
-
-def _gather_rows_bwd(res, g_MH):
-    src_M, pos_NK = res
-    N, K = pos_NK.shape
-    g = _take(g_MH, pos_NK.reshape(-1)).reshape(N, K, -1)
-    dx = g.astype(jnp.float32).sum(axis=1) if K > 1 else g[:, 0]
-    return dx.astype(g_MH.dtype), None, None
-
-
-gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
-
-
-@jax.custom_vjp
-def combine_rows(y_MH, weight_TK, pos_TK, src_M):
-    """out[t] = sum_j weight[t, j] * y[pos[t, j]] in float32 (a missing slot gives 0).
-
-    ``src_M`` is the assignment (t*k + j) held by each slot (out of range = none): the backward
-    gathers dy[m] = weight[src[m]] * g[src[m] // k]; the combine-weight gradient is a dot
-    product of g with the slot's row.
-    """
-    return _combine_fwd(y_MH, weight_TK, pos_TK, src_M)[0]
-
-
-def _routes(y_MH, pos_TK):
-    T, K = pos_TK.shape
-    return _take(y_MH, pos_TK.reshape(-1)).reshape(T, K, -1).astype(jnp.float32)
-
-
-def _combine_fwd(y_MH, weight_TK, pos_TK, src_M):
-    out = jnp.einsum("tkh,tk->th", _routes(y_MH, pos_TK), weight_TK.astype(jnp.float32))
-    return out, (y_MH, weight_TK, pos_TK, src_M)
-
-
-def _combine_bwd(res, g_TH):
-    y_MH, weight_TK, pos_TK, src_M = res
-    T, K = pos_TK.shape
-    g32 = g_TH.astype(jnp.float32)
-    w_at_slot = _take(weight_TK.reshape(-1).astype(jnp.float32), src_M)
-    g_at_slot = _take(g32, jnp.where(src_M < T * K, src_M // K, T))
-    dy = (w_at_slot[:, None] * g_at_slot).astype(y_MH.dtype)
-    dw = jnp.einsum("tkh,th->tk", _routes(y_MH, pos_TK), g32).astype(weight_TK.dtype)
-    return dy, dw, None, None
-
-
-combine_rows.defvjp(_combine_fwd, _combine_bwd)
-
-
-# ----------------------------------------------------------------------------- expert compute
-
-def swiglu_bank(x_ERH, w):
-    """SwiGLU on a bank of rows per local expert: batched einsums, empty rows compute on zeros."""
-    g = jnp.einsum("erh,ehi->eri", x_ERH, w["w_gate"])
-    u = jnp.einsum("erh,ehi->eri", x_ERH, w["w_up"])
-    return jnp.einsum("eri,eih->erh", jax.nn.silu(g) * u, w["w_down"])
-
-
-def grouped_swiglu(x_RH, local_R, n_local: int, w, kernel: str = "blocks", block: int = 32):
-    """SwiGLU on rows with arbitrary per-expert counts (dropless); ``local == n_local`` marks an
-    empty row (output 0). Rows are sorted by expert (stable). ``kernel="ragged"``: ``ragged_dot``.
-    ``"blocks"`` (the default, see ``moelab.model.moe.resolve_impl``): each expert's rows padded
-    to whole blocks of ``block`` rows and one batched einsum (every row goes through the same
-    [block, H] x [H, I] product whatever the number of experts per rank, so results do not depend
-    on the expert-parallel degree)."""
-    R = x_RH.shape[0]
-    order = jnp.argsort(local_R, stable=True)
-    counts = jnp.bincount(local_R, length=n_local + 1)[:n_local].astype(jnp.int32)
-    start = jnp.cumsum(counts) - counts
-    sorted_local = local_R[order]
-    if kernel == "ragged":
-        pos_R = jnp.arange(R, dtype=jnp.int32)  # sorted position = row of the ragged_dot input
-        n_rows = R
-    else:
-        padded = -(-counts // block) * block
-        pad_start = jnp.cumsum(padded) - padded
-        e = jnp.minimum(sorted_local, n_local - 1)
-        pos_R = jnp.where(sorted_local < n_local,
-                          pad_start[e] + jnp.arange(R, dtype=jnp.int32) - start[e], 0)
-        n_blocks = -(-R // block) + n_local  # enough for sum_e ceil(count_e / block)
-        n_rows = n_blocks * block
-    n_valid = counts.sum()
-    valid_sorted = jnp.arange(R) < n_valid
-    # row r of the input -> its row in the expert-sorted (padded) layout, and the inverse
-    dst_R = jnp.zeros((R,), jnp.int32).at[order].set(jnp.where(valid_sorted, pos_R, n_rows),
-                                                     unique_indices=True)
-    src = invert(dst_R, n_rows)
-    xs = gather_rows(x_RH, src, dst_R[:, None])  # one-to-one both ways: gathering VJP
-    if kernel == "ragged":
-        g = jax.lax.ragged_dot(xs, w["w_gate"], counts)
-        u = jax.lax.ragged_dot(xs, w["w_up"], counts)
-        ys = jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(xs.dtype), w["w_down"], counts)
-    else:
-        bounds = jnp.cumsum(-(-counts // block) * block)
-        blk_e = jnp.minimum(jnp.searchsorted(bounds, jnp.arange(n_blocks) * block,
-                                             side="right"), n_local - 1)
-        # Per-block weights by a one-hot product, whose transpose is a matmul (a gather
-        # w[blk_e] would transpose to a scatter-add into the weight gradient).
-        onehot = jax.nn.one_hot(blk_e, n_local, dtype=w["w_gate"].dtype)
-        wb = {k: jnp.einsum("be,e...->b...", onehot, v) for k, v in w.items()}
-        ys = swiglu_bank(xs.reshape(n_blocks, block, -1), wb).reshape(n_rows, -1)
-    return gather_rows(ys.astype(x_RH.dtype), dst_R, src[:, None])
 
 
 # ----------------------------------------------------------------------------- in-band ids
@@ -248,35 +114,6 @@ def decode_ids(header_SMH, n_slots: int, max_id: int):
     return sum(dig[..., d] << (8 * d) for d in range(D))
 
 
-# ----------------------------------------------------------------------------- drop accounting
-
-def drop_stats(assignments, sender_dropped, receiver_dropped) -> dict:
-    """The one place drop counts are assembled: int32 counts of this rank's share.
-
-    ``assignments`` and ``sender_dropped`` are counted at the source, ``receiver_dropped`` at
-    the destination; summed over all ranks they give the totals.
-    """
-    as_i32 = lambda x: jnp.asarray(x, jnp.int32)
-    return {"assignments": as_i32(assignments), "sender_dropped": as_i32(sender_dropped),
-            "receiver_dropped": as_i32(receiver_dropped)}
-
-
-def drop_fractions(stats: dict) -> dict:
-    """Metrics from (possibly per-device / per-layer stacked) counts; jit-safe (float32 sums).
-    Keys follow the metric names: drop_fraction, sender_drop_fraction, receiver_drop_fraction."""
-    n = jnp.maximum(jnp.sum(stats["assignments"].astype(jnp.float32), axis=-1), 1.0)
-    s = jnp.sum(stats["sender_dropped"].astype(jnp.float32), axis=-1) / n
-    r = jnp.sum(stats["receiver_dropped"].astype(jnp.float32), axis=-1) / n
-    return {"drop_fraction": s + r, "sender_drop_fraction": s, "receiver_drop_fraction": r}
-
-
-def drop_totals(stats: dict) -> dict:
-    """Host side: exact totals summed in int64 over every axis."""
-    out = {k: int(np.asarray(stats[k]).astype(np.int64).sum()) for k in STAT_KEYS}
-    out["dropped"] = out["sender_dropped"] + out["receiver_dropped"]
-    return out
-
-
 # ----------------------------------------------------------------------------- misc
 
 def assignment_arrays(expert_TK, valid_TK):
@@ -285,8 +122,3 @@ def assignment_arrays(expert_TK, valid_TK):
     valid_A = (jnp.ones(expert_A.shape, bool) if valid_TK is None
                else valid_TK.reshape(-1).astype(bool))
     return expert_A, valid_A
-
-
-def token_of(src_M, k: int, A: int):
-    """Token index of the assignment in each slot (out of range where the slot is empty)."""
-    return jnp.where(src_M < A, src_M // k, A // k)

@@ -25,12 +25,13 @@ def skewed_routing(n_sources: int, T: int, E: int, k: int, seed: int = 0, zipf: 
 
 def measure_drops(cfgs: dict, ep: int = 8, T: int = 256, E: int = 48, k: int = 4, H: int = 16,
                   I: int = 8, seed: int = 0, zipf: float = 0.6, source_pref: float = 0.8) -> dict:
-    """{name: drop_totals} for each TransportConfig in ``cfgs`` on the same skewed routing."""
+    """{name: drop_totals} for each ParallelConfig in ``cfgs`` on the same skewed routing."""
     import jax
     import jax.numpy as jnp
 
     from moelab.parallel.mesh import make_mesh
-    from moelab.parallel.transport import drop_totals, make_transport_fn
+    from moelab.model.experts import drop_totals
+    from moelab.parallel.transport import make_transport_fn
 
     n_dev = len(jax.devices())
     mesh = make_mesh(expert=ep)
@@ -49,7 +50,7 @@ def measure_drops(cfgs: dict, ep: int = 8, T: int = 256, E: int = 48, k: int = 4
 def main() -> None:
     import argparse
 
-    from moelab.parallel.transport import TransportConfig
+    from moelab.config import ParallelConfig
 
     ap = argparse.ArgumentParser(description="drop rates of the capacity-limited transports")
     ap.add_argument("--zipf", type=float, default=0.6, help="global expert popularity skew")
@@ -58,9 +59,10 @@ def main() -> None:
     args = ap.parse_args()
     print(f"{'cf':>5} {'transport':>12} {'sender':>8} {'receiver':>9} {'total':>8}")
     for cf in (1.05, 1.10, 1.25):
-        cfgs = {"pooled_wave": TransportConfig("pooled_wave", sender_cf=cf, receiver_cf=cf),
-                "waterfill": TransportConfig("waterfill", capacity_factor=cf),
-                "expert_cells": TransportConfig("expert_cells", capacity_factor=cf)}
+        cfgs = {"pooled_wave": ParallelConfig(transport="pooled_wave", sender_cf=cf,
+                                              receiver_cf=cf),
+                "waterfill": ParallelConfig(transport="waterfill", capacity_factor=cf),
+                "expert_cells": ParallelConfig(transport="expert_cells", capacity_factor=cf)}
         drops = measure_drops(cfgs, zipf=args.zipf, source_pref=args.source_pref)
         for name, t in drops.items():
             n = t["assignments"]

@@ -12,9 +12,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moelab.config import ParallelConfig
+from moelab.model.experts import (
+    DropCounts, combine_rows, gather_rows, invert, rank_in_group, swiglu_bank, token_of)
 from moelab.parallel.transport.common import (
-    TransportConfig, assignment_arrays, capacity, combine_rows, drop_stats, gather_rows, invert,
-    logical_capacity, rank_in_group, swiglu_bank, token_of)
+    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require)
+
+
+def check(par: ParallelConfig, n_local: int) -> None:
+    require(par.capacity_factor > 0, "capacity_factor", "must be > 0")
+
+
+def rows(par: ParallelConfig, A: int, S: int, E_l: int, H: int) -> BufferRows:
+    """E cells of c rows sent, arrived (the bank) and returned; payload and return are kept."""
+    n = S * E_l * capacity(par.capacity_factor, A, S * E_l)
+    return BufferRows(kept=2 * n, send=n, bank=n, back=n)
 
 
 @jax.checkpoint
@@ -26,19 +38,20 @@ def cells_compute(x_arr_SLCH, w):
     return y.reshape(L, S, c, H).transpose(1, 0, 2, 3)
 
 
-def expert_cells(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: TransportConfig,
-                 valid_TK=None, axis: str = "expert"):
-    """Per-rank expert-cells transport; call inside shard_map over ``axis``."""
+def expert_cells(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
+                 kernel=None, valid_TK=None, axis: str = "expert"):
+    """Per-rank expert-cells transport; call inside shard_map over ``axis`` (fixed cells:
+    ``kernel`` is unused)."""
     T, H = z_TH.shape
     k = expert_TK.shape[1]
     A = T * k
     S = jax.lax.axis_size(axis)
     E_l = n_experts // S
-    c = capacity(cfg.capacity_factor, A, n_experts)
+    c = capacity(par.capacity_factor, A, n_experts)
 
     expert_A, valid_A = assignment_arrays(expert_TK, valid_TK)
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
-    c_l = logical_capacity(cfg.capacity_factor, n_valid, n_experts, c)
+    c_l = logical_capacity(par.capacity_factor, n_valid, n_experts, c)
     r_A, _ = rank_in_group(jnp.where(valid_A, expert_A, n_experts), n_experts)
     kept_A = valid_A & (r_A < c_l)
     # Global expert e = d * E_l + l, so expert-major cells are already destination-major.
@@ -51,5 +64,8 @@ def expert_cells(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: Tr
     back = jax.lax.all_to_all(y.reshape(S, E_l * c, H), axis, 0, 0, tiled=True)
     out = combine_rows(back.reshape(S * E_l * c, H), weight_TK, pos_A.reshape(T, k), src_M)
 
-    stats = drop_stats(n_valid, n_valid - jnp.sum(kept_A), 0)
+    stats = DropCounts.of(n_valid, n_valid - jnp.sum(kept_A), 0)
     return out.astype(z_TH.dtype), stats
+
+
+TRANSPORT = Transport("expert_cells", expert_cells, rows, ("capacity_factor",), check)

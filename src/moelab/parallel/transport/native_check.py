@@ -15,9 +15,10 @@ import numpy as np
 
 
 def main(T: int = 64, H: int = 32, I: int = 16, k: int = 4) -> None:
-    from moelab.model.moe import experts_dense
+    from moelab.config import ParallelConfig
+    from moelab.model.experts import drop_totals, experts_dense
     from moelab.parallel.mesh import make_mesh
-    from moelab.parallel.transport import TransportConfig, drop_totals, make_transport_fn
+    from moelab.parallel.transport import make_transport_fn
 
     n = len(jax.devices())
     E = 8 * n
@@ -41,11 +42,11 @@ def main(T: int = 64, H: int = 32, I: int = 16, k: int = 4) -> None:
             return out, stats, vjp(g)
         return run
 
-    dense = runner(lambda *a: (experts_dense(*a), {}))(z, weight, w)
+    dense = runner(lambda *a: (experts_dense(*a), None))(z, weight, w)
     for kind, cf in (("ragged", 1.0), ("waterfill", 8.0), ("waterfill", 1.0)):
         res = {}
         for impl in ("native", "emulated"):
-            cfg = TransportConfig(kind, capacity_factor=cf, ragged_impl=impl)
+            cfg = ParallelConfig(transport=kind, capacity_factor=cf, ragged_impl=impl)
             res[impl] = runner(make_transport_fn(mesh, cfg))(z, weight, w)
         diff = lambda a, b: max(float(jnp.max(jnp.abs(x - y)))
                                 for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))

@@ -1,6 +1,7 @@
-"""Pooled-wave transport (TRANSPORT.md, "Pooled-wave"): one pool per destination rank shared by
-its E_l experts, dealt round-robin into W waves of identical shape, expert ids in-band as header
-rows, a sender limit (cf_s) and a receiver limit (cf_r) with drops counted separately.
+"""Pooled-wave transport (docs/transport.md, "Pooled-wave: forward"): one pool per destination
+rank shared by its E_l experts, dealt round-robin into W waves of identical shape, expert ids
+in-band as header rows, a sender limit (cf_s) and a receiver limit (cf_r) with drops counted
+separately.
 
 Per wave: dispatch all_to_all [S, M + P, H] -> receiver gate -> compact [E_l, R, H] -> SwiGLU ->
 expand -> return all_to_all [S, P, H] -> fp32 combine. Forward: 2W all_to_alls; gradient: 4W
@@ -13,16 +14,30 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moelab.config import ParallelConfig
+from moelab.model.experts import (
+    DropCounts, combine_rows, gather_rows, invert, rank_in_group, swiglu_bank, token_of)
 from moelab.parallel.transport.common import (
-    TransportConfig, assignment_arrays, capacity, check_payload_dtype, combine_rows, decode_ids,
-    drop_stats, encode_ids, gather_rows, header_rows, invert, logical_capacity, rank_in_group,
-    swiglu_bank, token_of)
+    BufferRows, Transport, assignment_arrays, capacity, check_payload_dtype, decode_ids,
+    encode_ids, header_rows, logical_capacity, require)
 
 
-def check_waves(n_local: int, waves: int) -> None:
-    if n_local % waves:
-        raise ValueError(f"pooled_wave: local experts E_l={n_local} must be divisible by "
-                         f"waves={waves}; change parallel.waves or parallel.expert")
+def check(par: ParallelConfig, n_local: int) -> None:
+    require(par.sender_cf > 0, "sender_cf", "must be > 0")
+    require(par.receiver_cf > 0, "receiver_cf", "must be > 0")
+    require(par.waves >= 1, "waves", "must be >= 1")
+    require(n_local % par.waves == 0, "waves",
+            f"local experts E_l={n_local} must be divisible by waves={par.waves} (pooled_wave); "
+            "change parallel.waves or parallel.expert")
+
+
+def rows(par: ParallelConfig, A: int, S: int, E_l: int, H: int) -> BufferRows:
+    """Per wave: S pools of M header + P rows sent, E_l * R bank rows, S * P rows returned;
+    every wave's payload and returned rows are kept for the backward."""
+    W = par.waves
+    P, R = capacity(par.sender_cf, A, S * W), capacity(par.receiver_cf, A, E_l * W)
+    pool = S * (header_rows(P, E_l, H) + P)
+    return BufferRows(kept=W * (pool + S * P), send=pool, bank=E_l * R, back=S * P, waves=W)
 
 
 def sender_slots(dest_A, keep_valid_A, S: int, W: int):
@@ -62,8 +77,8 @@ def wave_compute(x_arr_MH, cpos_M, csrc_C, w):
     return gather_rows(y_c, cpos_M, csrc_C[:, None])
 
 
-def pooled_wave(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: TransportConfig,
-                valid_TK=None, axis: str = "expert"):
+def pooled_wave(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
+                kernel=None, valid_TK=None, axis: str = "expert"):
     """Per-rank pooled-wave transport; call inside shard_map over ``axis``.
     Returns (out [T, H] in z's dtype, drop stats)."""
     T, H = z_TH.shape
@@ -71,17 +86,17 @@ def pooled_wave(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: Tra
     A = T * k
     S = jax.lax.axis_size(axis)
     E_l = n_experts // S
-    W = cfg.waves
-    check_waves(E_l, W)
+    W = par.waves
+    check(par, E_l)
     check_payload_dtype(z_TH.dtype)
-    P = capacity(cfg.sender_cf, A, S * W)
-    R = capacity(cfg.receiver_cf, A, E_l * W)
+    P = capacity(par.sender_cf, A, S * W)
+    R = capacity(par.receiver_cf, A, E_l * W)
     M = header_rows(P, E_l, H)
 
     expert_A, valid_A = assignment_arrays(expert_TK, valid_TK)
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
-    P_l = logical_capacity(cfg.sender_cf, n_valid, S * W, P)
-    R_l = logical_capacity(cfg.receiver_cf, jax.lax.psum(n_valid, axis), n_experts * W, R)
+    P_l = logical_capacity(par.sender_cf, n_valid, S * W, P)
+    R_l = logical_capacity(par.receiver_cf, jax.lax.psum(n_valid, axis), n_experts * W, R)
 
     dest_A = expert_A // E_l
     wave_A, slot_A = sender_slots(dest_A, valid_A, S, W)
@@ -106,5 +121,9 @@ def pooled_wave(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: Tra
         back = jax.lax.all_to_all(y_arr.reshape(S, P, H), axis, 0, 0, tiled=True)
         out = out + combine_rows(back.reshape(S * P, H), weight_TK, pos_A.reshape(T, k), src_M)
 
-    stats = drop_stats(n_valid, n_valid - jnp.sum(sent_A), receiver_dropped)
+    stats = DropCounts.of(n_valid, n_valid - jnp.sum(sent_A), receiver_dropped)
     return out.astype(z_TH.dtype), stats
+
+
+TRANSPORT = Transport("pooled_wave", pooled_wave, rows, ("sender_cf", "receiver_cf", "waves"),
+                      check)

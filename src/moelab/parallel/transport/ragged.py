@@ -17,16 +17,28 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from moelab.parallel.transport.common import (
-    TransportConfig, assignment_arrays, combine_rows, drop_stats, gather_rows, grouped_swiglu,
-    invert, rank_in_group, token_of)
+from moelab.config import ParallelConfig
+from moelab.model.experts import (
+    DropCounts, combine_rows, gather_rows, grouped_swiglu, invert, rank_in_group, token_of)
+from moelab.parallel.transport.common import BufferRows, Transport, assignment_arrays, require
 
 
-def use_native(cfg: TransportConfig) -> bool:
+def check(par: ParallelConfig, n_local: int) -> None:
+    require(par.ragged_impl in ("auto", "native", "emulated"), "ragged_impl",
+            "must be auto, native or emulated")
+
+
+def use_native(par: ParallelConfig) -> bool:
     """``ragged_all_to_all`` on accelerators; the all_to_all emulation on CPU (or when asked)."""
-    if cfg.ragged_impl == "auto":
+    if par.ragged_impl == "auto":
         return jax.default_backend() != "cpu"
-    return cfg.ragged_impl == "native"
+    return par.ragged_impl == "native"
+
+
+def rows(par: ParallelConfig, A: int, S: int, E_l: int, H: int) -> BufferRows:
+    """Counted as the native exchange with a grouped kernel: A rows sent and returned, a
+    receive buffer sized for the worst case S * A (every source's rows on this rank)."""
+    return BufferRows(kept=S * A + A, send=A, bank=S * A, back=A)
 
 
 def _exclusive_cumsum(x, axis=0):
@@ -90,7 +102,7 @@ def _emulated_exchange(z_TH, dest_A, local_A, sent_A, r_A, w_local, kernel, k, p
 
 def ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, *, n_experts: int,
                     recv_rows: int, peer_rows: int, native: bool, axis: str, counts_SS=None,
-                    kernel: tuple = ("blocks", 32)):
+                    kernel: tuple = ("blocks", 128)):
     """Send the assignments marked ``sent_A`` to their experts, compute, return, combine (fp32).
 
     ``recv_rows``: receive buffer of the native op (the most rows any rank can receive);
@@ -113,16 +125,20 @@ def ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, *, n_experts: in
     return combine_rows(back, weight_TK, pos_A.reshape(T, k), src_M)
 
 
-def ragged(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: TransportConfig,
-           valid_TK=None, axis: str = "expert"):
-    """Per-rank dropless transport; call inside shard_map over ``axis``."""
+def ragged(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
+           kernel: tuple = ("blocks", 128), valid_TK=None, axis: str = "expert"):
+    """Per-rank dropless transport; call inside shard_map over ``axis``. ``kernel``: (grouped
+    kernel, block rows) of the expert compute (``moelab.model.experts.grouped_kernel``)."""
     T = z_TH.shape[0]
     A = T * expert_TK.shape[1]
     S = jax.lax.axis_size(axis)
     expert_A, valid_A = assignment_arrays(expert_TK, valid_TK)
     # Worst case: every assignment of every source lands on one rank.
     out = ragged_exchange(z_TH, expert_A, valid_A, weight_TK, w_local, n_experts=n_experts,
-                          recv_rows=S * A, peer_rows=A, native=use_native(cfg), axis=axis,
-                          kernel=(cfg.kernel, cfg.block))
+                          recv_rows=S * A, peer_rows=A, native=use_native(par), axis=axis,
+                          kernel=kernel)
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
-    return out.astype(z_TH.dtype), drop_stats(n_valid, 0, 0)
+    return out.astype(z_TH.dtype), DropCounts.of(n_valid)
+
+
+TRANSPORT = Transport("ragged", ragged, rows, ("ragged_impl",), check)

@@ -1,5 +1,6 @@
-"""Waterfilling acceptance (TRANSPORT.md, "Waterfilling acceptance"): one global decision from the
-all-gathered per-(source, expert) counts, then a ragged exchange of the accepted rows only.
+"""Waterfilling acceptance (docs/transport.md, "Waterfilling acceptance"): one global decision
+from the all-gathered per-(source, expert) counts, then a ragged exchange of the accepted rows
+only.
 
 1. cap = ceil(cf * valid assignments of the EP group / E) rows per expert.
 2. Each expert keeps min(count, cap); the slack of its budget group (the E_l experts of one
@@ -21,9 +22,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from moelab.config import ParallelConfig
+from moelab.model.experts import DropCounts, rank_in_group
+from moelab.parallel.transport import ragged
 from moelab.parallel.transport.common import (
-    TransportConfig, assignment_arrays, capacity, drop_stats, logical_capacity, rank_in_group)
+    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require)
 from moelab.parallel.transport.ragged import ragged_exchange, use_native
+
+
+def check(par: ParallelConfig, n_local: int) -> None:
+    require(par.capacity_factor > 0, "capacity_factor", "must be > 0")
+    ragged.check(par, n_local)
+
+
+def rows(par: ParallelConfig, A: int, S: int, E_l: int, H: int) -> BufferRows:
+    """Counted as the native exchange: accepted rows only, at most E_l * cap arrive."""
+    recv = E_l * capacity(par.capacity_factor, A, E_l)
+    return BufferRows(kept=recv + A, send=A, bank=recv, back=A)
 
 
 def expert_keep_E(count_E, cap, group: int):
@@ -51,8 +66,8 @@ def source_share_SE(count_SE, keep_E, max_count: int):
     return base + (above & (jnp.cumsum(above, axis=0) <= rest[None]))
 
 
-def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: TransportConfig,
-              valid_TK=None, axis: str = "expert"):
+def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
+              kernel: tuple = ("blocks", 128), valid_TK=None, axis: str = "expert"):
     """Per-rank waterfilling transport; call inside shard_map over ``axis``."""
     T = z_TH.shape[0]
     A = T * expert_TK.shape[1]
@@ -62,8 +77,8 @@ def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: Trans
     group_A = jnp.where(valid_A, expert_A, n_experts)
     r_A, count_E = rank_in_group(group_A, n_experts)
     count_SE = jax.lax.all_gather(count_E, axis)
-    cap = capacity(cfg.capacity_factor, A, E_l)  # = ceil(cf * S * A / E): physical per expert
-    cap_l = logical_capacity(cfg.capacity_factor, count_SE.sum(), n_experts, cap)
+    cap = capacity(par.capacity_factor, A, E_l)  # = ceil(cf * S * A / E): physical per expert
+    cap_l = logical_capacity(par.capacity_factor, count_SE.sum(), n_experts, cap)
     keep_E = expert_keep_E(count_SE.sum(axis=0), cap_l, E_l)
     share_SE = source_share_SE(count_SE, keep_E, A)
     sent_A = valid_A & (r_A < jnp.take(share_SE[jax.lax.axis_index(axis)], expert_A))
@@ -71,8 +86,10 @@ def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, cfg: Trans
     # rank already knows what each source sends each destination.
     out = ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, n_experts=n_experts,
                           recv_rows=E_l * cap, peer_rows=min(A, E_l * cap),
-                          native=use_native(cfg), axis=axis,
-                          counts_SS=share_SE.reshape(S, S, E_l).sum(axis=-1),
-                          kernel=(cfg.kernel, cfg.block))
+                          native=use_native(par), axis=axis,
+                          counts_SS=share_SE.reshape(S, S, E_l).sum(axis=-1), kernel=kernel)
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
-    return out.astype(z_TH.dtype), drop_stats(n_valid, 0, n_valid - jnp.sum(sent_A))
+    return out.astype(z_TH.dtype), DropCounts.of(n_valid, 0, n_valid - jnp.sum(sent_A))
+
+
+TRANSPORT = Transport("waterfill", waterfill, rows, ("capacity_factor", "ragged_impl"), check)

@@ -1,0 +1,107 @@
+"""The data config: corpus, batch shape, domain mixture and the data operations of a run
+(mixture changes and context stages), with the segments of steps the sampler draws from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from moelab.config.errors import require
+
+
+@dataclass(frozen=True)
+class MixtureChange:
+    """New domain weights from ``step`` on (written by `moelab replan/branch --mixture`)."""
+
+    step: int
+    mixture: dict[str, float]
+
+
+@dataclass(frozen=True)
+class ContextStage:
+    """Sequences of ``seq_len`` tokens from ``step`` on; batch_size 0 keeps the tokens per
+    batch of data.seq_len x data.batch_size (so only the batch shape changes)."""
+
+    step: int
+    seq_len: int
+    batch_size: int = 0
+
+
+class DataSegment(NamedTuple):
+    """A stretch of steps over which the sampler draws the same kind of batch."""
+
+    start: int
+    seq_len: int
+    batch_size: int
+    mixture: dict[str, float]
+
+
+def _check_mixture(mixture: dict[str, float], p: str) -> None:
+    for k, v in mixture.items():
+        require(isinstance(v, (int, float)) and v >= 0, f"{p}.{k}", "weights must be numbers >= 0")
+    require(not mixture or sum(mixture.values()) > 0, p, "at least one weight must be > 0")
+
+
+def _check_increasing(steps: list[int], p: str) -> None:
+    for i, s in enumerate(steps):
+        require(s > (steps[i - 1] if i else 0), f"{p}[{i}].step",
+                "steps must be > 0 and strictly increasing (step 0 is the base config)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    data_dir: str = "data/builtin"  # corpus + tokenizer + token store live here
+    tokenizer: str = ""  # path to a tokenizer.json; "" = train a BPE into data_dir
+    seq_len: int = 256
+    batch_size: int = 32
+    # domain -> weight; empty = proportional to each domain's training tokens
+    mixture: dict[str, float] = field(default_factory=dict)
+    seed: int = 0
+    # run operations: new mixtures and longer contexts from given steps on (see segments())
+    mixture_schedule: list[MixtureChange] = field(default_factory=list)
+    context_stages: list[ContextStage] = field(default_factory=list)
+
+    def stage_batch(self, stage: ContextStage) -> int:
+        return stage.batch_size or self.seq_len * self.batch_size // stage.seq_len
+
+    def segments(self) -> list[DataSegment]:
+        """What the sampler draws, from step 0 on: one segment per change of mixture or context."""
+        starts = sorted({0, *(m.step for m in self.mixture_schedule),
+                         *(c.step for c in self.context_stages)})
+        out = []
+        for s in starts:
+            stage = next((c for c in reversed(self.context_stages) if c.step <= s), None)
+            mix = next((m.mixture for m in reversed(self.mixture_schedule) if m.step <= s),
+                       self.mixture)
+            out.append(DataSegment(s, stage.seq_len if stage else self.seq_len,
+                                   self.stage_batch(stage) if stage else self.batch_size, mix))
+        return out
+
+    def segment_at(self, step: int) -> DataSegment:
+        return next(g for g in reversed(self.segments()) if g.start <= step)
+
+    def tokens_before(self, step: int) -> int:
+        """Tokens trained by the first ``step`` steps (stages may change tokens per step)."""
+        segs = self.segments()
+        ends = [g.start for g in segs[1:]] + [max(step, segs[-1].start)]
+        return sum(g.seq_len * g.batch_size * max(0, min(step, end) - g.start)
+                   for g, end in zip(segs, ends))
+
+    def validate(self, p: str = "data") -> None:
+        require(self.seq_len > 0, f"{p}.seq_len", "must be > 0")
+        require(self.batch_size > 0, f"{p}.batch_size", "must be > 0")
+        _check_mixture(self.mixture, f"{p}.mixture")
+        _check_increasing([m.step for m in self.mixture_schedule], f"{p}.mixture_schedule")
+        for i, m in enumerate(self.mixture_schedule):
+            _check_mixture(m.mixture, f"{p}.mixture_schedule[{i}].mixture")
+            require(bool(m.mixture), f"{p}.mixture_schedule[{i}].mixture",
+                    "give the new domain weights, e.g. {prose: 0.7, code: 0.3}")
+        _check_increasing([c.step for c in self.context_stages], f"{p}.context_stages")
+        tokens = self.seq_len * self.batch_size
+        for i, c in enumerate(self.context_stages):
+            q = f"{p}.context_stages[{i}]"
+            require(c.seq_len > 0, f"{q}.seq_len", "must be > 0")
+            require(c.batch_size >= 0, f"{q}.batch_size", "must be >= 0 (0 = same tokens/batch)")
+            require(c.batch_size > 0 or tokens % c.seq_len == 0, f"{q}.seq_len",
+                    f"must divide the tokens per batch data.seq_len x data.batch_size={tokens} "
+                    "(tokens per batch stay constant), or set the stage's batch_size")

@@ -1,0 +1,170 @@
+"""Building a ``RunConfig``: from dicts (typed and checked field by field), YAML files, the
+bundled presets and dotted ``section.field=value`` overrides; saving one; and the field names
+the layers above share (operation fields, flattened field paths)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any, get_type_hints
+
+import yaml
+
+from moelab.config.errors import ConfigError
+from moelab.config.run import RunConfig
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix}: expected a mapping, got {type(data).__name__}")
+    hints = get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(f"{where}: unknown field; valid fields: "
+                          f"{', '.join(sorted(names))}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        raise ConfigError(f"{prefix}: missing field(s) {', '.join(missing)}")
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        where = f"{prefix}.{name}" if prefix else name
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, where)
+        else:
+            kwargs[name] = _coerce(value, hint, where)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if hint is float:
+        if isinstance(value, str):  # YAML reads 3e-3 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    if getattr(hint, "__origin__", None) is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping like {{name: weight}}, got {value!r}")
+        return {str(k): _coerce(v, float, f"{where}.{k}") for k, v in value.items()}
+    if getattr(hint, "__origin__", None) is list:  # a list of small dataclasses (operations)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        item = hint.__args__[0]
+        return [_build(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+def config_from_dict(data: dict[str, Any]) -> RunConfig:
+    return _build(RunConfig, data, "").validate()
+
+
+def preset_names() -> list[str]:
+    files = resources.files("moelab") / "presets"
+    return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def _read_yaml(source: str) -> dict[str, Any]:
+    path = Path(source)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.exists():
+            raise ConfigError(f"config file {source}: not found; give a YAML path or a preset "
+                              f"name ({', '.join(preset_names())})")
+        text = path.read_text()
+    else:
+        res = resources.files("moelab") / "presets" / f"{source}.yaml"
+        if not res.is_file():
+            raise ConfigError(f"config {source!r}: no such preset or file; presets: "
+                              f"{', '.join(preset_names())}")
+        text = res.read_text()
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config {source}: invalid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config {source}: top level must be a mapping of sections "
+                          "(model, data, optim, train)")
+    return data
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.field=value`` overrides (values parsed as YAML scalars)."""
+    data = json.loads(json.dumps(data))  # deep copy
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected section.field=value, "
+                              "e.g. train.steps=100")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if len(parts) < 2:
+            raise ConfigError(f"override {item!r}: key must be section.field, e.g. model.d_model")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part} is not a section")
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError:
+            node[parts[-1]] = raw
+    return data
+
+
+def load_config(source: str = "tiny", overrides: list[str] | None = None) -> RunConfig:
+    """Load a preset name or YAML file, apply dotted overrides, validate."""
+    return config_from_dict(apply_overrides(_read_yaml(source), overrides or []))
+
+
+def save_config(cfg: RunConfig, path: Path) -> None:
+    from moelab.util import atomic_write_text
+
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------
+# names shared by the layers above: config sources, field paths, operation fields
+
+# Config fields an operation (replan, branch) writes; a resume may change them only from its
+# step on.
+OPERATION_FIELDS = ("optim.decays", "data.mixture_schedule", "data.context_stages")
+
+
+def flatten_config(d: dict, prefix: str = "") -> dict:
+    """``{"train.steps": 100, ...}`` from a config dict: the field names resume checks and
+    reports compare (a mixture stays one field: its weights change together)."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and k != "mixture":
+            out.update(flatten_config(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def split_overrides(config: str | None, overrides: list[str]) -> tuple[str, list[str]]:
+    """Allow `moelab train train.steps=5` (no config given): a KEY=VALUE is never a config name."""
+    if config is not None and "=" in config:
+        return "tiny", [config, *overrides]
+    return config or "tiny", overrides

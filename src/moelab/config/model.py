@@ -1,0 +1,131 @@
+"""The model's config: transformer shape, attention variants, mixture of experts, numerics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moelab.config.errors import require
+
+
+CONV_SITES = ("q", "k", "v", "attn", "moe")  # projections, attention-branch / MoE-branch output
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    # attention
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 64
+    rope_theta: float = 10_000.0
+    rope_fraction: float = 1.0  # fraction of each head's dims that RoPE rotates (reference: 0.5)
+    sliding_window: int = 0  # 0 = full causal everywhere
+    global_every: int = 0  # with a window: layers i with (i+1) % global_every == 0 are full causal
+    qk_norm: bool = False  # weightless RMS norm on q and k ...
+    qk_norm_scale: float = 1.0  # ... then multiplied by this (reference: 1.3)
+    global_kv_heads: int = 0  # KV heads a global layer uses (the first ones); 0 = all n_kv_heads
+    global_rope: bool = True  # False: global (full-causal) layers use no RoPE (reference)
+    xsa: bool = False  # exclusive self-attention: drop each head's output component along its v
+    attn_gate: bool = False  # per-head output gate 2*sigmoid(x W_gate), W_gate [D, H] zero-init
+    conv_sites: str = ""  # short causal depthwise convs, comma list of q,k,v,attn,moe ("" = none)
+    conv_kernel: int = 4  # taps of each short conv (identity init)
+    gated_norm_rank: int = 0  # GatedNorm x*sigmoid(W_up silu(W_down x)) after each RMSNorm; 0 = off
+    embed_norm: bool = False  # RMSNorm (+ GatedNorm) right after the embedding lookup
+    # mixture of experts
+    n_experts: int = 8
+    top_k: int = 2
+    expert_dim: int = 256  # routed expert SwiGLU intermediate width
+    latent_dim: int = 0  # routed path width; 0 or d_model = no latent projection
+    n_shared: int = 1
+    shared_dim: int = 256
+    router: str = "softmax_aux"  # "softmax_aux" | "sigmoid_bias" | "quantile"
+    aux_loss_coef: float = 0.01  # load-balance loss weight (softmax_aux; logged for both)
+    router_z_coef: float = 0.0  # router z-loss weight in the loss (always logged)
+    bias_update_rate: float = 1e-3  # sigmoid_bias: step size of the balancing bias
+    combine_sum: float = 0.0  # sigmoid routers: rescale the k weights to sum to this; 0 = raw
+    qb_bins: int = 10_000  # quantile router: histogram bins of the balancing quantile
+    moe_impl: str = "auto"  # "auto" | "blocks" | "ragged" | "dense" (dense = slow reference)
+    moe_block: int = 128  # rows per block of the sorted-blocks MoE kernel
+    # head / loss / numerics
+    logit_z_coef: float = 1e-4
+    init_std: float = 0.0  # 0 = 0.5 / sqrt(d_model), as in the reference
+    norm_eps: float = 1e-5
+    compute_dtype: str = "float32"  # "float32" | "bfloat16"; master weights stay float32
+    remat: bool = False
+
+    @property
+    def routed_width(self) -> int:
+        return self.latent_dim if self.latent_dim else self.d_model
+
+    @property
+    def use_latent(self) -> bool:
+        return self.routed_width != self.d_model
+
+    @property
+    def std(self) -> float:
+        return self.init_std if self.init_std > 0 else 0.5 / math.sqrt(self.d_model)
+
+    def layer_is_global(self) -> list[bool]:
+        """Per layer: is it a global layer (every ``global_every``-th, counting from 1)?"""
+        return [self.global_every > 0 and (i + 1) % self.global_every == 0
+                for i in range(self.n_layers)]
+
+    def layer_windows(self) -> list[int]:
+        """Attention window per layer (0 = full causal)."""
+        return [0 if (g or self.sliding_window == 0) else self.sliding_window
+                for g in self.layer_is_global()]
+
+    @property
+    def kv_heads_global(self) -> int:
+        return self.global_kv_heads or self.n_kv_heads
+
+    @property
+    def conv_site_set(self) -> frozenset[str]:
+        return frozenset(s.strip() for s in self.conv_sites.split(",") if s.strip())
+
+    def validate(self, p: str = "model") -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "n_experts", "top_k", "expert_dim"):
+            require(getattr(self, name) > 0, f"{p}.{name}", "must be a positive integer")
+        require(self.n_heads % self.n_kv_heads == 0, f"{p}.n_kv_heads",
+                f"must divide n_heads={self.n_heads} (grouped-query attention)")
+        require(self.top_k <= self.n_experts, f"{p}.top_k",
+                f"must be <= n_experts={self.n_experts}")
+        require(0.0 <= self.rope_fraction <= 1.0, f"{p}.rope_fraction", "must be in [0, 1]")
+        rot = int(self.head_dim * self.rope_fraction)
+        require(rot % 2 == 0, f"{p}.rope_fraction",
+                f"head_dim*rope_fraction={rot} must be even (RoPE rotates pairs)")
+        require(self.sliding_window >= 0, f"{p}.sliding_window", "must be >= 0 (0 = no window)")
+        require(self.global_every >= 0, f"{p}.global_every", "must be >= 0")
+        require(0 <= self.latent_dim <= self.d_model, f"{p}.latent_dim",
+                f"must be in [0, d_model={self.d_model}] (0 = no latent projection)")
+        require(self.n_shared >= 0, f"{p}.n_shared", "must be >= 0")
+        require(self.n_shared == 0 or self.shared_dim > 0, f"{p}.shared_dim",
+                "must be > 0 when n_shared > 0")
+        require(self.router in ("softmax_aux", "sigmoid_bias", "quantile"), f"{p}.router",
+                "must be 'softmax_aux', 'sigmoid_bias' or 'quantile'")
+        require(self.router != "quantile" or self.top_k < self.n_experts, f"{p}.top_k",
+                f"must be < n_experts={self.n_experts} for the quantile router (it reads the "
+                "(k+1)-th logit)")
+        require(self.qb_bins >= 2, f"{p}.qb_bins", "must be >= 2")
+        require(0 <= self.global_kv_heads <= self.n_kv_heads, f"{p}.global_kv_heads",
+                f"must be in [0, n_kv_heads={self.n_kv_heads}] (0 = all)")
+        require(self.n_kv_heads % self.kv_heads_global == 0, f"{p}.global_kv_heads",
+                f"must divide n_kv_heads={self.n_kv_heads}")
+        bad = sorted(self.conv_site_set - set(CONV_SITES))
+        require(not bad, f"{p}.conv_sites", f"unknown site {bad[0] if bad else ''!r}; use a "
+                f"comma list of {','.join(CONV_SITES)}")
+        require(self.conv_kernel >= 1, f"{p}.conv_kernel", "must be >= 1")
+        require(self.gated_norm_rank >= 0, f"{p}.gated_norm_rank", "must be >= 0 (0 = off)")
+        require(self.moe_impl in ("auto", "blocks", "ragged", "dense"), f"{p}.moe_impl",
+                "must be one of auto, blocks, ragged, dense")
+        require(self.moe_block > 0, f"{p}.moe_block", "must be > 0")
+        require(self.compute_dtype in ("float32", "bfloat16"), f"{p}.compute_dtype",
+                "must be 'float32' or 'bfloat16'")
+        require(self.combine_sum >= 0, f"{p}.combine_sum", "must be >= 0 (0 = no rescaling)")
+        for name in ("aux_loss_coef", "router_z_coef", "logit_z_coef", "bias_update_rate",
+                     "init_std", "norm_eps"):
+            require(getattr(self, name) >= 0, f"{p}.{name}", "must be >= 0")

@@ -1,0 +1,148 @@
+"""The optimizer, training-loop and parallelism configs, and ``RunConfig`` that holds one of
+each component config and checks what spans components."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from moelab.config.data import DataConfig
+from moelab.config.errors import require
+from moelab.config.model import ModelConfig
+
+
+@dataclass(frozen=True)
+class Decay:
+    """A re-timed decay: from step ``start``, linear from the LR the schedule had there to
+    ``floor`` x peak at step ``end``, flat afterwards (written by `moelab replan/branch`)."""
+
+    start: int
+    end: int
+    floor: float = 0.05
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 3e-3
+    warmup_steps: int = 0  # 0 = 1% of schedule_steps (as in the reference)
+    schedule_steps: int = 0  # length of the LR schedule; 0 = train.steps
+    floor: float = 0.05  # final LR as a fraction of peak
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 0.0  # 0 = no clipping (the reference does not clip)
+    decays: list[Decay] = field(default_factory=list)  # re-timed decays, each from its start on
+
+    def validate(self, p: str = "optim") -> None:
+        require(self.lr > 0, f"{p}.lr", "must be > 0")
+        for i, d in enumerate(self.decays):
+            q = f"{p}.decays[{i}]"
+            require(d.start >= (self.decays[i - 1].start + 1 if i else 0), f"{q}.start",
+                    "must be >= 0 and after the previous decay's start")
+            require(d.end > d.start, f"{q}.end", f"must be after start={d.start}")
+            require(0 <= d.floor <= 1, f"{q}.floor", "must be a fraction of peak in [0, 1]")
+        require(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
+        require(self.schedule_steps >= 0, f"{p}.schedule_steps", "must be >= 0 (0 = train.steps)")
+        require(0 <= self.floor <= 1, f"{p}.floor", "must be a fraction of peak in [0, 1]")
+        require(self.weight_decay >= 0, f"{p}.weight_decay", "must be >= 0")
+        require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", "must be in [0, 1)")
+        require(self.clip_norm >= 0, f"{p}.clip_norm", "must be >= 0 (0 = off)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 600  # stop step (the schedule length is optim.schedule_steps)
+    seed: int = 0
+    log_every: int = 10
+    eval_every: int = 200
+    eval_tokens: int = 65_536  # held-out tokens per domain per evaluation
+    ckpt_every: int = 200
+    keep_ckpts: int = 3
+    peak_flops: float = 0.0  # for MFU; 0 = measure this machine's matmul peak at start
+    wandb: bool = False  # also log to W&B (set WANDB_MODE=offline to stay local)
+    wandb_project: str = "moelab"
+
+    def validate(self, p: str = "train") -> None:
+        require(self.steps > 0, f"{p}.steps", "must be > 0")
+        for name in ("log_every", "eval_every", "ckpt_every", "keep_ckpts", "eval_tokens"):
+            require(getattr(self, name) > 0, f"{p}.{name}", "must be > 0")
+        require(self.peak_flops >= 0, f"{p}.peak_flops", "must be >= 0 (0 = measure)")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Devices, the one mesh (data x expert) and the expert-parallel transport: the one config
+    of every transport. Which fields a transport reads, and its own checks (known name, waves
+    dividing the local experts, ...), live in its registry entry
+    (``moelab.parallel.transport.check_config``, run before training and planning)."""
+
+    devices: int = 1  # devices to train on; 0 = all visible devices
+    expert: int = 1  # expert-parallel degree (the mesh's "expert" axis); data = devices / expert
+    transport: str = "pooled_wave"  # used when expert > 1; EP 1 never drops (dropless ragged)
+    capacity_factor: float = 1.25  # expert_cells: rows per (sender, expert); waterfill: per expert
+    sender_cf: float = 1.10  # pooled_wave: rows per (sender, destination rank) per wave
+    receiver_cf: float = 1.15  # pooled_wave: rows per local expert per wave
+    waves: int = 3  # pooled_wave: sequential waves; local experts must divide into them
+    ragged_impl: str = "auto"  # ragged/waterfill: auto | native (ragged_all_to_all) | emulated
+
+    def validate(self, p: str = "parallel") -> None:
+        require(self.devices >= 0, f"{p}.devices", "must be >= 0 (0 = all visible devices)")
+        require(self.expert >= 1, f"{p}.expert", "must be >= 1")
+        require(self.devices == 0 or self.devices % self.expert == 0, f"{p}.expert",
+                f"must divide parallel.devices={self.devices}")
+        require(isinstance(self.transport, str) and self.transport != "", f"{p}.transport",
+                "must name a transport (docs/transport.md lists them)")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def validate(self) -> "RunConfig":
+        self.model.validate()
+        self.data.validate()
+        self.optim.validate()
+        self.train.validate()
+        self.parallel.validate()
+        par, m = self.parallel, self.model
+        require(m.n_experts % par.expert == 0, "parallel.expert",
+                f"must divide model.n_experts={m.n_experts} (each rank holds n_experts/expert)")
+        require(par.devices == 0 or self.data.batch_size % par.devices == 0, "data.batch_size",
+                f"must be divisible by parallel.devices={par.devices} (each device gets rows)")
+        for i, c in enumerate(self.data.context_stages):
+            require(par.devices == 0 or self.data.stage_batch(c) % par.devices == 0,
+                    f"data.context_stages[{i}]", f"batch of {self.data.stage_batch(c)} sequences"
+                    f" must be divisible by parallel.devices={par.devices}")
+        require(self.warmup_steps <= self.schedule_steps, "optim.warmup_steps",
+                f"must be <= the schedule length ({self.schedule_steps} steps)")
+        return self
+
+    def with_frozen_schedule(self) -> "RunConfig":
+        """The same config with the LR schedule's length and warmup written out explicitly, so
+        that a later change of ``train.steps`` (stop earlier or later) cannot stretch it."""
+        optim = dataclasses.replace(self.optim, schedule_steps=self.schedule_steps,
+                                    warmup_steps=self.warmup_steps)
+        return dataclasses.replace(self, optim=optim)
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.optim.schedule_steps or self.train.steps
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.optim.warmup_steps or max(1, self.schedule_steps // 100)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def hash(self) -> str:
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:12]

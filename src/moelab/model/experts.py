@@ -1,0 +1,303 @@
+"""Routed-expert compute: the one implementation behind single-device MoE and every
+expert-parallel transport.
+
+Rows (copies of tokens, one per assignment) carry a group id (an expert, or a local expert on
+an expert-parallel rank). The grouped SwiGLU sorts them by group, pads each group to whole
+blocks of ``block`` rows and runs one batched matmul over blocks; the result goes back to the
+rows' original order. Single-device MoE is the S = 1 case of a transport: dispatch (gather each
+assignment's token row), grouped SwiGLU, combine (each token sums its k routes times their
+weights in float32). A transport adds only what moves rows between ranks.
+
+Data movement uses gathers whose custom VJPs are gathers too (``gather_rows``,
+``combine_rows``): XLA would transpose a plain gather into a scatter-add, slow and
+memory-hungry (docs/transport.md, "Backward").
+
+Kernels (``ModelConfig.moe_impl``; ``resolve_impl`` says why ``auto`` is ``blocks``):
+- ``blocks``: static shapes, padding waste below ``groups * block`` rows, plain dense matmuls.
+- ``ragged``: ``jax.lax.ragged_dot`` over the sorted rows (for a backend with a grouped-matmul
+  kernel behind it).
+- ``dense``: every expert on every token, masked: slow, obviously correct, the reference.
+
+Index maps use an out-of-range sentinel (the size of the indexed axis) for "none"; gathers
+fill zeros there, so empty slots carry zeros and contribute nothing.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moelab.config import ModelConfig
+from moelab.model.layers import swiglu
+
+KERNELS = ("blocks", "ragged")  # grouped kernels; "dense" is the reference
+
+
+def resolve_impl(cfg: ModelConfig) -> str:
+    """``auto`` is ``blocks`` on every backend. Measured on one H200 with JAX 0.11 (see
+    bench/reference/h200_*.json): XLA lowers ``ragged_dot`` to masked dense matmuls there, so
+    ``ragged`` did E times the expert work (small preset: 6.1% MFU vs 7.4% for blocks) and ran
+    out of memory on the d768 rung (205 GiB asked) where blocks used 34.5 GiB."""
+    return "blocks" if cfg.moe_impl == "auto" else cfg.moe_impl
+
+
+def grouped_kernel(cfg: ModelConfig) -> tuple[str, int]:
+    """(kernel, block rows) for grouped compute: ``ragged`` when asked, else ``blocks`` (the
+    dense reference has no grouped form, so transports use blocks under it)."""
+    return ("ragged" if resolve_impl(cfg) == "ragged" else "blocks"), cfg.moe_block
+
+
+# ----------------------------------------------------------------------------- drop counts
+
+class DropCounts(NamedTuple):
+    """int32 counts of one rank's share (a pytree: stacks over layers and devices).
+
+    ``assignments`` and ``sender_dropped`` are counted at the source, ``receiver_dropped`` at
+    the destination; summed over all ranks they give the totals."""
+
+    assignments: jax.Array
+    sender_dropped: jax.Array
+    receiver_dropped: jax.Array
+
+    @classmethod
+    def of(cls, assignments, sender_dropped=0, receiver_dropped=0) -> "DropCounts":
+        as_i32 = lambda x: jnp.asarray(x, jnp.int32)
+        return cls(as_i32(assignments), as_i32(sender_dropped), as_i32(receiver_dropped))
+
+    def total(self) -> "DropCounts":
+        """Summed over every axis (int32, in the jitted program)."""
+        return DropCounts(*(jnp.sum(v, dtype=jnp.int32) for v in self))
+
+
+def drop_fractions(d: DropCounts) -> dict:
+    """Metrics from (possibly stacked) counts, summed over the last axis; jit-safe (float32).
+    Keys follow the metric names: drop_fraction, sender_drop_fraction, receiver_drop_fraction."""
+    n = jnp.maximum(jnp.sum(d.assignments.astype(jnp.float32), axis=-1), 1.0)
+    s = jnp.sum(d.sender_dropped.astype(jnp.float32), axis=-1) / n
+    r = jnp.sum(d.receiver_dropped.astype(jnp.float32), axis=-1) / n
+    return {"drop_fraction": s + r, "sender_drop_fraction": s, "receiver_drop_fraction": r}
+
+
+def drop_totals(d: DropCounts) -> dict:
+    """Host side: exact totals summed in int64 over every axis, plus ``dropped``."""
+    out = {k: int(np.asarray(v).astype(np.int64).sum()) for k, v in d._asdict().items()}
+    out["dropped"] = out["sender_dropped"] + out["receiver_dropped"]
+    return out
+
+
+# ----------------------------------------------------------------------------- index maps
+
+def rank_in_group(group_A, n_groups: int, key_A=None):
+    """Rank of each element among the elements of its group, ordered by ``key_A`` then index
+    (stable). ``group == n_groups`` is the "none" group. Returns (rank_A, count per group)."""
+    A = group_A.shape[0]
+    order = jnp.argsort(group_A, stable=True) if key_A is None else jnp.lexsort((key_A, group_A))
+    counts = jnp.bincount(group_A, length=n_groups + 1)
+    start = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(A, dtype=jnp.int32) - start[group_A[order]].astype(jnp.int32)
+    rank = jnp.zeros((A,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
+    return rank, counts[:n_groups].astype(jnp.int32)
+
+
+def invert(pos_A, size: int):
+    """Slot -> element map from an element -> slot map (slot ``size`` = not placed; result
+    ``A`` = empty slot)."""
+    A = pos_A.shape[0]
+    empty = jnp.full((size,), A, jnp.int32)
+    return empty.at[pos_A].set(jnp.arange(A, dtype=jnp.int32), mode="drop")
+
+
+def take_rows(x, idx):
+    """x[idx] along axis 0, zeros where idx is out of range."""
+    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
+
+
+def token_of(src_M, k: int, A: int):
+    """Token index of the assignment in each slot (out of range where the slot is empty)."""
+    return jnp.where(src_M < A, src_M // k, A // k)
+
+
+# ----------------------------------------------------------------------------- gathers
+
+@jax.custom_vjp
+def gather_rows(x_NH, src_M, pos_NK):
+    """out[m] = x[src[m]] (zeros where src[m] is out of range).
+
+    ``pos_NK`` is the inverse map: the slots row n was copied to (out of range = none), so the
+    backward is a gather too, dx[n] = sum_j g[pos[n, j]], instead of the scatter-add that XLA
+    would emit as the transpose of a gather. Covers dispatch (k slots per token) and the
+    one-to-one sort/compact/expand maps (k = 1).
+    """
+    return take_rows(x_NH, src_M)
+
+
+def _gather_rows_fwd(x_NH, src_M, pos_NK):
+    return take_rows(x_NH, src_M), (src_M, pos_NK)
+
+
+def _gather_rows_bwd(res, g_MH):
+    src_M, pos_NK = res
+    N, K = pos_NK.shape
+    g = take_rows(g_MH, pos_NK.reshape(-1)).reshape(N, K, -1)
+    dx = g.astype(jnp.float32).sum(axis=1) if K > 1 else g[:, 0]
+    return dx.astype(g_MH.dtype), None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+@jax.custom_vjp
+def combine_rows(y_MH, weight_TK, pos_TK, src_M):
+    """out[t] = sum_j weight[t, j] * y[pos[t, j]] in float32 (a missing slot gives 0).
+
+    ``src_M`` is the assignment (t*k + j) held by each slot (out of range = none): the backward
+    gathers dy[m] = weight[src[m]] * g[src[m] // k]; the combine-weight gradient is a dot
+    product of g with the slot's row.
+    """
+    return _combine_fwd(y_MH, weight_TK, pos_TK, src_M)[0]
+
+
+def _routes(y_MH, pos_TK):
+    T, K = pos_TK.shape
+    return take_rows(y_MH, pos_TK.reshape(-1)).reshape(T, K, -1).astype(jnp.float32)
+
+
+def _combine_fwd(y_MH, weight_TK, pos_TK, src_M):
+    out = jnp.einsum("tkh,tk->th", _routes(y_MH, pos_TK), weight_TK.astype(jnp.float32))
+    return out, (y_MH, weight_TK, pos_TK, src_M)
+
+
+def _combine_bwd(res, g_TH):
+    y_MH, weight_TK, pos_TK, src_M = res
+    T, K = pos_TK.shape
+    g32 = g_TH.astype(jnp.float32)
+    w_at_slot = take_rows(weight_TK.reshape(-1).astype(jnp.float32), src_M)
+    g_at_slot = take_rows(g32, jnp.where(src_M < T * K, src_M // K, T))
+    dy = (w_at_slot[:, None] * g_at_slot).astype(y_MH.dtype)
+    dw = jnp.einsum("tkh,th->tk", _routes(y_MH, pos_TK), g32).astype(weight_TK.dtype)
+    return dy, dw, None, None
+
+
+combine_rows.defvjp(_combine_fwd, _combine_bwd)
+
+
+# ----------------------------------------------------------------------------- expert compute
+
+def swiglu_bank(x_ERH, w):
+    """SwiGLU on a bank of rows per expert ([E, R, H], batched einsums; zero rows give zero)."""
+    g = jnp.einsum("erh,ehi->eri", x_ERH, w["w_gate"])
+    u = jnp.einsum("erh,ehi->eri", x_ERH, w["w_up"])
+    return jnp.einsum("eri,eih->erh", jax.nn.silu(g) * u, w["w_down"])
+
+
+class GroupLayout(NamedTuple):
+    """Where rows go when sorted by group (and, for ``blocks``, padded to whole blocks)."""
+
+    dst_R: jax.Array  # row -> its slot in the sorted layout (n_slots = an empty row)
+    src_M: jax.Array  # slot -> the row it holds (R = an empty slot)
+    counts_G: jax.Array  # rows per group (int32)
+    block_group: jax.Array | None  # blocks: the group of each block; ragged: None
+
+
+def group_layout(group_R, n_groups: int, kernel: str = "blocks", block: int = 128) -> GroupLayout:
+    """Sort rows by group (stable); ``group == n_groups`` marks an empty row. ``blocks`` pads
+    each group to whole blocks of min(block, R) rows: enough blocks for any counts, since
+    sum_g ceil(count_g / block) <= ceil(R / block) + G."""
+    R = group_R.shape[0]
+    order = jnp.argsort(group_R, stable=True)
+    counts = jnp.bincount(group_R, length=n_groups + 1)[:n_groups].astype(jnp.int32)
+    g_sorted = group_R[order]
+    rank = jnp.arange(R, dtype=jnp.int32)  # position in the sorted order
+    block_group = None
+    if kernel == "ragged":
+        pos_sorted, n_slots = rank, R
+    else:
+        block = min(block, R)
+        padded = -(-counts // block) * block
+        n_blocks = -(-R // block) + n_groups
+        g = jnp.minimum(g_sorted, n_groups - 1)
+        start, pad_start = jnp.cumsum(counts) - counts, jnp.cumsum(padded) - padded
+        pos_sorted = pad_start[g] + rank - start[g]
+        n_slots = n_blocks * block
+        block_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * block,
+                                                   side="right"), n_groups - 1)
+    dst_R = jnp.zeros((R,), jnp.int32).at[order].set(
+        jnp.where(g_sorted < n_groups, pos_sorted, n_slots), unique_indices=True)
+    return GroupLayout(dst_R, invert(dst_R, n_slots), counts, block_group)
+
+
+@jax.custom_vjp
+def block_weights(w_G, block_group):
+    """w[block_group]: each block's copy of its group's weights. The backward sums the blocks'
+    gradients per group as a one-hot matmul rather than the scatter-add XLA would emit for the
+    transpose of a gather."""
+    return w_G[block_group]
+
+
+def _block_weights_fwd(w_G, block_group):
+    return w_G[block_group], (block_group, w_G.shape[0])
+
+
+def _block_weights_bwd(res, g_B):
+    block_group, G = res
+    onehot = jax.nn.one_hot(block_group, G, dtype=g_B.dtype)
+    return jnp.einsum("bg,b...->g...", onehot, g_B), None
+
+
+block_weights.defvjp(_block_weights_fwd, _block_weights_bwd)
+
+
+def sorted_swiglu(xs_MH, layout: GroupLayout, w):
+    """SwiGLU of rows already in ``layout``'s sorted order, each with its group's weights.
+
+    ``blocks``: one batched einsum over blocks with each block's expert weights
+    (``block_weights``). ``ragged``: ``jax.lax.ragged_dot`` over the group counts."""
+    if layout.block_group is None:
+        c = layout.counts_G
+        g = jax.lax.ragged_dot(xs_MH, w["w_gate"], c)
+        u = jax.lax.ragged_dot(xs_MH, w["w_up"], c)
+        return jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(xs_MH.dtype), w["w_down"], c)
+    n_blocks = layout.block_group.shape[0]
+    wb = {k: block_weights(v, layout.block_group) for k, v in w.items()}
+    return swiglu_bank(xs_MH.reshape(n_blocks, -1, xs_MH.shape[-1]), wb).reshape(xs_MH.shape)
+
+
+def grouped_swiglu(x_RH, group_R, n_groups: int, w, kernel: str = "blocks", block: int = 128):
+    """SwiGLU of each row with its group's weights ([G, H, I], [G, I, H]); ``group == n_groups``
+    marks an empty row (output 0). Dropless for any counts per group; every row goes through
+    the same [block, H] x [H, I] product whatever the number of groups, so results do not
+    depend on the expert-parallel degree."""
+    lay = group_layout(group_R, n_groups, kernel, block)
+    xs = gather_rows(x_RH, lay.src_M, lay.dst_R[:, None])  # one-to-one both ways
+    ys = sorted_swiglu(xs, lay, w).astype(x_RH.dtype)
+    return gather_rows(ys, lay.dst_R, lay.src_M[:, None])
+
+
+def experts_dense(x_NH, expert_NK, weight_NK, w):
+    """Reference: every expert on every token, masked by the routing. O(E) compute."""
+    E = w["w_gate"].shape[0]
+    out = jnp.zeros(x_NH.shape, jnp.float32)
+    for e in range(E):
+        y = swiglu(x_NH, w["w_gate"][e], w["w_up"][e], w["w_down"][e]).astype(jnp.float32)
+        coef = jnp.sum(jnp.where(expert_NK == e, weight_NK, 0.0), axis=-1)
+        out = out + coef[:, None] * y
+    return out.astype(x_NH.dtype)
+
+
+def routed_experts(x_NH, expert_NK, weight_NK, w, cfg: ModelConfig, impl: str | None = None):
+    """Single-device routed experts (dropless), the S = 1 case of a transport: each
+    assignment's token row is gathered straight into its sorted slot, the grouped SwiGLU runs
+    there, and each token sums its k routes from those slots (fp32)."""
+    impl = impl or resolve_impl(cfg)
+    if impl == "dense":
+        return experts_dense(x_NH, expert_NK, weight_NK, w)
+    N, k = expert_NK.shape
+    lay = group_layout(expert_NK.reshape(-1).astype(jnp.int32), w["w_gate"].shape[0], impl,
+                       cfg.moe_block)
+    pos_NK = lay.dst_R.reshape(N, k)  # assignment a = n*k + j -> its slot
+    xs = gather_rows(x_NH, token_of(lay.src_M, k, N * k), pos_NK)
+    ys = sorted_swiglu(xs, lay, w).astype(x_NH.dtype)
+    return combine_rows(ys, weight_NK, pos_NK, lay.src_M).astype(x_NH.dtype)

@@ -1,0 +1,280 @@
+"""Memory per device of a run: weights, gradients and optimizer state split over a layout,
+activations, and an expert-parallel transport's buffers.
+
+- activations: the arrays JAX saves between the forward and the backward pass (the residuals of
+  ``jax.vjp`` of the real loss at the planned per-device shape), minus what a fused attention or
+  loss kernel would not keep;
+- transport buffers: ``transport_memory``, from the buffer sizes the transports allocate
+  (``moelab.parallel.transport.common.capacity``), formulas in docs/plan.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moelab.model import transformer as tr
+from moelab.model.experts import DropCounts
+from moelab.model.layers import causal_attend, rope_tables
+from moelab.parallel import transport
+from moelab.planner.counts import ROUTED, param_leaves, param_tree
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one run is spread over devices.
+
+    devices: devices that train; every device holds batch/devices sequences.
+    ep: routed-expert weights (and their gradients / optimizer state) split this many ways.
+    fsdp: every other parameter (and its gradient / optimizer state) split this many ways.
+    optimizer: "adamw" (two fp32 moments) or "muon" (one fp32 momentum on the block matrices,
+      Adam's two on embedding, head, router, norms, gates, as the reference).
+    offload: parts kept in host memory: "master" (fp32 weights; the device then holds a
+      compute-dtype copy and compute-dtype gradients) and/or "opt" (optimizer state).
+    """
+
+    devices: int = 1
+    ep: int = 1
+    fsdp: int = 1
+    optimizer: str = "adamw"
+    offload: tuple[str, ...] = ()
+
+    def validate(self, cfg: RunConfig) -> "Layout":
+        m = cfg.model
+        if self.devices < 1 or self.ep < 1 or self.fsdp < 1:
+            raise ConfigError("--devices/--ep/--fsdp: must be >= 1")
+        if m.n_experts % self.ep:
+            raise ConfigError(f"--ep {self.ep}: must divide model.n_experts={m.n_experts}")
+        for name, deg in (("ep", self.ep), ("fsdp", self.fsdp)):
+            if self.devices % deg:
+                raise ConfigError(f"--{name} {deg}: must divide --devices {self.devices}")
+        if cfg.data.batch_size % self.devices:
+            raise ConfigError(f"--devices {self.devices}: must divide data.batch_size="
+                              f"{cfg.data.batch_size} (each device trains whole sequences)")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ConfigError(f"--optimizer {self.optimizer}: use adamw or muon")
+        bad = set(self.offload) - {"master", "opt"}
+        if bad:
+            raise ConfigError(f"--offload {sorted(bad)[0]}: use master and/or opt")
+        return self
+
+
+def _muon_matrix(name: str, in_blocks: bool, shape: tuple) -> bool:
+    """Muon updates the block matrices; Adam the embedding, head, router, norms and gates."""
+    per_layer = shape[1:] if in_blocks else shape
+    return (in_blocks and len(per_layer) >= 2 and name not in ("router", "attn_gate")
+            and not name.startswith("conv_"))
+
+
+def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
+    """Per-device bytes of weights, gradients and optimizer state (each split by ep or fsdp)."""
+    m = cfg.model
+    wbytes = jnp.dtype(m.compute_dtype).itemsize
+    per_dev = muon = 0.0
+    for name, in_blocks, shape in param_leaves(m):
+        n = math.prod(shape) / (layout.ep if name in ROUTED else layout.fsdp)
+        per_dev += n
+        muon += n if _muon_matrix(name, in_blocks, shape) else 0.0
+    on_host = "master" in layout.offload
+    opt = 8 * per_dev if layout.optimizer == "adamw" else 4 * muon + 8 * (per_dev - muon)
+    out = {"params_per_device": per_dev,
+           "master_weights": 0.0 if on_host else 4 * per_dev,
+           "compute_weights": wbytes * per_dev if on_host else 0.0,
+           "gradients": (wbytes if on_host else 4) * per_dev,
+           "optimizer_state": 0.0 if "opt" in layout.offload else opt,
+           "host": (4 * per_dev if on_host else 0.0) + (opt if "opt" in layout.offload else 0.0)}
+    if layout.fsdp > 1:  # the current and the next layer's gathered non-routed weights
+        blocks = sum(math.prod(s) for name, b, s in param_leaves(m) if b and name not in ROUTED)
+        out["fsdp_gather"] = 2 * wbytes * blocks / m.n_layers
+    return out
+
+
+def residual_bytes(fn, *args) -> int:
+    """Bytes of the arrays ``jax.vjp(fn, *args)`` keeps for the backward pass, not counting the
+    arguments themselves (the weights are accounted for as weights). Abstract: ``args`` may be
+    ShapeDtypeStructs of any size."""
+    closed = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*args)
+    inputs = {id(v) for v in closed.jaxpr.invars}
+    saved = {id(v): v.aval for v in closed.jaxpr.outvars
+             if isinstance(v, jcore.Var) and id(v) not in inputs}
+    return int(sum(math.prod(a.shape) * a.dtype.itemsize for a in saved.values()))
+
+
+def _stub_experts(z_NH, expert_NK, weight_NK, weights, valid_NK=None):
+    """Stands in for an expert-parallel transport when measuring the rest of the model: an
+    opaque op with no residuals (the transport's own buffers are counted from its formulas)."""
+    return _passthrough(z_NH, weight_NK), DropCounts.of(0)
+
+
+@jax.custom_vjp
+def _passthrough(z_NH, weight_NK):
+    return z_NH * jnp.sum(weight_NK, axis=-1, keepdims=True).astype(z_NH.dtype)
+
+
+_passthrough.defvjp(lambda z, w: (_passthrough(z, w), None),
+                    lambda _, g: (g, jnp.zeros(g.shape[:1] + (1,), g.dtype)))
+
+
+KERNELS = ("fused", "materialized")
+
+
+def kernel_residuals(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, int]:
+    """What a fused kernel would save instead of this code's residuals, per device:
+
+    attention (per layer): this code materialises every query chunk's scores and probabilities;
+      a fused (flash / cuDNN) kernel keeps only its inputs and output, which the layer saves
+      anyway, plus a float32 log-sum-exp per head and query;
+    loss: this code materialises float32 logits [B, T, V]; a chunked cross-entropy keeps the
+      final hidden state (saved anyway) and a float32 log-sum-exp per token.
+    Values: bytes the materialised form saves beyond the fused one (>= 0).
+    """
+    dt = jnp.dtype(cfg.compute_dtype)
+    B, T, K, Q = batch, seq_len, cfg.n_kv_heads, cfg.head_dim
+    G = cfg.n_heads // K
+    q = jax.ShapeDtypeStruct((B, T, K, G, Q), dt)
+    kv = jax.ShapeDtypeStruct((B, T, K, Q), dt)
+    attn = residual_bytes(lambda q, k, v: causal_attend(q, k, v, 0), q, kv, kv)
+    x = jax.ShapeDtypeStruct((B, T, cfg.d_model), dt)
+    head = jax.ShapeDtypeStruct((cfg.d_model, cfg.vocab_size), jnp.float32)
+    targets = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def loss(x, w, t):
+        logits = jnp.einsum("btd,dv->btv", x, w.astype(dt), preferred_element_type=jnp.float32)
+        return tr.token_loss(logits, t)[0]
+
+    head_loss = residual_bytes(loss, x, head, targets)
+    return {"attention": max(0, attn - 4 * B * T * cfg.n_heads),
+            "loss": max(0, head_loss - 4 * B * T)}
+
+
+def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts: bool = True,
+                      remat: bool | None = None, attention: str = "materialized",
+                      loss: str = "materialized") -> dict[str, int]:
+    """Activation bytes of one device's forward + backward at [batch, seq_len].
+
+    saved: what the whole loss keeps for the backward (with remat: each layer's input, plus the
+    head); layer: what one layer's backward needs on top under remat, i.e. the larger of its two
+    branches' residuals (the backward runs the MoE branch, frees it, then the attention branch);
+    peak = saved + layer (remat) or saved (no remat). ``local_experts=False`` leaves the routed
+    experts out (an expert-parallel transport owns them; see transport_memory).
+    ``attention``/``loss``: "materialized" (this code) or "fused" (see kernel_residuals).
+    """
+    for name, value in (("attention", attention), ("loss", loss)):
+        if value not in KERNELS:
+            raise ConfigError(f"--{name} {value}: use fused or materialized")
+    remat = cfg.remat if remat is None else remat
+    m = dataclasses.replace(cfg, remat=remat)
+    dt = jnp.dtype(m.compute_dtype)
+    experts_fn = None if local_experts else _stub_experts
+    params = param_tree(m)
+    state = jax.eval_shape(lambda: tr.init_state(m))
+    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
+    saved = residual_bytes(
+        lambda p, s, t: tr.lm_loss(p, s, t, m, experts_fn=experts_fn)[0], params, state, tokens)
+    fused = kernel_residuals(m, batch, seq_len)
+    if loss == "fused":
+        saved -= fused["loss"]
+    attn_cut = fused["attention"] if attention == "fused" else 0
+    out = {"saved": saved, "layer": 0, "moe_layer": 0}
+    if remat:
+        p1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], dt), params["blocks"])
+        x = jax.ShapeDtypeStruct((batch, seq_len, m.d_model), dt)
+        cos, sin = rope_tables(jnp.arange(seq_len), int(m.head_dim * m.rope_fraction),
+                               m.rope_theta)
+        bias = jnp.zeros((m.n_experts,), jnp.float32)
+        attn = residual_bytes(
+            lambda x, p: tr.attention_branch(p, x, m, 0, cos, sin, False), x, p1) - attn_cut
+        moe = residual_bytes(
+            lambda x, p: tr.mixture_branch(p, x, bias, m, None, experts_fn)[0], x, p1)
+        out.update(layer=max(attn, moe), attention_layer=attn, moe_layer=moe)
+    else:
+        out["saved"] -= m.n_layers * attn_cut
+    out["peak"] = out["saved"] + out["layer"]
+    return out
+
+
+def transport_memory(kind: str, *, tokens: int, top_k: int, n_experts: int, ranks: int,
+                     width: int, expert_dim: int, itemsize: int = 2, **caps) -> dict:
+    """Bytes of one rank's transport buffers for one MoE layer (the layer being run; with remat
+    only one layer's are live). Rows are H = ``width`` wide (the latent width), the expert's
+    gate/up/hidden I = ``expert_dim`` wide; ``caps`` are ``parallel.*`` capacity fields
+    (capacity_factor, sender_cf, receiver_cf, waves). Row counts are the transport's own
+    formula (its registry entry's ``rows``, the sizes its code allocates):
+
+    kept: held from dispatch until that layer's backward is done (the dispatch is not repeated
+      in the backward);
+    wave: one wave's working set: send payload, receiver bank in and out (2H per row), gate,
+      up and hidden (3I per row), rows returned (the backward recomputes the wave in buffers
+      of the same sizes);
+    peak = kept + wave. Waterfill and ragged are counted as the native ragged exchange with a
+    grouped-matmul kernel; ragged's receive buffer is the worst case S*A rows this code sizes.
+    """
+    par = ParallelConfig(transport=kind, **caps)
+    S, H, I = ranks, width, expert_dim
+    r = transport.get(kind).rows(par, tokens * top_k, S, n_experts // S, H)
+    wave = itemsize * ((r.send + r.back) * H + r.bank * (2 * H + 3 * I))
+    kept = itemsize * r.kept * H
+    return {"kind": kind, "waves": r.waves, "bank_rows": r.bank, "kept": kept, "wave": wave,
+            "peak": kept + wave}
+
+
+CAPACITY_FIELDS = ("capacity_factor", "sender_cf", "receiver_cf", "waves")
+
+
+def transport_options(par: ParallelConfig, sweeps: dict[str, list] | None = None) -> list[dict]:
+    """``transport_memory`` keyword arguments for every registered transport: one row per
+    combination of the swept capacity fields it reads (``sweeps``: field -> values), the
+    others at the config's values."""
+    rows = []
+    for t in transport.TRANSPORTS.values():
+        grid = [{"kind": t.name}]
+        for f in (f for f in t.fields if f in CAPACITY_FIELDS):
+            values = (sweeps or {}).get(f) or [getattr(par, f)]
+            grid = [{**g, f: v} for g in grid for v in values]
+        rows += grid
+    return rows
+
+
+def with_transport(acts: dict, t: dict, n_layers: int, remat: bool) -> float:
+    """Activation peak with a transport's buffers: under remat one layer's are live, during its
+    MoE branch; without remat every layer keeps its ``kept`` rows and one wave is live."""
+    if remat:
+        return acts["saved"] + max(acts["attention_layer"], acts["moe_layer"] + t["peak"])
+    return acts["saved"] + n_layers * t["kept"] + t["wave"]
+
+
+def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None = None,
+                  hbm_bytes: float = 0.0, attention: str = "materialized",
+                  loss: str = "materialized") -> dict:
+    """Per-device memory of ``cfg`` trained on ``layout``: weights, gradients, optimizer state,
+    activations with and without remat, and, with expert parallelism, one row per transport
+    (``transports``: transport_memory keyword arguments) with the device total under the
+    config's remat setting and whether it fits ``hbm_bytes`` (when given)."""
+    layout.validate(cfg)
+    m = cfg.model
+    batch = cfg.data.batch_size // layout.devices
+    tokens = batch * cfg.data.seq_len
+    local = layout.ep == 1
+    state = state_memory(cfg, layout)
+    acts = {r: activation_memory(m, batch, cfg.data.seq_len, local, remat=r,
+                                 attention=attention, loss=loss) for r in (True, False)}
+    fixed = sum(v for k, v in state.items() if k not in ("params_per_device", "host"))
+    rows = []
+    for t in (transports or []) if not local else []:
+        tm = transport_memory(tokens=tokens, top_k=m.top_k, n_experts=m.n_experts,
+                              ranks=layout.ep, width=m.routed_width, expert_dim=m.expert_dim,
+                              itemsize=jnp.dtype(m.compute_dtype).itemsize, **t)
+        tm.update({k: v for k, v in t.items() if k != "kind"})
+        tm["total"] = fixed + with_transport(acts[m.remat], tm, m.n_layers, m.remat)
+        tm["fits"] = bool(hbm_bytes) and tm["total"] <= hbm_bytes
+        rows.append(tm)
+    return {"layout": dataclasses.asdict(layout), "tokens_per_device": tokens,
+            "sequences_per_device": batch, "state": state, "activations": acts,
+            "remat": m.remat, "fixed": fixed, "base_total": fixed + acts[m.remat]["peak"],
+            "transports": rows, "hbm_bytes": hbm_bytes, "attention": attention, "loss": loss}

@@ -1,0 +1,135 @@
+"""What ``moelab plan`` prints: the plan as a JSON-ready dict (``build_plan``) and as text
+(``format_plan``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moelab.config import RunConfig
+from moelab.parallel import transport
+from moelab.planner.cluster import GiB, Accelerator, cluster_estimate
+from moelab.planner.counts import flops_report, param_breakdown, param_counts, run_tokens
+from moelab.planner.memory import Layout, memory_report
+
+
+def build_plan(cfg: RunConfig, *, tokens: float = 0.0, acc: Accelerator | None = None,
+               devices: int = 0, mfus: tuple[float, ...] = (), tokens_per_s: float = 0.0,
+               layout: Layout | None = None, transports: list[dict] | None = None,
+               attention: str = "materialized", loss: str = "materialized") -> dict:
+    """Everything ``moelab plan`` prints, as a dict (JSON-ready)."""
+    transport.check_config(cfg)  # the transports a training run of cfg would use
+    m = cfg.model
+    tokens = tokens or run_tokens(cfg)
+    out = {"model": dataclasses.asdict(m), "seq_len": cfg.data.seq_len,
+           "params": param_counts(m), "breakdown": param_breakdown(m),
+           "flops": flops_report(m, cfg.data.seq_len, tokens)}
+    if acc is not None and devices and (mfus or tokens_per_s):
+        fpt = out["flops"]["per_token"]
+        runs = [cluster_estimate(fpt, tokens, acc, devices, mfu=f) for f in mfus]
+        if tokens_per_s:
+            runs.append(cluster_estimate(fpt, tokens, acc, devices, tokens_per_s=tokens_per_s))
+        out["cluster"] = {"peak_flops": acc.peak_flops, "runs": runs}
+    if layout is not None:
+        out["memory"] = memory_report(cfg, layout, transports,
+                                      acc.hbm_bytes if acc is not None else 0.0,
+                                      attention=attention, loss=loss)
+    return out
+
+
+def _b(n: float) -> str:
+    """Parameter count with its rounded form: 535,477,088,256 (535.48B)."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n:,.0f} ({n / size:.2f}{unit})"
+    return f"{n:,.0f}"
+
+
+def format_plan(name: str, plan: dict) -> str:
+    """``build_plan``'s dict as the text ``moelab plan`` prints."""
+    m, p = plan["model"], plan["params"]
+    lines = [f"{name}: total {_b(p['total'])} parameters, active {_b(p['active'])}; "
+             f"{m['n_layers']} layers, d_model {m['d_model']}, {m['n_experts']} experts "
+             f"top-{m['top_k']}, seq {plan['seq_len']}", "",
+             f"  {'parameters':<22}{'total':>24}{'active per token':>24}"]
+    for comp, v in plan["breakdown"].items():
+        act = "-" if comp == "embedding" else f"{v['active']:,}"
+        lines.append(f"  {comp:<22}{v['total']:>24,}{act:>24}")
+    lines += [f"  {'total':<22}{_b(p['total']):>24}",
+              f"  {'active':<22}{_b(p['active']):>24}  attention, router, {m['top_k']} routed "
+              "experts, latent projections,",
+              f"  {'':<46}  shared experts; no embedding or head (the published definition)",
+              f"  {'per-token extras':<22}{_b(p['per_token_extra']):>24}  norms, GatedNorms, "
+              "output gates, short convs", ""]
+    f = plan["flops"]
+    lines += [f"  training FLOPs (forward + backward, attention over each layer's window)",
+              f"    per token   {f['per_token']:.4g}  (matmuls {f['matmul_per_token']:.4g}, "
+              f"attention {f['attention_per_token']:.4g})",
+              f"    {f['tokens']:.4g} tokens: {f['total']:.3g} FLOPs  (plain 6 x N_active x D: "
+              f"{f['six_nd']:.3g})"]
+    if "cluster" in plan:
+        c = plan["cluster"]
+        r0 = c["runs"][0]
+        lines += ["", f"  cluster: {r0['devices']} x {r0['accelerator']} at "
+                  f"{c['peak_flops'] / 1e15:.3g} PFLOP/s dense bf16 each",
+                  f"    {'MFU':>7}{'tokens/s':>14}{'days':>9}{'device-hours':>15}"]
+        for r in c["runs"]:
+            lines.append(f"    {r['mfu']:>7.1%}{r['tokens_per_s']:>14,.0f}{r['days']:>9.1f}"
+                         f"{r['device_hours']:>15,.0f}")
+    if "memory" in plan:
+        lines += [""] + _format_memory(plan["memory"], m)
+    return "\n".join(lines)
+
+
+def _format_memory(mem: dict, m: dict) -> list[str]:
+    lay, st, acts = mem["layout"], mem["state"], mem["activations"]
+    wdt = "bf16" if m["compute_dtype"] == "bfloat16" else "fp32"
+    host = set(lay["offload"])
+
+    def row(label: str, nbytes: float | None, note: str = "") -> str:
+        value = f"{nbytes / GiB:10.2f} GiB" if nbytes is not None else f"{'-':>14}"
+        return f"    {label:<30}{value}  {note}".rstrip()
+
+    out = [f"  memory per device: {lay['devices']} devices, expert-parallel {lay['ep']}, "
+           f"FSDP {lay['fsdp']}; {mem['sequences_per_device']} sequences = "
+           f"{mem['tokens_per_device']:,} tokens per device; {wdt} compute; attention "
+           f"{mem['attention']}, loss {mem['loss']}",
+           f"    {'parameters per device':<30}{st['params_per_device']:>14,.0f}  "
+           "(routed / ep + the rest / fsdp)",
+           row("master weights (fp32)", None if "master" in host else st["master_weights"],
+               "on host" if "master" in host else ""),
+           row(f"compute weights ({wdt})", st["compute_weights"] if "master" in host else None,
+               "" if "master" in host else "cast layer by layer from the master"),
+           row("gradients", st["gradients"]),
+           row(f"optimizer state ({lay['optimizer']})",
+               None if "opt" in host else st["optimizer_state"],
+               "on host" if "opt" in host else "")]
+    if "fsdp_gather" in st:
+        out.append(row("FSDP gather (2 layers)", st["fsdp_gather"]))
+    if st["host"]:
+        out.append(row("(host memory per device)", st["host"]))
+    for remat in (True, False):
+        a = acts[remat]
+        note = (f"saved {a['saved'] / GiB:.2f} + one layer {a['layer'] / GiB:.2f}" if remat
+                else "every layer's residuals")
+        mark = "; the config's setting" if remat == mem["remat"] else ""
+        out.append(row(f"activations, {'remat' if remat else 'no remat'}", a["peak"],
+                       note + mark))
+    out.append(row("sum (before transport buffers)", mem["base_total"]))
+    if mem["transports"]:
+        hbm = mem["hbm_bytes"]
+        out += ["", f"    transport buffers of one MoE layer per rank ({wdt} rows of the "
+                f"{m['latent_dim'] or m['d_model']}-wide latent); total = device total with "
+                f"remat={mem['remat']}" + (f"; HBM {hbm / GiB:.1f} GiB" if hbm else ""),
+                f"    {'design':<14}{'capacity':<16}{'W':>2}{'kept':>10}{'one wave':>10}"
+                f"{'peak':>10}{'bank rows':>12}{'total':>10}  fits"]
+        for t in mem["transports"]:
+            out.append(f"    {t['kind']:<14}{_capacity(t):<16}{t['waves']:>2}"
+                       f"{t['kept'] / GiB:>10.2f}{t['wave'] / GiB:>10.2f}{t['peak'] / GiB:>10.2f}"
+                       f"{t['bank_rows']:>12,}{t['total'] / GiB:>10.2f}  "
+                       + (("yes" if t["fits"] else "NO") if hbm else "-"))
+    return out
+
+
+def _capacity(t: dict) -> str:
+    caps = [f for f in ("capacity_factor", "sender_cf", "receiver_cf") if f in t]
+    return "cf " + "/".join(f"{t[f]:.2f}" for f in caps) if caps else "dropless"

@@ -1,0 +1,102 @@
+"""The planner's estimates next to XLA's compiled memory analysis, at shapes that compile on
+this machine: a scaled copy of a config's train step, and one MoE layer's transport."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from moelab.config import RunConfig
+from moelab.planner.memory import Layout, memory_report, transport_memory
+
+
+def scaled_config(cfg: RunConfig, d_model: int = 256, seq_len: int = 256, batch: int = 4,
+                  n_experts: int = 16) -> RunConfig:
+    """A copy of ``cfg`` small enough to compile on a CPU: the same options and layer schedule,
+    smaller widths, vocabulary, expert count and sequence, float32 compute (XLA:CPU computes
+    bf16 programs in float32 buffers: their memory analysis equals the float32 program's)."""
+    m = cfg.model
+    kv = 1 if m.n_kv_heads == 1 else 2
+    ratio = m.n_kv_heads // m.kv_heads_global
+    small = dataclasses.replace(
+        m, d_model=d_model, n_layers=max(2, m.global_every), n_heads=4, n_kv_heads=kv,
+        global_kv_heads=kv // ratio if ratio > 1 and kv % ratio == 0 else 0, head_dim=64,
+        vocab_size=4096, n_experts=n_experts, top_k=min(m.top_k, n_experts // 4),
+        expert_dim=d_model // 2, latent_dim=d_model // 2 if m.use_latent else 0,
+        shared_dim=d_model // 2, gated_norm_rank=min(m.gated_norm_rank, 16),
+        sliding_window=min(m.sliding_window, seq_len // 4), compute_dtype="float32")
+    data = dataclasses.replace(cfg.data, seq_len=seq_len, batch_size=batch)
+    return dataclasses.replace(cfg, model=small, data=data).validate()
+
+
+def xla_memory(compiled) -> dict[str, int]:
+    """XLA's compiled memory analysis: argument, output, alias and temp bytes, and the peak
+    they imply (arguments + outputs not aliased to them + temporaries)."""
+    ma = compiled.memory_analysis()
+    if isinstance(ma, (list, tuple)):
+        ma = ma[0]
+    out = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0)
+           for k in ("argument", "output", "alias", "temp")}
+    out["peak"] = out["argument"] + out["output"] - out["alias"] + out["temp"]
+    return out
+
+
+def compare_with_xla(cfg: RunConfig, init_state_fn: Callable, make_step_fn: Callable) -> dict:
+    """Compile one single-device train step of ``cfg`` (AdamW, as moelab trains) and compare
+    XLA's peak with the planner's estimate: weights + optimizer state + gradients + batch +
+    activations.
+
+    The step comes from the caller (``moelab.train.step.init_train_state`` and
+    ``make_train_step``): train imports the planner for its MFU, so the planner must not import
+    train. ``init_state_fn(cfg, key)`` returns the train state, ``make_step_fn(cfg)`` a jitted
+    ``step(state, batch)``."""
+    layout = Layout(devices=1)
+    state = jax.eval_shape(lambda: init_state_fn(cfg, jax.random.PRNGKey(0)))
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
+    xla = xla_memory(make_step_fn(cfg).lower(state, batch).compile())
+    rep = memory_report(cfg, layout)
+    inputs = 4 * math.prod(batch.shape) + 4 * cfg.model.n_layers * cfg.model.n_experts
+    estimate = rep["base_total"] + inputs
+    return {"xla": xla, "estimate": estimate, "ratio": estimate / xla["peak"],
+            "activations": rep["activations"][cfg.model.remat], "state": rep["state"]}
+
+
+def compare_transport_with_xla(kind: str, *, tokens: int, top_k: int, n_experts: int,
+                               width: int, expert_dim: int, **caps) -> dict:
+    """Compile one MoE layer's transport, forward + gradient, on every visible device as one
+    expert-parallel group (float32), and compare XLA's per-device temporaries with
+    transport_memory. Needs several devices (on CPU: XLA_FLAGS=
+    --xla_force_host_platform_device_count=8 before JAX starts)."""
+    from jax.sharding import NamedSharding
+
+    from moelab.parallel.mesh import batch_spec, expert_weight_spec, make_mesh
+    from moelab.config import ParallelConfig
+    from moelab.parallel.transport import make_transport_fn
+
+    S = len(jax.devices())
+    mesh = make_mesh(expert=S)
+    fn = make_transport_fn(mesh, ParallelConfig(transport=kind, ragged_impl="emulated", **caps))
+    tok = NamedSharding(mesh, batch_spec(2))
+    wsh = NamedSharding(mesh, expert_weight_spec(3))
+    N, E, H, I = tokens * S, n_experts, width, expert_dim
+    f32 = jnp.float32
+    args = (jax.ShapeDtypeStruct((N, H), f32, sharding=tok),
+            jax.ShapeDtypeStruct((N, top_k), jnp.int32, sharding=tok),
+            jax.ShapeDtypeStruct((N, top_k), f32, sharding=tok),
+            {n: jax.ShapeDtypeStruct(s, f32, sharding=wsh)
+             for n, s in (("w_gate", (E, H, I)), ("w_up", (E, H, I)), ("w_down", (E, I, H)))})
+
+    def loss(z, expert, weight, w):
+        out, _ = fn(z, expert, weight, w)
+        return jnp.sum(out * out)
+
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 2, 3))).lower(*args).compile()
+    xla = xla_memory(compiled)
+    est = transport_memory(kind, tokens=tokens, top_k=top_k, n_experts=E, ranks=S, width=H,
+                           expert_dim=I, itemsize=4, **caps)
+    return {"xla_temp": xla["temp"], "estimate": est["peak"], "ratio": est["peak"] / xla["temp"],
+            "ranks": S}

@@ -1,0 +1,71 @@
+"""Held-out evaluation (loss and bits per byte per domain), the gzip baseline a model must beat,
+and the text sample that ends a run."""
+
+from __future__ import annotations
+
+import gzip
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from moelab.config import RunConfig
+from moelab.data.sampler import eval_windows
+from moelab.data.store import TokenStore
+from moelab.data.tokenizer import decode, encode_batch, eos_id
+from moelab.generate import make_sampler
+
+FINAL_EVAL_CAP = 1_000_000  # held-out tokens per domain read by the end-of-run evaluation
+SAMPLE_TOKENS = 60  # tokens generated for the summary's sample
+
+
+def _domain_eval(eval_fn, params, model_state, windows: np.ndarray, batch: int,
+                 put=jnp.asarray) -> float:
+    """Mean next-token loss (nats) over all windows, in fixed-size batches (one compilation)."""
+    total, n = 0.0, 0
+    for i in range(0, len(windows), batch):
+        chunk = windows[i : i + batch]
+        valid = np.zeros(batch, bool)
+        valid[: len(chunk)] = True
+        if len(chunk) < batch:
+            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch - len(chunk), 0)])
+        total += float(eval_fn(params, model_state, put(chunk), put(valid)))
+        n += int(valid.sum()) * (windows.shape[1] - 1)
+    return total / max(n, 1)
+
+
+def evaluate(cfg: RunConfig, eval_fn, state: dict, store: TokenStore, max_tokens: int,
+             put=jnp.asarray) -> dict:
+    """Held-out loss and bits per byte per domain."""
+    out = {}
+    for domain in store.domains("heldout"):
+        if store.n_tokens("heldout", domain) < cfg.data.seq_len + 1:
+            continue  # too short for one window at this sequence length
+        windows, bytes_per_token = eval_windows(store, domain, cfg.data.seq_len, max_tokens)
+        loss = _domain_eval(eval_fn, state["params"], state["model_state"], windows,
+                            cfg.data.batch_size, put)
+        out[f"eval/{domain}/loss"] = loss
+        out[f"eval/{domain}/bpb"] = loss / math.log(2) / bytes_per_token
+    return out
+
+
+def final_eval_tokens(cfg: RunConfig, store: TokenStore) -> int:
+    """Held-out tokens per domain for the end-of-run evaluation: the whole split up to a cap,
+    so the gzip baseline, computed on the whole split, compares like with like."""
+    whole = max(store.n_tokens("heldout", d) for d in store.domains("heldout"))
+    return min(whole, max(cfg.train.eval_tokens, FINAL_EVAL_CAP))
+
+
+def gzip_bpb(text: str) -> float:
+    """Bits per byte that ``gzip -9`` achieves on ``text`` (the baseline a model must beat)."""
+    raw = text.encode("utf-8")
+    return 8.0 * len(gzip.compress(raw, compresslevel=9)) / max(len(raw), 1)
+
+
+def sample_text(cfg: RunConfig, tok, state: dict, prompt: str) -> str:
+    """``prompt`` and its continuation by the model (a quick look at what it learned)."""
+    sample = make_sampler(cfg.model, cfg.data.seq_len)
+    ids = encode_batch(tok, [prompt])[0]
+    out = sample(state["params"], state["model_state"], ids, SAMPLE_TOKENS,
+                 seed=cfg.train.seed, stop_id=eos_id(tok))
+    return prompt + decode(tok, out)

@@ -1,0 +1,99 @@
+"""What a resume trains with: the run folder's saved config, changed only where a resume may
+change it, with a pending replan applied.
+
+A replan request (``plan_pending.json``, written by `moelab replan`) waits in the run folder so
+a live run never sees its files change under it; the next resume applies it at the step it
+resumes from, then logs the application in ``ops.jsonl`` and removes the request. Binding the
+change to the resume step keeps the run's past untouched.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import yaml
+
+from moelab.config import (OPERATION_FIELDS, ConfigError, RunConfig, config_from_dict,
+                           flatten_config)
+from moelab.runlog import log_operation
+from moelab.train.changes import (Change, PlanError, apply_change, check_future_only,
+                                  inherit_operations, lr_curve)
+from moelab.train.checkpoint import Checkpointer
+
+PENDING = "plan_pending.json"
+
+# Fields that may change when a run is resumed: they do not change what is being trained.
+RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.ckpt_every",
+                     "train.keep_ckpts", "train.eval_tokens", "train.peak_flops", "train.wandb",
+                     "train.wandb_project", "parallel.devices", "parallel.expert",
+                     "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block"}
+
+
+def resume_step(run_dir: Path | str) -> int | None:
+    """The step a resume would start from now: the newest checkpoint."""
+    return Checkpointer(Path(run_dir) / "checkpoints").latest_step()
+
+
+def read_pending(run_dir: Path | str) -> dict | None:
+    path = Path(run_dir) / PENDING
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: unreadable ({e}); delete it and run `moelab replan` "
+                          "again") from None
+
+
+def resume_config(saved: RunConfig, cfg: RunConfig, run_dir: Path | str) -> RunConfig:
+    """The config a resume of ``run_dir`` trains with: the run's operations kept, a pending
+    replan applied at the resume step, and no operation allowed to rewrite the past."""
+    cfg = inherit_operations(saved, cfg)
+    at = resume_step(run_dir)
+    pending = read_pending(run_dir)
+    if pending is not None:
+        try:
+            cfg = apply_change(cfg, at, Change.from_dict(pending["change"]), keep_warmup=True)
+        except (PlanError, ConfigError) as e:
+            raise PlanError(f"{Path(run_dir) / PENDING}: cannot apply at step {at}: {e}. Run "
+                            "`moelab replan` again or delete the file") from None
+    check_future_only(saved, cfg, at)
+    return cfg
+
+
+def commit_pending(run_dir: Path | str, cfg: RunConfig) -> None:
+    """After the resumed config is saved: log the applied replan and remove the request."""
+    pending, at = read_pending(run_dir), resume_step(run_dir)
+    if pending is None or at is None:  # no checkpoint: a fresh start did not apply it
+        return
+    log_operation(run_dir, "replan_applied", at, reason=pending.get("reason", ""),
+                  change=pending["change"], requested_at_step=pending.get("requested_at_step"),
+                  end=cfg.train.steps, decays=[vars(d) for d in cfg.optim.decays],
+                  lr_at_step=float(lr_curve(cfg, [at])[0]))
+    (Path(run_dir) / PENDING).unlink()
+
+
+def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
+    """The config to use in ``run_dir``: the saved one, updated only where a resume allows.
+    A folder without checkpoints has trained nothing yet, so any config may (re)start it."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.exists() or not Checkpointer(run_dir / "checkpoints").steps():
+        return cfg.with_frozen_schedule()
+    saved = config_from_dict(yaml.safe_load(saved_path.read_text()))
+    if cfg.optim.schedule_steps == 0:  # "follow train.steps" means the length it started with
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
+            cfg.optim, schedule_steps=saved.optim.schedule_steps,
+            warmup_steps=cfg.optim.warmup_steps or saved.optim.warmup_steps))
+    # operations (replan, branch) are kept, a pending replan applied, the past left as it was
+    cfg = resume_config(saved, cfg.with_frozen_schedule(), run_dir)
+    old, new = flatten_config(saved.to_dict()), flatten_config(cfg.to_dict())
+    diff = [k for k in new if old.get(k) != new[k]]
+    bad = [k for k in diff if k not in RESUMABLE_CHANGES and k not in OPERATION_FIELDS]
+    if bad:
+        k = bad[0]
+        raise ConfigError(f"{k}: {run_dir} was started with {old.get(k)!r}, now {new[k]!r}. A run "
+                          "folder trains one model: use a new --run-dir (or drop the override "
+                          "to resume this run as it was configured)")
+    return cfg

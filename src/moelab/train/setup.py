@@ -1,0 +1,164 @@
+"""Everything a training run builds before its first step: the resolved config, the prepared
+data, the run folder, the mesh, the train state (fresh or restored), the trackers and the
+compiled step functions.
+
+With several processes, process 0 alone writes the run folder and the logs; the others wait for
+the data it prepares and then find it built.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from moelab.config import RunConfig, save_config
+from moelab.data.prepare import PreparedData, prepare_data
+from moelab.data.sampler import SteppedSampler
+from moelab.data.store import TokenStore
+from moelab.data.tokenizer import load_tokenizer
+from moelab.parallel import transport
+from moelab.parallel.distributed import barrier, is_main
+from moelab.parallel.mesh import mesh_from_config, shard_batch, state_shardings
+from moelab.planner.counts import param_counts, train_flops_per_token
+from moelab.provenance import provenance
+from moelab.train.checkpoint import Checkpointer
+from moelab.train.peak import measure_peak_flops
+from moelab.train.resume import commit_pending, resolve_run_config
+from moelab.train.step import init_train_state, make_eval_step, make_train_step, transport_fns
+from moelab.train.tracker import (HardwareMonitor, JsonlTracker, Trackers, WandbTracker,
+                                  process_identity)
+from moelab.util import atomic_write_bytes, atomic_write_json, info
+
+
+@dataclass
+class RunSetup:
+    """What ``train`` builds once before the first step. The train state is not here: the step
+    loop replaces it at every step."""
+
+    cfg: RunConfig  # resolved: the saved config, changed only where a resume may change it
+    run_dir: Path
+    main: bool  # process 0: the one that writes the run folder
+    say: Callable[[str], None]  # progress lines on stderr (silent unless verbose and main)
+    data: PreparedData
+    store: TokenStore
+    tok: Any  # the tokenizer
+    sampler: SteppedSampler
+    ckpt: Checkpointer
+    put_batch: Callable  # a host batch onto the device(s), sharded over the mesh if any
+    start: int  # the step training starts from: 0, or the restored checkpoint's
+    restored: bool  # whether a checkpoint was restored
+    trackers: Trackers
+    hardware: HardwareMonitor
+    counts: dict  # parameter counts: total, active per token
+    peak: float  # peak FLOP/s of all devices, the MFU denominator
+    step_fn: Callable
+    eval_fn: Callable
+
+
+def _quiet(_msg: str) -> None:
+    """The ``say`` of a quiet run and of every process but the main one."""
+
+
+def init_sharded_state(cfg: RunConfig, mesh) -> dict:
+    """A fresh train state, created directly in its shardings (routed experts split over the
+    "expert" axis) so no process ever holds another's shards, and restores land there too."""
+    init = functools.partial(init_train_state, cfg)
+    key = jax.random.PRNGKey(cfg.train.seed)
+    if mesh is None:
+        return jax.jit(init)(key)
+    shardings = state_shardings(mesh, jax.eval_shape(init, key), cfg.model)
+    return jax.jit(init, out_shardings=shardings)(key)
+
+
+def _prepare(cfg: RunConfig, main: bool, verbose: bool) -> PreparedData:
+    """The corpus, tokenizer and token store, built once by the main process."""
+    if main:
+        data = prepare_data(cfg.data, cfg.model.vocab_size, verbose=verbose)
+    barrier("data-prepared")
+    if not main:
+        data = prepare_data(cfg.data, cfg.model.vocab_size, verbose=False)
+    return data
+
+
+def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: dict) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, run_dir / "config.yaml")
+    # A copy of the tokenizer makes the run folder self-contained for `moelab generate`.
+    atomic_write_bytes(run_dir / "tokenizer.json", data.tokenizer_path.read_bytes())
+    atomic_write_json(run_dir / "provenance.json", prov)
+    commit_pending(run_dir, cfg)  # a replan applied by this resume: log it, drop the request
+
+
+def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, start: int,
+                   prov: dict) -> Trackers:
+    """The run's trackers (the main process's only), with the start or resume event logged."""
+    trackers = Trackers(JsonlTracker(run_dir / "metrics.jsonl") if main else None,
+                        WandbTracker(cfg.train.wandb_project, run_dir, cfg.to_dict(), run_dir.name)
+                        if cfg.train.wandb and main else None)
+    trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
+                   git_commit=prov.get("git_commit"), **process_identity())
+    return trackers
+
+
+def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, float]:
+    """(parameter counts, peak FLOP/s of all devices), announced with the FLOPs per token."""
+    counts = param_counts(cfg.model)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+    n_dev = 1 if mesh is None else mesh.devices.size
+    peak = cfg.train.peak_flops or n_dev * measure_peak_flops(dtype=cfg.model.compute_dtype)
+    say(f"model: {counts['total'] / 1e6:.2f}M parameters, {counts['active'] / 1e6:.2f}M active "
+        f"per token; {tokens_per_step} tokens/step; {flops_per_token / 1e6:.1f} MFLOP/token; "
+        f"peak {peak / 1e9:.0f} GFLOP/s ({cfg.model.compute_dtype} matmul x {n_dev} device(s))")
+    return counts, peak
+
+
+def _step_functions(cfg: RunConfig, mesh, say) -> tuple[Callable, Callable]:
+    """(train step, eval step): the configured transport trains, the dropless one evaluates."""
+    train_experts, eval_experts = transport_fns(cfg, mesh)
+    step_fn = make_train_step(cfg, train_experts)
+    eval_fn = make_eval_step(cfg, eval_experts)
+    if mesh is not None:
+        say(f"mesh: {dict(mesh.shape)}; transport "
+            f"{transport.training_transport(cfg.parallel)} (evaluation: dropless)")
+    return step_fn, eval_fn
+
+
+def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool) -> tuple[RunSetup, dict]:
+    """(the run's setup, the train state to start from) for training ``cfg`` in ``run_dir``."""
+    run_dir = Path(run_dir)
+    cfg = transport.check_config(resolve_run_config(cfg, run_dir))  # before any work
+    main = is_main()  # with several processes, process 0 alone writes the run folder
+    say = info if verbose and main else _quiet
+    data = _prepare(cfg, main, verbose)
+    store = TokenStore(data.store_dir)
+    tok = load_tokenizer(data.tokenizer_path)
+    prov = provenance(cfg, store.fingerprint)
+    if main:
+        _write_run_folder(cfg, run_dir, data, prov)
+
+    sampler = SteppedSampler(store, cfg.data)  # mixture changes and context stages by step
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
+    mesh = mesh_from_config(cfg.parallel)
+    state = init_sharded_state(cfg, mesh)
+    put_batch = (lambda b: jnp.asarray(b)) if mesh is None else (lambda b: shard_batch(b, mesh))
+    restored = ckpt.restore_latest(state)
+    start = 0
+    if restored is not None:
+        start, state, _meta = restored
+        say(f"resuming {run_dir} from step {start}")
+
+    trackers = _open_trackers(cfg, run_dir, main, start, prov)
+    hardware = HardwareMonitor()
+    counts, peak = _model_costs(cfg, mesh, say)
+    step_fn, eval_fn = _step_functions(cfg, mesh, say)
+    run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
+                   tok=tok, sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
+                   restored=restored is not None, trackers=trackers, hardware=hardware,
+                   counts=counts, peak=peak, step_fn=step_fn, eval_fn=eval_fn)
+    return run, state
