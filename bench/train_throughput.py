@@ -47,7 +47,8 @@ def measure(preset: str, steps: int, overrides: list[str]) -> dict:
             "peak_mem_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None, "params_total": counts["total"], "params_active": counts["active"],
             "tokens_per_step": tokens, "step_s": dt, "tokens_per_s": tokens / dt,
             "flops_per_token": fpt, "model_flops_per_s": fpt * tokens / dt,
-            "compile_s": compile_s, "moe_impl": m.moe_impl, "dtype": m.compute_dtype}
+            "compile_s": compile_s, "moe_impl": m.moe_impl, "dtype": m.compute_dtype,
+            "microbatch": cfg.train.microbatch}
 
 
 def main() -> None:

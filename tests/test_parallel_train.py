@@ -51,7 +51,11 @@ def reference(tmp_path_factory, data_dir):
     # pure data parallelism: nothing travels, so pooled_wave's checks (waves=3 does not divide
     # the 8 local experts) do not apply and the dropless transport trains
     {"devices": 2, "expert": 1, "transport": "pooled_wave", "waves": 3},
-], ids=["ragged-ep8", "pooled_wave-ep4", "waterfill-ep2", "data-parallel-2"])
+    # FSDP: parameters and optimizer state split over "data", gathered layer by layer
+    {"devices": 8, "expert": 4, "transport": "ragged", "fsdp": True},
+    {"devices": 8, "expert": 1, "fsdp": True},
+], ids=["ragged-ep8", "pooled_wave-ep4", "waterfill-ep2", "data-parallel-2", "fsdp2-ep4",
+        "fsdp8"])
 def test_expert_parallel_training_follows_single_device(tmp_path, data_dir, reference, parallel):
     got = run(tmp_path, data_dir, "ep", **parallel)
     assert sorted(got) == sorted(reference) == list(range(1, STEPS + 1))

@@ -226,6 +226,30 @@ def test_model_estimate_within_15pc_of_xla():
     assert abs(r["ratio"] - 1) < 0.15, (r["estimate"], r["xla"])
 
 
+@pytest.mark.parametrize("ep,fsdp", [(2, 4), (1, 8)])
+def test_sharded_estimate_within_10pc_of_xla(ep, fsdp):
+    """The real train step of a scaled d2048 rung on 8 devices: expert parallelism over
+    "expert" and FSDP over "data", compiled on abstract shapes; per-device memory against the
+    planner's formula (weights, gradients and optimizer state as split, activations, the
+    transport's buffers)."""
+    from moelab.train.step import compile_train_step
+
+    if len(jax.devices()) < 8:
+        pytest.fail("needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
+    cfg = planner.scaled_config(load_config("d2048"), batch=8)
+    r = planner.compare_sharded_with_xla(cfg, planner.Layout(devices=8, ep=ep, fsdp=fsdp),
+                                         compile_train_step)
+    assert r["transport"] == ("pooled_wave" if ep > 1 else "ragged")
+    assert r["state"]["fsdp_gather"] > 0
+    assert abs(r["ratio"] - 1) < 0.10, (r["estimate"], r["xla"])
+
+
+def test_sharded_xla_check_refuses_an_fsdp_degree_moelab_cannot_run():
+    with pytest.raises(ConfigError, match="--fsdp 2"):
+        planner.compare_sharded_with_xla(planner.scaled_config(load_config("d2048"), batch=8),
+                                         planner.Layout(devices=8, ep=2, fsdp=2), None)
+
+
 # ---------------------------------------------------------------------------------------------
 # command line
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -79,10 +82,56 @@ def cmd_data_build(args) -> int:
     return 0
 
 
+def _fake_devices_rerun(args) -> int | None:
+    """``plan --xla --devices N`` on a CPU with fewer devices: the whole command again in a
+    child process with N fake CPU devices (XLA reads the flag only when JAX starts)."""
+    import jax
+
+    n = args.devices
+    if not (args.xla and n > len(jax.devices()) and jax.default_backend() == "cpu"):
+        return None
+    if os.environ.get("MOELAB_FAKE_DEVICES"):
+        raise ConfigError(f"--devices {n}: only {len(jax.devices())} fake devices came up")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
+    env = {**os.environ, "XLA_FLAGS": flags.strip(), "MOELAB_FAKE_DEVICES": str(n)}
+    return subprocess.call([sys.executable, "-m", "moelab.cli", *args.argv[1:]], env=env)
+
+
+def _plan_xla(cfg, layout) -> dict:
+    """``plan --xla``: compile the real train step at a scaled shape and compare its memory
+    with the planner's: on one device, or on ``layout`` (expert parallelism, FSDP)."""
+    from moelab import planner
+    from moelab.train.step import compile_train_step, init_train_state, make_train_step
+
+    if layout is None or layout.devices == 1:
+        small = planner.scaled_config(cfg)
+        cmp = planner.compare_with_xla(small, init_train_state, make_train_step)
+        where = "one device"
+    else:  # local experts must split into the waves of a pooled_wave transport
+        small = planner.scaled_config(cfg, batch=layout.devices,
+                                      n_experts=math.lcm(16, layout.ep * cfg.parallel.waves))
+        cmp = planner.compare_sharded_with_xla(small, layout, compile_train_step)
+        where = (f"{layout.devices} devices, EP {layout.ep}, FSDP {layout.fsdp}, transport "
+                 f"{cmp['transport']}" + (f" W={cmp['waves']}" if layout.ep > 1 else ""))
+        if cmp["cpu_gradient_all_reduce"]:
+            where += (f"; + {cmp['cpu_gradient_all_reduce'] / 2**20:.1f} MiB for XLA:CPU's "
+                      "full-size gradient all-reduce (a GPU reduce-scatters)")
+    m = small.model
+    print(f"\n  XLA check at a scaled shape (d_model {m.d_model}, {m.n_layers} layers, "
+          f"{m.n_experts} experts, {small.data.batch_size} x {small.data.seq_len} tokens, "
+          f"float32, {where}): estimate {cmp['estimate'] / 2**20:.1f} MiB, XLA "
+          f"{cmp['xla']['peak'] / 2**20:.1f} MiB ({cmp['ratio'] - 1:+.1%})")
+    return {"scaled_model": m.__dict__, "seq_len": small.data.seq_len,
+            "batch": small.data.batch_size, **cmp}
+
+
 def cmd_plan(args) -> int:
     from moelab import planner
     from moelab.util import atomic_write_json
 
+    rerun = _fake_devices_rerun(args)
+    if rerun is not None:
+        return rerun
     source, overrides = split_overrides(args.config, args.overrides)
     cfg = load_config(source, overrides)
     acc = planner.accelerator(args.accelerator, args.peak_flops, args.hbm_gib)
@@ -96,23 +145,15 @@ def cmd_plan(args) -> int:
     result = planner.build_plan(cfg, tokens=args.tokens, acc=acc, devices=args.devices,
                                 mfus=tuple(args.mfu), tokens_per_s=args.tokens_per_s,
                                 layout=layout, transports=transports,
-                                attention=args.attention, loss=args.loss)
+                                attention=args.attention,
+                                loss=args.loss or ("fused" if cfg.model.loss_chunk else
+                                                   "materialized"))
     print(planner.format_plan(source, result))
     if not args.devices:
         print("\n  (give --devices with --mfu or --tokens-per-s for time on a cluster, and "
               "--ep/--fsdp for memory per device)")
     if args.xla:
-        from moelab.train.step import init_train_state, make_train_step
-
-        small = planner.scaled_config(cfg)
-        cmp = planner.compare_with_xla(small, init_train_state, make_train_step)
-        result["xla"] = {"scaled_model": small.model.__dict__, "seq_len": small.data.seq_len,
-                         "batch": small.data.batch_size, **cmp}
-        print(f"\n  XLA check at a scaled shape (d_model {small.model.d_model}, "
-              f"{small.model.n_layers} layers, {small.model.n_experts} experts, "
-              f"{small.data.batch_size} x {small.data.seq_len} tokens, float32, one device): "
-              f"estimate {cmp['estimate'] / 2**20:.1f} MiB, XLA {cmp['xla']['peak'] / 2**20:.1f} "
-              f"MiB ({cmp['ratio'] - 1:+.1%})")
+        result["xla"] = _plan_xla(cfg, layout)
     if args.json:
         atomic_write_json(args.json, result)
         print(f"\n  written: {args.json}")
@@ -216,8 +257,9 @@ def _add_plan(sub) -> None:
                     help="kept in host memory: master (fp32 weights) and/or opt")
     pl.add_argument("--attention", default="materialized", choices=["materialized", "fused"],
                     help="attention kernel memory: this code's score chunks or a fused kernel")
-    pl.add_argument("--loss", default="materialized", choices=["materialized", "fused"],
-                    help="loss memory: float32 logits or a chunked cross-entropy")
+    pl.add_argument("--loss", default=None, choices=["materialized", "fused"],
+                    help="loss memory: float32 logits or a chunked cross-entropy (default: "
+                    "fused when model.loss_chunk > 0)")
     pl.add_argument("--cf", type=float, nargs="*", default=[1.25, 2.0, 4.0],
                     help="capacity factors to compare (transports with parallel.capacity_factor)")
     pl.add_argument("--waves", type=int, nargs="*", default=[],

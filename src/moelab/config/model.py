@@ -30,6 +30,7 @@ class ModelConfig:
     global_rope: bool = True  # False: global (full-causal) layers use no RoPE (reference)
     xsa: bool = False  # exclusive self-attention: drop each head's output component along its v
     attn_gate: bool = False  # per-head output gate 2*sigmoid(x W_gate), W_gate [D, H] zero-init
+    attention_impl: str = "auto"  # "auto" | "chunked" | "xla" | "cudnn" (auto: cudnn on GPU)
     conv_sites: str = ""  # short causal depthwise convs, comma list of q,k,v,attn,moe ("" = none)
     conv_kernel: int = 4  # taps of each short conv (identity init)
     gated_norm_rank: int = 0  # GatedNorm x*sigmoid(W_up silu(W_down x)) after each RMSNorm; 0 = off
@@ -51,6 +52,7 @@ class ModelConfig:
     moe_block: int = 128  # rows per block of the sorted-blocks MoE kernel
     # head / loss / numerics
     logit_z_coef: float = 1e-4
+    loss_chunk: int = 0  # tokens per chunk of the LM head + loss (memory O(chunk x vocab)); 0 = all
     init_std: float = 0.0  # 0 = 0.5 / sqrt(d_model), as in the reference
     norm_eps: float = 1e-5
     compute_dtype: str = "float32"  # "float32" | "bfloat16"; master weights stay float32
@@ -125,7 +127,15 @@ class ModelConfig:
         require(self.moe_block > 0, f"{p}.moe_block", "must be > 0")
         require(self.compute_dtype in ("float32", "bfloat16"), f"{p}.compute_dtype",
                 "must be 'float32' or 'bfloat16'")
+        require(self.attention_impl in ("auto", "chunked", "xla", "cudnn"), f"{p}.attention_impl",
+                "must be one of auto, chunked, xla, cudnn")
+        require(self.attention_impl != "cudnn" or (self.compute_dtype == "bfloat16" and
+                                                   self.head_dim % 8 == 0), f"{p}.attention_impl",
+                "'cudnn' needs compute_dtype='bfloat16' and head_dim a multiple of 8 (cuDNN flash "
+                "attention); use 'xla' or 'chunked' otherwise")
         require(self.combine_sum >= 0, f"{p}.combine_sum", "must be >= 0 (0 = no rescaling)")
+        require(self.loss_chunk >= 0, f"{p}.loss_chunk",
+                "must be >= 0 (tokens per chunk of the head + loss; 0 = materialise all logits)")
         for name in ("aux_loss_coef", "router_z_coef", "logit_z_coef", "bias_update_rate",
                      "init_std", "norm_eps"):
             require(getattr(self, name) >= 0, f"{p}.{name}", "must be >= 0")

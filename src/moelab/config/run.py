@@ -65,12 +65,17 @@ class TrainConfig:
     peak_flops: float = 0.0  # for MFU; 0 = measure this machine's matmul peak at start
     wandb: bool = False  # also log to W&B (set WANDB_MODE=offline to stay local)
     wandb_project: str = "moelab"
+    # Gradient accumulation: tokens per micro-step; each step runs its batch as
+    # batch tokens / microbatch micro-steps inside one jitted step. 0 = the whole batch at once.
+    microbatch: int = 0
 
     def validate(self, p: str = "train") -> None:
         require(self.steps > 0, f"{p}.steps", "must be > 0")
         for name in ("log_every", "eval_every", "ckpt_every", "keep_ckpts", "eval_tokens"):
             require(getattr(self, name) > 0, f"{p}.{name}", "must be > 0")
         require(self.peak_flops >= 0, f"{p}.peak_flops", "must be >= 0 (0 = measure)")
+        require(self.microbatch >= 0, f"{p}.microbatch", "must be >= 0 (tokens per micro-step; "
+                "0 = no gradient accumulation)")
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,9 @@ class ParallelConfig:
     receiver_cf: float = 1.15  # pooled_wave: rows per local expert per wave
     waves: int = 3  # pooled_wave: sequential waves; local experts must divide into them
     ragged_impl: str = "auto"  # ragged/waterfill: auto | native (ragged_all_to_all) | emulated
+    # FSDP: parameters and optimizer state split over the "data" axis too; each layer's weights
+    # are gathered inside the layer scan, its gradients reduce-scattered back
+    fsdp: bool = False
 
     def validate(self, p: str = "parallel") -> None:
         require(self.devices >= 0, f"{p}.devices", "must be >= 0 (0 = all visible devices)")
@@ -96,6 +104,19 @@ class ParallelConfig:
                 f"must divide parallel.devices={self.devices}")
         require(isinstance(self.transport, str) and self.transport != "", f"{p}.transport",
                 "must name a transport (docs/transport.md lists them)")
+
+
+def check_microbatch(microbatch: int, seq_len: int, batch: int, devices: int) -> None:
+    """A micro-step holds whole sequences, the batch splits into whole micro-steps, and every
+    device gets rows of each micro-step."""
+    p = "train.microbatch"
+    require(microbatch % seq_len == 0, p, f"{microbatch} tokens must be a whole number of "
+            f"sequences of {seq_len} tokens")
+    seqs = microbatch // seq_len
+    require(batch % seqs == 0, p, f"{seqs} sequences per micro-step must divide the batch of "
+            f"{batch} sequences (at seq_len {seq_len})")
+    require(devices == 0 or seqs % devices == 0, p, f"{seqs} sequences per micro-step must be "
+            f"divisible by parallel.devices={devices}")
 
 
 @dataclass(frozen=True)
@@ -121,6 +142,9 @@ class RunConfig:
             require(par.devices == 0 or self.data.stage_batch(c) % par.devices == 0,
                     f"data.context_stages[{i}]", f"batch of {self.data.stage_batch(c)} sequences"
                     f" must be divisible by parallel.devices={par.devices}")
+        if self.train.microbatch:
+            for seg in self.data.segments():
+                check_microbatch(self.train.microbatch, seg.seq_len, seg.batch_size, par.devices)
         require(self.warmup_steps <= self.schedule_steps, "optim.warmup_steps",
                 f"must be <= the schedule length ({self.schedule_steps} steps)")
         return self

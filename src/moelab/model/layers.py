@@ -1,5 +1,6 @@
 """Building blocks: RMSNorm, GatedNorm, RoPE, short causal convolutions, grouped-query attention
 (sliding window, q/k norm, XSA, per-head output gate, fewer KV heads on global layers), SwiGLU.
+The attention core (``attend``) is chunked or fused, as ``resolve_attention`` says.
 
 Shape suffixes: B batch, T query positions, S key positions, D model width, K kv heads,
 G query heads per kv head, H query heads, Q head dim, F feed-forward width, C channels,
@@ -8,10 +9,12 @@ R GatedNorm rank.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from moelab.config import ModelConfig
+from moelab.config import ConfigError, ModelConfig
 
 
 def rms_norm(x, scale=None, eps: float = 1e-5):
@@ -103,6 +106,61 @@ def causal_attend(q_BTKGQ, k_BTKQ, v_BTKQ, window):
     return jnp.concatenate(outs, axis=1)
 
 
+def resolve_attention(cfg: ModelConfig) -> str:
+    """The attention core ``cfg.attention_impl`` runs here: chunked, xla or cudnn. ``auto`` is
+    cuDNN's fused kernel on a GPU when it fits (bfloat16 compute, head_dim a multiple of 8 up to
+    128), else chunked (CPU, TPU, float32). ``cudnn`` off a GPU is a ConfigError."""
+    gpu = jax.default_backend() in ("gpu", "cuda")
+    if cfg.attention_impl == "auto":
+        fits = cfg.compute_dtype == "bfloat16" and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+        return "cudnn" if gpu and fits else "chunked"
+    if cfg.attention_impl == "cudnn" and not gpu:
+        raise ConfigError(f"model.attention_impl: 'cudnn' needs a CUDA GPU, but JAX's backend "
+                          f"is {jax.default_backend()!r}; use 'auto', 'chunked' or 'xla'")
+    return cfg.attention_impl
+
+
+def _known(x):
+    """``x`` as a Python int when its value is known while tracing; None when it is traced."""
+    return None if isinstance(x, jax.core.Tracer) else int(x)
+
+
+def _fused(q_BTKGQ, k_BSKQ, v_BSKQ, *, window: int, kv_stride: int, impl: str):
+    """``jax.nn.dot_product_attention`` (XLA or cuDNN) with a static window; ``kv_stride`` r > 1
+    keeps slots 0, r, 2r, ...: a global layer's distinct KV heads (kv_head_map repeats each r
+    times), so the kernel runs plain GQA over them."""
+    B, T, K, G, Q = q_BTKGQ.shape
+    out = jax.nn.dot_product_attention(
+        q_BTKGQ.reshape(B, T, K * G, Q), k_BSKQ[:, :, ::kv_stride], v_BSKQ[:, :, ::kv_stride],
+        is_causal=True, local_window_size=(window - 1, 0) if window > 0 else None,
+        implementation=impl)
+    return out.reshape(B, T, K, G, Q)
+
+
+def attend(q_BTKGQ, k_BTKQ, v_BTKQ, window, is_global, cfg: ModelConfig):
+    """The attention core, softmax(q k / sqrt(Q)) v over causal keys within ``window`` (0 = all),
+    computed by ``resolve_attention(cfg)``. The fused kernels need a static window: a traced one
+    (the layer scan) is the config's window for the layer's kind, and with both kinds in the
+    stack and a sliding window, one ``lax.cond`` on ``is_global`` picks the kind. ``k``, ``v``
+    as ``attention`` passes them: a global layer's slots already mapped by ``kv_head_map``."""
+    impl = resolve_attention(cfg)
+    if impl == "chunked":
+        return causal_attend(q_BTKGQ, k_BTKQ, v_BTKQ, window)
+    stride = cfg.n_kv_heads // cfg.kv_heads_global
+    glob, win = _known(is_global), _known(window)
+    fused = functools.partial(_fused, impl=impl)
+    if win is not None:  # one layer on its own (window given)
+        return fused(q_BTKGQ, k_BTKQ, v_BTKQ, window=win, kv_stride=stride if glob else 1)
+    local = functools.partial(fused, window=cfg.sliding_window, kv_stride=1)
+    full = functools.partial(fused, window=0, kv_stride=stride)
+    kinds = set(cfg.layer_is_global()) if glob is None else {bool(glob)}
+    if kinds == {True}:
+        return full(q_BTKGQ, k_BTKQ, v_BTKQ)
+    if kinds == {False} or cfg.sliding_window == 0:  # slots are mapped: full causal serves both
+        return local(q_BTKGQ, k_BTKQ, v_BTKQ)
+    return jax.lax.cond(is_global, full, local, q_BTKGQ, k_BTKQ, v_BTKQ)
+
+
 def kv_head_map(cfg: ModelConfig, is_global):
     """Which stored KV head each of the n_kv_heads slots reads. Local layers: slot j -> head j.
     Global layers with ``global_kv_heads`` = Kg < K: slot j -> head j // (K/Kg), so the query
@@ -151,7 +209,7 @@ def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global=Fals
     if cfg.kv_heads_global != K:
         kv = kv_head_map(cfg, is_global)
         k, v = jnp.take(k, kv, axis=2), jnp.take(v, kv, axis=2)
-    out = causal_attend(q.reshape(B, T, K, G, Q), k, v, window)
+    out = attend(q.reshape(B, T, K, G, Q), k, v, window, is_global, cfg)
     if cfg.xsa:
         out = exclusive(out, v)
     out = out.reshape(B, T, H, Q)

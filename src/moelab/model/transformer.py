@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from moelab.config import ModelConfig
 from moelab.model.layers import attention, causal_conv, gated_norm, rms_norm, rope_tables
+from moelab.model.loss import chunked_token_loss, head_logits, logit_sums, valid_weights
 from moelab.model.moe import moe_branch
 from moelab.model.router import update_bias
 
@@ -22,11 +23,15 @@ EXPERT = "expert"  # the mesh axis routed experts are split over (moelab.paralle
 
 
 class Param(NamedTuple):
-    """A parameter's declaration: its shape, and per dimension the mesh axis that dimension is
-    split over (None = replicated). Shardings are read from here, never inferred from names."""
+    """A parameter's declaration: its shape, per dimension the mesh axis that dimension is split
+    over (None = replicated), and the dimension FSDP splits over the data axis (the largest one
+    and, for the blocks, not the layer axis the scan walks; None for the routed experts, which
+    are split over the expert axis and, as in the reference system, not over data). Shardings
+    are read from here, never inferred from names."""
 
     shape: tuple[int, ...]
     axes: tuple[str | None, ...]
+    fsdp_dim: int | None = None
 
 
 def param_decls(cfg: ModelConfig) -> dict:
@@ -63,9 +68,13 @@ def param_decls(cfg: ModelConfig) -> dict:
             blocks.update({f"gn_{site}_down": (L, D, r), f"gn_{site}_up": (L, r, D)})
         for site in ("final",) + (("embed",) if cfg.embed_norm else ()):
             top.update({f"gn_{site}_down": (D, r), f"gn_{site}_up": (r, D)})
-    replicated = lambda v: v if isinstance(v, Param) else Param(v, (None,) * len(v))
-    return {**{k: replicated(v) for k, v in top.items()},
-            "blocks": {k: replicated(v) for k, v in blocks.items()}}
+    def declare(v, first: int) -> Param:
+        if isinstance(v, Param):
+            return v
+        return Param(v, (None,) * len(v), max(range(first, len(v)), key=lambda d: v[d]))
+
+    return {**{k: declare(v, 0) for k, v in top.items()},
+            "blocks": {k: declare(v, 1) for k, v in blocks.items()}}
 
 
 def _decl_field(cfg: ModelConfig, field: str) -> dict:
@@ -81,6 +90,11 @@ def param_shapes(cfg: ModelConfig) -> dict:
 def param_axes(cfg: ModelConfig) -> dict:
     """Per parameter, the mesh axis of each dimension (None = replicated)."""
     return _decl_field(cfg, "axes")
+
+
+def param_fsdp_dims(cfg: ModelConfig) -> dict:
+    """Per parameter, the dimension FSDP splits over the data axis (None: none)."""
+    return _decl_field(cfg, "fsdp_dim")
 
 
 def is_norm(name: str) -> bool:
@@ -151,8 +165,14 @@ def layer_params(p: dict, dt) -> dict:
     return pc
 
 
-def forward(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, experts_fn=None):
-    """Logits [B, T, V] (float32) and per-layer router stats (each stacked on a leading L axis)."""
+def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, experts_fn=None,
+                   layer_hook=None):
+    """Final hidden states [B, T, D] (after the final norm, compute dtype) and per-layer router
+    stats (each stacked on a leading L axis): ``forward`` without the LM head.
+
+    ``layer_hook(params of one layer) -> params`` runs inside the layer scan on each layer's
+    weights (in the compute dtype) before use: FSDP gathers them there
+    (``moelab.parallel.mesh.layer_gather``)."""
     B, T = tokens_BT.shape
     dt = jnp.dtype(cfg.compute_dtype)
     x = params["embed"][tokens_BT].astype(dt)
@@ -168,6 +188,8 @@ def forward(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, experts_f
     def block(x_BTD, layer):
         p, bias, window, glob = layer
         pc = layer_params(p, dt)
+        if layer_hook is not None:
+            pc = layer_hook(pc)
         x_BTD = attention_branch(pc, x_BTD, cfg, window, cos, sin, glob)
         return mixture_branch(pc, x_BTD, bias, cfg, valid_N, experts_fn)
 
@@ -175,31 +197,40 @@ def forward(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, experts_f
         block = jax.checkpoint(block)
     x, routing = jax.lax.scan(block, x, (params["blocks"], state["router_bias"], windows,
                                          is_global))
-    x = _pre_norm(x, top, "final", cfg)
-    logits = jnp.einsum("btd,dv->btv", x, params["head"].astype(dt),
-                        preferred_element_type=jnp.float32)
-    return logits, routing
+    return _pre_norm(x, top, "final", cfg), routing
+
+
+def forward(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, experts_fn=None,
+            layer_hook=None):
+    """Logits [B, T, V] (float32) and per-layer router stats (each stacked on a leading L axis)."""
+    x, routing = forward_hidden(params, state, tokens_BT, cfg, valid_BT, experts_fn, layer_hook)
+    return head_logits(x, params["head"]), routing
 
 
 def token_loss(logits_BTV, targets_BT, valid_BT=None):
     """Mean cross-entropy and mean squared log-sum-exp (the logit z-loss) over valid tokens."""
-    valid = (jnp.ones(targets_BT.shape, jnp.float32) if valid_BT is None
-             else valid_BT.astype(jnp.float32))
+    valid = valid_weights(targets_BT, valid_BT)
     n = jnp.maximum(jnp.sum(valid), 1.0)
-    lse = jax.nn.logsumexp(logits_BTV, axis=-1)
-    tgt = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-    return jnp.sum(valid * (lse - tgt)) / n, jnp.sum(valid * lse**2) / n
+    ce, z = logit_sums(logits_BTV, targets_BT, valid)
+    return ce / n, z / n
 
 
-def lm_loss(params, state, tokens_B1T, cfg: ModelConfig, valid_BT=None, experts_fn=None):
+def lm_loss(params, state, tokens_B1T, cfg: ModelConfig, valid_BT=None, experts_fn=None,
+            layer_hook=None):
     """Next-token loss on a packed batch [B, T+1]. Returns (loss to optimise, stats dict).
 
     loss = cross-entropy + logit z-loss + (softmax router) aux loss + router z-loss, as weighted
-    by the config. Stats hold the unweighted parts and per-layer router statistics.
+    by the config. Stats hold the unweighted parts and per-layer router statistics. With
+    ``cfg.loss_chunk`` > 0 the head + loss run over chunks of tokens (moelab.model.loss), never
+    holding all logits [B, T, V].
     """
     inputs, targets = tokens_B1T[:, :-1], tokens_B1T[:, 1:]
-    logits, r = forward(params, state, inputs, cfg, valid_BT, experts_fn)
-    ce, logit_z = token_loss(logits, targets, valid_BT)
+    if cfg.loss_chunk > 0:
+        x, r = forward_hidden(params, state, inputs, cfg, valid_BT, experts_fn, layer_hook)
+        ce, logit_z = chunked_token_loss(x, params["head"], targets, valid_BT, cfg.loss_chunk)
+    else:
+        logits, r = forward(params, state, inputs, cfg, valid_BT, experts_fn, layer_hook)
+        ce, logit_z = token_loss(logits, targets, valid_BT)
     aux = jnp.mean(r.aux_loss)
     router_z = jnp.mean(r.z_loss)
     loss = ce + cfg.logit_z_coef * logit_z + cfg.router_z_coef * router_z

@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from moelab.config import ModelConfig
-from moelab.model.transformer import EXPERT, param_axes
+from moelab.model.transformer import EXPERT, param_axes, param_fsdp_dims, param_shapes
 
 DATA = "data"
 BATCH_AXES = (DATA, EXPERT)
@@ -74,22 +74,51 @@ def _keys(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", None))) for k in path)
 
 
-def state_shardings(mesh: Mesh, state, cfg: ModelConfig):
-    """Shardings for a train state: each parameter as the model declares it
-    (``moelab.model.transformer.param_decls``: routed experts [L, E, ...] split over "expert"),
-    and each optimizer moment like the parameter it belongs to (a leaf whose path ends with a
-    parameter's path and has its rank); everything else replicated."""
-    declared = {_keys(path): axes for path, axes in jax.tree_util.tree_flatten_with_path(
-        param_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))[0]}
+def _flat(tree) -> dict:
+    return {_keys(path): v for path, v in jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, tuple) or x is None)[0]}
+
+
+def param_specs(mesh: Mesh, cfg: ModelConfig, fsdp: bool = False) -> dict:
+    """{parameter path: PartitionSpec} as the model declares them
+    (``moelab.model.transformer.param_decls``: routed experts [L, E, ...] split over "expert").
+    With ``fsdp`` each parameter is also split over "data" along its declared FSDP dimension,
+    where that dimension divides evenly (otherwise it stays replicated over "data")."""
+    n_data = mesh.shape[DATA]
+    shapes = _flat(param_shapes(cfg))
+    dims = _flat(param_fsdp_dims(cfg))
+    specs = {}
+    for key, axes in _flat(param_axes(cfg)).items():
+        d = dims.get(key)
+        if fsdp and n_data > 1 and d is not None and shapes[key][d] % n_data == 0:
+            axes = axes[:d] + (DATA,) + axes[d + 1:]
+        specs[key] = P(*axes)
+    return specs
+
+
+def state_shardings(mesh: Mesh, state, cfg: ModelConfig, fsdp: bool = False):
+    """Shardings for a train state: each parameter as ``param_specs`` says, each optimizer
+    moment like the parameter it belongs to (a leaf whose path ends with a parameter's path and
+    has its rank); everything else replicated."""
+    specs = param_specs(mesh, cfg, fsdp)
 
     def one(path, leaf):
         keys = _keys(path)
         for i in range(len(keys)):
-            axes = declared.get(keys[i:])
-            if axes is not None and len(axes) == getattr(leaf, "ndim", -1):
-                return NamedSharding(mesh, P(*axes))
+            spec = specs.get(keys[i:])
+            if spec is not None and len(spec) == getattr(leaf, "ndim", -1):
+                return NamedSharding(mesh, spec)
         return NamedSharding(mesh, P())
     return jax.tree_util.tree_map_with_path(one, state)
+
+
+def layer_gather(mesh: Mesh, cfg: ModelConfig):
+    """FSDP's per-layer gather: inside the layer scan, one layer's weights constrained to their
+    declared sharding without "data" (gathered over it; routed experts stay split over
+    "expert"), so only the layer being computed is ever whole on a device."""
+    specs = {key[1]: NamedSharding(mesh, P(*spec[1:]))
+             for key, spec in param_specs(mesh, cfg).items() if key[0] == "blocks"}
+    return lambda p: {k: jax.lax.with_sharding_constraint(v, specs[k]) for k, v in p.items()}
 
 
 def mesh_from_config(par) -> Mesh | None:

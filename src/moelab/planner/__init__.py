@@ -28,7 +28,8 @@ _MODULES = {
     "memory": ("Layout", "state_memory", "residual_bytes", "KERNELS", "kernel_residuals",
                "activation_memory", "transport_memory", "CAPACITY_FIELDS", "transport_options",
                "with_transport", "memory_report"),
-    "xla": ("scaled_config", "xla_memory", "compare_with_xla", "compare_transport_with_xla"),
+    "xla": ("scaled_config", "xla_memory", "compare_with_xla", "compare_sharded_with_xla",
+            "compare_transport_with_xla"),
     "report": ("build_plan", "format_plan"),
 }
 _HOME = {name: module for module, names in _MODULES.items() for name in names}

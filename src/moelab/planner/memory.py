@@ -163,13 +163,15 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     branches' residuals (the backward runs the MoE branch, frees it, then the attention branch);
     peak = saved + layer (remat) or saved (no remat). ``local_experts=False`` leaves the routed
     experts out (an expert-parallel transport owns them; see transport_memory).
-    ``attention``/``loss``: "materialized" (this code) or "fused" (see kernel_residuals).
+    ``attention``/``loss``: "materialized" (this code's plain paths) or "fused" (see
+    kernel_residuals); measured on the plain paths (``loss_chunk=0``), then the fused kernels'
+    savings taken off.
     """
     for name, value in (("attention", attention), ("loss", loss)):
         if value not in KERNELS:
             raise ConfigError(f"--{name} {value}: use fused or materialized")
     remat = cfg.remat if remat is None else remat
-    m = dataclasses.replace(cfg, remat=remat)
+    m = dataclasses.replace(cfg, remat=remat, loss_chunk=0)
     dt = jnp.dtype(m.compute_dtype)
     experts_fn = None if local_experts else _stub_experts
     params = param_tree(m)

@@ -10,8 +10,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from moelab.config import RunConfig
-from moelab.planner.memory import Layout, memory_report, transport_memory
+from moelab.config import ConfigError, RunConfig
+from moelab.planner.counts import ROUTED, param_leaves
+from moelab.planner.memory import (CAPACITY_FIELDS, Layout, memory_report,
+                                   transport_memory)
 
 
 def scaled_config(cfg: RunConfig, d_model: int = 256, seq_len: int = 256, batch: int = 4,
@@ -63,6 +65,51 @@ def compare_with_xla(cfg: RunConfig, init_state_fn: Callable, make_step_fn: Call
     estimate = rep["base_total"] + inputs
     return {"xla": xla, "estimate": estimate, "ratio": estimate / xla["peak"],
             "activations": rep["activations"][cfg.model.remat], "state": rep["state"]}
+
+
+def compare_sharded_with_xla(cfg: RunConfig, layout: Layout, compile_fn: Callable) -> dict:
+    """Compile the real train step of ``cfg`` on ``layout`` (``layout.devices`` visible devices,
+    expert parallelism ``layout.ep``, FSDP over the data axis when ``layout.fsdp`` > 1, which
+    must then be devices / ep) and compare XLA's per-device peak with the planner's per-device
+    estimate: weights, gradients and optimizer state as split, activations, the training
+    transport's buffers and the batch.
+
+    ``compile_fn(cfg, mesh)`` is ``moelab.train.step.compile_train_step`` (handed in: the
+    planner must not import train). On CPU the devices are fake
+    (XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts)."""
+    from moelab.parallel import transport
+    from moelab.parallel.mesh import make_mesh
+
+    S, data = layout.ep, layout.devices // layout.ep
+    if layout.fsdp not in (1, data):
+        raise ConfigError(f"--fsdp {layout.fsdp}: moelab splits over the whole data axis: use 1 "
+                          f"or --devices / --ep = {data}")
+    if len(jax.devices()) < layout.devices:
+        raise ConfigError(f"--devices {layout.devices}: only {len(jax.devices())} visible")
+    # XLA:CPU keeps every wave's receiver bank live (docs/transport.md, "Memory per rank"),
+    # so on CPU the check compiles one wave, where design and compiler agree.
+    waves = 1 if jax.default_backend() == "cpu" else cfg.parallel.waves
+    par = dataclasses.replace(cfg.parallel, devices=layout.devices, expert=S, waves=waves,
+                              fsdp=layout.fsdp > 1, ragged_impl="emulated")
+    cfg = dataclasses.replace(cfg, parallel=par).validate()
+    layout.validate(cfg)
+    xla = xla_memory(compile_fn(cfg, make_mesh(expert=S, devices=jax.devices()[:layout.devices])))
+    kind = transport.training_transport(par)
+    caps = {f: getattr(par, f) for f in transport.get(kind).fields if f in CAPACITY_FIELDS}
+    rep = memory_report(cfg, layout, [{"kind": kind, **caps}] if S > 1 else None)
+    inputs = 4 * (cfg.data.batch_size // layout.devices) * (cfg.data.seq_len + 1)
+    estimate = (rep["transports"][0]["total"] if S > 1 else rep["base_total"]) + inputs
+    # XLA:CPU has no reduce-scatter: it all-reduces the FSDP-split block gradients at full size
+    # [L, ...] and then slices them, where a GPU reduce-scatters. Counted here, for this check.
+    cpu_extra = 0.0
+    if layout.fsdp > 1 and jax.default_backend() == "cpu":
+        blocks = sum(math.prod(s) for name, b, s in param_leaves(cfg.model)
+                     if b and name not in ROUTED)
+        cpu_extra = 4 * blocks * (1 - 1 / layout.fsdp)
+    total = estimate + cpu_extra
+    return {"xla": xla, "estimate": estimate, "cpu_gradient_all_reduce": cpu_extra,
+            "ratio": total / xla["peak"], "transport": kind, "waves": waves,
+            "state": rep["state"]}
 
 
 def compare_transport_with_xla(kind: str, *, tokens: int, top_k: int, n_experts: int,

@@ -28,7 +28,9 @@ PENDING = "plan_pending.json"
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.ckpt_every",
                      "train.keep_ckpts", "train.eval_tokens", "train.peak_flops", "train.wandb",
                      "train.wandb_project", "parallel.devices", "parallel.expert",
-                     "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block"}
+                     "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block",
+                     "train.microbatch", "parallel.fsdp", "model.attention_impl",
+                     "model.loss_chunk"}
 
 
 def resume_step(run_dir: Path | str) -> int | None:

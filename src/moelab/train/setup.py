@@ -23,13 +23,14 @@ from moelab.data.store import TokenStore
 from moelab.data.tokenizer import load_tokenizer
 from moelab.parallel import transport
 from moelab.parallel.distributed import barrier, is_main
-from moelab.parallel.mesh import mesh_from_config, shard_batch, state_shardings
+from moelab.parallel.mesh import mesh_from_config, shard_batch
 from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.provenance import provenance
 from moelab.train.checkpoint import Checkpointer
 from moelab.train.peak import measure_peak_flops
 from moelab.train.resume import commit_pending, resolve_run_config
-from moelab.train.step import init_train_state, make_eval_step, make_train_step, transport_fns
+from moelab.train.step import (init_train_state, make_eval_step, make_train_step,
+                               train_state_shardings, transport_fns)
 from moelab.train.tracker import (HardwareMonitor, JsonlTracker, Trackers, WandbTracker,
                                   process_identity)
 from moelab.util import atomic_write_bytes, atomic_write_json, info
@@ -64,15 +65,11 @@ def _quiet(_msg: str) -> None:
     """The ``say`` of a quiet run and of every process but the main one."""
 
 
-def init_sharded_state(cfg: RunConfig, mesh) -> dict:
-    """A fresh train state, created directly in its shardings (routed experts split over the
-    "expert" axis) so no process ever holds another's shards, and restores land there too."""
+def init_sharded_state(cfg: RunConfig, shardings) -> dict:
+    """A fresh train state, created directly in its shardings so no process ever holds
+    another's shards, and restores land there too."""
     init = functools.partial(init_train_state, cfg)
-    key = jax.random.PRNGKey(cfg.train.seed)
-    if mesh is None:
-        return jax.jit(init)(key)
-    shardings = state_shardings(mesh, jax.eval_shape(init, key), cfg.model)
-    return jax.jit(init, out_shardings=shardings)(key)
+    return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(cfg.train.seed))
 
 
 def _prepare(cfg: RunConfig, main: bool, verbose: bool) -> PreparedData:
@@ -118,14 +115,16 @@ def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, float]:
     return counts, peak
 
 
-def _step_functions(cfg: RunConfig, mesh, say) -> tuple[Callable, Callable]:
+def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Callable]:
     """(train step, eval step): the configured transport trains, the dropless one evaluates."""
     train_experts, eval_experts = transport_fns(cfg, mesh)
-    step_fn = make_train_step(cfg, train_experts)
+    step_fn = make_train_step(cfg, train_experts, mesh, state_sh)
     eval_fn = make_eval_step(cfg, eval_experts)
     if mesh is not None:
         say(f"mesh: {dict(mesh.shape)}; transport "
-            f"{transport.training_transport(cfg.parallel)} (evaluation: dropless)")
+            f"{transport.training_transport(cfg.parallel)} (evaluation: dropless)"
+            + ("; FSDP: parameters and optimizer state split over data" if cfg.parallel.fsdp
+               else ""))
     return step_fn, eval_fn
 
 
@@ -145,7 +144,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool) -> tuple[Ru
     sampler = SteppedSampler(store, cfg.data)  # mixture changes and context stages by step
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
     mesh = mesh_from_config(cfg.parallel)
-    state = init_sharded_state(cfg, mesh)
+    state_sh = train_state_shardings(cfg, mesh)
+    state = init_sharded_state(cfg, state_sh)
     put_batch = (lambda b: jnp.asarray(b)) if mesh is None else (lambda b: shard_batch(b, mesh))
     restored = ckpt.restore_latest(state)
     start = 0
@@ -156,7 +156,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool) -> tuple[Ru
     trackers = _open_trackers(cfg, run_dir, main, start, prov)
     hardware = HardwareMonitor()
     counts, peak = _model_costs(cfg, mesh, say)
-    step_fn, eval_fn = _step_functions(cfg, mesh, say)
+    step_fn, eval_fn = _step_functions(cfg, mesh, state_sh, say)
     run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
                    tok=tok, sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
                    restored=restored is not None, trackers=trackers, hardware=hardware,

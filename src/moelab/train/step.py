@@ -7,11 +7,14 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from moelab.config import RunConfig
 from moelab.model import transformer as tr
 from moelab.model.experts import drop_fractions, grouped_kernel
+from moelab.model.loss import chunked_loss_sums
 from moelab.parallel import transport
+from moelab.parallel.mesh import batch_spec, layer_gather, state_shardings
 from moelab.train.optim import lr_schedule, make_optimizer
 
 
@@ -22,6 +25,15 @@ def init_train_state(cfg: RunConfig, key) -> dict:
     opt = make_optimizer(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     return {"params": params, "opt_state": opt.init(params), "model_state": tr.init_state(cfg.model),
             "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(rkey)}
+
+
+def train_state_shardings(cfg: RunConfig, mesh):
+    """The train state's shardings on ``mesh`` (None without one): routed experts split over
+    "expert", and with ``parallel.fsdp`` every other parameter split over "data"."""
+    if mesh is None:
+        return None
+    shape = jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
+    return state_shardings(mesh, shape, cfg.model, cfg.parallel.fsdp)
 
 
 def router_metrics(stats: dict, prefix: str = "moe") -> dict:
@@ -54,16 +66,60 @@ def transport_fns(cfg: RunConfig, mesh):
             transport.make_transport_fn(mesh, par, kernel, transport.DROPLESS))
 
 
-def make_train_step(cfg: RunConfig, experts_fn=None) -> Callable:
+def micro_steps(cfg: RunConfig, batch_B1T) -> int:
+    """Micro-steps per step for this batch's shape: batch tokens / ``train.microbatch``."""
+    B, T1 = batch_B1T.shape
+    mb = cfg.train.microbatch
+    return 1 if mb == 0 else B * (T1 - 1) // mb
+
+
+# How each per-micro-step statistic combines into the batch's (all micro-steps hold equally many
+# tokens, so a mean over tokens is the mean of the micro-steps' means; counts add up).
+SUMMED_STATS = ("load_LE", "drops_L")
+
+
+def combine_stats(stats_k: dict) -> dict:
+    """Per-micro-step stats stacked on a leading axis -> the batch's stats. The quantile
+    router's next bias is the mean of the micro-steps' quantile biases (see docs)."""
+    return {k: jax.tree.map(lambda x: jnp.sum(x, 0) if k in SUMMED_STATS else jnp.mean(x, 0), v)
+            for k, v in stats_k.items()}
+
+
+def accumulated_grad(loss_fn, params, batch_B1T, k: int):
+    """((mean loss, stats), mean gradient) of a batch run as ``k`` equal micro-batches inside one
+    ``lax.scan`` (gradient accumulation): the same update as the whole batch at once, with the
+    activation memory of one micro-batch. Micro-batch i holds rows i, k + i, 2k + i, ...: a
+    batch sharded over devices by rows stays evenly sharded in every micro-batch."""
+    if k == 1:
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, batch_B1T)
+    B = batch_B1T.shape[0]
+    micro = batch_B1T.reshape(B // k, k, -1).swapaxes(0, 1)
+
+    def one(g_sum, mb):
+        (loss, stats), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb)
+        return jax.tree.map(jnp.add, g_sum, g), (loss, stats)
+
+    g_sum, (loss_k, stats_k) = jax.lax.scan(one, jax.tree.map(jnp.zeros_like, params), micro)
+    return (jnp.mean(loss_k), combine_stats(stats_k)), jax.tree.map(lambda g: g / k, g_sum)
+
+
+def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -> Callable:
+    """The jitted step ``(state, batch [B, T+1]) -> (new state, metrics)``. On a mesh, with the
+    state's shardings ``state_sh``: explicit in/out shardings (the state keeps its layout, the
+    batch is split over the batch axes, metrics are replicated), and with ``parallel.fsdp``
+    each layer's weights are gathered inside the layer scan."""
     opt = make_optimizer(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     lr = lr_schedule(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     mcfg = cfg.model
+    hook = layer_gather(mesh, mcfg) if mesh is not None and cfg.parallel.fsdp else None
 
     def step_fn(state: dict, batch_B1T):
-        def loss_fn(params):
-            return tr.lm_loss(params, state["model_state"], batch_B1T, mcfg, experts_fn=experts_fn)
+        def loss_fn(params, tokens_B1T):
+            return tr.lm_loss(params, state["model_state"], tokens_B1T, mcfg,
+                              experts_fn=experts_fn, layer_hook=hook)
 
-        (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
+        (loss, stats), grads = accumulated_grad(loss_fn, state["params"], batch_B1T,
+                                                micro_steps(cfg, batch_B1T))
         updates, opt_state = opt.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new = {**state, "params": params, "opt_state": opt_state,
@@ -79,19 +135,37 @@ def make_train_step(cfg: RunConfig, experts_fn=None) -> Callable:
         }
         return new, metrics
 
-    return jax.jit(step_fn, donate_argnums=0)
+    if mesh is None:
+        return jax.jit(step_fn, donate_argnums=0)
+    batch_sh = NamedSharding(mesh, batch_spec(2))
+    return jax.jit(step_fn, donate_argnums=0, in_shardings=(state_sh, batch_sh),
+                   out_shardings=(state_sh, NamedSharding(mesh, P())))
 
 
 def make_eval_step(cfg: RunConfig, experts_fn=None) -> Callable:
-    """Summed next-token loss (nats) over the valid rows of a batch of windows [B, T+1]."""
+    """Summed next-token loss (nats) over the valid rows of a batch of windows [B, T+1]; the
+    head + loss over chunks of ``model.loss_chunk`` tokens when it is > 0 (moelab.model.loss)."""
     mcfg = cfg.model
 
     def eval_fn(params, model_state, batch_B1T, row_valid_B):
-        logits, _ = tr.forward(params, model_state, batch_B1T[:, :-1], mcfg,
-                               experts_fn=experts_fn)
-        lse = jax.nn.logsumexp(logits, axis=-1)
-        tgt = jnp.take_along_axis(logits, batch_B1T[:, 1:, None], axis=-1)[..., 0]
-        nll = jnp.sum(lse - tgt, axis=-1)
-        return jnp.sum(jnp.where(row_valid_B, nll, 0.0))
+        x, _ = tr.forward_hidden(params, model_state, batch_B1T[:, :-1], mcfg,
+                                 experts_fn=experts_fn)
+        targets = batch_B1T[:, 1:]
+        valid = jnp.broadcast_to(row_valid_B[:, None], targets.shape)
+        return chunked_loss_sums(x, params["head"], targets, valid, mcfg.loss_chunk)[0]
 
     return jax.jit(eval_fn)
+
+
+def compile_train_step(cfg: RunConfig, mesh):
+    """The real train step of ``cfg`` on ``mesh`` (its transport, FSDP and shardings), lowered
+    and compiled on abstract shapes: nothing is allocated. For comparing memory with the
+    planner (``moelab plan --xla``)."""
+    sh = train_state_shardings(cfg, mesh)
+    shapes = jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
+    state = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x),
+                         shapes, sh)
+    batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
+                                 sharding=NamedSharding(mesh, batch_spec(2)))
+    step = make_train_step(cfg, transport_fns(cfg, mesh)[0], mesh, sh)
+    return step.lower(state, batch).compile()

@@ -1,0 +1,137 @@
+"""Gradient accumulation: k micro-steps inside one jitted step give the update of one batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from moelab.config import ConfigError, ModelConfig, RunConfig, load_config
+from moelab.config.run import DataConfig, OptimConfig, TrainConfig
+from moelab.model import transformer as tr
+from moelab.train.step import accumulated_grad, init_train_state, make_train_step
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+B, T = 8, 16
+
+
+def config(router: str = "sigmoid_bias", microbatch: int = 0) -> RunConfig:
+    model = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                        head_dim=16, n_experts=4, top_k=2, expert_dim=32, latent_dim=16,
+                        shared_dim=32, router=router, moe_block=8)
+    return RunConfig(model=model, data=DataConfig(seq_len=T, batch_size=B),
+                     # eps well above the gradients' float32 noise: Adam's g / (|g| + eps) would
+                     # turn a 1e-9 difference in a 1e-8 gradient into a different update
+                     optim=OptimConfig(lr=1e-2, eps=1e-5),
+                     train=TrainConfig(steps=4, microbatch=microbatch)
+                     ).validate()
+
+
+def batch(seed: int = 0):
+    return jax.random.randint(jax.random.PRNGKey(seed), (B, T + 1), 0, 64)
+
+
+def assert_trees_close(a, b, rtol, atol):
+    """Leaf by leaf; ``atol`` is relative to the leaf's largest magnitude (float32 sums in
+    another order differ by a few ulps of the largest terms)."""
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        y = np.asarray(y)
+        np.testing.assert_allclose(np.asarray(x), y, rtol=rtol, atol=atol * np.abs(y).max())
+
+
+@pytest.mark.parametrize("k", [2, 4])
+@pytest.mark.parametrize("router", ["sigmoid_bias", "softmax_aux"])
+def test_micro_step_gradient_equals_whole_batch(k, router):
+    cfg = config(router)
+    state = init_train_state(cfg, jax.random.PRNGKey(0))
+    if router == "softmax_aux":  # its balance loss is per micro-batch: leave it out here
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, aux_loss_coef=0.0))
+
+    def loss_fn(params, tokens):
+        return tr.lm_loss(params, state["model_state"], tokens, cfg.model)
+
+    x = batch()
+    (l1, s1), g1 = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, 1))(state["params"])
+    (lk, sk), gk = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, k))(state["params"])
+    np.testing.assert_allclose(lk, l1, rtol=1e-6)
+    assert_trees_close(gk, g1, rtol=1e-5, atol=1e-6)
+    # counts add up exactly; means over equal micro-batches are the batch's means
+    np.testing.assert_array_equal(sk["load_LE"], s1["load_LE"])
+    np.testing.assert_array_equal(sk["drops_L"].assignments, s1["drops_L"].assignments)
+    for key in ("ce", "logit_z", "router_z"):
+        np.testing.assert_allclose(sk[key], s1[key], rtol=1e-6)
+    np.testing.assert_allclose(sk["entropy_L"], s1["entropy_L"], rtol=1e-6)
+
+
+def test_train_step_with_micro_steps_matches_one_batch():
+    """A whole step (AdamW update, balancing bias, metrics), three steps in a row."""
+    tokens = B * T
+    runs = {}
+    for mb in (0, tokens // 4):
+        cfg = config(microbatch=mb)
+        step = make_train_step(cfg)
+        state = init_train_state(cfg, jax.random.PRNGKey(0))
+        metrics = []
+        for i in range(3):
+            state, m = step(state, batch(i))
+            metrics.append(jax.device_get(m))
+        runs[mb] = (jax.device_get(state), metrics)
+    (s1, m1), (s4, m4) = runs[0], runs[tokens // 4]
+    # gradients equal to ~1e-6 (above): after three Adam updates, parameters to ~1e-5
+    assert_trees_close(s4["params"], s1["params"], rtol=1e-4, atol=2e-5)
+    np.testing.assert_array_equal(s4["model_state"]["router_bias"],
+                                  s1["model_state"]["router_bias"])
+    for a, b in zip(m4, m1):
+        for key in ("train/loss", "train/z_loss", "train/grad_norm", "moe/load_max_over_mean",
+                    "moe/routing_entropy"):
+            np.testing.assert_allclose(a[key], b[key], rtol=1e-5)
+        assert a["moe/drop_fraction"] == b["moe/drop_fraction"] == 0.0
+
+
+def test_quantile_balancer_with_micro_steps_stays_close():
+    """The quantile router's next bias is the mean of the micro-steps' histogram quantiles: not
+    the whole batch's quantile, but close to it."""
+    cfg = config("quantile")
+    state = init_train_state(cfg, jax.random.PRNGKey(0))
+
+    def loss_fn(params, tokens):
+        return tr.lm_loss(params, state["model_state"], tokens, cfg.model)
+
+    x = batch()
+    (_, s1), _ = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, 1))(state["params"])
+    (_, s2), _ = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, 2))(state["params"])
+    spread = float(np.ptp(np.asarray(s1["qb_bias_LE"])))
+    assert spread > 0
+    np.testing.assert_allclose(s2["qb_bias_LE"], s1["qb_bias_LE"], atol=0.25 * spread)
+
+
+@pytest.mark.parametrize("microbatch,match", [
+    (24, "whole number of sequences"),
+    (48, "must divide the batch"),
+    (-16, "must be >= 0"),
+])
+def test_microbatch_validation(microbatch, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config("tiny", [f"train.microbatch={microbatch}", "data.seq_len=16",
+                             "data.batch_size=8"])
+
+
+def test_microbatch_per_device_rows():
+    with pytest.raises(ConfigError, match="parallel.devices=4"):
+        load_config("tiny", ["train.microbatch=32", "data.seq_len=16", "data.batch_size=8",
+                             "parallel.devices=4"])
+    cfg = load_config("tiny", ["train.microbatch=64", "data.seq_len=16", "data.batch_size=8",
+                               "parallel.devices=4"])
+    assert cfg.train.microbatch == 64
+
+
+def test_microbatch_checked_at_every_context_stage():
+    with pytest.raises(ConfigError, match="batch of 3 sequences .at seq_len 64"):
+        load_config("tiny", ["train.microbatch=128", "data.seq_len=32", "data.batch_size=8",
+                             "data.context_stages=[{step: 5, seq_len: 64, batch_size: 3}]"])
+    cfg = load_config("tiny", ["train.microbatch=64", "data.seq_len=32", "data.batch_size=8",
+                               "data.context_stages=[{step: 5, seq_len: 64}]"])
+    assert [s.batch_size for s in cfg.data.segments()] == [8, 4]

@@ -1,0 +1,169 @@
+"""The chunked LM head + loss (moelab.model.loss) against the plain, materialised path: values
+and gradients, chunk sizes that do and do not divide the tokens, padding, bfloat16, the whole
+model's loss, the eval step, and compiled memory that never holds all logits."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from moelab.config import ConfigError, ModelConfig, RunConfig
+from moelab.model import transformer as tr
+from moelab.model.loss import chunked_loss_sums, chunked_token_loss, head_logits
+from moelab.parallel.mesh import batch_spec, make_mesh
+from moelab.train.step import make_eval_step
+
+N_B, N_T, D, V = 2, 12, 16, 50  # 24 tokens
+
+
+def _close(got, want, rtol):
+    """Every leaf within ``rtol`` of the largest magnitude of its reference."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        assert g.shape == w.shape
+        err, scale = np.max(np.abs(g - w)), np.max(np.abs(w))
+        assert err <= rtol * scale + 1e-30, (err, scale)
+
+
+def _inputs(dtype, masked: bool):
+    kx, kh, kt = jax.random.split(jax.random.PRNGKey(0), 3)
+    x = jax.random.normal(kx, (N_B, N_T, D)).astype(dtype)
+    head = jax.random.normal(kh, (D, V)) * 0.5
+    targets = jax.random.randint(kt, (N_B, N_T), 0, V)
+    valid = (jnp.arange(N_T)[None, :] < jnp.array([[9], [12]])) if masked else None
+    return x, head, targets, valid
+
+
+def _weighted(ce_z):
+    return ce_z[0] + 0.3 * ce_z[1]  # both losses reach the gradients
+
+
+def _plain(x, head, targets, valid):
+    return tr.token_loss(head_logits(x, head), targets, valid)
+
+
+def _chunked(chunk):
+    return lambda *args: chunked_token_loss(*args, chunk)
+
+
+@functools.cache
+def _jitted(f):
+    fn = lambda x, h, t, v: (_weighted(out := f(x, h, t, v)), out)
+    return jax.jit(jax.value_and_grad(fn, (0, 1), has_aux=True))
+
+
+def _losses_and_grads(f, x, head, targets, valid):
+    """(ce, z) = f(x, head, targets, valid) and the gradients of ce + 0.3 z w.r.t. x and head."""
+    (_, out), grads = _jitted(f)(x, head, targets, valid)
+    return out, grads
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("chunk", [4, 9, 15, 24])  # 2, 5 (padded), 8 (padded) a row; one
+def test_chunked_equals_plain_float32(chunk, masked):
+    args = _inputs(jnp.float32, masked)
+    got, g_chunk = _losses_and_grads(_chunked(chunk), *args)
+    want, g_plain = _losses_and_grads(_plain, *args)
+    _close(got, want, 1e-6)
+    _close(g_chunk, g_plain, 1e-6)
+    ce, z, n = jax.jit(chunked_loss_sums, static_argnums=4)(*args, chunk)
+    assert float(n) == (21 if masked else 24)
+    _close((ce / n, z / n), want, 1e-6)
+    if masked:  # padding tokens get no gradient
+        np.testing.assert_array_equal(g_chunk[0][0, 9:], 0.0)
+
+
+def test_flat_tokens_as_one_row():
+    x, head, targets, valid = _inputs(jnp.float32, True)
+    flat = (x.reshape(-1, D), head, targets.reshape(-1), valid.reshape(-1))
+    _close(chunked_loss_sums(*flat, 7), chunked_loss_sums(x, head, targets, valid, 0), 1e-6)
+
+
+def test_chunked_equals_plain_bfloat16():
+    args = _inputs(jnp.bfloat16, True)
+    got, g_chunk = _losses_and_grads(_chunked(5), *args)
+    want, g_plain = _losses_and_grads(_plain, *args)
+    _close(got, want, 1e-3)
+    assert g_chunk[0].dtype == jnp.bfloat16 and g_chunk[1].dtype == jnp.float32
+    _close(g_chunk, g_plain, 2e-2)
+
+
+TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
+                   expert_dim=16, shared_dim=16, n_experts=4)
+
+
+def test_lm_loss_chunked_equals_plain():
+    """All parameters' gradients; chunks of 3 positions x 2 rows, the last one padded."""
+    p = tr.init_params(TINY, jax.random.PRNGKey(0))
+    s = tr.init_state(TINY)
+    toks = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, 64)  # 16 tokens
+    valid = jnp.arange(8)[None, :] < jnp.array([[6], [8]])
+
+    def run(cfg):
+        fn = jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, cfg, valid), has_aux=True)
+        return jax.jit(fn)(p)
+
+    (loss, stats), g = run(TINY)
+    (loss_c, stats_c), g_c = run(dataclasses.replace(TINY, loss_chunk=5))
+    _close((loss_c, stats_c["ce"], stats_c["logit_z"]), (loss, stats["ce"], stats["logit_z"]),
+           1e-6)
+    _close(g_c, g, 1e-6)
+
+
+def test_eval_step_chunked_equals_plain():
+    p = tr.init_params(TINY, jax.random.PRNGKey(0))
+    s = tr.init_state(TINY)
+    toks = jax.random.randint(jax.random.PRNGKey(2), (3, 9), 0, 64)
+    rows = jnp.array([True, False, True])
+    logits, _ = jax.jit(tr.forward, static_argnums=3)(p, s, toks[:, :-1], TINY)
+    lp = jax.nn.log_softmax(logits)
+    nll = -jnp.take_along_axis(lp, toks[:, 1:, None], axis=-1)[..., 0].sum(-1)
+    want = float(jnp.sum(jnp.where(rows, nll, 0.0)))
+    for chunk in (0, 5):
+        cfg = RunConfig(model=dataclasses.replace(TINY, loss_chunk=chunk))
+        got = float(make_eval_step(cfg)(p, s, toks, rows))
+        assert abs(got - want) <= 1e-6 * abs(want)
+
+
+def test_loss_chunk_is_validated():
+    with pytest.raises(ConfigError, match="loss_chunk"):
+        dataclasses.replace(TINY, loss_chunk=-1).validate()
+
+
+def test_chunked_gradient_never_holds_all_logits():
+    """XLA's temporaries for the gradient: the plain path holds float32 logits [N, V] (twice),
+    the chunked one about two chunks' [chunk, V]."""
+    B, T, D_, V_, chunk = 8, 256, 64, 4096, 128  # N = 2048 tokens, chunks of 8 rows x 16
+    N = B * T
+    x = jax.ShapeDtypeStruct((B, T, D_), jnp.float32)
+    head = jax.ShapeDtypeStruct((D_, V_), jnp.float32)
+    targets = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def temp(c):
+        loss = lambda x, h, t: _weighted(chunked_token_loss(x, h, t, None, c))
+        compiled = jax.jit(jax.grad(loss, (0, 1))).lower(x, head, targets).compile()
+        ma = compiled.memory_analysis()
+        return (ma[0] if isinstance(ma, (list, tuple)) else ma).temp_size_in_bytes
+
+    logits_bytes = N * V_ * 4
+    assert temp(0) >= logits_bytes
+    assert temp(chunk) < min(logits_bytes / 4, 4 * chunk * V_ * 4)
+
+
+def test_chunks_keep_the_batch_sharding():
+    """With the rows sharded over 8 devices, every chunk holds positions of all rows, so each
+    device works on its own rows: nothing is gathered (chunking the flattened tokens would cut
+    the scan over the sharded axis and all-gather the hidden states)."""
+    mesh = make_mesh(data=8)
+    rows = lambda ndim: NamedSharding(mesh, batch_spec(ndim))
+    x = jax.ShapeDtypeStruct((16, 64, 32), jnp.float32, sharding=rows(3))
+    head = jax.ShapeDtypeStruct((32, 1024), jnp.float32,
+                                sharding=NamedSharding(mesh, PartitionSpec()))
+    targets = jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=rows(2))
+    loss = lambda x, h, t: _weighted(chunked_token_loss(x, h, t, None, 128))
+    hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, head, targets).compile().as_text()
+    assert "all-reduce" in hlo and "all-gather" not in hlo
