@@ -4,6 +4,7 @@ ceiling), with one ablation row per fast path switched off.
 
     PYTHONPATH=src python3 bench/gpu_mfu.py                  # every row (about 10 min on one GPU)
     PYTHONPATH=src python3 bench/gpu_mfu.py --rows d768 d1024
+    PYTHONPATH=src python3 bench/gpu_mfu.py --experts       # expert kernels only (~2 min)
     .venv/bin/python bench/gpu_mfu.py --dry-run              # CPU: check every row's config
 
 Rows (seq 4096, 16 sequences = 65,536 tokens per step unless the row says otherwise):
@@ -12,7 +13,8 @@ Rows (seq 4096, 16 sequences = 65,536 tokens per step unless the row says otherw
 - ``d768``, ``d1024``: the MoE rungs as the presets define them, fast paths on;
 - ``d1024-no-fused-attention`` / ``-no-chunked-loss`` / ``-ragged-experts``: one fast path
   off at a time (chunked XLA attention; materialised float32 logits; ``jax.lax.ragged_dot``
-  instead of the blocks expert kernel);
+  instead of the blocks expert kernel); ``d1024-mgpu-experts``: the Hopper grouped-matmul
+  kernels instead of blocks;
 - ``d1024-micro32k``: 32K tokens per micro-step, to show memory growing with micro-batch
   tokens; ``d1024-preset-batch``: the preset's own batch (1024 x 4096) as 64 micro-steps.
 
@@ -45,6 +47,7 @@ ROWS = {
     "d1024-no-fused-attention": ("d1024", BATCH + FAST + ["model.attention_impl=chunked"], 3),
     "d1024-no-chunked-loss": ("d1024", BATCH + FAST + ["model.loss_chunk=0"], 3),
     "d1024-ragged-experts": ("d1024", BATCH + FAST + ["model.moe_impl=ragged"], 3),
+    "d1024-mgpu-experts": ("d1024", BATCH + FAST + ["model.moe_impl=mgpu"], 3),
     "d1024-micro32k": ("d1024", BATCH + FAST + ["train.microbatch=32768"], 3),
     "d1024-preset-batch": ("d1024", FAST + ["data.seq_len=4096", "data.batch_size=1024",
                                             "train.microbatch=65536"], 1),
@@ -58,6 +61,85 @@ COLUMNS = [("row", "row", "s"), ("params_active", "active", ",d"),
            ("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),
            ("peak_mem_gib", "peak GiB", ".1f"), ("compile_s", "compile s", ".0f"),
            ("status", "status", "s")]
+
+
+def expert_kernels(rows: int, H: int, I: int, G: int, reps: int) -> list[dict]:
+    """The routed experts' SwiGLU (3 grouped matmuls, forward + both gradients, bf16) at one
+    rung's shape, rows already sorted by expert (about rows / G each): TFLOP/s of each kernel,
+    the Hopper kernel at several tile shapes, next to a dense SwiGLU of the same FLOPs; every
+    kernel's output checked against ``jax.lax.ragged_dot``'s."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from moelab.model import experts
+    from moelab.model.grouped_matmul import (MgpuBlocks, grouped_swiglu_rows, mgpu_backend,
+                                             reference_backend)
+
+    rng = np.random.default_rng(0)
+    counts = np.bincount(rng.integers(0, G, rows), minlength=G).astype(np.int32)
+    group = jnp.asarray(np.repeat(np.arange(G), counts), jnp.int32)
+    bf = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.05, jnp.bfloat16)
+    x, dy = bf(rows, H), bf(rows, H)
+    w = {"w_gate": bf(G, H, I), "w_up": bf(G, H, I), "w_down": bf(G, I, H)}
+    c = jnp.asarray(counts)
+
+    def timed(fn, *args):
+        step = jax.jit(lambda *a: jax.vjp(fn, *a)[1](dy))
+        out = jax.block_until_ready(step(*args))
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = step(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t) / reps, jax.jit(fn)(*args)
+
+    blocks = lambda x, w: experts.grouped_swiglu(x, group, G, w, "blocks", 128)
+    cands = {"dense SwiGLU, same FLOPs (ceiling)": (lambda x, w: experts.swiglu_bank(
+                 x[None], {k: v[:1] for k, v in w.items()})[0], x, w),
+             "blocks (sort, pad, batched einsum)": (blocks, x, w),
+             "jax.lax.ragged_dot": (lambda x, w: grouped_swiglu_rows(x, w, c,
+                                                                     reference_backend()), x, w)}
+    for bm, bn, steps, gbn in ((128, 128, 4, 2), (128, 256, 4, 1), (64, 128, 6, 4),
+                               (192, 128, 4, 2), (128, 128, 6, 8)):
+        b = MgpuBlocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
+                       grid_block_n=gbn)
+        cands[f"mgpu {bm}x{bn}x64 s{steps} g{gbn}"] = (
+            lambda x, w, b=b: grouped_swiglu_rows(x, w, c, mgpu_backend(b)), x, w)
+    flops = 3 * 3 * 2 * rows * H * I  # 3 products, forward + data + weight gradients
+    ref = None
+    out = []
+    for name, (fn, *args) in cands.items():
+        try:
+            s, y = timed(fn, *args)
+            y = np.asarray(y, np.float32)
+            ref = y if ref is None and "ceiling" not in name else ref
+            err = (None if "ceiling" in name or ref is None
+                   else float(np.abs(y - ref).max() / (np.abs(ref).max() + 1e-9)))
+            out.append({"kernel": name, "ms": 1e3 * s, "tflops": flops / s / 1e12,
+                        "max_rel_err": err, "status": "ok"})
+        except Exception as e:  # a tile shape that does not fit shared memory, ...
+            out.append({"kernel": name, "status": f"{type(e).__name__}: {str(e)[:120]}"})
+        print(out[-1], flush=True)
+    return out
+
+
+def run_experts(smoke: bool) -> None:
+    """The expert-kernel table: the d768 and d1024 rungs' expert shapes (262,144 routed rows =
+    32,768 tokens x top-8; latent width H, expert width I); a tiny CPU shape with ``smoke``."""
+    shapes = ({"cpu-smoke": (512, 16, 16, 8)} if smoke else
+              {"d768": (262144, 384, 384, 384), "d1024": (262144, 512, 512, 384)})
+    table = [{"shape": k, **r} for k, (rows, H, I, G) in shapes.items()
+             for r in expert_kernels(rows, H, I, G, reps=1 if smoke else 10)]
+    print_table(table, [("shape", "shape", "s"), ("kernel", "kernel", "s"), ("ms", "ms", ".2f"),
+                        ("tflops", "TFLOP/s", ".1f"), ("max_rel_err", "max rel err", ".1e"),
+                        ("status", "status", "s")])
+    export(save("gpu_experts_smoke" if smoke else "gpu_experts", table))
+
+
+def export(path: Path) -> None:
+    """A copy in $OUT when set (the device tool brings that folder back)."""
+    if os.environ.get("OUT"):
+        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
 
 
 def check_rows(names: list[str]) -> None:
@@ -109,6 +191,8 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true",
                     help="check every row's config and measure a tiny CPU row through the same "
                     "path (no GPU needed)")
+    ap.add_argument("--experts", action="store_true",
+                    help="only the expert-kernel micro-benchmark at the d768 and d1024 shapes")
     ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one row, print it
     ap.add_argument("--peak", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -119,6 +203,10 @@ def main() -> None:
         print("ROW " + json.dumps(run_one(args.one, args.peak)), flush=True)
         return
     check_rows(args.rows)
+    if args.experts or args.dry_run:
+        run_experts(args.dry_run)
+        if args.experts:
+            return
     if args.dry_run:
         print(f"{len(args.rows)} row configs are valid: {', '.join(args.rows)}")
         print_table(run_rows(list(SMOKE), 1e11, args.limit, "gpu_mfu_smoke"), COLUMNS)
@@ -133,10 +221,8 @@ def main() -> None:
           f"{peak / 1e12:.0f} TFLOP/s", flush=True)
     rows = run_rows(args.rows, peak, args.limit)
     print_table(rows, COLUMNS)
-    out = save("gpu_mfu", rows, peak_flops=peak, jax_version=jax.__version__,
-               device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d"))
-    if os.environ.get("OUT"):
-        shutil.copy(out, Path(os.environ["OUT"]) / out.name)
+    export(save("gpu_mfu", rows, peak_flops=peak, jax_version=jax.__version__,
+                device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d")))
 
 
 if __name__ == "__main__":

@@ -48,7 +48,8 @@ class ModelConfig:
     bias_update_rate: float = 1e-3  # sigmoid_bias: step size of the balancing bias
     combine_sum: float = 0.0  # sigmoid routers: rescale the k weights to sum to this; 0 = raw
     qb_bins: int = 10_000  # quantile router: histogram bins of the balancing quantile
-    moe_impl: str = "auto"  # "auto" | "blocks" | "ragged" | "dense" (dense = slow reference)
+    # "auto" | "blocks" | "ragged" | "mgpu" (Hopper GPUs) | "dense" (the slow reference)
+    moe_impl: str = "auto"
     moe_block: int = 128  # rows per block of the sorted-blocks MoE kernel
     # head / loss / numerics
     logit_z_coef: float = 1e-4
@@ -122,8 +123,8 @@ class ModelConfig:
                 f"comma list of {','.join(CONV_SITES)}")
         require(self.conv_kernel >= 1, f"{p}.conv_kernel", "must be >= 1")
         require(self.gated_norm_rank >= 0, f"{p}.gated_norm_rank", "must be >= 0 (0 = off)")
-        require(self.moe_impl in ("auto", "blocks", "ragged", "dense"), f"{p}.moe_impl",
-                "must be one of auto, blocks, ragged, dense")
+        require(self.moe_impl in ("auto", "blocks", "ragged", "mgpu", "dense"), f"{p}.moe_impl",
+                "must be one of auto, blocks, ragged, mgpu, dense")
         require(self.moe_block > 0, f"{p}.moe_block", "must be > 0")
         require(self.compute_dtype in ("float32", "bfloat16"), f"{p}.compute_dtype",
                 "must be 'float32' or 'bfloat16'")

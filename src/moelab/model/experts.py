@@ -16,6 +16,8 @@ Kernels (``ModelConfig.moe_impl``; ``resolve_impl`` says why ``auto`` is ``block
 - ``blocks``: static shapes, padding waste below ``groups * block`` rows, plain dense matmuls.
 - ``ragged``: ``jax.lax.ragged_dot`` over the sorted rows (for a backend with a grouped-matmul
   kernel behind it).
+- ``mgpu``: JAX's Hopper grouped-matmul kernels (``moelab.model.grouped_matmul``), weights
+  used in place; NVIDIA sm_90 only.
 - ``dense``: every expert on every token, masked: slow, obviously correct, the reference.
 
 Index maps use an out-of-range sentinel (the size of the indexed axis) for "none"; gathers
@@ -31,23 +33,26 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import ModelConfig
+from moelab.model.grouped_matmul import grouped_swiglu_rows, mgpu_backend
 from moelab.model.layers import swiglu
 
-KERNELS = ("blocks", "ragged")  # grouped kernels; "dense" is the reference
-
-
 def resolve_impl(cfg: ModelConfig) -> str:
-    """``auto`` is ``blocks`` on every backend. Measured on one H200 with JAX 0.11 (see
+    """``auto`` is ``blocks`` on every backend (``mgpu``, the Hopper grouped-matmul kernels, is
+    chosen by name until it is measured faster: bench/gpu_mfu.py --experts). Measured on one H200 with JAX 0.11 (see
     bench/reference/h200_*.json): XLA lowers ``ragged_dot`` to masked dense matmuls there, so
     ``ragged`` did E times the expert work (small preset: 6.1% MFU vs 7.4% for blocks) and ran
     out of memory on the d768 rung (205 GiB asked) where blocks used 34.5 GiB."""
+    if cfg.moe_impl == "mgpu" and jax.default_backend() != "gpu":
+        raise ValueError(f"model.moe_impl='mgpu' needs an NVIDIA Hopper GPU (JAX backend here: "
+                         f"{jax.default_backend()}); use blocks")
     return "blocks" if cfg.moe_impl == "auto" else cfg.moe_impl
 
 
 def grouped_kernel(cfg: ModelConfig) -> tuple[str, int]:
-    """(kernel, block rows) for grouped compute: ``ragged`` when asked, else ``blocks`` (the
-    dense reference has no grouped form, so transports use blocks under it)."""
-    return ("ragged" if resolve_impl(cfg) == "ragged" else "blocks"), cfg.moe_block
+    """(kernel, block rows) for grouped compute: ``ragged`` or ``mgpu`` when asked, else
+    ``blocks`` (the dense reference has no grouped form, so transports use blocks under it)."""
+    impl = resolve_impl(cfg)
+    return (impl if impl in ("ragged", "mgpu") else "blocks"), cfg.moe_block
 
 
 # ----------------------------------------------------------------------------- drop counts
@@ -199,7 +204,8 @@ class GroupLayout(NamedTuple):
     dst_R: jax.Array  # row -> its slot in the sorted layout (n_slots = an empty row)
     src_M: jax.Array  # slot -> the row it holds (R = an empty slot)
     counts_G: jax.Array  # rows per group (int32)
-    block_group: jax.Array | None  # blocks: the group of each block; ragged: None
+    block_group: jax.Array | None  # blocks: the group of each block; ragged, mgpu: None
+    kernel: str = "blocks"
 
 
 def group_layout(group_R, n_groups: int, kernel: str = "blocks", block: int = 128) -> GroupLayout:
@@ -212,7 +218,7 @@ def group_layout(group_R, n_groups: int, kernel: str = "blocks", block: int = 12
     g_sorted = group_R[order]
     rank = jnp.arange(R, dtype=jnp.int32)  # position in the sorted order
     block_group = None
-    if kernel == "ragged":
+    if kernel in ("ragged", "mgpu"):  # no padding: grouped kernels take any group sizes
         pos_sorted, n_slots = rank, R
     else:
         block = min(block, R)
@@ -226,7 +232,7 @@ def group_layout(group_R, n_groups: int, kernel: str = "blocks", block: int = 12
                                                    side="right"), n_groups - 1)
     dst_R = jnp.zeros((R,), jnp.int32).at[order].set(
         jnp.where(g_sorted < n_groups, pos_sorted, n_slots), unique_indices=True)
-    return GroupLayout(dst_R, invert(dst_R, n_slots), counts, block_group)
+    return GroupLayout(dst_R, invert(dst_R, n_slots), counts, block_group, kernel)
 
 
 @jax.custom_vjp
@@ -255,6 +261,9 @@ def sorted_swiglu(xs_MH, layout: GroupLayout, w):
 
     ``blocks``: one batched einsum over blocks with each block's expert weights
     (``block_weights``). ``ragged``: ``jax.lax.ragged_dot`` over the group counts."""
+    if layout.kernel == "mgpu":  # empty rows (zeros, sorted last) join the last group: output 0
+        c = layout.counts_G.at[-1].add(xs_MH.shape[0] - jnp.sum(layout.counts_G))
+        return grouped_swiglu_rows(xs_MH, w, c, mgpu_backend())
     if layout.block_group is None:
         c = layout.counts_G
         g = jax.lax.ragged_dot(xs_MH, w["w_gate"], c)

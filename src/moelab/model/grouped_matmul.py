@@ -1,0 +1,94 @@
+"""Grouped matmul over rows sorted by group, with the weights used in place (no copy per block):
+y[rows of g] = x[rows of g] @ w[g], for the ``mgpu`` expert kernel.
+
+One custom VJP assembles the three products a grouped matmul needs, each from a backend:
+forward y = x @ w[g]; data gradient dx = dy @ w[g]^T; weight gradient dw[g] = x_g^T @ dy_g.
+
+- ``MGPU``: JAX's Hopper kernels (Mosaic GPU, wgmma): ``ragged_dot_mgpu.ragged_dot`` for the
+  forward and (with ``transpose_rhs``) the data gradient, ``transposed_ragged_dot_mgpu`` for
+  the weight gradient. Block sizes are the ``MgpuBlocks`` fields; bench/gpu_mfu.py --experts
+  measures them at the rung shapes. Runs on sm_90 GPUs only.
+- ``REFERENCE``: ``jax.lax.ragged_dot`` / ``ragged_dot_general``, on any backend: what the
+  tests run on CPU to check the VJP's assembly against autodiff (the kernels themselves are
+  checked on a GPU by bench/gpu_mfu.py --experts against this backend).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class MgpuBlocks:
+    """Tiles of the Hopper kernels (see jax/experimental/pallas/ops/gpu/ragged_dot_mgpu.py)."""
+
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 64
+    max_concurrent_steps: int = 4
+    grid_block_n: int = 2
+
+
+def _wgrad_dims():
+    return jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+
+
+@functools.lru_cache(maxsize=None)  # one tuple per backend: a stable key for the custom VJP
+def reference_backend():
+    """(forward, data gradient, weight gradient) from XLA's ragged dots."""
+    fwd = lambda x, w, c: jax.lax.ragged_dot(x, w, c)
+    dgrad = lambda g, w, c: jax.lax.ragged_dot(g, jnp.swapaxes(w, 1, 2), c)
+    wgrad = lambda x, g, c: jax.lax.ragged_dot_general(x, g, c, _wgrad_dims())
+    return fwd, dgrad, wgrad
+
+
+@functools.lru_cache(maxsize=None)
+def mgpu_backend(blocks: MgpuBlocks = MgpuBlocks()):
+    """(forward, data gradient, weight gradient) from JAX's Hopper Mosaic GPU kernels."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    kw = dict(block_m=blocks.block_m, block_n=blocks.block_n, block_k=blocks.block_k,
+              max_concurrent_steps=blocks.max_concurrent_steps,
+              grid_block_n=blocks.grid_block_n)
+    fwd = lambda x, w, c: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=c, **kw)
+    dgrad = lambda g, w, c: ragged_dot_mgpu.ragged_dot(g, w, group_sizes=c, transpose_rhs=True,
+                                                       **kw)
+    wgrad = lambda x, g, c: transposed_ragged_dot_mgpu.transposed_ragged_dot(
+        x, g, group_sizes=c, **kw)
+    return fwd, dgrad, wgrad
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def grouped_matmul(x_RK, w_GKN, counts_G, backend):
+    """[R, K] rows sorted by group (``counts_G`` rows each; rows past their sum are padding)
+    times each group's [K, N] weights -> [R, N]. ``backend``: ``reference_backend()`` or
+    ``mgpu_backend(...)`` (a hashable tuple of functions)."""
+    return backend[0](x_RK, w_GKN, counts_G)
+
+
+def _gm_fwd(x_RK, w_GKN, counts_G, backend):
+    return backend[0](x_RK, w_GKN, counts_G), (x_RK, w_GKN, counts_G)
+
+
+def _gm_bwd(backend, res, g_RN):
+    x_RK, w_GKN, counts_G = res
+    g = g_RN.astype(x_RK.dtype)
+    dx = backend[1](g, w_GKN, counts_G).astype(x_RK.dtype)
+    dw = backend[2](x_RK, g, counts_G).astype(w_GKN.dtype)
+    return dx, dw, None
+
+
+grouped_matmul.defvjp(_gm_fwd, _gm_bwd)
+
+
+def grouped_swiglu_rows(xs_RH, w: dict, counts_G, backend):
+    """SwiGLU of rows sorted by group with each group's weights, three grouped matmuls."""
+    g = grouped_matmul(xs_RH, w["w_gate"], counts_G, backend)
+    u = grouped_matmul(xs_RH, w["w_up"], counts_G, backend)
+    return grouped_matmul((jax.nn.silu(g) * u).astype(xs_RH.dtype), w["w_down"], counts_G,
+                          backend)
