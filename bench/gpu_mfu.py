@@ -67,7 +67,8 @@ def expert_kernels(rows: int, H: int, I: int, G: int, reps: int) -> list[dict]:
     """The routed experts' SwiGLU (3 grouped matmuls, forward + both gradients, bf16) at one
     rung's shape, rows already sorted by expert (about rows / G each): TFLOP/s of each kernel,
     the Hopper kernel at several tile shapes, next to a dense SwiGLU of the same FLOPs; every
-    kernel's output checked against ``jax.lax.ragged_dot``'s."""
+    kernel's output and gradients (inputs and weights) checked against ``jax.lax.ragged_dot``'s
+    (the first row)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -85,20 +86,23 @@ def expert_kernels(rows: int, H: int, I: int, G: int, reps: int) -> list[dict]:
     c = jnp.asarray(counts)
 
     def timed(fn, *args):
-        step = jax.jit(lambda *a: jax.vjp(fn, *a)[1](dy))
+        """(seconds per forward + backward, [output, input gradient, weight gradients])."""
+        def step(*a):
+            y, vjp = jax.vjp(fn, *a)
+            return [y, *jax.tree.leaves(vjp(dy))]
+        step = jax.jit(step)
         out = jax.block_until_ready(step(*args))
         t = time.perf_counter()
         for _ in range(reps):
-            out = step(*args)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t) / reps, jax.jit(fn)(*args)
+            jax.block_until_ready(step(*args))
+        return (time.perf_counter() - t) / reps, out
 
     blocks = lambda x, w: experts.grouped_swiglu(x, group, G, w, "blocks", 128)
-    cands = {"dense SwiGLU, same FLOPs (ceiling)": (lambda x, w: experts.swiglu_bank(
+    cands = {"jax.lax.ragged_dot (reference)": (
+                 lambda x, w: grouped_swiglu_rows(x, w, c, reference_backend()), x, w),
+             "dense SwiGLU, same FLOPs (ceiling)": (lambda x, w: experts.swiglu_bank(
                  x[None], {k: v[:1] for k, v in w.items()})[0], x, w),
-             "blocks (sort, pad, batched einsum)": (blocks, x, w),
-             "jax.lax.ragged_dot": (lambda x, w: grouped_swiglu_rows(x, w, c,
-                                                                     reference_backend()), x, w)}
+             "blocks (sort, pad, batched einsum)": (blocks, x, w)}
     for bm, bn, steps, gbn in ((128, 128, 4, 2), (128, 256, 4, 1), (64, 128, 6, 4),
                                (192, 128, 4, 2), (128, 128, 6, 8)):
         b = MgpuBlocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
@@ -110,11 +114,12 @@ def expert_kernels(rows: int, H: int, I: int, G: int, reps: int) -> list[dict]:
     out = []
     for name, (fn, *args) in cands.items():
         try:
-            s, y = timed(fn, *args)
-            y = np.asarray(y, np.float32)
-            ref = y if ref is None and "ceiling" not in name else ref
-            err = (None if "ceiling" in name or ref is None
-                   else float(np.abs(y - ref).max() / (np.abs(ref).max() + 1e-9)))
+            s, ys = timed(fn, *args)
+            ys = [np.asarray(y, np.float32) for y in ys]
+            ref = ys if ref is None else ref
+            err = (None if "ceiling" in name else  # worst of output and gradients, relative
+                   max(float(np.abs(y - r).max() / (np.abs(r).max() + 1e-9))
+                       for y, r in zip(ys, ref)))
             out.append({"kernel": name, "ms": 1e3 * s, "tflops": flops / s / 1e12,
                         "max_rel_err": err, "status": "ok"})
         except Exception as e:  # a tile shape that does not fit shared memory, ...

@@ -135,3 +135,11 @@ def test_microbatch_checked_at_every_context_stage():
     cfg = load_config("tiny", ["train.microbatch=64", "data.seq_len=32", "data.batch_size=8",
                                "data.context_stages=[{step: 5, seq_len: 64}]"])
     assert [s.batch_size for s in cfg.data.segments()] == [8, 4]
+
+
+def test_evaluation_batches_follow_the_micro_step():
+    """With accumulation, evaluation runs a micro-step's sequences at a time (what fits)."""
+    from moelab.train.evaluate import eval_batch
+
+    assert eval_batch(config(microbatch=B * T // 4)) == B // 4
+    assert eval_batch(config()) == B

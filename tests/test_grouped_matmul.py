@@ -74,3 +74,15 @@ def test_mgpu_layout_through_routed_experts(monkeypatch):
     np.testing.assert_allclose(l1, l2, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    ({"compute_dtype": "float32"}, "bfloat16"),
+    ({"compute_dtype": "bfloat16", "expert_dim": 96}, "multiples of 128"),
+])
+def test_mgpu_config_checks_the_kernel_tiles(overrides, match):
+    from moelab.config import ConfigError
+
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**{"moe_impl": "mgpu", "d_model": 256, "latent_dim": 128,
+                       "expert_dim": 128, **overrides}).validate()

@@ -298,3 +298,26 @@ def test_scaled_config_keeps_the_options():
     assert all(getattr(small.model, f) == getattr(big.model, f) for f in same)
     assert small.model.kv_heads_global < small.model.n_kv_heads
     assert dataclasses.replace(small.model, compute_dtype="bfloat16").gated_norm_rank > 0
+
+
+def test_plan_sizes_activations_per_micro_step_and_counts_the_gradient_sum():
+    cfg = load_config("tiny", ["data.batch_size=32", "train.microbatch=2048"])
+    whole = planner.memory_report(load_config("tiny", ["data.batch_size=32"]),
+                                  planner.Layout(devices=2))
+    micro = planner.memory_report(cfg, planner.Layout(devices=2))
+    assert (whole["tokens_per_device"], micro["tokens_per_device"]) == (16 * 256, 4 * 256)
+    assert micro["activations"][True]["peak"] < whole["activations"][True]["peak"]
+    assert micro["state"]["gradient_sum"] == micro["state"]["gradients"]
+    assert "gradient_sum" not in whole["state"]
+    assert planner.scaled_config(cfg).train.microbatch == 0  # the scaled batch is one step
+
+
+def test_plan_sizes_gpu_kernel_configs_on_any_backend():
+    """A config with the GPU-only kernels (cuDNN attention, Hopper expert kernel) is planned on
+    a CPU through the portable paths; the fused kernels' savings are the --attention/--loss
+    options."""
+    cfg = load_config("tiny", ["model.compute_dtype=bfloat16", "model.attention_impl=cudnn",
+                               "model.moe_impl=mgpu", "model.d_model=256",
+                               "model.latent_dim=128"])
+    rep = planner.memory_report(cfg, planner.Layout())
+    assert rep["activations"][False]["peak"] > 0

@@ -125,6 +125,12 @@ class ModelConfig:
         require(self.gated_norm_rank >= 0, f"{p}.gated_norm_rank", "must be >= 0 (0 = off)")
         require(self.moe_impl in ("auto", "blocks", "ragged", "mgpu", "dense"), f"{p}.moe_impl",
                 "must be one of auto, blocks, ragged, mgpu, dense")
+        if self.moe_impl == "mgpu":  # the Hopper kernels' tiles (model/grouped_matmul.py)
+            require(self.compute_dtype == "bfloat16", f"{p}.moe_impl",
+                    "mgpu needs model.compute_dtype=bfloat16")
+            require(self.routed_width % 128 == 0 and self.expert_dim % 128 == 0,
+                    f"{p}.moe_impl", f"mgpu needs the routed width ({self.routed_width}) and "
+                    f"expert_dim ({self.expert_dim}) to be multiples of 128")
         require(self.moe_block > 0, f"{p}.moe_block", "must be > 0")
         require(self.compute_dtype in ("float32", "bfloat16"), f"{p}.compute_dtype",
                 "must be 'float32' or 'bfloat16'")

@@ -99,15 +99,15 @@ def param_specs(mesh: Mesh, cfg: ModelConfig, fsdp: bool = False) -> dict:
 def state_shardings(mesh: Mesh, state, cfg: ModelConfig, fsdp: bool = False):
     """Shardings for a train state: each parameter as ``param_specs`` says, each optimizer
     moment like the parameter it belongs to (a leaf whose path ends with a parameter's path and
-    has its rank); everything else replicated."""
+    has its shape); everything else replicated."""
     specs = param_specs(mesh, cfg, fsdp)
+    shapes = _flat(param_shapes(cfg))
 
     def one(path, leaf):
         keys = _keys(path)
         for i in range(len(keys)):
-            spec = specs.get(keys[i:])
-            if spec is not None and len(spec) == getattr(leaf, "ndim", -1):
-                return NamedSharding(mesh, spec)
+            if keys[i:] in specs and tuple(getattr(leaf, "shape", ())) == shapes[keys[i:]]:
+                return NamedSharding(mesh, specs[keys[i:]])
         return NamedSharding(mesh, P())
     return jax.tree_util.tree_map_with_path(one, state)
 

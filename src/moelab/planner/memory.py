@@ -171,7 +171,9 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
         if value not in KERNELS:
             raise ConfigError(f"--{name} {value}: use fused or materialized")
     remat = cfg.remat if remat is None else remat
-    m = dataclasses.replace(cfg, remat=remat, loss_chunk=0)
+    # the portable paths (any backend): fused kernels' savings are modelled by the options
+    m = dataclasses.replace(cfg, remat=remat, loss_chunk=0, moe_impl="blocks",
+                            attention_impl="chunked")
     dt = jnp.dtype(m.compute_dtype)
     experts_fn = None if local_experts else _stub_experts
     params = param_tree(m)
@@ -260,10 +262,14 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
     config's remat setting and whether it fits ``hbm_bytes`` (when given)."""
     layout.validate(cfg)
     m = cfg.model
-    batch = cfg.data.batch_size // layout.devices
+    # activations and transport buffers are those of one micro-step (train.microbatch)
+    seqs = cfg.train.microbatch // cfg.data.seq_len or cfg.data.batch_size
+    batch = max(1, seqs // layout.devices)
     tokens = batch * cfg.data.seq_len
     local = layout.ep == 1
     state = state_memory(cfg, layout)
+    if seqs < cfg.data.batch_size:  # accumulation keeps a running gradient sum beside the step's
+        state["gradient_sum"] = state["gradients"]
     acts = {r: activation_memory(m, batch, cfg.data.seq_len, local, remat=r,
                                  attention=attention, loss=loss) for r in (True, False)}
     fixed = sum(v for k, v in state.items() if k not in ("params_per_device", "host"))

@@ -105,6 +105,8 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
                "on host" if "opt" in host else "")]
     if "fsdp_gather" in st:
         out.append(row("FSDP gather (2 layers)", st["fsdp_gather"]))
+    if "gradient_sum" in st:
+        out.append(row("gradient sum (micro-steps)", st["gradient_sum"]))
     if st["host"]:
         out.append(row("(host memory per device)", st["host"]))
     for remat in (True, False):

@@ -34,6 +34,14 @@ def _domain_eval(eval_fn, params, model_state, windows: np.ndarray, batch: int,
     return total / max(n, 1)
 
 
+def eval_batch(cfg: RunConfig) -> int:
+    """Windows per evaluation batch: a training micro-step's sequences with gradient
+    accumulation (what fits in memory), else the training batch."""
+    if cfg.train.microbatch:
+        return cfg.train.microbatch // cfg.data.seq_len
+    return cfg.data.batch_size
+
+
 def evaluate(cfg: RunConfig, eval_fn, state: dict, store: TokenStore, max_tokens: int,
              put=jnp.asarray) -> dict:
     """Held-out loss and bits per byte per domain."""
@@ -43,7 +51,7 @@ def evaluate(cfg: RunConfig, eval_fn, state: dict, store: TokenStore, max_tokens
             continue  # too short for one window at this sequence length
         windows, bytes_per_token = eval_windows(store, domain, cfg.data.seq_len, max_tokens)
         loss = _domain_eval(eval_fn, state["params"], state["model_state"], windows,
-                            cfg.data.batch_size, put)
+                            eval_batch(cfg), put)
         out[f"eval/{domain}/loss"] = loss
         out[f"eval/{domain}/bpb"] = loss / math.log(2) / bytes_per_token
     return out

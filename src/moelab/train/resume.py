@@ -24,7 +24,8 @@ from moelab.train.checkpoint import Checkpointer
 
 PENDING = "plan_pending.json"
 
-# Fields that may change when a run is resumed: they do not change what is being trained.
+# Fields that may change when a run is resumed: they change how a step is computed (devices,
+# kernels, micro-steps), not the model, the data or the schedule.
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.ckpt_every",
                      "train.keep_ckpts", "train.eval_tokens", "train.peak_flops", "train.wandb",
                      "train.wandb_project", "parallel.devices", "parallel.expert",

@@ -119,7 +119,9 @@ def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Call
     """(train step, eval step): the configured transport trains, the dropless one evaluates."""
     train_experts, eval_experts = transport_fns(cfg, mesh)
     step_fn = make_train_step(cfg, train_experts, mesh, state_sh)
-    eval_fn = make_eval_step(cfg, eval_experts)
+    eval_fn = make_eval_step(cfg, eval_experts, mesh)
+    if cfg.parallel.fsdp and (mesh is None or mesh.shape["data"] == 1):
+        say("note: parallel.fsdp has no effect here: the mesh's data axis has one device")
     if mesh is not None:
         say(f"mesh: {dict(mesh.shape)}; transport "
             f"{transport.training_transport(cfg.parallel)} (evaluation: dropless)"

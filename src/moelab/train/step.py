@@ -29,7 +29,8 @@ def init_train_state(cfg: RunConfig, key) -> dict:
 
 def train_state_shardings(cfg: RunConfig, mesh):
     """The train state's shardings on ``mesh`` (None without one): routed experts split over
-    "expert", and with ``parallel.fsdp`` every other parameter split over "data"."""
+    "expert", and with ``parallel.fsdp`` every other parameter split over "data" (where its
+    FSDP dimension divides evenly)."""
     if mesh is None:
         return None
     shape = jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
@@ -87,9 +88,12 @@ def combine_stats(stats_k: dict) -> dict:
 
 def accumulated_grad(loss_fn, params, batch_B1T, k: int):
     """((mean loss, stats), mean gradient) of a batch run as ``k`` equal micro-batches inside one
-    ``lax.scan`` (gradient accumulation): the same update as the whole batch at once, with the
-    activation memory of one micro-batch. Micro-batch i holds rows i, k + i, 2k + i, ...: a
-    batch sharded over devices by rows stays evenly sharded in every micro-batch."""
+    ``lax.scan`` (gradient accumulation), with the activation memory of one micro-batch.
+    Exactly the whole batch's for every per-token mean (cross-entropy, the z-losses, entropy),
+    every count (expert loads, drops) and so the sigmoid-bias balancer; per micro-batch, as in
+    other trainers: the softmax router's balance loss (a product of two batch means), the
+    quantile router's histogram and the capacities of dropping transports. Micro-batch i holds
+    rows i, k + i, 2k + i, ...: a batch sharded over devices by rows stays evenly sharded."""
     if k == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, batch_B1T)
     B = batch_B1T.shape[0]
@@ -142,14 +146,16 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
                    out_shardings=(state_sh, NamedSharding(mesh, P())))
 
 
-def make_eval_step(cfg: RunConfig, experts_fn=None) -> Callable:
+def make_eval_step(cfg: RunConfig, experts_fn=None, mesh=None) -> Callable:
     """Summed next-token loss (nats) over the valid rows of a batch of windows [B, T+1]; the
-    head + loss over chunks of ``model.loss_chunk`` tokens when it is > 0 (moelab.model.loss)."""
+    head + loss over chunks of ``model.loss_chunk`` tokens when it is > 0 (moelab.model.loss);
+    with ``parallel.fsdp`` on a mesh, each layer's weights gathered inside the layer scan."""
     mcfg = cfg.model
+    hook = layer_gather(mesh, mcfg) if mesh is not None and cfg.parallel.fsdp else None
 
     def eval_fn(params, model_state, batch_B1T, row_valid_B):
         x, _ = tr.forward_hidden(params, model_state, batch_B1T[:, :-1], mcfg,
-                                 experts_fn=experts_fn)
+                                 experts_fn=experts_fn, layer_hook=hook)
         targets = batch_B1T[:, 1:]
         valid = jnp.broadcast_to(row_valid_B[:, None], targets.shape)
         return chunked_loss_sums(x, params["head"], targets, valid, mcfg.loss_chunk)[0]
