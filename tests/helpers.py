@@ -168,3 +168,12 @@ def shared_run(tmp_path_factory, data_dir: Path) -> tuple[Path, dict]:
                         sample_prompt="The ")
         _CACHE["run"] = (run, summary)
     return _CACHE["run"]
+
+
+def small_model(**kw):
+    """A two-layer MoE small enough to compile in seconds (widths 16-32, vocabulary 64)."""
+    from moelab.config import ModelConfig
+
+    base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
+                n_experts=8, top_k=2, expert_dim=32, latent_dim=16, shared_dim=32, moe_block=8)
+    return ModelConfig(**{**base, **kw})

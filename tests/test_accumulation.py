@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from moelab.config import ConfigError, ModelConfig, RunConfig, load_config
+from helpers import small_model
+from moelab.config import ConfigError, RunConfig, load_config
 from moelab.config.run import DataConfig, OptimConfig, TrainConfig
 from moelab.model import transformer as tr
 from moelab.train.step import accumulated_grad, init_train_state, make_train_step
@@ -19,9 +20,7 @@ B, T = 8, 16
 
 
 def config(router: str = "sigmoid_bias", microbatch: int = 0) -> RunConfig:
-    model = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                        head_dim=16, n_experts=4, top_k=2, expert_dim=32, latent_dim=16,
-                        shared_dim=32, router=router, moe_block=8)
+    model = small_model(n_experts=4, router=router)
     return RunConfig(model=model, data=DataConfig(seq_len=T, batch_size=B),
                      # eps well above the gradients' float32 noise: Adam's g / (|g| + eps) would
                      # turn a 1e-9 difference in a 1e-8 gradient into a different update

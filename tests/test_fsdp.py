@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from moelab.config import ModelConfig, ParallelConfig, RunConfig
+from helpers import small_model
+from moelab.config import ParallelConfig, RunConfig
 from moelab.config.run import DataConfig, OptimConfig, TrainConfig
 from moelab.parallel.mesh import mesh_from_config, param_specs, shard_batch
 from moelab.train.setup import init_sharded_state
@@ -20,9 +21,7 @@ B, T, STEPS = 16, 16, 3
 
 
 def config(ep: int, fsdp: bool) -> RunConfig:
-    model = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                        head_dim=16, n_experts=8, top_k=2, expert_dim=32, latent_dim=16,
-                        shared_dim=32, moe_block=8)
+    model = small_model()
     return RunConfig(model=model, data=DataConfig(seq_len=T, batch_size=B),
                      optim=OptimConfig(lr=1e-2), train=TrainConfig(steps=STEPS),
                      parallel=ParallelConfig(devices=8, expert=ep, transport="ragged",

@@ -107,6 +107,12 @@ def accumulated_grad(loss_fn, params, batch_B1T, k: int):
     return (jnp.mean(loss_k), combine_stats(stats_k)), jax.tree.map(lambda g: g / k, g_sum)
 
 
+def fsdp_hook(cfg: RunConfig, mesh):
+    """The layer hook of ``parallel.fsdp`` on a mesh (each layer's weights gathered inside the
+    layer scan), else None."""
+    return layer_gather(mesh, cfg.model) if mesh is not None and cfg.parallel.fsdp else None
+
+
 def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -> Callable:
     """The jitted step ``(state, batch [B, T+1]) -> (new state, metrics)``. On a mesh, with the
     state's shardings ``state_sh``: explicit in/out shardings (the state keeps its layout, the
@@ -115,7 +121,7 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
     opt = make_optimizer(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     lr = lr_schedule(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     mcfg = cfg.model
-    hook = layer_gather(mesh, mcfg) if mesh is not None and cfg.parallel.fsdp else None
+    hook = fsdp_hook(cfg, mesh)
 
     def step_fn(state: dict, batch_B1T):
         def loss_fn(params, tokens_B1T):
@@ -151,7 +157,7 @@ def make_eval_step(cfg: RunConfig, experts_fn=None, mesh=None) -> Callable:
     head + loss over chunks of ``model.loss_chunk`` tokens when it is > 0 (moelab.model.loss);
     with ``parallel.fsdp`` on a mesh, each layer's weights gathered inside the layer scan."""
     mcfg = cfg.model
-    hook = layer_gather(mesh, mcfg) if mesh is not None and cfg.parallel.fsdp else None
+    hook = fsdp_hook(cfg, mesh)
 
     def eval_fn(params, model_state, batch_B1T, row_valid_B):
         x, _ = tr.forward_hidden(params, model_state, batch_B1T[:, :-1], mcfg,
@@ -167,8 +173,8 @@ def compile_train_step(cfg: RunConfig, mesh):
     """The real train step of ``cfg`` on ``mesh`` (its transport, FSDP and shardings), lowered
     and compiled on abstract shapes: nothing is allocated. For comparing memory with the
     planner (``moelab plan --xla``)."""
-    sh = train_state_shardings(cfg, mesh)
     shapes = jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
+    sh = state_shardings(mesh, shapes, cfg.model, cfg.parallel.fsdp)
     state = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x),
                          shapes, sh)
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
