@@ -1,6 +1,6 @@
 """The scaling ladder end to end on a CPU, and the fitting code on published-law data.
 
-    .venv/bin/python bench/ladder_demo.py [--part all|points|ladder] [--dir runs/ladder_demo]
+    .venv/bin/python bench/ladder_demo.py [--part all|points|ladder] [--seed 0] [--dir DIR]
 
 Part "points" (seconds): ladders of IsoFLOP points generated from a published fitted law,
 Chinchilla's approach-3 L(N, D) = 1.69 + 406.4/N^0.34 + 410.7/D^0.28 (Hoffmann et al. 2022),
@@ -11,14 +11,17 @@ generated, not measured: this checks the fitting and extrapolation machinery, no
 
 Part "ladder" (about an hour of two CPU cores): the tiny preset family on the built-in corpus
 (vocab 512, seq 128, batch 16). Target: tiny (d128, 4 layers, 8 heads of 16) for 2,000 steps
-(4.1M tokens). `moelab ladder plan` derives 4 rungs (largest at ~1/5 of the target's FLOPs,
-spaced 2.5x), `moelab ladder run` trains them, `moelab ladder fit` predicts the target before it
-trains, then the target trains under `--guard`. Then a deviation check: the target's config
+(4.1M tokens). `moelab ladder plan` derives 4 widths (largest at ~1/5 of the target's FLOPs,
+spaced 2.5x), each trained at the target's tokens per parameter and at half of it (8 rungs),
+`moelab ladder run` trains them, `moelab ladder fit` predicts the target before it trains and
+reports its own holdout (refitted without the largest model, predicting it), then the target
+trains under `--guard`. ``--seed`` sets train.seed of every run (a second seed: a second ladder
+folder, runs/ladder_demo_seed<N>). Then a deviation check: the target's config
 with 3x the learning rate for 30% of the run, guarded against the same prediction. Every stage
 is resumable: run the script again and finished runs are reused.
 
-Saves bench/results/ladder_demo.json (and ladder_points.json, ladder_points.csv) and
-bench/results/ladder_demo.png (a copy of LADDER/plots/ladder.png).
+Saves bench/results/ladder_demo[_seed<N>].json (and ladder_points.json, ladder_points.csv) and
+bench/results/ladder_demo[_seed<N>].png (a copy of LADDER/plots/ladder.png).
 """
 
 from __future__ import annotations
@@ -50,7 +53,8 @@ CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}
 TARGET = ["model.vocab_size=512", "model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8",
           "data.seq_len=128", "data.batch_size=16", "train.steps=2000", "train.log_every=5",
           "train.eval_every=400", "train.eval_tokens=131072", "train.ckpt_every=500"]
-PLAN = ["--top-share", "0.25", "--spacing", "2.5", "--depth-exp", "0.5", "--evals", "5"]
+PLAN = ["--top-share", "0.25", "--spacing", "2.5", "--depth-exp", "0.5", "--evals", "5",
+        "--token-multipliers", "0.5,1"]
 DEVIATION = {"lr_factor": 3.0, "steps": 600}
 
 
@@ -159,36 +163,57 @@ def alerts_of(run_dir: Path, prediction: dict) -> dict:
             "logged": [e for e in events if e.get("event") == "alert"]}
 
 
-def part_ladder(root: Path) -> dict:
+def part_ladder(root: Path, seed: int, tag: str) -> dict:
     stages: dict = {}
     with Stage("plan", stages):
         if (root / "ladder.json").exists():
             print(f"using the plan in {root}/ladder.json")
         else:
-            moelab("ladder", "plan", "tiny", *TARGET, *PLAN, "--out", str(root))
+            moelab("ladder", "plan", "tiny", *TARGET, f"train.seed={seed}", *PLAN, "--out",
+                   str(root))
     with Stage("rungs", stages):
         moelab("ladder", "run", str(root), "--jobs", "2", "--poll", "60")
     with Stage("fit (before the target trains)", stages):
         fit = json.loads(moelab("ladder", "fit", str(root), "--json", capture=True).stdout)
     lad = load_ladder(root)
-    pred_file = RESULTS / "ladder_demo_prediction.json"
+    pred_file = RESULTS / f"{tag}_prediction.json"
     if not (lad.target_dir / "summary.json").exists():  # the prediction made before the target
         shutil.copyfile(root / "prediction.json", pred_file)
     with Stage("target (guarded live)", stages):
         moelab("ladder", "run", str(root), "--target", "--guard", "--poll", "60")
-    with Stage("deviation: 3x learning rate (guarded)", stages):
-        dev = root / "deviation_lr3x"
-        lr = lad.target.optim.lr * DEVIATION["lr_factor"]
-        dev.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / "prediction.json", dev / "prediction.json")
-        if not is_finished(dev, DEVIATION["steps"]):
-            moelab("train", str(lad.config_path("target")), f"optim.lr={lr}",
-                   f"train.steps={DEVIATION['steps']}", "--run-dir", str(dev), check=False)
-        moelab("ladder", "guard", str(dev))
+    if seed == 0:  # the guard's check needs one deviating run, not one per seed
+        with Stage("deviation: 3x learning rate (guarded)", stages):
+            deviation_run(root, lad)
     with Stage("fit + plot with the observed target", stages):
         moelab("ladder", "fit", str(root), "--json", capture=True)
-    shutil.copyfile(root / "plots" / "ladder.png", RESULTS / "ladder_demo.png")
+    shutil.copyfile(root / "plots" / "ladder.png", RESULTS / f"{tag}.png")
     return summarize(lad, fit, stages)
+
+
+def deviation_run(root: Path, lad) -> None:
+    """The target's config with 3x the learning rate for 30% of the run, guarded against the
+    same prediction."""
+    dev = root / "deviation_lr3x"
+    lr = lad.target.optim.lr * DEVIATION["lr_factor"]
+    dev.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(root / "prediction.json", dev / "prediction.json")
+    if not is_finished(dev, DEVIATION["steps"]):
+        moelab("train", str(lad.config_path("target")), f"optim.lr={lr}",
+               f"train.steps={DEVIATION['steps']}", "--run-dir", str(dev), check=False)
+    moelab("ladder", "guard", str(dev))
+
+
+def holdout_rows(h: dict) -> list[dict]:
+    """The ladder's own check, known before the target trains: refitted without the largest
+    model's rungs, each predictor predicts that model's final held-out loss."""
+    rows = []
+    for name, v in (h.get("predicted") or {}).items():
+        band = h.get("band", {}) if name == "chosen law" else {}
+        rows.append({"predictor": f"{h['rung']}: {name}", "predicted": v, "lo": band.get("lo"),
+                     "hi": band.get("hi"), "observed": h["observed"],
+                     "rel_error": h["rel_error"][name],
+                     "covered": "lo" in band and band["lo"] <= h["observed"] <= band["hi"]})
+    return rows
 
 
 def summarize(lad, fit: dict, stages: dict) -> dict:
@@ -222,7 +247,8 @@ def summarize(lad, fit: dict, stages: dict) -> dict:
     out = {"cost_share": fit["cost"]["share"], "rungs": list(runs.values()),
            "target": {**fit["target"], "final_eval_loss": observed,
                       "wall_time_s": target_summary["wall_time_s"]},
-           "final_predictions": rows, "laws": fit["laws"], "stages": stages,
+           "final_predictions": rows, "holdout": holdout_rows(fit.get("holdout") or {}),
+           "laws": fit["laws"], "stages": stages,
            "guard": {"rules": dataclasses.asdict(GuardRules()), "deviation": DEVIATION,
                      "target": alerts_of(lad.target_dir, pred),
                      "deviation_run": alerts_of(dev, pred) if dev.exists() else None}}
@@ -233,12 +259,18 @@ def summarize(lad, fit: dict, stages: dict) -> dict:
                                ("wall_time_s", "wall s", ".0f")])
     print(f"\ntarget: N {fit['target']['params_active']:,}, D {fit['target']['tokens']:,}, "
           f"{fit['target']['flops']:.3g} FLOPs, observed final held-out loss {observed:.4f}")
-    print_table(rows, [("predictor", "predictor", "s"), ("predicted", "predicted", ".4f"),
-                       ("lo", "lo", ".4f"), ("hi", "hi", ".4f"), ("observed", "observed", ".4f"),
-                       ("rel_error", "error", "+.2%"), ("covered", "in band", "")])
+    columns = [("predictor", "predictor", "s"), ("predicted", "predicted", ".4f"),
+               ("lo", "lo", ".4f"), ("hi", "hi", ".4f"), ("observed", "observed", ".4f"),
+               ("rel_error", "error", "+.2%"), ("covered", "in band", "")]
+    print_table(rows, columns)
+    print("\nthe ladder's own holdout (refitted without the largest model, before the target "
+          "trained):")
+    print_table(out["holdout"], columns)
     g = out["guard"]
     for name, key in (("healthy target", "target"), ("3x-LR run", "deviation_run")):
-        alerts = (g[key] or {}).get("alerts", [])
+        if g[key] is None:
+            continue
+        alerts = g[key]["alerts"]
         print(f"\nguard on the {name}: {len(alerts)} alert(s)")
         for a in alerts:
             print("  " + format_alert(a))
@@ -250,16 +282,19 @@ def summarize(lad, fit: dict, stages: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=("all", "points", "ladder"), default="all")
-    ap.add_argument("--dir", default="runs/ladder_demo", help="the ladder folder")
+    ap.add_argument("--seed", type=int, default=0, help="train.seed of the rungs and target")
+    ap.add_argument("--dir", help="the ladder folder (default runs/ladder_demo, "
+                    "runs/ladder_demo_seed<N> for another seed)")
     args = ap.parse_args()
     out = {}
     if args.part in ("all", "points"):
         out["points"] = part_points()
     if args.part in ("all", "ladder"):
-        out["ladder"] = part_ladder(Path(args.dir))
-        save("ladder_demo", out["ladder"]["final_predictions"], **{
+        tag = "ladder_demo" + (f"_seed{args.seed}" if args.seed else "")
+        out["ladder"] = part_ladder(Path(args.dir or f"runs/{tag}"), args.seed, tag)
+        save(tag, out["ladder"]["final_predictions"], **{
             k: v for k, v in out["ladder"].items() if k != "final_predictions"})
-        print(f"plot: {RESULTS / 'ladder_demo.png'}")
+        print(f"plot: {RESULTS / (tag + '.png')}")
 
 
 if __name__ == "__main__":

@@ -70,7 +70,11 @@ KERNEL = ("blocks", 32)  # grouped expert compute of the dropless transports: bl
 
 
 def make_transport_fn(mesh, tcfg: ParallelConfig):
-    return transport.make_transport_fn(mesh, tcfg, KERNEL)
+    """pooled_global's bank uses the model's grouped kernel (blocks of 128 rows, as the router
+    model trains: blocks of 32 copy 4x more weights and ran 1.2x slower here); the dropless
+    transports blocks of 32 (less padding in their worst-case buffers)."""
+    kernel = ("blocks", 128) if tcfg.transport == "pooled_global" else KERNEL
+    return transport.make_transport_fn(mesh, tcfg, kernel)
 
 MiB = 2**20
 COLLECTIVES = ("all_to_all", "ragged_all_to_all", "all_gather", "psum", "psum_invariant",
@@ -142,11 +146,68 @@ def bank_rows(tcfg: ParallelConfig, A: int, S: int, E: int, H: int) -> int:
     return transport.get(tcfg.transport).rows(tcfg, A, S, E // S, H).bank
 
 
+def time_interleaved(rows: list[dict], args_t, reps: int) -> None:
+    """Step time of every compiled program, timed in turns (rep 1 of each, then rep 2, ...)
+    so that a change in the machine's load hits every transport alike; median per program."""
+    times = {id(r): [] for r in rows}
+    for _ in range(reps):
+        for r in rows:
+            t = time.perf_counter()
+            jax.block_until_ready(r["compiled"](*args_t))
+            times[id(r)].append(time.perf_counter() - t)
+    for r in rows:
+        r.pop("compiled")
+        r["step_ms"] = 1e3 * statistics.median(times[id(r)])
+        r["step_ms_all"] = [1e3 * t for t in times[id(r)]]
+        print(f"  {r['transport']:<24} {r['step_ms']:8.1f} ms", flush=True)
+
+
+def design_memory(tcfg: ParallelConfig, T: int, k: int, E: int, S: int, H: int, I: int,
+                  itemsize: int) -> dict:
+    """The memory formula's split (planner.memory.transport_memory): payload rows (kept for
+    the backward, plus one wave's send and return buffers, H wide) and one wave's receiver
+    bank (input, output, gate/up/hidden: 2H + 3I per row), in MiB."""
+    r = transport.get(tcfg.transport).rows(tcfg, T * k, S, E // S, H)
+    payload = (r.kept + r.send + r.back) * H * itemsize / MiB
+    bank = r.bank * (2 * H + 3 * I) * itemsize / MiB
+    return {"payload_design_mib": payload, "bank_design_mib": bank,
+            "transport_design_mib": payload + bank}
+
+
 def offrank_rows(expert_NK, S: int, E: int) -> np.ndarray:
     """Assignments per source rank whose expert lives on another rank (tokens split evenly)."""
     e = np.asarray(expert_NK)
     src = np.repeat(np.arange(S), e.shape[0] // S)[:, None]
     return ((e // (E // S)) != src).sum(axis=1).reshape(S, -1).sum(axis=1)
+
+
+def ep_degrees(layers, n_tok: int, E: int, G: int, W: int) -> list[dict]:
+    """Drops of pooled_global and waterfill on the same batch at EP 2, 4 and 8, each as one EP
+    group (EP devices, data = 1): pooled_global's budget decision does not depend on EP."""
+    out = []
+    for ep in (2, 4, 8):
+        mesh = make_mesh(expert=ep, devices=jax.devices()[:ep])
+        z = shard_batch(jnp.ones((n_tok, 8), jnp.float32), mesh)
+        w = shard_expert_weights({"w_gate": jnp.zeros((E, 8, 1)), "w_up": jnp.zeros((E, 8, 1)),
+                                  "w_down": jnp.zeros((E, 1, 8))}, mesh)
+        row = {"ep": ep}
+        for key, tcfg in (("global", ParallelConfig(transport="pooled_global", sender_cf=2.0,
+                                                     receiver_cf=1.10, waves=W, budget_group=G)),
+                          ("waterfill", ParallelConfig(transport="waterfill",
+                                                       capacity_factor=1.10))):
+            f = jax.jit(make_transport_fn(mesh, tcfg))
+            tot = Counter()
+            for a in layers:
+                tot.update(drop_totals(f(z, shard_batch(a[1], mesh), shard_batch(a[2], mesh),
+                                         w)[1]))
+            n = tot["assignments"]
+            row[key] = tot["dropped"] / n
+            row[f"{key}_counts"] = dict(tot)
+        c = row["global_counts"]
+        row["global_str"] = (f"{row['global']:.3%} ({c['sender_dropped']} + "
+                             f"{c['receiver_dropped']})")
+        out.append(row)
+    return out
 
 
 def main() -> None:
@@ -198,6 +259,11 @@ def main() -> None:
     configs += [(f"pooled_wave W={w}", "cf_s 1.10 / cf_r 1.15",
                  ParallelConfig(transport="pooled_wave", sender_cf=1.10, receiver_cf=1.15, waves=w))
                 for w in args.waves]
+    G = min(8, E // S)  # experts per budget group: fixed, so drops do not depend on EP
+    configs += [(f"pooled_global W={args.waves[0]} G={g}", f"cf_s {cs:.2f} / cf_r 1.10",
+                 ParallelConfig(transport="pooled_global", sender_cf=cs, receiver_cf=1.10,
+                                waves=args.waves[0], budget_group=g))
+                for g, cs in ((G, 1.10), (G, 2.0), (2, 2.0))]
     configs += [("waterfill", "cf 1.10", ParallelConfig(transport="waterfill", capacity_factor=1.10)),
                 ("ragged", "dropless", ParallelConfig(transport="ragged"))]
 
@@ -216,11 +282,6 @@ def main() -> None:
         compile_s = time.time() - t0
         colls = collectives(jax.make_jaxpr(step)(*args_t).jaxpr, dict(mesh.shape))
         jax.block_until_ready(compiled(*args_t))  # warm-up
-        times = []
-        for _ in range(args.reps):
-            t = time.perf_counter()
-            jax.block_until_ready(compiled(*args_t))
-            times.append(time.perf_counter() - t)
         totals = Counter()
         by_layer = []
         for i, a in enumerate(per_layer):
@@ -233,7 +294,7 @@ def main() -> None:
         a2a = [b for c, b, _, _ in colls if "all_to_all" in c]
         row = {"transport": name, "capacity": caps, "kind": tcfg.transport, "waves": tcfg.waves
                if tcfg.transport == "pooled_wave" else None,
-               "step_ms": 1e3 * statistics.median(times), "step_ms_all": [1e3 * t for t in times],
+               "compiled": compiled,
                **memory(compiled),
                "n_all_to_all": counts["all_to_all"] + counts["ragged_all_to_all"],
                "collectives": dict(counts),
@@ -248,6 +309,8 @@ def main() -> None:
         # the bank's input rows and their gate/up activations (H + 2I per row)
         row["bank_rows"] = bank_rows(tcfg, args.tokens_per_rank * k, S, E, H)
         row["bank_mib"] = row["bank_rows"] * (H + 2 * m.expert_dim) * dt.itemsize / MiB
+        design = design_memory(tcfg, args.tokens_per_rank, k, E, S, H, m.expert_dim, dt.itemsize)
+        row.update(design)
         if tcfg.transport in ("ragged", "waterfill"):
             # A native ragged_all_to_all moves only real rows: dispatch + return forward, their
             # transposes backward (4 x H wide), ids forward (int32), counts (all_gather).
@@ -257,10 +320,15 @@ def main() -> None:
             count_bytes = 4 * (S if tcfg.transport == "ragged" else E) * (S - 1)
             row["native_wire_mib"] = (rows_off * (4 * H * dt.itemsize + 4) + count_bytes) / MiB
         rows.append(row)
-        print(f"  {name:<18} {row['step_ms']:8.1f} ms  temp {row.get('temp_mib', -1):7.2f} MiB  wire "
+        print(f"  {name:<24} temp {row.get('temp_mib', -1):7.2f} MiB  wire "
               f"{row['wire_mib']:6.2f} MiB/rank  drops {row['drop']:.2%}  "
               f"(compile {compile_s:.0f}s)", flush=True)
+    time_interleaved(rows, per_layer[args.layer], args.reps)
 
+    ref = next(r for r in rows if r["kind"] == "pooled_wave")
+    for r in rows:
+        r["step_vs_pooled"] = r["step_ms"] / ref["step_ms"]
+        r["memory_vs_pooled"] = r["transport_design_mib"] / ref["transport_design_mib"]
     w1 = next((r["temp_mib"] for r in rows if r["waves"] == 1), None)
     for r in rows:
         if r["waves"] and w1:
@@ -277,6 +345,8 @@ def main() -> None:
         row = {"cf": cf}
         cfgs = {f"pooled_W{w}": ParallelConfig(transport="pooled_wave", sender_cf=cf, receiver_cf=cf,
                                                 waves=w) for w in pooled_w}
+        cfgs["global"] = ParallelConfig(transport="pooled_global", sender_cf=2.0, receiver_cf=cf,
+                                        waves=pooled_w[0], budget_group=G)
         cfgs["waterfill"] = ParallelConfig(transport="waterfill", capacity_factor=cf)
         cfgs["expert_cells"] = ParallelConfig(transport="expert_cells", capacity_factor=cf)
         for key, tcfg in cfgs.items():
@@ -288,13 +358,14 @@ def main() -> None:
             row[key] = tot["dropped"] / n
             row[f"{key}_sender"] = tot["sender_dropped"] / n
             row[f"{key}_receiver"] = tot["receiver_dropped"] / n
-            if key.startswith("pooled"):
+            if key.startswith("pooled") or key == "global":
                 row[f"{key}_str"] = (f"{row[key]:.2%} ({100 * row[key + '_sender']:.2f} + "
                                      f"{100 * row[key + '_receiver']:.2f})")
         sweep.append(row)
 
+    by_ep = ep_degrees(layers, n_tok, E, G, args.waves[0])
     runtime = time.time() - t_start
-    meta = dict(router_run=run, router_steps=args.router_steps, ranks=S, n_experts=E, top_k=k,
+    meta = dict(by_ep=by_ep, router_run=run, router_steps=args.router_steps, ranks=S, n_experts=E, top_k=k,
                 latent_H=H, expert_I=m.expert_dim, tokens_per_rank=args.tokens_per_rank,
                 dtype=args.dtype, timed_layer=args.layer, n_layers=len(layers),
                 seq_len=L_seq, seed=args.seed, reps=args.reps, sweep=sweep, runtime_s=runtime,
@@ -320,6 +391,10 @@ def main() -> None:
                        ("bank_mib", "bank MiB (design)", ".2f"),
                        ("n_all_to_all", "a2a", "d"), ("largest_a2a_mib", "max a2a MiB", ".2f"),
                        ("wire_mib", "wire MiB", ".2f"),
+                       ("payload_design_mib", "payload MiB", ".2f"),
+                       ("bank_design_mib", "bank+acts MiB", ".2f"),
+                       ("memory_vs_pooled", "memory / pooled_wave", ".2f"),
+                       ("step_vs_pooled", "step / pooled_wave", ".2f"),
                        ("native_wire_mib", "native est. MiB", ".2f"),
                        ("sender_drop", "sender", ".2%"), ("receiver_drop", "receiver", ".2%"),
                        ("drop", "total drop", ".2%")])
@@ -328,8 +403,13 @@ def main() -> None:
           "cf_s = cf_r = cf, total (sender + receiver) in %)")
     cols = [("cf", "cf", ".2f")]
     cols += [(f"pooled_W{w}_str", f"pooled_wave W={w}", "s") for w in pooled_w]
+    cols += [("global_str", f"pooled_global G={G} cf_s 2.0", "s")]
     cols += [("waterfill", "waterfill", ".2%"), ("expert_cells", "expert_cells", ".2%")]
     print_table(sweep, cols)
+    print()
+    print("Table 3: the same batch at EP 2, 4, 8 (one EP group, data = 1; drops over all layers)")
+    print_table(by_ep, [("ep", "EP", "d"), ("global_str", f"pooled_global G={G} cf_s 2.0", "s"),
+                        ("waterfill", "waterfill cf 1.10", ".3%")])
     print(f"\ntotal runtime {runtime:.0f}s")
 
 

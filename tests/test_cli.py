@@ -13,7 +13,8 @@ import pytest
 
 from helpers import data_dir, shared_run, subprocess_env  # noqa: F401  (session fixture)
 from moelab.cli import main
-from moelab.config import load_config
+from moelab.config import ConfigError, load_config
+from moelab.data.prepare import given_tokenizer, with_tokenizer_vocab
 from moelab.train.tracker import JsonlTracker, Trackers, read_metrics
 
 MOELAB = Path(sys.executable).parent / "moelab"  # the installed console script
@@ -196,9 +197,9 @@ def test_data_build_with_user_inputs_reports_skipped(tmp_path, capsys):
 
 
 def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
-    """The printed `moelab train ...` command must train on what was just built: with
-    --vocab 300 the tiny preset's vocab_size (4096) would look for tokenizer-4096.json and
-    train a new tokenizer instead of using tokenizer-300.json."""
+    """The printed `moelab train ...` command must train on what was just built (the folder's
+    own tokenizer.json); the tiny preset's vocab_size alone (2048) is refused, never trained
+    as a second tokenizer."""
     src = _user_inputs(tmp_path / "src")
     out_dir = tmp_path / "built"
     rc, out, err = run_main(["data", "build", str(src), "--out", str(out_dir), "--vocab", "300"],
@@ -206,11 +207,13 @@ def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
     assert rc == 0, err
     hint = next(line for line in out.splitlines() if line.startswith("train on it with:"))
     argv = hint.split("moelab train ", 1)[1].split()
-    cfg = load_config(argv[0], argv[1:])
+    cfg = with_tokenizer_vocab(load_config(argv[0], argv[1:]))
     assert Path(cfg.data.data_dir) == out_dir
-    tok = Path(cfg.data.tokenizer) if cfg.data.tokenizer else \
-        Path(cfg.data.data_dir) / f"tokenizer-{cfg.model.vocab_size}.json"
-    assert tok.is_file(), f"the hinted command would not use {out_dir}/tokenizer-300.json"
+    assert given_tokenizer(cfg.data) == out_dir / "tokenizer.json"
+    assert (out_dir / "tokenizer.json").read_bytes() == (out_dir / "tokenizer-300.json").read_bytes()
+    with pytest.raises(ConfigError, match=f"model.vocab_size=2048 disagrees .*tokenizer.json .*"
+                       f"set model.vocab_size={cfg.model.vocab_size}, or 0"):
+        with_tokenizer_vocab(load_config("tiny", [f"data.data_dir={out_dir}"]))
 
 
 def test_data_build_with_nothing_usable_fails_clearly(tmp_path, capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import yaml
@@ -102,9 +103,12 @@ def test_unknown_preset_name_lists_presets():
         assert name in msg
 
 
-def test_empty_yaml_file_gives_the_defaults(tmp_path):
+def test_an_empty_yaml_file_is_refused_and_an_empty_mapping_gives_the_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
-    path.write_text("")
+    path.write_text("# nothing yet\n")  # most likely a mistake: say so rather than train defaults
+    with pytest.raises(ConfigError, match=f"config {path}: empty"):
+        load_config(str(path))
+    path.write_text("{}\n")  # said explicitly
     assert load_config(str(path)) == RunConfig()
 
 
@@ -163,12 +167,26 @@ def test_malformed_overrides(item, needle):
 
 def test_unknown_field_names_it_and_lists_valid_fields():
     with pytest.raises(ConfigError) as e:
-        load_config("tiny", ["model.d_modle=3"])
+        load_config("tiny", ["model.zzzz=3"])  # nothing close: every valid name
     msg = str(e.value)
-    assert msg.startswith("model.d_modle")
-    assert "unknown field" in msg
+    assert msg.startswith("model.zzzz: unknown field")
     for name in _field_names(ModelConfig):
         assert name in msg
+
+
+@pytest.mark.parametrize("key, hint", [
+    ("model.d_modle", "did you mean model.d_model?"),  # a typo: the closest field
+    ("trian.steps", "trian: unknown field; did you mean train?"),  # a section's typo
+    ("model.steps", "did you mean train.steps?"),  # a field of another section
+])
+def test_unknown_key_suggests_the_intended_one(key, hint, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        load_config("tiny", [f"{key}=3"])
+    section, name = key.split(".")
+    path = tmp_path / "c.yaml"  # the same from a YAML file
+    path.write_text(f"{section}:\n  {name}: 3\n")
+    with pytest.raises(ConfigError, match=re.escape(hint)):
+        load_config(str(path))
 
 
 def test_unknown_field_in_other_sections():
@@ -182,12 +200,12 @@ def test_unknown_field_in_other_sections():
 
 def test_unknown_section_is_named_without_a_stray_dot():
     with pytest.raises(ConfigError) as e:
-        load_config("tiny", ["modle.d_model=3"])
+        load_config("tiny", ["xyzzy.d_model=3"])
     msg = str(e.value)
-    assert "modle" in msg and "unknown field" in msg
+    assert "xyzzy" in msg and "unknown field" in msg
     for section in ("model", "data", "optim", "train"):
         assert section in msg
-    assert msg.startswith("modle"), msg  # not ".modle: ..."
+    assert msg.startswith("xyzzy"), msg  # not ".xyzzy: ..."
 
 
 @pytest.mark.parametrize("override, field, needle", [

@@ -181,7 +181,7 @@ def test_attach_is_idempotent_and_refuses_a_second_arm_name(tmp_path):
 
 @pytest.mark.parametrize("text, fragment", [
     ("no front matter", "no front matter"),
-    ("---\nid: [1\n---\n", "not valid YAML"),
+    ("---\nid: [1\n---\n", "front matter: invalid YAML"),
     ("---\nid: x\ntitle: t\nhypothesis: h\n---\n", "'goal' is missing"),
     ("---\nid: x\ntitle: t\nhypothesis: h\ngoal: g\ncolour: red\n---\n", "unknown field"),
     ("---\nid: x\ntitle: t\nhypothesis: h\ngoal: g\ncriteria: [loss is low]\n---\n",

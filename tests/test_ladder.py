@@ -257,7 +257,7 @@ def ladder(tmp_path_factory):
         run = RunSchedule.from_config(r.cfg)
         write_run(lad.run_dir(r.name), r.cfg, lambda s, run=run: law_value(run, [max(s, 1)])[0], rng)
     lad = load_ladder(root)
-    fit = fit_ladder(lad, n_boot=40)
+    fit = fit_ladder(lad, n_boot=10)
     rep, pred = write_outputs(lad, fit)
     return lad, fit, rep, pred
 
@@ -281,7 +281,8 @@ def test_ladder_fit_predicts_the_target_trajectory(ladder):
     assert json.loads((lad.root / "fit.json").read_text())["cost"]["share"] < 1
     # the holdout refits without the largest rung and predicts it
     assert rep["holdout"]["rung"] == lad.rungs[-1].name
-    assert abs(rep["holdout"]["rel_error"]["schedule law"]) < 0.02
+    assert abs(rep["holdout"]["rel_error"]["chosen law"]) < 0.02
+    assert rep["laws"]["chosen eval/loss"]["method"]["members"]
 
 
 def test_ladder_fit_needs_three_finished_rungs(tmp_path):
@@ -443,7 +444,7 @@ def test_points_cli_json(tmp_path, capsys):
                            "--predict", "N=7e10, D=1.4e12", "--json", "--boot", "20"], capsys)
     assert rc == 0
     res = json.loads(out)
-    assert set(res["coefficients"]) == {"E", "A", "alpha", "B", "beta"}
+    assert {"E", "A", "alpha", "B", "beta"} <= set(res["coefficients"])
     assert [set(p) for p in res["predictions"]] == [{"N", "D", "loss", "lo", "hi"}] * 2
     assert res["predictions"][1]["N"] == 7e10
 

@@ -30,6 +30,7 @@ RANKS = {
     "ladder": 6,
     "ops": 7,  # may use ladder (forecasts)
     "lab": 7,  # may use ladder (derived series)
+    "export": 7,  # reads runs through serve
     "cli": 8,
 }
 

@@ -18,7 +18,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("kind", ["pooled_wave", "ragged"])
+@pytest.mark.parametrize("kind", ["pooled_wave", "pooled_global", "ragged"])
 def test_transport_across_two_processes(kind):
     port = str(free_port())
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}

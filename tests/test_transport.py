@@ -33,8 +33,9 @@ KERNEL = ("blocks", 32)  # grouped expert compute: blocks of 32 rows
 
 
 def tc(kind: str = "pooled_wave", **kw) -> ParallelConfig:
-    """The parallel config of one transport (the fields it reads)."""
-    return ParallelConfig(transport=kind, **kw)
+    """The parallel config of one transport (the fields it reads). Budget groups of 3 experts
+    divide the local experts at every EP here (24 / 8 = 3)."""
+    return ParallelConfig(transport=kind, **{"budget_group": 3, **kw})
 
 
 def make_transport_fn(mesh, cfg):
@@ -49,9 +50,10 @@ def require_devices():
 
 
 def big(kind: str, **kw) -> ParallelConfig:
-    """Capacity large enough that nothing can drop."""
+    """Capacity large enough that nothing can drop (pooled_global: fixed fairness blocks, one
+    per rank at EP 8)."""
     cf = float(E)
-    return tc(kind, capacity_factor=cf, sender_cf=cf, receiver_cf=cf, **kw)
+    return tc(kind, capacity_factor=cf, sender_cf=cf, receiver_cf=cf, fair_blocks=N_DEV, **kw)
 
 
 def random_inputs(seed=0, n=N, e=E, k=K, h=H, i=I, dtype=jnp.float32):
@@ -127,9 +129,11 @@ def test_dropless_results_identical_across_ep(kind):
     results = [run(big(kind), ep, DATA) for ep in EPS]
     out0, _, (dz0, dwt0, dw0) = results[0]
     for out, _, (dz, dwt, dw) in results[1:]:
-        if kind == "pooled_wave":
+        if kind in ("pooled_wave", "pooled_global"):
             # k > 2 routes of a token are summed in wave order, which depends on the striping
-            # (hence on EP): equal up to fp32 rounding of the reordered sum.
+            # (pooled_global: on the fairness blocks of an EP group, whose batch changes with
+            # EP here): equal up to fp32 rounding of the reordered sum. Over the same batch
+            # pooled_global is bit-identical (test_transport_global.py).
             assert_close((out, dz, dwt), (out0, dz0, dwt0), tol=2e-6)
         else:
             for a, b in ((out, out0), (dz, dz0), (dwt, dwt0)):
@@ -280,13 +284,13 @@ def oversubscribed_routing(counts_per_source):
     return jnp.asarray(ex, jnp.int32)
 
 
-@pytest.mark.parametrize("kind", ["pooled_wave", "waterfill"])
+@pytest.mark.parametrize("kind", ["pooled_wave", "waterfill", "pooled_global"])
 def test_receiver_fairness(kind):
     """One expert oversubscribed by unequal sources: kept counts of the sources that were cut
     differ by at most one, and each source keeps a prefix of its rows for that expert."""
     ep, counts = 4, (30, 12, 5, 24)
     cfg = tc(kind, capacity_factor=1.0, sender_cf=float(E), receiver_cf=3.0,
-                          waves=1)
+             waves=1, budget_group=1)
     expert = oversubscribed_routing(counts)
     _, _, (_, dwt, _) = run(cfg, ep, DATA, expert)
     kept = np.asarray(dwt)[:, 0] != 0  # route 0 is the expert-0 route on the first n tokens
@@ -340,6 +344,8 @@ def primitives(jaxpr, acc=None):
 W = ParallelConfig().waves
 EXPECTED = {"expert_cells": ({"all_to_all": 2}, {"all_to_all": 4}),
             "pooled_wave": ({"all_to_all": 2 * W}, {"all_to_all": 4 * W}),
+            "pooled_global": ({"all_to_all": 2 * W, "all_gather": 1},
+                              {"all_to_all": 4 * W, "all_gather": 1}),
             "ragged": ({"all_to_all": 3}, {"all_to_all": 5}),
             "waterfill": ({"all_to_all": 3, "all_gather": 1}, {"all_to_all": 5, "all_gather": 1})}
 

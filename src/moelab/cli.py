@@ -8,28 +8,54 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from moelab.config import ConfigError, load_config, preset_names, split_overrides
+from moelab.config.errors import require
 from moelab.ladder.cli import register as register_ladder
 from moelab.lab.cli import register as register_lab
 from moelab.ops.cli import register as register_ops
+from moelab.ops.drops import register as register_drops
+from moelab.export.cli import register as register_export
 from moelab.train.checkpoint import CheckpointError
 
 EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE arguments after the config, "
                     "e.g. `moelab train tiny train.steps=100 model.n_experts=16`.")
 
 
+def config_epilog() -> str:
+    """`train --help`'s list of config sections, pointing to `moelab config` for the fields."""
+    from moelab.config.docs import section_classes, section_doc
+
+    rows = [textwrap.fill(section_doc(cls), 88, initial_indent=f"  {name:<10}",
+                          subsequent_indent=" " * 12) for name, cls in section_classes().items()]
+    tail = ("`moelab config PRESET [KEY=VALUE ...]` prints every field of the resolved config "
+            "with its value and meaning. " + EPILOG_OVERRIDES)
+    return "\n".join(["config sections (YAML keys; SECTION.FIELD=VALUE on the command line):",
+                      *rows, "", textwrap.fill(tail, 88)])
+
+
+def _load(config: str | None, overrides: list[str]):
+    """(config source, the config with its overrides; model.vocab_size from the tokenizer when
+    0): what `train`, `plan` and `config` act on."""
+    from moelab.data.prepare import with_tokenizer_vocab
+
+    source, overrides = split_overrides(config, overrides)
+    return source, with_tokenizer_vocab(load_config(source, overrides))
+
+
 def cmd_train(args) -> int:
     from moelab.train.loop import format_summary, train
 
-    source, overrides = split_overrides(args.config, args.overrides)
-    cfg = load_config(source, overrides)
+    source, cfg = _load(args.config, args.overrides)
     if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
         from moelab.parallel.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id)
     run_dir = Path(args.run_dir or Path("runs") / Path(source).stem)
+    require(not run_dir.exists() or run_dir.is_dir(), f"--run-dir {run_dir}",
+            "a file is in the way; give a folder (it is created when missing)")
     if args.record:
         from moelab.lab.cli import attach_from_train
 
@@ -42,9 +68,22 @@ def cmd_train(args) -> int:
     return 0
 
 
+def check_sampling(args) -> None:
+    """Sampling options, checked before the run is loaded. Temperature 0 means greedy decoding
+    (as --help says); top-p 0 would keep no token, so it is refused rather than read as greedy."""
+    require(args.max_tokens >= 1, f"--max-tokens {args.max_tokens}", "must be >= 1")
+    require(math.isfinite(args.temperature) and args.temperature >= 0,
+            f"--temperature {args.temperature}", "must be a number >= 0 (0 = greedy)")
+    require(0 < args.top_p <= 1, f"--top-p {args.top_p}", "must be in (0, 1]; 1 keeps every "
+            "token, 0.9 the most likely ones holding 90% of the probability")
+    require(args.step is None or args.step >= 0, f"--step {args.step}",
+            "must be a checkpoint step (>= 0); omit it for the newest")
+
+
 def cmd_generate(args) -> int:
     from moelab.serve import load_run
 
+    check_sampling(args)
     run = load_run(Path(args.run), step=args.step)
     text = run.generate(args.prompt, args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed)
@@ -55,10 +94,16 @@ def cmd_generate(args) -> int:
 def cmd_data_build(args) -> int:
     from moelab.config import DataConfig
     from moelab.data import corpus
-    from moelab.data.prepare import prepare_data, vocab_needed
-    from moelab.data.tokenizer import load_tokenizer
+    from moelab.data.prepare import OWN_TOKENIZER, prepare_data, vocab_needed
+    from moelab.data.tokenizer import MIN_VOCAB, load_tokenizer
+    from moelab.util import atomic_write_bytes
 
     out = Path(args.out)
+    require(not out.exists() or out.is_dir(), f"--out {out}", "a file is in the way; give a folder")
+    require(args.tokenizer or args.vocab >= MIN_VOCAB, f"--vocab {args.vocab}",
+            f"must be >= {MIN_VOCAB} (256 byte tokens, <|endoftext|> and at least one merge)")
+    require(0 <= args.heldout < 1, f"--heldout {args.heldout}",
+            "a fraction of the documents in [0, 1), e.g. 0.02")
     vocab = args.vocab
     if args.tokenizer:
         if not Path(args.tokenizer).exists():
@@ -71,14 +116,15 @@ def cmd_data_build(args) -> int:
     else:
         manifest = corpus.build_builtin_corpus(out / "corpus", heldout_fraction=args.heldout)
     print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
+    own = out / OWN_TOKENIZER
+    own.unlink(missing_ok=True)  # a rebuild chooses its tokenizer again
     prep = prepare_data(DataConfig(data_dir=str(out), tokenizer=args.tokenizer or ""), vocab)
     print(f"corpus: {prep.corpus_dir}\ntokenizer: {prep.tokenizer_path}\n"
           f"token store: {prep.store_dir}")
-    if args.inputs:
-        hint = f"moelab train tiny data.data_dir={out} model.vocab_size={vocab}"
-        if args.tokenizer:
-            hint += f" data.tokenizer={args.tokenizer}"
-        print(f"train on it with: {hint}")
+    if args.inputs or args.tokenizer:  # the folder's own tokenizer: training uses it
+        atomic_write_bytes(own, prep.tokenizer_path.read_bytes())
+        vocab = vocab_needed(load_tokenizer(own))
+        print(f"train on it with: moelab train tiny data.data_dir={out} model.vocab_size={vocab}")
     return 0
 
 
@@ -125,15 +171,30 @@ def _plan_xla(cfg, layout) -> dict:
             "batch": small.data.batch_size, **cmp}
 
 
+def check_plan_options(args) -> None:
+    """The numbers `moelab plan` takes, each finite and in range; 0 means "not given"."""
+    for option, value in (("--tokens", args.tokens), ("--peak-flops", args.peak_flops),
+                          ("--hbm-gib", args.hbm_gib), ("--tokens-per-s", args.tokens_per_s)):
+        require(math.isfinite(value) and value >= 0, f"{option} {value:g}",
+                "must be a number >= 0 (0: not given)")
+    for mfu in args.mfu:
+        require(0 < mfu <= 1, f"--mfu {mfu:g}", "a fraction in (0, 1], e.g. 0.2 for 20%")
+    for cf in args.cf:
+        require(math.isfinite(cf) and cf > 0, f"--cf {cf:g}", "capacity factors must be > 0, "
+                "e.g. 1.25 2.0")
+    for waves in args.waves:
+        require(waves >= 1, f"--waves {waves}", "wave counts must be >= 1")
+
+
 def cmd_plan(args) -> int:
     from moelab import planner
     from moelab.util import atomic_write_json
 
+    check_plan_options(args)
     rerun = _fake_devices_rerun(args)
     if rerun is not None:
         return rerun
-    source, overrides = split_overrides(args.config, args.overrides)
-    cfg = load_config(source, overrides)
+    source, cfg = _load(args.config, args.overrides)
     acc = planner.accelerator(args.accelerator, args.peak_flops, args.hbm_gib)
     layout = transports = None
     if args.devices:
@@ -160,6 +221,15 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_config(args) -> int:
+    from moelab.config.docs import describe_config
+
+    source, cfg = _load(args.config, args.overrides)
+    print(f"# moelab config {source}: valid YAML; save it and train with `moelab train FILE`")
+    print(describe_config(cfg))
+    return 0
+
+
 def cmd_presets(_args) -> int:
     for name in preset_names():
         print(name)
@@ -170,13 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moelab", description="Train sparse Mixture-of-Experts "
                                 "language models in the open.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_train, _add_generate, _add_data, _add_plan):
+    for add in (_add_train, _add_config, _add_generate, _add_data, _add_plan):
         add(sub)
     ps = sub.add_parser("presets", help="list the built-in presets")
     ps.set_defaults(fn=cmd_presets)
     register_lab(sub)
     register_ops(sub)
+    register_drops(sub)
     register_ladder(sub)
+    register_export(sub)
     return p
 
 
@@ -184,7 +256,7 @@ def _add_train(sub) -> None:
     t = sub.add_parser("train", help="train a model (resumes from the run folder)",
                        description="Train a model; running it again on the same run folder "
                        "resumes from the newest checkpoint. Ctrl-C saves a checkpoint and stops.",
-                       epilog=EPILOG_OVERRIDES)
+                       epilog=config_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
     t.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
     t.add_argument("--run-dir", help="run folder (default: runs/<config name>)")
@@ -202,13 +274,24 @@ def _add_train(sub) -> None:
     t.set_defaults(fn=cmd_train)
 
 
+def _add_config(sub) -> None:
+    c = sub.add_parser("config", help="print a resolved config with every field's meaning",
+                       description="Print the config a preset or YAML file and overrides resolve "
+                       "to, as YAML with each field's one-line doc; model.vocab_size 0 shows "
+                       "the tokenizer's size.", epilog=EPILOG_OVERRIDES)
+    c.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
+    c.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
+    c.set_defaults(fn=cmd_config)
+
+
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="sample text from a trained run")
     g.add_argument("run", help="run folder (e.g. runs/tiny)")
     g.add_argument("--prompt", default="The ", help="text to continue")
-    g.add_argument("--max-tokens", type=int, default=100)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--max-tokens", type=int, default=100, help="new tokens to sample (>= 1)")
+    g.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.95,
+                   help="in (0, 1]: sample from the most likely tokens holding this probability")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     g.set_defaults(fn=cmd_generate)
@@ -275,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = ["moelab", *(sys.argv[1:] if argv is None else argv)]  # recorded by operations
     try:
         return args.fn(args)
-    except (ConfigError, FileNotFoundError, ValueError, CheckpointError, FloatingPointError) as e:
+    except (ConfigError, OSError, ValueError, CheckpointError, FloatingPointError) as e:
         print(f"moelab: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

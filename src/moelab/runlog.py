@@ -3,8 +3,9 @@ by the training process) and ``ops.jsonl`` (operations on the run), written and 
 
 Kept free of JAX and W&B, so that reports, ladders and operations read and append logs without
 loading the training stack. Each record is written with a single ``write`` of a whole line on a
-file opened in append mode, so an interrupted run never leaves half a record. After a resume the
-same step can appear twice; ``read_metrics`` keeps the newest record.
+file opened in append mode, so an interrupted run never leaves half a record, and a write that
+fails (a full disk) is taken back before the error is raised. After a resume the same step can
+appear twice; ``read_metrics`` keeps the newest record.
 """
 
 from __future__ import annotations
@@ -42,9 +43,16 @@ class JsonlTracker:
     def _write(self, record: dict) -> None:
         line = json.dumps({k: clean_value(v) for k, v in record.items()}, sort_keys=True) + "\n"
         data = line.encode()
-        written = os.write(self._fd, data)
-        while written < len(data):  # a short write (rare: a full disk, a huge line) is finished
-            written += os.write(self._fd, data[written:])
+        end = os.fstat(self._fd).st_size  # one writer per run folder: the line starts here
+        try:
+            written = os.write(self._fd, data)
+            while written < len(data):  # a short write (a full disk, a huge line) is finished
+                written += os.write(self._fd, data[written:])
+        except OSError as e:  # a full disk: take back the part written, keep every line whole
+            _truncate(self._fd, end)
+            raise OSError(e.errno, f"{e.strerror}: {self.path}: a record could not be appended "
+                          "(nothing of it is left); free space and run the same command again "
+                          "to resume") from None
 
     def log(self, step: int, metrics: dict) -> None:
         self._write({"step": int(step), "time": time.time(), **metrics})
@@ -54,9 +62,28 @@ class JsonlTracker:
 
     def close(self) -> None:
         if self._fd is not None:
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            fd, self._fd = self._fd, None
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _truncate(fd: int, size: int) -> None:
+    try:
+        os.ftruncate(fd, size)
+    except OSError:  # then the next open ends the cut line, and readers skip it
+        pass
+
+
+def _check_line(rec: Any, path: Path, i: int) -> None:
+    """A line of valid JSON must also be a record: an object with a whole-number step, and a
+    name if it is an event; anything else did not come from a run."""
+    step = rec.get("step") if isinstance(rec, dict) else None
+    if (not isinstance(step, int) or isinstance(step, bool)
+            or not isinstance(rec.get("event", ""), str)):
+        raise ValueError(f"{path}: line {i}: not a metrics record (a JSON object with a whole-"
+                         "number 'step'); remove the line or restore the file")
 
 
 def read_metrics(path: Path | str) -> tuple[list[dict], list[dict]]:
@@ -69,11 +96,18 @@ def read_metrics(path: Path | str) -> tuple[list[dict], list[dict]]:
     p = Path(path)
     if not p.exists():
         return [], []
-    for line in p.read_text().splitlines():
+    lines = p.read_bytes().split(b"\n")
+    for i, raw in enumerate(lines, 1):
         try:
-            rec = json.loads(line)
+            rec = json.loads(raw.decode("utf-8"))
         except json.JSONDecodeError:
-            continue
+            continue  # a line cut short by a crash
+        except UnicodeDecodeError:
+            if i == len(lines):  # ... cut inside a character
+                continue
+            raise ValueError(f"{p}: line {i}: not UTF-8 text; "
+                             "remove the line or restore the file") from None
+        _check_line(rec, p, i)
         if "event" in rec:
             events.append(rec)
         else:

@@ -6,12 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import yaml
 
 from moelab.config import RunConfig, config_from_dict
 from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
 from moelab.generate import make_sampler
-from moelab.train.checkpoint import Checkpointer
+from moelab.train.checkpoint import Checkpointer, CheckpointError
 from moelab.train.step import init_train_state
 
 
@@ -50,5 +51,18 @@ def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
             raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: "
                                     f"{ckpt.steps()}")
         state, _ = ckpt.restore(step, target)
+    _check_finite(state["params"], run_dir, step, ckpt.steps())
     tok = load_tokenizer(run_dir / "tokenizer.json")
     return LoadedRun(cfg, step, state["params"], state["model_state"], tok)
+
+
+def _check_finite(params: dict, run_dir: Path, step: int, steps: list[int]) -> None:
+    """Refuse weights with NaN/inf (saved before training checked every step): they sample
+    nothing, and printing the bare prompt would pass for an answer."""
+    bad = sum(int(jnp.sum(~jnp.isfinite(x))) for x in jax.tree.leaves(params))
+    if bad:
+        others = [s for s in steps if s < step]
+        raise CheckpointError(f"{run_dir}: the checkpoint of step {step} has {bad:,} non-finite "
+                              "parameters (NaN/inf; the run diverged before it was saved); "
+                              + (f"choose an earlier --step ({', '.join(map(str, others))}) or "
+                                 if others else "") + "retrain with a lower optim.lr")

@@ -65,3 +65,18 @@ def pid_alive(pid: int) -> bool:
 
 def info(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def decode_utf8(data: bytes, source: str) -> str:
+    """``data`` as text; a ValueError naming ``source`` and the line of the first bad byte."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{source}: not UTF-8 text (byte 0x{data[e.start]:02x} on line {line}); "
+                         "save it as UTF-8") from None
+
+
+def read_utf8(path: Path | str, source: str | None = None) -> str:
+    """A text file's contents; undecodable bytes are a ValueError naming the file."""
+    return decode_utf8(Path(path).read_bytes(), source or str(path))

@@ -50,16 +50,18 @@ def _check_increasing(steps: list[int], p: str) -> None:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """The data: corpus folder, tokenizer, batch shape, domain mixture and its changes."""
+
     data_dir: str = "data/builtin"  # corpus + tokenizer + token store live here
     tokenizer: str = ""  # path to a tokenizer.json; "" = train a BPE into data_dir
-    seq_len: int = 256
-    batch_size: int = 32
+    seq_len: int = 256  # tokens per training sequence
+    batch_size: int = 32  # sequences per step
     # domain -> weight; empty = proportional to each domain's training tokens
     mixture: dict[str, float] = field(default_factory=dict)
-    seed: int = 0
+    seed: int = 0  # seed of the batch sampler
     # run operations: new mixtures and longer contexts from given steps on (see segments())
     mixture_schedule: list[MixtureChange] = field(default_factory=list)
-    context_stages: list[ContextStage] = field(default_factory=list)
+    context_stages: list[ContextStage] = field(default_factory=list)  # longer contexts
 
     def stage_batch(self, stage: ContextStage) -> int:
         return stage.batch_size or self.seq_len * self.batch_size // stage.seq_len

@@ -5,6 +5,7 @@ the layers above share (operation fields, flattened field paths)."""
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 from importlib import resources
@@ -15,6 +16,7 @@ import yaml
 
 from moelab.config.errors import ConfigError
 from moelab.config.run import RunConfig
+from moelab.util import decode_utf8
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
@@ -24,9 +26,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
-        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
-        raise ConfigError(f"{where}: unknown field; valid fields: "
-                          f"{', '.join(sorted(names))}")
+        raise ConfigError(_unknown_field(prefix, str(unknown[0]), names))
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -40,6 +40,21 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         else:
             kwargs[name] = _coerce(value, hint, where)
     return cls(**kwargs)
+
+
+def _unknown_field(prefix: str, name: str, names: set[str]) -> str:
+    """The error for an unknown key: the closest valid name in its section, else the section
+    that has a field of that name (``model.steps`` -> ``train.steps``), else the valid names."""
+    where = f"{prefix}.{name}" if prefix else name
+    close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+    if close:
+        return f"{where}: unknown field; did you mean {prefix + '.' if prefix else ''}{close[0]}?"
+    if prefix in {f.name for f in dataclasses.fields(RunConfig)}:
+        for other, cls in get_type_hints(RunConfig).items():
+            if name in {f.name for f in dataclasses.fields(cls)}:
+                return f"{where}: unknown field; did you mean {other}.{name}?"
+    return (f"{where}: unknown field; valid fields: {', '.join(sorted(names))} (`moelab config` "
+            "lists them with their meaning)")
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
@@ -85,23 +100,58 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML
+    keeps the last one silently, so a config would run with a value its author did not see)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if not isinstance(key, (str, int, float, bool)):
+            continue  # an unhashable key: construct_mapping reports it
+        if key in seen:
+            raise ConfigError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}; "
+                              "keep one of them")
+        seen.add(key)
+    return loader.construct_mapping(node, deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """YAML text read safely, refusing duplicate keys; errors name ``source``."""
+    try:
+        return yaml.load(text, Loader=_UniqueKeyLoader)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
+    except yaml.MarkedYAMLError as e:  # on one line: where, and what is wrong there
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError(f"{source}: invalid YAML: {where}{e.problem or e.context}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: invalid YAML: {' '.join(str(e).split())}") from None
+
+
 def _read_yaml(source: str) -> dict[str, Any]:
     path = Path(source)
     if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.exists():
+        if not path.is_file():
             raise ConfigError(f"config file {source}: not found; give a YAML path or a preset "
                               f"name ({', '.join(preset_names())})")
-        text = path.read_text()
+        text = decode_utf8(path.read_bytes(), f"config {source}")
     else:
         res = resources.files("moelab") / "presets" / f"{source}.yaml"
         if not res.is_file():
             raise ConfigError(f"config {source!r}: no such preset or file; presets: "
                               f"{', '.join(preset_names())}")
         text = res.read_text()
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config {source}: invalid YAML: {e}") from None
+    data = load_yaml(text, f"config {source}")
+    if data is None:
+        raise ConfigError(f"config {source}: empty; give the sections to change (model, data, "
+                          "optim, train), or a preset name")
     if not isinstance(data, dict):
         raise ConfigError(f"config {source}: top level must be a mapping of sections "
                           "(model, data, optim, train)")

@@ -13,14 +13,16 @@ CONV_SITES = ("q", "k", "v", "attn", "moe")  # projections, attention-branch / M
 
 @dataclass(frozen=True)
 class ModelConfig:
-    vocab_size: int = 4096
-    d_model: int = 256
-    n_layers: int = 4
+    """The network: transformer shape, attention variants, mixture of experts, numerics."""
+
+    vocab_size: int = 0  # embedding rows; 0 = the tokenizer's size (4096 for a new one)
+    d_model: int = 256  # residual stream width
+    n_layers: int = 4  # transformer blocks
     # attention
-    n_heads: int = 4
-    n_kv_heads: int = 2
-    head_dim: int = 64
-    rope_theta: float = 10_000.0
+    n_heads: int = 4  # query heads
+    n_kv_heads: int = 2  # key/value heads (grouped-query attention; divides n_heads)
+    head_dim: int = 64  # width of each attention head
+    rope_theta: float = 10_000.0  # RoPE base frequency
     rope_fraction: float = 1.0  # fraction of each head's dims that RoPE rotates (reference: 0.5)
     sliding_window: int = 0  # 0 = full causal everywhere
     global_every: int = 0  # with a window: layers i with (i+1) % global_every == 0 are full causal
@@ -36,12 +38,12 @@ class ModelConfig:
     gated_norm_rank: int = 0  # GatedNorm x*sigmoid(W_up silu(W_down x)) after each RMSNorm; 0 = off
     embed_norm: bool = False  # RMSNorm (+ GatedNorm) right after the embedding lookup
     # mixture of experts
-    n_experts: int = 8
-    top_k: int = 2
+    n_experts: int = 8  # routed experts per layer
+    top_k: int = 2  # routed experts per token
     expert_dim: int = 256  # routed expert SwiGLU intermediate width
     latent_dim: int = 0  # routed path width; 0 or d_model = no latent projection
-    n_shared: int = 1
-    shared_dim: int = 256
+    n_shared: int = 1  # shared experts every token passes through
+    shared_dim: int = 256  # shared expert SwiGLU intermediate width
     router: str = "softmax_aux"  # "softmax_aux" | "sigmoid_bias" | "quantile"
     aux_loss_coef: float = 0.01  # load-balance loss weight (softmax_aux; logged for both)
     router_z_coef: float = 0.0  # router z-loss weight in the loss (always logged)
@@ -52,12 +54,12 @@ class ModelConfig:
     moe_impl: str = "auto"
     moe_block: int = 128  # rows per block of the sorted-blocks MoE kernel
     # head / loss / numerics
-    logit_z_coef: float = 1e-4
+    logit_z_coef: float = 1e-4  # weight of the LM head's logit z-loss
     loss_chunk: int = 0  # tokens per chunk of the LM head + loss (memory O(chunk x vocab)); 0 = all
     init_std: float = 0.0  # 0 = 0.5 / sqrt(d_model), as in the reference
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-5  # RMSNorm epsilon
     compute_dtype: str = "float32"  # "float32" | "bfloat16"; master weights stay float32
-    remat: bool = False
+    remat: bool = False  # recompute each block's activations in the backward pass (memory)
 
     @property
     def routed_width(self) -> int:
@@ -90,7 +92,8 @@ class ModelConfig:
         return frozenset(s.strip() for s in self.conv_sites.split(",") if s.strip())
 
     def validate(self, p: str = "model") -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+        require(self.vocab_size >= 0, f"{p}.vocab_size", "must be >= 0 (0 = the tokenizer's)")
+        for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "n_experts", "top_k", "expert_dim"):
             require(getattr(self, name) > 0, f"{p}.{name}", "must be a positive integer")
         require(self.n_heads % self.n_kv_heads == 0, f"{p}.n_kv_heads",

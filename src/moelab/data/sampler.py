@@ -48,6 +48,10 @@ def resolve_mixture(store: TokenStore, split: str, seq_len: int,
                                 f"{seq_len + 1}; give it weight 0 or lower data.seq_len")
             weights[d] = float(w)
     total = sum(weights.values())
+    if not mixture and total <= 0:  # every stream is shorter than one window
+        longest = max((store.n_tokens(split, d) for d in available), default=0)
+        raise DataError(f"data.seq_len: {seq_len} needs windows of {seq_len + 1} tokens, and the "
+                        f"longest {split} stream has {longest}; lower data.seq_len")
     if total <= 0:
         raise DataError(f"data.mixture: no domain to sample from (weights {mixture!r}, "
                         f"available: {', '.join(available)}); give one a weight > 0")

@@ -18,7 +18,7 @@ from moelab.util import atomic_write_text
 EOS_TOKEN = "<|endoftext|>"
 # end-of-text tokens of common tokenizers, for tokenizer.json files trained elsewhere
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
-_MIN_VOCAB = 256 + 1 + 1  # every byte, the separator, and at least one merge
+MIN_VOCAB = 256 + 1 + 1  # every byte, the separator, and at least one merge
 
 
 def _text_batches(corpus_dir: Path, size: int = 1000) -> Iterator[list[str]]:
@@ -35,8 +35,8 @@ def _text_batches(corpus_dir: Path, size: int = 1000) -> Iterator[list[str]]:
 def train_tokenizer(corpus_dir: Path | str, out_path: Path | str,
                     vocab_size: int = 4096) -> Tokenizer:
     """Train a byte-level BPE on the corpus' train split and save it (atomically) to out_path."""
-    if vocab_size < _MIN_VOCAB:
-        raise DataError(f"vocab_size={vocab_size}: must be >= {_MIN_VOCAB} "
+    if vocab_size < MIN_VOCAB:
+        raise DataError(f"vocab_size={vocab_size}: must be >= {MIN_VOCAB} "
                         "(256 byte tokens + <|endoftext|> + merges)")
     load_manifest(corpus_dir)  # a clear error if the corpus is missing or unfinished
     tok = Tokenizer(models.BPE())

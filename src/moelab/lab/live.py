@@ -71,12 +71,21 @@ def payload(runs: list[RunData], max_points: int = 2000) -> dict:
     })
 
 
+def script_json(obj) -> str:
+    """JSON to sit inside a ``<script type="application/json">`` element: ``<``, ``>`` and ``&``
+    as \\u escapes, so no ``</script>`` or ``<!--`` in user text can end the element early;
+    JSON.parse reads the escapes back as the same characters."""
+    text = json.dumps(obj, allow_nan=False)
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+
+
 def render_page(title: str, data: dict, refresh_s: float) -> str:
+    """The page with its title, refresh interval and data in one JSON element, which the page's
+    script reads and shows as text: nothing from a run or a record becomes markup."""
     template = resources.files("moelab.lab").joinpath("live.html").read_text(encoding="utf-8")
-    inline = json.dumps(data).replace("</", "<\\/")  # the JSON sits inside a <script> element
-    escaped = title.replace("&", "&amp;").replace("<", "&lt;")
-    return (template.replace("__TITLE__", escaped)
-            .replace("__REFRESH_MS__", str(int(refresh_s * 1000))).replace("__DATA__", inline))
+    page = script_json({"title": title, "refresh_ms": int(refresh_s * 1000),
+                        "data": _json_safe(data)})
+    return template.replace("__PAGE_JSON__", page)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -111,8 +120,10 @@ class _Handler(BaseHTTPRequestHandler):
 
 def make_server(targets: list[str], lab: str | None = None, host: str = "127.0.0.1",
                 port: int = 8765, refresh_s: float = 5.0) -> ThreadingHTTPServer:
-    if refresh_s <= 0:
+    if not refresh_s > 0:
         raise ValueError("--refresh: must be > 0 seconds")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: must be in 0-65535 (0: any free port)")
     title, load = run_sources(targets, lab)
     load()  # fail now, with a clear message, if a run folder has a bad file
     handler = partial(_Handler, title=title, load=load, refresh_s=refresh_s)

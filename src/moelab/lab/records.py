@@ -18,8 +18,9 @@ from pathlib import Path
 
 import yaml
 
+from moelab.config import ConfigError, load_yaml
 from moelab.lab.criteria import parse_criterion
-from moelab.util import atomic_write_text
+from moelab.util import atomic_write_text, read_utf8
 
 DEFAULT_LAB_DIR = "experiments"
 FIELDS = ("id", "title", "created", "issue", "hypothesis", "goal", "min_steps", "criteria",
@@ -100,10 +101,12 @@ def parse(text: str, source: str = "record") -> Record:
     if not m:
         raise ValueError(f"{source}: no front matter; a record starts with a '---' line, YAML "
                          "fields, and another '---' line (create one with `moelab lab new`)")
+    # a key given twice is refused (YAML would keep the last one silently); the "\n" stands for
+    # the opening '---' line, so errors give the file's line numbers
     try:
-        data = yaml.safe_load(m.group(1)) or {}
-    except yaml.YAMLError as e:
-        raise ValueError(f"{source}: front matter is not valid YAML: {e}") from None
+        data = load_yaml("\n" + m.group(1), "front matter") or {}
+    except ConfigError as e:
+        raise ValueError(f"{source}: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{source}: front matter must be a mapping of fields")
     for key in ("id", "title", "hypothesis", "goal"):
@@ -142,7 +145,7 @@ def record_path(directory: Path, rec_id: str) -> Path:
 
 
 def load(path: Path) -> Record:
-    return parse(path.read_text(encoding="utf-8"), str(path))
+    return parse(read_utf8(path), str(path))
 
 
 def save(rec: Record, path: Path) -> None:

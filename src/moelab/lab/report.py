@@ -6,7 +6,9 @@ as measured (a pre-registered rule applied to logged metrics) or judgement (a re
 from __future__ import annotations
 
 import dataclasses
+import html
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -56,6 +58,23 @@ def _num(x, key: str = "") -> str:
     return f"{x:.4g}"
 
 
+def md_text(text) -> str:
+    """User text (a title, an arm, a path) as literal Markdown text on one line: Markdown's marks
+    backslash-escaped and HTML as entities, so ``**x**`` or ``<img ...>`` shows as typed."""
+    flat = re.sub(r"([\\`*_\[\]#!~])", r"\\\1", " ".join(str(text).split()))
+    flat = re.sub(r"^(\d*)([-+=.)])", r"\1\\\2", flat)  # a list or heading mark at the start
+    return html.escape(flat, quote=False)
+
+
+def code_span(text) -> str:
+    """User text as a code span (shown literally, HTML included), fenced by more backticks
+    than any run of them inside."""
+    flat = " ".join(str(text).split())
+    fence = "`" * (max(map(len, re.findall("`+", flat)), default=0) + 1)
+    pad = " " if flat[:1] == "`" or flat[-1:] == "`" else ""
+    return f"{fence}{pad}{flat}{pad}{fence}"
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in rows]
@@ -75,14 +94,14 @@ def _verdict_section(verdicts: list[tuple[Criterion, Verdict]], runs: list[RunDa
     rows = []
     for i, (c, v) in enumerate(verdicts, 1):
         value = "–" if v.value is None else fmt_value(v.value, c.success.percent)
-        basis = ", ".join(names.get(a, a) for a in v.runs) + (" · **short run**"
-                                                               if v.short_run else "")
-        rows.append([str(i), f"`{c}`", f"{ICONS[v.status]} {v.label()}", value, basis or "–"])
+        basis = ", ".join(md_text(names.get(a, a)) for a in v.runs) + (" · **short run**"
+                                                                        if v.short_run else "")
+        rows.append([str(i), code_span(c), f"{ICONS[v.status]} {v.label()}", value, basis or "–"])
     out = ["## Verdicts (measured)", "",
            "Each verdict applies a criterion fixed before the runs to the logged metrics.", ""]
     out += _table(["#", "criterion (pre-registered)", "verdict", "value", "runs"], rows)
     out += ["", "How each value was measured:", ""]
-    out += [f"{i}. {v.detail}" for i, (_, v) in enumerate(verdicts, 1)]
+    out += [f"{i}. {md_text(v.detail)}" for i, (_, v) in enumerate(verdicts, 1)]
     return out
 
 
@@ -107,7 +126,7 @@ def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData]) -> list[str
     short = [r for r in newest_usable(runs).values()
              if rec.min_steps and r.last_step < rec.min_steps]
     if short:
-        steps = ", ".join(f"{r.name}: {r.last_step}" for r in short)
+        steps = ", ".join(f"{md_text(r.name)}: {r.last_step}" for r in short)
         out.append(f"- **Measured:** these verdicts rest on short runs (steps {steps}; the record "
                    f"asks for at least {rec.min_steps}). Read them as a pilot, not a result.")
     for caveat in comparability(runs):
@@ -118,7 +137,8 @@ def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData]) -> list[str
                       if line != f"# {rec.title}").strip().splitlines()
     if notes:
         out += ["- **Judgement (author's notes, not measured):**", ""]
-        out += ["  > " + line if line.strip() else "  >" for line in notes]
+        # the author's Markdown stays Markdown; raw HTML in it is shown as text
+        out += ["  > " + line.replace("<", "&lt;") if line.strip() else "  >" for line in notes]
     return out
 
 
@@ -135,7 +155,7 @@ def _runs_section(runs: list[RunData]) -> list[str]:
         s = r.summary or {}
         params = (f"{s['params_active'] / 1e6:.2f}M / {s['params_total'] / 1e6:.2f}M"
                   if "params_active" in s else "–")
-        rows.append([r.name, r.status, "yes" if id(r) in used else "no",
+        rows.append([md_text(r.name), r.status, "yes" if id(r) in used else "no",
                      f"{r.last_step}/{r.planned_steps or '?'}"]
                     + [_num(r.last(k), k) for k, _ in RUN_COLUMNS]
                     + [_num(r.last(k)) for k in evals] + [params])
@@ -145,16 +165,18 @@ def _runs_section(runs: list[RunData]) -> list[str]:
     diffs = config_differences(runs)
     if any(diffs.values()):
         base = next(iter(diffs))
-        out += ["", f"Configuration differences from `{base}`:", ""]
-        out += [f"- `{arm}`: " + (", ".join(f"`{d}`" for d in d_) if d_ else "same")
+        out += ["", f"Configuration differences from {code_span(base)}:", ""]
+        out += [f"- {code_span(arm)}: " + (", ".join(map(code_span, d_)) if d_ else "same")
                 for arm, d_ in diffs.items() if arm != base]
-    out += ["", "Run folders: " + ", ".join(f"`{r.name}` {shown_path(r.path)}" for r in runs)]
+    out += ["", "Run folders: " + ", ".join(f"{code_span(r.name)} {code_span(shown_path(r.path))}"
+                                            for r in runs)]
     return out
 
 
 def _alerts_section(runs: list[RunData]) -> list[str]:
-    rows = [[r.name, str(a.get("step")), str(a.get("metric")), _num(a.get("observed")),
-             f"{_num(a.get('lo'))} – {_num(a.get('hi'))}", str(a.get("rule", ""))]
+    rows = [[md_text(r.name), md_text(a.get("step")), md_text(a.get("metric")),
+             _num(a.get("observed")), f"{_num(a.get('lo'))} – {_num(a.get('hi'))}",
+             md_text(a.get("rule", ""))]
             for r in runs for a in r.alerts()]
     if not rows:
         return []
@@ -172,14 +194,15 @@ def _failed_section(runs: list[RunData]) -> list[str]:
     for r in failed:
         last = r.records[-1] if r.records else {}
         values = ", ".join(f"{k} {_num(_float(last.get(k)), k)}" for k in LAST_METRICS if k in last)
+        name, folder = code_span(r.name), code_span(shown_path(r.path))
         if r.status == "not started":
-            out += [f"### `{r.name}`: not started", "", f"- no metrics in {shown_path(r.path)}: "
+            out += [f"### {name}: not started", "", f"- no metrics in {folder}: "
                     "the run never started, or its folder is elsewhere", ""]
             continue
-        out += [f"### `{r.name}`: {r.status} at step {r.last_step}/{r.planned_steps or '?'}", "",
-                f"- error: `{r.error or 'none recorded'}`",
+        out += [f"### {name}: {r.status} at step {r.last_step}/{r.planned_steps or '?'}", "",
+                f"- error: {code_span(r.error or 'none recorded')}",
                 f"- last metrics (step {last.get('step', '–')}): {values or 'none logged'}",
-                f"- run folder: {shown_path(r.path)}", ""]
+                f"- run folder: {folder}", ""]
     return out
 
 
@@ -210,7 +233,7 @@ def comparability(runs: list[RunData]) -> list[str]:
                 out.append("the arms ran with different library versions (see Provenance)")
             else:
                 out.append(f"the arms ran on different {what}: "
-                           + ", ".join(f"{arm} `{v}`" for arm, v in seen.items()))
+                           + ", ".join(f"{md_text(arm)} {code_span(v)}" for arm, v in seen.items()))
     return out
 
 
@@ -220,15 +243,17 @@ def _provenance_section(rec: rec_mod.Record, runs: list[RunData]) -> list[str]:
         p = r.provenance or {}
         v = p.get("versions") or {}
         commit = code_version(p) if p else "–"
-        rows.append([r.name, commit, p.get("config_hash", "–"), p.get("data_fingerprint", "–"),
-                     f"jax {v.get('jax', '?')}, moelab {v.get('moelab', '?')}",
-                     f"Python {p.get('python', '?')}, {p.get('platform', '?')}"])
+        cells = [r.name, commit, p.get("config_hash", "–"), p.get("data_fingerprint", "–"),
+                 f"jax {v.get('jax', '?')}, moelab {v.get('moelab', '?')}",
+                 f"Python {p.get('python', '?')}, {p.get('platform', '?')}"]
+        rows.append([md_text(c) for c in cells])
     out = ["## Provenance", ""]
     out += _table(["arm", "git commit", "config hash", "data fingerprint", "versions",
                    "platform"], rows)
     changed = list(dict.fromkeys(r.arm for r in rec.runs if r.criteria_sha != rec.criteria_sha()))
     out += ["", f"Record created {rec.created}; criteria hash {rec.criteria_sha()}. "
-            + (f"**The criteria changed after these runs were attached: {', '.join(changed)}**; "
+            + (f"**The criteria changed after these runs were attached: "
+               f"{', '.join(map(md_text, changed))}**; "
                "they are not pre-registered for them." if changed
                else "The criteria are unchanged since each run was attached (pre-registered).")]
     return out
@@ -238,17 +263,17 @@ def render_report(rec: rec_mod.Record, runs: list[RunData], verdicts, plots, gen
                   ) -> str:
     statuses = [r.status for r in runs]
     status_line = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
-    out = [f"# {rec.title}: report", "",
-           f"Record `{rec.id}` · generated {generated} · {len(runs)} runs attached"
+    out = [f"# {md_text(rec.title)}: report", "",
+           f"Record {code_span(rec.id)} · generated {generated} · {len(runs)} runs attached"
            + (f" ({status_line})" if runs else "")
-           + (f" · issue {rec.issue}" if rec.issue else ""), "",
-           f"**Hypothesis.** {rec.hypothesis}", "", f"**Goal.** {rec.goal}", ""]
+           + (f" · issue {md_text(rec.issue)}" if rec.issue else ""), "",
+           f"**Hypothesis.** {md_text(rec.hypothesis)}", "", f"**Goal.** {md_text(rec.goal)}", ""]
     out += _verdict_section(verdicts, runs) + [""]
     out += _conclusions(rec, verdicts, runs) + [""]
     out += _runs_section(runs) + [""] if runs else []
     if plots:
         out += ["## Curves", ""]
-        out += [f"![{title}]({name})" for title, name in plots] + [""]
+        out += [f"![{md_text(title)}]({name})" for title, name in plots] + [""]
     out += _alerts_section(runs) + [""] if any(r.alerts() for r in runs) else []
     out += _failed_section(runs) + [""]
     out += _provenance_section(rec, runs) + [""]

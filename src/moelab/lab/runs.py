@@ -16,12 +16,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
+from moelab.config import load_yaml
 from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.observe import series as derived_series
 from moelab.runlog import read_metrics
-from moelab.util import pid_alive
+from moelab.util import pid_alive, read_utf8
 
 USABLE = ("finished", "running")  # statuses whose metrics verdicts may rest on
 _TERMINAL = ("finished", "diverged", "failed", "aborted", "interrupted")  # by precedence
@@ -111,9 +110,19 @@ def _read_json(path: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
+        data = json.loads(read_utf8(path))
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e}); fix or remove the file") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not a JSON object; fix or remove the file")
+    return data
+
+
+def _read_config(path: Path) -> dict | None:
+    data = load_yaml(read_utf8(path), str(path)) if path.exists() else None
+    if data is not None and not isinstance(data, dict):
+        raise ValueError(f"{path}: not a run config (a mapping of sections); restore the file")
+    return data
 
 
 def check_prediction(pred: dict, source: str) -> dict:
@@ -148,12 +157,11 @@ def load_run(path: Path | str, arm: str | None = None) -> RunData:
     records, events = read_metrics(path / "metrics.jsonl")
     summary = _read_json(path / "summary.json")
     status, error = run_status(events, summary)
-    cfg_path = path / "config.yaml"
     pred = _read_json(path / "prediction.json")
     pred = check_prediction(pred, str(path / "prediction.json")) if pred else None
     return RunData(path=path, arm=arm or path.name, status=status, error=error, records=records,
                    events=events, summary=summary, provenance=_read_json(path / "provenance.json"),
-                   config=yaml.safe_load(cfg_path.read_text()) if cfg_path.exists() else None,
+                   config=_read_config(path / "config.yaml"),
                    prediction=pred)
 
 

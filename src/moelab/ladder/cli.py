@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
+
+from moelab.config.errors import require
 
 EPILOG = ("Typical use: `moelab ladder plan TARGET --out runs/ladder`, `moelab ladder run "
           "runs/ladder`, `moelab ladder fit runs/ladder`, then train the target (`moelab ladder "
@@ -12,24 +15,33 @@ EPILOG = ("Typical use: `moelab ladder plan TARGET --out runs/ladder`, `moelab l
           "--prediction runs/ladder/prediction.json`.")
 
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, "
-                                         "e.g. 768,1024,1536,2048") from None
+def _list_of(kind, what: str, example: str):
+    """An argparse type for comma-separated values of ``kind``."""
+    def parse(text: str) -> tuple:
+        try:
+            return tuple(kind(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {what}, "
+                                             f"e.g. {example}") from None
+    return parse
+
+
+_ints = _list_of(int, "integers", "768,1024,1536,2048")
+_floats = _list_of(float, "numbers", "0.5,1")
 
 
 def cmd_plan(args) -> int:
     from moelab.config import load_config, split_overrides
+    from moelab.data.prepare import with_tokenizer_vocab
     from moelab.ladder.folder import write_ladder
     from moelab.ladder.plan import LadderRule, format_plan, plan_ladder
 
     source, overrides = split_overrides(args.config, args.overrides)
-    target = load_config(source, overrides).with_frozen_schedule()
+    target = with_tokenizer_vocab(load_config(source, overrides)).with_frozen_schedule()
     rule = LadderRule(rungs=args.rungs, top_share=args.top_share, spacing=args.spacing,
                       depth_exp=args.depth_exp, widths=args.widths or (),
-                      depths=args.depths or (), batch_size=args.batch_size, evals=args.evals)
+                      depths=args.depths or (), batch_size=args.batch_size, evals=args.evals,
+                      token_multipliers=args.token_multipliers or (1.0,))
     rungs = plan_ladder(target, rule)
     print(format_plan(Path(source).stem, target, rungs))
     if args.out:
@@ -57,7 +69,16 @@ def cmd_run(args) -> int:
     return 1 if any(s.startswith("failed") for s in status.values()) else 0
 
 
+def check_fit_options(args) -> None:
+    """Bootstrap options, checked before anything is read or fitted."""
+    require(args.boot >= 20, f"--boot {args.boot}", "must be >= 20 resamples (fewer cannot "
+            "place the ends of a central interval; the default is 200)")
+    require(0 < args.level < 1, f"--level {args.level:g}",
+            "the central interval's probability, in (0, 1), e.g. 0.9")
+
+
 def cmd_fit(args) -> int:
+    check_fit_options(args)
     if args.points:
         from moelab.ladder.points import fit_points, format_points, parse_predict, read_points
 
@@ -93,9 +114,21 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def check_guard_options(args) -> None:
+    require(math.isfinite(args.loss_tol) and args.loss_tol >= 0, f"--loss-tol {args.loss_tol:g}",
+            "a relative tolerance >= 0, e.g. 0.02")
+    require(math.isfinite(args.grad_norm_max) and args.grad_norm_max > 0,
+            f"--grad-norm-max {args.grad_norm_max:g}", "must be a number > 0, e.g. 4")
+    require(math.isfinite(args.interval) and args.interval > 0, f"--interval {args.interval:g}",
+            "seconds between checks, > 0")
+    require(args.patience >= 1, f"--patience {args.patience}", "must be >= 1 (logged points)")
+    require(args.window >= 1, f"--window {args.window}", "must be >= 1 (logged points)")
+
+
 def cmd_guard(args) -> int:
     from moelab.ladder.guard import GuardRules, follow, format_alert, guard_run
 
+    check_guard_options(args)
     rules = GuardRules(loss_tol=args.loss_tol, grad_norm_max=args.grad_norm_max,
                        patience=args.patience, window=args.window)
     if args.follow:
@@ -143,6 +176,10 @@ def _add_plan(sub) -> None:
     p.add_argument("--batch-size", type=int, default=0, help="rung batch size (default: target's)")
     p.add_argument("--evals", type=int, default=8,
                    help="held-out evaluations per rung, for the trajectory fit (default 8)")
+    p.add_argument("--token-multipliers", type=_floats, metavar="M1,M2",
+                   help="train every width once per multiplier of the target's tokens per "
+                   "parameter, e.g. 0.5,1: N and D then move apart, so the fit can identify "
+                   "both exponents (default: 1)")
     p.add_argument("--out", help="write the ladder folder here (ladder.json, configs/)")
     p.set_defaults(fn=cmd_plan)
 
@@ -163,11 +200,14 @@ def _add_run(sub) -> None:
 
 def _add_fit(sub) -> None:
     f = sub.add_parser("fit", help="fit scaling laws to the rungs (or to a CSV of runs) and "
-                       "predict", description="With LADDER: fit the schedule-aware law to the "
-                       "rungs' loss curves, L(C) to their final losses, bands of grad norm and "
-                       "drop fraction; write fit.json, prediction.json and plots/ladder.png. "
-                       "With --points: fit L(N, D) = E + A/N^alpha + B/D^beta to a CSV with "
-                       "columns N, D, loss (optional C) and predict at --predict points.")
+                       "predict", description="Candidate laws (Chinchilla, tied exponents, "
+                       "Kaplan-style interaction; three objectives, two weightings) are scored by "
+                       "leaving the largest compute budgets out; the three best are averaged and "
+                       "the band is calibrated on their errors. With LADDER: on the rungs' loss "
+                       "curves (schedule-aware features), plus L(C) and bands of grad norm and "
+                       "drop fraction; writes fit.json, prediction.json and plots/ladder.png. "
+                       "With --points: on a CSV with columns N, D, loss (optional C), predicting "
+                       "at --predict points.")
     f.add_argument("ladder", nargs="?", help="ladder folder")
     f.add_argument("--points", help="CSV of external runs: columns N, D, loss[, C]")
     f.add_argument("--predict", action="append", metavar="N=...,D=...",

@@ -11,7 +11,10 @@ The rule (after the reference ladder, docs/reference.md#the-scaling-ladder):
 * depth follows width: n_layers = round(L_target * (d / d_target) ** depth_exp), at least
   ``min_layers`` (depth_exp 0.75 by default; ``depths`` sets them by hand);
 * tokens per active parameter stay the target's, so a rung trains for
-  tokens = (target tokens / target active parameters) x (rung active parameters);
+  tokens = (target tokens / target active parameters) x (rung active parameters); with
+  ``token_multipliers`` (e.g. 0.5, 1) every width is trained once per multiplier of those
+  tokens, so N and D move apart and both exponents of L(N, D) can be identified (with one
+  multiplier they move together and the fit cannot tell the N term from the D term);
   "active parameters" are counted as the reference counts them: attention, router, top-k
   routed experts, latent projections and shared experts, without the embedding and the LM head
   (``moelab.planner.counts.param_counts(...)["active"]``). This N is also the N of the scaling
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -47,6 +51,7 @@ class LadderRule:
     min_layers: int = 2
     widths: tuple[int, ...] = ()  # explicit d_model per rung (skips the search)
     depths: tuple[int, ...] = ()  # explicit n_layers per rung
+    token_multipliers: tuple[float, ...] = (1.0,)  # tokens per parameter, x the target's
     batch_size: int = 0  # 0 = the target's batch size
     evals: int = 8  # held-out evaluations per rung (for the trajectory fit)
     min_steps: int = 20
@@ -67,6 +72,9 @@ class LadderRule:
                  f"give one value per rung ({self.rungs}), got {len(vals)}")
             need(all(v > 0 for v in vals), name, "values must be positive integers")
         need(self.batch_size >= 0, "batch_size", "must be >= 0 (0 = the target's)")
+        tm = self.token_multipliers
+        need(len(tm) >= 1 and all(m > 0 for m in tm) and len(set(tm)) == len(tm),
+             "token_multipliers", f"give distinct positive multipliers, e.g. 0.5,1; got {tm}")
         need(self.evals >= 2, "evals", "must be >= 2")
         return self
 
@@ -140,10 +148,12 @@ def _depth(target: ModelConfig, d: int, rule: LadderRule) -> int:
     return max(rule.min_layers, round(target.n_layers * (d / target.d_model) ** rule.depth_exp))
 
 
-def rung_config(target: RunConfig, d: int, n_layers: int, rule: LadderRule) -> RunConfig:
-    """A full run config for one rung: scaled model, tokens per active parameter kept."""
+def rung_config(target: RunConfig, d: int, n_layers: int, rule: LadderRule,
+                token_mult: float = 1.0) -> RunConfig:
+    """A full run config for one rung: scaled model, tokens per active parameter kept (times
+    ``token_mult``)."""
     model = scale_model(target.model, d, n_layers)
-    per_active = run_tokens(target) / active_params(target.model)
+    per_active = token_mult * run_tokens(target) / active_params(target.model)
     batch = rule.batch_size or target.data.batch_size
     data = dataclasses.replace(target.data, batch_size=batch, context_stages=[],
                                mixture_schedule=[])
@@ -199,14 +209,15 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
     depths = list(rule.depths) or [_depth(target.model, d, rule) for d in widths]
     c_target = run_stats(target)["flops"]
     rungs = []
-    for d, n_layers in zip(widths, depths):
-        cfg = rung_config(target, d, n_layers, rule)
+    for (d, n_layers), m in itertools.product(zip(widths, depths), rule.token_multipliers):
+        cfg = rung_config(target, d, n_layers, rule, m)
         stats = run_stats(cfg)
         stats["share"] = stats["flops"] / c_target
-        rungs.append(Rung(f"d{d}-L{n_layers}", cfg, stats))
+        stats["token_multiplier"] = m
+        rungs.append(Rung(f"d{d}-L{n_layers}" + ("" if m == 1 else f"-t{m:g}"), cfg, stats))
     if len({r.name for r in rungs}) < len(rungs):
         raise ConfigError("ladder.widths: two rungs have the same shape; give distinct widths")
-    return rungs
+    return sorted(rungs, key=lambda r: r.stats["flops"])
 
 
 def format_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -> str:

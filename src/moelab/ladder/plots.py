@@ -48,7 +48,7 @@ def plot_ladder(fit: LadderFit, pred: dict, target_cfg, out: Path | str,
         steps, vals = series(target_records, EVAL_LOSS)
         ax.plot(steps * tps_target, vals, "s", color="tab:red", ms=5, label="target observed")
     ax.set(xscale="log", xlabel="tokens", ylabel="held-out loss (nats/token)",
-           title="rungs, schedule-aware law, target prediction")
+           title="rungs, the chosen law, target prediction")
     ax.legend(fontsize=7)
 
     ax = axes[0, 1]  # final loss against compute
@@ -62,7 +62,7 @@ def plot_ladder(fit: LadderFit, pred: dict, target_cfg, out: Path | str,
                 label=f"L(C), {name.replace('_', ' ')}")
     fin = pred["final"][EVAL_LOSS]
     ax.errorbar([c_t], [fin["mid"]], yerr=[[fin["mid"] - fin["lo"]], [fin["hi"] - fin["mid"]]],
-                fmt="D", color="tab:red", capsize=4, label="target predicted (schedule law)")
+                fmt="D", color="tab:red", capsize=4, label="target predicted (chosen law)")
     if target_records:
         obs = final_value(target_records, EVAL_LOSS, target_cfg.train.steps)
         if obs is not None:

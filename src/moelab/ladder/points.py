@@ -1,30 +1,35 @@
-"""Fitting external results: a CSV of runs (N, D, loss[, C]) -> L(N, D), predictions with
-bootstrap intervals. This is how a published ladder can be checked with the same fitting code.
+"""Fitting external results: a CSV of runs (N, D, loss[, C]) -> the L(N, D) law chosen for them
+(moelab.ladder.choose), predictions with calibrated bands. This is how a published ladder can be
+checked with the same fitting code.
 
-CSV columns: ``N`` (parameters), ``D`` (tokens), ``loss``; optional ``C`` (training FLOPs), which
-adds an L(C) = E + A C^-alpha fit to the best loss at each compute budget (IsoFLOP data hold
-several sizes per budget; only the best of them lies on L(C)). Each row is one run; the
-bootstrap resamples rows.
+CSV columns: ``N`` (parameters), ``D`` (tokens), ``loss``; optional ``C`` (training FLOPs, the
+compute budgets the law is validated across; 6 N D without it), which also adds an
+L(C) = E + A C^-alpha fit to the best loss at each compute budget (IsoFLOP data hold several
+sizes per budget; only the best of them lies on L(C)). Each row is one run; bootstrap
+intervals of the coefficients resample rows.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 
 import numpy as np
 
+from moelab.ladder.choose import choose, make_data, summary
 from moelab.ladder.fit import fit_with_bootstrap, make_law
+from moelab.util import decode_utf8
 
 REQUIRED = ("N", "D", "loss")
 
 
 def read_points(path: Path | str) -> dict[str, np.ndarray]:
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise FileNotFoundError(f"--points {path}: not found")
-    with open(path, newline="") as f:
+    with io.StringIO(decode_utf8(path.read_bytes(), f"--points {path}"), newline="") as f:
         reader = csv.DictReader(f)
         cols = [c.strip() for c in reader.fieldnames or []]
         missing = [c for c in REQUIRED if c not in cols]
@@ -49,7 +54,20 @@ def read_points(path: Path | str) -> dict[str, np.ndarray]:
         raise ValueError(f"--points {path}: {len(rows)} rows; L(N, D) has 5 parameters, give at "
                          "least 6 runs")
     arr = np.array(rows)
-    return {c: arr[:, j] for j, c in enumerate(names)}
+    points = {c: arr[:, j] for j, c in enumerate(names)}
+    check_spread(points, f"--points {path}")
+    return points
+
+
+def check_spread(points: dict[str, np.ndarray], source: str) -> None:
+    """Runs that can pin down L(N, D): each exponent needs 3 or more different sizes along its
+    axis (with 2 the coefficient and exponent trade off freely), and the loss must vary. Fewer
+    give a fit whose bootstrap resamples all agree on an arbitrary answer."""
+    for col, need in (("N", 3), ("D", 3), ("loss", 2)):
+        n = len(np.unique(points[col]))
+        if n < need:
+            raise ValueError(f"{source}: column {col} has {n} distinct value{'s' * (n != 1)}; "
+                             f"L(N, D) needs runs at {need} or more different {col} values")
 
 
 def frontier(C: np.ndarray, loss: np.ndarray, rel: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
@@ -78,19 +96,28 @@ def parse_predict(text: str) -> tuple[float, float]:
     return n, d
 
 
+def check_intervals(res: dict, source: str = "--points") -> None:
+    """Refuse a fit whose bootstrap resamples all gave the same value of a coefficient (pinned
+    at a bound of the search): its interval would claim a certainty the runs do not give."""
+    flat = [k for k, iv in res["intervals"].items()
+            if not iv["hi"] - iv["lo"] > 1e-9 * max(1.0, abs(res["coefficients"][k]))]
+    if flat:
+        raise ValueError(f"{source}: the runs do not determine L(N, D): every bootstrap resample "
+                         f"gave the same {', '.join(flat)} (a zero-width interval); check that "
+                         "loss falls as N and D grow, and the columns' units")
+
+
 def fit_points(points: dict[str, np.ndarray], predict: list[tuple[float, float]],
                n_boot: int = 200, level: float = 0.9, seed: int = 0) -> dict:
-    """Coefficients, intervals and predictions of L(N, D) (and L(C) when C is given)."""
+    """The L(N, D) law chosen for these runs (moelab.ladder.choose): coefficients with bootstrap
+    intervals, predictions with calibrated bands (and L(C) when C is given). Without C a run's
+    compute is 6 N D."""
     X = np.stack([points["N"], points["D"]], 1)
-    bf = fit_with_bootstrap(make_law(("N", "D"), X), X, points["loss"], n_boot=n_boot, seed=seed)
-    c = bf.fit.coefficients()
-    out = {"law": "L(N, D) = E + A / N^alpha + B / D^beta", "n_points": int(len(X)),
-           "level": level,
-           "coefficients": {"E": c["E"], "A": c["A_N"], "alpha": c["alpha_N"], "B": c["A_D"],
-                            "beta": c["alpha_D"]},
-           "intervals": {k: bf.intervals(level)[old] for k, old in
-                         (("E", "E"), ("A", "A_N"), ("alpha", "alpha_N"), ("B", "A_D"),
-                          ("beta", "alpha_D"))}}
+    six_nd = 6 * points["N"] * points["D"]
+    data = make_data(X, points["loss"], points.get("C", six_nd))
+    chosen = choose(data, level, n_boot=n_boot, seed=seed)
+    out = {"n_points": int(len(X)), "level": level, **summary(chosen, data, n_boot, seed)}
+    check_intervals(out)
     if "C" in points:
         C, best = frontier(points["C"], points["loss"])
         if len(C) >= 4:
@@ -102,7 +129,9 @@ def fit_points(points: dict[str, np.ndarray], predict: list[tuple[float, float]]
                                   "alpha": cc["alpha_C"]}
     preds = []
     if predict:
-        p = bf.predict(np.array(predict, float), level)
+        q = np.array(predict, float)
+        # the query's compute in the data's units (C may count FLOPs differently from 6 N D)
+        p = chosen.predict(q, 6 * q[:, 0] * q[:, 1] * np.median(data.compute / six_nd))
         for i, (n, d) in enumerate(predict):
             preds.append({"N": n, "D": d, "loss": float(p["mid"][i]), "lo": float(p["lo"][i]),
                           "hi": float(p["hi"][i])})
@@ -123,4 +152,8 @@ def format_points(res: dict) -> str:
     for p in res["predictions"]:
         lines.append(f"  N={p['N']:.4g}, D={p['D']:.4g}: loss {p['loss']:.4f} "
                      f"[{p['lo']:.4f}, {p['hi']:.4f}]")
+    m = res["method"]
+    lines.append(f"  chosen by leave-one-budget-out validation: {', '.join(m['members'])}; "
+                 f"band: {m['band']}")
+    lines += [f"  warning: {w}" for w in m["warnings"]]
     return "\n".join(lines)

@@ -1,12 +1,13 @@
 """`moelab ladder fit` on a ladder folder: fit the laws to the rungs, predict the target.
 
-What is fitted (all with bootstrap over rungs; intervals are central ``level`` percentiles):
+What is fitted:
 
-* the schedule-aware law (moelab.ladder.schedule_law) to every rung's held-out loss curve
-  (``eval/loss``) and, separately, to its binned training loss (``train/loss``); its constant-LR
-  limit is L(N, D) = E + A/N^alpha + B/D^beta;
+* the law chosen for the rungs' held-out loss curves (``eval/loss``) and, separately, their
+  binned training loss (``train/loss``): candidate forms of the schedule-aware law, validated by
+  leaving the largest rungs out, the best three averaged, a band calibrated on their validation
+  errors (moelab.ladder.trajectory); the constant-LR limit of each form is an L(N, D);
 * L(C) = E + A C^-alpha to the rungs' final held-out losses, E fitted, and E fixed to the
-  schedule law's E (the reference fitted with a fixed irreducible loss);
+  chosen law's E (the reference fitted with a fixed irreducible loss), bootstrap over rungs;
 * bands of gradient norm and drop fraction over training progress (moelab.ladder.bands).
 
 Points before ``MIN_PROGRESS`` of a run (warmup and the first fast transient) are left out of the
@@ -30,7 +31,8 @@ from moelab.ladder.folder import Ladder
 from moelab.ladder.observe import EVAL_LOSS, binned, eval_domains, run_records, series
 from moelab.ladder.plan import run_stats
 from moelab.ladder.run import is_finished
-from moelab.ladder.schedule_law import Curve, RunSchedule, ScheduleFit, fit_schedule_law
+from moelab.ladder.schedule_law import Curve, RunSchedule
+from moelab.ladder.trajectory import CurveFit, fit_curves
 
 LEVEL = 0.9
 MIN_PROGRESS = 0.1
@@ -83,12 +85,12 @@ def final_value(records: list[dict], key: str, step: int) -> float | None:
 @dataclass
 class LadderFit:
     rungs: list[RungData]
-    schedule: dict[str, ScheduleFit]  # per loss key
+    schedule: dict[str, CurveFit]  # per loss key
     compute: dict[str, BootFit]  # "E_fitted", "E_fixed"
     band_curves: dict[str, np.ndarray]  # per band key: [rungs, PROGRESS]
     log_flops: np.ndarray
     level: float
-    holdout: dict  # each predictor refitted without the largest rung, predicting it
+    holdout: dict  # each predictor refitted without the largest model's rungs, predicting it
 
 
 def _finals(rungs: list[RungData]) -> np.ndarray:
@@ -109,27 +111,40 @@ def _compute_laws(rungs: list[RungData], e_fixed: float, n_boot: int, seed: int)
                                           finals, n_boot=n_boot, seed=seed)}
 
 
-def holdout_check(rungs: list[RungData]) -> dict:
-    """Refit every predictor on all rungs but the largest and predict the largest's final
-    held-out loss: the ladder's own extrapolation test, available before the target trains."""
-    if len(rungs) < 4:
+def _curve_fit(rungs: list[RungData], key: str, level: float, n_boot: int, seed: int,
+               like: CurveFit | None = None) -> CurveFit:
+    return fit_curves([loss_curve(r, key) for r in rungs], [r.stats["flops"] for r in rungs],
+                      level, n_boot, seed, like)
+
+
+def holdout_check(rungs: list[RungData], level: float = LEVEL) -> dict:
+    """Refit every predictor without the largest model's rungs and predict the final held-out
+    loss of its largest run: the ladder's own extrapolation test, known before the target
+    trains. Needs three rungs of smaller models."""
+    n_top = max(r.stats["params_active"] for r in rungs)
+    train = [r for r in rungs if r.stats["params_active"] < n_top]
+    if len(train) < 3:
         return {}
-    train, test = rungs[:-1], rungs[-1]
+    test = max((r for r in rungs if r.stats["params_active"] == n_top),
+               key=lambda r: r.stats["flops"])
     observed = float(_finals([test])[0])
-    sf = fit_schedule_law([loss_curve(r, EVAL_LOSS) for r in train])
-    steps = test.cfg.train.steps
-    out = {"schedule law": float(sf.predict(RunSchedule.from_config(test.cfg),
-                                            np.array([steps]))["mid"][0])}
-    for name, bf in _compute_laws(train, sf.coefficients()["E"], 0, 0).items():
+    cf = _curve_fit(train, EVAL_LOSS, level, 0, 0)
+    p = cf.predict(RunSchedule.from_config(test.cfg), np.array([test.cfg.train.steps]),
+                   flops_per_token=test.stats["flops_per_token"])
+    out = {"chosen law": float(p["mid"][0])}
+    for name, bf in _compute_laws(train, cf.coefficients()["E"], 0, 0).items():
         out[f"L(C), {name.replace('_', ' ')}"] = float(bf.fit.predict([[test.stats["flops"]]])[0])
-    return {"rung": test.name, "observed": observed,
-            "predicted": out, "rel_error": {k: v / observed - 1 for k, v in out.items()}}
+    return {"rung": test.name, "observed": observed, "predicted": out,
+            "band": {k: float(p[k][0]) for k in ("lo", "hi") if k in p},
+            "rel_error": {k: v / observed - 1 for k, v in out.items()}}
 
 
 def fit_ladder(lad: Ladder, n_boot: int = 200, level: float = LEVEL, seed: int = 0) -> LadderFit:
     rungs = finished_rungs(lad)
-    schedule = {k: fit_schedule_law([loss_curve(r, k) for r in rungs], n_boot=n_boot, seed=seed)
-                for k in LOSS_KEYS}
+    # the held-out loss chooses the law; the training loss is fitted with the same laws and band
+    schedule = {EVAL_LOSS: _curve_fit(rungs, EVAL_LOSS, level, n_boot, seed)}
+    schedule["train/loss"] = _curve_fit(rungs, "train/loss", level, n_boot, seed,
+                                        like=schedule[EVAL_LOSS])
     flops = np.array([[r.stats["flops"]] for r in rungs])
     compute = _compute_laws(rungs, schedule[EVAL_LOSS].coefficients()["E"], n_boot, seed)
     curves = {}
@@ -137,7 +152,7 @@ def fit_ladder(lad: Ladder, n_boot: int = 200, level: float = LEVEL, seed: int =
         rows = [bands.progress_curve(*series(r.records, key), r.cfg.train.steps) for r in rungs]
         curves[key] = np.array(rows)
     return LadderFit(rungs, schedule, compute, curves, np.log(flops[:, 0]), level,
-                     holdout_check(rungs))
+                     holdout_check(rungs, level))
 
 
 def prediction_steps(steps: int, n: int = PREDICTION_POINTS) -> np.ndarray:
@@ -151,11 +166,12 @@ def predict(fit: LadderFit, cfg: RunConfig, source: str) -> dict:
     at = prediction_steps(steps_total)
     at = at[at >= MIN_PROGRESS * steps_total]  # the laws say nothing about the first transient
     metrics, final = {}, {}
+    stats = run_stats(cfg)
     for key, lag in LOSS_KEYS.items():
-        p = fit.schedule[key].predict(run, np.clip(at - lag, 1, steps_total), fit.level)
+        p = fit.schedule[key].predict(run, np.clip(at - lag, 1, steps_total), fit.level,
+                                      stats["flops_per_token"])
         metrics[key] = {"step": at.tolist(), **{k: v.tolist() for k, v in p.items()}}
         final[key] = {k: float(v[-1]) for k, v in p.items()}
-    stats = run_stats(cfg)
     c = np.array([[stats["flops"]]])
     for name, bf in fit.compute.items():
         p = bf.predict(c, fit.level)
@@ -174,19 +190,22 @@ def predict(fit: LadderFit, cfg: RunConfig, source: str) -> dict:
             "target": {k: stats[k] for k in ("params_active", "tokens", "flops")},
             "metrics": metrics, "final": final,
             "definitions": {EVAL_LOSS: f"mean of eval/<domain>/loss over {', '.join(domains)}",
-                            "lo/hi": f"central {fit.level:.0%} bootstrap interval over rungs "
-                            "(loss); rung envelope and scale extrapolation (grad norm, drops)"}}
+                            "lo/hi": f"{fit.level:.0%} band: loss, from the chosen law's errors "
+                            "on left-out rungs, scaled by leverage in log compute; L(C), "
+                            "bootstrap over rungs; grad norm and drops, rung envelope and scale "
+                            "extrapolation"}}
 
 
 def report(fit: LadderFit, lad: Ladder, pred: dict) -> dict:
     """fit.json: coefficients with intervals, per-rung table, the target's final predictions."""
     t = run_stats(lad.target)
     laws = {}
-    for key, sf in fit.schedule.items():
-        laws[f"schedule {key}"] = {
-            "form": "L = E + A N^-alpha + B S1^-beta - C S2(tau); constant LR: "
-                    "L(N, D) = E + A/N^alpha + B/D^beta",
-            "coefficients": sf.coefficients(), "intervals": sf.intervals(fit.level)}
+    for key, cf in fit.schedule.items():
+        laws[f"chosen {key}"] = {
+            "form": cf.report["law"] + " (N active parameters, D the LR-weighted tokens S1, S2 "
+                    "the annealing area; constant LR: S2 = 0, S1 = D)",
+            "coefficients": cf.coefficients(), "intervals": cf.intervals(),
+            "method": cf.report["method"]}
     for name, bf in fit.compute.items():
         laws[f"L(C) {name.replace('_', ' ')}"] = {
             "form": "L = E + A C^-alpha (final held-out loss vs training FLOPs)",
@@ -215,10 +234,13 @@ def format_report(rep: dict) -> str:
     for name, law in rep["laws"].items():
         c = law["coefficients"]
         lines.append(f"  {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in c.items()))
+        if "method" in law:
+            lines.append(f"    chosen: {', '.join(law['method']['members'])}")
+            lines += [f"    warning: {w}" for w in law["method"]["warnings"]]
     h = rep.get("holdout")
     if h:
-        lines.append(f"  holdout: refitted without {h['rung']}, predicting its final held-out "
-                     f"loss {h['observed']:.4f}: " + ", ".join(
+        lines.append(f"  holdout: refitted without the largest model, predicting {h['rung']}'s "
+                     f"final held-out loss {h['observed']:.4f}: " + ", ".join(
                          f"{k} {v:+.2%}" for k, v in h["rel_error"].items()))
     t = rep["target"]
     lines.append(f"target {t['name']} (N {t['params_active']:,}, D {t['tokens']:,}, "

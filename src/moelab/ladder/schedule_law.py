@@ -95,7 +95,7 @@ class Curve:
     loss: np.ndarray
 
 
-def _stack(curves: list[Curve], tau: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def stack_curves(curves: list[Curve], tau: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     X = np.concatenate([c.run.features(c.at, tau) for c in curves])
     y = np.concatenate([c.loss for c in curves])
     groups = np.concatenate([np.full(len(c.at), i) for i, c in enumerate(curves)])
@@ -147,7 +147,7 @@ def fit_schedule_law(curves: list[Curve], taus=TAUS, n_boot: int = 0, seed: int 
                          "sizes")
     best = None
     for tau in taus:
-        X, y, _ = _stack(curves, tau)
+        X, y, _ = stack_curves(curves, tau)
         law = make_law(("N", "S1"), X, fixed_E=fixed_E, linear=("S2",))
         fit = fit_power_law(law, X, y)
         if best is None or fit.objective < best[1].objective:
@@ -155,7 +155,7 @@ def fit_schedule_law(curves: list[Curve], taus=TAUS, n_boot: int = 0, seed: int 
     tau, fit = best
     thetas = []
     if n_boot:
-        X, y, groups = _stack(curves, tau)
+        X, y, groups = stack_curves(curves, tau)
         need = min(3, len(curves))  # N's term needs sizes on both sides of the fit
         for idx in bootstrap_groups(groups, n_boot, seed, need):
             thetas.append(fit_power_law(fit.law, X[idx], y[idx], init=fit.theta).theta)

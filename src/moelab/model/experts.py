@@ -209,30 +209,33 @@ class GroupLayout(NamedTuple):
 
 
 def group_layout(group_R, n_groups: int, kernel: str = "blocks", block: int = 128) -> GroupLayout:
-    """Sort rows by group (stable); ``group == n_groups`` marks an empty row. ``blocks`` pads
-    each group to whole blocks of min(block, R) rows: enough blocks for any counts, since
-    sum_g ceil(count_g / block) <= ceil(R / block) + G."""
-    R = group_R.shape[0]
-    order = jnp.argsort(group_R, stable=True)
-    counts = jnp.bincount(group_R, length=n_groups + 1)[:n_groups].astype(jnp.int32)
-    g_sorted = group_R[order]
-    rank = jnp.arange(R, dtype=jnp.int32)  # position in the sorted order
+    """Sort rows by group (stable); ``group == n_groups`` marks an empty row."""
+    rank_R, counts = rank_in_group(group_R, n_groups)
+    return counts_layout(group_R, rank_R, counts, kernel, block)
+
+
+def counts_layout(group_R, rank_R, counts_G, kernel: str = "blocks", block: int = 128,
+                  max_rows: int | None = None) -> GroupLayout:
+    """The sorted layout from each row's group and its rank within the group (no sort needed
+    when a transport already knows both). ``max_rows`` bounds the real rows (default: every
+    row). ``blocks`` pads each group to whole blocks of min(block, max_rows) rows: enough
+    blocks for any counts, since sum_g ceil(count_g / block) <= ceil(max_rows / block) + G."""
+    R = group_R.shape[0] if max_rows is None else max_rows
+    n_groups = counts_G.shape[0]
+    g = jnp.minimum(group_R, n_groups - 1)
     block_group = None
     if kernel in ("ragged", "mgpu"):  # no padding: grouped kernels take any group sizes
-        pos_sorted, n_slots = rank, R
+        pos, n_slots = (jnp.cumsum(counts_G) - counts_G)[g] + rank_R, R
     else:
         block = min(block, R)
-        padded = -(-counts // block) * block
+        padded = -(-counts_G // block) * block
         n_blocks = -(-R // block) + n_groups
-        g = jnp.minimum(g_sorted, n_groups - 1)
-        start, pad_start = jnp.cumsum(counts) - counts, jnp.cumsum(padded) - padded
-        pos_sorted = pad_start[g] + rank - start[g]
-        n_slots = n_blocks * block
+        pos, n_slots = (jnp.cumsum(padded) - padded)[g] + rank_R, n_blocks * block
         block_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * block,
                                                    side="right"), n_groups - 1)
-    dst_R = jnp.zeros((R,), jnp.int32).at[order].set(
-        jnp.where(g_sorted < n_groups, pos_sorted, n_slots), unique_indices=True)
-    return GroupLayout(dst_R, invert(dst_R, n_slots), counts, block_group, kernel)
+    dst_R = jnp.where(group_R < n_groups, pos, n_slots).astype(jnp.int32)
+    return GroupLayout(dst_R, invert(dst_R, n_slots), counts_G.astype(jnp.int32), block_group,
+                       kernel)
 
 
 @jax.custom_vjp
@@ -279,7 +282,11 @@ def grouped_swiglu(x_RH, group_R, n_groups: int, w, kernel: str = "blocks", bloc
     marks an empty row (output 0). Dropless for any counts per group; every row goes through
     the same [block, H] x [H, I] product whatever the number of groups, so results do not
     depend on the expert-parallel degree."""
-    lay = group_layout(group_R, n_groups, kernel, block)
+    return layout_swiglu(x_RH, group_layout(group_R, n_groups, kernel, block), w)
+
+
+def layout_swiglu(x_RH, lay: GroupLayout, w):
+    """SwiGLU of rows in their own order, computed in ``lay``'s sorted order."""
     xs = gather_rows(x_RH, lay.src_M, lay.dst_R[:, None])  # one-to-one both ways
     ys = sorted_swiglu(xs, lay, w).astype(x_RH.dtype)
     return gather_rows(ys, lay.dst_R, lay.src_M[:, None])

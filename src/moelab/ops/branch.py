@@ -21,6 +21,7 @@ from moelab.ops.schedule import steps_for_tokens
 from moelab.runlog import command_line, log_operation
 from moelab.train.changes import Change, PlanError, apply_change
 from moelab.train.checkpoint import Checkpointer
+from moelab.train.lock import LOCK_FILE, run_lock
 from moelab.util import atomic_write_bytes, atomic_write_json
 
 
@@ -29,6 +30,15 @@ def _link_or_copy(src: str, dst: str) -> None:
         os.link(src, dst)
     except OSError:  # another filesystem, or links not allowed
         shutil.copy2(src, dst)
+
+
+def _clear_but_lock(folder: Path) -> None:
+    """Empty what a crashed branch left in its folder, but for the lock held now."""
+    for p in folder.iterdir():
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.name != LOCK_FILE:
+            p.unlink()
 
 
 def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: float | None = None,
@@ -68,19 +78,25 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     command = command or command_line()
     src = Checkpointer(parent / "checkpoints").step_dir(at)
     tmp = child.with_name(f".{child.name}.tmp")  # the branch appears whole or not at all
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(src, tmp / "checkpoints" / src.name, copy_function=_link_or_copy)
-    if (parent / "tokenizer.json").is_file():
-        atomic_write_bytes(tmp / "tokenizer.json", (parent / "tokenizer.json").read_bytes())
-    save_config(child_cfg, tmp / "config.yaml")
-    lin = {"parent": str(parent.resolve()), "step": at, "reason": reason, "command": command,
-           "time": time.time(), "cooldown_tokens": cooldown_tokens, "end": child_cfg.train.steps}
-    atomic_write_json(tmp / LINEAGE, lin)
-    os.rename(tmp, child)
     change = {"end": child_cfg.train.steps, "floor": child_cfg.optim.decays[-1].floor,
               "mixture": mixture, "seq_len": seq_len, "cooldown_tokens": cooldown_tokens}
-    log_operation(child, "branched_from", at, reason=reason, command=command,
-                  parent=str(parent.resolve()), **change)
+    with run_lock(tmp, command):  # the branch's folder has one writer, locked as it appears
+        _clear_but_lock(tmp)
+        shutil.copytree(src, tmp / "checkpoints" / src.name, copy_function=_link_or_copy)
+        if (parent / "tokenizer.json").is_file():
+            atomic_write_bytes(tmp / "tokenizer.json", (parent / "tokenizer.json").read_bytes())
+        save_config(child_cfg, tmp / "config.yaml")
+        lin = {"parent": str(parent.resolve()), "step": at, "reason": reason,
+               "command": command, "time": time.time(), "cooldown_tokens": cooldown_tokens,
+               "end": child_cfg.train.steps}
+        atomic_write_json(tmp / LINEAGE, lin)
+        try:
+            os.rename(tmp, child)
+        except OSError:
+            raise PlanError(f"--out {child}: created by another process meanwhile; choose "
+                            "another folder") from None
+        log_operation(child, "branched_from", at, reason=reason, command=command,
+                      parent=str(parent.resolve()), **change)
     log_operation(parent, "branch", at, reason=reason, command=command,
                   child=str(child.resolve()), **change)
     return child

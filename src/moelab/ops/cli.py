@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import shlex
 from pathlib import Path
 
+from moelab.config.errors import require
 from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note
 from moelab.train.changes import Change, PlanError
 
@@ -23,6 +25,20 @@ def _change_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reason", default="", help=WHY)
     p.add_argument("--ladder", help="a fitted scaling-ladder folder (`moelab ladder plan/run`): "
                    "print its forecast of the held-out loss at the end of each plan")
+
+
+def check_change_args(args) -> None:
+    """The numbers of a replan or branch, checked before the run folder is read."""
+    require(args.floor is None or 0 <= args.floor <= 1, f"--floor {args.floor}",
+            "the final LR as a fraction of the peak, in [0, 1], e.g. 0.05")
+    require(args.seq_len is None or args.seq_len >= 1, f"--seq-len {args.seq_len}",
+            "must be >= 1 tokens")
+    end_steps, rate = getattr(args, "end_steps", None), getattr(args, "tokens_per_s", None)
+    require(end_steps is None or end_steps >= 1, f"--end-steps {end_steps}", "must be >= 1")
+    require(rate is None or (math.isfinite(rate) and rate > 0), f"--tokens-per-s {rate}",
+            "must be a number > 0")
+    at = getattr(args, "at", None)
+    require(at is None or at >= 0, f"--at {at}", "must be a checkpoint step (>= 0)")
 
 
 def _mixture(args) -> dict | None:
@@ -44,11 +60,21 @@ def _check_data(cfg) -> str:
 
 
 def cmd_replan(args) -> int:
+    from moelab.train.lock import run_lock
+
+    if not args.apply or not Path(args.run).is_dir():  # a dry run, or a folder that is no run
+        return _replan(args)
+    with run_lock(Path(args.run), shlex.join(args.argv)):  # no trainer reads a half-made plan
+        return _replan(args)
+
+
+def _replan(args) -> int:
     from moelab.ops import replan as rp
     from moelab.ops.plot import plot_replan
     from moelab.ops.record import load_run_config
     from moelab.train.resume import read_pending
 
+    check_change_args(args)
     run = Path(args.run)
     cfg = load_run_config(run)
     now = rp.progress(run)
@@ -92,6 +118,7 @@ def cmd_branch(args) -> int:
     from moelab.ops import branch as br
     from moelab.ops import replan as rp
 
+    check_change_args(args)
     parent = Path(args.run)
     tokens = parse_tokens(args.cooldown, "--cooldown")
     mixture = _mixture(args)

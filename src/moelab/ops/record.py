@@ -13,12 +13,12 @@ each context length.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from moelab.config import RunConfig, config_from_dict
+from moelab.config import RunConfig, load_config
 from moelab.runlog import OPS_LOG, read_metrics
 
 LINEAGE = "lineage.json"
@@ -28,7 +28,7 @@ def load_run_config(run_dir: Path | str) -> RunConfig:
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; give a run folder written by `moelab train`")
-    return config_from_dict(yaml.safe_load(path.read_text()))
+    return load_config(str(path))  # a damaged file is an error naming it
 
 
 def lineage(run_dir: Path | str) -> dict | None:
@@ -74,19 +74,27 @@ def stage_report(run_dir: Path | str) -> list[dict]:
         recs = [r for r in records if start < r["step"] <= (end if end is not None else 1e18)]
         if not recs:
             continue
-        drop = np.array([r.get("moe/drop_fraction", 0.0) for r in recs])
+        drop = np.array([_as_float(r.get("moe/drop_fraction", 0.0)) for r in recs])
         rate = [r["throughput/tokens_per_s"] for r in recs if r.get("throughput/tokens_per_s")]
         rows.append({
             "seq_len": seq_len, "first_step": start, "last_step": recs[-1]["step"],
             "batch_size": cfg.data.segment_at(start).batch_size, "logged_steps": len(recs),
             "drop_mean": float(drop.mean()), "drop_max": float(drop.max()),
-            "sender_drop_mean": float(np.mean([r.get("moe/sender_drop_fraction", 0.0)
+            "sender_drop_mean": float(np.mean([_as_float(r.get("moe/sender_drop_fraction", 0.0))
                                                for r in recs])),
-            "receiver_drop_mean": float(np.mean([r.get("moe/receiver_drop_fraction", 0.0)
-                                                 for r in recs])),
+            "receiver_drop_mean": float(np.mean([_as_float(r.get("moe/receiver_drop_fraction",
+                                                                 0.0)) for r in recs])),
             "tokens_per_s": float(np.median(rate)) if rate else None,
-            "loss_last": recs[-1]["train/loss"], "transport": transport_label(cfg)})
+            "loss_last": _as_float(recs[-1]["train/loss"]), "transport": transport_label(cfg)})
     return rows
+
+
+def _as_float(v) -> float:
+    """A logged value as a number: non-finite ones are logged as strings ("nan", "inf")."""
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return math.nan
 
 
 def format_history(run_dir: Path | str) -> str:

@@ -28,15 +28,19 @@ Readers (an eval job, say) may open the same directory concurrently: only ``save
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import re
 import shutil
 import sys
+import threading
 import time
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +49,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moelab.parallel.distributed import barrier, broadcast_str
+from moelab.train.ckpt_target import (CheckpointError, abstract_leaf, check_against_target,
+                                      check_restored, match_leaf_type)
 from moelab.util import atomic_write_json, info, sha256_file
 
-__all__ = ["Checkpointer", "CheckpointError", "CheckpointWarning"]
+__all__ = ["Checkpointer", "CheckpointError", "CheckpointWarning", "save_failure"]
 
 FORMAT = "moelab-checkpoint/1"
 STATE_DIR = "state"
@@ -57,10 +63,6 @@ _STEP_RE = re.compile(r"step_(\d+)")
 _TMP_PREFIX = ".tmp-"  # a save in progress / crash leftover
 _TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned or overwritten)
 _MAX_ERR_CHARS = 600
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, damaged, or does not match the restore target."""
 
 
 class CheckpointWarning(UserWarning):
@@ -77,6 +79,38 @@ def _short(e: BaseException) -> str:
     return text if len(text) <= _MAX_ERR_CHARS else text[: _MAX_ERR_CHARS - 3] + "..."
 
 
+@contextmanager
+def _orbax_errors_quiet():
+    """Orbax logs each failed array write with a traceback from its worker threads (dozens on a
+    full disk) before ``save`` raises the first; that one error is reported, once."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _disk_full(e: BaseException | None) -> bool:
+    """Whether ENOSPC caused ``e`` (orbax reports it as a ValueError with the OS error text)."""
+    while e is not None:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def save_failure(ckpt: "Checkpointer", step: int, e: BaseException) -> str:
+    """One line for a failed save: the step, the cause, and where a resume starts."""
+    cause = "no space left on the device" if _disk_full(e) else _short(e)
+    last = ckpt.latest_step()
+    resume = f"step {last}" if last is not None else "the start"
+    return (f"checkpoint of step {step} not saved in {ckpt.dir} ({cause}); nothing of it was "
+            f"left. Free space or fix the cause, then run the same command again: it resumes "
+            f"from {resume}")
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -85,54 +119,60 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def _key_str(k: Any) -> str:
-    # Orbax stores dicts, namedtuples/dataclasses (by field name) and sequences (by index) as
-    # nested dicts/lists; normalise JAX key paths to the same plain strings.
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _path_str(path: tuple) -> str:
-    return "/".join(_key_str(k) for k in path) or "<root>"
-
-
-def _leaf_spec(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
-    """(shape, dtype) of an array-like target leaf; None for Python scalars, typed PRNG keys
-    (extended dtypes, which orbax stores its own way) and other leaves."""
-    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
-            return None
-        return tuple(x.shape), np.dtype(x.dtype)
-    return None
-
-
 class Checkpointer:
     """Save/restore ``(step, state pytree, meta dict)`` under ``ckpt_dir``, keeping the newest ``keep``.
 
     ``verify=False`` skips re-hashing file contents on restore (sizes are still checked); saves
-    always record sha256 sums.
+    always record sha256 sums. ``asynchronous=True`` lets ``save(..., wait=False)`` return once
+    the state is copied to host memory: orbax writes it and a background thread commits it
+    (the same ``.tmp-*`` build and rename), while the caller goes on; the next ``save``,
+    ``wait`` or ``close`` waits for it and raises its failure.
     """
 
-    def __init__(self, ckpt_dir: Path | str, keep: int = 3, *, verify: bool = True):
+    def __init__(self, ckpt_dir: Path | str, keep: int = 3, *, verify: bool = True,
+                 asynchronous: bool = False):
         if int(keep) < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.dir = Path(ckpt_dir).absolute()  # orbax requires absolute paths
         self.keep = int(keep)
         self.verify = verify
+        self.asynchronous = asynchronous
         self._ocp: ocp.Checkpointer | None = None
+        self._pending: threading.Thread | None = None  # a save being written and committed
+        self._failure: tuple[int, BaseException] | None = None  # how the last one failed
 
     # ------------------------------------------------------------------ plumbing
 
     @property
     def _orbax(self) -> ocp.Checkpointer:
-        # Synchronous orbax checkpointer (ocp.StandardCheckpointer is the async flavour).
         if self._ocp is None:
-            self._ocp = ocp.Checkpointer(ocp.StandardCheckpointHandler())
+            kind = ocp.AsyncCheckpointer if self.asynchronous else ocp.Checkpointer
+            self._ocp = kind(ocp.StandardCheckpointHandler())
         return self._ocp
 
+    def _orbax_written(self) -> None:
+        """Wait for orbax's background writes of the last save (none when synchronous)."""
+        if isinstance(self._ocp, ocp.AsyncCheckpointer):
+            self._ocp.wait_until_finished()
+
+    def wait(self) -> None:
+        """Wait until a background save is committed; when it failed, raise CheckpointError
+        with its step, the cause and where a resume starts (nothing of it is left)."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._failure is not None:
+            step, e = self._failure
+            self._failure = None
+            raise CheckpointError(save_failure(self, step, e)) from e
+
     def close(self) -> None:
+        """Finish a background save (a failure is reported, not raised: close runs while the
+        caller may be handling another error) and release orbax."""
+        try:
+            self.wait()
+        except CheckpointError as e:
+            info(f"checkpoint: {e}")
         if self._ocp is not None:
             self._ocp.close()
             self._ocp = None
@@ -148,18 +188,20 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ listing
 
-    def steps(self) -> list[int]:
-        """Steps of committed-looking checkpoints (no damage check), ascending."""
+    def _step_folders(self) -> dict[int, bool]:
+        """{step: has a manifest} of every ``step_*`` folder."""
         if not self.dir.is_dir():
-            return []
-        out = []
+            return {}
+        out = {}
         for p in self.dir.iterdir():
             m = _STEP_RE.fullmatch(p.name)
-            if not m or p.name != _step_name(int(m.group(1))):
-                continue
-            if p.is_dir() and (p / MANIFEST_FILE).is_file():
-                out.append(int(m.group(1)))
-        return sorted(out)
+            if m and p.name == _step_name(int(m.group(1))) and p.is_dir():
+                out[int(m.group(1))] = (p / MANIFEST_FILE).is_file()
+        return out
+
+    def steps(self) -> list[int]:
+        """Steps of committed-looking checkpoints (no damage check), ascending."""
+        return sorted(s for s, committed in self._step_folders().items() if committed)
 
     def latest_step(self) -> int | None:
         steps = self.steps()
@@ -167,11 +209,12 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Any, meta: dict) -> Path:
+    def save(self, step: int, state: Any, meta: dict, *, wait: bool = True) -> Path:
         """Write a checkpoint for ``step`` atomically and prune to the newest ``keep``.
 
         Saving a step that already exists replaces it (the new one is complete before the old
-        one is moved away). Returns the checkpoint directory.
+        one is moved away). Returns the checkpoint directory. ``wait=False`` on an asynchronous
+        checkpointer with one process returns before it is written (see the class doc).
         """
         step = int(step)
         if step < 0:
@@ -182,6 +225,8 @@ class Checkpointer:
             json.dumps(meta, sort_keys=True)
         except (TypeError, ValueError) as e:
             raise TypeError(f"checkpoint meta is not JSON-serialisable: {e}") from e
+        self.wait()  # one save at a time: the previous one is committed first
+        background = not wait and self.asynchronous and jax.process_count() == 1
         main = jax.process_index() == 0
         if main:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -194,15 +239,35 @@ class Checkpointer:
             tmp.mkdir()
         barrier(f"checkpoint-{step}-start")
         try:
-            self._orbax.save(tmp / STATE_DIR, args=ocp.args.StandardSave(state))  # all processes
+            with _orbax_errors_quiet():  # all processes
+                self._orbax.save(tmp / STATE_DIR, args=ocp.args.StandardSave(state))
+                if not background:
+                    self._orbax_written()
         except BaseException:
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
+        if background:  # the state is in host memory now: the caller may change it
+            self._pending = threading.Thread(target=self._finish_in_background,
+                                             args=(step, tmp, final, meta), daemon=True,
+                                             name=f"checkpoint-{step}")
+            self._pending.start()
+            return final
         if main:
             self._commit(step, tmp, final, meta)
         barrier(f"checkpoint-{step}-committed")
         return final
+
+    def _finish_in_background(self, step: int, tmp: Path, final: Path, meta: dict) -> None:
+        """The rest of a background save: orbax's writes, then the commit; a failure leaves
+        nothing and is kept for ``wait`` to raise."""
+        try:
+            with _orbax_errors_quiet():
+                self._orbax_written()
+            self._commit(step, tmp, final, meta)
+        except BaseException as e:  # noqa: BLE001 -- reported by wait(), in the caller's thread
+            shutil.rmtree(tmp, ignore_errors=True)
+            self._failure = (step, e)
 
     def _commit(self, step: int, tmp: Path, final: Path, meta: dict) -> None:
         """Process 0: meta + manifest into ``tmp``, then the rename that commits it; prune."""
@@ -289,10 +354,12 @@ class Checkpointer:
     def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
         """Restore the newest usable checkpoint as ``(step, state, meta)``; None if there is none.
 
-        A damaged checkpoint is reported (warning + stderr) and the next older one is tried. If
-        every checkpoint is damaged, raises CheckpointError (a RuntimeError) listing them all.
+        A damaged checkpoint is reported (warning + stderr) and the next older one is tried; so
+        is a step folder without its manifest (a commit renames a whole folder, so one without
+        a manifest was damaged after it). If every checkpoint is damaged, raises
+        CheckpointError (a RuntimeError) listing them all.
         """
-        steps = self.steps()
+        steps = sorted(self._step_folders())
         if not steps:
             return None
         failures: list[str] = []
@@ -308,14 +375,13 @@ class Checkpointer:
                 continue
             return step, state, meta
         raise CheckpointError(
-            f"all {len(steps)} checkpoints in {self.dir} are unusable (steps {steps}):\n  "
-            + "\n  ".join(failures)
-        )
+            f"all {len(steps)} checkpoints in {self.dir} are unusable (steps {steps}); restore "
+            "them from a copy, or move them away to start this run over: " + "; ".join(failures))
 
     def _restore(self, step: int, path: Path, target: Any) -> tuple[Any, dict]:
         manifest_path = path / MANIFEST_FILE
         if not manifest_path.is_file():
-            raise FileNotFoundError(f"no committed checkpoint (no {MANIFEST_FILE})")
+            raise FileNotFoundError(f"no {MANIFEST_FILE} (deleted or damaged)")
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("format") != FORMAT or manifest.get("step") != step:
             raise CheckpointError(
@@ -328,19 +394,12 @@ class Checkpointer:
         md = self._orbax.metadata(state_dir).item_metadata
         if md is None or getattr(md, "tree", None) is None:
             raise CheckpointError("orbax metadata of the state is unreadable")
-        self._check_against_target(md.tree, target)
+        check_against_target(md.tree, target)
 
-        abstract = jax.tree.map(self._abstract_leaf, target)
+        abstract = jax.tree.map(abstract_leaf, target)
         restored = self._orbax.restore(state_dir, args=ocp.args.StandardRestore(abstract))
-        restored = jax.tree.map(self._match_leaf_type, abstract, restored)
-
-        want, got = jax.tree.structure(target), jax.tree.structure(restored)
-        if want != got:
-            raise CheckpointError(f"restored pytree structure differs from the target:\n{got}\nvs\n{want}")
-        for (kp, t), r in zip(jax.tree_util.tree_leaves_with_path(target), jax.tree.leaves(restored)):
-            ts, rs = _leaf_spec(t), _leaf_spec(r)
-            if ts is not None and ts != rs:
-                raise CheckpointError(f"{_path_str(kp)}: restored {rs}, target {ts}")
+        restored = jax.tree.map(match_leaf_type, abstract, restored)
+        check_restored(target, restored)
         return restored, meta
 
     def _check_files(self, path: Path, files: dict[str, dict[str, Any]]) -> None:
@@ -357,49 +416,3 @@ class Checkpointer:
             bad = [rel for rel, want in files.items() if sums[rel] != want["sha256"]]
             if bad:
                 raise CheckpointError(f"checksum mismatch (corrupted file) in {', '.join(bad)}")
-
-    @staticmethod
-    def _check_against_target(saved_tree: Any, target: Any) -> None:
-        """Compare the saved leaves (orbax metadata) with the target by path, shape and dtype."""
-        saved = {
-            _path_str(kp): m
-            for kp, m in jax.tree_util.tree_leaves_with_path(
-                saved_tree, is_leaf=lambda x: isinstance(x, ocp.metadata.Metadata)
-            )
-        }
-        wanted = {_path_str(kp): t for kp, t in jax.tree_util.tree_leaves_with_path(target)}
-        missing = sorted(set(wanted) - set(saved))
-        extra = sorted(set(saved) - set(wanted))
-        problems = []
-        if missing:
-            problems.append(f"not in checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
-        if extra:
-            problems.append(f"in checkpoint but not in target: {extra[:10]}{' ...' if len(extra) > 10 else ''}")
-        for name in sorted(set(saved) & set(wanted)):
-            spec, m = _leaf_spec(wanted[name]), saved[name]
-            if spec is None or not hasattr(m, "shape"):
-                continue
-            shape, dtype = tuple(m.shape), np.dtype(m.dtype) if m.dtype is not None else None
-            if shape != spec[0] or (dtype is not None and dtype != spec[1]):
-                problems.append(f"{name}: checkpoint has {shape} {dtype}, target wants {spec[0]} {spec[1]}")
-        if problems:
-            raise CheckpointError("checkpoint does not match the target: " + "; ".join(problems[:20]))
-
-    @staticmethod
-    def _abstract_leaf(x: Any) -> Any:
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-        if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
-            return jax.ShapeDtypeStruct(
-                x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-            )
-        return x
-
-    @staticmethod
-    def _match_leaf_type(abstract: Any, r: Any) -> Any:
-        # Orbax picks numpy vs jax from what was saved; return what the target asked for.
-        if isinstance(abstract, jax.ShapeDtypeStruct) and not isinstance(r, jax.Array):
-            return jax.device_put(np.asarray(r), abstract.sharding)
-        if isinstance(abstract, (np.ndarray, np.generic)) and isinstance(r, jax.Array):
-            return np.asarray(r)
-        return r

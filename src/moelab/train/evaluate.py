@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import RunConfig
+from moelab.data.corpus import DataError
 from moelab.data.sampler import eval_windows
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import decode, encode_batch, eos_id
@@ -19,11 +20,34 @@ FINAL_EVAL_CAP = 1_000_000  # held-out tokens per domain read by the end-of-run 
 SAMPLE_TOKENS = 60  # tokens generated for the summary's sample
 
 
+def check_heldout(cfg: RunConfig, store: TokenStore, corpus_dir, say) -> None:
+    """Refuse at the start a corpus whose held-out text cannot be evaluated (no held-out
+    documents, or a domain shorter than one window), rather than train and evaluate nothing;
+    note a trained domain without held-out text."""
+    held, window = store.domains("heldout"), cfg.data.seq_len + 1
+    if not held:
+        raise DataError(f"corpus {corpus_dir} has no held-out documents, so nothing could be "
+                        "evaluated; rebuild it with `moelab data build` (each domain gets "
+                        "held-out text; split a single huge document into several)")
+    for d in held:
+        n = store.n_tokens("heldout", d)
+        if n < window:
+            raise DataError(f"held-out text of domain {d!r} in {corpus_dir} has {n} tokens, "
+                            f"shorter than one evaluation window (data.seq_len + 1 = {window}); "
+                            "lower data.seq_len or rebuild the corpus with a larger --heldout")
+    missing = sorted(set(store.domains("train")) - set(held))
+    if missing:
+        say(f"note: no held-out text for {', '.join(missing)}: trained, never evaluated")
+
+
 def _domain_eval(eval_fn, params, model_state, windows: np.ndarray, batch: int,
-                 put=jnp.asarray) -> float:
-    """Mean next-token loss (nats) over all windows, in fixed-size batches (one compilation)."""
+                 put=jnp.asarray, stop=None) -> float | None:
+    """Mean next-token loss (nats) over all windows, in fixed-size batches (one compilation);
+    None when ``stop()`` asks to stop between batches."""
     total, n = 0.0, 0
     for i in range(0, len(windows), batch):
+        if stop is not None and i and stop():
+            return None
         chunk = windows[i : i + batch]
         valid = np.zeros(batch, bool)
         valid[: len(chunk)] = True
@@ -43,15 +67,18 @@ def eval_batch(cfg: RunConfig) -> int:
 
 
 def evaluate(cfg: RunConfig, eval_fn, state: dict, store: TokenStore, max_tokens: int,
-             put=jnp.asarray) -> dict:
-    """Held-out loss and bits per byte per domain."""
+             put=jnp.asarray, stop=None) -> dict | None:
+    """Held-out loss and bits per byte per domain (``check_heldout`` ran at the start); None
+    when ``stop()``, asked between batches, abandons it."""
     out = {}
     for domain in store.domains("heldout"):
-        if store.n_tokens("heldout", domain) < cfg.data.seq_len + 1:
-            continue  # too short for one window at this sequence length
+        if stop is not None and stop():
+            return None
         windows, bytes_per_token = eval_windows(store, domain, cfg.data.seq_len, max_tokens)
         loss = _domain_eval(eval_fn, state["params"], state["model_state"], windows,
-                            eval_batch(cfg), put)
+                            eval_batch(cfg), put, stop)
+        if loss is None:
+            return None
         out[f"eval/{domain}/loss"] = loss
         out[f"eval/{domain}/bpb"] = loss / math.log(2) / bytes_per_token
     return out

@@ -12,13 +12,16 @@ A run folder holds::
     checkpoints/       orbax checkpoints (params, optimizer and router state, step, data position)
     summary.json       the final summary (written atomically at the end of each invocation)
 
-Running ``train`` again on the same folder resumes from the newest valid checkpoint. SIGINT or
-SIGTERM finish the current step, save a checkpoint and return (a second Ctrl-C aborts at once).
+Running ``train`` again on the same folder resumes from the newest valid checkpoint; one
+process at a time trains a folder (``moelab.train.lock``). SIGINT or SIGTERM finish the current
+step (or abandon an evaluation, which a resume then does), save a checkpoint and return (a second
+Ctrl-C aborts at once). Every step checks its loss and gradient norm for NaN/inf on the device;
+the loop reads those checks where it waits for the device anyway (logs, evaluations, saves), so
+a non-finite state is never saved (``train.on_nonfinite``: stop, or skip such steps).
 """
 
 from __future__ import annotations
 
-import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -28,14 +31,17 @@ import jax
 
 from moelab.config import RunConfig
 from moelab.data.sampler import heldout_text
-from moelab.parallel.distributed import agree_any
+from moelab.parallel.distributed import agree_any, is_main
 from moelab.planner.counts import train_flops_per_token
+from moelab.train.checkpoint import CheckpointError, save_failure
 # evaluate, gzip_bpb, FINAL_EVAL_CAP, resolve_run_config and RESUMABLE_CHANGES are importable
 # from here as before the split; evaluate is called through this module's name (tests patch it)
 from moelab.train.evaluate import (FINAL_EVAL_CAP, evaluate, final_eval_tokens,  # noqa: F401
                                    gzip_bpb, sample_text)
 from moelab.train.resume import RESUMABLE_CHANGES, resolve_run_config  # noqa: F401
+from moelab.train.lock import run_lock
 from moelab.train.setup import RunSetup, setup_run
+from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
 from moelab.util import atomic_write_json, info
 
 
@@ -80,54 +86,91 @@ class _Progress:
     step_first: int | None = None  # the step count then
     paused: float = 0.0  # seconds of evaluation and saves since t_first, off the clock
     stop_signal: str | None = None  # the signal that stopped the run, if one did
+    unchecked: list = field(default_factory=list)  # (step, finite check on device) not yet read
+    skips: int = 0  # consecutive non-finite steps skipped (train.on_nonfinite=skip)
+    eval_pending: bool = False  # a scheduled evaluation not done yet (saved with a checkpoint)
 
 
 def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
           sample_prompt: str | None = "The ") -> dict:
-    """Train (or resume) the run in ``run_dir``. Returns the summary dict."""
+    """Train (or resume) the run in ``run_dir``, holding the folder's lock. Returns the
+    summary dict."""
+    with run_lock(run_dir, enabled=is_main()):
+        return _train(cfg, Path(run_dir), verbose, sample_prompt)
+
+
+def _train(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | None) -> dict:
     run, state = setup_run(cfg, run_dir, verbose=verbose)
-    progress = _Progress(step=run.start, state=state)
+    progress = _Progress(step=run.start, state=state, eval_pending=run.eval_pending)
     del state  # the loop replaces the state every step: hold no reference to the first one
     t_run = time.time()
     with _StopFlag() as flag:
         try:
             _run_steps(run, progress, flag)
-            summary = _finish(run, progress, t_run, sample_prompt)
+            summary = _finish(run, progress, t_run, sample_prompt, flag)
         except BaseException as e:  # the record says why the run stopped (reports list it)
-            run.trackers.event("aborted" if isinstance(e, KeyboardInterrupt) else "failed",
-                               progress.step, error=f"{type(e).__name__}: {e}")
+            _record_end(run, "aborted" if isinstance(e, KeyboardInterrupt) else "failed",
+                        progress.step, e)
             raise
         finally:
-            run.trackers.close()
+            _close(run)
     if run.main:
         atomic_write_json(run.run_dir / "summary.json", summary)
     return summary
 
 
+def _record_end(run: RunSetup, kind: str, step: int, e: BaseException) -> None:
+    """The event that says why the run ended; when it cannot be written (a full disk), the
+    reason still reaches stderr."""
+    error = f"{type(e).__name__}: {e}"
+    try:
+        run.trackers.event(kind, step, error=error)
+    except OSError as err:
+        info(f"could not record the {kind} event in {run.run_dir / 'metrics.jsonl'} ({err}); "
+             f"the run ended at step {step}: {error}")
+
+
+def _close(run: RunSetup) -> None:
+    run.ckpt.close()  # a background save still running completes (it is a valid state)
+    try:
+        run.trackers.close()
+    except OSError as e:  # must not hide the error that ended the run
+        info(f"closing the run's logs in {run.run_dir}: {e}")
+
+
+def _stop_asked(flag: _StopFlag):
+    """Asked between evaluation batches: a stop signal abandons an evaluation (on every
+    process at once) rather than waiting for its end."""
+    return lambda: agree_any(flag.signal is not None)
+
+
 def _run_steps(run: RunSetup, p: _Progress, flag: _StopFlag) -> None:
     """Train from ``p.step`` to the last step, or to the step at which a stop signal arrived;
-    checkpoint on the way and at the end (unless nothing was trained since the restore)."""
+    checkpoint on the way and at the end (unless nothing was trained since the restore). An
+    evaluation that a stop left undone is done first on resume."""
     cfg, steps = run.cfg, run.cfg.train.steps
-    while p.step < steps:
+    stop = p.eval_pending and not _log_eval(run, p, flag)
+    while p.step < steps and not stop:
         change = run.sampler.change_at(p.step)
         if change:  # new mixture or context; a new shape recompiles: restart the clock
             run.trackers.event("data_stage", p.step, **change)
             p.t_first, p.paused = None, 0.0
         p.state, m = run.step_fn(p.state, run.put_batch(run.sampler.batch(p.step)))
         p.step += 1
+        p.unchecked.append((p.step, _check_values(m)))
         stop = agree_any(flag.signal is not None)  # all processes stop at the same step
         if p.t_first is None:  # exclude compilation from throughput
             jax.block_until_ready(m)
             p.t_first, p.step_first = time.time(), p.step
         if p.step % cfg.train.log_every == 0 or p.step == steps or stop:
             _log_metrics(run, p, m)
-        if p.step % cfg.train.eval_every == 0 and p.step < steps and not stop:
-            _log_eval(run, p)
-        if stop:
-            p.stop_signal = flag.signal or "SIGTERM"  # another process received it
-            break
-        if p.step % cfg.train.ckpt_every == 0 and p.step < steps:
-            _paused(p, _save, run, p)
+        p.eval_pending = p.step % cfg.train.eval_every == 0 and p.step < steps
+        if p.eval_pending and not stop:
+            stop = not _log_eval(run, p, flag)
+        if not stop and p.step % cfg.train.ckpt_every == 0 and p.step < steps:
+            _paused(p, _save, run, p, False)  # written in the background (train.async_ckpt)
+    if stop:
+        p.stop_signal = flag.signal or "SIGTERM"  # another process received it
     if p.step > run.start or not run.restored:
         _save(run, p)
 
@@ -140,16 +183,59 @@ def _paused(p: _Progress, fn, *args):
     return out
 
 
-def _save(run: RunSetup, p: _Progress) -> None:
-    run.ckpt.save(p.step, p.state, {"step": p.step, "data": run.sampler.state(),
-                                    "config": run.cfg.to_dict(),
-                                    "metrics": {k: float(v) for k, v in p.metrics.items()}})
+def _save(run: RunSetup, p: _Progress, wait: bool = True) -> None:
+    """Checkpoint the state, never one a non-finite step produced; a failed save (a full disk)
+    is one line naming the step, the cause and the resume point. ``wait=False``: return once
+    the state is copied to host memory (the last save of a run waits: it is complete when
+    ``train`` returns)."""
+    _check_finite(run, p)
+    meta = {"step": p.step, "data": run.sampler.state(), "config": run.cfg.to_dict(),
+            "metrics": {k: float(v) for k, v in p.metrics.items()},
+            "eval_pending": p.eval_pending}
+    try:
+        run.ckpt.save(p.step, p.state, meta, wait=wait)
+    except CheckpointError:  # an earlier background save failed: reported with its own step
+        raise
+    except Exception as e:  # noqa: BLE001 -- any failure: the same report, the cause inside
+        raise CheckpointError(save_failure(run.ckpt, p.step, e)) from e
+
+
+def _check_values(m: dict) -> dict:
+    """The metrics a finite check reads (device arrays: nothing is fetched here)."""
+    return {k: m[k] for k in ("train/finite", *FINITE_CHECKED)}
+
+
+def _check_finite(run: RunSetup, p: _Progress) -> None:
+    """Read the finite checks of the steps since the last read (at a log, an evaluation or a
+    save: points that wait for the device anyway). A non-finite step stops the run
+    (``train.on_nonfinite=stop``) or, with ``skip``, was not applied by the step function and
+    is recorded; too many in a row stop the run."""
+    checks, p.unchecked = jax.device_get(p.unchecked), []
+    for step, c in checks:
+        if bool(c["train/finite"]):
+            p.skips = 0
+            continue
+        metric, value = first_nonfinite(c)
+        p.skips += 1
+        if run.cfg.train.on_nonfinite == "skip" and p.skips <= run.cfg.train.skip_limit:
+            run.trackers.event("skipped", step, metric=metric, value=str(value),
+                               consecutive=p.skips)
+            continue
+        run.trackers.event("diverged", step, metric=metric, value=str(value),
+                           loss=str(c["train/loss"]))
+        raise FloatingPointError(nonfinite_advice(run.cfg, step, metric, value, p.skips,
+                                                  run.ckpt.latest_step()))
 
 
 def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
-    """Log the step's metrics with throughput and hardware stats; a diverged loss stops the run."""
+    """Log the step's metrics with throughput and hardware stats (after the finite checks; a
+    skipped step has no record, only its event)."""
+    _check_finite(run, p)
     cfg, step, steps = run.cfg, p.step, run.cfg.train.steps
-    p.metrics = metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+    metrics = {k: float(v) for k, v in jax.device_get(m).items()}
+    if not metrics.pop("train/finite"):
+        return
+    p.metrics = metrics
     busy = time.time() - p.t_first - p.paused
     done = step - p.step_first
     tokens = cfg.data.tokens_before(step)
@@ -160,10 +246,6 @@ def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
     metrics["train/tokens"] = tokens
     metrics["data/seq_len"] = seq_len
     run.trackers.log(step, {**metrics, **run.hardware.sample()})
-    if not math.isfinite(metrics["train/loss"]):
-        run.trackers.event("diverged", step, loss=str(metrics["train/loss"]))
-        raise FloatingPointError(f"loss is {metrics['train/loss']} at step {step};"
-                                 " lower optim.lr or enable optim.clip_norm")
     eta = (cfg.data.tokens_before(steps) - tokens) / rate if rate else float("nan")
     run.say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
             f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
@@ -171,15 +253,21 @@ def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
             f"ETA {_fmt_time(eta) if rate else '?'}")
 
 
-def _log_eval(run: RunSetup, p: _Progress) -> None:
-    """The periodic held-out evaluation (off the throughput clock), logged and shown."""
+def _log_eval(run: RunSetup, p: _Progress, flag: _StopFlag) -> bool:
+    """The scheduled held-out evaluation (off the throughput clock), logged and shown; False
+    when a stop signal abandoned it (it stays pending, and a resume does it)."""
     cfg = run.cfg
+    _check_finite(run, p)
     evals = _paused(p, evaluate, cfg, run.eval_fn, p.state, run.store, cfg.train.eval_tokens,
-                    run.put_batch)
+                    run.put_batch, _stop_asked(flag))
+    if evals is None:
+        return False
+    p.eval_pending = False
     run.trackers.log(p.step, evals)
     run.say("  eval " + "  ".join(f"{k.split('/')[1]} {v:.3f}"
                                   for k, v in evals.items() if k.endswith("/bpb"))
             + " bits/byte")
+    return True
 
 
 def _summary(run: RunSetup, p: _Progress, t_run: float) -> dict:
@@ -195,15 +283,25 @@ def _summary(run: RunSetup, p: _Progress, t_run: float) -> dict:
     return summary
 
 
-def _finish(run: RunSetup, p: _Progress, t_run: float, sample_prompt: str | None) -> dict:
+def _final_eval(run: RunSetup, p: _Progress, flag: _StopFlag) -> dict | None:
+    """The end-of-run evaluation over the whole held-out split; a stop signal abandons it (the
+    run is then interrupted, and running it again does the evaluation)."""
+    evals = evaluate(run.cfg, run.eval_fn, p.state, run.store,
+                     final_eval_tokens(run.cfg, run.store), run.put_batch, _stop_asked(flag))
+    if evals is None:
+        p.stop_signal = flag.signal or "SIGTERM"
+    return evals
+
+
+def _finish(run: RunSetup, p: _Progress, t_run: float, sample_prompt: str | None,
+            flag: _StopFlag) -> dict:
     """The summary; a run that was not stopped also gets the final evaluation over the whole
     held-out split, the gzip baseline and a sample, and is recorded as finished."""
+    evals = None if p.stop_signal is not None else _final_eval(run, p, flag)
     summary = _summary(run, p, t_run)
     if p.stop_signal is not None:
         run.trackers.event("interrupted", p.step, signal=p.stop_signal)
         return summary
-    evals = evaluate(run.cfg, run.eval_fn, p.state, run.store,
-                     final_eval_tokens(run.cfg, run.store), run.put_batch)
     run.trackers.log(p.step, evals)
     summary.update(evals)
     if "prose" in run.store.domains("heldout") and run.main:

@@ -31,7 +31,8 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "train.wandb_project", "parallel.devices", "parallel.expert",
                      "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block",
                      "train.microbatch", "parallel.fsdp", "model.attention_impl",
-                     "model.loss_chunk"}
+                     "model.loss_chunk", "train.on_nonfinite", "train.skip_limit",
+                     "train.tensorboard", "train.async_ckpt"}
 
 
 def resume_step(run_dir: Path | str) -> int | None:

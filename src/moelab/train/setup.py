@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import RunConfig, save_config
-from moelab.data.prepare import PreparedData, prepare_data
+from moelab.data.prepare import PreparedData, prepare_data, with_tokenizer_vocab
 from moelab.data.sampler import SteppedSampler
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import load_tokenizer
@@ -26,13 +26,14 @@ from moelab.parallel.distributed import barrier, is_main
 from moelab.parallel.mesh import mesh_from_config, shard_batch
 from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.provenance import provenance
-from moelab.train.checkpoint import Checkpointer
+from moelab.train.checkpoint import Checkpointer, CheckpointError
+from moelab.train.evaluate import check_heldout
 from moelab.train.peak import measure_peak_flops
 from moelab.train.resume import commit_pending, resolve_run_config
 from moelab.train.step import (init_train_state, make_eval_step, make_train_step,
                                train_state_shardings, transport_fns)
-from moelab.train.tracker import (HardwareMonitor, JsonlTracker, Trackers, WandbTracker,
-                                  process_identity)
+from moelab.train.tracker import (HardwareMonitor, JsonlTracker, TensorBoardTracker, Trackers,
+                                  WandbTracker, check_trackers, process_identity)
 from moelab.util import atomic_write_bytes, atomic_write_json, info
 
 
@@ -53,6 +54,7 @@ class RunSetup:
     put_batch: Callable  # a host batch onto the device(s), sharded over the mesh if any
     start: int  # the step training starts from: 0, or the restored checkpoint's
     restored: bool  # whether a checkpoint was restored
+    eval_pending: bool  # the restored checkpoint's scheduled evaluation was not done
     trackers: Trackers
     hardware: HardwareMonitor
     counts: dict  # parameter counts: total, active per token
@@ -91,15 +93,26 @@ def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: d
     commit_pending(run_dir, cfg)  # a replan applied by this resume: log it, drop the request
 
 
-def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, start: int,
-                   prov: dict) -> Trackers:
-    """The run's trackers (the main process's only), with the start or resume event logged."""
-    trackers = Trackers(JsonlTracker(run_dir / "metrics.jsonl") if main else None,
-                        WandbTracker(cfg.train.wandb_project, run_dir, cfg.to_dict(), run_dir.name)
-                        if cfg.train.wandb and main else None)
-    trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
-                   git_commit=prov.get("git_commit"), **process_identity())
-    return trackers
+def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool) -> Trackers:
+    """The run's trackers (the main process's only)."""
+    if not main:
+        return Trackers()
+    t = cfg.train
+    return Trackers(JsonlTracker(run_dir / "metrics.jsonl"),
+                    WandbTracker(t.wandb_project, run_dir, cfg.to_dict(), run_dir.name)
+                    if t.wandb else None,
+                    TensorBoardTracker(run_dir / "tensorboard") if t.tensorboard else None)
+
+
+def _restore(ckpt: Checkpointer, state: dict, trackers: Trackers) -> tuple[int, dict, dict] | None:
+    """(step, state, meta) of the newest usable checkpoint, or None; when every checkpoint is
+    damaged the run fails, and its log says so."""
+    try:
+        return ckpt.restore_latest(state)
+    except CheckpointError as e:
+        trackers.event("failed", 0, error=f"CheckpointError: {e}")
+        trackers.close()
+        raise
 
 
 def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, float]:
@@ -133,34 +146,40 @@ def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Call
 def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool) -> tuple[RunSetup, dict]:
     """(the run's setup, the train state to start from) for training ``cfg`` in ``run_dir``."""
     run_dir = Path(run_dir)
+    check_trackers(cfg)
+    cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
     cfg = transport.check_config(resolve_run_config(cfg, run_dir))  # before any work
     main = is_main()  # with several processes, process 0 alone writes the run folder
     say = info if verbose and main else _quiet
     data = _prepare(cfg, main, verbose)
     store = TokenStore(data.store_dir)
+    check_heldout(cfg, store, data.corpus_dir, say)  # evaluation must not vanish at the end
     tok = load_tokenizer(data.tokenizer_path)
     prov = provenance(cfg, store.fingerprint)
     if main:
         _write_run_folder(cfg, run_dir, data, prov)
 
     sampler = SteppedSampler(store, cfg.data)  # mixture changes and context stages by step
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts,
+                        asynchronous=cfg.train.async_ckpt)
     mesh = mesh_from_config(cfg.parallel)
     state_sh = train_state_shardings(cfg, mesh)
     state = init_sharded_state(cfg, state_sh)
     put_batch = (lambda b: jnp.asarray(b)) if mesh is None else (lambda b: shard_batch(b, mesh))
-    restored = ckpt.restore_latest(state)
-    start = 0
+    trackers = _open_trackers(cfg, run_dir, main)
+    restored = _restore(ckpt, state, trackers)
+    start, meta = 0, {}
     if restored is not None:
-        start, state, _meta = restored
+        start, state, meta = restored
         say(f"resuming {run_dir} from step {start}")
-
-    trackers = _open_trackers(cfg, run_dir, main, start, prov)
+    trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
+                   git_commit=prov.get("git_commit"), **process_identity())
     hardware = HardwareMonitor()
     counts, peak = _model_costs(cfg, mesh, say)
     step_fn, eval_fn = _step_functions(cfg, mesh, state_sh, say)
     run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
                    tok=tok, sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
-                   restored=restored is not None, trackers=trackers, hardware=hardware,
-                   counts=counts, peak=peak, step_fn=step_fn, eval_fn=eval_fn)
+                   restored=restored is not None, eval_pending=bool(meta.get("eval_pending")),
+                   trackers=trackers, hardware=hardware, counts=counts, peak=peak,
+                   step_fn=step_fn, eval_fn=eval_fn)
     return run, state

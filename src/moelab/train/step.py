@@ -1,7 +1,10 @@
-"""The jitted train and eval steps. Both return metrics; the host logs them (never inside jit)."""
+"""The jitted train and eval steps. Both return metrics; the host logs them (never inside jit).
+The train step also checks its loss and gradient norm for NaN/inf (``train/finite``), and with
+``train.on_nonfinite=skip`` keeps the previous state when the check fails."""
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import jax
@@ -113,6 +116,29 @@ def fsdp_hook(cfg: RunConfig, mesh):
     return layer_gather(mesh, cfg.model) if mesh is not None and cfg.parallel.fsdp else None
 
 
+# The finite check of every step: these metrics, NaN or inf in any means the step is bad.
+FINITE_CHECKED = ("train/loss", "train/total_loss", "train/grad_norm")
+
+
+def first_nonfinite(values: dict) -> tuple[str, float]:
+    """(name, value) of the first non-finite checked metric of a step."""
+    return next((k, float(values[k])) for k in FINITE_CHECKED if not math.isfinite(values[k]))
+
+
+def nonfinite_advice(cfg: RunConfig, step: int, metric: str, value: float, in_a_row: int,
+                     last_ckpt: int | None) -> str:
+    """Why a run stopped at a non-finite step, and the fix."""
+    fix = f"lower optim.lr (now {cfg.optim.lr:g}) or set optim.clip_norm, in a new run folder"
+    if cfg.train.on_nonfinite == "skip":
+        what = (f"{in_a_row} steps in a row were non-finite (train.skip_limit="
+                f"{cfg.train.skip_limit}), the last at step {step} ({metric} = {value})")
+    else:
+        what = f"{metric} is {value} at step {step} (train.on_nonfinite=stop)"
+        fix += "; or resume with train.on_nonfinite=skip to step over isolated spikes"
+    kept = f"step {last_ckpt}" if last_ckpt is not None else "none yet"
+    return f"{what}; no checkpoint of it was saved (newest: {kept}). Fix: {fix}"
+
+
 def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -> Callable:
     """The jitted step ``(state, batch [B, T+1]) -> (new state, metrics)``. On a mesh, with the
     state's shardings ``state_sh``: explicit in/out shardings (the state keeps its layout, the
@@ -143,7 +169,10 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
             "train/lr": lr(state["step"]),
             **router_metrics(stats),
         }
-        return new, metrics
+        finite = jnp.all(jnp.isfinite(jnp.stack([metrics[k] for k in FINITE_CHECKED])))
+        if cfg.train.on_nonfinite == "skip":  # the whole state stays: the update never happened
+            new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+        return new, {**metrics, "train/finite": finite}
 
     if mesh is None:
         return jax.jit(step_fn, donate_argnums=0)

@@ -1,5 +1,6 @@
-"""Metric trackers: one interface, the local append-only JSONL log by default, W&B optionally,
-and the live hardware stats logged next to the training metrics.
+"""Metric trackers: one interface, the local append-only JSONL log by default, W&B and
+TensorBoard event files optionally (each an extra of the install), and the live hardware stats
+logged next to the training metrics.
 
 The JSONL log is the run's source of truth; its writer and reader live in ``moelab.runlog``
 (no JAX, no W&B: reports read it without the training stack) and are importable here too.
@@ -16,7 +17,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from moelab.config import RunConfig
+from moelab.config.errors import need_extra
 from moelab.runlog import JsonlTracker, clean_value, read_metrics  # noqa: F401  (importable here)
+
+
+def check_trackers(cfg: RunConfig) -> None:
+    """The optional trackers a config asks for are installed (checked before any work)."""
+    if cfg.train.wandb:
+        need_extra("wandb", "wandb", "train.wandb=true")
+    if cfg.train.tensorboard:
+        need_extra("tensorboardX", "tensorboard", "train.tensorboard=true")
 
 
 class WandbTracker:
@@ -40,6 +51,28 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+class TensorBoardTracker:
+    """Writes numeric metrics as TensorBoard scalars and events as text entries, in event files
+    under ``log_dir`` (tensorboardX: no TensorFlow needed)."""
+
+    def __init__(self, log_dir: Path):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(log_dir), flush_secs=30)
+
+    def log(self, step: int, metrics: dict) -> None:
+        for k, v in metrics.items():
+            v = clean_value(v)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                self.writer.add_scalar(k, v, int(step))
+
+    def event(self, kind: str, step: int, **fields: Any) -> None:
+        self.writer.add_text(f"event/{kind}", json.dumps(fields, default=str), int(step))
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class Trackers:

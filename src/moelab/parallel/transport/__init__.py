@@ -9,6 +9,8 @@ here.
 
 - ``expert_cells``: fixed cells per (source, expert); the baseline.
 - ``pooled_wave``: per-destination pools in W waves, in-band ids, sender/receiver limits.
+- ``pooled_global``: the same pools and waves, one global acceptance decision from the
+  all-gathered counts (receiver budgets shared in fixed expert groups; nothing arriving drops).
 - ``ragged``: dropless (``ragged_all_to_all``; an all_to_all emulation on CPU).
 - ``waterfill``: global waterfilling acceptance, then a ragged exchange.
 
@@ -24,11 +26,12 @@ import jax.numpy as jnp
 from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from moelab.model.experts import DropCounts, drop_fractions, drop_totals, grouped_kernel
 from moelab.parallel.mesh import DATA, EXPERT, batch_spec, expert_weight_spec, per_device_spec
-from moelab.parallel.transport import expert_cells, pooled_wave, ragged, waterfill
+from moelab.parallel.transport import expert_cells, pooled_global, pooled_wave, ragged, waterfill
 from moelab.parallel.transport.common import BufferRows, Transport
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
-    pooled_wave.TRANSPORT, expert_cells.TRANSPORT, ragged.TRANSPORT, waterfill.TRANSPORT)}
+    pooled_wave.TRANSPORT, pooled_global.TRANSPORT, expert_cells.TRANSPORT, ragged.TRANSPORT,
+    waterfill.TRANSPORT)}
 DROPLESS = "ragged"  # what runs where nothing may drop: evaluation, and EP 1
 
 __all__ = ["DROPLESS", "TRANSPORTS", "BufferRows", "DropCounts", "Transport", "check_config",

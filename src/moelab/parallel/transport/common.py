@@ -9,7 +9,9 @@ E_l = E/S local experts (global expert e lives on rank e // E_l as local expert 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Callable, NamedTuple
 
 import jax
@@ -59,14 +61,42 @@ def require(cond: bool, field: str, msg: str) -> None:
 
 # ----------------------------------------------------------------------------- capacities
 
+def exact_ratio(cf: float) -> Fraction:
+    """The capacity factor as the decimal the user wrote (1.1 is 11/10, not the float nearest
+    it), so ceil(cf * n / groups) follows the rule exactly."""
+    return Fraction(repr(float(cf)))
+
+
 def capacity(cf: float, n, groups: int):
-    """ceil(cf * n / groups), computed in float32 for both a Python int (a compile-time buffer
-    size) and a traced count (a logical limit), so the two agree exactly when n is the same."""
+    """ceil(cf * n / groups) in exact arithmetic, for a Python int (a compile-time buffer size)
+    and for a traced int32 count (a logical limit) alike, so the two agree whenever n does.
+    (float32 would round ceil(1.2 * 50 / 2) up to 31.)"""
+    r = exact_ratio(cf) / groups
     if isinstance(n, (int, np.integer)):
-        v = np.float32(cf) * np.float32(n) / np.float32(groups)
-        return max(1, int(np.ceil(v)))
-    v = jnp.float32(cf) * n.astype(jnp.float32) / jnp.float32(groups)
-    return jnp.ceil(v).astype(jnp.int32)
+        return max(1, math.ceil(r * int(n)))
+    return _ceil_mul(n.astype(jnp.int32), r.numerator, r.denominator)
+
+
+def _ceil_mul(n, p: int, q: int):
+    """ceil(n * p / q) for a traced int32 n >= 0 without int64: n * p overflows int32 at
+    realistic sizes. Long multiplication over the bits of n with the static quotient and
+    remainder of 2^i * p by q; the running remainder stays below 2q. Bits whose partial
+    quotient passes int32 are skipped: with one of them set the result would not fit either."""
+    if q >= 2**30:
+        raise ValueError(f"capacity ratio {p}/{q}: denominator too large for exact int32 "
+                         "arithmetic; give the capacity factor with fewer decimals")
+    quo = jnp.zeros_like(n)
+    rem = jnp.zeros_like(n)
+    for i in range(31):
+        qi, ri = divmod(p << i, q)
+        if qi >= 2**31:
+            break
+        bit = (n >> i) & 1
+        quo = quo + bit * qi
+        rem = rem + bit * ri
+        carry = (rem >= q).astype(n.dtype)
+        quo, rem = quo + carry, rem - carry * q
+    return quo + (rem > 0).astype(n.dtype)
 
 
 def logical_capacity(cf: float, n_valid, groups: int, physical: int):

@@ -1,0 +1,33 @@
+"""``moelab export``: the command line of the export package."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moelab.config.errors import require
+
+
+def cmd_export(args) -> int:
+    from moelab.export.hf import export
+
+    require(args.step is None or args.step >= 0, f"--step {args.step}",
+            "must be a checkpoint step (>= 0); omit it for the newest")
+    out = Path(args.out)
+    step, n = export(Path(args.run), args.to, out, args.step)
+    print(f"exported {args.run} (step {step}, {n:,} parameters) to {out}/")
+    print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}, "
+          "trust_remote_code=True)")
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("export", help="export a run's checkpoint for other tools (Hugging Face)",
+                       description="Write a run's newest checkpoint (or --step) as a Hugging Face "
+                       "model folder: safetensors weights, config.json, tokenizer files and the "
+                       "PyTorch modeling code (load with trust_remote_code=True). Needs the hf "
+                       "extra: pip install -e '.[hf]'.")
+    p.add_argument("run", help="run folder (e.g. runs/tiny)")
+    p.add_argument("out", help="output folder (new or empty)")
+    p.add_argument("--to", required=True, help="format: hf (Hugging Face transformers)")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    p.set_defaults(fn=cmd_export)

@@ -1,0 +1,171 @@
+"""A run's checkpoint as a Hugging Face model folder (``moelab export RUN --to hf OUT``).
+
+OUT holds ``model.safetensors`` (float32), ``config.json`` (model_type ``moelab``, ``auto_map``
+to the bundled code), ``generation_config.json``, the run's ``tokenizer.json`` with
+``tokenizer_config.json`` and ``special_tokens_map.json``, and ``configuration_moelab.py`` +
+``modeling_moelab.py`` (copied from ``hf_modeling/``), so that
+``transformers.AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` and
+``AutoTokenizer.from_pretrained(OUT)`` load it. Everything is written to a temporary sibling
+folder that is renamed to OUT at the end: OUT is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from moelab.config import ConfigError
+from moelab.config.errors import require
+from moelab.data.tokenizer import eos_id
+from moelab.util import atomic_write_json
+
+HF_MODELING = Path(__file__).parent / "hf_modeling"
+CODE_FILES = ("configuration_moelab.py", "modeling_moelab.py")
+FORMATS = ("hf",)
+# moelab config field -> its config.json name (transformers reads ``top_k`` as a sampling setting)
+RENAMED_FIELDS = {"top_k": "num_experts_per_tok"}
+
+
+def _norm(site: str, path: str) -> dict:
+    """An RMSNorm's scale and its GatedNorm projections (moelab ``{site}_norm``, ``gn_{site}_*``)."""
+    return {f"{site}_norm": (f"{path}.weight", False),
+            f"gn_{site}_down": (f"{path}.gate_down.weight", True),
+            f"gn_{site}_up": (f"{path}.gate_up.weight", True)}
+
+
+# moelab parameter -> (Hugging Face name, transposed?): nn.Linear stores [out, in], moelab
+# [in, out]; norms, short convolutions and the routed experts keep moelab's layout.
+TOP_NAMES = {
+    "embed": ("model.embed_tokens.weight", False),
+    "head": ("lm_head.weight", True),
+    **_norm("embed", "model.embed_norm"),
+    **_norm("final", "model.norm"),
+}
+BLOCK_NAMES = {  # under model.layers.<i>.
+    **_norm("attn", "attn_norm"),
+    **_norm("moe", "moe_norm"),
+    **{f"w{s}": (f"self_attn.{s}_proj.weight", True) for s in "qkvo"},
+    "attn_gate": ("self_attn.gate_proj.weight", True),
+    **{f"conv_{s}": (f"self_attn.conv.{s}.weight", False) for s in "qkv"},
+    **{f"conv_{s}": (f"conv.{s}.weight", False) for s in ("attn", "moe")},
+    "router": ("mlp.router.weight", True),
+    **{w: (f"mlp.experts.{w}", False) for w in ("w_gate", "w_up", "w_down")},
+    "lat_down": ("mlp.lat_down.weight", True),
+    "lat_norm": ("mlp.lat_norm.weight", False),
+    "lat_up": ("mlp.lat_up.weight", True),
+    **{f"sh_{w}": (f"mlp.shared.{w}_proj.weight", True) for w in ("gate", "up", "down")},
+}
+
+
+def _renamed(table: dict, name: str, a) -> tuple[str, np.ndarray]:
+    if name not in table:  # a new model option must be exported on purpose, never dropped
+        raise ConfigError(f"export: parameter {name!r} has no Hugging Face name; add it to "
+                          "moelab.export.hf and hf_modeling/modeling_moelab.py")
+    hf, transpose = table[name]
+    a = np.asarray(a, np.float32)
+    return hf, np.ascontiguousarray(a.T if transpose else a)
+
+
+def hf_tensors(params: dict, model_state: dict) -> dict[str, np.ndarray]:
+    """Every parameter under its Hugging Face name (block stacks split per layer), plus each
+    layer's router balancing bias, float32."""
+    out = dict(_renamed(TOP_NAMES, k, v) for k, v in params.items() if k != "blocks")
+    for k, stacked in params["blocks"].items():
+        for i, a in enumerate(np.asarray(stacked)):
+            name, t = _renamed(BLOCK_NAMES, k, a)
+            out[f"model.layers.{i}.{name}"] = t
+    for i, b in enumerate(np.asarray(model_state["router_bias"], np.float32)):
+        out[f"model.layers.{i}.mlp.router_bias"] = b
+    return out
+
+
+def hf_config(cfg, eos: int, step: int) -> dict:
+    """config.json: the whole moelab model config under its own names, plus what transformers
+    reads (``cfg`` is the run's RunConfig)."""
+    return {
+        "architectures": ["MoelabForCausalLM"],
+        "model_type": "moelab",
+        "auto_map": {"AutoConfig": "configuration_moelab.MoelabConfig",
+                     "AutoModel": "modeling_moelab.MoelabModel",
+                     "AutoModelForCausalLM": "modeling_moelab.MoelabForCausalLM"},
+        **{RENAMED_FIELDS.get(k, k): v for k, v in dataclasses.asdict(cfg.model).items()},
+        "max_position_embeddings": cfg.data.seq_len,  # the context it was trained on
+        "bos_token_id": eos, "eos_token_id": eos,  # documents are separated by end-of-text
+        "dtype": "float32", "use_cache": False, "tie_word_embeddings": False,
+        "moelab_step": step,
+    }
+
+
+def tokenizer_files(tok, seq_len: int) -> dict[str, dict]:
+    """tokenizer_config.json and special_tokens_map.json for the run's tokenizer.json, so that
+    AutoTokenizer loads it as a fast tokenizer with its end-of-text token."""
+    eos = tok.id_to_token(eos_id(tok))
+    return {"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
+                                      "eos_token": eos, "bos_token": eos,
+                                      "model_max_length": seq_len,
+                                      "clean_up_tokenization_spaces": False},
+            "special_tokens_map.json": {"eos_token": eos, "bos_token": eos}}
+
+
+def check_out(out: Path) -> None:
+    require(not out.exists() or (out.is_dir() and not any(out.iterdir())), f"OUT {out}",
+            "exists and is not an empty folder; give a new folder (nothing is overwritten)")
+
+
+def _save_file():
+    """safetensors' writer for numpy arrays (the hf extra; exporting needs no PyTorch)."""
+    try:
+        from safetensors.numpy import save_file
+    except ImportError:
+        raise ConfigError("--to hf: needs the safetensors package; install the extra: "
+                          "pip install -e '.[hf]'") from None
+    return save_file
+
+
+def write_folder(folder: Path, run, run_dir: Path) -> int:
+    """Every file of the export of ``run`` (loaded from ``run_dir``) into ``folder``; returns the
+    parameter count."""
+    tensors = hf_tensors(run.params, run.model_state)
+    _save_file()(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    eos = eos_id(run.tokenizer)
+    atomic_write_json(folder / "config.json", hf_config(run.cfg, eos, run.step))
+    atomic_write_json(folder / "generation_config.json",
+                      {"eos_token_id": eos, "pad_token_id": eos, "use_cache": False})
+    shutil.copyfile(run_dir / "tokenizer.json", folder / "tokenizer.json")
+    for name, obj in tokenizer_files(run.tokenizer, run.cfg.data.seq_len).items():
+        atomic_write_json(folder / name, obj)
+    for name in CODE_FILES:
+        shutil.copyfile(HF_MODELING / name, folder / name)
+    return sum(t.size for k, t in tensors.items() if not k.endswith("router_bias"))
+
+
+def export_hf(run_dir: Path, out: Path, step: int | None = None) -> tuple[int, int]:
+    """Export ``run_dir``'s newest checkpoint (or ``step``) to ``out``; returns (step, params)."""
+    from moelab.serve import load_run  # JAX and orbax: loaded only when exporting
+
+    check_out(out)
+    _save_file()  # a missing extra stops here, before the checkpoint is read
+    run = load_run(run_dir, step=step)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        n = write_folder(tmp, run, run_dir)
+        check_out(out)  # still free: nothing appeared there while we wrote
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return run.step, n
+
+
+def export(run_dir: Path, fmt: str, out: Path, step: int | None = None) -> tuple[int, int]:
+    require(fmt in FORMATS, f"--to {fmt}", f"unknown format; use one of {', '.join(FORMATS)}")
+    return export_hf(run_dir, out, step)

@@ -1,0 +1,58 @@
+"""A transport's drop counts for a routing, on one device.
+
+Drops depend only on the expert ids (and which assignments are valid), so the transport's own
+per-rank function runs on narrow stand-in activations and zero expert weights, with its S ranks
+simulated by ``jax.vmap`` over a named axis: the all_to_alls, all_gathers and psums it calls run
+as batched collectives. The counts are the ones a real EP group of S devices would report
+(tests/test_transport_global.py checks this against shard_map on 8 devices), without needing
+S devices: ``moelab drops`` forecasts with it.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moelab.config import ParallelConfig
+from moelab.model.experts import drop_totals
+from moelab.parallel.transport import get
+
+WIDTH = 8  # stand-in row width: enough for the in-band id header, cheap to move
+
+
+@lru_cache(maxsize=32)
+def _counter(par: ParallelConfig, ranks: int, n_experts: int, tokens: int, k: int):
+    t = get(par.transport)
+    E_l = n_experts // ranks
+    z = jnp.ones((ranks, tokens, WIDTH), jnp.float32)
+    w = {"w_gate": jnp.zeros((ranks, E_l, WIDTH, 1)), "w_up": jnp.zeros((ranks, E_l, WIDTH, 1)),
+         "w_down": jnp.zeros((ranks, E_l, 1, WIDTH))}
+
+    def rank(z_TH, expert_TK, valid_TK, w_local):
+        weight = jnp.ones(expert_TK.shape, jnp.float32)
+        return t.run(z_TH, expert_TK, weight, w_local, n_experts=n_experts, par=par,
+                     kernel=("blocks", 32), valid_TK=valid_TK, axis="expert")[1]
+
+    run = jax.jit(jax.vmap(rank, axis_name="expert"))
+    return lambda expert_STK, valid_STK: run(z, expert_STK, valid_STK, w)
+
+
+def simulate_drops(expert_NK, n_experts: int, par: ParallelConfig, ranks: int,
+                   valid_NK=None) -> dict:
+    """Drop totals (``drop_totals``) of ``par.transport`` for one EP group of ``ranks`` ranks
+    holding expert ids [N, k], rank r the tokens r * N / ranks onward (as ``make_transport_fn``
+    splits a batch); ``valid_NK`` marks real assignments (default: all)."""
+    expert_NK = np.asarray(expert_NK, np.int32)
+    N, k = expert_NK.shape
+    if n_experts % ranks:
+        raise ValueError(f"{ranks} ranks must divide n_experts={n_experts}")
+    valid_NK = np.ones((N, k), bool) if valid_NK is None else np.asarray(valid_NK, bool)
+    if N % ranks:
+        raise ValueError(f"{N} tokens do not split evenly over {ranks} ranks")
+    count = _counter(par, ranks, n_experts, N // ranks, k)
+    stats = count(jnp.asarray(expert_NK.reshape(ranks, -1, k)),
+                  jnp.asarray(valid_NK.reshape(ranks, -1, k)))
+    return drop_totals(stats)

@@ -1,0 +1,95 @@
+"""Matching a checkpoint to its restore target: the saved leaves against the target's paths,
+shapes and dtypes before restoring, the abstract target orbax restores into, and the restored
+tree checked against the target after."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, damaged, or does not match the restore target."""
+
+
+def _key_str(k: Any) -> str:
+    # Orbax stores dicts, namedtuples/dataclasses (by field name) and sequences (by index) as
+    # nested dicts/lists; normalise JAX key paths to the same plain strings.
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _path_str(path: tuple) -> str:
+    return "/".join(_key_str(k) for k in path) or "<root>"
+
+
+def _leaf_spec(x: Any) -> tuple[tuple[int, ...], np.dtype] | None:
+    """(shape, dtype) of an array-like target leaf; None for Python scalars, typed PRNG keys
+    (extended dtypes, which orbax stores its own way) and other leaves."""
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended):
+            return None
+        return tuple(x.shape), np.dtype(x.dtype)
+    return None
+
+
+def check_against_target(saved_tree: Any, target: Any) -> None:
+    """Compare the saved leaves (orbax metadata) with the target by path, shape and dtype."""
+    saved = {
+        _path_str(kp): m
+        for kp, m in jax.tree_util.tree_leaves_with_path(
+            saved_tree, is_leaf=lambda x: isinstance(x, ocp.metadata.Metadata)
+        )
+    }
+    wanted = {_path_str(kp): t for kp, t in jax.tree_util.tree_leaves_with_path(target)}
+    missing = sorted(set(wanted) - set(saved))
+    extra = sorted(set(saved) - set(wanted))
+    problems = []
+    if missing:
+        problems.append(f"not in checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
+    if extra:
+        problems.append(f"in checkpoint but not in target: {extra[:10]}{' ...' if len(extra) > 10 else ''}")
+    for name in sorted(set(saved) & set(wanted)):
+        spec, m = _leaf_spec(wanted[name]), saved[name]
+        if spec is None or not hasattr(m, "shape"):
+            continue
+        shape, dtype = tuple(m.shape), np.dtype(m.dtype) if m.dtype is not None else None
+        if shape != spec[0] or (dtype is not None and dtype != spec[1]):
+            problems.append(f"{name}: checkpoint has {shape} {dtype}, target wants {spec[0]} {spec[1]}")
+    if problems:
+        raise CheckpointError("checkpoint does not match the target: " + "; ".join(problems[:20]))
+
+
+def check_restored(target: Any, restored: Any) -> None:
+    """The restored tree has the target's structure and each array leaf its shape and dtype."""
+    want, got = jax.tree.structure(target), jax.tree.structure(restored)
+    if want != got:
+        raise CheckpointError(f"restored pytree structure differs from the target:\n{got}\nvs\n{want}")
+    for (kp, t), r in zip(jax.tree_util.tree_leaves_with_path(target), jax.tree.leaves(restored)):
+        ts, rs = _leaf_spec(t), _leaf_spec(r)
+        if ts is not None and ts != rs:
+            raise CheckpointError(f"{_path_str(kp)}: restored {rs}, target {ts}")
+
+
+def abstract_leaf(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+        return jax.ShapeDtypeStruct(
+            x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        )
+    return x
+
+
+def match_leaf_type(abstract: Any, r: Any) -> Any:
+    # Orbax picks numpy vs jax from what was saved; return what the target asked for.
+    if isinstance(abstract, jax.ShapeDtypeStruct) and not isinstance(r, jax.Array):
+        return jax.device_put(np.asarray(r), abstract.sharding)
+    if isinstance(abstract, (np.ndarray, np.generic)) and isinstance(r, jax.Array):
+        return np.asarray(r)
+    return r

@@ -1,0 +1,309 @@
+"""Bad input on every command: exit code 2 and one line that names the field, file or option and
+the fix; never a traceback, and no real work first (each case runs `main` in-process and fails
+at once if XLA compiles, the built-in corpus is built or the live page is served)."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from helpers import data_dir, micro_dict  # noqa: F401  (session fixture)
+from moelab.lab import records as rec_mod
+from moelab.runlog import JsonlTracker
+from test_cli import run_main
+
+POINTS = [(1e6, 1e9), (3e6, 2e9), (1e7, 5e9), (3e7, 1e10), (1e8, 3e10), (3e8, 6e10),
+          (1e9, 1e11)]
+
+
+def _law(n: float, d: float) -> float:
+    return 1.7 + 400 / n ** 0.34 + 410 / d ** 0.28
+
+
+def _csv(rows, header: str = "N,D,loss") -> str:
+    return header + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows)
+
+
+def _run_folder(path, metrics: str | bytes | None = None) -> None:
+    """A run folder as `moelab train` leaves it (config and a few metrics; no checkpoints),
+    or with ``metrics`` as the raw metrics.jsonl."""
+    path.mkdir()
+    (path / "config.yaml").write_text(yaml.safe_dump(micro_dict(path.parent / "nodata")))
+    if metrics is None:
+        t = JsonlTracker(path / "metrics.jsonl")
+        t.event("start", 0, host="elsewhere", pid=1)
+        for s in (1, 2, 3):
+            t.log(s, {"train/loss": 5.0 - s / 10, "train/tokens": 128 * s,
+                      "throughput/tokens_per_s": 1000.0})
+        t.close()
+    else:
+        (path / "metrics.jsonl").write_bytes(metrics if isinstance(metrics, bytes)
+                                             else metrics.encode())
+
+
+def _write_runs_and_records(d) -> None:
+    _run_folder(d / "run")
+    _run_folder(d / "shape", '{"step": 1, "train/loss": 3}\n[1, 2]\n')
+    _run_folder(d / "nostep", '{"train/loss": 3}\n')
+    _run_folder(d / "strstep", '{"step": "one", "train/loss": 3}\n')
+    _run_folder(d / "latin1run", b'{"step": 1, "train/loss": 3}\n{"step": 2, "note": "caf\xe9"}\n')
+    _run_folder(d / "diverged", '{"step": 1, "train/loss": 3.5}\n{"step": 2, "train/loss": "nan"}'
+                '\n')
+    path, _ = rec_mod.new_record(d / "lab", "Shape", "h", "g", ["train/loss last <= 9"])
+    rec_mod.attach(path, d / "shape", "shape")
+    (d / "lab2").mkdir()  # a record file in Latin-1
+    (d / "lab2" / "0001-x.md").write_bytes("---\nid: 0001-x\ntitle: caf\xe9\n---\n"
+                                           .encode("latin-1"))
+    (d / "lab3").mkdir()  # a record whose criteria are given twice
+    (d / "lab3" / "0001-x.md").write_text("---\nid: 0001-x\ntitle: t\nhypothesis: h\ngoal: g\n"
+                                          "criteria: [train/loss last <= 9]\ncriteria: []\n---\n")
+
+
+@pytest.fixture(scope="module")
+def where(tmp_path_factory, data_dir):  # noqa: F811
+    """The files the cases name, by placeholder: {d} their folder, {lab} a lab folder with one
+    record, {data} the session's data dir."""
+    d = tmp_path_factory.mktemp("bad")
+    (d / "afile").write_text("not a folder\n")
+    (d / "empty.yaml").write_text("# nothing here\n")
+    (d / "dup.yaml").write_text("train:\n  steps: 5\n  steps: 7\n")
+    (d / "dup_section.yaml").write_text("train: {steps: 5}\nmodel: {}\ntrain: {steps: 6}\n")
+    (d / "bad.yaml").write_text("train: [steps\n")
+    (d / "list.yaml").write_text("- train\n- model\n")
+    (d / "latin1.yaml").write_bytes("train:\n  steps: 5 # caf\xe9\n".encode("latin-1"))
+    good = [(n, dd, round(_law(n, dd), 5)) for n, dd in POINTS]
+    (d / "good.csv").write_text(_csv(good))
+    (d / "same.csv").write_text(_csv([(1e6, 1e9, 3.0)] * 7))
+    (d / "one_n.csv").write_text(_csv([(1e6, dd, round(_law(1e6, dd), 5)) for _, dd in POINTS]))
+    (d / "flat.csv").write_text(_csv([(n, dd, 3.0) for n, dd in POINTS]))
+    (d / "few.csv").write_text(_csv(good[:3]))
+    (d / "neg.csv").write_text(_csv(good[:6] + [(-1, 1e9, 3.0)]))
+    (d / "text.csv").write_text(_csv(good[:6] + [("big", 1e9, 3.0)]))
+    (d / "nocols.csv").write_text(_csv(good, "params,tokens,loss"))
+    (d / "latin1.csv").write_bytes(_csv(good, "N,D,loss,caf\xe9").encode("latin-1"))
+    (d / "tok.json").write_text("{not json")
+    _write_runs_and_records(d)
+    return {"d": str(d), "data": str(data_dir), "lab": str(d / "lab")}
+
+
+RUN = "{d}/run"
+LAB = ["--lab-dir", "{lab}"]
+GEN = ["generate", RUN]
+FIT = ["ladder", "fit", "--points"]
+PLAN8 = ["plan", "tiny", "--devices", "8", "--mfu", "0.2"]
+
+# (argv, expected exit code, phrase the one error line must hold)
+CASES = [
+    # train: the config, its file, the run folder, the data it needs
+    (["train", "tiny", "model.top_k=99"], 2, "model.top_k: must be <= n_experts=8"),
+    (["train", "tiny", "model.d_modle=3"], 2, "model.d_modle: unknown field"),
+    (["train", "tiny", "model.d_model=abc"], 2, "model.d_model: expected an integer"),
+    (["train", "tiny", "train.steps"], 2, "override 'train.steps'"),
+    (["train", "tiny", "train.steps=0"], 2, "train.steps"),
+    (["train", "tiny", "optim.lr=-1"], 2, "optim.lr"),
+    (["train", "tiny", "optim.lr=nan"], 2, "optim.lr"),
+    (["train", "tiny", "data.seq_len=0"], 2, "data.seq_len"),
+    (["train", "tiny", "data.batch_size=-2"], 2, "data.batch_size"),
+    (["train", "tiny", "model.n_experts=0"], 2, "model.n_experts"),
+    (["train", "tiny", "parallel.transport=carrier_pigeon"], 2, "parallel.transport"),
+    (["train", "nopreset"], 2, "'nopreset': no such preset or file"),
+    (["train", "{d}/missing.yaml"], 2, "{d}/missing.yaml: not found"),
+    (["train", "{d}/empty.yaml"], 2, "{d}/empty.yaml: empty"),
+    (["train", "{d}/dup.yaml"], 2, "{d}/dup.yaml: line 3: duplicate key 'steps'"),
+    (["train", "{d}/dup_section.yaml"], 2, "{d}/dup_section.yaml: line 3: duplicate key 'train'"),
+    (["train", "{d}/bad.yaml"], 2, "{d}/bad.yaml: invalid YAML"),
+    (["train", "{d}/list.yaml"], 2, "top level must be a mapping"),
+    (["train", "{d}/latin1.yaml"], 2, "{d}/latin1.yaml: not UTF-8"),
+    (["train", "tiny", "--run-dir", "{d}/afile"], 2, "--run-dir {d}/afile: a file"),
+    (["train", "tiny", "--record", "nope", "--run-dir", "{d}/r1"], 2, "record 'nope'"),
+    (["train", "{d}/run/config.yaml", "data.seq_len=100000", "data.data_dir={data}",
+      "--run-dir", "{d}/r2"], 2, "lower data.seq_len"),
+    # generate: sampling options are checked before the run is loaded
+    ([*GEN, "--top-p", "0"], 2, "--top-p 0.0: must be in (0, 1]"),
+    ([*GEN, "--top-p", "-1"], 2, "--top-p -1.0"),
+    ([*GEN, "--top-p", "1.5"], 2, "--top-p 1.5"),
+    ([*GEN, "--top-p", "nan"], 2, "--top-p nan"),
+    ([*GEN, "--temperature", "nan"], 2, "--temperature nan: must be a number >= 0"),
+    ([*GEN, "--temperature", "-3"], 2, "--temperature -3.0"),
+    ([*GEN, "--temperature", "inf"], 2, "--temperature inf"),
+    ([*GEN, "--max-tokens", "-5"], 2, "--max-tokens -5: must be >= 1"),
+    ([*GEN, "--max-tokens", "0"], 2, "--max-tokens 0"),
+    ([*GEN, "--step", "-1"], 2, "--step -1"),
+    ([*GEN, "--max-tokens", "many"], 2, "argument --max-tokens: invalid int value"),
+    (["generate", "{d}/nothing"], 2, "{d}/nothing: not a run folder"),
+    (["generate", "{d}/afile"], 2, "{d}/afile: not a run folder"),
+    # data build: options checked before any corpus is built
+    (["data", "build", "{d}/nothing", "--out", "{d}/o1"], 2, "not found: {d}/nothing"),
+    (["data", "build", "--vocab", "0", "--out", "{d}/o2"], 2, "--vocab 0"),
+    (["data", "build", "--vocab", "-5", "--out", "{d}/o3"], 2, "--vocab -5"),
+    (["data", "build", "--heldout", "1.5", "--out", "{d}/o4"], 2, "--heldout 1.5"),
+    (["data", "build", "--heldout", "-0.1", "--out", "{d}/o5"], 2, "--heldout -0.1"),
+    (["data", "build", "--tokenizer", "{d}/no.json", "--out", "{d}/o6"], 2,
+     "--tokenizer {d}/no.json: not found"),
+    (["data", "build", "--tokenizer", "{d}/tok.json", "--out", "{d}/o7"], 2,
+     "tokenizer {d}/tok.json: not a valid"),
+    (["data", "build", "--out", "{d}/afile"], 2, "--out {d}/afile: a file"),
+    # plan
+    (["plan", "tiny", "--tokens", "-5"], 2, "--tokens -5"),
+    (["plan", "tiny", "--tokens", "nan"], 2, "--tokens nan"),
+    (["plan", "{d}/empty.yaml"], 2, "{d}/empty.yaml: empty"),
+    (["plan", "{d}/dup.yaml"], 2, "duplicate key 'steps'"),
+    (["plan", "nopreset"], 2, "no such preset or file"),
+    (["plan", "tiny", "--devices", "-3"], 2, "--devices"),
+    ([*PLAN8[:4], "--mfu", "1.5"], 2, "--mfu 1.5"),
+    ([*PLAN8[:4], "--mfu", "-1"], 2, "--mfu"),
+    ([*PLAN8, "--tokens-per-s", "-5"], 2, "--tokens-per-s"),
+    (["plan", "tiny", "--accelerator", "abacus"], 2, "--accelerator abacus: unknown"),
+    (["plan", "tiny", "--accelerator", "custom"], 2, "--peak-flops: required"),
+    (["plan", "tiny", "--peak-flops", "-1"], 2, "--peak-flops -1"),
+    (["plan", "tiny", "--hbm-gib", "-1"], 2, "--hbm-gib -1"),
+    ([*PLAN8, "--ep", "3"], 2, "--ep 3: must divide model.n_experts=8"),
+    ([*PLAN8, "--optimizer", "sgd"], 2, "--optimizer sgd"),
+    ([*PLAN8, "--cf", "0"], 2, "--cf 0"),
+    ([*PLAN8, "--waves", "0"], 2, "--waves 0"),
+    # ladder
+    ([*FIT, "{d}/missing.csv"], 2, "--points {d}/missing.csv: not found"),
+    ([*FIT, "{d}/good.csv", "--boot", "0"], 2, "--boot 0"),
+    ([*FIT, "{d}/good.csv", "--boot", "-3"], 2, "--boot -3"),
+    ([*FIT, "{d}/good.csv", "--level", "7"], 2, "--level 7"),
+    ([*FIT, "{d}/good.csv", "--level", "0"], 2, "--level 0"),
+    ([*FIT, "{d}/good.csv", "--level", "nan"], 2, "--level nan"),
+    ([*FIT, "{d}/same.csv"], 2, "--points {d}/same.csv: column N has 1 distinct value"),
+    ([*FIT, "{d}/one_n.csv"], 2, "--points {d}/one_n.csv: column N has 1 distinct value"),
+    ([*FIT, "{d}/flat.csv"], 2, "--points {d}/flat.csv: column loss has 1 distinct value"),
+    ([*FIT, "{d}/few.csv"], 2, "at least 6 runs"),
+    ([*FIT, "{d}/neg.csv"], 2, "line 8: values must be positive"),
+    ([*FIT, "{d}/text.csv"], 2, "line 8: every value of N, D, loss must be a number"),
+    ([*FIT, "{d}/nocols.csv"], 2, "missing column(s) N, D"),
+    ([*FIT, "{d}/latin1.csv"], 2, "--points {d}/latin1.csv: not UTF-8"),
+    ([*FIT, "{d}/good.csv", "--predict", "N=7e10"], 2, "--predict 'N=7e10'"),
+    ([*FIT, "{d}/good.csv", "--predict", "N=-1,D=5"], 2, "--predict 'N=-1,D=5'"),
+    (["ladder", "fit"], 2, "give a LADDER folder"),
+    (["ladder", "fit", "{d}/nothing"], 2, "{d}/nothing"),
+    (["ladder", "plan", "tiny", "--rungs", "0"], 2, "ladder.rungs: must be >= 2"),
+    (["ladder", "plan", "tiny", "--spacing", "0.5"], 2, "ladder.spacing: must be > 1"),
+    (["ladder", "plan", "tiny", "--top-share", "2"], 2, "ladder.top_share"),
+    (["ladder", "plan", "tiny", "--widths", "abc"], 2, "argument --widths"),
+    (["ladder", "run", "{d}/nothing"], 2, "{d}/nothing"),
+    (["ladder", "guard", "{d}/nothing"], 2, "{d}/nothing"),
+    (["ladder", "guard", RUN, "--patience", "0"], 2, "--patience"),
+    # lab
+    (["lab", "report", "nope", *LAB], 2, "record 'nope': not found"),
+    (["lab", "report", "1", *LAB], 2, "{d}/shape/metrics.jsonl: line 2"),
+    (["lab", "show", "1", *LAB], 2, "{d}/shape/metrics.jsonl: line 2"),
+    (["lab", "show", "1", "--lab-dir", "{d}/lab2"], 2, "{d}/lab2/0001-x.md: not UTF-8 text"),
+    (["lab", "list", "--lab-dir", "{d}/lab3"], 2, "0001-x.md: front matter: line 7: duplicate "
+     "key 'criteria'"),
+    (["lab", "new", " ", "--hypothesis", "h", "--goal", "g", "--criterion", "train/loss <= 1",
+      *LAB], 2, "title: must not be empty"),
+    (["lab", "new", "t", "--hypothesis", "", "--goal", "g", "--criterion", "train/loss <= 1",
+      *LAB], 2, "--hypothesis: must not be empty"),
+    (["lab", "new", "t", "--hypothesis", "h", "--goal", "g", "--criterion", "loss is low",
+      *LAB], 2, "loss is low"),
+    (["lab", "new", "t", "--hypothesis", "h", "--goal", "g", "--criterion", "train/loss <= 1",
+      "--min-steps", "-1", *LAB], 2, "--min-steps: must be >= 0"),
+    (["lab", "attach", "1", RUN, "--arm", "bad arm!", *LAB], 2, "--arm 'bad arm!'"),
+    (["lab", "live", "{d}/nothing", "{d}/run"], 2, "{d}/nothing: not a run folder or record"),
+    (["lab", "live", RUN, "--refresh", "0"], 2, "--refresh"),
+    (["lab", "live", RUN, "--port", "70000"], 2, "--port 70000"),
+    (["lab", "live", "{d}/latin1run", "--port", "0"], 2, "{d}/latin1run/metrics.jsonl: line 2"),
+    # operations
+    (["history", "{d}/shape"], 2, "{d}/shape/metrics.jsonl: line 2: not a metrics record"),
+    (["history", "{d}/nostep"], 2, "{d}/nostep/metrics.jsonl: line 1"),
+    (["history", "{d}/strstep"], 2, "{d}/strstep/metrics.jsonl: line 1"),
+    (["history", "{d}/latin1run"], 2, "{d}/latin1run/metrics.jsonl: line 2: not UTF-8"),
+    (["history", "{d}/nothing"], 2, "{d}/nothing"),
+    (["replan", "{d}/nothing", "--end-steps", "9"], 2, "{d}/nothing/config.yaml: not found"),
+    (["replan", RUN], 2, "nothing to change"),
+    (["replan", RUN, "--end-steps", "-5"], 2, "--end-steps -5"),
+    (["replan", RUN, "--end-tokens", "lots"], 2, "--end-tokens: 'lots'"),
+    (["replan", RUN, "--deadline", "soon"], 2, "deadline: 'soon'"),
+    (["replan", RUN, "--mixture", "prose"], 2, "mixture: 'prose'"),
+    (["replan", RUN, "--seq-len", "0"], 2, "--seq-len 0"),
+    (["replan", RUN, "--end-steps", "20", "--floor", "2"], 2, "--floor 2"),
+    (["branch", RUN, "--at", "7", "--cooldown", "1M", "--dry-run"], 2,
+     "--at 7: {d}/run has no checkpoint"),
+    (["branch", RUN, "--at", "7", "--cooldown", "lots"], 2, "--cooldown: 'lots'"),
+    (["resume", "{d}/nothing"], 2, "{d}/nothing/config.yaml: not found"),
+    (["resume", RUN, "model.top_k=99"], 2, "model.top_k: must be <= n_experts=4"),
+    (["history", "{d}/afile"], 2, "{d}/afile"),
+    # accepted: the phrase is in the output
+    (["history", "{d}/diverged"], 0, "nan"),
+    ([*FIT, "{d}/good.csv", "--boot", "20"], 0, "from 7 runs (central 90%"),
+    (["plan", "tiny", "--tokens", "0"], 0, "tiny: total"),
+]
+
+
+class Reached(Exception):
+    """Raised where a refused input must never get to: the case fails at once, no work done."""
+
+
+@pytest.fixture
+def refuse_work(monkeypatch):
+    """Bad input must stop before any real work: an XLA compilation, building the built-in
+    corpus or serving the live page each fail the case at once instead of running."""
+    from jax._src import monitoring
+
+    from moelab.data import corpus
+    from moelab.lab import live
+
+    def compiled(event, _duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            raise Reached("XLA compiled before the input was refused")
+
+    def reached(what):
+        def stop(*_args, **_kw):
+            raise Reached(f"{what} before the input was refused")
+        return stop
+
+    monkeypatch.setattr(corpus, "build_builtin_corpus", reached("built the built-in corpus"))
+    monkeypatch.setattr(live.ThreadingHTTPServer, "serve_forever", reached("served the page"))
+    monitoring.register_event_duration_secs_listener(compiled)
+    yield
+    monitoring.unregister_event_duration_listener(compiled)
+
+
+def _case_id(case) -> str:
+    return " ".join(case[0])[:60]
+
+
+@pytest.mark.parametrize("argv, code, phrase", CASES, ids=map(_case_id, CASES))
+def test_bad_input_is_one_clear_line(argv, code, phrase, where, capsys, refuse_work):
+    rc, out, err = run_main([a.format(**where) for a in argv], capsys)
+    lines = err.strip().splitlines()
+    assert "Traceback" not in out + err
+    assert rc == code, err
+    if code == 0:
+        assert phrase in out
+        return
+    assert lines and lines[-1].startswith("moelab") and ": error: " in lines[-1], err
+    assert phrase.format(**where) in lines[-1]
+    assert all(line.startswith(("usage:", " ")) for line in lines[:-1]), err  # argparse's usage
+
+
+def test_the_table_covers_every_command():
+    commands = {argv[0] for argv, _, _ in CASES}
+    assert {"train", "data", "plan", "ladder", "generate", "lab", "history", "replan",
+            "branch", "resume"} <= commands and len(CASES) >= 60
+
+
+def test_a_context_longer_than_every_stream_names_data_seq_len(data_dir):  # noqa: F811
+    from moelab.config import config_from_dict
+    from moelab.data.corpus import DataError
+    from moelab.data.prepare import prepare_data
+    from moelab.data.sampler import MixtureSampler
+    from moelab.data.store import TokenStore
+
+    data = config_from_dict(micro_dict(data_dir)).data
+    store = TokenStore(prepare_data(data, 512, verbose=False).store_dir)
+    with pytest.raises(DataError, match=r"data.seq_len: 100000000 needs windows of 100000001 "
+                                        r"tokens, and the longest train stream has \d+"):
+        MixtureSampler(store, seq_len=100_000_000, batch_size=2)
+
+
+def test_a_metrics_line_cut_inside_a_character_is_skipped_like_any_cut_line(tmp_path):
+    from moelab.runlog import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "train/loss": 3}\n{"step": 2, "note": "caf\xc3')
+    assert read_metrics(path) == ([{"step": 1, "train/loss": 3}], [])
