@@ -158,35 +158,13 @@ def routing_for(run_dir: Path | str, tokens_BT, layer: int):
 
 # ----------------------------------------------------------------------------- held-out text
 
-def heldout_store(run_dir: Path | str):
-    """The run's token store (the built-in corpus tokenized by the run's tokenizer)."""
-    from moelab.data.prepare import prepare_data
-    from moelab.data.store import TokenStore
-
-    cfg, _, _ = load(str(run_dir))
-    return TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False).store_dir)
-
-
-def heldout_blocks(run_dir: Path | str, block: int) -> tuple[np.ndarray, list[str]]:
-    """Every held-out domain's stream cut into consecutive blocks of ``block`` tokens (documents
-    packed with EOS separators, as in training): int32 [n, block] and each block's domain."""
-    from moelab.data.sampler import eval_windows
-
-    store = heldout_store(run_dir)
-    blocks, domains = [], []
-    for d in store.domains("heldout"):
-        if store.n_tokens("heldout", d) < block + 1:
-            continue
-        w, _ = eval_windows(store, d, block, store.n_tokens("heldout", d))
-        blocks.append(w[:, :-1])
-        domains += [d] * len(w)
-    return np.concatenate(blocks), domains
-
-
 def heldout_batch(run_dir: Path | str, n_seqs: int, seq_len: int, seed: int = 0) -> np.ndarray:
     """``n_seqs`` held-out windows of ``seq_len`` tokens drawn without replacement from all
     domains (shuffled with ``seed``): int32 [n_seqs, seq_len]."""
-    blocks, _ = heldout_blocks(run_dir, seq_len)
+    from moelab.ops.drops import heldout_spans
+
+    cfg, _, _ = load(str(run_dir))
+    blocks = heldout_spans(cfg, seq_len)
     if n_seqs > len(blocks):
         raise ValueError(f"held-out text has only {len(blocks)} windows of {seq_len} tokens")
     return blocks[np.random.default_rng(seed).permutation(len(blocks))[:n_seqs]]

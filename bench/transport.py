@@ -32,7 +32,8 @@ latent inputs, the combine weights and the expert weights):
 
 Table 2: drops of the capacity-limited transports over a capacity-factor sweep on the same
 routing (all layers); pooled_wave uses cf_s = cf_r = cf. Drops depend only on the expert ids,
-so the sweep runs the transports forward on narrow stand-in activations and weights.
+so the sweep runs each transport's drop rule on one device (moelab.parallel.transport.simulate,
+the same counts as the 8 devices give).
 
 With 64 experts on 8 ranks, a rank holds E_l = 8 experts, which 3 waves cannot divide; W = 4
 (2 experts per wave, like the reference's 6 experts in 3 waves) stands in for W = 3. The
@@ -65,6 +66,8 @@ from moelab.parallel.mesh import make_mesh, shard_batch, shard_expert_weights  #
 from moelab.config import ParallelConfig  # noqa: E402
 from moelab.model.experts import drop_totals  # noqa: E402
 from moelab.parallel import transport  # noqa: E402
+from moelab.parallel.transport.simulate import simulate_drops  # noqa: E402
+from moelab.planner.memory import transport_memory  # noqa: E402
 
 KERNEL = ("blocks", 32)  # grouped expert compute of the dropless transports: blocks of 32 rows
 
@@ -164,14 +167,15 @@ def time_interleaved(rows: list[dict], args_t, reps: int) -> None:
 
 def design_memory(tcfg: ParallelConfig, T: int, k: int, E: int, S: int, H: int, I: int,
                   itemsize: int) -> dict:
-    """The memory formula's split (planner.memory.transport_memory): payload rows (kept for
-    the backward, plus one wave's send and return buffers, H wide) and one wave's receiver
-    bank (input, output, gate/up/hidden: 2H + 3I per row), in MiB."""
-    r = transport.get(tcfg.transport).rows(tcfg, T * k, S, E // S, H)
-    payload = (r.kept + r.send + r.back) * H * itemsize / MiB
-    bank = r.bank * (2 * H + 3 * I) * itemsize / MiB
-    return {"payload_design_mib": payload, "bank_design_mib": bank,
-            "transport_design_mib": payload + bank}
+    """The memory formula (planner.memory.transport_memory, what `moelab plan` prints) split
+    into payload (kept for the backward, plus one wave's send and return buffers) and one
+    wave's receiver bank with its activations, in MiB."""
+    fields = {f: getattr(tcfg, f) for f in transport.get(tcfg.transport).fields}
+    t = transport_memory(tcfg.transport, tokens=T, top_k=k, n_experts=E, ranks=S, width=H,
+                         expert_dim=I, itemsize=itemsize, **fields)
+    bank = t["bank_rows"] * (2 * H + 3 * I) * itemsize
+    return {"payload_design_mib": (t["peak"] - bank) / MiB, "bank_design_mib": bank / MiB,
+            "transport_design_mib": t["peak"] / MiB}
 
 
 def offrank_rows(expert_NK, S: int, E: int) -> np.ndarray:
@@ -181,27 +185,27 @@ def offrank_rows(expert_NK, S: int, E: int) -> np.ndarray:
     return ((e // (E // S)) != src).sum(axis=1).reshape(S, -1).sum(axis=1)
 
 
-def ep_degrees(layers, n_tok: int, E: int, G: int, W: int) -> list[dict]:
+def drops_over_layers(layers, tcfg: ParallelConfig, E: int, ranks: int) -> Counter:
+    """Drop totals over every layer's routing, one EP group of ``ranks`` (simulated on one
+    device: drops depend only on the expert ids)."""
+    tot = Counter()
+    for layer in layers:
+        tot.update(simulate_drops(np.asarray(layer[1]), E, tcfg, ranks))
+    return tot
+
+
+def ep_degrees(layers, E: int, G: int, W: int) -> list[dict]:
     """Drops of pooled_global and waterfill on the same batch at EP 2, 4 and 8, each as one EP
-    group (EP devices, data = 1): pooled_global's budget decision does not depend on EP."""
+    group: pooled_global's budget decision does not depend on EP."""
     out = []
     for ep in (2, 4, 8):
-        mesh = make_mesh(expert=ep, devices=jax.devices()[:ep])
-        z = shard_batch(jnp.ones((n_tok, 8), jnp.float32), mesh)
-        w = shard_expert_weights({"w_gate": jnp.zeros((E, 8, 1)), "w_up": jnp.zeros((E, 8, 1)),
-                                  "w_down": jnp.zeros((E, 1, 8))}, mesh)
         row = {"ep": ep}
         for key, tcfg in (("global", ParallelConfig(transport="pooled_global", sender_cf=2.0,
                                                      receiver_cf=1.10, waves=W, budget_group=G)),
                           ("waterfill", ParallelConfig(transport="waterfill",
                                                        capacity_factor=1.10))):
-            f = jax.jit(make_transport_fn(mesh, tcfg))
-            tot = Counter()
-            for a in layers:
-                tot.update(drop_totals(f(z, shard_batch(a[1], mesh), shard_batch(a[2], mesh),
-                                         w)[1]))
-            n = tot["assignments"]
-            row[key] = tot["dropped"] / n
+            tot = drops_over_layers(layers, tcfg, E, ep)
+            row[key] = tot["dropped"] / tot["assignments"]
             row[f"{key}_counts"] = dict(tot)
         c = row["global_counts"]
         row["global_str"] = (f"{row['global']:.3%} ({c['sender_dropped']} + "
@@ -337,9 +341,6 @@ def main() -> None:
     # ---------------------------------------------------------------- capacity-factor sweep
     print("capacity-factor sweep (forward only, all layers) ...", flush=True)
     pooled_w = [w for w in args.waves if w != 1][:1] + [1]
-    z_dummy = shard_batch(jnp.ones((n_tok, 8), jnp.float32), mesh)
-    w_dummy = shard_expert_weights({"w_gate": jnp.zeros((E, 8, 1)), "w_up": jnp.zeros((E, 8, 1)),
-                                    "w_down": jnp.zeros((E, 1, 8))}, mesh)
     sweep = []
     for cf in (1.0, 1.05, 1.10, 1.25, 1.5):
         row = {"cf": cf}
@@ -350,10 +351,7 @@ def main() -> None:
         cfgs["waterfill"] = ParallelConfig(transport="waterfill", capacity_factor=cf)
         cfgs["expert_cells"] = ParallelConfig(transport="expert_cells", capacity_factor=cf)
         for key, tcfg in cfgs.items():
-            f = jax.jit(make_transport_fn(mesh, tcfg))
-            tot = Counter()
-            for a in per_layer:  # drops depend only on the routing: narrow stand-ins for z, w
-                tot.update(drop_totals(f(z_dummy, a[1], a[2], w_dummy)[1]))
+            tot = drops_over_layers(layers, tcfg, E, S)
             n = tot["assignments"]
             row[key] = tot["dropped"] / n
             row[f"{key}_sender"] = tot["sender_dropped"] / n
@@ -363,7 +361,7 @@ def main() -> None:
                                      f"{100 * row[key + '_receiver']:.2f})")
         sweep.append(row)
 
-    by_ep = ep_degrees(layers, n_tok, E, G, args.waves[0])
+    by_ep = ep_degrees(layers, E, G, args.waves[0])
     runtime = time.time() - t_start
     meta = dict(by_ep=by_ep, router_run=run, router_steps=args.router_steps, ranks=S, n_experts=E, top_k=k,
                 latent_H=H, expert_I=m.expert_dim, tokens_per_rank=args.tokens_per_rank,

@@ -132,13 +132,12 @@ def at_context(cfg: RunConfig, step: int) -> RunConfig:
 
 def transports(cfg: RunConfig, names: list[str] | None, ranks: int) -> dict[str, ParallelConfig]:
     """The run's parallel config with each named transport, at ``ranks`` ranks; checked."""
-    from moelab.parallel.transport import TRANSPORTS, get
+    from moelab.parallel.transport import get
 
     out = {}
     for name in names or [cfg.parallel.transport]:
-        get(name)
         par = replace(cfg.parallel, transport=name, expert=ranks, devices=ranks)
-        TRANSPORTS[name].check(par, cfg.model.n_experts // ranks)
+        get(name).check(par, cfg.model.n_experts // ranks)
         out[name] = par
     return out
 

@@ -23,27 +23,24 @@ def skewed_routing(n_sources: int, T: int, E: int, k: int, seed: int = 0, zipf: 
     return np.argsort(-logits, axis=1)[:, :k].astype(np.int32)
 
 
-def measure_drops(cfgs: dict, ep: int = 8, T: int = 256, E: int = 48, k: int = 4, H: int = 16,
-                  I: int = 8, seed: int = 0, zipf: float = 0.6, source_pref: float = 0.8) -> dict:
-    """{name: drop_totals} for each ParallelConfig in ``cfgs`` on the same skewed routing."""
-    import jax
-    import jax.numpy as jnp
+def measure_drops(cfgs: dict, ep: int = 8, T: int = 256, E: int = 48, k: int = 4,
+                  seed: int = 0, zipf: float = 0.6, source_pref: float = 0.8) -> dict:
+    """{name: drop_totals} for each ParallelConfig in ``cfgs`` on the same skewed routing: one
+    source per visible device, in EP groups of ``ep`` (each simulated on one device)."""
+    from collections import Counter
 
-    from moelab.parallel.mesh import make_mesh
-    from moelab.model.experts import drop_totals
-    from moelab.parallel.transport import make_transport_fn
+    import jax
+
+    from moelab.parallel.transport.simulate import simulate_drops
 
     n_dev = len(jax.devices())
-    mesh = make_mesh(expert=ep)
-    expert = jnp.asarray(skewed_routing(n_dev, T, E, k, seed, zipf, source_pref))
-    z = jnp.ones((n_dev * T, H), jnp.float32)
-    weight = jnp.ones(expert.shape, jnp.float32)
-    w = {"w_gate": jnp.zeros((E, H, I)), "w_up": jnp.zeros((E, H, I)),
-         "w_down": jnp.zeros((E, I, H))}
+    groups = skewed_routing(n_dev, T, E, k, seed, zipf, source_pref).reshape(-1, ep * T, k)
     out = {}
     for name, cfg in cfgs.items():
-        _, stats = jax.jit(make_transport_fn(mesh, cfg))(z, expert, weight, w)
-        out[name] = drop_totals(stats)
+        tot = Counter()
+        for expert in groups:
+            tot.update(simulate_drops(expert, E, cfg, ep))
+        out[name] = dict(tot)
     return out
 
 

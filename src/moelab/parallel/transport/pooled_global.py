@@ -160,9 +160,9 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
     q_A = start_BE[gb_A, expert_A] + r_A
     wave_A = q_A % W
     a_A = start_BE[me * b_l, expert_A]  # where this source's run for the expert starts
-    slot_A = off_SEW[me, expert_A, wave_A] + in_wave(q_A, wave_A, W) - in_wave(a_A, wave_A, W)
-    sent_A = accepted_A & (slot_A < off_SEW[me, expert_A, wave_A] + sent_SEW[me, expert_A,
-                                                                             wave_A])
+    off_A = off_SEW[me, expert_A, wave_A]  # where this run's wave starts in its pool
+    slot_A = off_A + in_wave(q_A, wave_A, W) - in_wave(a_A, wave_A, W)
+    sent_A = accepted_A & (slot_A < off_A + sent_SEW[me, expert_A, wave_A])
     dest_A = expert_A // E_l
     sent_here = sent_SEW.reshape(S, S, E_l, W)[:, me]  # [source, local expert, wave]
 
