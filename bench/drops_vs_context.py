@@ -37,16 +37,18 @@ from common import RESULTS, print_table, save
 from trained_router import RUN_DIR, STEPS, load, trained_run
 
 from moelab.config import ParallelConfig
-from moelab.ops.drops import at_context, forecast
+from moelab.ops.drops import at_context, forecast, heldout_spans, pick_spans, route_spans, routing_fn
+from moelab.ops.placement import fit_placement
+from moelab.parallel.transport import get
 
 BRANCH_AT, COOLDOWN_STEPS = 135, 48
 RANKS, PER_RANK = 8, 4096
 
 
-def transports(waves: int) -> dict[str, ParallelConfig]:
+def transports(waves: int, global_cf: float = 1.10) -> dict[str, ParallelConfig]:
     mk = lambda **kw: ParallelConfig(expert=RANKS, devices=RANKS, waves=waves, **kw)
     return {"pooled_wave": mk(transport="pooled_wave", sender_cf=1.10, receiver_cf=1.15),
-            "pooled_global": mk(transport="pooled_global", sender_cf=2.0, receiver_cf=1.10,
+            "pooled_global": mk(transport="pooled_global", sender_cf=2.0, receiver_cf=global_cf,
                                 budget_group=8),
             "waterfill": mk(transport="waterfill", capacity_factor=1.10),
             "expert_cells": mk(transport="expert_cells", capacity_factor=1.25)}
@@ -70,6 +72,22 @@ def extended_run(L: int, tokens_per_step: int) -> Path:
     return out
 
 
+PLACED = ("pooled_global", "pooled_wave")  # the transports whose limits group experts
+
+
+def placements_per_length(cfg, params, state, pars, lengths, batches, seed) -> dict:
+    """{L: {name: slots}}: what `moelab branch --seq-len L --place-experts 8` would fit, on
+    the held-out spans the measured batches do not use, in units of L tokens."""
+    span = max(lengths)
+    spans = heldout_spans(cfg, span)
+    _, rest = pick_spans(len(spans), RANKS * PER_RANK // span, batches, seed)
+    ids = route_spans(routing_fn(cfg), params, state, spans[rest], cfg.data.seq_len)
+    ids = ids.reshape(ids.shape[0], -1, ids.shape[-1])
+    E = cfg.model.n_experts
+    return {L: {n: fit_placement(ids, E, get(pars[n].transport).group(pars[n], E // RANKS),
+                                 L)["slots"] for n in PLACED} for L in lengths}
+
+
 def rates(rows: list[dict], L: int, names) -> dict:
     row = next(r for r in rows if r["seq_len"] == L)
     return {n: row[n] for n in names}
@@ -81,32 +99,40 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4, help="batches of 8 x 4096 held-out tokens")
     ap.add_argument("--waves", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--global-cf", type=float, default=1.10,
+                    help="pooled_global's receiver cf (another value saves "
+                    "drops_vs_context_cf<CF>.{json,png})")
     args = ap.parse_args()
     t_start = time.time()
     run = str(trained_run(STEPS))
     cfg, params, state = load(run)
     base, span = cfg.data.seq_len, max(args.lengths)
-    pars = transports(args.waves)
-    names = list(pars)
+    pars = transports(args.waves, args.global_cf)
+    name = "drops_vs_context" + ("" if args.global_cf == 1.10 else f"_cf{args.global_cf:g}")
+    names = list(pars) + [f"{n} placed" for n in PLACED]
     common = dict(ranks=RANKS, tokens_per_rank=PER_RANK, batches=args.batches, seed=args.seed,
                   span=span)
     print(f"EP {RANKS} (simulated), {cfg.model.n_experts} experts top-{cfg.model.top_k}, "
           f"{PER_RANK} tokens/rank, {args.batches} batches; trained at {base}", flush=True)
-    fc = forecast(cfg, params, state, args.lengths, pars, **common)
+    slots = placements_per_length(cfg, params, state, pars, args.lengths, args.batches,
+                                  args.seed)
     rows = []
     for L in args.lengths:
         t0 = time.time()
         at_L = replace(cfg, data=replace(cfg.data, seq_len=L))
-        untrained = rates(forecast(at_L, params, state, [L], pars, **common), L, names)
+        fc = rates(forecast(cfg, params, state, [L], pars, placed=slots[L], **common), L, names)
+        untrained = rates(forecast(at_L, params, state, [L], pars, placed=slots[L], **common),
+                          L, names)
         if L == base:
-            extended = rates(fc, L, names)
+            extended = fc
         else:
             ecfg, eparams, estate = load(str(extended_run(L, cfg.data.batch_size * base)))
             ecfg = at_context(ecfg, ecfg.train.steps)
-            extended = rates(forecast(ecfg, eparams, estate, [L], pars, **common), L, names)
+            extended = rates(forecast(ecfg, eparams, estate, [L], pars, placed=slots[L],
+                                      **common), L, names)
         row = {"seq_len": L, "x_base": L // base, "seqs_per_rank": PER_RANK // L}
         for n in names:
-            f = rates(fc, L, names)[n]
+            f = fc[n]
             row[f"{n}_forecast"], row[f"{n}_extended"] = f["drop"], extended[n]["drop"]
             row[f"{n}_untrained"] = untrained[n]["drop"]
             row[f"{n}_error"] = f["drop"] / extended[n]["drop"] - 1 if extended[n]["drop"] else 0.0
@@ -121,9 +147,11 @@ def main() -> None:
         for n in names:
             r[f"{n}_growth"] = (r[f"{n}_extended"] / first[f"{n}_extended"]
                                 if first[f"{n}_extended"] else None)
-    png = plot(rows, names)
+        for n in PLACED:  # against the drops the unplaced model has at the base context
+            r[f"{n} placed_vs_unplaced_base"] = r[f"{n} placed_extended"] / first[f"{n}_extended"]
+    png = plot(rows, names, name)
     runtime = time.time() - t_start
-    save("drops_vs_context", rows, router_run=run, ranks=RANKS, tokens_per_rank=PER_RANK,
+    save(name, rows, router_run=run, ranks=RANKS, tokens_per_rank=PER_RANK,
          batches=args.batches, trained_seq_len=base, branch_at=BRANCH_AT,
          cooldown_steps=COOLDOWN_STEPS, transports={k: vars(c) for k, c in pars.items()},
          plot=str(png), runtime_s=runtime)
@@ -135,7 +163,12 @@ def main() -> None:
     for n in names:
         cols += [(f"{n}_extended", f"{n}", ".2%"), (f"{n}_forecast", "forecast", ".2%"),
                  (f"{n}_error", "error", "+.0%"), (f"{n}_growth", "growth", ".2f")]
-    print_table(rows, cols)
+    print_table(rows, cols[:2 + 4 * len(pars)])
+    print()
+    print("Experts re-placed at each length (as `moelab branch --seq-len L --place-experts 8`); "
+          "vs base = drops / the unplaced transport's drops at the base context")
+    print_table(rows, cols[:2] + cols[2 + 4 * len(pars):] + [
+        (f"{n} placed_vs_unplaced_base", f"{n} vs base", ".2f") for n in PLACED])
     print()
     print("Untrained positions (the 256-trained model run at L without extension):")
     print_table(rows, [("seq_len", "seq len", "d")] + [(f"{n}_untrained", n, ".2%")
@@ -143,7 +176,7 @@ def main() -> None:
     print(f"plot: {png}\ntotal runtime {runtime:.0f}s")
 
 
-def plot(rows: list[dict], names: list[str]):
+def plot(rows: list[dict], names: list[str], name: str):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -166,7 +199,7 @@ def plot(rows: list[dict], names: list[str]):
                  "and forecast", fontsize=9)
     fig.tight_layout()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / "drops_vs_context.png"
+    out = RESULTS / f"{name}.png"
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out

@@ -177,3 +177,36 @@ def small_model(**kw):
     base = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                 n_experts=8, top_k=2, expert_dim=32, latent_dim=16, shared_dim=32, moe_block=8)
     return ModelConfig(**{**base, **kw})
+
+
+# A model with every architecture option on (the large presets' options, small shapes).
+ALL_OPTIONS = dict(
+    vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
+    rope_fraction=0.5, sliding_window=4, global_every=2, global_kv_heads=1, global_rope=False,
+    qk_norm=True, qk_norm_scale=1.3, xsa=True, attn_gate=True, conv_sites="q,k,v,attn,moe",
+    conv_kernel=3, gated_norm_rank=4, embed_norm=True, n_experts=6, top_k=2, expert_dim=16,
+    latent_dim=16, n_shared=2, shared_dim=16, router="quantile", combine_sum=2.5, moe_block=8)
+
+
+def random_train_state(cfg, seed: int) -> dict:
+    """A train state of ``cfg``'s shapes with random values everywhere, norms near one and the
+    balancing bias included: an untrained model's zero gates, identity convolutions and unit
+    norms would hide mistakes in those paths. Made with numpy (eager JAX ops on every leaf
+    would dominate the test's time)."""
+    import jax
+    import numpy as np
+
+    from moelab.train.step import init_train_state
+
+    rng = np.random.default_rng(seed)
+    shapes = jax.eval_shape(lambda: init_train_state(cfg, jax.random.PRNGKey(0)))
+
+    def fill(path, s):
+        if not np.issubdtype(s.dtype, np.floating):
+            return np.zeros(s.shape, s.dtype)
+        x = 0.1 * rng.standard_normal(s.shape)
+        return (x + 1.0 if str(path[-1].key).endswith("norm") else x).astype(s.dtype)
+
+    state = jax.tree_util.tree_map_with_path(fill, shapes)
+    state["model_state"]["router_bias"] *= 3.0
+    return state

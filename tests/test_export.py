@@ -17,7 +17,8 @@ from moelab.config import ModelConfig, config_from_dict, load_config, save_confi
 from moelab.data.tokenizer import EOS_TOKEN
 from moelab.model.transformer import forward
 from moelab.train.checkpoint import Checkpointer
-from moelab.train.step import init_train_state
+
+from helpers import ALL_OPTIONS, random_train_state
 
 try:  # the hf extra, which ./install.sh installs: a missing one fails the tests, never skips
     import torch
@@ -25,13 +26,6 @@ try:  # the hf extra, which ./install.sh installs: a missing one fails the tests
 except ImportError as e:  # pragma: no cover
     raise ImportError(f"{e}: the export tests need the hf extra: pip install -e '.[hf]'") from e
 
-# A model with every architecture option on (the large presets' options, small shapes).
-ALL_OPTIONS = dict(
-    vocab_size=300, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=8,
-    rope_fraction=0.5, sliding_window=4, global_every=2, global_kv_heads=1, global_rope=False,
-    qk_norm=True, qk_norm_scale=1.3, xsa=True, attn_gate=True, conv_sites="q,k,v,attn,moe",
-    conv_kernel=3, gated_norm_rank=4, embed_norm=True, n_experts=6, top_k=2, expert_dim=16,
-    latent_dim=16, n_shared=2, shared_dim=16, router="quantile", combine_sum=2.5, moe_block=8)
 TOL = 1e-4  # float32: logits of order 1 agree to a few 1e-6
 
 
@@ -47,31 +41,12 @@ def _tokenizer():
     return tok
 
 
-def _random_state(cfg, seed: int) -> dict:
-    """A train state of ``cfg``'s shapes with random values everywhere, norms near one and the
-    balancing bias included: an untrained model's zero gates, identity convolutions and unit
-    norms would hide mistakes in those paths. Made with numpy (eager JAX ops on every leaf
-    would dominate the test's time)."""
-    rng = np.random.default_rng(seed)
-    shapes = jax.eval_shape(lambda: init_train_state(cfg, jax.random.PRNGKey(0)))
-
-    def fill(path, s):
-        if not np.issubdtype(s.dtype, np.floating):
-            return np.zeros(s.shape, s.dtype)
-        x = 0.1 * rng.standard_normal(s.shape)
-        return (x + 1.0 if str(path[-1].key).endswith("norm") else x).astype(s.dtype)
-
-    state = jax.tree_util.tree_map_with_path(fill, shapes)
-    state["model_state"]["router_bias"] *= 3.0
-    return state
-
-
 def _make_run(run: Path, cfg, seed: int = 0) -> dict:
     """A run folder as training leaves it: config.yaml, tokenizer.json, one checkpoint."""
     run.mkdir(parents=True)
     save_config(cfg, run / "config.yaml")
     (run / "tokenizer.json").write_text(_tokenizer().to_str())
-    state = _random_state(cfg, seed)
+    state = random_train_state(cfg, seed)
     with Checkpointer(run / "checkpoints") as ckpt:
         ckpt.save(7, state, {"step": 7})
     return state

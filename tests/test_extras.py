@@ -17,7 +17,8 @@ from moelab.config import ConfigError, load_config
 from moelab.config.errors import need_extra
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONAL = {"wandb": "wandb", "tensorboard": "tensorboardX", "parquet": "pyarrow"}
+OPTIONAL = {"wandb": "wandb", "tensorboard": "tensorboardX", "parquet": "pyarrow",
+            "datasets": "datasets", "eval": "lm_eval"}
 
 
 def _name(requirement: str) -> str:
@@ -37,11 +38,13 @@ def test_pyproject_has_ranges_and_the_extras_and_constraints_pin_them():
     pinned = {_name(line) for line in (ROOT / "constraints.txt").read_text().splitlines()
               if "==" in line}
     wanted = {_name(r) for r in base} | {_name(r) for e in ("wandb", "tensorboard", "parquet",
-                                                            "corpus") for r in extras[e]}
+                                                            "corpus", "datasets", "eval")
+                                                 for r in extras[e]}
     assert wanted <= pinned, f"pin these in constraints.txt: {sorted(wanted - pinned)}"
     install = (ROOT / "install.sh").read_text()
     line = next(x for x in install.splitlines() if "-c constraints.txt -e" in x)
-    assert all(e in line for e in ("corpus", "wandb", "tensorboard", "parquet", "dev"))
+    assert all(e in line for e in ("corpus", "wandb", "tensorboard", "parquet", "dev",
+                                         "datasets", "eval"))
 
 
 @pytest.fixture
@@ -86,6 +89,20 @@ def test_parquet_without_pyarrow_names_the_extra(missing, tmp_path, capsys):
     assert "pip install 'moelab[parquet]'" in err and not (tmp_path / "out").exists()
 
 
+def test_eval_and_hf_formats_without_their_extras_name_them(missing, tmp_path, capsys):
+    missing.update({"lm_eval", "datasets"})
+    rc = main(["eval", str(tmp_path), "--tasks", "moelab_local"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "pip install 'moelab[eval]'" in err and "Traceback" not in err
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl").write_text('{"text": "some text"}\n')
+    rc = main(["data", "build", str(tmp_path / "in"), "--format", "hf-files",
+               "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "pip install 'moelab[datasets]'" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
 def _event_records(path: Path) -> list[bytes]:
     """The records of a TensorBoard event file (TFRecord framing: length, crc, data, crc)."""
     data, out, i = path.read_bytes(), [], 0
@@ -97,7 +114,6 @@ def _event_records(path: Path) -> list[bytes]:
 
 
 def test_tensorboard_tracker_writes_scalars_and_events(tmp_path):
-    pytest.importorskip("tensorboardX")
     from tensorboardX.proto.event_pb2 import Event
 
     from moelab.train.setup import _open_trackers

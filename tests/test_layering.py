@@ -31,6 +31,7 @@ RANKS = {
     "ops": 7,  # may use ladder (forecasts)
     "lab": 7,  # may use ladder (derived series)
     "export": 7,  # reads runs through serve
+    "harness": 7,  # `moelab eval`: reads runs through serve
     "cli": 8,
 }
 

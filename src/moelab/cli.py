@@ -19,6 +19,7 @@ from moelab.ops.cli import register as register_ops
 from moelab.ops.drops import register as register_drops
 from moelab.export.cli import register as register_export
 from moelab.train.checkpoint import CheckpointError
+from moelab.util import is_url, url_fs
 
 EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE arguments after the config, "
                     "e.g. `moelab train tiny train.steps=100 model.n_experts=16`.")
@@ -53,9 +54,15 @@ def cmd_train(args) -> int:
         from moelab.parallel.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id)
-    run_dir = Path(args.run_dir or Path("runs") / Path(source).stem)
-    require(not run_dir.exists() or run_dir.is_dir(), f"--run-dir {run_dir}",
-            "a file is in the way; give a folder (it is created when missing)")
+    if is_url(args.run_dir):  # gs://, s3://...: mirrored through a local copy (train/remote.py)
+        url_fs(args.run_dir)  # an unknown protocol or a missing package, before any work
+        require(not args.record, f"--record {args.record}", "reads the run folder from this "
+                "disk; give a local --run-dir, or drop --record")
+        run_dir = args.run_dir
+    else:
+        run_dir = Path(args.run_dir or Path("runs") / Path(source).stem)
+        require(not run_dir.exists() or run_dir.is_dir(), f"--run-dir {run_dir}",
+                "a file is in the way; give a folder (it is created when missing)")
     if args.record:
         from moelab.lab.cli import attach_from_train
 
@@ -84,10 +91,30 @@ def cmd_generate(args) -> int:
     from moelab.serve import load_run
 
     check_sampling(args)
-    run = load_run(Path(args.run), step=args.step)
+    run = load_run(args.run if is_url(args.run) else Path(args.run), step=args.step)
     text = run.generate(args.prompt, args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed)
     print(args.prompt + text)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from moelab.harness.evaluate import (default_output, evaluate_run, format_results,
+                                         save_results, split_tasks)
+
+    from moelab.util import is_url
+
+    require(args.output or not is_url(args.run), "--output", f"{args.run} is a URL: name a "
+            "local results file (--output FILE)")
+    results = evaluate_run(args.run if is_url(args.run) else Path(args.run),
+                           split_tasks(args.tasks), limit=args.limit,
+                           batch_size=args.batch_size, num_fewshot=args.num_fewshot,
+                           step=args.step, include_paths=[Path(p) for p in args.include_path])
+    print(format_results(results))
+    out = Path(args.output) if args.output else default_output(
+        Path(args.run), split_tasks(args.tasks), results["moelab"]["step"])
+    save_results(results, out)
+    print(f"results: {out}")
     return 0
 
 
@@ -110,15 +137,19 @@ def cmd_data_build(args) -> int:
             raise FileNotFoundError(f"--tokenizer {args.tokenizer}: not found; give an existing "
                                     "tokenizer.json or omit --tokenizer to train one")
         vocab = vocab_needed(load_tokenizer(args.tokenizer))
-    if args.inputs:
-        manifest = corpus.build_user_corpus([Path(p) for p in args.inputs], out / "corpus",
-                                            heldout_fraction=args.heldout)
+    require(args.inputs or (args.format, args.text_field, args.split) == ("files", "text", ""),
+            "--format/--text-field/--split", "read your INPUT paths; give them")
+    if args.inputs:  # strings: Path() would mangle gs://, memory:// URLs
+        manifest = corpus.build_user_corpus(args.inputs, out / "corpus",
+                                            heldout_fraction=args.heldout, fmt=args.format,
+                                            text_field=args.text_field, split=args.split)
     else:
         manifest = corpus.build_builtin_corpus(out / "corpus", heldout_fraction=args.heldout)
     print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
     own = out / OWN_TOKENIZER
     own.unlink(missing_ok=True)  # a rebuild chooses its tokenizer again
-    prep = prepare_data(DataConfig(data_dir=str(out), tokenizer=args.tokenizer or ""), vocab)
+    prep = prepare_data(DataConfig(data_dir=str(out), tokenizer=args.tokenizer or ""), vocab,
+                        progress=not args.no_progress)
     print(f"corpus: {prep.corpus_dir}\ntokenizer: {prep.tokenizer_path}\n"
           f"token store: {prep.store_dir}")
     if args.inputs or args.tokenizer:  # the folder's own tokenizer: training uses it
@@ -240,7 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moelab", description="Train sparse Mixture-of-Experts "
                                 "language models in the open.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_train, _add_config, _add_generate, _add_data, _add_plan):
+    for add in (_add_train, _add_config, _add_generate, _add_eval, _add_data,
+                _add_plan):
         add(sub)
     ps = sub.add_parser("presets", help="list the built-in presets")
     ps.set_defaults(fn=cmd_presets)
@@ -259,7 +291,8 @@ def _add_train(sub) -> None:
                        epilog=config_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
     t.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
-    t.add_argument("--run-dir", help="run folder (default: runs/<config name>)")
+    t.add_argument("--run-dir", help="run folder, or a URL such as gs://bucket/runs/x "
+                   "(default: runs/<config name>)")
     t.add_argument("--record", help="attach this run to an experiment record (id, number or "
                    "file; see `moelab lab`)")
     t.add_argument("--arm", help="the run's arm name in the record (default: run folder name)")
@@ -286,7 +319,7 @@ def _add_config(sub) -> None:
 
 def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="sample text from a trained run")
-    g.add_argument("run", help="run folder (e.g. runs/tiny)")
+    g.add_argument("run", help="run folder or URL (e.g. runs/tiny, gs://bucket/runs/tiny)")
     g.add_argument("--prompt", default="The ", help="text to continue")
     g.add_argument("--max-tokens", type=int, default=100, help="new tokens to sample (>= 1)")
     g.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
@@ -297,14 +330,48 @@ def _add_generate(sub) -> None:
     g.set_defaults(fn=cmd_generate)
 
 
+def _add_eval(sub) -> None:
+    e = sub.add_parser("eval", help="score a trained run on lm-evaluation-harness tasks",
+                       description="Run lm-evaluation-harness tasks (offline) on a run's "
+                       "checkpoint: moelab's local tasks (group moelab_local), task YAML "
+                       "folders given with --include-path, or harness built-ins whose data "
+                       "is already cached. Prints the results table and saves the JSON in "
+                       "RUN/eval/. Needs the eval extra: pip install -e '.[eval]'.")
+    e.add_argument("run", help="run folder (e.g. runs/tiny)")
+    e.add_argument("--tasks", required=True, help="comma-separated task or group names, "
+                   "e.g. moelab_local or moelab_choice,moelab_heldout")
+    e.add_argument("--limit", type=int, default=None, help="at most N examples per task")
+    e.add_argument("--batch-size", type=int, default=8, help="requests per forward pass")
+    e.add_argument("--num-fewshot", type=int, default=None,
+                   help="few-shot examples in each prompt (default: each task's own)")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    e.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a folder of extra task YAML files (repeatable)")
+    e.add_argument("--output", help="results JSON (default: RUN/eval/<tasks>-step<N>.json)")
+    e.set_defaults(fn=cmd_eval)
+
+
 def _add_data(sub) -> None:
+    from moelab.config.data import DATA_FORMATS
+
     d = sub.add_parser("data", help="corpus, tokenizer and token store")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     b = dsub.add_parser("build", help="build a corpus (built-in, or your own files), train a "
                         "tokenizer and tokenize", description="Without INPUT paths: the built-in "
                         "corpus from installed packages. With paths: your .txt/.md files, .jsonl "
-                        "(field 'text', optional 'domain') and .parquet (column 'text').")
-    b.add_argument("inputs", nargs="*", help="your own files or folders")
+                        "(field 'text', optional 'domain') and .parquet (column 'text'), or "
+                        "Hugging Face datasets (--format). Paths may be gs://, s3://, memory:// "
+                        "or file:// URLs (read through fsspec).")
+    b.add_argument("inputs", nargs="*", help="your own files or folders (or URLs)")
+    b.add_argument("--format", default="files", choices=DATA_FORMATS,
+                   help="files: moelab's readers (default); hf-disk: folders written by "
+                   "datasets' save_to_disk; hf-files: .json/.jsonl/.csv/.parquet/.txt through "
+                   "datasets' builders; hf-stream: the same, streamed")
+    b.add_argument("--text-field", default="text",
+                   help="the field/column holding each document's text (default: text)")
+    b.add_argument("--split", default="", help="datasets split to read (hf-*; default: train, "
+                   "or the only one)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     b.add_argument("--out", default="data/builtin", help="output folder (default: data/builtin)")
     b.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size to train")
     b.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")

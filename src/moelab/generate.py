@@ -1,17 +1,33 @@
 """Sampling text from a trained model (temperature and nucleus/top-p sampling).
 
-The context is a fixed-size window of ``seq_len`` tokens, so one compiled forward serves every
-position; longer texts slide the window. No KV cache: simple and fast enough for the CPU presets.
+The context is at most ``seq_len`` tokens (the trained context): a longer text keeps its last
+``seq_len`` tokens, at positions 0 .. seq_len - 1. ``make_sampler`` decodes with a KV cache
+(moelab.model.decode): the prompt is prefilled in one pass (padded to a power-of-two bucket,
+so a handful of compiled shapes serve every prompt), then each new token costs one position's
+work against a fixed-size cache of ``seq_len`` positions. Once the text fills the window, each
+further token is one full forward over the last ``seq_len`` tokens, as without a cache: the
+window drops its oldest token and every position shifts, so every cached key changes (later
+positions attended to the dropped token) and re-prefilling is all an exact result allows.
+``make_sampler(cfg, seq_len, cache=False)`` is the uncached reference: that full forward for
+every token. ``programs`` exposes the compiled prefill / step / window for other callers.
 """
 
 from __future__ import annotations
+
+import functools
+import numbers
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import ModelConfig
+from moelab.model import decode
 from moelab.model import transformer as tr
+from moelab.model.loss import head_logits
+
+MIN_BUCKET = 16  # smallest prefill length: shorter prompts share one compiled shape
 
 
 def top_p_filter(logits_V, top_p: float):
@@ -23,33 +39,108 @@ def top_p_filter(logits_V, top_p: float):
     return jnp.where(keep, logits_V, -jnp.inf)
 
 
-def make_sampler(cfg: ModelConfig, seq_len: int):
+def pick(row_V, key, temperature, top_p):
+    """The next token from one row of logits: argmax at temperature 0, else a top-p sample."""
+    greedy = jnp.argmax(row_V)
+    row = top_p_filter(row_V / jnp.maximum(temperature, 1e-6), top_p)
+    sampled = jax.random.categorical(key, row)
+    return jnp.where(temperature <= 0, greedy, sampled).astype(jnp.int32)
+
+
+def prefill_bucket(n: int, seq_len: int) -> int:
+    """Padded prefill length for ``n`` tokens: the next power of two >= n, within
+    [MIN_BUCKET, seq_len]."""
+    return min(seq_len, max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length()))
+
+
+class Programs(NamedTuple):
+    """The compiled programs behind a sampler of ``seq_len`` positions. Each returns the next
+    token (``pick``) and the logits row [V] it was picked from; all take (..., key, temperature,
+    top_p) last.
+
+    - ``prefill(params, state, tokens_1P, n, ...) -> (token, row, cache)``: the first ``n`` of
+      the padded tokens into a fresh cache (P = ``prefill_bucket(n, seq_len)``).
+    - ``step(params, state, cache, token, pos, ...) -> (token, row, cache)``: one token at
+      ``pos`` (< seq_len); the cache is donated, so it is updated in place.
+    - ``window(params, state, tokens_1S, n, ...) -> (token, row)``: one full forward over the
+      first ``n`` of ``seq_len`` padded tokens (the uncached path, and every token once the
+      window is full).
+    """
+
+    prefill: Callable
+    step: Callable
+    window: Callable
+
+
+@functools.lru_cache(maxsize=8)
+def programs(cfg: ModelConfig, seq_len: int) -> Programs:
+    """The compiled programs for ``cfg`` and ``seq_len`` (memoised: serve, evaluation and
+    tests share them; each compiles once per input shape)."""
+    if not isinstance(seq_len, numbers.Integral) or seq_len < 1:
+        raise ValueError(f"generate: seq_len={seq_len!r} must be a positive integer (the "
+                         "trained context, data.seq_len)")
+
+    def row_pick(x_1TD, n, params, key, temperature, top_p):
+        row = head_logits(x_1TD[0, n - 1], params["head"])
+        return pick(row, key, temperature, top_p), row
+
     @jax.jit
-    def next_token(params, state, window_1T, pos, key, temperature, top_p):
-        logits, _ = tr.forward(params, state, window_1T, cfg)
-        row = logits[0, pos]
-        greedy = jnp.argmax(row)
-        row = top_p_filter(row / jnp.maximum(temperature, 1e-6), top_p)
-        sampled = jax.random.categorical(key, row)
-        return jnp.where(temperature <= 0, greedy, sampled).astype(jnp.int32)
+    def prefill(params, state, tokens_1P, n, key, temperature, top_p):
+        cache = decode.init_cache(cfg, 1, seq_len)
+        x, cache = decode.extend(params, state, cache, tokens_1P, 0, n, cfg)
+        return *row_pick(x, n, params, key, temperature, top_p), cache
+
+    @functools.partial(jax.jit, donate_argnums=2)
+    def step(params, state, cache, tok, pos, key, temperature, top_p):
+        x, cache = decode.extend(params, state, cache, tok.reshape(1, 1), pos, 1, cfg)
+        return *row_pick(x, 1, params, key, temperature, top_p), cache
+
+    @jax.jit
+    def window(params, state, tokens_1S, n, key, temperature, top_p):
+        x, _ = tr.forward_hidden(params, state, tokens_1S, cfg)
+        return row_pick(x, n, params, key, temperature, top_p)
+
+    return Programs(prefill, step, window)
+
+
+def padded(ids: list[int], length: int):
+    """[1, length] int32 with ``ids`` first and zeros after."""
+    out = np.zeros((1, length), np.int32)
+    out[0, : len(ids)] = ids
+    return jnp.asarray(out)
+
+
+@functools.lru_cache(maxsize=8)
+def make_sampler(cfg: ModelConfig, seq_len: int, cache: bool = True):
+    """``sample(params, state, prompt_ids, n_new, *, temperature, top_p, seed, stop_id)`` ->
+    the new token ids (stopping before ``stop_id``). ``cache=False``: the uncached reference.
+    Memoised, so repeated callers (serve, evaluation) reuse the compiled programs."""
+    prog = programs(cfg, seq_len)
 
     def sample(params, state, prompt_ids: list[int], n_new: int, *, temperature: float = 0.8,
                top_p: float = 0.95, seed: int = 0, stop_id: int | None = None) -> list[int]:
         # An empty prompt starts after a document separator, as the model saw in training.
         ids = list(prompt_ids) or [stop_id if stop_id is not None else 0]
         key = jax.random.PRNGKey(seed)
+        t, p = jnp.float32(temperature), jnp.float32(top_p)
         out: list[int] = []
+        filled, kv, tok = 0, None, None  # cache positions in use; the cache; the last token
         for _ in range(n_new):
-            ctx = ids[-seq_len:]
-            window = np.zeros((1, seq_len), np.int32)
-            window[0, : len(ctx)] = ctx
             key, sub = jax.random.split(key)
-            tok = int(next_token(params, state, jnp.asarray(window), len(ctx) - 1, sub,
-                                 jnp.float32(temperature), jnp.float32(top_p)))
-            if stop_id is not None and tok == stop_id:
+            ctx = ids[-seq_len:]
+            if not cache or len(ids) >= seq_len:  # a full window: no cached position stays valid
+                tok, _ = prog.window(params, state, padded(ctx, seq_len), len(ctx), sub, t, p)
+            elif filled:
+                tok, _, kv = prog.step(params, state, kv, tok, filled, sub, t, p)
+                filled += 1
+            else:
+                bucket = prefill_bucket(len(ctx), seq_len)
+                tok, _, kv = prog.prefill(params, state, padded(ctx, bucket), len(ctx), sub, t, p)
+                filled = len(ctx)
+            if stop_id is not None and int(tok) == stop_id:
                 break
-            ids.append(tok)
-            out.append(tok)
+            ids.append(int(tok))
+            out.append(int(tok))
         return out
 
     return sample

@@ -14,6 +14,7 @@ from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
 from moelab.generate import make_sampler
 from moelab.train.checkpoint import Checkpointer, CheckpointError
 from moelab.train.step import init_train_state
+from moelab.util import is_url
 
 
 @dataclass
@@ -33,7 +34,14 @@ class LoadedRun:
         return decode(self.tokenizer, out)
 
 
-def load_run(run_dir: Path, step: int | None = None) -> LoadedRun:
+def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
+    """The run in ``run_dir`` (a folder, or a URL such as gs://... whose config, tokenizer and
+    checkpoint are first copied here) at checkpoint ``step`` (the newest usable by default)."""
+    if is_url(run_dir):
+        from moelab.train.remote import fetch_run
+
+        run_dir = fetch_run(str(run_dir), step)
+    run_dir = Path(run_dir)
     cfg_path = run_dir / "config.yaml"
     if not cfg_path.exists():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "

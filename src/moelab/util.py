@@ -80,3 +80,30 @@ def decode_utf8(data: bytes, source: str) -> str:
 def read_utf8(path: Path | str, source: str | None = None) -> str:
     """A text file's contents; undecodable bytes are a ValueError naming the file."""
     return decode_utf8(Path(path).read_bytes(), source or str(path))
+
+
+# --- fsspec URLs (gs://, s3://, memory://, file://): corpora and run folders off this disk ---
+
+_PROTOCOL_PACKAGE = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "s3a": "s3fs", "az": "adlfs",
+                     "abfs": "adlfs", "hf": "huggingface_hub"}
+
+
+def is_url(path: Path | str) -> bool:
+    """Whether ``path`` names an fsspec location (``proto://...``) rather than a local path."""
+    return "://" in str(path)
+
+
+def url_fs(url: str):
+    """(fsspec filesystem, path inside it) for ``url``; a clear error when the protocol is
+    unknown or its implementation is not installed (e.g. gs:// needs gcsfs)."""
+    try:
+        import fsspec
+    except ImportError:
+        raise ValueError(f"{url}: remote paths need fsspec: pip install 'moelab[datasets]'") from None
+    protocol = str(url).split("://", 1)[0]
+    try:
+        return fsspec.core.url_to_fs(str(url))
+    except (ImportError, ValueError) as e:
+        package = _PROTOCOL_PACKAGE.get(protocol)
+        fix = f"pip install {package}" if package else "use gs://, s3://, file:// or memory://"
+        raise ValueError(f"{url}: cannot open {protocol}:// paths ({e}); {fix}") from None

@@ -8,6 +8,10 @@ from typing import NamedTuple
 
 from moelab.config.errors import require
 
+# How data.source is read (`moelab data build --format`): moelab's own readers, or Hugging Face
+# `datasets` (a save_to_disk folder; data files through its builders, loaded or streamed)
+DATA_FORMATS = ("files", "hf-disk", "hf-files", "hf-stream")
+
 
 @dataclass(frozen=True)
 class MixtureChange:
@@ -53,6 +57,12 @@ class DataConfig:
     """The data: corpus folder, tokenizer, batch shape, domain mixture and its changes."""
 
     data_dir: str = "data/builtin"  # corpus + tokenizer + token store live here
+    # your corpus (file, folder or gs://, s3://, memory:// URL), built into data_dir when its
+    # corpus is missing; "" = the built-in corpus
+    source: str = ""
+    format: str = "files"  # how source is read: files, hf-disk, hf-files or hf-stream
+    text_field: str = "text"  # the field (JSONL, datasets column) that holds each document
+    split: str = ""  # the datasets split to read (hf-*); "" = train, or the only one
     tokenizer: str = ""  # path to a tokenizer.json; "" = train a BPE into data_dir
     seq_len: int = 256  # tokens per training sequence
     batch_size: int = 32  # sequences per step
@@ -90,6 +100,12 @@ class DataConfig:
                    for g, end in zip(segs, ends))
 
     def validate(self, p: str = "data") -> None:
+        require(self.format in DATA_FORMATS, f"{p}.format",
+                f"must be one of {', '.join(DATA_FORMATS)}")
+        require(bool(self.text_field.strip()), f"{p}.text_field",
+                "name the field holding the text, e.g. text")
+        require(not self.split or self.format != "files", f"{p}.split",
+                "only for the hf-* formats (Hugging Face datasets); leave it empty for files")
         require(self.seq_len > 0, f"{p}.seq_len", "must be > 0")
         require(self.batch_size > 0, f"{p}.batch_size", "must be > 0")
         _check_mixture(self.mixture, f"{p}.mixture")

@@ -11,8 +11,9 @@ manifest.json is written last, so a folder without it is an unfinished build. Bu
 deterministic: the same inputs give byte-identical files. Documents are split train/held-out by
 a hash of their id, so a document is never in both splits (except a domain's only document, whose
 end is held out) and the split does not depend on order.
-How the inputs become documents is in ``builtin_docs`` (the built-in sources) and ``user_docs``
-(text, JSONL and Parquet files).
+How the inputs become documents is in ``builtin_docs`` (the built-in sources), ``user_docs``
+(text, JSONL and Parquet files, local or behind fsspec URLs) and ``hf_docs`` (Hugging Face
+``datasets``).
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from moelab.config.data import DATA_FORMATS
 from moelab.config.errors import need_extra
 from moelab.data.builtin_docs import CODE_CAP, bible_docs, code_docs, prose_docs, shakespeare_docs
-from moelab.data.user_docs import clean_domain, file_docs, input_files
+from moelab.data.hf_docs import hf_docs
+from moelab.data.user_docs import clean_domain, file_docs, folder_name, input_files, resolve_input
 from moelab.util import atomic_write_json, info, open_atomic, sha256_file
 
 SPLITS = ("train", "heldout")
@@ -293,38 +296,69 @@ def build_builtin_corpus(corpus_dir: Path | str, heldout_fraction: float = 0.02)
 # users' own corpora
 
 
+def _check_options(fmt: str, text_field: str, split: str) -> None:
+    if fmt not in DATA_FORMATS:
+        raise DataError(f"format {fmt!r} (--format, data.format): must be one of "
+                        f"{', '.join(DATA_FORMATS)}")
+    if not text_field.strip():
+        raise DataError("text field (--text-field, data.text_field) is empty; name the field "
+                        "holding the text, e.g. text")
+    if split and fmt == "files":
+        raise DataError(f"split {split!r} (--split, data.split): only for the hf-* formats "
+                        "(Hugging Face datasets); drop it, or give --format hf-disk/hf-files")
+
+
 def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | str,
-                      heldout_fraction: float = 0.02, domain: str | None = None) -> dict:
+                      heldout_fraction: float = 0.02, domain: str | None = None,
+                      fmt: str = "files", text_field: str = "text", split: str = "") -> dict:
     """Build a corpus from your own files and return its manifest.
 
-    Inputs: text files (any suffix; one document per file), ``.jsonl`` (one document per line,
-    field ``text``, optional ``domain``) and ``.parquet`` (column ``text``, optional ``domain``).
+    Inputs are local paths or fsspec URLs (gs://, s3://, memory://, file://), read as ``fmt``:
+    ``files``: text files (any suffix; one document per file), ``.jsonl`` (one document per
+    line, field ``text_field``, optional ``domain``) and ``.parquet`` (the same as columns);
+    ``hf-disk``: folders written by datasets' ``save_to_disk``; ``hf-files``/``hf-stream``:
+    .json/.jsonl/.csv/.parquet/.txt files through datasets' builders, converted to Arrow or
+    streamed. ``split`` picks a datasets split (default ``train``, or the only one).
     Folders are walked recursively in sorted order. A record's own domain wins; otherwise
-    ``domain``; otherwise the name of the folder holding the file. Bad inputs (empty, binary,
-    non-UTF-8, malformed JSON, missing ``text``) are skipped, counted in the manifest and
-    summarised on stderr; if nothing usable remains, DataError (a ValueError) is raised.
-    Document ids name their origin ("books/a.txt", "web/x.jsonl line 7", "t.parquet row 3").
+    ``domain``; otherwise the name of the folder holding the file (of a saved dataset: its
+    own). Bad inputs (empty, binary, non-UTF-8, malformed JSON, missing text) are skipped,
+    counted in the manifest and summarised on stderr; if nothing usable remains, DataError
+    (a ValueError) is raised. Document ids name their origin ("books/a.txt", "web/x.jsonl
+    line 7", "t.parquet row 3").
     """
-    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    _check_options(fmt, text_field, split)
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     if not paths:
         raise DataError("build_user_corpus: no input paths given")
-    missing = [str(p) for p in paths if not p.exists()]
+    inputs = [resolve_input(p) for p in paths]  # a URL's filesystem must be installed
+    missing = [str(p) for p, i in zip(paths, inputs) if i is None]
     if missing:
         raise DataError(f"input path(s) not found: {', '.join(missing)}")
-    parquet = next((p for p, _ in input_files(paths) if p.suffix.lower() == ".parquet"), None)
-    if parquet is not None:  # before any work: which extra reads it
-        need_extra("pyarrow", "parquet", f"{parquet}: reading Parquet files")
+    if fmt != "files":
+        need_extra("datasets", "datasets", f"--format {fmt}: reading Hugging Face datasets")
+    else:
+        parquet = next((p for p, _ in input_files(inputs) if p.suffix.lower() == ".parquet"),
+                       None)
+        if parquet is not None:  # before any work: which extra reads it
+            need_extra("pyarrow", "parquet", f"{parquet}: reading Parquet files")
     skips: Skips = []
     default = clean_domain(domain) if domain else None
+    corpus_dir = Path(corpus_dir)
+    corpus_dir.mkdir(parents=True, exist_ok=True)
 
     def docs() -> Iterator[dict]:
-        for path, name in input_files(paths):
-            dom = default or clean_domain(path.absolute().parent.name)
-            yield from file_docs(path, name, dom, skips)
+        if fmt != "files":
+            with tempfile.TemporaryDirectory(prefix=".hf-cache.", dir=corpus_dir) as scratch:
+                yield from hf_docs(inputs, fmt, text_field, split, default, skips, Path(scratch))
+            return
+        for path, name in input_files(inputs):
+            dom = default or clean_domain(folder_name(path))
+            yield from file_docs(path, name, dom, skips, text_field)
 
-    manifest = write_corpus(corpus_dir, docs(), heldout_fraction,
-                            {"kind": "user", "sources": [str(p) for p in paths]}, skips,
+    fields = {"kind": "user", "sources": [str(p) for p in paths], "format": fmt,
+              "text_field": text_field, **({"split": split} if split else {})}
+    manifest = write_corpus(corpus_dir, docs(), heldout_fraction, fields, skips,
                             what=", ".join(map(str, paths)))
     if skips:
-        info(_skip_summary(skips) + f" (details in {Path(corpus_dir) / 'manifest.json'})")
+        info(_skip_summary(skips) + f" (details in {corpus_dir / 'manifest.json'})")
     return manifest

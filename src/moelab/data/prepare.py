@@ -2,7 +2,8 @@
 
 Layout under ``data.data_dir``::
 
-    corpus/             train.jsonl, heldout.jsonl, manifest.json
+    corpus/             train.jsonl, heldout.jsonl, manifest.json (built from data.source, or
+                        the built-in corpus when it is empty)
     tokenizer-<V>.json  byte-level BPE trained on the corpus (unless data.tokenizer is given)
     tokenizer.json      the folder's own tokenizer, written by `moelab data build` for your
                         corpus; training uses it (the built-in corpus keeps one per size)
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from moelab.config import ConfigError, DataConfig, RunConfig
 from moelab.data import corpus, store, tokenizer
-from moelab.util import info, sha256_file
+from moelab.util import info, is_url, sha256_file
 
 DEFAULT_VOCAB = 4096  # a new tokenizer's size when model.vocab_size is 0
 OWN_TOKENIZER = "tokenizer.json"  # a data folder's own tokenizer (`moelab data build` writes it)
@@ -34,15 +35,39 @@ class PreparedData:
     store_dir: Path
 
 
-def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True) -> PreparedData:
+def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
+    """The corpus of ``data.source`` (the built-in one when empty), or a check that the one
+    there was built from it."""
+    if (corpus_dir / "manifest.json").exists():
+        m = corpus.load_manifest(corpus_dir)
+        built = [str(s) for s in m.get("sources", [])] if m.get("kind") == "user" else []
+        if dcfg.source and [_norm(s) for s in built] != [_norm(dcfg.source)]:
+            raise ConfigError(f"data.source={dcfg.source}: the corpus in {corpus_dir} was built "
+                              f"from {', '.join(built) or 'the built-in sources'}; set another "
+                              "data.data_dir, or delete that corpus folder to rebuild it")
+        return
+    t = time.time()
+    if dcfg.source:
+        say(f"building the corpus of {dcfg.source} ({dcfg.format}) in {corpus_dir} ...")
+        m = corpus.build_user_corpus([dcfg.source], corpus_dir, fmt=dcfg.format,
+                                     text_field=dcfg.text_field, split=dcfg.split)
+    else:
+        say(f"building the built-in corpus in {corpus_dir} ...")
+        m = corpus.build_builtin_corpus(corpus_dir)
+    say(f"  corpus ready in {time.time() - t:.0f}s ({_describe(m)})")
+
+
+def _norm(source: str) -> str:
+    return source.rstrip("/") if is_url(source) else str(Path(source))
+
+
+def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,
+                 progress: bool = True) -> PreparedData:
+    """``progress``: a tokenizing progress bar on stderr (when verbose and a terminal)."""
     root = Path(dcfg.data_dir)
     corpus_dir = root / "corpus"
     say = info if verbose else (lambda _msg: None)
-    if not (corpus_dir / "manifest.json").exists():
-        t = time.time()
-        say(f"building the built-in corpus in {corpus_dir} ...")
-        m = corpus.build_builtin_corpus(corpus_dir)
-        say(f"  corpus ready in {time.time() - t:.0f}s ({_describe(m)})")
+    _build_corpus(dcfg, corpus_dir, say)
     tok_path = given_tokenizer(dcfg)
     if tok_path is None:
         vocab_size = vocab_size or DEFAULT_VOCAB
@@ -61,7 +86,7 @@ def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True) -> Pre
                           f"least {needed}")
     store_dir = root / f"tokens-{sha256_file(tok_path)[:10]}"
     t = time.time()
-    store.ensure_token_store(corpus_dir, tok, store_dir)  # rebuilds only when stale
+    store.ensure_token_store(corpus_dir, tok, store_dir, progress and verbose)  # if stale
     if time.time() - t > 1:
         say(f"  token store ready in {store_dir} in {time.time() - t:.0f}s")
     return PreparedData(corpus_dir, tok_path, store_dir)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 import time
 from contextlib import ExitStack
-from itertools import islice
 from pathlib import Path
 from typing import Iterator
 
@@ -28,12 +29,39 @@ from moelab.data.tokenizer import encode_batch, eos_id, load_tokenizer, tokenize
 from moelab.util import atomic_write_json, info, open_atomic
 
 FORMAT = 1
-_BATCH_DOCS = 256  # documents per encode call: enough to keep both cores busy
+_BATCH_DOCS = 256  # documents per encode call: enough to keep every core busy
+_BATCH_CHARS = 8 << 20  # and at most ~8M characters, so batches of books stay small in memory
 
 
-def _batches(docs: Iterator[dict], size: int) -> Iterator[list[dict]]:
-    while batch := list(islice(docs, size)):
+def _batches(docs: Iterator[dict], size: int, chars: int = _BATCH_CHARS) -> Iterator[list[dict]]:
+    batch, n = [], 0
+    for doc in docs:
+        batch.append(doc)
+        n += len(doc["text"])
+        if len(batch) == size or n >= chars:
+            yield batch
+            batch, n = [], 0
+    if batch:
         yield batch
+
+
+class _NoBar:
+    def update(self, _n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """A progress bar over ``total`` bytes on stderr, shown only when ``enabled`` and stderr is
+    a terminal (logs and pipes get the one-line summary instead)."""
+    if not (enabled and sys.stderr.isatty()):
+        return _NoBar()
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
+                leave=False, dynamic_ncols=True)
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:
@@ -41,7 +69,7 @@ def _token_dtype(vocab_size: int) -> np.dtype:
 
 
 def _write_split(corpus_dir: Path, tok: Tokenizer, split: str, out_dir: Path,
-                 dtype: np.dtype) -> dict:
+                 dtype: np.dtype, bar) -> dict:
     """Tokenize one split into out_dir/<domain>.bin; returns per-domain counts."""
     eos = eos_id(tok)
     stats: dict[str, dict] = {}
@@ -50,6 +78,7 @@ def _write_split(corpus_dir: Path, tok: Tokenizer, split: str, out_dir: Path,
     with ExitStack() as stack:
         for batch in _batches(iter_documents(corpus_dir, split), _BATCH_DOCS):
             ids = encode_batch(tok, [d["text"] for d in batch])
+            n_bytes = 0
             for doc, toks in zip(batch, ids):
                 dom = doc["domain"]
                 if dom not in writers:  # domains may interleave in user corpora
@@ -59,24 +88,41 @@ def _write_split(corpus_dir: Path, tok: Tokenizer, split: str, out_dir: Path,
                 writers[dom].write(arr.tobytes())
                 st = stats[dom]
                 st["n_tokens"] += arr.size
-                st["n_bytes"] += len(doc["text"].encode("utf-8"))
+                size = len(doc["text"].encode("utf-8"))
+                st["n_bytes"] += size
                 st["n_docs"] += 1
+                n_bytes += size
+            bar.update(n_bytes)
     return {d: {**stats[d], "file": f"{split}/{d}.bin"} for d in sorted(stats)}
 
 
 def build_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str,
-                      store_dir: Path | str) -> dict:
-    """Tokenize every split and domain of the corpus into store_dir; returns the index."""
+                      store_dir: Path | str, progress: bool = True) -> dict:
+    """Tokenize every split and domain of the corpus into store_dir; returns the index.
+
+    Batches of documents go to the tokenizers library's ``encode_batch`` (Rust threads, one
+    per core), which gives the same ids as encoding each text alone. On the built-in corpus
+    (8 MB, 4096-token BPE, 2 shared cores) it matched a 2-process multiprocessing pool and beat
+    serial encoding; see ``encode_batch`` for the figures and why it is the one used.
+    ``progress``: a bar on stderr while tokenizing, when stderr is a terminal.
+    """
     corpus_dir, store_dir = Path(corpus_dir), Path(store_dir)
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     manifest = load_manifest(corpus_dir)
     vocab_size = tok.get_vocab_size()
     dtype = _token_dtype(vocab_size)
+    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "off", "no"):
+        info("TOKENIZERS_PARALLELISM is off: tokenizing on one core (unset it to use all)")
     (store_dir / "index.json").unlink(missing_ok=True)  # unfinished until index.json is back
     splits = {}
     for split in SPLITS:
         t0 = time.perf_counter()
-        splits[split] = _write_split(corpus_dir, tok, split, store_dir / split, dtype)
+        bar = progress_bar(manifest.get("total", {}).get(split, {}).get("bytes", 0),
+                           f"tokenizing {split}", progress)
+        try:
+            splits[split] = _write_split(corpus_dir, tok, split, store_dir / split, dtype, bar)
+        finally:
+            bar.close()
         n_tok = sum(s["n_tokens"] for s in splits[split].values())
         n_mb = sum(s["n_bytes"] for s in splits[split].values()) / 1e6
         info(f"tokenized {split}: {n_tok:,} tokens from {n_mb:.1f} MB in {len(splits[split])} "
@@ -99,7 +145,7 @@ def build_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str,
 
 
 def ensure_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str,
-                       store_dir: Path | str) -> "TokenStore":
+                       store_dir: Path | str, progress: bool = True) -> "TokenStore":
     """Open store_dir if it holds this corpus tokenized by this tokenizer, else (re)build it."""
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     index_path = Path(store_dir) / "index.json"
@@ -109,7 +155,7 @@ def ensure_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str
                 and index.get("tokenizer_sha256") == tokenizer_sha256(tok)
                 and index.get("corpus_fingerprint") == load_manifest(corpus_dir)["fingerprint"]):
             return TokenStore(store_dir)
-    build_token_store(corpus_dir, tok, store_dir)
+    build_token_store(corpus_dir, tok, store_dir, progress)
     return TokenStore(store_dir)
 
 

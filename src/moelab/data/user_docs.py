@@ -1,22 +1,62 @@
 """Documents from users' own files: text files (one document each), JSONL (one per line) and
-Parquet (one per row). A bad input (empty, binary, not UTF-8, malformed JSON, no ``text``) is
-recorded as a skip (where, reason) and never stops the build."""
+Parquet (one per row), on this disk or behind an fsspec URL (gs://, s3://, memory://, file://).
+A bad input (empty, binary, not UTF-8, malformed JSON, no text field) is recorded as a skip
+(where, reason) and never stops the build."""
 
 from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from pathlib import Path, PurePosixPath
+from typing import IO, TYPE_CHECKING, Iterator, Union
+
+from moelab.util import is_url, url_fs
 
 if TYPE_CHECKING:
     from moelab.data.corpus import Skips
 
 
-def check_text(text: object) -> str | None:
+class RemoteFile:
+    """A file or folder behind an fsspec URL, with the few ``Path`` methods the readers use."""
+
+    def __init__(self, fs, path: str):
+        self.fs, self.path = fs, path
+        self.name = PurePosixPath(path).name
+        self.suffix = PurePosixPath(path).suffix
+        self.parent_name = PurePosixPath(path).parent.name
+
+    def __str__(self) -> str:
+        return self.fs.unstrip_protocol(self.path)
+
+    def open(self, mode: str = "rb") -> IO:
+        return self.fs.open(self.path, mode)
+
+    def read_bytes(self) -> bytes:
+        return self.fs.cat_file(self.path)
+
+
+Input = Union[Path, RemoteFile]
+
+
+def resolve_input(path: Path | str) -> Input | None:
+    """A local path or an fsspec URL as something the readers open; None when it is missing.
+    An unknown protocol, or one whose package is missing (gs:// needs gcsfs), is a ValueError
+    naming the package to install."""
+    if not is_url(path):
+        return Path(path) if Path(path).exists() else None
+    fs, inner = url_fs(str(path))
+    return RemoteFile(fs, inner) if fs.exists(inner) else None
+
+
+def folder_name(path: Input) -> str:
+    """Name of the folder holding ``path``: its default domain."""
+    return path.parent_name if isinstance(path, RemoteFile) else path.absolute().parent.name
+
+
+def check_text(text: object, field: str = "text") -> str | None:
     """Why ``text`` cannot be a document, or None if it can."""
     if not isinstance(text, str):
-        return "field 'text' is not a string"
+        return f"field {field!r} is not a string"
     if "\x00" in text:
         return "binary content (NUL bytes)"
     if not text.strip():
@@ -36,7 +76,18 @@ def clean_domain(name: str) -> str:
     return _DOMAIN_OK.sub("_", name).strip("._") or "text"
 
 
-def input_files(paths: list[Path]) -> list[tuple[Path, str]]:
+def _remote_files(root: RemoteFile) -> list[tuple[Input, str]]:
+    if not root.fs.isdir(root.path):
+        return [(root, root.name)]
+    out = []
+    for p in sorted(root.fs.find(root.path)):
+        rel = PurePosixPath(p).relative_to(PurePosixPath(root.path))
+        if not any(part.startswith(".") for part in rel.parts):
+            out.append((RemoteFile(root.fs, p), (PurePosixPath(root.name) / rel).as_posix()))
+    return out
+
+
+def input_files(paths: list[Input]) -> list[tuple[Input, str]]:
     """(file, display name) for each input; folders are walked in sorted order.
 
     Hidden entries (.git, .DS_Store) inside folders are ignored; display names are relative to
@@ -44,7 +95,9 @@ def input_files(paths: list[Path]) -> list[tuple[Path, str]]:
     """
     out = []
     for root in paths:
-        if root.is_dir():
+        if isinstance(root, RemoteFile):
+            out += _remote_files(root)
+        elif root.is_dir():
             for p in sorted(root.rglob("*")):
                 rel = p.relative_to(root)
                 if p.is_file() and not any(part.startswith(".") for part in rel.parts):
@@ -54,7 +107,8 @@ def input_files(paths: list[Path]) -> list[tuple[Path, str]]:
     return out
 
 
-def _text_file_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[dict]:
+def _text_file_docs(path: Input, name: str, domain: str, skips: Skips,
+                    field: str) -> Iterator[dict]:
     raw = path.read_bytes()
     if not raw.strip():
         skips.append((name, "empty file"))
@@ -70,26 +124,32 @@ def _text_file_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterato
     yield {"id": name, "domain": domain, "text": text}
 
 
-def _record_doc(rec: object, where: str, domain: str, skips: Skips) -> dict | None:
-    """A JSONL/Parquet record -> document, or None after recording why it was skipped."""
+def record_doc(rec: object, where: str, domain: str, skips: Skips,
+               field: str = "text") -> dict | None:
+    """A JSONL/Parquet/datasets record -> document (text from ``field``), or None after
+    recording why it was skipped."""
     if not isinstance(rec, dict):
         skips.append((where, "not a JSON object"))
         return None
-    if "text" not in rec:
-        skips.append((where, "missing field 'text'"))
+    if field not in rec:
+        skips.append((where, f"missing field {field!r}"))
         return None
-    reason = check_text(rec["text"])
+    if rec[field] is None:
+        skips.append((where, "empty text (null)"))
+        return None
+    reason = check_text(rec[field], field)
     if reason:
         skips.append((where, reason))
         return None
     dom = rec.get("domain")
     dom = clean_domain(dom) if isinstance(dom, str) and dom.strip() else domain
-    return {"id": where, "domain": dom, "text": rec["text"]}
+    return {"id": where, "domain": dom, "text": rec[field]}
 
 
-def _jsonl_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[dict]:
+def _jsonl_docs(path: Input, name: str, domain: str, skips: Skips,
+                field: str) -> Iterator[dict]:
     n_before, n_docs = len(skips), 0
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{name} line {lineno}"
             if not raw.strip():
@@ -105,7 +165,7 @@ def _jsonl_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[di
             except json.JSONDecodeError:
                 skips.append((where, "not valid JSON"))
                 continue
-            doc = _record_doc(rec, where, domain, skips)
+            doc = record_doc(rec, where, domain, skips, field)
             if doc:
                 n_docs += 1
                 yield doc
@@ -113,41 +173,41 @@ def _jsonl_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[di
         skips.append((name, "empty file"))
 
 
-def _parquet_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[dict]:
+def _parquet_docs(path: Input, name: str, domain: str, skips: Skips,
+                  field: str) -> Iterator[dict]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
-    schema = pf.schema_arrow
-    if "text" not in schema.names:
-        skips.append((name, f"no 'text' column (columns: {', '.join(schema.names)})"))
-        return
-    if not (pa.types.is_string(schema.field("text").type)
-            or pa.types.is_large_string(schema.field("text").type)):
-        skips.append((name, "column 'text' is not a string column"))
-        return
-    cols = ["text"] + (["domain"] if "domain" in schema.names else [])
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=cols):
-        for rec in batch.to_pylist():
-            where = f"{name} row {row}"
-            row += 1
-            if rec["text"] is None:
-                skips.append((where, "empty text (null)"))
-                continue
-            doc = _record_doc(rec, where, domain, skips)
-            if doc:
-                yield doc
+    with path.open("rb") as f:
+        pf = pq.ParquetFile(f)
+        schema = pf.schema_arrow
+        if field not in schema.names:
+            skips.append((name, f"no {field!r} column (columns: {', '.join(schema.names)})"))
+            return
+        if not (pa.types.is_string(schema.field(field).type)
+                or pa.types.is_large_string(schema.field(field).type)):
+            skips.append((name, f"column {field!r} is not a string column"))
+            return
+        cols = [field] + (["domain"] if "domain" in schema.names and field != "domain" else [])
+        row = 0
+        for batch in pf.iter_batches(batch_size=1024, columns=cols):
+            for rec in batch.to_pylist():
+                doc = record_doc(rec, f"{name} row {row}", domain, skips, field)
+                row += 1
+                if doc:
+                    yield doc
     if row == 0:
         skips.append((name, "empty file"))
 
 
-def file_docs(path: Path, name: str, domain: str, skips: Skips) -> Iterator[dict]:
-    """Documents of one input file; a failure inside it is recorded, never raised."""
+def file_docs(path: Input, name: str, domain: str, skips: Skips,
+              field: str = "text") -> Iterator[dict]:
+    """Documents of one input file (JSONL/Parquet text in ``field``); a failure inside it is
+    recorded, never raised."""
     suffix = path.suffix.lower()
     reader = {".jsonl": _jsonl_docs, ".parquet": _parquet_docs}.get(suffix, _text_file_docs)
     try:
-        yield from reader(path, name, domain, skips)
+        yield from reader(path, name, domain, skips, field)
     except Exception as e:  # noqa: BLE001 - one bad file must not stop the whole build
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         skips.append((name, f"unreadable file ({type(e).__name__}: {reason})"))

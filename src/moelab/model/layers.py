@@ -179,20 +179,24 @@ def exclusive(out_BTKGQ, v_BTKQ):
     return (o - dot / (jnp.sum(v * v, axis=-1, keepdims=True) + 1e-6) * v).astype(out_BTKGQ.dtype)
 
 
-def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global=False):
-    """Grouped-query causal self-attention; ``p`` holds wq [D, H*Q], wk/wv [D, K*Q], wo [H*Q, D]
-    and, with the options on, conv_q/conv_k/conv_v [n, C] and attn_gate [D, H].
+def site_conv(p: dict):
+    """The short causal conv at a site, ``conv(site, y)`` with taps ``p[conv_<site>]``: the
+    stateless form the full forward uses (decoding passes a stateful one)."""
+    return lambda site, y: causal_conv(y, p[f"conv_{site}"])
 
-    ``window`` and ``is_global`` may be traced per-layer values (they vary inside the layer scan).
-    """
+
+def project_qkv(p: dict, x_BTD, cfg: ModelConfig, cos, sin, is_global=False, conv=None):
+    """q [B, T, H, Q] and k, v [B, T, K, Q]: projected, short-convolved where configured
+    (``conv(site, y)``, default ``site_conv(p)``), q/k-normed and rotated; k, v not yet mapped
+    by ``kv_head_map``."""
     B, T, _ = x_BTD.shape
     H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    G = H // K
+    conv = conv or site_conv(p)
     proj = {}
     for name, w in (("q", p["wq"]), ("k", p["wk"]), ("v", p["wv"])):
         y = x_BTD @ w
         if name in cfg.conv_site_set:
-            y = causal_conv(y, p[f"conv_{name}"])
+            y = conv(name, y)
         proj[name] = y
     q = proj["q"].reshape(B, T, H, Q)
     k = proj["k"].reshape(B, T, K, Q)
@@ -203,20 +207,47 @@ def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global=Fals
     rot = int(Q * cfg.rope_fraction)
     q_rot, k_rot = apply_rope(q, cos, sin, rot), apply_rope(k, cos, sin, rot)
     if cfg.global_rope:
-        q, k = q_rot, k_rot
-    else:  # global layers keep q, k unrotated (no position signal but the causal mask)
-        q, k = jnp.where(is_global, q, q_rot), jnp.where(is_global, k, k_rot)
-    if cfg.kv_heads_global != K:
-        kv = kv_head_map(cfg, is_global)
-        k, v = jnp.take(k, kv, axis=2), jnp.take(v, kv, axis=2)
-    out = attend(q.reshape(B, T, K, G, Q), k, v, window, is_global, cfg)
+        return q_rot, k_rot, v
+    # global layers keep q, k unrotated (no position signal but the causal mask)
+    return jnp.where(is_global, q, q_rot), jnp.where(is_global, k, k_rot), v
+
+
+def map_kv(k_BTKQ, v_BTKQ, cfg: ModelConfig, is_global):
+    """k, v with each slot reading its stored head (``kv_head_map``; a no-op without
+    ``global_kv_heads``)."""
+    if cfg.kv_heads_global == cfg.n_kv_heads:
+        return k_BTKQ, v_BTKQ
+    kv = kv_head_map(cfg, is_global)
+    return jnp.take(k_BTKQ, kv, axis=2), jnp.take(v_BTKQ, kv, axis=2)
+
+
+def attention_output(p: dict, x_BTD, out_BTKGQ, v_BTKQ, cfg: ModelConfig):
+    """The attention core's output [B, T, K, G, Q] to the residual width: XSA against each
+    position's own (mapped) v, the per-head gate on the attention input x, then wo."""
+    B, T, _ = x_BTD.shape
+    H, Q = cfg.n_heads, cfg.head_dim
+    out = out_BTKGQ
     if cfg.xsa:
-        out = exclusive(out, v)
+        out = exclusive(out, v_BTKQ)
     out = out.reshape(B, T, H, Q)
     if cfg.attn_gate:
         gate = 2.0 * jax.nn.sigmoid((x_BTD @ p["attn_gate"]).astype(jnp.float32))
         out = out * gate[..., None].astype(out.dtype)
     return out.reshape(B, T, H * Q) @ p["wo"]
+
+
+def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global=False):
+    """Grouped-query causal self-attention; ``p`` holds wq [D, H*Q], wk/wv [D, K*Q], wo [H*Q, D]
+    and, with the options on, conv_q/conv_k/conv_v [n, C] and attn_gate [D, H].
+
+    ``window`` and ``is_global`` may be traced per-layer values (they vary inside the layer scan).
+    """
+    B, T, _ = x_BTD.shape
+    K, Q = cfg.n_kv_heads, cfg.head_dim
+    q, k, v = project_qkv(p, x_BTD, cfg, cos, sin, is_global)
+    k, v = map_kv(k, v, cfg, is_global)
+    out = attend(q.reshape(B, T, K, cfg.n_heads // K, Q), k, v, window, is_global, cfg)
+    return attention_output(p, x_BTD, out, v, cfg)
 
 
 def swiglu(x_ND, w_gate_DF, w_up_DF, w_down_FD):

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ModelConfig
-from moelab.model.layers import attention, causal_conv, gated_norm, rms_norm, rope_tables
+from moelab.model.layers import attention, gated_norm, rms_norm, rope_tables, site_conv
 from moelab.model.loss import chunked_token_loss, head_logits, logit_sums, valid_weights
 from moelab.model.moe import moe_branch
 from moelab.model.router import update_bias
@@ -139,22 +139,26 @@ def _pre_norm(x, p: dict, site: str, cfg: ModelConfig):
     return h
 
 
-def attention_branch(pc: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global):
-    """x + the attention branch of one block (``pc``: that layer's parameters, compute dtype)."""
-    a = attention(pc, _pre_norm(x_BTD, pc, "attn", cfg), cfg, window, cos, sin, is_global)
+def attention_branch(pc: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global,
+                     attn=attention, conv=None):
+    """x + the attention branch of one block (``pc``: that layer's parameters, compute dtype).
+    Decoding swaps in a cached ``attn`` and a stateful ``conv`` (moelab.model.decode)."""
+    a = attn(pc, _pre_norm(x_BTD, pc, "attn", cfg), cfg, window, cos, sin, is_global)
     if "attn" in cfg.conv_site_set:
-        a = causal_conv(a, pc["conv_attn"])
+        a = (conv or site_conv(pc))("attn", a)
     return x_BTD + a
 
 
-def mixture_branch(pc: dict, x_BTD, bias_E, cfg: ModelConfig, valid_N=None, experts_fn=None):
-    """x + the MoE branch of one block, and the layer's Routing."""
+def mixture_branch(pc: dict, x_BTD, bias_E, cfg: ModelConfig, valid_N=None, experts_fn=None,
+                   conv=None):
+    """x + the MoE branch of one block, and the layer's Routing (``conv`` as in
+    ``attention_branch``)."""
     B, T, _ = x_BTD.shape
     h = _pre_norm(x_BTD, pc, "moe", cfg).reshape(B * T, -1)
     y, r = moe_branch(pc, h, bias_E, cfg, valid_N, experts_fn)
     y = y.reshape(B, T, -1).astype(x_BTD.dtype)
     if "moe" in cfg.conv_site_set:
-        y = causal_conv(y, pc["conv_moe"])
+        y = (conv or site_conv(pc))("moe", y)
     return x_BTD + y, r
 
 
@@ -163,6 +167,26 @@ def layer_params(p: dict, dt) -> dict:
     pc = _cast({k: v for k, v in p.items() if k != "router"}, dt)
     pc["router"] = p["router"]
     return pc
+
+
+def _top_norms(params: dict, dt) -> dict:
+    """The top-level norm weights; norm scales stay float32, GatedNorm weights in ``dt``."""
+    return {k: (v if is_norm(k) else v.astype(dt)) for k, v in params.items()
+            if k.startswith("gn_") or is_norm(k)}
+
+
+def embed_tokens(params: dict, tokens_BT, cfg: ModelConfig):
+    """The embedded tokens [B, T, D] in the compute dtype (embed_norm applied when on)."""
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = params["embed"][tokens_BT].astype(dt)
+    if cfg.embed_norm:
+        x = _pre_norm(x, _top_norms(params, dt), "embed", cfg)
+    return x
+
+
+def final_norm(params: dict, x_BTD, cfg: ModelConfig):
+    """The final norm on the last block's output (the LM head's input)."""
+    return _pre_norm(x_BTD, _top_norms(params, jnp.dtype(cfg.compute_dtype)), "final", cfg)
 
 
 def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, experts_fn=None,
@@ -175,11 +199,7 @@ def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, ex
     (``moelab.parallel.mesh.layer_gather``)."""
     B, T = tokens_BT.shape
     dt = jnp.dtype(cfg.compute_dtype)
-    x = params["embed"][tokens_BT].astype(dt)
-    top = {k: (v if is_norm(k) else v.astype(dt)) for k, v in params.items()
-           if k.startswith("gn_") or is_norm(k)}  # norm scales stay float32, as before
-    if cfg.embed_norm:
-        x = _pre_norm(x, top, "embed", cfg)
+    x = embed_tokens(params, tokens_BT, cfg)
     cos, sin = rope_tables(jnp.arange(T), int(cfg.head_dim * cfg.rope_fraction), cfg.rope_theta)
     valid_N = None if valid_BT is None else valid_BT.reshape(-1)
     windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
@@ -197,7 +217,7 @@ def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, ex
         block = jax.checkpoint(block)
     x, routing = jax.lax.scan(block, x, (params["blocks"], state["router_bias"], windows,
                                          is_global))
-    return _pre_norm(x, top, "final", cfg), routing
+    return final_norm(params, x, cfg), routing
 
 
 def forward(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, experts_fn=None,

@@ -69,11 +69,16 @@ def branch_dir(parent: Path | str, at: int, out: Path | str | None = None) -> Pa
 
 def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str | None = None,
            floor: float | None = None, mixture: dict | None = None, seq_len: int | None = None,
-           reason: str = "", command: str | None = None) -> Path:
-    """Create the branch folder (it must not exist yet); returns its path."""
+           place_ranks: int | None = None, reason: str = "", command: str | None = None) -> Path:
+    """Create the branch folder (it must not exist yet); returns its path. ``place_ranks``:
+    re-place its experts for an EP group of that many ranks (``moelab.ops.placement``)."""
+    from moelab.ops import placement as pl
+
     parent = Path(parent)
-    _, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor, mixture=mixture,
-                               seq_len=seq_len)
+    parent_cfg, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor,
+                                        mixture=mixture, seq_len=seq_len)
+    placed = pl.plan_for_branch(parent, at, parent_cfg, child_cfg, place_ranks) \
+        if place_ranks else None
     child = branch_dir(parent, at, out)
     command = command or command_line()
     src = Checkpointer(parent / "checkpoints").step_dir(at)
@@ -82,13 +87,19 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
               "mixture": mixture, "seq_len": seq_len, "cooldown_tokens": cooldown_tokens}
     with run_lock(tmp, command):  # the branch's folder has one writer, locked as it appears
         _clear_but_lock(tmp)
-        shutil.copytree(src, tmp / "checkpoints" / src.name, copy_function=_link_or_copy)
+        if placed is None:
+            shutil.copytree(src, tmp / "checkpoints" / src.name, copy_function=_link_or_copy)
+        else:  # new weights: written whole, never linked to the parent's
+            pl.write_placed(parent, at, parent_cfg, placed["slots"], tmp / "checkpoints")
         if (parent / "tokenizer.json").is_file():
             atomic_write_bytes(tmp / "tokenizer.json", (parent / "tokenizer.json").read_bytes())
         save_config(child_cfg, tmp / "config.yaml")
         lin = {"parent": str(parent.resolve()), "step": at, "reason": reason,
                "command": command, "time": time.time(), "cooldown_tokens": cooldown_tokens,
                "end": child_cfg.train.steps}
+        if placed is not None:
+            lin["placement"] = {**placed, "slots": placed["slots"].tolist()}
+            change["place_experts"] = place_ranks
         atomic_write_json(tmp / LINEAGE, lin)
         try:
             os.rename(tmp, child)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import datetime as dt
 import math
 import shlex
 from pathlib import Path
 
 from moelab.config.errors import require
+from moelab.ops.record import LINEAGE
 from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note
 from moelab.train.changes import Change, PlanError
 
@@ -136,11 +138,16 @@ def cmd_branch(args) -> int:
         print("dry run: nothing created")
         return 0
     child = br.branch(parent, args.at, tokens, out=args.out, floor=args.floor,
-                      mixture=mixture, seq_len=args.seq_len, reason=args.reason,
-                      command=shlex.join(args.argv))
+                      mixture=mixture, seq_len=args.seq_len, place_ranks=args.place_experts,
+                      reason=args.reason, command=shlex.join(args.argv))
     tokens = after.data.tokens_before(after.train.steps) - after.data.tokens_before(args.at)
     print(f"branch {child}: from step {args.at} of {parent} to step {after.train.steps} "
           f"(cooldown of {tokens:,} tokens); parent untouched but for one line in its ops.jsonl")
+    if args.place_experts:
+        lin = json.loads((child / LINEAGE).read_text())["placement"]
+        print(f"experts re-placed for EP {lin['ranks']} ({lin['transport']}, groups of "
+              f"{lin['group']}): load second moment {lin['moment_before']:.4g} -> "
+              f"{lin['moment_after']:.4g} over {lin['unit']}-token sequences of held-out text")
     print(f"train it with: moelab resume {child}")
     return 0
 
@@ -200,6 +207,10 @@ def register(sub) -> None:
     b.add_argument("--cooldown", required=True, help="cooldown length in tokens, e.g. 20M")
     b.add_argument("--out", help="branch folder (default: RUN-cooldown<STEP> beside the parent)")
     _change_args(b)
+    b.add_argument("--place-experts", type=int, metavar="RANKS", help="re-place the experts "
+                   "for an EP group of RANKS ranks, so experts whose loads offset each other "
+                   "share a capacity group (fewer drops, most at long contexts; see `moelab "
+                   "drops --place`); the model computes the same function")
     b.add_argument("--dry-run", action="store_true", help="print the plan, create nothing")
     b.set_defaults(fn=cmd_branch)
 

@@ -79,12 +79,40 @@ def placements(n_spans: int, span: int, L: int, seed: int) -> np.ndarray:
     return (order[:, None] * L + np.arange(L)[None]).reshape(-1)
 
 
+def pick_spans(n_spans: int, per_batch: int, batches: int, seed: int):
+    """(the spans of the forecast's batches, the rest): held-out spans in a seeded order."""
+    n_batches = min(batches, n_spans // per_batch)
+    require(n_batches > 0, "--tokens-per-rank", f"the held-out text holds {n_spans} spans; "
+            f"one batch needs {per_batch}: lower --tokens-per-rank or --ranks")
+    order = np.random.default_rng(seed).permutation(n_spans)
+    return order[:n_batches * per_batch], order[n_batches * per_batch:]
+
+
+def fit_placements(cfg: RunConfig, params, state, spans_BS, pars: dict[str, ParallelConfig],
+                   ranks: int, unit: int) -> dict[str, dict]:
+    """Per transport, the expert placement (``moelab.ops.placement``) fitted on the routing
+    of ``spans_BS`` in units of ``unit`` tokens, grouping experts as its capacity does."""
+    from moelab.ops.placement import fit_placement
+    from moelab.parallel.transport import get
+
+    ids = route_spans(routing_fn(cfg), params, state, spans_BS, cfg.data.seq_len)
+    ids = ids.reshape(ids.shape[0], -1, ids.shape[-1])
+    E = cfg.model.n_experts
+    return {name: fit_placement(ids, E, get(par.transport).group(par, E // ranks), unit)
+            for name, par in pars.items()}
+
+
 def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str, ParallelConfig],
              ranks: int, tokens_per_rank: int, batches: int = 4, seed: int = 0,
-             span: int | None = None) -> list[dict]:
+             span: int | None = None, placed: dict[str, np.ndarray] | None = None,
+             place: bool = False) -> list[dict]:
     """One row per context length (and the run's own): drop rates per transport, summed over
     layers and batches. Held-out text is drawn in spans of ``span`` tokens (default: the
-    longest length), so calls with the same span and seed see the same tokens."""
+    longest length), so calls with the same span and seed see the same tokens. ``placed``
+    adds a "NAME placed" column per transport re-placed by its slots [layers, E]; ``place``
+    fits those placements on the held-out spans the batches do not use, at the longest
+    length."""
+    from moelab.ops.placement import relabel
     from moelab.parallel.transport.simulate import simulate_drops
 
     now = cfg.data.seq_len
@@ -99,20 +127,25 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
                 f"{L} must divide the {tokens_per_rank} tokens per rank (--tokens-per-rank)")
     spans = heldout_spans(cfg, span)
     per_batch = ranks * tokens_per_rank // span
-    n_batches = min(batches, len(spans) // per_batch)
-    require(n_batches > 0, "--tokens-per-rank", f"the held-out text holds {len(spans)} spans of "
-            f"{span} tokens; one batch needs {per_batch}: lower --tokens-per-rank or --ranks")
-    picked = np.random.default_rng(seed).permutation(len(spans))[:n_batches * per_batch]
+    picked, rest = pick_spans(len(spans), per_batch, batches, seed)
+    n_batches = len(picked) // per_batch
+    if place:
+        require(len(rest) * span >= 2 * max(lens), "--place", f"no held-out text is left "
+                "beside the forecast's batches to fit the placement on: lower --batches")
+        placed = {n: p["slots"] for n, p in
+                  fit_placements(cfg, params, state, spans[rest], pars, ranks, max(lens)).items()}
     ids = route_spans(routing_fn(cfg), params, state, spans[picked], now)  # [layers, n, span, k]
+    variants = {name: (par, None) for name, par in pars.items()}
+    variants |= {f"{name} placed": (pars[name], slots) for name, slots in (placed or {}).items()}
     rows = []
     for L in lens:
-        totals = {name: np.zeros(3, np.int64) for name in pars}
+        totals = {name: np.zeros(3, np.int64) for name in variants}
         for b in range(n_batches):
             order = placements(per_batch, span, L, seed + b)
             batch = ids[:, b * per_batch:(b + 1) * per_batch].reshape(ids.shape[0], -1,
-                                                                       ids.shape[-1])
-            for layer in batch[:, order]:
-                for name, par in pars.items():
+                                                                       ids.shape[-1])[:, order]
+            for name, (par, slots) in variants.items():
+                for layer in (batch if slots is None else relabel(batch, slots)):
                     d = simulate_drops(layer, cfg.model.n_experts, par, ranks)
                     totals[name] += (d["assignments"], d["sender_dropped"],
                                      d["receiver_dropped"])
@@ -171,11 +204,11 @@ def cmd_drops(args) -> int:
     per_rank = args.tokens_per_rank or run_tokens_per_rank(cfg)
     pars = transports(cfg, args.transport, ranks)
     rows = forecast(cfg, loaded.params, loaded.model_state, args.seq_len, pars, ranks, per_rank,
-                    args.batches, args.seed)
+                    args.batches, args.seed, place=args.place)
     print(f"{args.run}: drop forecast at EP {ranks}, {per_rank:,} tokens per rank, routing of "
           f"the step-{loaded.step} model at its context {cfg.data.seq_len} "
           f"({rows[0][next(iter(pars))]['assignments']:,} assignments per context)")
-    print(format_rows(rows, list(pars)))
+    print(format_rows(rows, [n for n in rows[0] if n in pars or n.endswith(" placed")]))
     if args.json:
         tmp = Path(args.json).with_suffix(".tmp")
         tmp.write_text(json.dumps({"run": str(args.run), "ranks": ranks,
@@ -214,5 +247,8 @@ def register(sub) -> None:
                    "the run's tokens per device per micro-step)")
     p.add_argument("--batches", type=int, default=4, help="batches of held-out text (default 4)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--place", action="store_true", help="also forecast each transport with the "
+                   "experts re-placed (fitted on other held-out text) as `moelab branch "
+                   "--place-experts` would place them")
     p.add_argument("--json", help="also write the forecast as JSON to this file")
     p.set_defaults(fn=cmd_drops)

@@ -42,7 +42,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -69,8 +69,15 @@ class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped in favour of an older one."""
 
 
-def _step_name(step: int) -> str:
+def step_name(step: int) -> str:
+    """The folder name of the checkpoint of ``step``."""
     return f"step_{step:08d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint folder's name stands for; None for any other name."""
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m and name == step_name(int(m.group(1))) else None
 
 
 def _short(e: BaseException) -> str:
@@ -137,6 +144,7 @@ class Checkpointer:
         self.keep = int(keep)
         self.verify = verify
         self.asynchronous = asynchronous
+        self.on_commit: Callable[[int], None] | None = None  # told each committed step; must not raise
         self._ocp: ocp.Checkpointer | None = None
         self._pending: threading.Thread | None = None  # a save being written and committed
         self._failure: tuple[int, BaseException] | None = None  # how the last one failed
@@ -184,7 +192,7 @@ class Checkpointer:
         self.close()
 
     def step_dir(self, step: int) -> Path:
-        return self.dir / _step_name(int(step))
+        return self.dir / step_name(int(step))
 
     # ------------------------------------------------------------------ listing
 
@@ -194,9 +202,9 @@ class Checkpointer:
             return {}
         out = {}
         for p in self.dir.iterdir():
-            m = _STEP_RE.fullmatch(p.name)
-            if m and p.name == _step_name(int(m.group(1))) and p.is_dir():
-                out[int(m.group(1))] = (p / MANIFEST_FILE).is_file()
+            step = step_of(p.name)
+            if step is not None and p.is_dir():
+                out[step] = (p / MANIFEST_FILE).is_file()
         return out
 
     def steps(self) -> list[int]:
@@ -299,6 +307,8 @@ class Checkpointer:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
         self._prune()
+        if self.on_commit is not None:  # e.g. the upload of a remote run folder
+            self.on_commit(step)
 
     def _hash_and_sync(self, root: Path) -> dict[str, dict[str, Any]]:
         files = sorted(p for p in root.rglob("*") if p.is_file())
@@ -378,7 +388,9 @@ class Checkpointer:
             f"all {len(steps)} checkpoints in {self.dir} are unusable (steps {steps}); restore "
             "them from a copy, or move them away to start this run over: " + "; ".join(failures))
 
-    def _restore(self, step: int, path: Path, target: Any) -> tuple[Any, dict]:
+    def check_folder(self, path: Path, step: int) -> None:
+        """Raise unless ``path`` holds a complete checkpoint of ``step`` whose files match its
+        manifest (sizes; sha256 sums too when verifying)."""
         manifest_path = path / MANIFEST_FILE
         if not manifest_path.is_file():
             raise FileNotFoundError(f"no {MANIFEST_FILE} (deleted or damaged)")
@@ -388,6 +400,9 @@ class Checkpointer:
                 f"bad manifest (format={manifest.get('format')!r}, step={manifest.get('step')!r})"
             )
         self._check_files(path, manifest["files"])
+
+    def _restore(self, step: int, path: Path, target: Any) -> tuple[Any, dict]:
+        self.check_folder(path, step)
         meta = json.loads((path / META_FILE).read_text())
 
         state_dir = path / STATE_DIR

@@ -99,7 +99,9 @@ def gzip_bpb(text: str) -> float:
 
 def sample_text(cfg: RunConfig, tok, state: dict, prompt: str) -> str:
     """``prompt`` and its continuation by the model (a quick look at what it learned)."""
-    sample = make_sampler(cfg.model, cfg.data.seq_len)
+    # uncached: one compile, and for SAMPLE_TOKENS tokens the KV cache's two extra compiles
+    # cost more than they save
+    sample = make_sampler(cfg.model, cfg.data.seq_len, cache=False)
     ids = encode_batch(tok, [prompt])[0]
     out = sample(state["params"], state["model_state"], ids, SAMPLE_TOKENS,
                  seed=cfg.train.seed, stop_id=eos_id(tok))

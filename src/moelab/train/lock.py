@@ -43,13 +43,20 @@ def _describe(h: dict) -> str:
             f"({h.get('command', 'command unknown')})")
 
 
-def _refusal(run_dir: Path, h: dict, here: str) -> str:
+def refusal(run_dir: Path | str, lock_path: Path | str, h: dict, here: str) -> str:
+    """Why ``run_dir`` (its lock file at ``lock_path``) cannot be had now, and what to do."""
     if h.get("host", here) != here:
         return (f"{run_dir} is locked by {_describe(h)}; from {here} it cannot be told whether "
-                f"that process still runs. If it does not, delete {run_dir / LOCK_FILE} and "
+                f"that process still runs. If it does not, delete {lock_path} and "
                 "run this again")
     return (f"{run_dir} is in use by {_describe(h)}; wait for it to end, or stop it (Ctrl-C "
             "or SIGTERM saves a checkpoint), then run this again")
+
+
+def holder_record(command: str | None = None) -> dict:
+    """What a lock file says about its holder: this process."""
+    return {"pid": os.getpid(), "host": socket.gethostname(), "command": command or command_line(),
+            "since": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
 def acquire(run_dir: Path | str, command: str | None = None) -> int:
@@ -69,13 +76,11 @@ def acquire(run_dir: Path | str, command: str | None = None) -> int:
     old = _holder(fd)
     if held or old.get("host", here) != here:
         os.close(fd)
-        raise RunLocked(_refusal(run_dir, old, here))
+        raise RunLocked(refusal(run_dir, run_dir / LOCK_FILE, old, here))
     if old.get("pid") and not pid_alive(int(old["pid"])):
         info(f"{run_dir}: taking over the lock left by {_describe(old)}, which is gone")
-    me = {"pid": os.getpid(), "host": here, "command": command or command_line(),
-          "since": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(me).encode(), 0)
+    os.pwrite(fd, json.dumps(holder_record(command)).encode(), 0)
     return fd
 
 

@@ -42,7 +42,7 @@ from moelab.train.resume import RESUMABLE_CHANGES, resolve_run_config  # noqa: F
 from moelab.train.lock import run_lock
 from moelab.train.setup import RunSetup, setup_run
 from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
-from moelab.util import atomic_write_json, info
+from moelab.util import atomic_write_json, info, is_url
 
 
 class _StopFlag:
@@ -94,13 +94,20 @@ class _Progress:
 def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
           sample_prompt: str | None = "The ") -> dict:
     """Train (or resume) the run in ``run_dir``, holding the folder's lock. Returns the
-    summary dict."""
+    summary dict. A URL (gs://, s3://, file://...) trains in a mirrored local copy
+    (``moelab.train.remote``)."""
+    if is_url(run_dir):
+        from moelab.train.remote import mirrored_run
+
+        with mirrored_run(str(run_dir)) as mirror:
+            return _train(cfg, mirror.local, verbose, sample_prompt, mirror)
     with run_lock(run_dir, enabled=is_main()):
         return _train(cfg, Path(run_dir), verbose, sample_prompt)
 
 
-def _train(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | None) -> dict:
-    run, state = setup_run(cfg, run_dir, verbose=verbose)
+def _train(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | None,
+           mirror=None) -> dict:
+    run, state = setup_run(cfg, run_dir, verbose=verbose, mirror=mirror)
     progress = _Progress(step=run.start, state=state, eval_pending=run.eval_pending)
     del state  # the loop replaces the state every step: hold no reference to the first one
     t_run = time.time()
@@ -114,6 +121,8 @@ def _train(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | No
             raise
         finally:
             _close(run)
+    if mirror is not None:
+        summary["run_dir"] = mirror.url
     if run.main:
         atomic_write_json(run.run_dir / "summary.json", summary)
     return summary

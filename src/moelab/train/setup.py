@@ -143,8 +143,10 @@ def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Call
     return step_fn, eval_fn
 
 
-def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool) -> tuple[RunSetup, dict]:
-    """(the run's setup, the train state to start from) for training ``cfg`` in ``run_dir``."""
+def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool,
+              mirror=None) -> tuple[RunSetup, dict]:
+    """(the run's setup, the train state to start from) for training ``cfg`` in ``run_dir``;
+    ``mirror`` (a remote run's ``moelab.train.remote.Mirror``) uploads each checkpoint."""
     run_dir = Path(run_dir)
     check_trackers(cfg)
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
@@ -162,6 +164,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool) -> tuple[Ru
     sampler = SteppedSampler(store, cfg.data)  # mixture changes and context stages by step
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts,
                         asynchronous=cfg.train.async_ckpt)
+    if mirror is not None:
+        mirror.attach(ckpt)
     mesh = mesh_from_config(cfg.parallel)
     state_sh = train_state_shardings(cfg, mesh)
     state = init_sharded_state(cfg, state_sh)

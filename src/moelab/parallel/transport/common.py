@@ -44,13 +44,16 @@ class Transport:
     rows: ``rows(par, A, S, E_l, H) -> BufferRows``, the buffers ``run`` allocates for A
       assignments on each of S ranks with E_l local experts and H-wide rows (moelab plan);
     fields: the ``parallel.*`` fields it reads (``moelab plan`` sweeps the capacity ones);
-    check: ``check(par, n_local)`` raises ConfigError naming the ``parallel.*`` field to fix."""
+    check: ``check(par, n_local)`` raises ConfigError naming the ``parallel.*`` field to fix;
+    group: ``group(par, n_local)``, how many consecutive experts share one capacity limit (a
+      rank's send pool by default): what an expert placement groups (``moelab.ops.placement``)."""
 
     name: str
     run: Callable
     rows: Callable[[ParallelConfig, int, int, int, int], BufferRows]
     fields: tuple[str, ...]
     check: Callable[[ParallelConfig, int], None] = lambda par, n_local: None
+    group: Callable[[ParallelConfig, int], int] = lambda par, n_local: n_local
 
 
 def require(cond: bool, field: str, msg: str) -> None:

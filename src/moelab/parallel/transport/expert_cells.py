@@ -68,4 +68,5 @@ def expert_cells(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: Pa
     return out.astype(z_TH.dtype), stats
 
 
-TRANSPORT = Transport("expert_cells", expert_cells, rows, ("capacity_factor",), check)
+TRANSPORT = Transport("expert_cells", expert_cells, rows, ("capacity_factor",), check,
+                      group=lambda par, n_local: 1)  # one cell per expert

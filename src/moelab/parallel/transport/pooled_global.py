@@ -192,4 +192,5 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
 
 
 TRANSPORT = Transport("pooled_global", pooled_global, rows,
-                      ("sender_cf", "receiver_cf", "waves", "budget_group", "fair_blocks"), check)
+                      ("sender_cf", "receiver_cf", "waves", "budget_group", "fair_blocks"), check,
+                      group=lambda par, n_local: par.budget_group)

@@ -92,4 +92,5 @@ def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: Paral
     return out.astype(z_TH.dtype), DropCounts.of(n_valid, 0, n_valid - jnp.sum(sent_A))
 
 
-TRANSPORT = Transport("waterfill", waterfill, rows, ("capacity_factor", "ragged_impl"), check)
+TRANSPORT = Transport("waterfill", waterfill, rows, ("capacity_factor", "ragged_impl"), check,
+                      group=lambda par, n_local: 1)  # one budget per expert

@@ -1,0 +1,95 @@
+"""``moelab eval``: load a run, run lm-evaluation-harness tasks on it, report and save."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+from moelab.config.errors import need_extra, require
+from moelab.util import atomic_write_text
+
+
+def check_options(tasks: Sequence[str], limit: int | None, batch_size: int,
+                  num_fewshot: int | None, step: int | None,
+                  include_paths: Sequence[Path]) -> None:
+    require(bool(tasks), "--tasks", "give one or more task names separated by commas, e.g. "
+            "--tasks moelab_local")
+    require(limit is None or limit >= 1, f"--limit {limit}", "must be >= 1 (examples per task)")
+    require(batch_size >= 1, f"--batch-size {batch_size}", "must be >= 1")
+    require(num_fewshot is None or num_fewshot >= 0, f"--num-fewshot {num_fewshot}",
+            "must be >= 0")
+    require(step is None or step >= 0, f"--step {step}",
+            "must be a checkpoint step (>= 0); omit it for the newest")
+    for p in include_paths:
+        require(Path(p).is_dir(), f"--include-path {p}", "not a folder; give a folder of "
+                "lm-evaluation-harness task YAML files")
+
+
+def split_tasks(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None = None,
+                 batch_size: int = 8, num_fewshot: int | None = None, step: int | None = None,
+                 include_paths: Sequence[Path] = ()) -> dict:
+    """lm-evaluation-harness results (``simple_evaluate``'s dict) of the run's checkpoint
+    (newest, or ``step``) on ``tasks``, with a ``moelab`` entry naming run and step."""
+    check_options(tasks, limit, batch_size, num_fewshot, step, include_paths)
+    need_extra("lm_eval", "eval", "moelab eval")
+    # bootstrapped standard errors fork worker processes, which can hang a process running JAX
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")
+    from lm_eval import simple_evaluate
+
+    from moelab.harness.lm import MoelabLM
+    from moelab.harness.registry import render_local_tasks, task_manager
+    from moelab.serve import load_run
+
+    with tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
+        manager = task_manager(tasks, include_paths, render_local_tasks(Path(tmp)))
+        run = load_run(run_dir, step=step)  # a folder or a run URL
+        results = simple_evaluate(MoelabLM(run, batch_size=batch_size), tasks=list(tasks),
+                                  num_fewshot=num_fewshot, limit=limit, task_manager=manager,
+                                  log_samples=False)
+    results["moelab"] = {"run": str(run_dir), "step": run.step, "tasks": list(tasks)}
+    return results
+
+
+def format_results(results: dict) -> str:
+    """The harness's markdown tables: one per task, one per group when there are groups."""
+    import multiprocessing
+    from unittest import mock
+
+    from lm_eval.utils import make_table
+    from pytablewriter import MarkdownTableWriter
+
+    if not hasattr(MarkdownTableWriter, "headers"):
+        # pytablewriter before 0.4x names it header_list (newer ones need python-dateutil,
+        # which the pinned environment lacks); make_table sets .headers
+        MarkdownTableWriter.headers = property(lambda w: w.header_list,
+                                               lambda w, v: setattr(w, "header_list", v))
+    # pytablewriter formats cells in a process pool of cpu_count() workers; forking a process
+    # that runs JAX can deadlock, and a table of a few rows needs no pool
+    with mock.patch.object(multiprocessing, "cpu_count", lambda: 1):
+        out = make_table(results)
+        if results.get("groups"):
+            out += "\n" + make_table(results, "groups")
+    return out
+
+
+def default_output(run_dir: Path, tasks: Sequence[str], step: int) -> Path:
+    """RUN/eval/<tasks>-step<N>.json (task names made file-safe and kept short)."""
+    name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", "+".join(tasks)).strip("._")[:120] or "tasks"
+    return Path(run_dir) / "eval" / f"{name}-step{step}.json"
+
+
+def save_results(results: dict, path: Path) -> None:
+    """Write the results JSON atomically; objects JSON lacks (functions in task configs) are
+    written as lm-evaluation-harness writes them."""
+    from lm_eval.utils import handle_non_serializable
+
+    atomic_write_text(path, json.dumps(results, indent=2, default=handle_non_serializable,
+                                       ensure_ascii=False) + "\n")

@@ -1,0 +1,376 @@
+"""Run folders on fsspec URLs (gs://, s3://, file://, memory://, ...): a local staging copy that
+is mirrored to the URL.
+
+Training works in a local staging folder (``$MOELAB_RUN_CACHE/<url name>``, by default under
+``~/.cache/moelab/runs``), exactly as in a local run folder, and the mirror copies it:
+
+* on start it pulls the run's files (config, tokenizer, logs...) and its newest complete
+  checkpoint whose files match the manifest (an older one when that is damaged), so a fresh
+  machine resumes; staging work newer than the remote's (an upload that failed) is kept and
+  uploaded instead;
+* after each committed checkpoint (background saves too, once complete), at the end and when
+  the run fails or is interrupted, it pushes: a checkpoint is uploaded under ``.tmp-*`` and
+  then moved into place with its manifest last (one rename on file://), so a reader never sees
+  a checkpoint without all its files; other files are replaced whole; the remote keeps the
+  newest ``train.keep_ckpts`` checkpoints.
+
+Readers (``load_run``) pull the config, the tokenizer and one checkpoint into a copy of their
+own (``<url name>.read``). Locking: the staging folder's ``flock`` plus ``URL/.lock`` naming its
+holder, written and read back. That remote lock is best effort: object stores have no atomic
+create-if-absent through fsspec, so two starts within the same moment could both win, and a
+holder killed on another host leaves it behind (the message says how to remove it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import uuid
+from contextlib import contextmanager
+from hashlib import sha256
+from pathlib import Path
+from typing import Iterator
+
+import jax
+
+from moelab.config import ConfigError
+from moelab.train.checkpoint import (MANIFEST_FILE, Checkpointer, CheckpointError, step_name,
+                                     step_of)
+from moelab.train.lock import LOCK_FILE, RunLocked, holder_record, refusal, run_lock
+from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
+
+CACHE_ENV = "MOELAB_RUN_CACHE"
+CKPTS = "checkpoints"
+READ_FILES = ("config.yaml", "tokenizer.json")  # what a reader needs besides a checkpoint
+
+
+def staging_dir(url: str, suffix: str = "") -> Path:
+    """The local copy of the run at ``url``: ``$MOELAB_RUN_CACHE`` (or ~/.cache/moelab/runs)
+    / a name made from the URL."""
+    env = os.environ.get(CACHE_ENV)
+    root = (Path(env).expanduser() if env else
+            Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelab" / "runs")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", url).strip("_.")[:80]
+    return root / f"{name}-{sha256(url.encode()).hexdigest()[:8]}{suffix}"
+
+
+def _token() -> str:
+    return f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+
+
+def _stamp(p: Path) -> tuple[int, int]:
+    st = p.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _hidden(rel: str) -> bool:
+    """Locks, temporary files and saves in progress: never mirrored."""
+    return any(part.startswith(".") for part in rel.split("/"))
+
+
+class Mirror:
+    """The run at ``url`` and its local copy ``local``: pull, push, and the remote lock."""
+
+    def __init__(self, url: str, local: Path):
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.url = url.rstrip("/")
+        self.fs, root = url_fs(self.url)
+        self.root = root.rstrip("/")
+        self.local = Path(local)
+        self.renames = isinstance(self.fs, LocalFileSystem)  # a directory rename is atomic
+        if self.renames:
+            self.fs = LocalFileSystem(auto_mkdir=True)
+        self.ckpt: Checkpointer | None = None  # the run's, once attached: its steps and keep
+        self._mutex = threading.Lock()  # pushes come from the checkpointer's thread too
+        self._synced: dict[str, tuple[int, int]] = {}  # file -> (size, mtime) when last synced
+        self._manifests: dict[int, bytes] = {}  # the remote's complete checkpoints
+        self._lock_data: bytes | None = None
+
+    def _r(self, rel: str) -> str:
+        return f"{self.root}/{rel}"
+
+    def _step_r(self, step: int) -> str:
+        return self._r(f"{CKPTS}/{step_name(step)}")
+
+    # ------------------------------------------------------------------ remote listing
+
+    def _remote_manifests(self) -> dict[int, bytes]:
+        """{step: manifest} of the remote's complete checkpoints (a manifest is moved last)."""
+        try:
+            names = self.fs.ls(self._r(CKPTS), detail=False)
+        except FileNotFoundError:
+            return {}
+        out = {}
+        for name in names:
+            step = step_of(name.rstrip("/").rsplit("/", 1)[-1])
+            if step is not None:
+                try:
+                    out[step] = self.fs.cat_file(self._step_r(step) + "/" + MANIFEST_FILE)
+                except FileNotFoundError:
+                    continue  # an interrupted move: not a checkpoint
+        return out
+
+    def _remote_files(self) -> list[str]:
+        """The run's files outside checkpoints/, relative to the run folder."""
+        try:
+            found = self.fs.find(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        rels = [p[len(self.root):].lstrip("/") for p in found if p.startswith(self.root)]
+        return [r for r in rels if r and r.split("/")[0] != CKPTS and not _hidden(r)]
+
+    def _write(self, rel: str, data: bytes) -> None:
+        """Replace a remote file whole (an object store's upload is; file:// renames a temp)."""
+        dest = self._r(rel)
+        if not self.renames:
+            self.fs.pipe_file(dest, data)
+            return
+        head, _, name = dest.rpartition("/")
+        tmp = f"{head}/.{name}.{_token()}.tmp"
+        self.fs.pipe_file(tmp, data)
+        self.fs.mv(tmp, dest)
+
+    # ------------------------------------------------------------------ pull
+
+    def pull(self) -> None:
+        """Make the staging folder the remote run (see the module doc)."""
+        self.local.mkdir(parents=True, exist_ok=True)
+        self._manifests = manifests = self._remote_manifests()
+        files = self._remote_files()
+        local_steps = Checkpointer(self.local / CKPTS).steps()
+        if not files and not manifests:
+            self._clear_local(keep=set())  # nothing there: a new run, whatever staging held
+            return
+        if local_steps and local_steps[-1] > max(manifests, default=-1):
+            info(f"{self.local} holds checkpoint {local_steps[-1]}, newer than {self.url}'s: "
+                 "resuming from it and uploading it")
+            return
+        self._pull_files(files)
+        step = self._fetch_newest(manifests)
+        self._clear_local(keep=set(files), step=step)
+
+    def _pull_files(self, rels: list[str] | tuple[str, ...]) -> None:
+        for rel in rels:
+            try:
+                atomic_write_bytes(self.local / rel, self.fs.cat_file(self._r(rel)))
+            except FileNotFoundError:
+                continue
+            self._synced[rel] = _stamp(self.local / rel)
+
+    def _clear_local(self, keep: set[str], step: int | None = None) -> None:
+        """Remove staging files the remote lacks, and every checkpoint but ``step``."""
+        for dirpath, dirs, names in os.walk(self.local):
+            rel_dir = Path(dirpath).relative_to(self.local).as_posix()
+            if rel_dir == CKPTS:
+                for d in dirs:
+                    if step_of(d) is not None and step_of(d) != step:
+                        shutil.rmtree(Path(dirpath) / d, ignore_errors=True)
+                dirs.clear()
+            for n in names:
+                rel = n if rel_dir == "." else f"{rel_dir}/{n}"
+                if rel not in keep and not _hidden(rel):
+                    (Path(dirpath) / n).unlink(missing_ok=True)
+
+    def _fetch_newest(self, manifests: dict[int, bytes]) -> int | None:
+        """Download the newest remote checkpoint whose files match its manifest (warning about
+        each damaged one); its step, or None when the remote has none."""
+        failures = []
+        for step in sorted(manifests, reverse=True):
+            try:
+                self.fetch(step, manifests[step])
+                return step
+            except (CheckpointError, OSError, ValueError) as e:
+                failures.append(f"step {step}: {e}")
+                info(f"WARNING: {self.url}: checkpoint {step} is unusable ({e}); trying an older one")
+        if failures:
+            raise CheckpointError(f"all {len(failures)} checkpoints in {self.url} are unusable; "
+                                  "restore them from a copy, or move them away to start this "
+                                  "run over: " + "; ".join(failures))
+        return None
+
+    def fetch(self, step: int, manifest: bytes) -> None:
+        """Download checkpoint ``step`` into staging (checked, then renamed into place), unless
+        staging has it already."""
+        ckpt = Checkpointer(self.local / CKPTS)
+        final = ckpt.step_dir(step)
+        if (final / MANIFEST_FILE).is_file() and (final / MANIFEST_FILE).read_bytes() == manifest:
+            return
+        tmp = ckpt.dir / f".tmp-{final.name}.{_token()}"
+        try:
+            rels = list(json.loads(manifest)["files"])
+            self.fs.get([f"{self._step_r(step)}/{r}" for r in rels], [str(tmp / r) for r in rels])
+            atomic_write_bytes(tmp / MANIFEST_FILE, manifest)
+            ckpt.check_folder(tmp, step)
+            if final.exists():
+                shutil.rmtree(final)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another reader of the same copy fetched it just now
+                if (final / MANIFEST_FILE).read_bytes() != manifest:
+                    raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    # ------------------------------------------------------------------ push
+
+    def attach(self, ckpt: Checkpointer) -> None:
+        """Upload after each checkpoint ``ckpt`` commits."""
+        self.ckpt = ckpt
+        ckpt.on_commit = self._committed
+
+    def _committed(self, step: int) -> None:
+        try:
+            self.push()
+        except Exception as e:  # noqa: BLE001 -- the checkpoint is safe here; retried later
+            info(f"{self.url}: uploading checkpoint {step} failed ({type(e).__name__}: {e}); "
+                 "retried after the next checkpoint and at the end")
+
+    def push(self) -> None:
+        """Upload the checkpoints the remote lacks (pruning it to the newest ``keep``), then
+        every changed file."""
+        with self._mutex:
+            ckpt = self.ckpt or Checkpointer(self.local / CKPTS)
+            for step in ckpt.steps():
+                self._push_step(ckpt, step)
+            if self.ckpt is not None:
+                for step in sorted(self._manifests)[: -self.ckpt.keep]:
+                    self._delete_step(step)
+            self._push_files()
+
+    def _push_step(self, ckpt: Checkpointer, step: int) -> None:
+        src = ckpt.step_dir(step)
+        manifest = (src / MANIFEST_FILE).read_bytes()
+        if self._manifests.get(step) == manifest:
+            return
+        rels = [*json.loads(manifest)["files"], MANIFEST_FILE]  # the manifest last
+        final = self._step_r(step)
+        tmp = self._r(f"{CKPTS}/.tmp-{src.name}.{_token()}")
+        self.fs.put([str(src / r) for r in rels], [f"{tmp}/{r}" for r in rels])
+        if step in self._manifests or self.fs.exists(final):
+            self._delete_step(step)
+        if self.renames:
+            self.fs.mv(tmp, final)  # one rename: the commit
+        else:
+            for r in rels:
+                self.fs.mv(f"{tmp}/{r}", f"{final}/{r}")
+            if self.fs.exists(tmp):
+                self.fs.rm(tmp, recursive=True)
+        self._manifests[step] = manifest
+
+    def _delete_step(self, step: int) -> None:
+        """Remove a remote checkpoint: its manifest first, so it stops counting at once."""
+        path = self._step_r(step)
+        self._manifests.pop(step, None)
+        for target, recursive in ((f"{path}/{MANIFEST_FILE}", False), (path, True)):
+            try:
+                self.fs.rm(target, recursive=recursive)
+            except FileNotFoundError:
+                pass
+
+    def _push_files(self) -> None:
+        present = set()
+        for dirpath, dirs, names in os.walk(self.local):
+            rel_dir = Path(dirpath).relative_to(self.local).as_posix()
+            dirs[:] = [d for d in dirs if not (rel_dir == "." and d == CKPTS) and d[0] != "."]
+            for n in names:
+                rel = n if rel_dir == "." else f"{rel_dir}/{n}"
+                if _hidden(rel):
+                    continue
+                present.add(rel)
+                p = Path(dirpath) / n
+                stamp = _stamp(p)
+                if self._synced.get(rel) != stamp:
+                    data = p.read_bytes()
+                    if rel.endswith(".jsonl"):  # a record being appended stays out until whole
+                        data = data[: data.rfind(b"\n") + 1]
+                    self._write(rel, data)
+                    self._synced[rel] = stamp
+        for rel in set(self._synced) - present:  # removed here (an applied replan request)
+            if self.fs.exists(self._r(rel)):
+                self.fs.rm(self._r(rel))
+            del self._synced[rel]
+
+    # ------------------------------------------------------------------ the remote lock
+
+    def lock(self, command: str | None = None) -> None:
+        """Write ``URL/.lock`` naming this process; RunLocked if another one holds it."""
+        path = self._r(LOCK_FILE)
+        try:
+            held = json.loads(self.fs.cat_file(path) or b"{}")
+        except FileNotFoundError:
+            held = {}
+        me = {**holder_record(command), "staging": str(self.local)}
+        mine = held.get("host") == me["host"] and (held.get("pid") == me["pid"]
+                                                  or not pid_alive(int(held.get("pid") or 0)))
+        if held and not mine:
+            raise RunLocked(refusal(self.url, f"{self.url}/{LOCK_FILE}", held, me["host"]))
+        data = json.dumps(me).encode()
+        self._write(LOCK_FILE, data)
+        if self.fs.cat_file(path) != data:  # another start wrote it at the same moment
+            raise RunLocked(f"{self.url}: another process took the lock just now; run this "
+                            "again once it has ended")
+        self._lock_data = data
+
+    def unlock(self) -> None:
+        path = self._r(LOCK_FILE)
+        try:
+            if self._lock_data is not None and self.fs.cat_file(path) == self._lock_data:
+                self.fs.rm(path)
+        except OSError as e:
+            info(f"{self.url}: could not remove {LOCK_FILE} ({e}); delete it before the next run")
+        self._lock_data = None
+
+
+@contextmanager
+def mirrored_run(url: str, command: str | None = None) -> Iterator[Mirror]:
+    """Train in the staging copy of the run at ``url``: both locks held, the remote pulled
+    first, and pushed at the end (also when the run fails or is interrupted)."""
+    if jax.process_count() > 1:
+        raise ConfigError(f"--run-dir {url}: a run folder URL takes one process (its staging "
+                          "copy is local); give several processes a shared filesystem path")
+    mirror = Mirror(url, staging_dir(url))
+    with run_lock(mirror.local, command):
+        mirror.lock(command)
+        try:
+            mirror.pull()
+            try:
+                yield mirror
+            except BaseException:
+                try:  # keep what was done; the error that ended the run is the one raised
+                    mirror.push()
+                except Exception as e:  # noqa: BLE001
+                    info(f"{url}: uploading the run failed ({type(e).__name__}: {e}); it is "
+                         f"in {mirror.local}, and the next run of this command uploads it")
+                raise
+            try:
+                mirror.push()
+            except Exception as e:
+                raise CheckpointError(f"{url}: uploading the run failed ({type(e).__name__}: "
+                                      f"{e}); it is complete in {mirror.local}: run the same "
+                                      "command again to upload it") from e
+        finally:
+            mirror.unlock()
+
+
+def fetch_run(url: str, step: int | None = None) -> Path:
+    """A local reading copy of the run at ``url``: config, tokenizer and one checkpoint
+    (``step``, or the newest usable)."""
+    mirror = Mirror(url, staging_dir(url, ".read"))
+    manifests = mirror._remote_manifests()
+    mirror._pull_files(READ_FILES)
+    if "config.yaml" not in mirror._synced:
+        raise FileNotFoundError(f"{url}: not a run folder (no config.yaml); train one with "
+                                "`moelab train --run-dir URL` first")
+    if step is None:
+        step = mirror._fetch_newest(manifests)
+    elif step in manifests:
+        mirror.fetch(step, manifests[step])
+    else:
+        raise FileNotFoundError(f"{url}: no checkpoint at step {step}; available: "
+                                f"{sorted(manifests)}")
+    mirror._clear_local(keep=set(READ_FILES), step=step)
+    return mirror.local

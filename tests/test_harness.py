@@ -1,0 +1,210 @@
+"""`moelab eval`: the lm-evaluation-harness model against moelab's own forward (log-likelihood,
+greedy flags, batching, rolling windows, stop strings) and the command on a small trained run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from lm_eval.api.instance import Instance  # a missing harness fails here, as it should
+
+from helpers import data_dir, shared_run  # noqa: F401  (session fixture)
+from moelab.data.tokenizer import decode, encode_batch, eos_id
+from moelab.harness.batching import buckets
+from moelab.harness.lm import MoelabLM, cut_at_stop, gen_options
+from moelab.harness.registry import local_task_names
+from moelab.model import transformer as tr
+from moelab.serve import load_run
+from test_cli import run_main
+
+LOCAL_TASKS = ["moelab_choice", "moelab_complete", "moelab_heldout"]
+TEXT = ("The red cat sees the old dog. The quiet king finds the bright ship. The small fox "
+        "likes the green tree. The happy child watches the dark river near the stone house. "
+        "The tall queen carries the cold lamp. The lazy bird hears the swift road. The old "
+        "garden keeps the red stone, and the green ship paints the quiet child.")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, data_dir):  # noqa: F811
+    return shared_run(tmp_path_factory, data_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def run(trained):
+    return load_run(trained)
+
+
+@pytest.fixture(scope="module")
+def lm(run):
+    return MoelabLM(run, batch_size=4)
+
+
+def _ids(run, text: str) -> list[int]:
+    return encode_batch(run.tokenizer, [text])[0]
+
+
+_FORWARD = {}
+
+
+def _logits(run, tokens: list[int]):
+    """moelab's forward on one sequence: logits [len(tokens), V]. Jitted once (eager runs take
+    seconds) for a window of seq_len; the zeros after the tokens change nothing (causal)."""
+    if "fn" not in _FORWARD:
+        _FORWARD["fn"] = jax.jit(lambda p, s, t: tr.forward(p, s, t, run.cfg.model)[0])
+    window = np.zeros((1, run.cfg.data.seq_len), np.int32)
+    window[0, : len(tokens)] = tokens
+    return _FORWARD["fn"](run.params, run.model_state, jnp.asarray(window))[:, : len(tokens)]
+
+
+def _direct(run, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+    """Summed log-softmax of the continuation from one forward of the last seq_len + 1 tokens,
+    and whether every continuation token is the argmax."""
+    full = (context + continuation)[-(run.cfg.data.seq_len + 1):]
+    logits = _logits(run, full[:-1])
+    logp = np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))
+    pos = range(len(full) - 1 - len(continuation), len(full) - 1)
+    return (float(sum(logp[p, full[p + 1]] for p in pos)),
+            all(int(np.argmax(logp[p])) == full[p + 1] for p in pos))
+
+
+def _requests(kind: str, args: list[tuple]) -> list[Instance]:
+    return [Instance(kind, {}, a, i) for i, a in enumerate(args)]
+
+
+PAIRS = [("The red cat", " sees the old dog."), ("", "The king"), ("  ", "The fox"),
+         ("def get_cat_1(x, y):\n    if x >", " 3:"), (TEXT, " The end."),  # TEXT > seq_len
+         ("2024-03-01 12:00:00 INFO user1", " finds item 7")]
+
+
+def test_loglikelihood_matches_a_direct_forward(run, lm):
+    L = run.cfg.data.seq_len
+    assert len(_ids(run, TEXT)) > L  # the long context is cut from the left
+    got = lm.loglikelihood(_requests("loglikelihood", PAIRS))
+    for (context, cont), (logp, greedy) in zip(PAIRS, got):
+        stripped = context.rstrip()  # trailing spaces belong to the continuation
+        ctx = _ids(run, stripped) if stripped else [eos_id(run.tokenizer)]
+        cont_ids = _ids(run, context + cont)[len(ctx):] if stripped else _ids(run, context + cont)
+        want, want_greedy = _direct(run, ctx, cont_ids)
+        assert logp == pytest.approx(want, rel=1e-4, abs=1e-3), (context, cont)
+        assert greedy == want_greedy
+        assert logp < 0
+
+
+def test_is_greedy_for_the_models_own_continuation(run, lm):
+    ctx = _ids(run, "The quiet king")
+    greedy = []
+    for _ in range(5):  # argmax decoding with the direct forward
+        logits = _logits(run, ctx + greedy)
+        greedy.append(int(jnp.argmax(logits[0, -1])))
+    other = greedy[:-1] + [(greedy[-1] + 1) % run.cfg.model.vocab_size]
+    (lp_g, is_g), (lp_o, is_o) = lm.loglikelihood_tokens([(ctx, greedy), (ctx, other)])
+    assert is_g and not is_o
+    assert lp_g > lp_o
+    assert lp_g == pytest.approx(_direct(run, ctx, greedy)[0], rel=1e-4, abs=1e-3)
+
+
+def test_batch_sizes_agree(run, lm):
+    reqs = _requests("loglikelihood", PAIRS + [(TEXT[:40], " x"), ("A", "B")])
+    one = MoelabLM(run, batch_size=1).loglikelihood(reqs)
+    four = lm.loglikelihood(reqs)
+    np.testing.assert_allclose([x for x, _ in one], [x for x, _ in four], rtol=1e-5, atol=1e-4)
+    assert [g for _, g in one] == [g for _, g in four]
+    assert buckets(32) == [16, 32] and buckets(100) == [16, 32, 64, 100]
+
+
+def test_rolling_loglikelihood_is_the_sum_over_the_whole_text(run, lm):
+    L = run.cfg.data.seq_len
+    ids = _ids(run, TEXT)
+    assert len(ids) > 2 * L
+    # every token scored once, after the end-of-text token and as much preceding text as fits
+    # in a window that ends with the last token of its chunk of L
+    padded = [eos_id(run.tokenizer)] + ids
+    want = 0.0
+    for start in range(0, len(ids), L):
+        end = min(start + L, len(ids))
+        lo = max(0, end - L)
+        window_ctx = padded[lo: start + 1]
+        want += _direct(run, window_ctx, ids[start:end])[0]
+    (got,) = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(TEXT,)]))
+    assert got == pytest.approx(want, rel=1e-4)
+    short = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [("The cat",)]))[0]
+    assert short == pytest.approx(_direct(run, [padded[0]], _ids(run, "The cat"))[0], rel=1e-4)
+
+
+def test_generate_until_stops_at_the_first_stop_string(run, lm):
+    prompt = "The red cat"
+    n = 40  # more than one sampling chunk
+    full = lm.generate(prompt, until=[], max_gen_toks=n, temperature=0.0, top_p=1.0)
+    tokens = lm._sample(run.params, run.model_state, _ids(run, prompt), n, temperature=0.0,
+                        top_p=1.0, stop_id=eos_id(run.tokenizer))
+    assert full == decode(run.tokenizer, tokens)  # greedy, as one uncut sampling call
+    stop = full[len(full) // 2: len(full) // 2 + 2]
+    assert stop.strip(), full
+    (got,) = lm.generate_until(_requests("generate_until",
+                                         [(prompt, {"until": stop, "max_gen_toks": n})]))
+    assert got == full[: full.find(stop)]
+    assert stop not in got
+    assert cut_at_stop("abc.def\n", ["\n", "."]) == 3 and cut_at_stop("abc", ["x"]) is None
+
+
+def test_generation_options():
+    opts = gen_options({"until": ["\n"], "max_gen_toks": 5, "temperature": 0.7}, 256, "<e>")
+    assert opts == {"until": ["\n", "<e>"], "max_gen_toks": 5, "temperature": 0.0,
+                    "top_p": 1.0, "seed": 0}  # greedy unless do_sample
+    opts = gen_options({"do_sample": True, "temperature": 0.7, "top_p": 0.9}, 256, "<e>")
+    assert opts["temperature"] == 0.7 and opts["top_p"] == 0.9 and opts["max_gen_toks"] == 256
+    with pytest.raises(ValueError, match="max_gen_toks"):
+        gen_options({"max_gen_toks": 0}, 256, "<e>")
+
+
+def test_eval_command_runs_the_local_tasks(trained, tmp_path, capsys):
+    assert local_task_names() == sorted(LOCAL_TASKS + ["moelab_local"])
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained, run_dir)
+    rc, out, err = run_main(["eval", str(run_dir), "--tasks", "moelab_local", "--limit", "3",
+                             "--batch-size", "4"], capsys)
+    assert rc == 0, err
+    assert os.environ["HF_DATASETS_OFFLINE"] == "1" and os.environ["HF_HUB_OFFLINE"] == "1"
+    table = "\n".join(line for line in out.splitlines() if line.startswith("|"))
+    for name in LOCAL_TASKS + ["acc_norm", "word_perplexity", "bits_per_byte", "exact_match"]:
+        assert name in table, out
+    saved = run_dir / "eval" / "moelab_local-step30.json"
+    assert f"results: {saved}" in out
+    res = json.loads(saved.read_text())
+    assert res["moelab"]["step"] == 30
+    assert 0 <= res["results"]["moelab_choice"]["acc,none"] <= 1
+    assert res["results"]["moelab_heldout"]["word_perplexity,none"] > 1
+    assert res["results"]["moelab_complete"]["exact_match,none"] >= 0
+    assert set(res["n-samples"]["moelab_choice"].values()) >= {3}
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--limit", "0"], "--limit 0: must be >= 1"),
+    (["--batch-size", "0"], "--batch-size 0: must be >= 1"),
+    (["--include-path", "no/such/dir"], "--include-path no/such/dir: not a folder"),
+])
+def test_eval_bad_options_are_clear(trained, extra, message, capsys):
+    rc, _, err = run_main(["eval", str(trained), "--tasks", "moelab_local", *extra], capsys)
+    assert rc == 2 and message in err, err
+
+
+def test_eval_unknown_task_says_where_tasks_come_from(trained, capsys, monkeypatch):
+    import lm_eval.tasks
+
+    class LocalOnly(lm_eval.tasks.TaskManager):  # the ~15k built-in files take ~10 s to scan
+        def __init__(self, include_path=None, include_defaults=True, **kw):
+            seen.append(include_defaults)
+            super().__init__(include_path=include_path, include_defaults=False, **kw)
+
+    seen = []
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalOnly)
+    rc, _, err = run_main(["eval", str(trained), "--tasks", "moelab_choise"], capsys)
+    assert rc == 2
+    assert "--tasks moelab_choise: unknown task (did you mean moelab_choice" in err
+    assert "moelab_local" in err and "--include-path" in err and "offline" in err
+    assert seen == [False, True]  # built-in tasks are searched only for a name not found
