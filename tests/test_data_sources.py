@@ -104,6 +104,9 @@ def test_source_builds_and_trains(kind, texts, tmp_path, memfs):
     other = helpers.micro_config(data_dir, data={"source": str(tmp_path / "elsewhere")})
     with pytest.raises(ConfigError, match="was built from"):  # never trains on another corpus
         train(other, tmp_path / "run2", verbose=False, sample_prompt=None)
+    field = helpers.micro_config(data_dir, data={**data, "text_field": "domain"})
+    with pytest.raises(ConfigError, match="data.text_field='domain'.*built with text_field"):
+        train(field, tmp_path / "run3", verbose=False, sample_prompt=None)
 
 
 def test_streaming_equals_loading_and_the_cli(texts, tmp_path, memfs, capsys):

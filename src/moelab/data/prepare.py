@@ -45,6 +45,16 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
             raise ConfigError(f"data.source={dcfg.source}: the corpus in {corpus_dir} was built "
                               f"from {', '.join(built) or 'the built-in sources'}; set another "
                               "data.data_dir, or delete that corpus folder to rebuild it")
+        # the same source read another way is another corpus (manifests before these fields:
+        # files, text)
+        asked = {"format": dcfg.format, "text_field": dcfg.text_field, "split": dcfg.split}
+        had = {"format": m.get("format", "files"), "text_field": m.get("text_field", "text"),
+               "split": m.get("split", "")}
+        diff = [k for k in asked if asked[k] != had[k]]
+        if dcfg.source and diff:
+            raise ConfigError(f"data.{diff[0]}={asked[diff[0]]!r}: the corpus in {corpus_dir} "
+                              f"was built with {diff[0]}={had[diff[0]]!r}; set another "
+                              "data.data_dir, or delete that corpus folder to rebuild it")
         return
     t = time.time()
     if dcfg.source:
