@@ -16,7 +16,9 @@ spaced 2.5x), each trained at the target's tokens per parameter and at half of i
 `moelab ladder run` trains them, `moelab ladder fit` predicts the target before it trains and
 reports its own holdout (refitted without the largest model, predicting it), then the target
 trains under `--guard`. ``--seed`` sets train.seed of every run (a second seed: a second ladder
-folder, runs/ladder_demo_seed<N>). Then a deviation check: the target's config
+folder, runs/ladder_demo_seed<N>); ``--rung-seeds R`` trains every rung R times with seeds
+train.seed + 1000 r (folder and results gain _r<R>, and the one-seed ladder's finished runs are
+linked in, not retrained). Then a deviation check: the target's config
 with 3x the learning rate for 30% of the run, guarded against the same prediction. Every stage
 is resumable: run the script again and finished runs are reused.
 
@@ -30,6 +32,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import resource
 import shutil
 import subprocess
@@ -40,7 +43,9 @@ from pathlib import Path
 from common import RESULTS, print_table, save
 
 import numpy as np
+import yaml
 
+from moelab.config import config_from_dict
 from moelab.ladder.folder import load_ladder
 from moelab.ladder.guard import GuardRules, check, format_alert
 from moelab.ladder.observe import EVAL_LOSS, run_records
@@ -163,14 +168,40 @@ def alerts_of(run_dir: Path, prediction: dict) -> dict:
             "logged": [e for e in events if e.get("event") == "alert"]}
 
 
-def part_ladder(root: Path, seed: int, tag: str) -> dict:
+def _config(path: Path):
+    """The run config in a YAML file (fields added since it was written: their defaults)."""
+    return config_from_dict(yaml.safe_load(path.read_text()))
+
+
+def reuse_single_seed_runs(root: Path, single: Path) -> None:
+    """Link the finished runs of the one-seed ladder ``single`` (replicate 0 of every rung, and
+    the target) into the replicated ladder ``root`` when their configs are the same."""
+    if not (single / "ladder.json").exists():
+        return
+    old, new = load_ladder(single), load_ladder(root)
+    names = [r.name for r in new.rungs if r.stats.get("replicate", 0) == 0] + ["target"]
+    folder = lambda lad, n: lad.target_dir if n == "target" else lad.run_dir(n)
+    for n in names:
+        src, dst = folder(old, n), folder(new, n)
+        same = old.config_path(n).is_file() and _config(old.config_path(n)) == \
+            _config(new.config_path(n))
+        if same and (src / "summary.json").exists() and not (dst / "summary.json").exists():
+            shutil.rmtree(dst, ignore_errors=True)
+            shutil.copytree(src, dst, copy_function=os.link)
+            print(f"reusing {src}")
+
+
+def part_ladder(root: Path, seed: int, tag: str, rung_seeds: int = 1,
+                single: Path | None = None) -> dict:
     stages: dict = {}
     with Stage("plan", stages):
         if (root / "ladder.json").exists():
             print(f"using the plan in {root}/ladder.json")
         else:
-            moelab("ladder", "plan", "tiny", *TARGET, f"train.seed={seed}", *PLAN, "--out",
-                   str(root))
+            moelab("ladder", "plan", "tiny", *TARGET, f"train.seed={seed}", *PLAN, "--seeds",
+                   str(rung_seeds), "--out", str(root))
+        if single is not None:
+            reuse_single_seed_runs(root, single)
     with Stage("rungs", stages):
         moelab("ladder", "run", str(root), "--jobs", "2", "--poll", "60")
     with Stage("fit (before the target trains)", stages):
@@ -283,6 +314,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=("all", "points", "ladder"), default="all")
     ap.add_argument("--seed", type=int, default=0, help="train.seed of the rungs and target")
+    ap.add_argument("--rung-seeds", type=int, default=1, help="replicates of every rung "
+                    "(`ladder plan --seeds`; folder and results gain _r<N>; finished runs of "
+                    "the one-seed ladder are reused)")
     ap.add_argument("--dir", help="the ladder folder (default runs/ladder_demo, "
                     "runs/ladder_demo_seed<N> for another seed)")
     args = ap.parse_args()
@@ -290,8 +324,11 @@ def main() -> None:
     if args.part in ("all", "points"):
         out["points"] = part_points()
     if args.part in ("all", "ladder"):
-        tag = "ladder_demo" + (f"_seed{args.seed}" if args.seed else "")
-        out["ladder"] = part_ladder(Path(args.dir or f"runs/{tag}"), args.seed, tag)
+        single = "ladder_demo" + (f"_seed{args.seed}" if args.seed else "")
+        tag = single + (f"_r{args.rung_seeds}" if args.rung_seeds > 1 else "")
+        out["ladder"] = part_ladder(Path(args.dir or f"runs/{tag}"), args.seed, tag,
+                                    args.rung_seeds, Path(f"runs/{single}")
+                                    if args.rung_seeds > 1 else None)
         save(tag, out["ladder"]["final_predictions"], **{
             k: v for k, v in out["ladder"].items() if k != "final_predictions"})
         print(f"plot: {RESULTS / (tag + '.png')}")

@@ -285,6 +285,29 @@ def test_ladder_fit_predicts_the_target_trajectory(ladder):
     assert rep["laws"]["chosen eval/loss"]["method"]["members"]
 
 
+def test_seed_replicates_are_planned_and_the_holdout_compares_with_their_mean(tmp_path):
+    from moelab.ladder.predict import finished_rungs, holdout_check
+
+    target = micro_target()
+    rule = LadderRule(rungs=4, widths=(16, 32, 48, 64), depths=(2, 2, 3, 3), evals=8, seeds=2)
+    rungs = plan_ladder(target, rule)
+    assert len(rungs) == 8 and [r.name for r in rungs[:2]] == ["d16-L2", "d16-L2-s1"]
+    a, b = rungs[-2:]
+    assert b.cfg.train.seed == a.cfg.train.seed + 1000 and b.stats["flops"] == a.stats["flops"]
+    assert b.cfg.model == a.cfg.model and b.cfg.train.steps == a.cfg.train.steps
+    lad = write_ladder(tmp_path, "micro", target, rule, rungs)
+    rng = np.random.default_rng(3)
+    for r in lad.rungs:  # replicate 1 sits 0.05 above the law, replicate 0 at it
+        run, off = RunSchedule.from_config(r.cfg), 0.05 * r.stats["replicate"]
+        write_run(lad.run_dir(r.name), r.cfg,
+                  lambda s, run=run, off=off: law_value(run, [max(s, 1)])[0] + off, rng)
+    got = holdout_check(finished_rungs(load_ladder(tmp_path)))
+    truth = law_value(RunSchedule.from_config(a.cfg), [a.cfg.train.steps])[0]
+    assert got["observed"] == pytest.approx(truth + 0.025, abs=1e-6)
+    with pytest.raises(ConfigError, match="ladder.seeds"):
+        plan_ladder(target, LadderRule(seeds=0))
+
+
 def test_ladder_fit_needs_three_finished_rungs(tmp_path):
     target = micro_target()
     rule = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 3))

@@ -41,7 +41,7 @@ def cmd_plan(args) -> int:
     rule = LadderRule(rungs=args.rungs, top_share=args.top_share, spacing=args.spacing,
                       depth_exp=args.depth_exp, widths=args.widths or (),
                       depths=args.depths or (), batch_size=args.batch_size, evals=args.evals,
-                      token_multipliers=args.token_multipliers or (1.0,))
+                      token_multipliers=args.token_multipliers or (1.0,), seeds=args.seeds)
     rungs = plan_ladder(target, rule)
     print(format_plan(Path(source).stem, target, rungs))
     if args.out:
@@ -180,6 +180,10 @@ def _add_plan(sub) -> None:
                    help="train every width once per multiplier of the target's tokens per "
                    "parameter, e.g. 0.5,1: N and D then move apart, so the fit can identify "
                    "both exponents (default: 1)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="train every rung this many times with different seeds (train.seed + "
+                   "1000 r; rung names gain -s<r>): the fit sees their spread instead of one "
+                   "draw of a small run's seed noise (default 1)")
     p.add_argument("--out", help="write the ladder folder here (ladder.json, configs/)")
     p.set_defaults(fn=cmd_plan)
 

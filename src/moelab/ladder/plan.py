@@ -20,6 +20,9 @@ The rule (after the reference ladder, docs/reference.md#the-scaling-ladder):
   (``moelab.planner.counts.param_counts(...)["active"]``). This N is also the N of the scaling
   laws; tokens trained are ``moelab.planner.counts.run_tokens``, the count `moelab plan` and the
   train loop use;
+* ``seeds`` > 1 trains every rung that many times, replicate r with train.seed + 1000 r
+  (named ``<rung>-s<r>``): small runs differ by seed by as much as a prediction's tolerance,
+  and the fits take every replicate as its own curve;
 * widths: given by hand, or searched (multiples of head_dim) so that rung k's training FLOPs
   are closest to top_share x C_target / spacing ** (K - 1 - k): rungs geometrically spaced in
   compute, the largest ``top_share`` of the target's.
@@ -55,6 +58,7 @@ class LadderRule:
     batch_size: int = 0  # 0 = the target's batch size
     evals: int = 8  # held-out evaluations per rung (for the trajectory fit)
     min_steps: int = 20
+    seeds: int = 1  # replicates of every rung, train.seed + SEED_STRIDE * r (seed noise)
 
     def validate(self) -> "LadderRule":
         def need(ok: bool, name: str, msg: str) -> None:
@@ -76,6 +80,7 @@ class LadderRule:
         need(len(tm) >= 1 and all(m > 0 for m in tm) and len(set(tm)) == len(tm),
              "token_multipliers", f"give distinct positive multipliers, e.g. 0.5,1; got {tm}")
         need(self.evals >= 2, "evals", "must be >= 2")
+        need(self.seeds >= 1, "seeds", "must be >= 1 (replicates of every rung)")
         return self
 
 
@@ -202,6 +207,15 @@ def _search_widths(target: RunConfig, rule: LadderRule) -> list[int]:
     return widths
 
 
+# replicate r of a rung trains with train.seed + SEED_STRIDE * r: far from the seeds of a
+# second ladder planned from the same target with train.seed + 1, so two ladders share no runs
+SEED_STRIDE = 1000
+
+
+def replicate_name(base: str, r: int) -> str:
+    return base if r == 0 else f"{base}-s{r}"
+
+
 def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung]:
     """The rungs, smallest first, each with its stats and its FLOPs share of the target."""
     rule.validate()
@@ -214,10 +228,14 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
         stats = run_stats(cfg)
         stats["share"] = stats["flops"] / c_target
         stats["token_multiplier"] = m
-        rungs.append(Rung(f"d{d}-L{n_layers}" + ("" if m == 1 else f"-t{m:g}"), cfg, stats))
+        base = f"d{d}-L{n_layers}" + ("" if m == 1 else f"-t{m:g}")
+        for r in range(rule.seeds):  # seed replicates: the fit averages their noise
+            seed = target.train.seed + SEED_STRIDE * r
+            rep = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
+            rungs.append(Rung(replicate_name(base, r), rep, {**stats, "replicate": r}))
     if len({r.name for r in rungs}) < len(rungs):
         raise ConfigError("ladder.widths: two rungs have the same shape; give distinct widths")
-    return sorted(rungs, key=lambda r: r.stats["flops"])
+    return sorted(rungs, key=lambda r: (r.stats["flops"], r.stats["replicate"]))
 
 
 def format_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -> str:

@@ -127,7 +127,10 @@ def holdout_check(rungs: list[RungData], level: float = LEVEL) -> dict:
         return {}
     test = max((r for r in rungs if r.stats["params_active"] == n_top),
                key=lambda r: r.stats["flops"])
-    observed = float(_finals([test])[0])
+    # with seed replicates, the truth is their mean (rungs of the same shape and FLOPs)
+    same = [r for r in rungs if r.stats["params_active"] == n_top
+            and r.stats["flops"] == test.stats["flops"]]
+    observed = float(np.mean(_finals(same)))
     cf = _curve_fit(train, EVAL_LOSS, level, 0, 0)
     p = cf.predict(RunSchedule.from_config(test.cfg), np.array([test.cfg.train.steps]),
                    flops_per_token=test.stats["flops_per_token"])
