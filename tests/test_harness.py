@@ -162,6 +162,20 @@ def test_generation_options():
         gen_options({"max_gen_toks": 0}, 256, "<e>")
 
 
+def test_evaluation_is_offline_and_restores_the_settings(monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    from moelab.harness.evaluate import offline
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # imported before: too late
+    with offline():  # for the environment variables alone
+        assert datasets.config.HF_HUB_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE
+        assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
+    assert datasets.config.HF_HUB_OFFLINE is False and "HF_HUB_OFFLINE" not in os.environ
+
+
 def test_eval_command_runs_the_local_tasks(trained, tmp_path, capsys):
     assert local_task_names() == sorted(LOCAL_TASKS + ["moelab_local"])
     run_dir = tmp_path / "run"
@@ -169,7 +183,6 @@ def test_eval_command_runs_the_local_tasks(trained, tmp_path, capsys):
     rc, out, err = run_main(["eval", str(run_dir), "--tasks", "moelab_local", "--limit", "3",
                              "--batch-size", "4"], capsys)
     assert rc == 0, err
-    assert os.environ["HF_DATASETS_OFFLINE"] == "1" and os.environ["HF_HUB_OFFLINE"] == "1"
     table = "\n".join(line for line in out.splitlines() if line.startswith("|"))
     for name in LOCAL_TASKS + ["acc_norm", "word_perplexity", "bits_per_byte", "exact_match"]:
         assert name in table, out

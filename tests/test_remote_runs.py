@@ -1,12 +1,15 @@
 """Run folders on fsspec URLs: train into memory:// and file:// with checkpoints, lose the local
 staging copy, resume bit-identically from the remote; load and generate from the remote run;
-remote checkpoint fallback, the remote lock, and clear errors for unusable URLs.
+remote checkpoint fallback, the remote lock, and clear errors for unusable URLs; staging work
+that never reached the remote survives a restart, interrupted uploads leave nothing behind, an
+abort uploads only the logs, damaged locks and manifests are clear.
 
 memory:// lives per process, so every run here trains in this process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import shutil
@@ -14,14 +17,17 @@ from pathlib import Path
 
 import fsspec
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from helpers import data_dir, micro_config  # noqa: F401  (session fixture)
 from moelab import cli
+from moelab.config import ConfigError
 from moelab.runlog import read_metrics
 from moelab.serve import load_run
+from moelab.train.checkpoint import FORMAT, MANIFEST_FILE, Checkpointer, step_name
 from moelab.train.lock import RunLocked, holder_record
 from moelab.train.loop import train
-from moelab.train.remote import CACHE_ENV, Mirror, staging_dir
+from moelab.train.remote import CACHE_ENV, Mirror, mirrored_run, staging_dir
 
 STEPS_FIRST, STEPS = 3, 6
 
@@ -158,3 +164,132 @@ def test_unusable_urls_are_clear_errors(url, message, data_dir, capsys, monkeypa
         load_run(url)
     assert cli.main(["train", "tiny", f"data.data_dir={data_dir}", "--run-dir", url]) == 2
     assert "moelab: error: " + url in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- staging and upload faults
+
+
+def fake_checkpoint(ckpt_dir: Path, step: int) -> None:
+    """A committed checkpoint folder that passes the manifest check (one small file)."""
+    folder = ckpt_dir / step_name(step)
+    data = f"weights of step {step}".encode()
+    (folder / "state").mkdir(parents=True)
+    (folder / "state" / "w.bin").write_bytes(data)
+    files = {"state/w.bin": {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}}
+    (folder / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT, "step": step,
+                                                    "files": files}))
+
+
+def remote_paths(url: str) -> set[str]:
+    """The files under ``url`` (its lock left out), relative to it."""
+    fs, root = fsspec.core.url_to_fs(url)
+    found = {p[len(root):].lstrip("/") for p in fs.find(root)}
+    return found - {".lock"}
+
+
+def ckpt_paths(step: int) -> set[str]:
+    return {f"checkpoints/{step_name(step)}/{r}" for r in (MANIFEST_FILE, "state/w.bin")}
+
+
+class FlakyMv(MemoryFileSystem):
+    """memory:// whose second ``mv`` raises ``error`` (a network failure, a Ctrl-C)."""
+
+    cachable = False
+
+    def __init__(self, error: BaseException):
+        super().__init__()
+        self.error, self.calls = error, 0
+
+    def mv(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 2:
+            raise self.error
+        return super().mv(*args, **kwargs)
+
+
+def test_a_checkpoint_never_uploaded_survives_a_restart_and_is_uploaded(tmp_path, monkeypatch):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    url = "memory://fixes/never-uploaded"  # the first upload never completed: remote empty
+    staging = staging_dir(url)
+    fake_checkpoint(staging / "checkpoints", 5)
+    (staging / "config.yaml").write_text("model: {}\n")
+    (staging / "metrics.jsonl").write_text('{"step": 5}\n')
+    with mirrored_run(url) as mirror:
+        assert mirror.local == staging and Checkpointer(staging / "checkpoints").steps() == [5]
+        assert (staging / "config.yaml").is_file() and (staging / "metrics.jsonl").is_file()
+        assert remote_paths(url) == {"config.yaml", "metrics.jsonl", *ckpt_paths(5)}
+    assert (staging / ".url").read_text().strip() == url
+
+
+def test_staging_without_a_checkpoint_is_cleared_and_another_urls_is_refused(tmp_path):
+    url = "memory://fixes/fresh"
+    mirror = Mirror(url, tmp_path / "staging")
+    (mirror.local / "checkpoints" / step_name(2)).mkdir(parents=True)  # never committed
+    (mirror.local / "metrics.jsonl").write_text('{"step": 2}\n')
+    assert mirror.pull() is False
+    assert not (mirror.local / "metrics.jsonl").exists()
+    assert not (mirror.local / "checkpoints" / step_name(2)).exists()
+    assert (mirror.local / ".url").read_text() == url + "\n"
+    (mirror.local / ".url").write_text("memory://fixes/other\n")
+    with pytest.raises(ConfigError, match=r"staging copy of memory://fixes/other, not of "
+                       r"memory://fixes/fresh .*set \$MOELAB_RUN_CACHE"):
+        Mirror(url, mirror.local).pull()
+
+
+@pytest.mark.parametrize("error", [OSError("network down"), KeyboardInterrupt()])
+def test_an_interrupted_upload_leaves_no_partial_checkpoint(error, tmp_path):
+    url = f"memory://fixes/interrupted-{type(error).__name__}"
+    mirror = Mirror(url, tmp_path / "staging")
+    fake_checkpoint(mirror.local / "checkpoints", 7)
+    mirror.fs = FlakyMv(error)
+    with pytest.raises(type(error)):
+        mirror.push()
+    assert mirror.fs.calls == 2
+    left = remote_paths(url)
+    assert not [p for p in left if "/.tmp-" in p], left  # the temporary upload is removed
+    assert left == {f"checkpoints/{step_name(7)}/state/w.bin"}  # moved, its manifest not
+    fs = fsspec.filesystem("memory")  # and one a killed upload left, cleanup and all
+    fs.pipe_file(f"/fixes/interrupted-{type(error).__name__}/checkpoints/.tmp-x.1/a", b"x")
+    again = Mirror(url, mirror.local)
+    assert again.pull() is True  # the next start: leftovers removed, staging's step 7 kept
+    assert remote_paths(url) == set()
+    again.push()
+    assert remote_paths(url) == ckpt_paths(7)
+
+
+def test_an_abort_uploads_the_logs_and_leaves_the_checkpoint_to_the_next_start(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
+    url = "memory://fixes/aborted"
+    with pytest.raises(KeyboardInterrupt):
+        with mirrored_run(url) as mirror:  # Ctrl-C twice during a checkpoint's upload window
+            fake_checkpoint(mirror.local / "checkpoints", 4)
+            (mirror.local / "metrics.jsonl").write_text('{"step": 4}\n')
+            raise KeyboardInterrupt
+    assert remote_paths(url) == {"metrics.jsonl"}
+    assert "the newest checkpoint stays in" in capsys.readouterr().err
+    with mirrored_run(url):  # the next start uploads it
+        assert remote_paths(url) == {"metrics.jsonl", *ckpt_paths(4)}
+
+
+def test_a_damaged_remote_lock_names_the_file_and_the_fix(tmp_path):
+    fs = fsspec.filesystem("memory")
+    fs.pipe_file("/fixes/damaged-lock/.lock", b"{not json")
+    with pytest.raises(RunLocked, match=r"memory://fixes/damaged-lock/\.lock is damaged .*"
+                       r"delete memory://fixes/damaged-lock/\.lock and run this again"):
+        Mirror("memory://fixes/damaged-lock", tmp_path / "a").lock()
+
+
+def test_a_remote_manifest_without_files_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
+    fs = fsspec.filesystem("memory")
+    url = "memory://fixes/no-file-list"
+    writer = Mirror(url, tmp_path / "writer")
+    fake_checkpoint(writer.local / "checkpoints", 2)
+    fake_checkpoint(writer.local / "checkpoints", 3)
+    writer.push()
+    fs.pipe_file(f"/fixes/no-file-list/checkpoints/{step_name(3)}/{MANIFEST_FILE}",
+                 json.dumps({"format": FORMAT, "step": 3}).encode())
+    reader = Mirror(url, tmp_path / "reader")
+    reader.pull()
+    assert Checkpointer(reader.local / "checkpoints").steps() == [2]
+    assert "checkpoint 3 is unusable (manifest.json lists no files" in capsys.readouterr().err

@@ -106,6 +106,10 @@ class DataConfig:
                 "name the field holding the text, e.g. text")
         require(not self.split or self.format != "files", f"{p}.split",
                 "only for the hf-* formats (Hugging Face datasets); leave it empty for files")
+        require(bool(self.source) or (self.format, self.text_field, self.split) ==
+                ("files", "text", ""), f"{p}.source", "format, text_field and split say how to "
+                "read data.source, which is empty: set data.source (a file, folder or URL), or "
+                "leave them at their defaults")
         require(self.seq_len > 0, f"{p}.seq_len", "must be > 0")
         require(self.batch_size > 0, f"{p}.batch_size", "must be > 0")
         _check_mixture(self.mixture, f"{p}.mixture")

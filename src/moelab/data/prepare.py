@@ -50,7 +50,7 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
         asked = {"format": dcfg.format, "text_field": dcfg.text_field, "split": dcfg.split}
         had = {"format": m.get("format", "files"), "text_field": m.get("text_field", "text"),
                "split": m.get("split", "")}
-        diff = [k for k in asked if asked[k] != had[k]]
+        diff = [k for k in asked if asked[k] != had[k] and not (k == "split" and not asked[k])]
         if dcfg.source and diff:
             raise ConfigError(f"data.{diff[0]}={asked[diff[0]]!r}: the corpus in {corpus_dir} "
                               f"was built with {diff[0]}={had[diff[0]]!r}; set another "
@@ -68,7 +68,7 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
 
 
 def _norm(source: str) -> str:
-    return source.rstrip("/") if is_url(source) else str(Path(source))
+    return source.rstrip("/") if is_url(source) else str(Path(source).resolve())
 
 
 def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +34,36 @@ def split_tasks(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
+OFFLINE_VARS = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+
+
+@contextlib.contextmanager
+def offline():
+    """No network while evaluating: datasets and huggingface_hub read the offline variables
+    when first imported (set here before lm_eval imports them) and keep them in their config
+    modules (set here too, for a process that imported them before). Restored afterwards."""
+    saved_env = {k: os.environ.get(k) for k in OFFLINE_VARS}
+    os.environ.update({k: "1" for k in OFFLINE_VARS})
+    import datasets.config
+    import huggingface_hub.constants
+
+    flags = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
+             (huggingface_hub.constants, "HF_HUB_OFFLINE")]
+    saved = [getattr(m, a) for m, a in flags]
+    for m, a in flags:
+        setattr(m, a, True)
+    try:
+        yield
+    finally:
+        for (m, a), v in zip(flags, saved):
+            setattr(m, a, v)
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None = None,
                  batch_size: int = 8, num_fewshot: int | None = None, step: int | None = None,
                  include_paths: Sequence[Path] = ()) -> dict:
@@ -48,7 +79,7 @@ def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None
     from moelab.harness.registry import render_local_tasks, task_manager
     from moelab.serve import load_run
 
-    with tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
+    with offline(), tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
         manager = task_manager(tasks, include_paths, render_local_tasks(Path(tmp)))
         run = load_run(run_dir, step=step)  # a folder or a run URL
         results = simple_evaluate(MoelabLM(run, batch_size=batch_size), tasks=list(tasks),

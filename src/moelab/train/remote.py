@@ -7,7 +7,8 @@ Training works in a local staging folder (``$MOELAB_RUN_CACHE/<url name>``, by d
 * on start it pulls the run's files (config, tokenizer, logs...) and its newest complete
   checkpoint whose files match the manifest (an older one when that is damaged), so a fresh
   machine resumes; staging work newer than the remote's (an upload that failed) is kept and
-  uploaded instead;
+  uploaded instead (a staging folder records its URL in ``.url``: another URL's is refused);
+  the leftovers of interrupted uploads on the remote are removed;
 * after each committed checkpoint (background saves too, once complete), at the end and when
   the run fails or is interrupted, it pushes: a checkpoint is uploaded under ``.tmp-*`` and
   then moved into place with its manifest last (one rename on file://), so a reader never sees
@@ -44,6 +45,7 @@ from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
 
 CACHE_ENV = "MOELAB_RUN_CACHE"
 CKPTS = "checkpoints"
+MARKER = ".url"  # in a staging folder: the URL it mirrors (hidden, so never uploaded)
 READ_FILES = ("config.yaml", "tokenizer.json")  # what a reader needs besides a checkpoint
 
 
@@ -69,6 +71,15 @@ def _stamp(p: Path) -> tuple[int, int]:
 def _hidden(rel: str) -> bool:
     """Locks, temporary files and saves in progress: never mirrored."""
     return any(part.startswith(".") for part in rel.split("/"))
+
+
+def _manifest_files(manifest: bytes) -> list[str]:
+    """The files a checkpoint manifest lists; CheckpointError when it has no file list."""
+    files = json.loads(manifest)
+    if not isinstance(files, dict) or not isinstance(files.get("files"), dict):
+        raise CheckpointError(f"{MANIFEST_FILE} lists no files (damaged or not a moelab "
+                              "checkpoint)")
+    return list(files["files"])
 
 
 class Mirror:
@@ -98,21 +109,36 @@ class Mirror:
 
     # ------------------------------------------------------------------ remote listing
 
-    def _remote_manifests(self) -> dict[int, bytes]:
-        """{step: manifest} of the remote's complete checkpoints (a manifest is moved last)."""
+    def _remote_checkpoints(self) -> tuple[dict[int, bytes], list[str]]:
+        """The remote's complete checkpoints ({step: manifest}; a manifest is moved last), and
+        the leftovers of interrupted uploads and deletions (``.tmp-*`` folders, step folders
+        without a manifest)."""
         try:
             names = self.fs.ls(self._r(CKPTS), detail=False)
         except FileNotFoundError:
-            return {}
-        out = {}
+            return {}, []
+        out, leftovers = {}, []
         for name in names:
-            step = step_of(name.rstrip("/").rsplit("/", 1)[-1])
+            base = name.rstrip("/").rsplit("/", 1)[-1]
+            step = step_of(base)
             if step is not None:
                 try:
                     out[step] = self.fs.cat_file(self._step_r(step) + "/" + MANIFEST_FILE)
-                except FileNotFoundError:
-                    continue  # an interrupted move: not a checkpoint
-        return out
+                except FileNotFoundError:  # an interrupted move: not a checkpoint
+                    leftovers.append(self._step_r(step))
+            elif base.startswith(".tmp-"):
+                leftovers.append(self._r(f"{CKPTS}/{base}"))
+        return out, leftovers
+
+    def _remove(self, path: str) -> None:
+        """Remove a remote file or folder, best effort (a leftover the next start removes)."""
+        try:
+            self.fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+        except Exception as e:  # noqa: BLE001 -- cleanup must not hide the error that led here
+            info(f"{self.url}: could not remove {path} ({type(e).__name__}: {e}); the next "
+                 "start of this run removes it")
 
     def _remote_files(self) -> list[str]:
         """The run's files outside checkpoints/, relative to the run folder."""
@@ -136,22 +162,41 @@ class Mirror:
 
     # ------------------------------------------------------------------ pull
 
-    def pull(self) -> None:
-        """Make the staging folder the remote run (see the module doc)."""
-        self.local.mkdir(parents=True, exist_ok=True)
-        self._manifests = manifests = self._remote_manifests()
+    def pull(self) -> bool:
+        """Make the staging folder the remote run (see the module doc), removing the remote's
+        leftovers of interrupted uploads (the caller holds the remote lock). True when staging
+        holds a checkpoint newer than the remote's (an upload that failed): it is kept, to be
+        pushed."""
+        self._claim_staging()
+        manifests, leftovers = self._remote_checkpoints()
+        self._manifests = manifests
+        for path in leftovers:
+            self._remove(path)
         files = self._remote_files()
         local_steps = Checkpointer(self.local / CKPTS).steps()
-        if not files and not manifests:
-            self._clear_local(keep=set())  # nothing there: a new run, whatever staging held
-            return
         if local_steps and local_steps[-1] > max(manifests, default=-1):
             info(f"{self.local} holds checkpoint {local_steps[-1]}, newer than {self.url}'s: "
-                 "resuming from it and uploading it")
-            return
+                 "resuming from it and uploading it (to start this run over instead, delete "
+                 "that folder)")
+            return True
+        if not files and not manifests:
+            self._clear_local(keep=set())  # a new run: staging holds no work of its own
+            return False
         self._pull_files(files)
         step = self._fetch_newest(manifests)
         self._clear_local(keep=set(files), step=step)
+        return False
+
+    def _claim_staging(self) -> None:
+        """Mark the staging folder as this URL's; ConfigError when it is another URL's."""
+        self.local.mkdir(parents=True, exist_ok=True)
+        marker = self.local / MARKER
+        owner = marker.read_text().strip() if marker.is_file() else self.url
+        if owner != self.url:
+            raise ConfigError(f"{self.local} is the staging copy of {owner}, not of {self.url} "
+                              f"(its {MARKER} says so): set ${CACHE_ENV} to another folder, or "
+                              f"delete {self.local} once {owner} is uploaded")
+        atomic_write_bytes(marker, f"{self.url}\n".encode())
 
     def _pull_files(self, rels: list[str] | tuple[str, ...]) -> None:
         for rel in rels:
@@ -201,7 +246,7 @@ class Mirror:
             return
         tmp = ckpt.dir / f".tmp-{final.name}.{_token()}"
         try:
-            rels = list(json.loads(manifest)["files"])
+            rels = _manifest_files(manifest)
             self.fs.get([f"{self._step_r(step)}/{r}" for r in rels], [str(tmp / r) for r in rels])
             atomic_write_bytes(tmp / MANIFEST_FILE, manifest)
             ckpt.check_folder(tmp, step)
@@ -229,10 +274,13 @@ class Mirror:
             info(f"{self.url}: uploading checkpoint {step} failed ({type(e).__name__}: {e}); "
                  "retried after the next checkpoint and at the end")
 
-    def push(self) -> None:
+    def push(self, checkpoints: bool = True) -> None:
         """Upload the checkpoints the remote lacks (pruning it to the newest ``keep``), then
-        every changed file."""
+        every changed file (only those with ``checkpoints=False``)."""
         with self._mutex:
+            if not checkpoints:
+                self._push_files()
+                return
             ckpt = self.ckpt or Checkpointer(self.local / CKPTS)
             for step in ckpt.steps():
                 self._push_step(ckpt, step)
@@ -246,19 +294,23 @@ class Mirror:
         manifest = (src / MANIFEST_FILE).read_bytes()
         if self._manifests.get(step) == manifest:
             return
-        rels = [*json.loads(manifest)["files"], MANIFEST_FILE]  # the manifest last
+        rels = [*_manifest_files(manifest), MANIFEST_FILE]  # the manifest last
         final = self._step_r(step)
         tmp = self._r(f"{CKPTS}/.tmp-{src.name}.{_token()}")
-        self.fs.put([str(src / r) for r in rels], [f"{tmp}/{r}" for r in rels])
-        if step in self._manifests or self.fs.exists(final):
-            self._delete_step(step)
-        if self.renames:
-            self.fs.mv(tmp, final)  # one rename: the commit
-        else:
-            for r in rels:
-                self.fs.mv(f"{tmp}/{r}", f"{final}/{r}")
-            if self.fs.exists(tmp):
-                self.fs.rm(tmp, recursive=True)
+        try:
+            self.fs.put([str(src / r) for r in rels], [f"{tmp}/{r}" for r in rels])
+            if step in self._manifests or self.fs.exists(final):
+                self._delete_step(step)
+            if self.renames:
+                self.fs.mv(tmp, final)  # one rename: the commit
+            else:
+                for r in rels:
+                    self.fs.mv(f"{tmp}/{r}", f"{final}/{r}")
+        except BaseException:  # interrupted too (a half-moved step: the next pull removes it)
+            self._remove(tmp)
+            raise
+        if self.fs.exists(tmp):
+            self._remove(tmp)
         self._manifests[step] = manifest
 
     def _delete_step(self, step: int) -> None:
@@ -300,9 +352,17 @@ class Mirror:
         """Write ``URL/.lock`` naming this process; RunLocked if another one holds it."""
         path = self._r(LOCK_FILE)
         try:
-            held = json.loads(self.fs.cat_file(path) or b"{}")
+            raw = self.fs.cat_file(path)
         except FileNotFoundError:
-            held = {}
+            raw = b""
+        try:
+            held = json.loads(raw or b"{}")
+            if not isinstance(held, dict):
+                raise ValueError("not a JSON object")
+        except ValueError as e:
+            raise RunLocked(f"{self.url}/{LOCK_FILE} is damaged ({e}): if no other process "
+                            f"trains this run, delete {self.url}/{LOCK_FILE} and run this again"
+                            ) from e
         me = {**holder_record(command), "staging": str(self.local)}
         mine = held.get("host") == me["host"] and (held.get("pid") == me["pid"]
                                                   or not pid_alive(int(held.get("pid") or 0)))
@@ -336,15 +396,18 @@ def mirrored_run(url: str, command: str | None = None) -> Iterator[Mirror]:
     with run_lock(mirror.local, command):
         mirror.lock(command)
         try:
-            mirror.pull()
+            if mirror.pull():  # work an earlier start could not upload
+                _push_kept(mirror, "uploading the checkpoints kept from an earlier start")
             try:
                 yield mirror
+            except KeyboardInterrupt:  # aborted (Ctrl-C twice): no checkpoint upload now
+                _push_kept(mirror, "uploading the run's logs", checkpoints=False)
+                info(f"{url}: aborted: the newest checkpoint stays in {mirror.local}; the next "
+                     "run of this command uploads it")
+                raise
             except BaseException:
-                try:  # keep what was done; the error that ended the run is the one raised
-                    mirror.push()
-                except Exception as e:  # noqa: BLE001
-                    info(f"{url}: uploading the run failed ({type(e).__name__}: {e}); it is "
-                         f"in {mirror.local}, and the next run of this command uploads it")
+                # keep what was done; the error that ended the run is the one raised
+                _push_kept(mirror, "uploading the run")
                 raise
             try:
                 mirror.push()
@@ -356,11 +419,20 @@ def mirrored_run(url: str, command: str | None = None) -> Iterator[Mirror]:
             mirror.unlock()
 
 
+def _push_kept(mirror: Mirror, what: str, checkpoints: bool = True) -> None:
+    """Push, reporting a failure (the work stays in staging for the next start)."""
+    try:
+        mirror.push(checkpoints)
+    except Exception as e:  # noqa: BLE001
+        info(f"{mirror.url}: {what} failed ({type(e).__name__}: {e}); it is in {mirror.local}, "
+             "and the next run of this command uploads it")
+
+
 def fetch_run(url: str, step: int | None = None) -> Path:
     """A local reading copy of the run at ``url``: config, tokenizer and one checkpoint
     (``step``, or the newest usable)."""
     mirror = Mirror(url, staging_dir(url, ".read"))
-    manifests = mirror._remote_manifests()
+    manifests = mirror._remote_checkpoints()[0]
     mirror._pull_files(READ_FILES)
     if "config.yaml" not in mirror._synced:
         raise FileNotFoundError(f"{url}: not a run folder (no config.yaml); train one with "
