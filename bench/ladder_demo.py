@@ -17,8 +17,8 @@ spaced 2.5x), each trained at the target's tokens per parameter and at half of i
 reports its own holdout (refitted without the largest model, predicting it), then the target
 trains under `--guard`. ``--seed`` sets train.seed of every run (a second seed: a second ladder
 folder, runs/ladder_demo_seed<N>); ``--rung-seeds R`` trains every rung R times with seeds
-train.seed + 1000 r (folder and results gain _r<R>, and the one-seed ladder's finished runs are
-linked in, not retrained). Then a deviation check: the target's config
+train.seed + 1000 r (folder and results gain _r<R>; the finished runs of the ladders with
+fewer replicates are linked in, not retrained). Then a deviation check: the target's config
 with 3x the learning rate for 30% of the run, guarded against the same prediction. Every stage
 is resumable: run the script again and finished runs are reused.
 
@@ -173,26 +173,25 @@ def _config(path: Path):
     return config_from_dict(yaml.safe_load(path.read_text()))
 
 
-def reuse_single_seed_runs(root: Path, single: Path) -> None:
-    """Link the finished runs of the one-seed ladder ``single`` (replicate 0 of every rung, and
-    the target) into the replicated ladder ``root`` when their configs are the same."""
-    if not (single / "ladder.json").exists():
-        return
-    old, new = load_ladder(single), load_ladder(root)
-    names = [r.name for r in new.rungs if r.stats.get("replicate", 0) == 0] + ["target"]
+def reuse_runs(root: Path, earlier: list[Path]) -> None:
+    """Link the finished runs of the ``earlier`` ladders of the same target and seed (the
+    one-seed ladder, ladders with fewer replicates) into the replicated ladder ``root``, where
+    a run of the same name has the same config."""
+    new = load_ladder(root)
     folder = lambda lad, n: lad.target_dir if n == "target" else lad.run_dir(n)
-    for n in names:
-        src, dst = folder(old, n), folder(new, n)
-        same = old.config_path(n).is_file() and _config(old.config_path(n)) == \
-            _config(new.config_path(n))
-        if same and (src / "summary.json").exists() and not (dst / "summary.json").exists():
-            shutil.rmtree(dst, ignore_errors=True)
-            shutil.copytree(src, dst, copy_function=os.link)
-            print(f"reusing {src}")
+    for old in [load_ladder(e) for e in earlier if (e / "ladder.json").exists()]:
+        for n in [r.name for r in new.rungs] + ["target"]:
+            src, dst = folder(old, n), folder(new, n)
+            same = old.config_path(n).is_file() and _config(old.config_path(n)) == \
+                _config(new.config_path(n))
+            if same and (src / "summary.json").exists() and not (dst / "summary.json").exists():
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.copytree(src, dst, copy_function=os.link)
+                print(f"reusing {src}")
 
 
 def part_ladder(root: Path, seed: int, tag: str, rung_seeds: int = 1,
-                single: Path | None = None) -> dict:
+                earlier: list[Path] = ()) -> dict:
     stages: dict = {}
     with Stage("plan", stages):
         if (root / "ladder.json").exists():
@@ -200,8 +199,7 @@ def part_ladder(root: Path, seed: int, tag: str, rung_seeds: int = 1,
         else:
             moelab("ladder", "plan", "tiny", *TARGET, f"train.seed={seed}", *PLAN, "--seeds",
                    str(rung_seeds), "--out", str(root))
-        if single is not None:
-            reuse_single_seed_runs(root, single)
+        reuse_runs(root, list(earlier))
     with Stage("rungs", stages):
         moelab("ladder", "run", str(root), "--jobs", "2", "--poll", "60")
     with Stage("fit (before the target trains)", stages):
@@ -327,8 +325,9 @@ def main() -> None:
         single = "ladder_demo" + (f"_seed{args.seed}" if args.seed else "")
         tag = single + (f"_r{args.rung_seeds}" if args.rung_seeds > 1 else "")
         out["ladder"] = part_ladder(Path(args.dir or f"runs/{tag}"), args.seed, tag,
-                                    args.rung_seeds, Path(f"runs/{single}")
-                                    if args.rung_seeds > 1 else None)
+                                    args.rung_seeds, [Path(f"runs/{single}")] + [
+                                        Path(f"runs/{single}_r{r}") for r in range(2, args.rung_seeds)
+                                    ] if args.rung_seeds > 1 else [])
         save(tag, out["ladder"]["final_predictions"], **{
             k: v for k, v in out["ladder"].items() if k != "final_predictions"})
         print(f"plot: {RESULTS / (tag + '.png')}")
