@@ -37,9 +37,8 @@ from common import RESULTS, print_table, save
 from trained_router import RUN_DIR, STEPS, load, trained_run
 
 from moelab.config import ParallelConfig
-from moelab.ops.drops import at_context, forecast, heldout_spans, pick_spans, route_spans, routing_fn
-from moelab.ops.placement import fit_placement
-from moelab.parallel.transport import get
+from moelab.ops.drops import (at_context, fit_placements, forecast, heldout_spans, pick_spans,
+                              routed_ids, routing_fn)
 
 BRANCH_AT, COOLDOWN_STEPS = 135, 48
 RANKS, PER_RANK = 8, 4096
@@ -81,11 +80,11 @@ def placements_per_length(cfg, params, state, pars, lengths, batches, seed) -> d
     span = max(lengths)
     spans = heldout_spans(cfg, span)
     _, rest = pick_spans(len(spans), RANKS * PER_RANK // span, batches, seed)
-    ids = route_spans(routing_fn(cfg), params, state, spans[rest], cfg.data.seq_len)
-    ids = ids.reshape(ids.shape[0], -1, ids.shape[-1])
-    E = cfg.model.n_experts
-    return {L: {n: fit_placement(ids, E, get(pars[n].transport).group(pars[n], E // RANKS),
-                                 L)["slots"] for n in PLACED} for L in lengths}
+    ids = routed_ids(routing_fn(cfg), params, state, spans[rest], cfg.data.seq_len)
+    placed = {n: pars[n] for n in PLACED}
+    return {L: {n: f["slots"] for n, f in
+                fit_placements(ids, cfg.model.n_experts, placed, RANKS, L).items()}
+            for L in lengths}
 
 
 def rates(rows: list[dict], L: int, names) -> dict:

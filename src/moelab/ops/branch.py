@@ -77,8 +77,10 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     parent = Path(parent)
     parent_cfg, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor,
                                         mixture=mixture, seq_len=seq_len)
-    placed = pl.plan_for_branch(parent, at, parent_cfg, child_cfg, place_ranks) \
-        if place_ranks else None
+    placed = None
+    if place_ranks:  # the parent's state, restored once: routed, then saved re-placed
+        state, meta = pl.restore_step(parent, at, parent_cfg)
+        placed = pl.plan_for_branch(state, at, parent_cfg, child_cfg, place_ranks)
     child = branch_dir(parent, at, out)
     command = command or command_line()
     src = Checkpointer(parent / "checkpoints").step_dir(at)
@@ -90,7 +92,7 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
         if placed is None:
             shutil.copytree(src, tmp / "checkpoints" / src.name, copy_function=_link_or_copy)
         else:  # new weights: written whole, never linked to the parent's
-            pl.write_placed(parent, at, parent_cfg, placed["slots"], tmp / "checkpoints")
+            pl.write_placed(state, meta, at, placed["slots"], tmp / "checkpoints")
         if (parent / "tokenizer.json").is_file():
             atomic_write_bytes(tmp / "tokenizer.json", (parent / "tokenizer.json").read_bytes())
         save_config(child_cfg, tmp / "config.yaml")

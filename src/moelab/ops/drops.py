@@ -88,17 +88,21 @@ def pick_spans(n_spans: int, per_batch: int, batches: int, seed: int):
     return order[:n_batches * per_batch], order[n_batches * per_batch:]
 
 
-def fit_placements(cfg: RunConfig, params, state, spans_BS, pars: dict[str, ParallelConfig],
+def routed_ids(route, params, state, spans_BS, window: int) -> np.ndarray:
+    """Expert ids [layers, B * S, k] of the spans, each layer's tokens in span order."""
+    ids = route_spans(route, params, state, spans_BS, window)
+    return ids.reshape(ids.shape[0], -1, ids.shape[-1])
+
+
+def fit_placements(ids_LNK: np.ndarray, n_experts: int, pars: dict[str, ParallelConfig],
                    ranks: int, unit: int) -> dict[str, dict]:
     """Per transport, the expert placement (``moelab.ops.placement``) fitted on the routing
-    of ``spans_BS`` in units of ``unit`` tokens, grouping experts as its capacity does."""
+    ``ids_LNK`` in units of ``unit`` tokens, grouping experts as its capacity does."""
     from moelab.ops.placement import fit_placement
     from moelab.parallel.transport import get
 
-    ids = route_spans(routing_fn(cfg), params, state, spans_BS, cfg.data.seq_len)
-    ids = ids.reshape(ids.shape[0], -1, ids.shape[-1])
-    E = cfg.model.n_experts
-    return {name: fit_placement(ids, E, get(par.transport).group(par, E // ranks), unit)
+    return {name: fit_placement(ids_LNK, n_experts,
+                                get(par.transport).group(par, n_experts // ranks), unit)
             for name, par in pars.items()}
 
 
@@ -129,12 +133,14 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
     per_batch = ranks * tokens_per_rank // span
     picked, rest = pick_spans(len(spans), per_batch, batches, seed)
     n_batches = len(picked) // per_batch
+    route = routing_fn(cfg)
     if place:
         require(len(rest) * span >= 2 * max(lens), "--place", f"no held-out text is left "
                 "beside the forecast's batches to fit the placement on: lower --batches")
-        placed = {n: p["slots"] for n, p in
-                  fit_placements(cfg, params, state, spans[rest], pars, ranks, max(lens)).items()}
-    ids = route_spans(routing_fn(cfg), params, state, spans[picked], now)  # [layers, n, span, k]
+        fit_ids = routed_ids(route, params, state, spans[rest], now)
+        placed = {n: p["slots"] for n, p in fit_placements(
+            fit_ids, cfg.model.n_experts, pars, ranks, max(lens)).items()}
+    ids = route_spans(route, params, state, spans[picked], now)  # [layers, n, span, k]
     variants = {name: (par, None) for name, par in pars.items()}
     variants |= {f"{name} placed": (pars[name], slots) for name, slots in (placed or {}).items()}
     rows = []

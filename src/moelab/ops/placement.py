@@ -116,26 +116,39 @@ def permute_experts(tree, slots_LE: np.ndarray):
         axis = EXPERT_AXIS.get(key)
         if axis is None or getattr(x, "ndim", 0) <= axis or x.shape[0] != len(slots_LE):
             return x
-        idx = inv.reshape(inv.shape + (1,) * (x.ndim - 2))
-        if axis == 2:  # router [L, D, E]: experts on the last axis
-            return jnp.take_along_axis(x, inv[:, None, :], axis=2)
-        return jnp.take_along_axis(x, idx, axis=1)
+        # per layer: x[l] with its experts (axis - 1 of the layer's array) in slot order
+        return jax.vmap(lambda x_l, inv_l: jnp.take(x_l, inv_l, axis=axis - 1))(x, inv)
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
 # ----------------------------------------------------------------------------- branches
 
-def plan_for_branch(parent, at: int, parent_cfg, child_cfg, ranks: int) -> dict:
-    """The placement a branch from step ``at`` gets for an EP group of ``ranks``: fitted on
-    the parent's routing of its held-out text at step ``at``, in units of the branch's
-    context, grouping experts as the branch's transport shares capacity."""
+def restore_step(parent, at: int, parent_cfg) -> tuple[dict, dict]:
+    """(train state, meta) of the parent's checkpoint of step ``at``."""
+    import jax
+
+    from moelab.train.checkpoint import Checkpointer
+    from moelab.train.step import init_train_state
+
+    from moelab.serve import _check_finite
+
+    ckpt = Checkpointer(parent / "checkpoints")
+    target = jax.eval_shape(lambda: init_train_state(parent_cfg, jax.random.PRNGKey(0)))
+    state, meta = ckpt.restore(at, target)
+    _check_finite(state["params"], parent, at, ckpt.steps())  # as loading a run does
+    return state, meta
+
+
+def plan_for_branch(state: dict, at: int, parent_cfg, child_cfg, ranks: int) -> dict:
+    """The placement a branch from the parent's ``state`` at step ``at`` gets for an EP group
+    of ``ranks``: fitted on its routing of held-out text, in units of the branch's context,
+    grouping experts as the branch's transport shares capacity."""
     from dataclasses import replace
 
     from moelab.config.errors import require
-    from moelab.ops.drops import at_context, heldout_spans
+    from moelab.ops.drops import at_context, heldout_spans, routed_ids, routing_fn
     from moelab.parallel.transport import get
-    from moelab.serve import load_run
 
     E = child_cfg.model.n_experts
     require(ranks >= 2 and E % ranks == 0, "--place-experts",
@@ -144,31 +157,19 @@ def plan_for_branch(parent, at: int, parent_cfg, child_cfg, ranks: int) -> dict:
     group = get(par.transport).group(par, E // ranks)
     require(group > 1, "--place-experts", f"parallel.transport={par.transport} limits each "
             "expert on its own: no placement changes its drops")
-    run = load_run(parent, step=at)
     cfg = at_context(parent_cfg, at)
     unit = child_cfg.data.segment_at(at).seq_len
     spans = heldout_spans(cfg, max(unit, cfg.data.seq_len))
-    got = fit_placement_of(cfg, run.params, run.model_state, spans, E, group, unit)
-    return {"ranks": ranks, "group": group, "unit": unit, "transport": par.transport, **got}
+    ids = routed_ids(routing_fn(cfg), state["params"], state["model_state"], spans,
+                     cfg.data.seq_len)
+    return {"ranks": ranks, "group": group, "unit": unit, "transport": par.transport,
+            **fit_placement(ids, E, group, unit)}
 
 
-def fit_placement_of(cfg, params, state, spans_BS, n_experts: int, group: int,
-                     unit: int) -> dict:
-    """``fit_placement`` on the model's routing of ``spans_BS`` (routed as it routes today)."""
-    from moelab.ops.drops import route_spans, routing_fn
-
-    ids = route_spans(routing_fn(cfg), params, state, spans_BS, cfg.data.seq_len)
-    return fit_placement(ids.reshape(ids.shape[0], -1, ids.shape[-1]), n_experts, group, unit)
-
-
-def write_placed(parent, at: int, parent_cfg, slots_LE: np.ndarray, ckpt_dir) -> None:
-    """The parent's checkpoint of step ``at``, experts re-placed, saved in ``ckpt_dir``."""
-    import jax
-
+def write_placed(state: dict, meta: dict, at: int, slots_LE: np.ndarray, ckpt_dir) -> None:
+    """``state`` with its experts re-placed, saved as the checkpoint of ``at`` in
+    ``ckpt_dir``."""
     from moelab.train.checkpoint import Checkpointer
-    from moelab.train.step import init_train_state
 
-    target = jax.eval_shape(lambda: init_train_state(parent_cfg, jax.random.PRNGKey(0)))
-    state, meta = Checkpointer(parent / "checkpoints").restore(at, target)
     with Checkpointer(ckpt_dir) as out:
         out.save(at, permute_experts(state, slots_LE), meta)
