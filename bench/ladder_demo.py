@@ -11,19 +11,20 @@ generated, not measured: this checks the fitting and extrapolation machinery, no
 
 Part "ladder" (about an hour of two CPU cores): the tiny preset family on the built-in corpus
 (vocab 512, seq 128, batch 16). Target: tiny (d128, 4 layers, 8 heads of 16) for 2,000 steps
-(4.1M tokens). `moelab ladder plan` derives 4 widths (largest at ~1/5 of the target's FLOPs,
-spaced 2.5x), each trained at the target's tokens per parameter and at half of it (8 rungs),
-`moelab ladder run` trains them, `moelab ladder fit` predicts the target before it trains and
-reports its own holdout (refitted without the largest model, predicting it), then the target
-trains under `--guard`. ``--seed`` sets train.seed of every run (a second seed: a second ladder
-folder, runs/ladder_demo_seed<N>); ``--rung-seeds R`` trains every rung R times with seeds
-train.seed + 1000 r (folder and results gain _r<R>; the finished runs of the ladders with
-fewer replicates are linked in, not retrained). Then a deviation check: the target's config
+(4.1M tokens). `moelab ladder plan` derives the rungs by a design of DESIGNS (``--design``; a,
+the default: 4 widths at 0.5x and 1x the target's tokens per parameter, 8 rungs at 51% of the
+target's FLOPs; b: widths 48, 64 and 80 at 0.5x, 1x and 2x, 9 rungs at 52%), `moelab ladder run`
+trains them, `moelab ladder fit` predicts the target before it trains and reports its own
+holdout (refitted without the largest model, predicting it), then the target trains under
+`--guard`. ``--seed`` sets train.seed of every run; ``--rung-seeds R`` trains every rung R times
+with seeds train.seed + 1000 r. Finished runs of any earlier demo ladder with the same name and
+config (seed included) are linked in, not retrained. Then a deviation check: the target's config
 with 3x the learning rate for 30% of the run, guarded against the same prediction. Every stage
 is resumable: run the script again and finished runs are reused.
 
-Saves bench/results/ladder_demo[_seed<N>].json (and ladder_points.json, ladder_points.csv) and
-bench/results/ladder_demo[_seed<N>].png (a copy of LADDER/plots/ladder.png).
+Saves bench/results/TAG.json, TAG_prediction.json and TAG.png (a copy of LADDER/plots/ladder.png),
+TAG = ladder_demo[_b][_seed<N>][_r<R>] (also the ladder folder under runs/), and
+ladder_points.json and ladder_points.csv.
 """
 
 from __future__ import annotations
@@ -58,8 +59,13 @@ CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}
 TARGET = ["model.vocab_size=512", "model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8",
           "data.seq_len=128", "data.batch_size=16", "train.steps=2000", "train.log_every=5",
           "train.eval_every=400", "train.eval_tokens=131072", "train.ckpt_every=500"]
-PLAN = ["--top-share", "0.25", "--spacing", "2.5", "--depth-exp", "0.5", "--evals", "5",
-        "--token-multipliers", "0.5,1"]
+# Rung designs, same target and about the same cost (51-52% of its FLOPs). "a": 4 widths at 0.5x
+# and 1x the target's tokens per parameter, so N and D move together. "b": 3 widths at 0.5x, 1x
+# and 2x, so runs of different widths meet at near-equal D (d48 at 2x ~ d80 at 0.5x) and the
+# largest run reaches 59% of the target's D (a: 42%).
+DESIGNS = {"a": ["--top-share", "0.25", "--spacing", "2.5", "--token-multipliers", "0.5,1"],
+           "b": ["--widths", "48,64,80", "--rungs", "3", "--token-multipliers", "0.5,1,2"]}
+PLAN = ["--depth-exp", "0.5", "--evals", "5"]
 DEVIATION = {"lr_factor": 3.0, "steps": 600}
 
 
@@ -174,40 +180,48 @@ def _config(path: Path):
 
 
 def reuse_runs(root: Path, earlier: list[Path]) -> None:
-    """Link the finished runs of the ``earlier`` ladders of the same target and seed (the
-    one-seed ladder, ladders with fewer replicates) into the replicated ladder ``root``, where
-    a run of the same name has the same config."""
+    """Link into ladder ``root`` the finished runs of the ``earlier`` ladders (other designs,
+    fewer replicates) that have the same name and the same config (seed included), and their
+    3x-LR deviation run where the targets are the same."""
     new = load_ladder(root)
     folder = lambda lad, n: lad.target_dir if n == "target" else lad.run_dir(n)
-    for old in [load_ladder(e) for e in earlier if (e / "ladder.json").exists()]:
+    for old in [load_ladder(e) for e in earlier if (e / "ladder.json").exists() and e != root]:
         for n in [r.name for r in new.rungs] + ["target"]:
             src, dst = folder(old, n), folder(new, n)
             same = old.config_path(n).is_file() and _config(old.config_path(n)) == \
                 _config(new.config_path(n))
             if same and (src / "summary.json").exists() and not (dst / "summary.json").exists():
-                shutil.rmtree(dst, ignore_errors=True)
-                shutil.copytree(src, dst, copy_function=os.link)
-                print(f"reusing {src}")
+                _link(src, dst)
+        src, dst = old.root / "deviation_lr3x", new.root / "deviation_lr3x"
+        same = _config(old.config_path("target")) == _config(new.config_path("target"))
+        done = lambda d: is_finished(d, DEVIATION["steps"])
+        if same and done(src) and not done(dst):
+            _link(src, dst)
 
 
-def part_ladder(root: Path, seed: int, tag: str, rung_seeds: int = 1,
+def _link(src: Path, dst: Path) -> None:
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, copy_function=os.link)
+    print(f"reusing {src}")
+
+
+def part_ladder(root: Path, seed: int, tag: str, design: str = "b", rung_seeds: int = 1,
                 earlier: list[Path] = ()) -> dict:
     stages: dict = {}
     with Stage("plan", stages):
         if (root / "ladder.json").exists():
             print(f"using the plan in {root}/ladder.json")
         else:
-            moelab("ladder", "plan", "tiny", *TARGET, f"train.seed={seed}", *PLAN, "--seeds",
-                   str(rung_seeds), "--out", str(root))
+            moelab("ladder", "plan", "tiny", *TARGET, f"train.seed={seed}", *DESIGNS[design],
+                   *PLAN, "--seeds", str(rung_seeds), "--out", str(root))
         reuse_runs(root, list(earlier))
     with Stage("rungs", stages):
         moelab("ladder", "run", str(root), "--jobs", "2", "--poll", "60")
     with Stage("fit (before the target trains)", stages):
         fit = json.loads(moelab("ladder", "fit", str(root), "--json", capture=True).stdout)
     lad = load_ladder(root)
-    pred_file = RESULTS / f"{tag}_prediction.json"
-    if not (lad.target_dir / "summary.json").exists():  # the prediction made before the target
-        shutil.copyfile(root / "prediction.json", pred_file)
+    # the fit sees the rungs only, so this is the prediction before the target (even a linked one)
+    shutil.copyfile(root / "prediction.json", RESULTS / f"{tag}_prediction.json")
     with Stage("target (guarded live)", stages):
         moelab("ladder", "run", str(root), "--target", "--guard", "--poll", "60")
     if seed == 0:  # the guard's check needs one deviating run, not one per seed
@@ -312,22 +326,24 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=("all", "points", "ladder"), default="all")
     ap.add_argument("--seed", type=int, default=0, help="train.seed of the rungs and target")
+    ap.add_argument("--design", choices=sorted(DESIGNS), default="a",
+                    help="the rung design (see DESIGNS)")
     ap.add_argument("--rung-seeds", type=int, default=1, help="replicates of every rung "
-                    "(`ladder plan --seeds`; folder and results gain _r<N>; finished runs of "
-                    "the one-seed ladder are reused)")
-    ap.add_argument("--dir", help="the ladder folder (default runs/ladder_demo, "
-                    "runs/ladder_demo_seed<N> for another seed)")
+                    "(`ladder plan --seeds`; folder and results gain _r<N>)")
+    ap.add_argument("--dir", help="the ladder folder (default runs/TAG, TAG = ladder_demo"
+                    "[_b][_seed<N>][_r<R>])")
     args = ap.parse_args()
     out = {}
     if args.part in ("all", "points"):
         out["points"] = part_points()
     if args.part in ("all", "ladder"):
-        single = "ladder_demo" + (f"_seed{args.seed}" if args.seed else "")
-        tag = single + (f"_r{args.rung_seeds}" if args.rung_seeds > 1 else "")
+        tag = ("ladder_demo" + ("_b" if args.design == "b" else "")
+               + (f"_seed{args.seed}" if args.seed else "")
+               + (f"_r{args.rung_seeds}" if args.rung_seeds > 1 else ""))
+        # any earlier demo ladder: runs are linked only where name and config (seed) match
+        earlier = sorted(p.parent for p in Path("runs").glob("ladder_demo*/ladder.json"))
         out["ladder"] = part_ladder(Path(args.dir or f"runs/{tag}"), args.seed, tag,
-                                    args.rung_seeds, [Path(f"runs/{single}")] + [
-                                        Path(f"runs/{single}_r{r}") for r in range(2, args.rung_seeds)
-                                    ] if args.rung_seeds > 1 else [])
+                                    args.design, args.rung_seeds, earlier)
         save(tag, out["ladder"]["final_predictions"], **{
             k: v for k, v in out["ladder"].items() if k != "final_predictions"})
         print(f"plot: {RESULTS / (tag + '.png')}")
