@@ -185,18 +185,21 @@ def reuse_runs(root: Path, earlier: list[Path]) -> None:
     3x-LR deviation run where the targets are the same."""
     new = load_ladder(root)
     folder = lambda lad, n: lad.target_dir if n == "target" else lad.run_dir(n)
-    for old in [load_ladder(e) for e in earlier if (e / "ladder.json").exists() and e != root]:
+    done = lambda d: is_finished(d, DEVIATION["steps"])
+    for e in earlier:
+        if not (e / "ladder.json").exists() or e.resolve() == root.resolve():
+            continue
+        old = load_ladder(e)
         for n in [r.name for r in new.rungs] + ["target"]:
             src, dst = folder(old, n), folder(new, n)
             same = old.config_path(n).is_file() and _config(old.config_path(n)) == \
                 _config(new.config_path(n))
             if same and (src / "summary.json").exists() and not (dst / "summary.json").exists():
                 _link(src, dst)
-        src, dst = old.root / "deviation_lr3x", new.root / "deviation_lr3x"
-        same = _config(old.config_path("target")) == _config(new.config_path("target"))
-        done = lambda d: is_finished(d, DEVIATION["steps"])
-        if same and done(src) and not done(dst):
-            _link(src, dst)
+            if n == "target" and same:  # the deviation run is the target's config at 3x LR
+                src, dst = old.root / "deviation_lr3x", new.root / "deviation_lr3x"
+                if done(src) and not done(dst):
+                    _link(src, dst)
 
 
 def _link(src: Path, dst: Path) -> None:
@@ -205,7 +208,7 @@ def _link(src: Path, dst: Path) -> None:
     print(f"reusing {src}")
 
 
-def part_ladder(root: Path, seed: int, tag: str, design: str = "b", rung_seeds: int = 1,
+def part_ladder(root: Path, seed: int, tag: str, design: str = "a", rung_seeds: int = 1,
                 earlier: list[Path] = ()) -> dict:
     stages: dict = {}
     with Stage("plan", stages):
