@@ -147,7 +147,8 @@ def main() -> None:
             r[f"{n}_growth"] = (r[f"{n}_extended"] / first[f"{n}_extended"]
                                 if first[f"{n}_extended"] else None)
         for n in PLACED:  # against the drops the unplaced model has at the base context
-            r[f"{n} placed_vs_unplaced_base"] = r[f"{n} placed_extended"] / first[f"{n}_extended"]
+            r[f"{n} placed_vs_unplaced_base"] = (r[f"{n} placed_extended"] / first[f"{n}_extended"]
+                                                 if first[f"{n}_extended"] else None)
     png = plot(rows, names, name)
     runtime = time.time() - t_start
     save(name, rows, router_run=run, ranks=RANKS, tokens_per_rank=PER_RANK,

@@ -119,8 +119,8 @@ def test_streaming_equals_loading_and_the_cli(texts, tmp_path, memfs, capsys):
                                      text_field="body")
         assert streamed["fingerprint"] == loaded["fingerprint"]
         assert streamed["total"]["train"]["docs"] + streamed["total"]["heldout"]["docs"] == 32
-        assert streamed["format"] == "hf-stream" and sorted(streamed["domains"]) == ["code",
-                                                                                     "prose"]
+        assert streamed["source_format"] == "hf-stream"
+        assert sorted(streamed["domains"]) == ["code", "prose"]
     out = tmp_path / "built"
     rc = main(["data", "build", url, "--format", "hf-stream", "--text-field", "body",
                "--out", str(out), "--vocab", "300", "--no-progress"])

@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance  # a missing harness fails here, as it
 
 from helpers import data_dir, shared_run  # noqa: F401  (session fixture)
 from moelab.data.tokenizer import decode, encode_batch, eos_id
-from moelab.harness.batching import buckets
+from moelab.generate import prefill_bucket
 from moelab.harness.lm import MoelabLM, cut_at_stop, gen_options
 from moelab.harness.registry import local_task_names
 from moelab.model import transformer as tr
@@ -114,7 +114,9 @@ def test_batch_sizes_agree(run, lm):
     four = lm.loglikelihood(reqs)
     np.testing.assert_allclose([x for x, _ in one], [x for x, _ in four], rtol=1e-5, atol=1e-4)
     assert [g for _, g in one] == [g for _, g in four]
-    assert buckets(32) == [16, 32] and buckets(100) == [16, 32, 64, 100]
+    # the padded lengths the windows share (generate's prefill buckets)
+    assert {prefill_bucket(n, 32) for n in range(1, 33)} == {16, 32}
+    assert {prefill_bucket(n, 100) for n in range(1, 101)} == {16, 32, 64, 100}
 
 
 def test_rolling_loglikelihood_is_the_sum_over_the_whole_text(run, lm):

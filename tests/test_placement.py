@@ -30,7 +30,7 @@ def topic_routing(n_units: int = 64, unit: int = 32, experts: int = 16, k: int =
 def test_swap_deltas_equal_recomputed_costs():
     rng = np.random.default_rng(1)
     loads = rng.poisson(5.0, size=(40, 12)).astype(float)
-    M = pl.load_moment(loads, 2)
+    M = pl.load_moment(loads)
     group = np.arange(12) // 3
     base = pl.group_cost(M, group)
     for i, j in ((0, 5), (2, 11), (4, 9)):

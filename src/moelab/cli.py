@@ -91,7 +91,7 @@ def cmd_generate(args) -> int:
     from moelab.serve import load_run
 
     check_sampling(args)
-    run = load_run(args.run if is_url(args.run) else Path(args.run), step=args.step)
+    run = load_run(args.run, step=args.step)  # a folder or a run URL
     text = run.generate(args.prompt, args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed)
     print(args.prompt + text)
@@ -102,17 +102,16 @@ def cmd_eval(args) -> int:
     from moelab.harness.evaluate import (default_output, evaluate_run, format_results,
                                          save_results, split_tasks)
 
-    from moelab.util import is_url
-
     require(args.output or not is_url(args.run), "--output", f"{args.run} is a URL: name a "
             "local results file (--output FILE)")
+    tasks = split_tasks(args.tasks)
     results = evaluate_run(args.run if is_url(args.run) else Path(args.run),
-                           split_tasks(args.tasks), limit=args.limit,
+                           tasks, limit=args.limit,
                            batch_size=args.batch_size, num_fewshot=args.num_fewshot,
                            step=args.step, include_paths=[Path(p) for p in args.include_path])
     print(format_results(results))
     out = Path(args.output) if args.output else default_output(
-        Path(args.run), split_tasks(args.tasks), results["moelab"]["step"])
+        Path(args.run), tasks, results["moelab"]["step"])
     save_results(results, out)
     print(f"results: {out}")
     return 0

@@ -47,21 +47,28 @@ def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "
                                 "`moelab train` first")
     cfg = config_from_dict(yaml.safe_load(cfg_path.read_text()))
+    step, state, _ = restore_state(run_dir, cfg, step)
+    tok = load_tokenizer(run_dir / "tokenizer.json")
+    return LoadedRun(cfg, step, state["params"], state["model_state"], tok)
+
+
+def restore_state(run_dir: Path, cfg, step: int | None = None) -> tuple[int, dict, dict]:
+    """(step, train state, meta) of the run's checkpoint ``step`` (the newest usable by
+    default), refused when its weights are not finite."""
     target = jax.eval_shape(lambda: init_train_state(cfg, jax.random.PRNGKey(0)))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
     if step is None:
         got = ckpt.restore_latest(target)
         if got is None:
             raise FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint yet; train first")
-        step, state, _ = got
+        step, state, meta = got
     else:
         if step not in ckpt.steps():
             raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: "
                                     f"{ckpt.steps()}")
-        state, _ = ckpt.restore(step, target)
+        state, meta = ckpt.restore(step, target)
     _check_finite(state["params"], run_dir, step, ckpt.steps())
-    tok = load_tokenizer(run_dir / "tokenizer.json")
-    return LoadedRun(cfg, step, state["params"], state["model_state"], tok)
+    return step, state, meta
 
 
 def _check_finite(params: dict, run_dir: Path, step: int, steps: list[int]) -> None:

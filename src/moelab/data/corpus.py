@@ -343,8 +343,7 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
             need_extra("pyarrow", "parquet", f"{parquet}: reading Parquet files")
     skips: Skips = []
     default = clean_domain(domain) if domain else None
-    corpus_dir = Path(corpus_dir)
-    corpus_dir.mkdir(parents=True, exist_ok=True)
+    corpus_dir = Path(corpus_dir)  # write_corpus makes it before it reads the documents
 
     def docs() -> Iterator[dict]:
         if fmt != "files":
@@ -355,7 +354,8 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
             dom = default or clean_domain(folder_name(path))
             yield from file_docs(path, name, dom, skips, text_field)
 
-    fields = {"kind": "user", "sources": [str(p) for p in paths], "format": fmt,
+    # "format" is the manifest's own version (write_corpus): the read mode has its own key
+    fields = {"kind": "user", "sources": [str(p) for p in paths], "source_format": fmt,
               "text_field": text_field, **({"split": split} if split else {})}
     manifest = write_corpus(corpus_dir, docs(), heldout_fraction, fields, skips,
                             what=", ".join(map(str, paths)))

@@ -48,7 +48,7 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
         # the same source read another way is another corpus (manifests before these fields:
         # files, text)
         asked = {"format": dcfg.format, "text_field": dcfg.text_field, "split": dcfg.split}
-        had = {"format": m.get("format", "files"), "text_field": m.get("text_field", "text"),
+        had = {"format": m.get("source_format", "files"), "text_field": m.get("text_field", "text"),
                "split": m.get("split", "")}
         diff = [k for k in asked if asked[k] != had[k] and not (k == "split" and not asked[k])]
         if dcfg.source and diff:

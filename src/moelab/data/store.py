@@ -45,23 +45,13 @@ def _batches(docs: Iterator[dict], size: int, chars: int = _BATCH_CHARS) -> Iter
         yield batch
 
 
-class _NoBar:
-    def update(self, _n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 def progress_bar(total: int, desc: str, enabled: bool = True):
     """A progress bar over ``total`` bytes on stderr, shown only when ``enabled`` and stderr is
     a terminal (logs and pipes get the one-line summary instead)."""
-    if not (enabled and sys.stderr.isatty()):
-        return _NoBar()
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, file=sys.stderr,
-                leave=False, dynamic_ncols=True)
+                leave=False, dynamic_ncols=True, disable=not (enabled and sys.stderr.isatty()))
 
 
 def _token_dtype(vocab_size: int) -> np.dtype:

@@ -16,10 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import ModelConfig
+from moelab.generate import prefill_bucket
 from moelab.model import transformer as tr
-
-MIN_BUCKET = 16  # shortest padded length; below it one more compile saves too little
-
 
 class Window(NamedTuple):
     """Model inputs and targets (equal length, at most seq_len) and how many of the last
@@ -42,15 +40,6 @@ def make_window(context: Sequence[int], continuation: Sequence[int], seq_len: in
                          "loglikelihood_rolling task for long texts")
     full = (list(context) + list(continuation))[-(seq_len + 1):]
     return Window(full[:-1], full[1:], len(continuation))
-
-
-def buckets(seq_len: int) -> list[int]:
-    """Padded lengths: powers of two from MIN_BUCKET below seq_len, then seq_len itself."""
-    out, n = [], MIN_BUCKET
-    while n < seq_len:
-        out.append(n)
-        n *= 2
-    return out + [seq_len]
 
 
 def make_scorer(cfg: ModelConfig):
@@ -82,13 +71,12 @@ def _pack(rows: list[Window], batch_size: int, length: int):
 def score_windows(score, params, state, windows: Sequence[Window], batch_size: int,
                   seq_len: int) -> list[tuple[float, bool]]:
     """(log-probability, is greedy) of every window, in the order given."""
-    sizes = buckets(seq_len)
     order = sorted(range(len(windows)), key=lambda i: -len(windows[i].inputs))
     out: list[tuple[float, bool]] = [(0.0, False)] * len(windows)
     for start in range(0, len(order), batch_size):
         idx = order[start: start + batch_size]
         rows = [windows[i] for i in idx]
-        length = next(b for b in sizes if b >= len(rows[0].inputs))  # longest first
+        length = prefill_bucket(len(rows[0].inputs), seq_len)  # longest first
         logp, greedy = score(params, state, *_pack(rows, batch_size, length))
         logp, greedy = np.asarray(logp), np.asarray(greedy)
         for j, i in enumerate(idx):

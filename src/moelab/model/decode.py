@@ -24,9 +24,6 @@ from moelab.model.experts import DropCounts
 from moelab.model.layers import (_attend, attention_output, causal_conv, map_kv, project_qkv,
                                  rope_tables)
 
-_CONV_WIDTH = {"q": "q", "k": "kv", "v": "kv", "attn": "d", "moe": "d"}
-
-
 def init_cache(cfg: ModelConfig, batch: int, size: int) -> dict:
     """An empty cache for ``batch`` rows of up to ``size`` positions (compute dtype):
     ``k``/``v`` [L, B, size, K, Q] and ``conv_<site>`` [L, B, conv_kernel - 1, C]."""
@@ -34,10 +31,10 @@ def init_cache(cfg: ModelConfig, batch: int, size: int) -> dict:
         raise ValueError(f"init_cache: batch={batch} and size={size} must both be >= 1")
     dt = jnp.dtype(cfg.compute_dtype)
     L, K, Q = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-    width = {"q": cfg.n_heads * Q, "kv": K * Q, "d": cfg.d_model}
+    width = tr.conv_widths(cfg)
     cache = {"k": jnp.zeros((L, batch, size, K, Q), dt), "v": jnp.zeros((L, batch, size, K, Q), dt)}
     for site in sorted(cfg.conv_site_set):
-        shape = (L, batch, cfg.conv_kernel - 1, width[_CONV_WIDTH[site]])
+        shape = (L, batch, cfg.conv_kernel - 1, width[site])
         cache[f"conv_{site}"] = jnp.zeros(shape, dt)
     return cache
 

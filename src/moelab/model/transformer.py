@@ -34,6 +34,14 @@ class Param(NamedTuple):
     fsdp_dim: int | None = None
 
 
+def conv_widths(cfg: ModelConfig) -> dict[str, int]:
+    """Channels of each causal-conv site: the q, k, v projections, the attention and MoE
+    outputs."""
+    kv = cfg.n_kv_heads * cfg.head_dim
+    return {"q": cfg.n_heads * cfg.head_dim, "k": kv, "v": kv, "attn": cfg.d_model,
+            "moe": cfg.d_model}
+
+
 def param_decls(cfg: ModelConfig) -> dict:
     """Every parameter as a ``Param``. Block arrays carry a leading layer axis L; the routed
     experts' E axis is split over the expert-parallel mesh axis, the rest is replicated."""
@@ -56,7 +64,7 @@ def param_decls(cfg: ModelConfig) -> dict:
         blocks.update({"sh_gate": (L, D, S), "sh_up": (L, D, S), "sh_down": (L, S, D)})
     if cfg.attn_gate:
         blocks["attn_gate"] = (L, D, H)
-    width = {"q": H * Q, "k": K * Q, "v": K * Q, "attn": D, "moe": D}
+    width = conv_widths(cfg)
     for site in sorted(cfg.conv_site_set):
         blocks[f"conv_{site}"] = (L, cfg.conv_kernel, width[site])
     top = {"embed": (V, D), "final_norm": (D,), "head": (D, V)}

@@ -73,15 +73,16 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     """Create the branch folder (it must not exist yet); returns its path. ``place_ranks``:
     re-place its experts for an EP group of that many ranks (``moelab.ops.placement``)."""
     from moelab.ops import placement as pl
+    from moelab.serve import restore_state
 
     parent = Path(parent)
     parent_cfg, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor,
                                         mixture=mixture, seq_len=seq_len)
+    child = branch_dir(parent, at, out)  # refused before any restoring or routing
     placed = None
-    if place_ranks:  # the parent's state, restored once: routed, then saved re-placed
-        state, meta = pl.restore_step(parent, at, parent_cfg)
+    if place_ranks:  # the parent's state, restored once (finite, as loading a run checks)
+        _, state, meta = restore_state(parent, parent_cfg, at)  # then routed, saved re-placed
         placed = pl.plan_for_branch(state, at, parent_cfg, child_cfg, place_ranks)
-    child = branch_dir(parent, at, out)
     command = command or command_line()
     src = Checkpointer(parent / "checkpoints").step_dir(at)
     tmp = child.with_name(f".{child.name}.tmp")  # the branch appears whole or not at all

@@ -37,7 +37,7 @@ def unit_loads(ids_NK: np.ndarray, n_experts: int, unit: int) -> np.ndarray:
     return counts.reshape(len(units), n_experts)
 
 
-def load_moment(loads_UE: np.ndarray, k: int) -> np.ndarray:
+def load_moment(loads_UE: np.ndarray) -> np.ndarray:
     """M = E[(l - c)(l - c)'] about the fair share c = k * unit / E, [E, E]."""
     U, E = loads_UE.shape
     c = loads_UE.sum(1, keepdims=True) / E  # = k * unit / E when every assignment is valid
@@ -89,7 +89,7 @@ def fit_placement(ids_LNK: np.ndarray, n_experts: int, group_size: int, unit: in
         raise ValueError(f"placement needs at least two units of {unit} tokens of routing")
     slots, before, after = [], 0.0, 0.0
     for ids_NK in ids_LNK:
-        M = load_moment(unit_loads(ids_NK, n_experts, unit), ids_NK.shape[-1])
+        M = load_moment(unit_loads(ids_NK, n_experts, unit))
         group = best_groups(M, group_size)
         before += group_cost(M, np.arange(n_experts) // group_size)
         after += group_cost(M, group)
@@ -123,22 +123,6 @@ def permute_experts(tree, slots_LE: np.ndarray):
 
 
 # ----------------------------------------------------------------------------- branches
-
-def restore_step(parent, at: int, parent_cfg) -> tuple[dict, dict]:
-    """(train state, meta) of the parent's checkpoint of step ``at``."""
-    import jax
-
-    from moelab.train.checkpoint import Checkpointer
-    from moelab.train.step import init_train_state
-
-    from moelab.serve import _check_finite
-
-    ckpt = Checkpointer(parent / "checkpoints")
-    target = jax.eval_shape(lambda: init_train_state(parent_cfg, jax.random.PRNGKey(0)))
-    state, meta = ckpt.restore(at, target)
-    _check_finite(state["params"], parent, at, ckpt.steps())  # as loading a run does
-    return state, meta
-
 
 def plan_for_branch(state: dict, at: int, parent_cfg, child_cfg, ranks: int) -> dict:
     """The placement a branch from the parent's ``state`` at step ``at`` gets for an EP group
