@@ -30,6 +30,7 @@ from moelab.data import (  # noqa: E402
     load_manifest,
     train_tokenizer,
 )
+from moelab.data.corpus import FORMAT  # noqa: E402
 from moelab.data.store import _batches  # noqa: E402
 from moelab.train.loop import train  # noqa: E402
 
@@ -96,6 +97,7 @@ def test_source_builds_and_trains(kind, texts, tmp_path, memfs):
     assert summary["step"] == 3 and np.isfinite(summary["train/loss"])
     m = load_manifest(data_dir / "corpus")  # built from data.source by the training run
     assert m["kind"] == "user" and m["sources"] == [data["source"]]
+    assert m["format"] == FORMAT and m["source_format"] == data.get("format", "files")
     assert sorted(m["domains"]) == ["code", "prose"]
     assert sum(m["total"][s]["docs"] for s in ("train", "heldout")) == 32
     assert {d["text"] for s in ("train", "heldout") for d in iter_documents(data_dir / "corpus", s)
