@@ -115,19 +115,20 @@ def main() -> None:
           f"{PER_RANK} tokens/rank, {args.batches} batches; trained at {base}", flush=True)
     slots = placements_per_length(cfg, params, state, pars, args.lengths, args.batches,
                                   args.seed)
+    forecasts = forecast(cfg, params, state, args.lengths, pars, placed=slots, **common)
     rows = []
     for L in args.lengths:
         t0 = time.time()
         at_L = replace(cfg, data=replace(cfg.data, seq_len=L))
-        fc = rates(forecast(cfg, params, state, [L], pars, placed=slots[L], **common), L, names)
-        untrained = rates(forecast(at_L, params, state, [L], pars, placed=slots[L], **common),
+        fc = rates(forecasts, L, names)
+        untrained = rates(forecast(at_L, params, state, [L], pars, placed=slots, **common),
                           L, names)
         if L == base:
             extended = fc
         else:
             ecfg, eparams, estate = load(str(extended_run(L, cfg.data.batch_size * base)))
             ecfg = at_context(ecfg, ecfg.train.steps)
-            extended = rates(forecast(ecfg, eparams, estate, [L], pars, placed=slots[L],
+            extended = rates(forecast(ecfg, eparams, estate, [L], pars, placed=slots,
                                       **common), L, names)
         row = {"seq_len": L, "x_base": L // base, "seqs_per_rank": PER_RANK // L}
         for n in names:

@@ -108,14 +108,14 @@ def fit_placements(ids_LNK: np.ndarray, n_experts: int, pars: dict[str, Parallel
 
 def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str, ParallelConfig],
              ranks: int, tokens_per_rank: int, batches: int = 4, seed: int = 0,
-             span: int | None = None, placed: dict[str, np.ndarray] | None = None,
+             span: int | None = None, placed: dict[int, dict[str, np.ndarray]] | None = None,
              place: bool = False) -> list[dict]:
     """One row per context length (and the run's own): drop rates per transport, summed over
     layers and batches. Held-out text is drawn in spans of ``span`` tokens (default: the
     longest length), so calls with the same span and seed see the same tokens. ``placed``
-    adds a "NAME placed" column per transport re-placed by its slots [layers, E]; ``place``
-    fits those placements on the held-out spans the batches do not use, at the longest
-    length."""
+    ({length: {name: slots [layers, E]}}) adds a "NAME placed" column per transport re-placed
+    at that length; ``place`` fits one placement per transport, used at every length, on the
+    held-out spans the batches do not use, at the longest length."""
     from moelab.ops.placement import relabel
     from moelab.parallel.transport.simulate import simulate_drops
 
@@ -138,13 +138,15 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
         require(len(rest) * span >= 2 * max(lens), "--place", f"no held-out text is left "
                 "beside the forecast's batches to fit the placement on: lower --batches")
         fit_ids = routed_ids(route, params, state, spans[rest], now)
-        placed = {n: p["slots"] for n, p in fit_placements(
+        fitted = {n: p["slots"] for n, p in fit_placements(
             fit_ids, cfg.model.n_experts, pars, ranks, max(lens)).items()}
+        placed = {L: fitted for L in lens}
     ids = route_spans(route, params, state, spans[picked], now)  # [layers, n, span, k]
-    variants = {name: (par, None) for name, par in pars.items()}
-    variants |= {f"{name} placed": (pars[name], slots) for name, slots in (placed or {}).items()}
     rows = []
     for L in lens:
+        variants = {name: (par, None) for name, par in pars.items()}
+        variants |= {f"{name} placed": (pars[name], slots)
+                     for name, slots in (placed or {}).get(L, {}).items()}
         totals = {name: np.zeros(3, np.int64) for name in variants}
         for b in range(n_batches):
             order = placements(per_batch, span, L, seed + b)
