@@ -39,22 +39,9 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
     """The corpus of ``data.source`` (the built-in one when empty), or a check that the one
     there was built from it."""
     if (corpus_dir / "manifest.json").exists():
-        m = corpus.load_manifest(corpus_dir)
-        built = [str(s) for s in m.get("sources", [])] if m.get("kind") == "user" else []
-        if dcfg.source and [_norm(s) for s in built] != [_norm(dcfg.source)]:
-            raise ConfigError(f"data.source={dcfg.source}: the corpus in {corpus_dir} was built "
-                              f"from {', '.join(built) or 'the built-in sources'}; set another "
-                              "data.data_dir, or delete that corpus folder to rebuild it")
-        # the same source read another way is another corpus (manifests before these fields:
-        # files, text)
-        asked = {"format": dcfg.format, "text_field": dcfg.text_field, "split": dcfg.split}
-        had = {"format": m.get("source_format", "files"), "text_field": m.get("text_field", "text"),
-               "split": m.get("split", "")}
-        diff = [k for k in asked if asked[k] != had[k] and not (k == "split" and not asked[k])]
-        if dcfg.source and diff:
-            raise ConfigError(f"data.{diff[0]}={asked[diff[0]]!r}: the corpus in {corpus_dir} "
-                              f"was built with {diff[0]}={had[diff[0]]!r}; set another "
-                              "data.data_dir, or delete that corpus folder to rebuild it")
+        m = corpus.load_manifest(corpus_dir)  # a damaged one is refused here
+        if dcfg.source:
+            _check_built_from(dcfg, corpus_dir, m)
         return
     t = time.time()
     if dcfg.source:
@@ -65,6 +52,24 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
         say(f"building the built-in corpus in {corpus_dir} ...")
         m = corpus.build_builtin_corpus(corpus_dir)
     say(f"  corpus ready in {time.time() - t:.0f}s ({_describe(m)})")
+
+
+def _check_built_from(dcfg: DataConfig, corpus_dir: Path, m: dict) -> None:
+    """Refuse a corpus folder built from another source than data.source, or from the same
+    source read another way (manifests before these fields: files, text)."""
+    built = [str(s) for s in m.get("sources", [])] if m.get("kind") == "user" else []
+    if [_norm(s) for s in built] != [_norm(dcfg.source)]:
+        raise ConfigError(f"data.source={dcfg.source}: the corpus in {corpus_dir} was built "
+                          f"from {', '.join(built) or 'the built-in sources'}; set another "
+                          "data.data_dir, or delete that corpus folder to rebuild it")
+    asked = {"format": dcfg.format, "text_field": dcfg.text_field, "split": dcfg.split}
+    had = {"format": m.get("source_format", "files"), "text_field": m.get("text_field", "text"),
+           "split": m.get("split", "")}
+    diff = [k for k in asked if asked[k] != had[k] and not (k == "split" and not asked[k])]
+    if diff:
+        raise ConfigError(f"data.{diff[0]}={asked[diff[0]]!r}: the corpus in {corpus_dir} "
+                          f"was built with {diff[0]}={had[diff[0]]!r}; set another "
+                          "data.data_dir, or delete that corpus folder to rebuild it")
 
 
 def _norm(source: str) -> str:
