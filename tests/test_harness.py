@@ -15,7 +15,7 @@ from lm_eval.api.instance import Instance  # a missing harness fails here, as it
 
 from helpers import data_dir, shared_run  # noqa: F401  (session fixture)
 from moelab.data.tokenizer import decode, encode_batch, eos_id
-from moelab.generate import prefill_bucket
+from moelab.generate import padded, prefill_bucket
 from moelab.harness.lm import MoelabLM, cut_at_stop, gen_options
 from moelab.harness.registry import local_task_names
 from moelab.model import transformer as tr
@@ -56,9 +56,8 @@ def _logits(run, tokens: list[int]):
     seconds) for a window of seq_len; the zeros after the tokens change nothing (causal)."""
     if "fn" not in _FORWARD:
         _FORWARD["fn"] = jax.jit(lambda p, s, t: tr.forward(p, s, t, run.cfg.model)[0])
-    window = np.zeros((1, run.cfg.data.seq_len), np.int32)
-    window[0, : len(tokens)] = tokens
-    return _FORWARD["fn"](run.params, run.model_state, jnp.asarray(window))[:, : len(tokens)]
+    window = padded(tokens, run.cfg.data.seq_len)
+    return _FORWARD["fn"](run.params, run.model_state, window)[:, : len(tokens)]
 
 
 def _direct(run, context: list[int], continuation: list[int]) -> tuple[float, bool]:
