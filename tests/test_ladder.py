@@ -19,7 +19,8 @@ from moelab.ladder.fit import fit_power_law, fit_with_bootstrap, make_law
 from moelab.ladder.folder import load_ladder, write_ladder
 from moelab.ladder.guard import GuardRules, check, guard_run
 from moelab.ladder.observe import EVAL_LOSS
-from moelab.ladder.plan import LadderRule, active_params, plan_ladder, run_stats
+from moelab.ladder.plan import (LadderRule, active_params, format_plan, plan_ladder, run_stats,
+                                warmup_note)
 from moelab.ladder.points import fit_points, frontier, read_points
 from moelab.ladder.predict import fit_ladder, write_outputs
 from moelab.ladder.run import is_finished, run_ladder
@@ -67,6 +68,27 @@ def test_plan_search_spaces_rungs_in_compute():
     assert abs(math.log(shares[-1] / rule.top_share)) < math.log(2)  # nearest width found
     for r in rungs:
         r.cfg.validate()
+
+
+def test_plan_notes_rungs_that_warm_up_too_briefly():
+    """Rungs keep the target's warmup fraction; below Adam's 1 / (1 - b2) steps the plan says
+    so, naming the rungs and the field to raise."""
+    base = ["model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8", "model.vocab_size=512",
+            "train.steps=2000"]
+    rule = LadderRule(rungs=4, top_share=0.25, spacing=2.5, depth_exp=0.5)
+    for warmup, n_short in ((0, 4), (200, 1), (800, 0)):  # 0: 1% of the steps
+        target = load_config("tiny", base + [f"optim.warmup_steps={warmup}"])
+        target = target.with_frozen_schedule()
+        rungs = plan_ladder(target, rule)
+        short = [r.name for r in rungs if r.cfg.optim.warmup_steps < 20]  # b2 = 0.95
+        assert len(short) == n_short, (warmup, [r.cfg.optim.warmup_steps for r in rungs])
+        last = format_plan("tiny", target, rungs).splitlines()[-1]
+        if n_short:
+            assert last == warmup_note(rungs)
+            assert last.startswith(f"note: {n_short} rung(s) ({', '.join(short)}) warm up over")
+            assert "optim.warmup_steps" in last and "= 20" in last
+        else:
+            assert warmup_note(rungs) is None and last.startswith("ladder cost")
 
 
 def test_plan_errors_name_the_field():

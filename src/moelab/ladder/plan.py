@@ -28,7 +28,8 @@ The rule (after the reference ladder, docs/reference.md#the-scaling-ladder):
   compute, the largest ``top_share`` of the target's.
 
 Sequence length, batch size, LR schedule shape (warmup fraction, floor) and optimizer stay the
-target's; ``batch_size`` can override the batch for the rungs. The target's run operations
+target's (the plan notes rungs that warm up over fewer steps than Adam's second-moment horizon,
+1 / (1 - b2): their losses carry more seed noise); ``batch_size`` can override the batch for the rungs. The target's run operations
 (context stages, mixture changes, re-timed decays) are not copied: rungs train on its base data
 config and schedule.
 """
@@ -254,7 +255,26 @@ def format_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -> str:
     lines.append(f"ladder cost: {100 * share:.3f}% of the target's training FLOPs "
                  f"({sum(r.stats['flops'] for r in rungs):.3g} of {t['flops']:.3g}); "
                  f"tokens per active parameter {per_active:,.1f}")
-    return "\n".join(lines)
+    note = warmup_note(rungs)
+    return "\n".join(lines + ([note] if note else []))
+
+
+def warmup_note(rungs: list[Rung]) -> str | None:
+    """A note naming the rungs whose warmup is shorter than Adam's second-moment horizon
+    1 / (1 - b2) steps: their first full-LR steps use unsettled moment estimates, and the end
+    loss then varies with the seed (measured in docs/ladder.md: 1.1% seed sd at 4 warmup steps,
+    0.4% at 40). None when every rung warms up long enough."""
+    short = [r for r in rungs if r.stats["replicate"] == 0
+             and r.cfg.optim.warmup_steps < 1 / (1 - r.cfg.optim.b2)]
+    if not short:
+        return None
+    horizon = 1 / (1 - short[0].cfg.optim.b2)
+    steps = sorted({r.cfg.optim.warmup_steps for r in short})
+    return (f"note: {len(short)} rung(s) ({', '.join(r.name for r in short)}) warm up over "
+            f"{steps[0]}" + (f"-{steps[-1]}" if len(steps) > 1 else "") + " step(s), fewer than "
+            f"Adam's second-moment horizon 1 / (1 - b2) = {horizon:.0f}; their losses carry more "
+            "seed noise. Raise the target's optim.warmup_steps (rungs keep its fraction of the "
+            "steps)")
 
 
 def _si(x: float) -> str:
