@@ -12,7 +12,9 @@ generated, not measured: this checks the fitting and extrapolation machinery, no
 Part "ladder" (about an hour of two CPU cores): the tiny preset family on the built-in corpus
 (vocab 512, seq 128, batch 16). Target: tiny (d128, 4 layers, 8 heads of 16) for 2,000 steps
 (4.1M tokens), warming up over ``--warmup`` of its steps (default 10%; every rung keeps the
-fraction; 0.01, the reference's 1%, gave the earlier tables). `moelab ladder plan` derives the rungs by a design of DESIGNS (``--design``; a,
+fraction), each rung's peak LR scaled by (128 / d) ** ``--lr-exp`` (default 1: LR ~ 1 / width,
+`moelab ladder plan --lr-exp`); ``--warmup 0.01 --lr-exp 0`` (the reference's 1% warmup, one
+LR for all) gave the earliest tables. `moelab ladder plan` derives the rungs by a design of DESIGNS (``--design``; a,
 the default: 4 widths at 0.5x and 1x the target's tokens per parameter, 8 rungs at 51% of the
 target's FLOPs; b: widths 48, 64 and 80 at 0.5x, 1x and 2x, 9 rungs at 52%), `moelab ladder run`
 trains them, `moelab ladder fit` predicts the target before it trains and reports its own
@@ -24,7 +26,8 @@ with 3x the learning rate for 30% of the run, guarded against the same predictio
 is resumable: run the script again and finished runs are reused.
 
 Saves bench/results/TAG.json, TAG_prediction.json and TAG.png (a copy of LADDER/plots/ladder.png),
-TAG = ladder_demo[_b][_wu<P>][_seed<N>][_r<R>] (P: the warmup in % where not 10; also the ladder folder under runs/), and
+TAG = ladder_demo[_b][_wu<P>][_lr<E>][_seed<N>][_r<R>] (P: the warmup in % where not 10, E: the
+LR exponent where not 1; also the ladder folder under runs/), and
 ladder_points.json and ladder_points.csv.
 """
 
@@ -73,6 +76,10 @@ PLAN = ["--depth-exp", "0.5", "--evals", "5"]
 # noise: d64-L3, 6 init seeds, 1.13% sd of the final held-out loss at 4 warmup steps, 0.37%
 # (and 1.2% lower) at 40; the target 3.5% lower at 10%.
 WARMUP = 0.1
+# LR ~ 1 / width (Marin's scaling recipe): with the target's LR for all, the narrow rungs train
+# below their best LR (d48-L2 6.3% and d64-L3 3.1% lower held-out loss at 6e-3 than at the
+# target's 3e-3, while the target is as good at 2e-3), so the law overstates what size buys.
+LR_EXP = 1.0
 DEVIATION = {"lr_factor": 3.0, "steps": 600}
 
 
@@ -216,7 +223,7 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def part_ladder(root: Path, seed: int, tag: str, design: str = "a", rung_seeds: int = 1,
-                earlier: list[Path] = (), warmup: float = WARMUP) -> dict:
+                earlier: list[Path] = (), warmup: float = WARMUP, lr_exp: float = LR_EXP) -> dict:
     stages: dict = {}
     with Stage("plan", stages):
         if (root / "ladder.json").exists():
@@ -224,7 +231,7 @@ def part_ladder(root: Path, seed: int, tag: str, design: str = "a", rung_seeds: 
         else:
             warm = f"optim.warmup_steps={max(1, round(warmup * TARGET_STEPS))}"
             moelab("ladder", "plan", "tiny", *TARGET, warm, f"train.seed={seed}", *DESIGNS[design],
-                   *PLAN, "--seeds", str(rung_seeds), "--out", str(root))
+                   *PLAN, "--lr-exp", f"{lr_exp:g}", "--seeds", str(rung_seeds), "--out", str(root))
         reuse_runs(root, list(earlier))
     with Stage("rungs", stages):
         moelab("ladder", "run", str(root), "--jobs", "2", "--poll", "60")
@@ -341,10 +348,12 @@ def main() -> None:
                     help="the rung design (see DESIGNS)")
     ap.add_argument("--warmup", type=float, default=WARMUP, help="the target's warmup as a "
                     "fraction of its steps, kept by every rung (default %(default)s)")
+    ap.add_argument("--lr-exp", type=float, default=LR_EXP, help="rung peak LR = target LR x "
+                    "(128 / d) ** LR_EXP (`ladder plan --lr-exp`; default %(default)s)")
     ap.add_argument("--rung-seeds", type=int, default=1, help="replicates of every rung "
                     "(`ladder plan --seeds`; folder and results gain _r<N>)")
     ap.add_argument("--dir", help="the ladder folder (default runs/TAG, TAG = ladder_demo"
-                    "[_b][_wu<P>][_seed<N>][_r<R>])")
+                    "[_b][_wu<P>][_lr<E>][_seed<N>][_r<R>])")
     args = ap.parse_args()
     out = {}
     if args.part in ("all", "points"):
@@ -352,14 +361,18 @@ def main() -> None:
     if args.part in ("all", "ladder"):
         if not 0 < args.warmup <= 0.5:
             ap.error(f"--warmup {args.warmup}: a fraction of the target's steps in (0, 0.5]")
+        if not 0 <= args.lr_exp <= 2:
+            ap.error(f"--lr-exp {args.lr_exp}: an exponent in [0, 2] (0: one LR for all rungs)")
         tag = ("ladder_demo" + ("_b" if args.design == "b" else "")
                + (f"_wu{100 * args.warmup:g}" if args.warmup != WARMUP else "")
+               + (f"_lr{args.lr_exp:g}" if args.lr_exp != LR_EXP else "")
                + (f"_seed{args.seed}" if args.seed else "")
                + (f"_r{args.rung_seeds}" if args.rung_seeds > 1 else ""))
         # any earlier demo ladder: runs are linked only where name and config (seed) match
         earlier = sorted(p.parent for p in Path("runs").glob("ladder_demo*/ladder.json"))
         out["ladder"] = part_ladder(Path(args.dir or f"runs/{tag}"), args.seed, tag,
-                                    args.design, args.rung_seeds, earlier, args.warmup)
+                                    args.design, args.rung_seeds, earlier, args.warmup,
+                                    args.lr_exp)
         save(tag, out["ladder"]["final_predictions"], **{
             k: v for k, v in out["ladder"].items() if k != "final_predictions"})
         print(f"plot: {RESULTS / (tag + '.png')}")

@@ -7,6 +7,7 @@ the truth it checks against.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -89,6 +90,27 @@ def test_plan_notes_rungs_that_warm_up_too_briefly():
             assert "optim.warmup_steps" in last and "= 20" in last
         else:
             assert warmup_note(rungs) is None and last.startswith("ladder cost")
+
+
+def test_plan_scales_the_learning_rate_with_width():
+    """lr_exp 0 keeps the target's peak LR; 1 gives every rung lr x d_target / d (Marin's
+    recipe); the plan prints each rung's LR; a bad exponent names its field."""
+    target = load_config("tiny", ["model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8",
+                                  "model.vocab_size=512", "train.steps=2000"])
+    for exp in (0.0, 1.0, 0.5):
+        rungs = plan_ladder(target, LadderRule(widths=(48, 96), rungs=2, lr_exp=exp))
+        for r in rungs:
+            want = target.optim.lr * (128 / r.cfg.model.d_model) ** exp
+            assert r.cfg.optim.lr == pytest.approx(want, rel=1e-6)
+            assert dataclasses.replace(r.cfg.optim, lr=target.optim.lr, warmup_steps=0,
+                                       schedule_steps=0) == dataclasses.replace(
+                target.optim, warmup_steps=0, schedule_steps=0)  # nothing else changes
+    assert rungs[0].cfg.optim.lr > rungs[1].cfg.optim.lr > target.optim.lr
+    table = format_plan("tiny", target, rungs).splitlines()
+    assert table[0].split()[-2:] == ["peak", "LR"]
+    assert float(table[2].split()[-1]) == pytest.approx(rungs[0].cfg.optim.lr, rel=1e-2)
+    with pytest.raises(ConfigError, match="ladder.lr_exp"):
+        plan_ladder(target, LadderRule(widths=(48, 96), rungs=2, lr_exp=-1))
 
 
 def test_plan_errors_name_the_field():

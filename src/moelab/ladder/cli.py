@@ -41,7 +41,8 @@ def cmd_plan(args) -> int:
     rule = LadderRule(rungs=args.rungs, top_share=args.top_share, spacing=args.spacing,
                       depth_exp=args.depth_exp, widths=args.widths or (),
                       depths=args.depths or (), batch_size=args.batch_size, evals=args.evals,
-                      token_multipliers=args.token_multipliers or (1.0,), seeds=args.seeds)
+                      token_multipliers=args.token_multipliers or (1.0,), seeds=args.seeds,
+                      lr_exp=args.lr_exp)
     rungs = plan_ladder(target, rule)
     print(format_plan(Path(source).stem, target, rungs))
     if args.out:
@@ -184,6 +185,9 @@ def _add_plan(sub) -> None:
                    help="train every rung this many times with different seeds (train.seed + "
                    "1000 r; rung names gain -s<r>): the fit sees their spread instead of one "
                    "draw of a small run's seed noise (default 1)")
+    p.add_argument("--lr-exp", type=float, default=0.0,
+                   help="rung peak LR = target LR x (d_target / d) ** LR_EXP: 0 keeps the "
+                   "target's LR (default), 1 scales it as 1 / width (Marin's scaling recipe)")
     p.add_argument("--out", help="write the ladder folder here (ladder.json, configs/)")
     p.set_defaults(fn=cmd_plan)
 

@@ -23,6 +23,11 @@ The rule (after the reference ladder, docs/reference.md#the-scaling-ladder):
 * ``seeds`` > 1 trains every rung that many times, replicate r with train.seed + 1000 r
   (named ``<rung>-s<r>``): small runs differ by seed by as much as a prediction's tolerance,
   and the fits take every replicate as its own curve;
+* the peak learning rate scales with width: lr = lr_target * (d_target / d) ** lr_exp
+  (``lr_exp`` 0 by default: the target's LR for every rung; 1 is the rule of Marin's scaling
+  recipe, lr proportional to 1 / d_model, which keeps Adam's update size per unit of
+  activation roughly constant across widths; with one LR for all, the narrow rungs train below
+  their best LR, look worse than their size is, and the law overstates what size buys);
 * widths: given by hand, or searched (multiples of head_dim) so that rung k's training FLOPs
   are closest to top_share x C_target / spacing ** (K - 1 - k): rungs geometrically spaced in
   compute, the largest ``top_share`` of the target's.
@@ -60,6 +65,7 @@ class LadderRule:
     evals: int = 8  # held-out evaluations per rung (for the trajectory fit)
     min_steps: int = 20
     seeds: int = 1  # replicates of every rung, train.seed + SEED_STRIDE * r (seed noise)
+    lr_exp: float = 0.0  # rung lr = target lr * (d_target / d) ** lr_exp (1: lr ~ 1 / width)
 
     def validate(self) -> "LadderRule":
         def need(ok: bool, name: str, msg: str) -> None:
@@ -82,6 +88,8 @@ class LadderRule:
              "token_multipliers", f"give distinct positive multipliers, e.g. 0.5,1; got {tm}")
         need(self.evals >= 2, "evals", "must be >= 2")
         need(self.seeds >= 1, "seeds", "must be >= 1 (replicates of every rung)")
+        need(math.isfinite(self.lr_exp) and 0 <= self.lr_exp <= 2, "lr_exp",
+             "must be in [0, 2] (0: the target's LR for every rung; 1: LR ~ 1 / width)")
         return self
 
 
@@ -166,7 +174,8 @@ def rung_config(target: RunConfig, d: int, n_layers: int, rule: LadderRule,
     tokens = per_active * active_params(model)
     steps = max(rule.min_steps, round(tokens / (batch * data.seq_len)))
     warm_frac = target.warmup_steps / target.schedule_steps
-    optim = dataclasses.replace(target.optim, schedule_steps=steps, decays=[],
+    lr = float(f"{target.optim.lr * (target.model.d_model / d) ** rule.lr_exp:.6g}")
+    optim = dataclasses.replace(target.optim, lr=lr, schedule_steps=steps, decays=[],
                                 warmup_steps=max(1, round(warm_frac * steps)))
     train = dataclasses.replace(
         target.train, steps=steps, eval_every=max(1, steps // rule.evals),
@@ -242,14 +251,15 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
 def format_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -> str:
     """The plan as a table: parameters, tokens, FLOPs and cost share per rung and in total."""
     t = run_stats(target)
-    rows = [(r.name, r.stats) for r in rungs] + [(f"target {target_name}", {**t, "share": 1.0})]
+    rows = [(r.name, r.stats, r.cfg.optim.lr) for r in rungs]
+    rows.append((f"target {target_name}", {**t, "share": 1.0}, target.optim.lr))
     head = (f"{'rung':<22} {'layers':>6} {'heads':>5} {'total':>10} {'active':>10} "
-            f"{'tokens':>10} {'steps':>8} {'FLOPs':>10} {'% target':>9}")
+            f"{'tokens':>10} {'steps':>8} {'FLOPs':>10} {'% target':>9} {'peak LR':>9}")
     lines = [head, "-" * len(head)]
-    for name, s in rows:
+    for name, s, lr in rows:
         lines.append(f"{name:<22} {s['n_layers']:>6} {s['n_heads']:>5} {_si(s['params_total']):>10}"
                      f" {_si(s['params_active']):>10} {_si(s['tokens']):>10} {s['steps']:>8,}"
-                     f" {s['flops']:>10.3g} {100 * s['share']:>8.3f}%")
+                     f" {s['flops']:>10.3g} {100 * s['share']:>8.3f}% {lr:>9.3g}")
     share = sum(r.stats["share"] for r in rungs)
     per_active = t["tokens"] / t["params_active"]
     lines.append(f"ladder cost: {100 * share:.3f}% of the target's training FLOPs "
