@@ -9,26 +9,27 @@ with 1% log-normal noise, 6 budgets from 6e18 to 1e21 FLOPs x 8 model sizes. `mo
 Chinchilla itself (70B, 1.4T tokens); 20 noise draws give the error spread. The points are
 generated, not measured: this checks the fitting and extrapolation machinery, not the law.
 
-Part "ladder" (about an hour of two CPU cores): the tiny preset family on the built-in corpus
-(vocab 512, seq 128, batch 16). Target: tiny (d128, 4 layers, 8 heads of 16) for 2,000 steps
-(4.1M tokens), warming up over ``--warmup`` of its steps (default 10%; every rung keeps the
+Part "ladder" (about half an hour of two CPU cores at the default 2,000 steps): the tiny preset
+family on the built-in corpus (vocab 512, seq 128, batch 16). Target: tiny (d128, 4 layers, 8
+heads of 16) for ``--steps`` (default 2,000: 4.1M tokens, 5.6 per active parameter; the rungs
+keep the ratio), warming up over ``--warmup`` of its steps (default 10%; every rung keeps the
 fraction), each rung's peak LR scaled by (128 / d) ** ``--lr-exp`` (default 1: LR ~ 1 / width,
-`moelab ladder plan --lr-exp`); ``--warmup 0.01 --lr-exp 0`` (the reference's 1% warmup, one
-LR for all) gave the earliest tables. `moelab ladder plan` derives the rungs by a design of DESIGNS (``--design``; a,
-the default: 4 widths at 0.5x and 1x the target's tokens per parameter, 8 rungs at 51% of the
-target's FLOPs; b: widths 48, 64 and 80 at 0.5x, 1x and 2x, 9 rungs at 52%), `moelab ladder run`
-trains them, `moelab ladder fit` predicts the target before it trains and reports its own
-holdout (refitted without the largest model, predicting it), then the target trains under
-`--guard`. ``--seed`` sets train.seed of every run; ``--rung-seeds R`` trains every rung R times
-with seeds train.seed + 1000 r. Finished runs of any earlier demo ladder with the same name and
-config (seed included) are linked in, not retrained. Then a deviation check: the target's config
-with 3x the learning rate for 30% of the run, guarded against the same prediction. Every stage
-is resumable: run the script again and finished runs are reused.
+`moelab ladder plan --lr-exp`); ``--warmup 0.01 --lr-exp 0`` (the reference's 1% warmup, one LR
+for all) gave the earliest tables. `moelab ladder plan` derives the rungs by a design of DESIGNS
+(``--design``; a, the default: 4 widths at 0.5x and 1x the target's tokens per parameter, 8
+rungs at 51% of the target's FLOPs; b: widths 48, 64 and 80 at 0.5x, 1x and 2x, 9 rungs at 52%),
+`moelab ladder run` trains them, `moelab ladder fit` predicts the target before it trains and
+reports its own holdout (refitted without the largest model, predicting it), then the target
+trains under `--guard`. ``--seed`` sets train.seed of every run; ``--rung-seeds R`` trains every
+rung R times with seeds train.seed + 1000 r. Finished runs of any earlier demo ladder with the
+same name and config (seed included) are linked in, not retrained. Then a deviation check: the
+target's config with 3x the learning rate for 30% of the run, guarded against the same
+prediction. Every stage is resumable: run the script again and finished runs are reused.
 
-Saves bench/results/TAG.json, TAG_prediction.json and TAG.png (a copy of LADDER/plots/ladder.png),
-TAG = ladder_demo[_b][_wu<P>][_lr<E>][_seed<N>][_r<R>] (P: the warmup in % where not 10, E: the
-LR exponent where not 1; also the ladder folder under runs/), and
-ladder_points.json and ladder_points.csv.
+Saves bench/results/TAG.json, TAG_prediction.json and TAG.png (a copy of
+LADDER/plots/ladder.png), TAG = ladder_demo[_b][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>] (P: the
+warmup in % where not 10, E: the LR exponent where not 1, S: the target's steps where not 2,000;
+also the ladder folder under runs/), and ladder_points.json and ladder_points.csv.
 """
 
 from __future__ import annotations
@@ -62,8 +63,15 @@ from moelab.util import atomic_write_text
 CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}
 TARGET_STEPS = 2000
 TARGET = ["model.vocab_size=512", "model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8",
-          "data.seq_len=128", "data.batch_size=16", f"train.steps={TARGET_STEPS}", "train.log_every=5",
-          "train.eval_every=400", "train.eval_tokens=131072", "train.ckpt_every=500"]
+          "data.seq_len=128", "data.batch_size=16", "train.log_every=5",
+          "train.eval_tokens=131072"]
+
+
+def target_overrides(steps: int, warmup: float) -> list[str]:
+    """The target's config: TARGET for ``steps`` steps, 5 evaluations, 4 checkpoints."""
+    return [*TARGET, f"train.steps={steps}", f"train.eval_every={steps // 5}",
+            f"train.ckpt_every={steps // 4}",
+            f"optim.warmup_steps={max(1, round(warmup * steps))}"]
 # Rung designs, same target and about the same cost (51-52% of its FLOPs). "a": 4 widths at 0.5x
 # and 1x the target's tokens per parameter, so N and D move together. "b": 3 widths at 0.5x, 1x
 # and 2x, so runs of different widths meet at near-equal D (d48 at 2x ~ d80 at 0.5x) and the
@@ -80,7 +88,7 @@ WARMUP = 0.1
 # below their best LR (d48-L2 6.3% and d64-L3 3.1% lower held-out loss at 6e-3 than at the
 # target's 3e-3, while the target is as good at 2e-3), so the law overstates what size buys.
 LR_EXP = 1.0
-DEVIATION = {"lr_factor": 3.0, "steps": 600}
+DEVIATION = {"lr_factor": 3.0, "share": 0.3}  # 3x the LR for 30% of the target's steps
 
 
 # ------------------------------------------------------------------------- published-law points
@@ -199,7 +207,7 @@ def reuse_runs(root: Path, earlier: list[Path]) -> None:
     3x-LR deviation run where the targets are the same."""
     new = load_ladder(root)
     folder = lambda lad, n: lad.target_dir if n == "target" else lad.run_dir(n)
-    done = lambda d: is_finished(d, DEVIATION["steps"])
+    done = lambda d: is_finished(d, deviation_steps(new.target))
     for e in earlier:
         if not (e / "ladder.json").exists() or e.resolve() == root.resolve():
             continue
@@ -223,14 +231,15 @@ def _link(src: Path, dst: Path) -> None:
 
 
 def part_ladder(root: Path, seed: int, tag: str, design: str = "a", rung_seeds: int = 1,
-                earlier: list[Path] = (), warmup: float = WARMUP, lr_exp: float = LR_EXP) -> dict:
+                earlier: list[Path] = (), warmup: float = WARMUP, lr_exp: float = LR_EXP,
+                steps: int = TARGET_STEPS) -> dict:
     stages: dict = {}
     with Stage("plan", stages):
         if (root / "ladder.json").exists():
             print(f"using the plan in {root}/ladder.json")
         else:
-            warm = f"optim.warmup_steps={max(1, round(warmup * TARGET_STEPS))}"
-            moelab("ladder", "plan", "tiny", *TARGET, warm, f"train.seed={seed}", *DESIGNS[design],
+            moelab("ladder", "plan", "tiny", *target_overrides(steps, warmup), f"train.seed={seed}",
+                   *DESIGNS[design],
                    *PLAN, "--lr-exp", f"{lr_exp:g}", "--seeds", str(rung_seeds), "--out", str(root))
         reuse_runs(root, list(earlier))
     with Stage("rungs", stages):
@@ -251,6 +260,10 @@ def part_ladder(root: Path, seed: int, tag: str, design: str = "a", rung_seeds: 
     return summarize(lad, fit, stages)
 
 
+def deviation_steps(target) -> int:
+    return round(DEVIATION["share"] * target.train.steps)
+
+
 def deviation_run(root: Path, lad) -> None:
     """The target's config with 3x the learning rate for 30% of the run, guarded against the
     same prediction."""
@@ -258,9 +271,10 @@ def deviation_run(root: Path, lad) -> None:
     lr = lad.target.optim.lr * DEVIATION["lr_factor"]
     dev.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(root / "prediction.json", dev / "prediction.json")
-    if not is_finished(dev, DEVIATION["steps"]):
+    steps = deviation_steps(lad.target)
+    if not is_finished(dev, steps):
         moelab("train", str(lad.config_path("target")), f"optim.lr={lr}",
-               f"train.steps={DEVIATION['steps']}", "--run-dir", str(dev), check=False)
+               f"train.steps={steps}", "--run-dir", str(dev), check=False)
     moelab("ladder", "guard", str(dev))
 
 
@@ -350,10 +364,12 @@ def main() -> None:
                     "fraction of its steps, kept by every rung (default %(default)s)")
     ap.add_argument("--lr-exp", type=float, default=LR_EXP, help="rung peak LR = target LR x "
                     "(128 / d) ** LR_EXP (`ladder plan --lr-exp`; default %(default)s)")
+    ap.add_argument("--steps", type=int, default=TARGET_STEPS, help="the target's steps "
+                    "(default %(default)s; the rungs keep its tokens per parameter)")
     ap.add_argument("--rung-seeds", type=int, default=1, help="replicates of every rung "
                     "(`ladder plan --seeds`; folder and results gain _r<N>)")
     ap.add_argument("--dir", help="the ladder folder (default runs/TAG, TAG = ladder_demo"
-                    "[_b][_wu<P>][_lr<E>][_seed<N>][_r<R>])")
+                    "[_b][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>])")
     args = ap.parse_args()
     out = {}
     if args.part in ("all", "points"):
@@ -361,18 +377,21 @@ def main() -> None:
     if args.part in ("all", "ladder"):
         if not 0 < args.warmup <= 0.5:
             ap.error(f"--warmup {args.warmup}: a fraction of the target's steps in (0, 0.5]")
+        if args.steps < 100:
+            ap.error(f"--steps {args.steps}: the target needs at least 100 steps")
         if not 0 <= args.lr_exp <= 2:
             ap.error(f"--lr-exp {args.lr_exp}: an exponent in [0, 2] (0: one LR for all rungs)")
         tag = ("ladder_demo" + ("_b" if args.design == "b" else "")
                + (f"_wu{100 * args.warmup:g}" if args.warmup != WARMUP else "")
                + (f"_lr{args.lr_exp:g}" if args.lr_exp != LR_EXP else "")
+               + (f"_s{args.steps}" if args.steps != TARGET_STEPS else "")
                + (f"_seed{args.seed}" if args.seed else "")
                + (f"_r{args.rung_seeds}" if args.rung_seeds > 1 else ""))
         # any earlier demo ladder: runs are linked only where name and config (seed) match
         earlier = sorted(p.parent for p in Path("runs").glob("ladder_demo*/ladder.json"))
         out["ladder"] = part_ladder(Path(args.dir or f"runs/{tag}"), args.seed, tag,
                                     args.design, args.rung_seeds, earlier, args.warmup,
-                                    args.lr_exp)
+                                    args.lr_exp, args.steps)
         save(tag, out["ladder"]["final_predictions"], **{
             k: v for k, v in out["ladder"].items() if k != "final_predictions"})
         print(f"plot: {RESULTS / (tag + '.png')}")
