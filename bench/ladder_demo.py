@@ -235,12 +235,10 @@ def part_ladder(root: Path, seed: int, tag: str, design: str = "a", rung_seeds: 
                 steps: int = TARGET_STEPS) -> dict:
     stages: dict = {}
     with Stage("plan", stages):
-        if (root / "ladder.json").exists():
-            print(f"using the plan in {root}/ladder.json")
-        else:
-            moelab("ladder", "plan", "tiny", *target_overrides(steps, warmup), f"train.seed={seed}",
-                   *DESIGNS[design],
-                   *PLAN, "--lr-exp", f"{lr_exp:g}", "--seeds", str(rung_seeds), "--out", str(root))
+        # planned again on a rerun: the planner refuses a folder that holds another plan
+        moelab("ladder", "plan", "tiny", *target_overrides(steps, warmup), f"train.seed={seed}",
+               *DESIGNS[design], *PLAN, "--lr-exp", repr(lr_exp), "--seeds", str(rung_seeds),
+               "--out", str(root))
         reuse_runs(root, list(earlier))
     with Stage("rungs", stages):
         moelab("ladder", "run", str(root), "--jobs", "2", "--poll", "60")
@@ -361,26 +359,27 @@ def main() -> None:
     ap.add_argument("--design", choices=sorted(DESIGNS), default="a",
                     help="the rung design (see DESIGNS)")
     ap.add_argument("--warmup", type=float, default=WARMUP, help="the target's warmup as a "
-                    "fraction of its steps, kept by every rung (default %(default)s)")
+                    "fraction of its steps in (0, 0.5], kept by every rung (default %(default)s)")
     ap.add_argument("--lr-exp", type=float, default=LR_EXP, help="rung peak LR = target LR x "
-                    "(128 / d) ** LR_EXP (`ladder plan --lr-exp`; default %(default)s)")
-    ap.add_argument("--steps", type=int, default=TARGET_STEPS, help="the target's steps "
+                    "(128 / d) ** LR_EXP, in [0, 2] (`ladder plan --lr-exp`, whose default is 0: "
+                    "one LR; here default %(default)s)")
+    ap.add_argument("--steps", type=int, default=TARGET_STEPS, help="the target's steps, >= 100 "
                     "(default %(default)s; the rungs keep its tokens per parameter)")
     ap.add_argument("--rung-seeds", type=int, default=1, help="replicates of every rung "
                     "(`ladder plan --seeds`; folder and results gain _r<N>)")
     ap.add_argument("--dir", help="the ladder folder (default runs/TAG, TAG = ladder_demo"
                     "[_b][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>])")
     args = ap.parse_args()
+    if not 0 < args.warmup <= 0.5:
+        ap.error(f"--warmup {args.warmup}: a fraction of the target's steps in (0, 0.5]")
+    if args.steps < 100:
+        ap.error(f"--steps {args.steps}: the target needs at least 100 steps")
+    if not 0 <= args.lr_exp <= 2:
+        ap.error(f"--lr-exp {args.lr_exp}: an exponent in [0, 2] (0: one LR for all rungs)")
     out = {}
     if args.part in ("all", "points"):
         out["points"] = part_points()
     if args.part in ("all", "ladder"):
-        if not 0 < args.warmup <= 0.5:
-            ap.error(f"--warmup {args.warmup}: a fraction of the target's steps in (0, 0.5]")
-        if args.steps < 100:
-            ap.error(f"--steps {args.steps}: the target needs at least 100 steps")
-        if not 0 <= args.lr_exp <= 2:
-            ap.error(f"--lr-exp {args.lr_exp}: an exponent in [0, 2] (0: one LR for all rungs)")
         tag = ("ladder_demo" + ("_b" if args.design == "b" else "")
                + (f"_wu{100 * args.warmup:g}" if args.warmup != WARMUP else "")
                + (f"_lr{args.lr_exp:g}" if args.lr_exp != LR_EXP else "")

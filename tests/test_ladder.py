@@ -73,23 +73,29 @@ def test_plan_search_spaces_rungs_in_compute():
 
 def test_plan_notes_rungs_that_warm_up_too_briefly():
     """Rungs keep the target's warmup fraction; below Adam's 1 / (1 - b2) steps the plan says
-    so, naming the rungs and the field to raise."""
+    so, naming each short rung once (not its seed replicates) and the fraction that would do."""
     base = ["model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8", "model.vocab_size=512",
             "train.steps=2000"]
-    rule = LadderRule(rungs=4, top_share=0.25, spacing=2.5, depth_exp=0.5)
     for warmup, n_short in ((0, 4), (200, 1), (800, 0)):  # 0: 1% of the steps
         target = load_config("tiny", base + [f"optim.warmup_steps={warmup}"])
         target = target.with_frozen_schedule()
+        rule = LadderRule(rungs=4, top_share=0.25, spacing=2.5, depth_exp=0.5, seeds=2)
         rungs = plan_ladder(target, rule)
-        short = [r.name for r in rungs if r.cfg.optim.warmup_steps < 20]  # b2 = 0.95
+        short = [r for r in rungs if r.cfg.optim.warmup_steps < 20 and r.stats["replicate"] == 0]
         assert len(short) == n_short, (warmup, [r.cfg.optim.warmup_steps for r in rungs])
         last = format_plan("tiny", target, rungs).splitlines()[-1]
-        if n_short:
-            assert last == warmup_note(rungs)
-            assert last.startswith(f"note: {n_short} rung(s) ({', '.join(short)}) warm up over")
-            assert "optim.warmup_steps" in last and "= 20" in last
-        else:
+        if not n_short:
             assert warmup_note(rungs) is None and last.startswith("ladder cost")
+            continue
+        assert last == warmup_note(rungs)
+        names = ", ".join(r.name for r in short)
+        assert last.startswith(f"note: {n_short} rung(s) ({names}) warm up over") and "-s1" not in last
+        assert "= 20" in last and "optim.warmup_steps" in last
+        need = math.ceil(100 * 20 / min(r.cfg.train.steps for r in short))
+        assert f"{need}% of the target's steps" in last
+        # the fraction it names is enough: re-planned with it, no rung is short
+        fixed = load_config("tiny", base + [f"optim.warmup_steps={20 * need}"])
+        assert warmup_note(plan_ladder(fixed.with_frozen_schedule(), rule)) is None
 
 
 def test_plan_scales_the_learning_rate_with_width():
@@ -101,7 +107,7 @@ def test_plan_scales_the_learning_rate_with_width():
         rungs = plan_ladder(target, LadderRule(widths=(48, 96), rungs=2, lr_exp=exp))
         for r in rungs:
             want = target.optim.lr * (128 / r.cfg.model.d_model) ** exp
-            assert r.cfg.optim.lr == pytest.approx(want, rel=1e-6)
+            assert r.cfg.optim.lr == (target.optim.lr if exp == 0 else pytest.approx(want, 1e-6))
             assert dataclasses.replace(r.cfg.optim, lr=target.optim.lr, warmup_steps=0,
                                        schedule_steps=0) == dataclasses.replace(
                 target.optim, warmup_steps=0, schedule_steps=0)  # nothing else changes
@@ -400,6 +406,11 @@ def test_write_ladder_refuses_a_different_plan_in_the_same_folder(tmp_path):
     other = LadderRule(rungs=3, widths=(16, 32, 64), depths=(2, 2, 3))
     with pytest.raises(ValueError, match="different ladder"):
         write_ladder(tmp_path, "micro", target, other, plan_ladder(target, other))
+    # same rung names, other configs: trained rungs of the old plan would be taken as the new
+    other = dataclasses.replace(rule, lr_exp=1.0)
+    with pytest.raises(ValueError, match="rung configs"):
+        write_ladder(tmp_path, "micro", target, other, plan_ladder(target, other))
+    write_ladder(tmp_path, "micro", target, rule, plan_ladder(target, rule))  # the same: fine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,6 +546,14 @@ def test_cli_plan_writes_a_ladder_and_guard_reports(tmp_path, capsys, ladder):
     assert len(load_ladder(tmp_path / "lad").rungs) == 4
     rc, _, err = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,x"], capsys)
     assert rc == 2 and "comma-separated integers" in err
+    rc, out, _ = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,1536", "--rungs", "2",
+                           "--depths", "8,16", "--lr-exp", "1", "--out", str(tmp_path / "lr")],
+                          capsys)
+    lad_lr = load_ladder(tmp_path / "lr")
+    assert rc == 0 and [r.cfg.optim.lr for r in lad_lr.rungs] == pytest.approx(
+        [lad_lr.target.optim.lr * lad_lr.target.model.d_model / d for d in (768, 1536)])
+    rc, _, err = run_main(["ladder", "plan", "535b-a23b", "--lr-exp", "-1"], capsys)
+    assert rc == 2 and "ladder.lr_exp" in err
     lad, *_ = ladder
     run_dir = tmp_path / "run"
     write_run(run_dir, lad.target, lambda s: 6.0, np.random.default_rng(0))

@@ -47,10 +47,12 @@ def write_ladder(root: Path | str, target_name: str, target: RunConfig, rule: La
     old = root / "ladder.json"
     if old.exists():
         prev = load_ladder(root)
-        if prev.target.hash() != target.hash() or [r.name for r in prev.rungs] != [
-                r.name for r in rungs]:
-            raise ValueError(f"{root}: holds a different ladder (other target or rungs); give a "
-                             "new --out folder, or delete this one to re-plan")
+        # every rung's config, not only its name: a rule that changes no name (the LR
+        # exponent, the warmup) would otherwise mix runs of the old plan into the new one
+        if prev.target.hash() != target.hash() or [(r.name, r.cfg.hash()) for r in prev.rungs] \
+                != [(r.name, r.cfg.hash()) for r in rungs]:
+            raise ValueError(f"{root}: holds a different ladder (other target, rungs or rung "
+                             "configs); give a new --out folder, or delete this one to re-plan")
     for r in rungs:
         save_config(r.cfg, lad.config_path(r.name))
     save_config(target, lad.config_path("target"))

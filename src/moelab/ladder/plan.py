@@ -174,7 +174,9 @@ def rung_config(target: RunConfig, d: int, n_layers: int, rule: LadderRule,
     tokens = per_active * active_params(model)
     steps = max(rule.min_steps, round(tokens / (batch * data.seq_len)))
     warm_frac = target.warmup_steps / target.schedule_steps
-    lr = float(f"{target.optim.lr * (target.model.d_model / d) ** rule.lr_exp:.6g}")
+    lr = target.optim.lr  # scaled LRs to 6 significant digits, so configs read cleanly
+    if rule.lr_exp:
+        lr = float(f"{lr * (target.model.d_model / d) ** rule.lr_exp:.6g}")
     optim = dataclasses.replace(target.optim, lr=lr, schedule_steps=steps, decays=[],
                                 warmup_steps=max(1, round(warm_frac * steps)))
     train = dataclasses.replace(
@@ -280,11 +282,15 @@ def warmup_note(rungs: list[Rung]) -> str | None:
         return None
     horizon = 1 / (1 - short[0].cfg.optim.b2)
     steps = sorted({r.cfg.optim.warmup_steps for r in short})
+    need = math.ceil(100 * horizon / min(r.cfg.train.steps for r in short))  # % that would do
+    fix = (f"{need}% of the target's steps as warmup (optim.warmup_steps; rungs keep the "
+           f"fraction) gives every rung {horizon:.0f}" if need <= 50 else
+           f"the shortest would need {need}% of its steps: plan longer rungs (a larger "
+           "--top-share or token multiplier)")
     return (f"note: {len(short)} rung(s) ({', '.join(r.name for r in short)}) warm up over "
             f"{steps[0]}" + (f"-{steps[-1]}" if len(steps) > 1 else "") + " step(s), fewer than "
             f"Adam's second-moment horizon 1 / (1 - b2) = {horizon:.0f}; their losses carry more "
-            "seed noise. Raise the target's optim.warmup_steps (rungs keep its fraction of the "
-            "steps)")
+            f"seed noise; {fix}")
 
 
 def _si(x: float) -> str:
