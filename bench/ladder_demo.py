@@ -9,10 +9,10 @@ with 1% log-normal noise, 6 budgets from 6e18 to 1e21 FLOPs x 8 model sizes. `mo
 Chinchilla itself (70B, 1.4T tokens); 20 noise draws give the error spread. The points are
 generated, not measured: this checks the fitting and extrapolation machinery, not the law.
 
-Part "ladder" (about half an hour of two CPU cores at the default 2,000 steps): the tiny preset
-family on the built-in corpus (vocab 512, seq 128, batch 16). Target: tiny (d128, 4 layers, 8
-heads of 16) for ``--steps`` (default 2,000: 4.1M tokens, 5.6 per active parameter; the rungs
-keep the ratio), warming up over ``--warmup`` of its steps (default 10%; every rung keeps the
+Part "ladder" (about 20 minutes of two CPU cores at the default 2,000 steps, 42 at 6,000): the
+tiny preset family on the built-in corpus (vocab 512, seq 128, batch 16). Target: tiny (d128, 4
+layers, 8 heads of 16) for ``--steps`` (default 2,000: 4.1M tokens, 5.6 per active parameter; the
+rungs keep the ratio), warming up over ``--warmup`` of its steps (default 10%; every rung keeps the
 fraction), each rung's peak LR scaled by (128 / d) ** ``--lr-exp`` (default 1: LR ~ 1 / width,
 `moelab ladder plan --lr-exp`); ``--warmup 0.01 --lr-exp 0`` (the reference's 1% warmup, one LR
 for all) gave the earliest tables. `moelab ladder plan` derives the rungs by a design of DESIGNS
