@@ -335,6 +335,74 @@ def test_ladder_fit_predicts_the_target_trajectory(ladder):
     assert rep["laws"]["chosen eval/loss"]["method"]["members"]
 
 
+def other_vocab(cfg, run_dir: Path) -> Path:
+    from moelab.config.io import save_config
+
+    run_dir.mkdir()
+    save_config(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=128)),
+                run_dir / "config.yaml")
+    return run_dir
+
+
+def test_fit_predicts_other_run_folders_and_compares_with_their_last_eval(ladder, tmp_path,
+                                                                          capsys):
+    """`moelab ladder fit LADDER --predict-run RUN`: a run the ladder did not plan (the
+    target's width at 3 layers, half its steps) is predicted from its config.yaml and compared
+    with its final eval; an unfinished one gets a prediction only; the ladder's files are left
+    alone; a folder without a config, or with another vocabulary, is refused by name."""
+    import shutil
+
+    from moelab.config.io import save_config
+
+    lad, *_ = ladder
+    root = tmp_path / "lad"
+    shutil.copytree(lad.root, root)  # the fixture's fit files stay as the other tests read them
+    cfg = load_config("tiny", [f"{k}={v}" for k, v in (
+        ("data.data_dir", "unused"), ("model.vocab_size", 256), ("model.d_model", 96),
+        ("model.n_heads", 6), ("model.n_kv_heads", 2), ("model.head_dim", 16),
+        ("model.n_layers", 3), ("data.seq_len", 32), ("data.batch_size", 8),
+        ("train.steps", 600), ("train.eval_every", 150), ("train.log_every", 4))]
+    ).with_frozen_schedule()
+    run = RunSchedule.from_config(cfg)
+    done, bare = tmp_path / "other", tmp_path / "bare"
+    # this run did 5% worse than the law the rungs follow: the error must say so
+    write_run(done, cfg, lambda s: 1.05 * law_value(run, [max(s, 1)])[0],
+              np.random.default_rng(5))
+    bare.mkdir()
+    for d in (done, bare):
+        save_config(cfg, d / "config.yaml")
+    stamp = {f: (root / f).stat().st_mtime_ns for f in ("fit.json", "prediction.json")}
+    args = ["ladder", "fit", str(root), "--boot", "20", "--predict-run", str(done),
+            "--predict-run", str(bare)]
+    rc, out, _ = run_main(args + ["--json"], capsys)
+    assert rc == 0
+    first, second = json.loads(out)["runs"]
+    truth = law_value(run, [cfg.train.steps])[0]
+    assert first["observed"] == pytest.approx(1.05 * truth, rel=1e-6)
+    assert first["predicted"] == pytest.approx(truth, rel=0.02)  # a run the ladder did not plan
+    assert first["rel_error"] == pytest.approx(first["predicted"] / first["observed"] - 1)
+    assert first["rel_error"] < -0.03 and first["covered"] is False  # noise-free: a thin band
+    assert first["params_active"] == run_stats(cfg)["params_active"] < run_stats(lad.target)[
+        "params_active"]
+    assert second["observed"] is None and second["rel_error"] is None
+    assert second["predicted"] == pytest.approx(first["predicted"])
+    rc, out, _ = run_main(args, capsys)
+    assert rc == 0 and f"{done}: N {first['params_active']:,}" in out
+    assert f"observed {1.05 * truth:.4f}" in out and "(out of band)" in out
+    assert "(not finished: no final eval)" in out
+    # the ladder's own files (the guard's contract) are left as they were, and no plot is made
+    assert {f: (root / f).stat().st_mtime_ns for f in stamp} == stamp
+    assert not (root / "plots").exists() or not any((root / "plots").iterdir())
+    for bad, words in ((tmp_path / "nowhere", "no config.yaml"),
+                       (other_vocab(cfg, tmp_path / "vocab"), "model.vocab_size is 128")):
+        rc, _, err = run_main(["ladder", "fit", str(root), "--boot", "20",
+                               "--predict-run", str(bad)], capsys)
+        assert rc == 2 and f"--predict-run {bad}" in err and words in err
+    rc, _, err = run_main(["ladder", "fit", "--points", "x.csv", "--predict-run", str(done)],
+                          capsys)
+    assert rc == 2 and "--predict-run goes with a LADDER" in err
+
+
 def test_seed_replicates_are_planned_and_the_holdout_compares_with_their_mean(tmp_path):
     from moelab.ladder.predict import finished_rungs, holdout_check
 

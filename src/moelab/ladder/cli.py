@@ -85,6 +85,9 @@ def cmd_fit(args) -> int:
 
         if args.ladder:
             raise ValueError("give either a LADDER folder or --points FILE.csv, not both")
+        if args.predict_run:
+            raise ValueError("--predict-run goes with a LADDER folder; with --points, --predict "
+                             "N=...,D=...")
         res = fit_points(read_points(args.points), [parse_predict(p) for p in args.predict or []],
                          n_boot=args.boot, level=args.level, seed=args.seed)
         print(json.dumps(res) if args.json else format_points(res))
@@ -93,14 +96,25 @@ def cmd_fit(args) -> int:
         raise ValueError("give a LADDER folder (from `moelab ladder plan --out`) or --points "
                          "FILE.csv")
     if args.predict:
-        raise ValueError("--predict goes with --points; a ladder predicts its own target")
+        raise ValueError("--predict goes with --points; a ladder predicts its own target (and, "
+                         "with --predict-run RUN, other run folders)")
+    if args.predict_run and args.target_run:
+        raise ValueError("--predict-run leaves every file as it is, --target-run writes one: "
+                         "give them in separate calls")
     from moelab.ladder.folder import load_ladder
-    from moelab.ladder.predict import fit_ladder, format_report, write_outputs
+    from moelab.ladder.predict import (fit_ladder, format_report, format_runs,
+                                       load_run_configs, predict_runs, write_outputs)
 
     lad = load_ladder(args.ladder)
+    runs = load_run_configs(args.predict_run or [], lad.target)  # refused before the fit
     fit = fit_ladder(lad, n_boot=args.boot, level=args.level, seed=args.seed)
-    rep, pred = write_outputs(lad, fit, Path(args.target_run) if args.target_run else None)
-    if not args.no_plots:
+    # predicting other runs leaves the ladder's files (and the guard's contract) as they are
+    rep, pred = write_outputs(lad, fit, Path(args.target_run) if args.target_run else None,
+                              write=not runs)
+    others = predict_runs(fit, runs)
+    if others:
+        rep["runs"] = others
+    if not args.no_plots and not runs:
         from moelab.ladder.observe import run_records
         from moelab.ladder.plots import plot_ladder
 
@@ -109,7 +123,9 @@ def cmd_fit(args) -> int:
         png = plot_ladder(fit, pred, lad.target, lad.root / "plots" / "ladder.png", records)
         rep["plot"] = str(png)
     print(json.dumps(rep) if args.json else format_report(rep))
-    if not args.json:
+    if others and not args.json:
+        print(format_runs(others, fit.level))
+    if not args.json and not runs:
         print(f"written: {lad.root}/fit.json, {lad.root}/prediction.json"
               + (f", {rep['plot']}" if "plot" in rep else ""))
     return 0
@@ -226,6 +242,10 @@ def _add_fit(sub) -> None:
                    help="central interval of the bands (default 0.9)")
     f.add_argument("--seed", type=int, default=0)
     f.add_argument("--target-run", help="also write prediction.json into this run folder")
+    f.add_argument("--predict-run", action="append", metavar="RUN",
+                   help="with LADDER: also predict this run folder's final held-out loss from "
+                        "its config.yaml and compare with its last eval (repeatable); the "
+                        "ladder's files are then left as they are")
     f.add_argument("--no-plots", action="store_true")
     f.set_defaults(fn=cmd_fit)
 

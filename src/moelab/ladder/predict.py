@@ -199,6 +199,66 @@ def predict(fit: LadderFit, cfg: RunConfig, source: str) -> dict:
                             "extrapolation"}}
 
 
+# what a run must share with the ladder's target for their held-out losses to be comparable
+COMPARABLE = (("model", "vocab_size"), ("data", "data_dir"), ("data", "source"),
+              ("data", "tokenizer"))
+
+
+def load_run_configs(run_dirs: list[Path], target: RunConfig) -> list[tuple[Path, RunConfig]]:
+    """The config.yaml of each run folder for ``--predict-run``, checked before any fitting:
+    the folder holds one, it loads, and it tokenizes the same data as the target."""
+    from moelab.config import ConfigError
+    from moelab.config.io import load_config
+
+    out = []
+    for d in map(Path, run_dirs):
+        if not (d / "config.yaml").is_file():
+            raise FileNotFoundError(f"--predict-run {d}: no config.yaml there; give a run folder "
+                                    "written by `moelab train` (its --run-dir)")
+        try:
+            cfg = load_config(str(d / "config.yaml"))
+        except ConfigError as e:
+            raise ValueError(f"--predict-run {d}: its config.yaml does not load: {e}") from e
+        for sec, field in COMPARABLE:
+            mine, theirs = getattr(getattr(cfg, sec), field), getattr(getattr(target, sec), field)
+            if mine != theirs:
+                raise ValueError(f"--predict-run {d}: {sec}.{field} is {mine!r}, the ladder's "
+                                 f"target has {theirs!r}; held-out losses on other data or "
+                                 "another vocabulary are not comparable")
+        out.append((d, cfg))
+    return out
+
+
+def predict_runs(fit: LadderFit, runs: list[tuple[Path, RunConfig]]) -> list[dict]:
+    """The chosen law's final held-out loss for other runs (from load_run_configs), with its
+    band and, where the run has logged its last eval, the observed loss and the error: a check
+    of the ladder on runs it did not plan (another depth, length, shape or seed; the law sees
+    N, tokens and the LR schedule's shape, not the peak LR)."""
+    out = []
+    for d, cfg in runs:
+        p = predict(fit, cfg, str(d))["final"][EVAL_LOSS]
+        obs = None
+        if (d / "metrics.jsonl").exists():
+            obs = final_value(run_records(d)[0], EVAL_LOSS, cfg.train.steps)
+        s = run_stats(cfg)
+        out.append({"run": str(d), **{k: s[k] for k in ("params_active", "tokens", "flops")},
+                    "predicted": p["mid"], "lo": p["lo"], "hi": p["hi"], "observed": obs,
+                    "rel_error": None if obs is None else p["mid"] / obs - 1,
+                    "covered": None if obs is None else bool(p["lo"] <= obs <= p["hi"])})
+    return out
+
+
+def format_runs(rows: list[dict], level: float) -> str:
+    lines = [f"other runs, the chosen law's final held-out loss (central {level:.0%} interval):"]
+    for r in rows:
+        seen = ("  (not finished: no final eval)" if r["observed"] is None else
+                f"  observed {r['observed']:.4f}, error {r['rel_error']:+.2%}"
+                + ("" if r["covered"] else " (out of band)"))
+        lines.append(f"  {r['run']}: N {r['params_active']:,}, D {r['tokens']:,}: predicted "
+                     f"{r['predicted']:.4f} [{r['lo']:.4f}, {r['hi']:.4f}]{seen}")
+    return "\n".join(lines)
+
+
 def report(fit: LadderFit, lad: Ladder, pred: dict) -> dict:
     """fit.json: coefficients with intervals, per-rung table, the target's final predictions."""
     t = run_stats(lad.target)
@@ -254,15 +314,18 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(lad: Ladder, fit: LadderFit,
-                  target_run: Path | None = None) -> tuple[dict, dict]:
+def write_outputs(lad: Ladder, fit: LadderFit, target_run: Path | None = None,
+                  write: bool = True) -> tuple[dict, dict]:
     """fit.json and prediction.json in the ladder folder (and the prediction into the target's
-    run folder when it exists). Returns (report, prediction)."""
+    run folder when it exists); ``write=False`` only computes them. Returns (report,
+    prediction)."""
     from moelab.util import atomic_write_json
 
     pred = predict(fit, lad.target, f"moelab ladder fit {lad.root} ("
                    + ", ".join(r.name for r in fit.rungs) + ")")
     rep = report(fit, lad, pred)
+    if not write:
+        return rep, pred
     atomic_write_json(lad.root / "fit.json", rep)
     atomic_write_json(lad.root / "prediction.json", pred)
     for d in {lad.target_dir, target_run} - {None}:
