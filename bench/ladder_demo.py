@@ -72,6 +72,8 @@ def target_overrides(steps: int, warmup: float) -> list[str]:
     return [*TARGET, f"train.steps={steps}", f"train.eval_every={steps // 5}",
             f"train.ckpt_every={steps // 4}",
             f"optim.warmup_steps={max(1, round(warmup * steps))}"]
+
+
 # Rung designs, same target and about the same cost (51-52% of its FLOPs). "a": 4 widths at 0.5x
 # and 1x the target's tokens per parameter, so N and D move together. "b": 3 widths at 0.5x, 1x
 # and 2x, so runs of different widths meet at near-equal D (d48 at 2x ~ d80 at 0.5x) and the

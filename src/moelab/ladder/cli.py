@@ -103,14 +103,15 @@ def cmd_fit(args) -> int:
                          "give them in separate calls")
     from moelab.ladder.folder import load_ladder
     from moelab.ladder.predict import (fit_ladder, format_report, format_runs,
-                                       load_run_configs, predict_runs, write_outputs)
+                                       load_run_configs, predict_runs, target_outputs,
+                                       write_outputs)
 
     lad = load_ladder(args.ladder)
     runs = load_run_configs(args.predict_run or [], lad.target)  # refused before the fit
     fit = fit_ladder(lad, n_boot=args.boot, level=args.level, seed=args.seed)
     # predicting other runs leaves the ladder's files (and the guard's contract) as they are
-    rep, pred = write_outputs(lad, fit, Path(args.target_run) if args.target_run else None,
-                              write=not runs)
+    rep, pred = (target_outputs(lad, fit) if runs else
+                 write_outputs(lad, fit, Path(args.target_run) if args.target_run else None))
     others = predict_runs(fit, runs)
     if others:
         rep["runs"] = others

@@ -208,15 +208,14 @@ def load_run_configs(run_dirs: list[Path], target: RunConfig) -> list[tuple[Path
     """The config.yaml of each run folder for ``--predict-run``, checked before any fitting:
     the folder holds one, it loads, and it tokenizes the same data as the target."""
     from moelab.config import ConfigError
-    from moelab.config.io import load_config
+    from moelab.ops.record import load_run_config
 
     out = []
     for d in map(Path, run_dirs):
-        if not (d / "config.yaml").is_file():
-            raise FileNotFoundError(f"--predict-run {d}: no config.yaml there; give a run folder "
-                                    "written by `moelab train` (its --run-dir)")
         try:
-            cfg = load_config(str(d / "config.yaml"))
+            cfg = load_run_config(d)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"--predict-run {d}: {e}") from e
         except ConfigError as e:
             raise ValueError(f"--predict-run {d}: its config.yaml does not load: {e}") from e
         for sec, field in COMPARABLE:
@@ -314,18 +313,20 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def write_outputs(lad: Ladder, fit: LadderFit, target_run: Path | None = None,
-                  write: bool = True) -> tuple[dict, dict]:
-    """fit.json and prediction.json in the ladder folder (and the prediction into the target's
-    run folder when it exists); ``write=False`` only computes them. Returns (report,
-    prediction)."""
-    from moelab.util import atomic_write_json
-
+def target_outputs(lad: Ladder, fit: LadderFit) -> tuple[dict, dict]:
+    """(report, prediction) of the ladder's target: what fit.json and prediction.json hold."""
     pred = predict(fit, lad.target, f"moelab ladder fit {lad.root} ("
                    + ", ".join(r.name for r in fit.rungs) + ")")
-    rep = report(fit, lad, pred)
-    if not write:
-        return rep, pred
+    return report(fit, lad, pred), pred
+
+
+def write_outputs(lad: Ladder, fit: LadderFit,
+                  target_run: Path | None = None) -> tuple[dict, dict]:
+    """fit.json and prediction.json in the ladder folder (and the prediction into the target's
+    run folder when it exists). Returns (report, prediction)."""
+    from moelab.util import atomic_write_json
+
+    rep, pred = target_outputs(lad, fit)
     atomic_write_json(lad.root / "fit.json", rep)
     atomic_write_json(lad.root / "prediction.json", pred)
     for d in {lad.target_dir, target_run} - {None}:
