@@ -393,7 +393,7 @@ def test_fit_predicts_other_run_folders_and_compares_with_their_last_eval(ladder
     # the ladder's own files (the guard's contract) are left as they were, and no plot is made
     assert {f: (root / f).stat().st_mtime_ns for f in stamp} == stamp
     assert not (root / "plots").exists() or not any((root / "plots").iterdir())
-    for bad, words in ((tmp_path / "nowhere", "no config.yaml"),
+    for bad, words in ((tmp_path / "nowhere", "config.yaml: not found"),
                        (other_vocab(cfg, tmp_path / "vocab"), "model.vocab_size is 128")):
         rc, _, err = run_main(["ladder", "fit", str(root), "--boot", "20",
                                "--predict-run", str(bad)], capsys)

@@ -21,11 +21,12 @@ import yaml
 
 from helpers import MICRO, data_dir, micro_config, micro_dict  # noqa: F401  (session fixture)
 from moelab.cli import main
-from moelab.config import ConfigError, ContextStage, MixtureChange, config_from_dict
+from moelab.config import (ConfigError, ContextStage, MixtureChange, config_from_dict,
+                           load_run_config)
 from moelab.data.sampler import MixtureSampler, SteppedSampler
 from moelab.data.store import TokenStore
 from moelab.data.prepare import prepare_data
-from moelab.ops.record import load_run_config, stage_report
+from moelab.ops.record import stage_report
 from moelab.ladder.schedule_law import RunSchedule
 from moelab.ops.replan import PENDING, end_step, ladder_forecast, parse_deadline
 from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note, steps_for_tokens

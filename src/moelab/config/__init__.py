@@ -17,6 +17,7 @@ from moelab.config.io import (
     config_from_dict,
     flatten_config,
     load_config,
+    load_run_config,
     load_yaml,
     preset_names,
     save_config,
@@ -28,6 +29,6 @@ from moelab.config.run import Decay, OptimConfig, ParallelConfig, RunConfig, Tra
 __all__ = [
     "ConfigError", "CONV_SITES", "ModelConfig", "MixtureChange", "ContextStage", "DataSegment",
     "DataConfig", "Decay", "OptimConfig", "TrainConfig", "ParallelConfig", "RunConfig",
-    "config_from_dict", "preset_names", "apply_overrides", "load_config", "load_yaml",
+    "config_from_dict", "preset_names", "apply_overrides", "load_config", "load_run_config", "load_yaml",
     "save_config", "OPERATION_FIELDS", "flatten_config", "split_overrides",
 ]

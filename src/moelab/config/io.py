@@ -186,6 +186,17 @@ def load_config(source: str = "tiny", overrides: list[str] | None = None) -> Run
     return config_from_dict(apply_overrides(_read_yaml(source), overrides or []))
 
 
+def load_run_config(run_dir: Path | str, overrides: list[str] | None = None) -> RunConfig:
+    """The config of a run folder (its config.yaml, written by `moelab train` or `moelab
+    branch`), with dotted overrides; a missing file is an error naming the file, a damaged one
+    a ConfigError naming the field."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not found; give a run folder written by `moelab train` "
+                                "or `moelab branch`")
+    return load_config(str(path), overrides)
+
+
 def save_config(cfg: RunConfig, path: Path) -> None:
     from moelab.util import atomic_write_text
 

@@ -207,17 +207,14 @@ COMPARABLE = (("model", "vocab_size"), ("data", "data_dir"), ("data", "source"),
 def load_run_configs(run_dirs: list[Path], target: RunConfig) -> list[tuple[Path, RunConfig]]:
     """The config.yaml of each run folder for ``--predict-run``, checked before any fitting:
     the folder holds one, it loads, and it tokenizes the same data as the target."""
-    from moelab.config import ConfigError
-    from moelab.config.io import load_config
+    from moelab.config import ConfigError, load_run_config
 
     out = []
     for d in map(Path, run_dirs):
-        # not moelab.ops.record.load_run_config: the ladder ranks below ops (test_layering)
-        if not (d / "config.yaml").is_file():
-            raise FileNotFoundError(f"--predict-run {d}: no config.yaml there; give a run folder "
-                                    "written by `moelab train` (its --run-dir)")
         try:
-            cfg = load_config(str(d / "config.yaml"))
+            cfg = load_run_config(d)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"--predict-run {d}: {e}") from e
         except ConfigError as e:
             raise ValueError(f"--predict-run {d}: its config.yaml does not load: {e}") from e
         for sec, field in COMPARABLE:

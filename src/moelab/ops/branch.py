@@ -15,8 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
-from moelab.config import save_config
-from moelab.ops.record import LINEAGE, load_run_config
+from moelab.config import load_run_config, save_config
+from moelab.ops.record import LINEAGE
 from moelab.ops.schedule import steps_for_tokens
 from moelab.runlog import command_line, log_operation
 from moelab.train.changes import Change, PlanError, apply_change

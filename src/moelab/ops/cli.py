@@ -73,7 +73,7 @@ def cmd_replan(args) -> int:
 def _replan(args) -> int:
     from moelab.ops import replan as rp
     from moelab.ops.plot import plot_replan
-    from moelab.ops.record import load_run_config
+    from moelab.config import load_run_config
     from moelab.train.resume import read_pending
 
     check_change_args(args)
@@ -153,14 +153,11 @@ def cmd_branch(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from moelab.config import load_config
+    from moelab.config import load_run_config
     from moelab.train.loop import format_summary, train
 
     run = Path(args.run)
-    if not (run / "config.yaml").is_file():
-        raise FileNotFoundError(f"{run / 'config.yaml'}: not found; give a run folder written by "
-                                "`moelab train` or `moelab branch`")
-    summary = train(load_config(str(run / "config.yaml"), args.overrides), run)
+    summary = train(load_run_config(run, args.overrides), run)
     print(format_summary(summary))
     if summary["interrupted"]:
         return 130 if summary["interrupted"] == "SIGINT" else 143

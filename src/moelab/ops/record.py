@@ -18,17 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.config import RunConfig, load_config
+from moelab.config import RunConfig, load_run_config
 from moelab.runlog import OPS_LOG, read_metrics
 
 LINEAGE = "lineage.json"
-
-
-def load_run_config(run_dir: Path | str) -> RunConfig:
-    path = Path(run_dir) / "config.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: not found; give a run folder written by `moelab train`")
-    return load_config(str(path))  # a damaged file is an error naming it
 
 
 def lineage(run_dir: Path | str) -> dict | None:

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.config import RunConfig
-from moelab.ops.record import load_run_config
+from moelab.config import RunConfig, load_run_config
 from moelab.ops.schedule import steps_for_tokens
 from moelab.runlog import log_operation, read_metrics
 from moelab.train.changes import Change, PlanError, apply_change, lr_curve
