@@ -10,9 +10,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from moelab.util import atomic_write_json  # noqa: E402
+from moelab.util import atomic_write_bytes, atomic_write_json  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS.mkdir(exist_ok=True)  # git-ignored, so a fresh clone has none; every script writes here
+
+
+def copy_result(src: Path, name: str) -> Path:
+    """A run's file copied to bench/results/NAME, atomically (an interrupted copy leaves the
+    previous file whole)."""
+    out = RESULTS / name
+    atomic_write_bytes(out, Path(src).read_bytes())
+    return out
 
 
 def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:

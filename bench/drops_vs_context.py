@@ -199,7 +199,6 @@ def plot(rows: list[dict], names: list[str], name: str):
     ax.set_title("Drops vs context, EP 8, 64 experts top-8: measured on extension branches "
                  "and forecast", fontsize=9)
     fig.tight_layout()
-    RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / f"{name}.png"
     fig.savefig(out, dpi=120)
     plt.close(fig)

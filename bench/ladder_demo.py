@@ -47,7 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, print_table, save
+from common import RESULTS, copy_result, print_table, save
 
 import numpy as np
 import yaml
@@ -252,7 +252,7 @@ def part_ladder(root: Path, seed: int, tag: str, design: str = "a", rung_seeds: 
         fit = json.loads(moelab("ladder", "fit", str(root), "--json", capture=True).stdout)
     lad = load_ladder(root)
     # the fit sees the rungs only, so this is the prediction before the target (even a linked one)
-    shutil.copyfile(root / "prediction.json", RESULTS / f"{tag}_prediction.json")
+    copy_result(root / "prediction.json", f"{tag}_prediction.json")
     with Stage("target (guarded live)", stages):
         moelab("ladder", "run", str(root), "--target", "--guard", "--poll", "60")
     if seed == 0:  # the guard's check needs one deviating run, not one per seed
@@ -260,7 +260,7 @@ def part_ladder(root: Path, seed: int, tag: str, design: str = "a", rung_seeds: 
             deviation_run(root, lad)
     with Stage("fit + plot with the observed target", stages):
         moelab("ladder", "fit", str(root), "--json", capture=True)
-    shutil.copyfile(root / "plots" / "ladder.png", RESULTS / f"{tag}.png")
+    copy_result(root / "plots" / "ladder.png", f"{tag}.png")
     return summarize(lad, fit, stages)
 
 
