@@ -18,7 +18,8 @@ fraction), each rung's peak LR scaled by (128 / d) ** ``--lr-exp`` (default 1: L
 for all) gave the earliest tables. `moelab ladder plan` derives the rungs by a design of DESIGNS
 (``--design``; a, the default: 4 widths at 0.5x and 1x the target's tokens per parameter, 8
 rungs at 51% of the target's FLOPs; b: widths 48, 64 and 80 at 0.5x, 1x and 2x, 9 rungs at 52%;
-c: a's 4 widths at 1x and 2.5x, 8 rungs at 120%, the largest reaching the target's tokens),
+c: a's 4 widths at 1x and 2.5x, 8 rungs at 120%, the largest reaching the target's tokens; d:
+the same widths at the target's 4 layers, at 0.5x and 2x, 8 rungs at 150%),
 `moelab ladder run` trains them, `moelab ladder fit` predicts the target before it trains and
 reports its own holdout (refitted without the largest model, predicting it), then the target
 trains under `--guard`. ``--seed`` sets train.seed of every run; ``--rung-seeds R`` trains every
@@ -28,7 +29,7 @@ target's config with 3x the learning rate for 30% of the run, guarded against th
 prediction. Every stage is resumable: run the script again and finished runs are reused.
 
 Saves bench/results/TAG.json, TAG_prediction.json and TAG.png (a copy of
-LADDER/plots/ladder.png), TAG = ladder_demo[_b|_c][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>] (P: the
+LADDER/plots/ladder.png), TAG = ladder_demo[_b|_c|_d][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>] (P: the
 warmup in % where not 10, E: the LR exponent where not 1, S: the target's steps where not 2,000;
 also the ladder folder under runs/), and ladder_points.json and ladder_points.csv.
 """
@@ -80,10 +81,14 @@ def target_overrides(steps: int, warmup: float) -> list[str]:
 # of different widths meet at near-equal D (d48 at 2x ~ d80 at 0.5x) and the largest run reaches
 # 59% of the target's D (a: 42%). "c" (120%): a's widths at 1x and 2.5x, so the largest run
 # (d96-L3-t2.5, 4.33M tokens) reaches the target's D (4.1M) and the fit interpolates D: with a,
-# extrapolating D alone predicted 2.2-3.4% low (docs/ladder.md).
+# extrapolating D alone predicted 2.2-3.4% low (docs/ladder.md). "d" (150%): c's widths at the
+# target's depth (4 layers), at 0.5x and 2x, so the fit meets no depth the target does not have
+# (d96-L4-t2: 4.62M tokens); with c, the law predicted the 4-layer target 0.9-1.1% high.
 DESIGNS = {"a": ["--top-share", "0.25", "--spacing", "2.5", "--token-multipliers", "0.5,1"],
            "b": ["--widths", "48,64,80", "--rungs", "3", "--token-multipliers", "0.5,1,2"],
-           "c": ["--widths", "48,64,80,96", "--rungs", "4", "--token-multipliers", "1,2.5"]}
+           "c": ["--widths", "48,64,80,96", "--rungs", "4", "--token-multipliers", "1,2.5"],
+           "d": ["--widths", "48,64,80,96", "--depths", "4,4,4,4", "--rungs", "4",
+                 "--token-multipliers", "0.5,2"]}
 PLAN = ["--depth-exp", "0.5", "--evals", "5"]
 # 10% warmup: at the reference's 1% the rungs warm up over 1-8 steps, fewer than Adam's
 # second-moment horizon (1 / (1 - b2) = 20 steps), and the early full-LR steps leave seed
@@ -374,7 +379,7 @@ def main() -> None:
     ap.add_argument("--rung-seeds", type=int, default=1, help="replicates of every rung "
                     "(`ladder plan --seeds`; folder and results gain _r<N>)")
     ap.add_argument("--dir", help="the ladder folder (default runs/TAG, TAG = ladder_demo"
-                    "[_b|_c][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>])")
+                    "[_b|_c|_d][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>])")
     args = ap.parse_args()
     if not 0 < args.warmup <= 0.5:
         ap.error(f"--warmup {args.warmup}: a fraction of the target's steps in (0, 0.5]")
