@@ -29,8 +29,8 @@ target's config with 3x the learning rate for 30% of the run, guarded against th
 prediction. Every stage is resumable: run the script again and finished runs are reused.
 
 Saves bench/results/TAG.json, TAG_prediction.json and TAG.png (a copy of
-LADDER/plots/ladder.png), TAG = ladder_demo[_b|_c|_d][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>] (P: the
-warmup in % where not 10, E: the LR exponent where not 1, S: the target's steps where not 2,000;
+LADDER/plots/ladder.png), TAG = ladder_demo[_b|_c|_d][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>]
+(P: the warmup in % where not 10, E: the LR exponent where not 1, S: the target's steps where not 2,000;
 also the ladder folder under runs/), and ladder_points.json and ladder_points.csv.
 """
 

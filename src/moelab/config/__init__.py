@@ -29,6 +29,6 @@ from moelab.config.run import Decay, OptimConfig, ParallelConfig, RunConfig, Tra
 __all__ = [
     "ConfigError", "CONV_SITES", "ModelConfig", "MixtureChange", "ContextStage", "DataSegment",
     "DataConfig", "Decay", "OptimConfig", "TrainConfig", "ParallelConfig", "RunConfig",
-    "config_from_dict", "preset_names", "apply_overrides", "load_config", "load_run_config", "load_yaml",
-    "save_config", "OPERATION_FIELDS", "flatten_config", "split_overrides",
+    "config_from_dict", "preset_names", "apply_overrides", "load_config", "load_run_config",
+    "load_yaml", "save_config", "OPERATION_FIELDS", "flatten_config", "split_overrides",
 ]
