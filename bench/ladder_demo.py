@@ -137,10 +137,9 @@ def part_points(draws: int = 20) -> dict:
     rows = isoflop_points(0)
     atomic_write_text(csv, "N,D,loss,C\n" + "".join(f"{n:.6g},{d:.6g},{y:.6g},{c:.6g}\n"
                                                      for n, d, y, c in rows))
-    cmd = [sys.executable, "-m", "moelab.cli", "ladder", "fit", "--points", str(csv), "--json"]
-    for n, d in queries.values():
-        cmd += ["--predict", f"N={n:.6g},D={d:.6g}"]
-    res = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+    predict = [a for n, d in queries.values() for a in ("--predict", f"N={n:.6g},D={d:.6g}")]
+    res = json.loads(moelab("ladder", "fit", "--points", str(csv), "--json", *predict,
+                            capture=True).stdout)
     out_rows = []
     for (name, (n, d)), p in zip(queries.items(), res["predictions"]):
         truth = float(chinchilla(n, d))
@@ -408,4 +407,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except subprocess.CalledProcessError as e:
+        # the moelab command's own message says what to fix; no traceback on top of it
+        sys.stderr.write(e.stderr or "")
+        sys.exit(f"ladder_demo: `moelab {' '.join(e.cmd[3:5])}` failed (exit {e.returncode}); "
+                 "finished stages are kept: fix and rerun to resume")
