@@ -48,14 +48,14 @@ ROWS = {
     "d1024-no-chunked-loss": ("d1024", BATCH + FAST + ["model.loss_chunk=0"], 3),
     "d1024-ragged-experts": ("d1024", BATCH + FAST + ["model.moe_impl=ragged"], 3),
     "d1024-mgpu-experts": ("d1024", BATCH + FAST + ["model.moe_impl=mgpu"], 3),
-    "d1024-micro32k": ("d1024", BATCH + FAST + ["train.microbatch=32768"], 3),
+    "d1024-micro32k": ("d1024", BATCH + FAST + ["train.microbatch_tokens=32768"], 3),
     "d1024-preset-batch": ("d1024", FAST + ["data.seq_len=4096", "data.batch_size=1024",
-                                            "train.microbatch=65536"], 1),
+                                            "train.microbatch_tokens=65536"], 1),
 }
 LIMIT_S = {"d1024-preset-batch": 300}  # 64 micro-steps per step
 # --dry-run measures this one through the same child-process path, on a CPU in seconds
 SMOKE = {"cpu-smoke": ("tiny", ["data.batch_size=4", "data.seq_len=64",
-                                "train.microbatch=128"], 2)}
+                                "train.microbatch_tokens=128"], 2)}
 COLUMNS = [("row", "row", "s"), ("params_active", "active", ",d"),
            ("tokens_per_step", "tokens/step", ",d"), ("micro_steps", "micro", "d"),
            ("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),

@@ -4,7 +4,7 @@ per micro-step (the batch fixed), next to the step time.
     .venv/bin/python bench/microbatch_memory.py [--preset small] [--steps 3] [--micro 8192 4096 ...]
 
 The batch is the preset's; each row runs it as batch tokens / micro tokens micro-steps inside
-one jitted step (``train.microbatch``). Memory is XLA's memory analysis of the compiled step (no
+one jitted step (``train.microbatch_tokens``). Memory is XLA's memory analysis of the compiled step (no
 allocation needed); time is the median of ``--steps`` steps on random tokens. Results:
 bench/results/microbatch_memory.json.
 """
@@ -25,7 +25,7 @@ from moelab.train.step import init_train_state, make_train_step
 
 
 def measure(preset: str, micro: int, steps: int) -> dict:
-    cfg = load_config(preset, [f"train.microbatch={micro}"])
+    cfg = load_config(preset, [f"train.microbatch_tokens={micro}"])
     d = cfg.data
     step = make_train_step(cfg)
     state = init_train_state(cfg, jax.random.PRNGKey(0))
@@ -54,7 +54,7 @@ def main() -> None:
                     help="tokens per micro-step (each must divide the batch's tokens)")
     args = ap.parse_args()
     for m in args.micro:  # validate every row before the first compile
-        load_config(args.preset, [f"train.microbatch={m}"])
+        load_config(args.preset, [f"train.microbatch_tokens={m}"])
     rows = []
     for m in args.micro:
         rows.append(measure(args.preset, m, args.steps))

@@ -48,7 +48,7 @@ def measure(preset: str, steps: int, overrides: list[str]) -> dict:
             "tokens_per_step": tokens, "step_s": dt, "tokens_per_s": tokens / dt,
             "flops_per_token": fpt, "model_flops_per_s": fpt * tokens / dt,
             "compile_s": compile_s, "moe_impl": m.moe_impl, "dtype": m.compute_dtype,
-            "microbatch": cfg.train.microbatch}
+            "microbatch": cfg.train.microbatch_tokens}
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ def config(router: str = "sigmoid_bias", microbatch: int = 0) -> RunConfig:
                      # eps well above the gradients' float32 noise: Adam's g / (|g| + eps) would
                      # turn a 1e-9 difference in a 1e-8 gradient into a different update
                      optim=OptimConfig(lr=1e-2, eps=1e-5),
-                     train=TrainConfig(steps=4, microbatch=microbatch)
+                     train=TrainConfig(steps=4, microbatch_tokens=microbatch)
                      ).validate()
 
 
@@ -114,24 +114,24 @@ def test_quantile_balancer_with_micro_steps_stays_close():
 ])
 def test_microbatch_validation(microbatch, match):
     with pytest.raises(ConfigError, match=match):
-        load_config("tiny", [f"train.microbatch={microbatch}", "data.seq_len=16",
+        load_config("tiny", [f"train.microbatch_tokens={microbatch}", "data.seq_len=16",
                              "data.batch_size=8"])
 
 
 def test_microbatch_per_device_rows():
     with pytest.raises(ConfigError, match="parallel.devices=4"):
-        load_config("tiny", ["train.microbatch=32", "data.seq_len=16", "data.batch_size=8",
+        load_config("tiny", ["train.microbatch_tokens=32", "data.seq_len=16", "data.batch_size=8",
                              "parallel.devices=4"])
-    cfg = load_config("tiny", ["train.microbatch=64", "data.seq_len=16", "data.batch_size=8",
+    cfg = load_config("tiny", ["train.microbatch_tokens=64", "data.seq_len=16", "data.batch_size=8",
                                "parallel.devices=4"])
-    assert cfg.train.microbatch == 64
+    assert cfg.train.microbatch_tokens == 64
 
 
 def test_microbatch_checked_at_every_context_stage():
     with pytest.raises(ConfigError, match="batch of 3 sequences .at seq_len 64"):
-        load_config("tiny", ["train.microbatch=128", "data.seq_len=32", "data.batch_size=8",
+        load_config("tiny", ["train.microbatch_tokens=128", "data.seq_len=32", "data.batch_size=8",
                              "data.context_stages=[{step: 5, seq_len: 64, batch_size: 3}]"])
-    cfg = load_config("tiny", ["train.microbatch=64", "data.seq_len=32", "data.batch_size=8",
+    cfg = load_config("tiny", ["train.microbatch_tokens=64", "data.seq_len=32", "data.batch_size=8",
                                "data.context_stages=[{step: 5, seq_len: 64}]"])
     assert [s.batch_size for s in cfg.data.segments()] == [8, 4]
 
@@ -142,3 +142,13 @@ def test_evaluation_batches_follow_the_micro_step():
 
     assert eval_batch(config(microbatch=B * T // 4)) == B // 4
     assert eval_batch(config()) == B
+
+
+def test_old_microbatch_key_still_loads():
+    """train.microbatch (the name before microbatch_tokens) is read as the new field, so run
+    folders and YAML files written with it still load; giving both is refused."""
+    cfg = load_config("tiny", ["train.microbatch=64", "data.seq_len=16", "data.batch_size=8"])
+    assert cfg.train.microbatch_tokens == 64
+    with pytest.raises(ConfigError, match="keep train.microbatch_tokens"):
+        load_config("tiny", ["train.microbatch=64", "train.microbatch_tokens=64",
+                             "data.seq_len=16", "data.batch_size=8"])

@@ -301,7 +301,7 @@ def test_scaled_config_keeps_the_options():
 
 
 def test_plan_sizes_activations_per_micro_step_and_counts_the_gradient_sum():
-    cfg = load_config("tiny", ["data.batch_size=32", "train.microbatch=2048"])
+    cfg = load_config("tiny", ["data.batch_size=32", "train.microbatch_tokens=2048"])
     whole = planner.memory_report(load_config("tiny", ["data.batch_size=32"]),
                                   planner.Layout(devices=2))
     micro = planner.memory_report(cfg, planner.Layout(devices=2))
@@ -309,7 +309,7 @@ def test_plan_sizes_activations_per_micro_step_and_counts_the_gradient_sum():
     assert micro["activations"][True]["peak"] < whole["activations"][True]["peak"]
     assert micro["state"]["gradient_sum"] == micro["state"]["gradients"]
     assert "gradient_sum" not in whole["state"]
-    assert planner.scaled_config(cfg).train.microbatch == 0  # the scaled batch is one step
+    assert planner.scaled_config(cfg).train.microbatch_tokens == 0  # the scaled batch is one step
 
 
 def test_plan_sizes_gpu_kernel_configs_on_any_backend():

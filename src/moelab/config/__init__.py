@@ -19,6 +19,7 @@ from moelab.config.io import (
     load_config,
     load_run_config,
     load_yaml,
+    migrate,
     preset_names,
     save_config,
     split_overrides,
@@ -30,5 +31,5 @@ __all__ = [
     "ConfigError", "CONV_SITES", "ModelConfig", "MixtureChange", "ContextStage", "DataSegment",
     "DataConfig", "Decay", "OptimConfig", "TrainConfig", "ParallelConfig", "RunConfig",
     "config_from_dict", "preset_names", "apply_overrides", "load_config", "load_run_config",
-    "load_yaml", "save_config", "OPERATION_FIELDS", "flatten_config", "split_overrides",
+    "load_yaml", "migrate", "save_config", "OPERATION_FIELDS", "flatten_config", "split_overrides",
 ]

@@ -91,8 +91,30 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
     return value
 
 
+# Fields renamed since configs were first written: (section, old name) -> new name. The old key
+# is read as the new one, so run folders and YAML files written before a rename still load.
+RENAMED = {("train", "microbatch"): "microbatch_tokens"}
+
+
+def migrate(data: Any) -> Any:
+    """``data`` with renamed keys under their current names (a copy when anything moved); both
+    names at once is an error naming the one to keep."""
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for (section, old), new in RENAMED.items():
+        sec = out.get(section)
+        if not isinstance(sec, dict) or old not in sec:
+            continue
+        if new in sec:
+            raise ConfigError(f"{section}.{old}: renamed {section}.{new}, and both are given; "
+                              f"keep {section}.{new}")
+        out[section] = {(new if k == old else k): v for k, v in sec.items()}
+    return out
+
+
 def config_from_dict(data: dict[str, Any]) -> RunConfig:
-    return _build(RunConfig, data, "").validate()
+    return _build(RunConfig, migrate(data), "").validate()
 
 
 def preset_names() -> list[str]:

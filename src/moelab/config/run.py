@@ -72,8 +72,9 @@ class TrainConfig:
     tensorboard: bool = False  # also write TensorBoard event files to <run folder>/tensorboard
     async_ckpt: bool = True  # write checkpoints in the background while training goes on
     # Gradient accumulation: tokens per micro-step; each step runs its batch as
-    # batch tokens / microbatch micro-steps inside one jitted step. 0 = the whole batch at once.
-    microbatch: int = 0
+    # batch tokens / microbatch_tokens micro-steps inside one jitted step. 0 = the whole batch
+    # at once. (Read from the older key train.microbatch too.)
+    microbatch_tokens: int = 0
     # A step whose loss or gradient norm is NaN/inf: "stop" the run (nothing non-finite is
     # saved) or "skip" it (the update is not applied; an event records it), stopping after
     # skip_limit such steps in a row.
@@ -85,7 +86,7 @@ class TrainConfig:
         for name in ("log_every", "eval_every", "ckpt_every", "keep_ckpts", "eval_tokens"):
             require(getattr(self, name) > 0, f"{p}.{name}", "must be > 0")
         require(self.peak_flops >= 0, f"{p}.peak_flops", "must be >= 0 (0 = measure)")
-        require(self.microbatch >= 0, f"{p}.microbatch", "must be >= 0 (tokens per micro-step; "
+        require(self.microbatch_tokens >= 0, f"{p}.microbatch_tokens", "must be >= 0 (tokens per micro-step; "
                 "0 = no gradient accumulation)")
         require(self.on_nonfinite in ("stop", "skip"), f"{p}.on_nonfinite",
                 f"{self.on_nonfinite!r} must be stop or skip")
@@ -126,7 +127,7 @@ class ParallelConfig:
 def check_microbatch(microbatch: int, seq_len: int, batch: int, devices: int) -> None:
     """A micro-step holds whole sequences, the batch splits into whole micro-steps, and every
     device gets rows of each micro-step."""
-    p = "train.microbatch"
+    p = "train.microbatch_tokens"
     require(microbatch % seq_len == 0, p, f"{microbatch} tokens must be a whole number of "
             f"sequences of {seq_len} tokens")
     seqs = microbatch // seq_len
@@ -159,9 +160,9 @@ class RunConfig:
             require(par.devices == 0 or self.data.stage_batch(c) % par.devices == 0,
                     f"data.context_stages[{i}]", f"batch of {self.data.stage_batch(c)} sequences"
                     f" must be divisible by parallel.devices={par.devices}")
-        if self.train.microbatch:
+        if self.train.microbatch_tokens:
             for seg in self.data.segments():
-                check_microbatch(self.train.microbatch, seg.seq_len, seg.batch_size, par.devices)
+                check_microbatch(self.train.microbatch_tokens, seg.seq_len, seg.batch_size, par.devices)
         require(self.warmup_steps <= self.schedule_steps, "optim.warmup_steps",
                 f"must be <= the schedule length ({self.schedule_steps} steps)")
         return self

@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moelab.config import load_yaml
+from moelab.config import load_yaml, migrate
 from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.observe import series as derived_series
 from moelab.runlog import read_metrics
@@ -122,7 +122,7 @@ def _read_config(path: Path) -> dict | None:
     data = load_yaml(read_utf8(path), str(path)) if path.exists() else None
     if data is not None and not isinstance(data, dict):
         raise ValueError(f"{path}: not a run config (a mapping of sections); restore the file")
-    return data
+    return migrate(data)  # older field names under their current ones, as the loader reads them
 
 
 def check_prediction(pred: dict, source: str) -> dict:

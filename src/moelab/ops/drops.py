@@ -228,7 +228,7 @@ def cmd_drops(args) -> int:
 def run_tokens_per_rank(cfg: RunConfig) -> int:
     """Tokens one device holds per (micro-)step in the run's own layout."""
     d = cfg.data
-    tokens = cfg.train.microbatch or d.batch_size * d.seq_len
+    tokens = cfg.train.microbatch_tokens or d.batch_size * d.seq_len
     return max(tokens // max(cfg.parallel.devices, 1), d.seq_len)
 
 

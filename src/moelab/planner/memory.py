@@ -262,8 +262,8 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
     config's remat setting and whether it fits ``hbm_bytes`` (when given)."""
     layout.validate(cfg)
     m = cfg.model
-    # activations and transport buffers are those of one micro-step (train.microbatch)
-    seqs = cfg.train.microbatch // cfg.data.seq_len or cfg.data.batch_size
+    # activations and transport buffers are those of one micro-step (train.microbatch_tokens)
+    seqs = cfg.train.microbatch_tokens // cfg.data.seq_len or cfg.data.batch_size
     batch = max(1, seqs // layout.devices)
     tokens = batch * cfg.data.seq_len
     local = layout.ep == 1

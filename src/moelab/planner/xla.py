@@ -32,7 +32,7 @@ def scaled_config(cfg: RunConfig, d_model: int = 256, seq_len: int = 256, batch:
         shared_dim=d_model // 2, gated_norm_rank=min(m.gated_norm_rank, 16),
         sliding_window=min(m.sliding_window, seq_len // 4), compute_dtype="float32")
     data = dataclasses.replace(cfg.data, seq_len=seq_len, batch_size=batch)
-    train = dataclasses.replace(cfg.train, microbatch=0)  # the scaled batch is one micro-step
+    train = dataclasses.replace(cfg.train, microbatch_tokens=0)  # the scaled batch is one micro-step
     return dataclasses.replace(cfg, model=small, data=data, train=train).validate()
 
 

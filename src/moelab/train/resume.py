@@ -30,7 +30,7 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "train.keep_ckpts", "train.eval_tokens", "train.peak_flops", "train.wandb",
                      "train.wandb_project", "parallel.devices", "parallel.expert",
                      "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block",
-                     "train.microbatch", "parallel.fsdp", "model.attention_impl",
+                     "train.microbatch_tokens", "parallel.fsdp", "model.attention_impl",
                      "model.loss_chunk", "train.on_nonfinite", "train.skip_limit",
                      "train.tensorboard", "train.async_ckpt"}
 

@@ -71,9 +71,9 @@ def transport_fns(cfg: RunConfig, mesh):
 
 
 def micro_steps(cfg: RunConfig, batch_B1T) -> int:
-    """Micro-steps per step for this batch's shape: batch tokens / ``train.microbatch``."""
+    """Micro-steps per step for this batch's shape: batch tokens / ``train.microbatch_tokens``."""
     B, T1 = batch_B1T.shape
-    mb = cfg.train.microbatch
+    mb = cfg.train.microbatch_tokens
     return 1 if mb == 0 else B * (T1 - 1) // mb
 
 
