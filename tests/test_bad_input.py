@@ -289,7 +289,7 @@ def test_the_table_covers_every_command():
 
 def test_a_context_longer_than_every_stream_names_data_seq_len(data_dir):  # noqa: F811
     from moelab.config import config_from_dict
-    from moelab.data.corpus import DataError
+    from moelab.data.errors import DataError
     from moelab.data.prepare import prepare_data
     from moelab.data.sampler import MixtureSampler
     from moelab.data.store import TokenStore

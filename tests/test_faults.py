@@ -30,7 +30,8 @@ from helpers import (VOCAB, data_dir, micro_config, micro_dict,  # noqa: F401  (
 from moelab import runlog
 from moelab.cli import main
 from moelab.data import corpus
-from moelab.data.corpus import DataError, build_user_corpus, iter_documents
+from moelab.data.corpus import build_user_corpus, iter_documents
+from moelab.data.errors import DataError
 from moelab.data.prepare import prepare_data
 from moelab.data.sampler import SteppedSampler
 from moelab.data.store import TokenStore

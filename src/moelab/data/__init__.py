@@ -10,13 +10,13 @@ Typical use::
 """
 
 from moelab.data.corpus import (
-    DataError,
     build_builtin_corpus,
     build_user_corpus,
     builtin_sources,
     iter_documents,
     load_manifest,
 )
+from moelab.data.errors import DataError
 from moelab.data.sampler import MixtureSampler, eval_windows, heldout_text, resolve_mixture
 from moelab.data.store import TokenStore, build_token_store, ensure_token_store
 from moelab.data.tokenizer import (

@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
-if TYPE_CHECKING:
-    from moelab.data.corpus import Skips
-
+from moelab.data.errors import Skips
 
 _BLANK_LINES = re.compile(r"\n(?:[ \t\r\f\v]*\n)+")  # keeps the next line's indentation
 _GUTENBERG_START = re.compile(r"^\*\*\* ?START OF .*PROJECT GUTENBERG.*$", re.M)

@@ -34,17 +34,13 @@ from typing import Iterable, Iterator
 from moelab.config.data import DATA_FORMATS
 from moelab.config.errors import need_extra
 from moelab.data.builtin_docs import CODE_CAP, bible_docs, code_docs, prose_docs, shakespeare_docs
+from moelab.data.errors import DataError, Skips
 from moelab.data.hf_docs import hf_docs
 from moelab.data.user_docs import clean_domain, file_docs, folder_name, input_files, resolve_input
 from moelab.util import atomic_write_json, info, open_atomic, sha256_file
 
 SPLITS = ("train", "heldout")
-Skips = list[tuple[str, str]]  # bad inputs as (where, reason)
 FORMAT = 1
-
-
-class DataError(ValueError):
-    """Bad data input or missing data artifact; the message names the file and the fix."""
 
 
 # ---------------------------------------------------------------------------------------------

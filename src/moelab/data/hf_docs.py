@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from moelab.config.errors import need_extra
+from moelab.data.errors import DataError, Skips
 from moelab.data.user_docs import (
     Input,
     RemoteFile,
@@ -23,19 +24,10 @@ from moelab.data.user_docs import (
     record_doc,
 )
 
-if TYPE_CHECKING:
-    from moelab.data.corpus import Skips
-
 # data-file suffix -> datasets' packaged builder
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet",
             ".txt": "text", ".md": "text", ".text": "text"}
 _FIX_FIELD = "set --text-field (data.text_field) to the one holding the text"
-
-
-def _error(msg: str) -> Exception:
-    from moelab.data.corpus import DataError  # corpus imports this module
-
-    return DataError(msg)
 
 
 def pick_split(ds, split: str, where: str):
@@ -43,25 +35,25 @@ def pick_split(ds, split: str, where: str):
     only one; an error naming the splits there are otherwise."""
     if not hasattr(ds, "keys"):  # one dataset, no splits
         if split:
-            raise _error(f"{where}: holds a single dataset without splits; drop --split "
-                         f"(data.split={split!r})")
+            raise DataError(f"{where}: holds a single dataset without splits; drop --split "
+                            f"(data.split={split!r})")
         return ds
     names = list(ds.keys())
     if split and split not in names:
-        raise _error(f"{where}: no split {split!r}; splits: {', '.join(names)}; set --split "
-                     "(data.split) to one of them")
+        raise DataError(f"{where}: no split {split!r}; splits: {', '.join(names)}; "
+                        "set --split (data.split) to one of them")
     if not split:
         if "train" not in names and len(names) != 1:
-            raise _error(f"{where}: several splits ({', '.join(names)}) and none is 'train'; "
-                         "choose one with --split (data.split)")
+            raise DataError(f"{where}: several splits ({', '.join(names)}) and none is "
+                            "'train'; choose one with --split (data.split)")
         split = "train" if "train" in names else names[0]
     return ds[split]
 
 
 def _check_field(columns, field: str, where: str) -> None:
     if columns is not None and field not in columns:
-        raise _error(f"{where}: no text field {field!r}; columns: "
-                     f"{', '.join(columns) or 'none'}; {_FIX_FIELD}")
+        raise DataError(f"{where}: no text field {field!r}; columns: "
+                        f"{', '.join(columns) or 'none'}; {_FIX_FIELD}")
 
 
 def _records_docs(ds, name: str, domain: str, field: str, skips: Skips) -> Iterator[dict]:
@@ -87,8 +79,8 @@ def _disk_docs(src: Input, name: str, domain: str | None, field: str, split: str
     try:
         ds = datasets.load_from_disk(str(src))
     except FileNotFoundError as e:
-        raise _error(f"{src}: not a folder written by datasets' save_to_disk ({e}); use "
-                     "--format hf-files for data files") from None
+        raise DataError(f"{src}: not a folder written by datasets' save_to_disk ({e}); use "
+                        "--format hf-files for data files") from None
     ds = pick_split(ds, split, str(src))
     label = f"{name}/{ds.split}" if split else name
     yield from _records_docs(ds, label, domain or clean_domain(name), field, skips)
@@ -118,8 +110,6 @@ def _data_file_docs(f: Input, name: str, domain: str | None, field: str, split: 
         ds = pick_split(ds, split, name)
         yield from _records_docs(ds, name, domain or clean_domain(folder_name(f)), field, skips)
     except Exception as e:  # noqa: BLE001 - one unreadable file must not stop the build
-        from moelab.data.corpus import DataError
-
         if isinstance(e, DataError):  # a wrong field or split: the user's to fix, not a skip
             raise
         skips.append((name, f"unreadable file ({type(e).__name__}: "

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import DataConfig
-from moelab.data.corpus import DataError, iter_documents, load_manifest
+from moelab.data.corpus import iter_documents, load_manifest
+from moelab.data.errors import DataError
 from moelab.data.store import TokenStore
 
 

@@ -24,7 +24,8 @@ from typing import Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from moelab.data.corpus import SPLITS, DataError, iter_documents, load_manifest
+from moelab.data.corpus import SPLITS, iter_documents, load_manifest
+from moelab.data.errors import DataError
 from moelab.data.tokenizer import encode_batch, eos_id, load_tokenizer, tokenizer_sha256
 from moelab.util import atomic_write_json, info, open_atomic
 

@@ -12,7 +12,8 @@ from typing import Iterable, Iterator, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from moelab.data.corpus import DataError, iter_documents, load_manifest
+from moelab.data.corpus import iter_documents, load_manifest
+from moelab.data.errors import DataError
 from moelab.util import atomic_write_text
 
 EOS_TOKEN = "<|endoftext|>"

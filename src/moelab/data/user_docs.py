@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path, PurePosixPath
-from typing import IO, TYPE_CHECKING, Iterator, Union
+from typing import IO, Iterator, Union
 
+from moelab.data.errors import Skips
 from moelab.util import is_url, url_fs
-
-if TYPE_CHECKING:
-    from moelab.data.corpus import Skips
 
 
 class RemoteFile:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import RunConfig
-from moelab.data.corpus import DataError
+from moelab.data.errors import DataError
 from moelab.data.sampler import eval_windows
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import decode, encode_batch, eos_id
