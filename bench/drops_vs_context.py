@@ -37,8 +37,8 @@ from common import RESULTS, print_table, save
 from trained_router import RUN_DIR, STEPS, load, trained_run
 
 from moelab.config import ParallelConfig
-from moelab.ops.drops import (at_context, fit_placements, forecast, heldout_spans, pick_spans,
-                              routed_ids, routing_fn)
+from moelab.ops.drops import fit_placements, forecast, pick_spans
+from moelab.ops.routing import at_context, heldout_spans, routed_ids, routing_fn
 
 BRANCH_AT, COOLDOWN_STEPS = 135, 48
 RANKS, PER_RANK = 8, 4096

@@ -9,10 +9,11 @@ run continues where it stopped; a finished one is reused as it is).
 
 ``routing_for(run_dir, tokens_BT, layer)`` runs that model on real text and returns one layer's
 routing as the transports see it: the latent inputs z [N, H], expert ids and combine weights
-[N, k] and the layer's expert weights. The forward is the model's own code (attention and
-``moe_branch`` from moelab.model, one block at a time) with a hook in ``moe_branch``'s
-``experts_fn`` slot that records what reaches the routed experts and computes them dropless, so
-later layers see exactly what a single-device forward computes.
+[N, k] and the layer's expert weights. The forward is the model's own code
+(``moelab.ops.routing.layer_routings``: the model's embedding, attention and mixture branches,
+one block at a time) with a hook in the ``experts_fn`` slot that records what reaches the
+routed experts and computes them dropless, so later layers see exactly what a single-device
+forward computes.
 """
 
 from __future__ import annotations
@@ -97,44 +98,14 @@ def load(run_dir: Path | str):
     return r.cfg, r.params, r.model_state
 
 
-def _cast(tree, dtype):
-    return jax.tree_util.tree_map(lambda a: a.astype(dtype) if a.dtype == jnp.float32 else a, tree)
-
-
 @functools.lru_cache(maxsize=4)
 def _routing_pass(run_dir: str):
-    """jit(tokens_BT -> per-layer [(z_NH, expert_NK, weight_NK)]) for the run's model."""
-    from moelab.model.layers import attention, rms_norm, rope_tables
-    from moelab.model.experts import DropCounts, routed_experts
-    from moelab.model.moe import moe_branch
+    """jit(params, state, tokens_BT) -> per-layer [(z_NH, expert_NK, weight_NK)] for the run's
+    model (``moelab.ops.routing.layer_routings``: the model's own blocks)."""
+    from moelab.ops.routing import layer_routings
 
-    cfg, params, state = load(run_dir)
-    m = cfg.model
-
-    def run(params, state, tokens_BT):
-        B, T = tokens_BT.shape
-        dt = jnp.dtype(m.compute_dtype)
-        x = params["embed"][tokens_BT].astype(dt)
-        cos, sin = rope_tables(jnp.arange(T), int(m.head_dim * m.rope_fraction), m.rope_theta)
-        out = []
-        for layer, window in enumerate(m.layer_windows()):  # as transformer.forward's scan body
-            p = {k: v[layer] for k, v in params["blocks"].items()}
-            pc = _cast({k: v for k, v in p.items() if k != "router"}, dt)
-            pc["router"] = p["router"]
-            h = rms_norm(x, pc["attn_norm"], m.norm_eps)
-            x = x + attention(pc, h, m, jnp.int32(window), cos, sin)
-            h = rms_norm(x, pc["moe_norm"], m.norm_eps).reshape(B * T, -1)
-
-            def hook(z, expert, weight, ew, valid):
-                out.append((z, expert, weight))
-                return routed_experts(z, expert, weight, ew, m), DropCounts.of(
-                    jnp.sum(valid, dtype=jnp.int32))
-
-            y, _ = moe_branch(pc, h, state["router_bias"][layer], m, None, hook)
-            x = x + y.reshape(B, T, -1).astype(dt)
-        return out
-
-    return jax.jit(run)
+    cfg, _, _ = load(run_dir)
+    return jax.jit(functools.partial(layer_routings, cfg=cfg.model))
 
 
 def routing_all(run_dir: Path | str, tokens_BT) -> list[tuple]:
@@ -161,7 +132,7 @@ def routing_for(run_dir: Path | str, tokens_BT, layer: int):
 def heldout_batch(run_dir: Path | str, n_seqs: int, seq_len: int, seed: int = 0) -> np.ndarray:
     """``n_seqs`` held-out windows of ``seq_len`` tokens drawn without replacement from all
     domains (shuffled with ``seed``): int32 [n_seqs, seq_len]."""
-    from moelab.ops.drops import heldout_spans
+    from moelab.ops.routing import heldout_spans
 
     cfg, _, _ = load(str(run_dir))
     blocks = heldout_spans(cfg, seq_len)

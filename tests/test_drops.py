@@ -1,13 +1,20 @@
-"""``moelab drops``: the drop forecast at longer contexts on the session's trained run."""
+"""``moelab drops``: the drop forecast at longer contexts on the session's trained run; the
+routings it and the benchmarks read (``moelab.ops.routing``)."""
 
 from __future__ import annotations
 
+import functools
 import json
 
+import jax
+import numpy as np
 import pytest
-from helpers import data_dir, shared_run  # noqa: F401  (session fixture)
+from helpers import ALL_OPTIONS, data_dir, random_train_state, shared_run  # noqa: F401
 
 from moelab.cli import main
+from moelab.config import ModelConfig, RunConfig
+from moelab.model.transformer import forward
+from moelab.ops.routing import layer_routings
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +52,21 @@ def test_forecast_refuses_bad_lengths_and_fields(trained, capsys):
         rc = main(["drops", str(trained), *argv])
         err = capsys.readouterr().err
         assert rc == 2 and phrase in err, err
+
+
+def test_layer_routings_run_the_models_own_blocks():
+    """The layer-by-layer pass the transport benchmarks read routes as the model's forward
+    does with every model option on (GatedNorm, short convolutions, embed_norm, global
+    layers): the same experts and combine weights per layer, latent inputs [N, H]."""
+    cfg = RunConfig(model=ModelConfig(**ALL_OPTIONS)).model
+    state = random_train_state(RunConfig(model=cfg), 5)
+    params, model_state = state["params"], state["model_state"]
+    tokens = np.random.default_rng(1).integers(cfg.vocab_size, size=(2, 16)).astype(np.int32)
+    got = jax.jit(functools.partial(layer_routings, cfg=cfg))(params, model_state, tokens)
+    _, r = forward(params, model_state, tokens, cfg)
+    assert len(got) == cfg.n_layers
+    for layer, (z, expert, weight) in enumerate(got):
+        assert z.shape == (2 * 16, cfg.latent_dim)
+        np.testing.assert_array_equal(np.asarray(expert), np.asarray(r.expert_NK[layer]))
+        np.testing.assert_allclose(np.asarray(weight), np.asarray(r.weight_NK[layer]),
+                                   atol=1e-6)

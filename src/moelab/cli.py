@@ -16,7 +16,6 @@ from moelab.config.errors import require
 from moelab.ladder.cli import register as register_ladder
 from moelab.lab.cli import register as register_lab
 from moelab.ops.cli import register as register_ops
-from moelab.ops.drops import register as register_drops
 from moelab.export.cli import register as register_export
 from moelab.train.checkpoint import CheckpointError
 from moelab.util import is_url, url_fs
@@ -277,7 +276,6 @@ def build_parser() -> argparse.ArgumentParser:
     ps.set_defaults(fn=cmd_presets)
     register_lab(sub)
     register_ops(sub)
-    register_drops(sub)
     register_ladder(sub)
     register_export(sub)
     return p

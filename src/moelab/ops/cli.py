@@ -1,4 +1,5 @@
-"""Command line of run operations: replan, branch, resume, history (``register(subparsers)``)."""
+"""Command line of run operations: replan, branch, resume, history, drops
+(``register(subparsers)``)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,12 @@ import json
 import datetime as dt
 import math
 import shlex
+from dataclasses import asdict
 from pathlib import Path
 
+from moelab.config import config_from_dict
 from moelab.config.errors import require
+from moelab.config.io import apply_overrides
 from moelab.ops.record import LINEAGE
 from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note
 from moelab.train.changes import Change, PlanError
@@ -171,6 +175,39 @@ def cmd_history(args) -> int:
     return 0
 
 
+def cmd_drops(args) -> int:
+    from moelab.ops import drops
+    from moelab.ops.routing import at_context
+    from moelab.serve import load_run
+
+    loaded = load_run(Path(args.run))
+    cfg = at_context(loaded.cfg, loaded.step)
+    if args.overrides:
+        bad = [o for o in args.overrides if not o.startswith("parallel.")]
+        require(not bad, "overrides", f"{bad[0] if bad else ''!r}: only parallel.* fields "
+                "change a forecast")
+        cfg = config_from_dict(apply_overrides(asdict(cfg), args.overrides))
+    E = cfg.model.n_experts
+    ranks = args.ranks or (cfg.parallel.expert if cfg.parallel.expert > 1
+                           else next((r for r in (8, 4, 2) if E % r == 0), 0))
+    require(ranks >= 2 and cfg.model.n_experts % ranks == 0, "--ranks",
+            f"{ranks} must be >= 2 and divide model.n_experts={cfg.model.n_experts}")
+    per_rank = args.tokens_per_rank or drops.run_tokens_per_rank(cfg)
+    pars = drops.transports(cfg, args.transport, ranks)
+    rows = drops.forecast(cfg, loaded.params, loaded.model_state, args.seq_len, pars, ranks,
+                          per_rank, args.batches, args.seed, place=args.place)
+    print(f"{args.run}: drop forecast at EP {ranks}, {per_rank:,} tokens per rank, routing of "
+          f"the step-{loaded.step} model at its context {cfg.data.seq_len} "
+          f"({rows[0][next(iter(pars))]['assignments']:,} assignments per context)")
+    print(drops.format_rows(rows, [n for n in rows[0] if n in pars or n.endswith(" placed")]))
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"run": str(args.run), "ranks": ranks,
+                                   "tokens_per_rank": per_rank, "rows": rows}, indent=1))
+        tmp.replace(args.json)
+    return 0
+
+
 def register(sub) -> None:
     """Add the run-operation subcommands to the ``moelab`` parser's subparsers."""
     r = sub.add_parser(
@@ -222,3 +259,35 @@ def register(sub) -> None:
     h = sub.add_parser("history", help="a run's operations, events and per-stage drop rates")
     h.add_argument("run", help="run folder")
     h.set_defaults(fn=cmd_history)
+
+    _add_drops(sub)
+
+
+def _add_drops(sub) -> None:
+    p = sub.add_parser(
+        "drops", help="forecast a transport's drop rate at longer contexts, before switching",
+        description="Drops grow with context at a fixed number of tokens per batch (fewer, "
+        "longer sequences per rank route alike). This routes held-out text with the run's "
+        "newest checkpoint at its current context, cuts it into sequences of each --seq-len "
+        "dealt to the ranks at random, and runs each transport's own drop rule on one device. "
+        "It cannot see how the router changes once the model trains at the longer context "
+        "(docs/transport.md, \"Drops and context length\").")
+    p.add_argument("run", help="run folder (its newest checkpoint routes held-out text)")
+    p.add_argument("overrides", nargs="*", help="parallel.FIELD=VALUE, before the options "
+                   "(e.g. parallel.sender_cf=1.5)")
+    p.add_argument("--seq-len", type=int, nargs="+", required=True,
+                   help="context lengths to forecast (multiples of the run's data.seq_len)")
+    p.add_argument("--transport", nargs="+", help="transports to compare (default: the run's "
+                   "parallel.transport)")
+    p.add_argument("--ranks", type=int, help="expert-parallel degree (default: the run's "
+                   "parallel.expert; without expert parallelism 8, or the largest of 4 and 2 "
+                   "dividing the experts)")
+    p.add_argument("--tokens-per-rank", type=int, help="tokens per rank per step (default: "
+                   "the run's tokens per device per micro-step)")
+    p.add_argument("--batches", type=int, default=4, help="batches of held-out text (default 4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--place", action="store_true", help="also forecast each transport with the "
+                   "experts re-placed (fitted on other held-out text) as `moelab branch "
+                   "--place-experts` would place them")
+    p.add_argument("--json", help="also write the forecast as JSON to this file")
+    p.set_defaults(fn=cmd_drops)

@@ -20,55 +20,16 @@ branches.
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, replace
-from pathlib import Path
+from dataclasses import replace
 
 import numpy as np
 
-from moelab.config import ConfigError, ParallelConfig, RunConfig, config_from_dict
-from moelab.config.io import apply_overrides
+from moelab.config import ParallelConfig, RunConfig
 from moelab.config.errors import require
-
-MAX_TOKENS = 8192  # tokens per routing call
-
-
-def routing_fn(cfg: RunConfig):
-    """jit(params, state, tokens [B, T]) -> expert ids [layers, B * T, k] (the model's own
-    forward; only the router's choices are kept)."""
-    import jax
-
-    from moelab.model.transformer import forward_hidden
-
-    return jax.jit(lambda p, s, t: forward_hidden(p, s, t, cfg.model)[1].expert_NK)
-
-
-def route_spans(route, params, state, spans_BS, window: int) -> np.ndarray:
-    """Expert ids [layers, B, S, k] of each span [B, S], routed in windows of ``window``."""
-    import jax.numpy as jnp
-
-    B, S = spans_BS.shape
-    windows = spans_BS.reshape(-1, window)
-    per = max(1, MAX_TOKENS // window)
-    parts = [np.asarray(route(params, state, jnp.asarray(windows[i:i + per], jnp.int32)))
-             for i in range(0, len(windows), per)]
-    ids = np.concatenate(parts, axis=1)  # [layers, n_windows * window, k]
-    return ids.reshape(ids.shape[0], B, S, ids.shape[-1])
-
-
-def heldout_spans(cfg: RunConfig, span: int) -> np.ndarray:
-    """Every held-out domain's stream cut into consecutive spans of ``span`` tokens."""
-    from moelab.data.prepare import prepare_data
-    from moelab.data.sampler import eval_windows
-    from moelab.data.store import TokenStore
-
-    store = TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False).store_dir)
-    spans = [eval_windows(store, d, span, store.n_tokens("heldout", d))[0][:, :-1]
-             for d in store.domains("heldout") if store.n_tokens("heldout", d) > span]
-    if not spans:
-        raise ConfigError(f"--seq-len: the held-out text has no stream of {span + 1} tokens; "
-                          "ask for shorter contexts or build a corpus with more held-out text")
-    return np.concatenate(spans)
+from moelab.ops.placement import fit_placement, relabel
+from moelab.ops.routing import heldout_spans, route_spans, routed_ids, routing_fn
+from moelab.parallel.transport import get
+from moelab.parallel.transport.simulate import simulate_drops
 
 
 def placements(n_spans: int, span: int, L: int, seed: int) -> np.ndarray:
@@ -88,19 +49,10 @@ def pick_spans(n_spans: int, per_batch: int, batches: int, seed: int):
     return order[:n_batches * per_batch], order[n_batches * per_batch:]
 
 
-def routed_ids(route, params, state, spans_BS, window: int) -> np.ndarray:
-    """Expert ids [layers, B * S, k] of the spans, each layer's tokens in span order."""
-    ids = route_spans(route, params, state, spans_BS, window)
-    return ids.reshape(ids.shape[0], -1, ids.shape[-1])
-
-
 def fit_placements(ids_LNK: np.ndarray, n_experts: int, pars: dict[str, ParallelConfig],
                    ranks: int, unit: int) -> dict[str, dict]:
     """Per transport, the expert placement (``moelab.ops.placement``) fitted on the routing
     ``ids_LNK`` in units of ``unit`` tokens, grouping experts as its capacity does."""
-    from moelab.ops.placement import fit_placement
-    from moelab.parallel.transport import get
-
     return {name: fit_placement(ids_LNK, n_experts,
                                 get(par.transport).group(par, n_experts // ranks), unit)
             for name, par in pars.items()}
@@ -116,9 +68,6 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
     ({length: {name: slots [layers, E]}}) adds a "NAME placed" column per transport re-placed
     at that length; ``place`` fits one placement per transport, used at every length, on the
     held-out spans the batches do not use, at the longest length."""
-    from moelab.ops.placement import relabel
-    from moelab.parallel.transport.simulate import simulate_drops
-
     now = cfg.data.seq_len
     lens = sorted(set([now, *seq_lens]))
     span = span or max(lens)
@@ -165,16 +114,8 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
     return rows
 
 
-def at_context(cfg: RunConfig, step: int) -> RunConfig:
-    """The config as it routes at ``step``: data.seq_len is the context of that step (a
-    context stage or a branch may have changed it)."""
-    return replace(cfg, data=replace(cfg.data, seq_len=cfg.data.segment_at(step).seq_len))
-
-
 def transports(cfg: RunConfig, names: list[str] | None, ranks: int) -> dict[str, ParallelConfig]:
     """The run's parallel config with each named transport, at ``ranks`` ranks; checked."""
-    from moelab.parallel.transport import get
-
     out = {}
     for name in names or [cfg.parallel.transport]:
         par = replace(cfg.parallel, transport=name, expert=ranks, devices=ranks)
@@ -194,69 +135,8 @@ def format_rows(rows: list[dict], names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def cmd_drops(args) -> int:
-    from moelab.serve import load_run
-
-    loaded = load_run(Path(args.run))
-    cfg = at_context(loaded.cfg, loaded.step)
-    if args.overrides:
-        bad = [o for o in args.overrides if not o.startswith("parallel.")]
-        require(not bad, "overrides", f"{bad[0] if bad else ''!r}: only parallel.* fields "
-                "change a forecast")
-        cfg = config_from_dict(apply_overrides(asdict(cfg), args.overrides))
-    E = cfg.model.n_experts
-    ranks = args.ranks or (cfg.parallel.expert if cfg.parallel.expert > 1
-                           else next((r for r in (8, 4, 2) if E % r == 0), 0))
-    require(ranks >= 2 and cfg.model.n_experts % ranks == 0, "--ranks",
-            f"{ranks} must be >= 2 and divide model.n_experts={cfg.model.n_experts}")
-    per_rank = args.tokens_per_rank or run_tokens_per_rank(cfg)
-    pars = transports(cfg, args.transport, ranks)
-    rows = forecast(cfg, loaded.params, loaded.model_state, args.seq_len, pars, ranks, per_rank,
-                    args.batches, args.seed, place=args.place)
-    print(f"{args.run}: drop forecast at EP {ranks}, {per_rank:,} tokens per rank, routing of "
-          f"the step-{loaded.step} model at its context {cfg.data.seq_len} "
-          f"({rows[0][next(iter(pars))]['assignments']:,} assignments per context)")
-    print(format_rows(rows, [n for n in rows[0] if n in pars or n.endswith(" placed")]))
-    if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run": str(args.run), "ranks": ranks,
-                                   "tokens_per_rank": per_rank, "rows": rows}, indent=1))
-        tmp.replace(args.json)
-    return 0
-
-
 def run_tokens_per_rank(cfg: RunConfig) -> int:
     """Tokens one device holds per (micro-)step in the run's own layout."""
     d = cfg.data
     tokens = cfg.train.microbatch_tokens or d.batch_size * d.seq_len
     return max(tokens // max(cfg.parallel.devices, 1), d.seq_len)
-
-
-def register(sub) -> None:
-    p = sub.add_parser(
-        "drops", help="forecast a transport's drop rate at longer contexts, before switching",
-        description="Drops grow with context at a fixed number of tokens per batch (fewer, "
-        "longer sequences per rank route alike). This routes held-out text with the run's "
-        "newest checkpoint at its current context, cuts it into sequences of each --seq-len "
-        "dealt to the ranks at random, and runs each transport's own drop rule on one device. "
-        "It cannot see how the router changes once the model trains at the longer context "
-        "(docs/transport.md, \"Drops and context length\").")
-    p.add_argument("run", help="run folder (its newest checkpoint routes held-out text)")
-    p.add_argument("overrides", nargs="*", help="parallel.FIELD=VALUE, before the options "
-                   "(e.g. parallel.sender_cf=1.5)")
-    p.add_argument("--seq-len", type=int, nargs="+", required=True,
-                   help="context lengths to forecast (multiples of the run's data.seq_len)")
-    p.add_argument("--transport", nargs="+", help="transports to compare (default: the run's "
-                   "parallel.transport)")
-    p.add_argument("--ranks", type=int, help="expert-parallel degree (default: the run's "
-                   "parallel.expert; without expert parallelism 8, or the largest of 4 and 2 "
-                   "dividing the experts)")
-    p.add_argument("--tokens-per-rank", type=int, help="tokens per rank per step (default: "
-                   "the run's tokens per device per micro-step)")
-    p.add_argument("--batches", type=int, default=4, help="batches of held-out text (default 4)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--place", action="store_true", help="also forecast each transport with the "
-                   "experts re-placed (fitted on other held-out text) as `moelab branch "
-                   "--place-experts` would place them")
-    p.add_argument("--json", help="also write the forecast as JSON to this file")
-    p.set_defaults(fn=cmd_drops)

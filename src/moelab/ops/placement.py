@@ -131,7 +131,7 @@ def plan_for_branch(state: dict, at: int, parent_cfg, child_cfg, ranks: int) -> 
     from dataclasses import replace
 
     from moelab.config.errors import require
-    from moelab.ops.drops import at_context, heldout_spans, routed_ids, routing_fn
+    from moelab.ops.routing import at_context, heldout_spans, routed_ids, routing_fn
     from moelab.parallel.transport import get
 
     E = child_cfg.model.n_experts

@@ -1,0 +1,92 @@
+"""A trained run's routing of held-out text: which experts its model picks for each token.
+
+The drop forecast (``moelab.ops.drops``), the expert placement (``moelab.ops.placement``) and
+the transport benchmarks read routings through here, always from the model's own code:
+``routing_fn`` keeps the expert ids of ``forward_hidden``; ``layer_routings`` runs the model's
+blocks one layer at a time to hand out what reaches each layer's routed experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moelab.config import ConfigError, ModelConfig, RunConfig
+from moelab.data.prepare import prepare_data
+from moelab.data.sampler import eval_windows
+from moelab.data.store import TokenStore
+from moelab.model import transformer as tr
+from moelab.model.experts import DropCounts, routed_experts
+from moelab.model.layers import rope_tables
+
+MAX_TOKENS = 8192  # tokens per routing call
+
+
+def routing_fn(cfg: RunConfig):
+    """jit(params, state, tokens [B, T]) -> expert ids [layers, B * T, k] (the model's own
+    forward; only the router's choices are kept)."""
+    return jax.jit(lambda p, s, t: tr.forward_hidden(p, s, t, cfg.model)[1].expert_NK)
+
+
+def route_spans(route, params, state, spans_BS, window: int) -> np.ndarray:
+    """Expert ids [layers, B, S, k] of each span [B, S], routed in windows of ``window``."""
+    B, S = spans_BS.shape
+    windows = spans_BS.reshape(-1, window)
+    per = max(1, MAX_TOKENS // window)
+    parts = [np.asarray(route(params, state, jnp.asarray(windows[i:i + per], jnp.int32)))
+             for i in range(0, len(windows), per)]
+    ids = np.concatenate(parts, axis=1)  # [layers, n_windows * window, k]
+    return ids.reshape(ids.shape[0], B, S, ids.shape[-1])
+
+
+def routed_ids(route, params, state, spans_BS, window: int) -> np.ndarray:
+    """Expert ids [layers, B * S, k] of the spans, each layer's tokens in span order."""
+    ids = route_spans(route, params, state, spans_BS, window)
+    return ids.reshape(ids.shape[0], -1, ids.shape[-1])
+
+
+def heldout_spans(cfg: RunConfig, span: int) -> np.ndarray:
+    """Every held-out domain's stream cut into consecutive spans of ``span`` tokens."""
+    store = TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False).store_dir)
+    spans = [eval_windows(store, d, span, store.n_tokens("heldout", d))[0][:, :-1]
+             for d in store.domains("heldout") if store.n_tokens("heldout", d) > span]
+    if not spans:
+        raise ConfigError(f"--seq-len: the held-out text has no stream of {span + 1} tokens; "
+                          "ask for shorter contexts or build a corpus with more held-out text")
+    return np.concatenate(spans)
+
+
+def at_context(cfg: RunConfig, step: int) -> RunConfig:
+    """The config as it routes at ``step``: data.seq_len is the context of that step (a
+    context stage or a branch may have changed it)."""
+    return replace(cfg, data=replace(cfg.data, seq_len=cfg.data.segment_at(step).seq_len))
+
+
+def layer_routings(params, state, tokens_BT, cfg: ModelConfig) -> list[tuple]:
+    """What reaches every layer's routed experts: [(z_NH latent inputs, expert_NK,
+    weight_NK)], tokens flattened N = B*T row-major. The model's own blocks
+    (``embed_tokens``, ``attention_branch``, ``mixture_branch``) run one layer at a time
+    instead of in ``forward_hidden``'s scan, so the ``experts_fn`` slot can hand each layer's
+    inputs out; it computes them dropless, so later layers see what a single-device forward
+    computes. Jit it with ``cfg`` bound."""
+    T = tokens_BT.shape[1]
+    dt = jnp.dtype(cfg.compute_dtype)
+    x = tr.embed_tokens(params, tokens_BT, cfg)
+    cos, sin = rope_tables(jnp.arange(T), int(cfg.head_dim * cfg.rope_fraction), cfg.rope_theta)
+    windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
+    is_global = jnp.asarray(cfg.layer_is_global(), bool)
+    out = []
+
+    def record(z, expert, weight, w, valid):
+        out.append((z, expert, weight))
+        return (routed_experts(z, expert, weight, w, cfg),
+                DropCounts.of(jnp.sum(valid, dtype=jnp.int32)))
+
+    for i in range(cfg.n_layers):
+        pc = tr.layer_params({k: v[i] for k, v in params["blocks"].items()}, dt)
+        x = tr.attention_branch(pc, x, cfg, windows[i], cos, sin, is_global[i])
+        x, _ = tr.mixture_branch(pc, x, state["router_bias"][i], cfg, experts_fn=record)
+    return out
