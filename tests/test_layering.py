@@ -2,14 +2,16 @@
 
 Each package (the first name after ``moelab.``; a top-level module such as cli.py or runlog.py
 counts as its own package) has a rank, and a module may import only from its own package or
-from a package of lower rank. Ranks make cycles between packages impossible. Imports inside
-functions count too: a lazy import is still a dependency, and a lazy cycle is still a cycle.
-Read from the source with ``ast``; nothing is imported.
+from a package of lower rank. Ranks make cycles between packages impossible; inside a package
+they say nothing, so a second check refuses import cycles between the modules of one package.
+Imports inside functions count too: a lazy import is still a dependency, and a lazy cycle is
+still a cycle. Read from the source with ``ast``; nothing is imported.
 """
 
 from __future__ import annotations
 
 import ast
+from collections import deque
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "moelab"
@@ -41,22 +43,22 @@ TRAIN_NEVER_IMPORTS = {"ops", "lab", "ladder", "cli"}
 NEVER_IMPORT_LOOP = {"lab", "ladder"}
 
 
-def _module_parts(path: Path) -> list[str]:
+def _module_parts(path: Path, src: Path = SRC) -> list[str]:
     """['moelab', 'train', 'loop'] for src/moelab/train/loop.py; a package's __init__ is the
     package itself."""
-    parts = ["moelab", *path.relative_to(SRC).with_suffix("").parts]
+    parts = ["moelab", *path.relative_to(src).with_suffix("").parts]
     return parts[:-1] if parts[-1] == "__init__" else parts
 
 
-def _existing(dotted: str) -> bool:
+def _existing(dotted: str, src: Path = SRC) -> bool:
     """Whether ``moelab.x.y`` is a module or package in the tree."""
     rel = Path(*dotted.split(".")[1:])
-    return (SRC / rel).with_suffix(".py").is_file() or (SRC / rel / "__init__.py").is_file()
+    return (src / rel).with_suffix(".py").is_file() or (src / rel / "__init__.py").is_file()
 
 
-def _imported(path: Path) -> set[tuple[str, int]]:
+def _imported(path: Path, src: Path = SRC) -> set[tuple[str, int]]:
     """Every moelab module imported by ``path``: (dotted name, line)."""
-    parts = _module_parts(path)
+    parts = _module_parts(path, src)
     package = parts if path.name == "__init__.py" else parts[:-1]
     out = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -68,7 +70,7 @@ def _imported(path: Path) -> set[tuple[str, int]]:
             module = ".".join(base + (node.module.split(".") if node.module else []))
             # `from moelab.train import loop` imports a module; `from moelab.config import
             # load_config` a name from one
-            out |= {(f"{module}.{a.name}" if _existing(f"{module}.{a.name}") else module,
+            out |= {(f"{module}.{a.name}" if _existing(f"{module}.{a.name}", src) else module,
                      node.lineno) for a in node.names}
     return {(name, line) for name, line in out if name.split(".")[0] == "moelab"}
 
@@ -118,6 +120,89 @@ def test_lab_and_ladder_never_load_the_training_loop():
            if src in NEVER_IMPORT_LOOP and name == "moelab.train.loop"]
     assert not bad, ("lab and ladder read run folders; they must not load the training loop:\n  "
                      + "\n  ".join(bad))
+
+
+# ---------------------------------------------------------------------------------------------
+# cycles: inside a package, modules import each other one way
+
+
+def _module_graph(src: Path = SRC) -> dict[str, set[str]]:
+    """Each module of the tree -> the modules of its own package it imports."""
+    graph = {}
+    for path in sorted(src.rglob("*.py")):
+        me = ".".join(_module_parts(path, src))
+        graph[me] = {name for name, _ in _imported(path, src)
+                     if _package(name) == _package(me) and name != me}
+    return graph
+
+
+def _shortest_cycle(graph: dict[str, set[str]], start: str) -> list[str] | None:
+    """The shortest import path from ``start`` back to it, [start, ..., start] (breadth
+    first), or None."""
+    parent: dict[str, str] = {}
+    queue = deque([start])
+    while queue:
+        node = queue.popleft()
+        for nxt in sorted(graph.get(node, ())):
+            if nxt == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(parent[path[-1]])
+                return path[::-1] + [start]
+            if nxt not in parent:
+                parent[nxt] = node
+                queue.append(nxt)
+    return None
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One shortest cycle through each module that is on one, each set of modules once."""
+    cycles, seen = [], set()
+    for start in sorted(graph):
+        cycle = _shortest_cycle(graph, start)
+        if cycle and frozenset(cycle) not in seen:
+            seen.add(frozenset(cycle))
+            cycles.append(cycle)
+    return cycles
+
+
+def test_cycle_finder_on_a_synthetic_graph():
+    graph = {"m.p.a": {"m.p.b"}, "m.p.b": {"m.p.c"}, "m.p.c": {"m.p.a", "m.p.d"},
+             "m.p.d": set(), "m.p.e": {"m.p.a", "m.p.f"}, "m.p.f": {"m.p.e"}}
+    assert find_cycles(graph) == [["m.p.a", "m.p.b", "m.p.c", "m.p.a"],
+                                  ["m.p.e", "m.p.f", "m.p.e"]]
+    del graph["m.p.c"]  # a -> b -> (c gone) and e <-> f remain
+    assert find_cycles(graph) == [["m.p.e", "m.p.f", "m.p.e"]]
+    assert find_cycles({"m.p.a": {"m.p.b"}, "m.p.b": set()}) == []
+
+
+def test_cycle_finder_reads_lazy_and_type_checking_imports(tmp_path):
+    """A package whose modules import each other only inside a function and under
+    TYPE_CHECKING is still a cycle; an import from another package is not part of one."""
+    src = tmp_path / "moelab"
+    (src / "pkg").mkdir(parents=True)
+    for name, text in {
+        "__init__.py": "",
+        "util.py": "",
+        "pkg/__init__.py": "",
+        "pkg/a.py": "from moelab.util import x\nfrom moelab.pkg.b import y\n",
+        "pkg/b.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from moelab.pkg.c import Z\n"),
+        "pkg/c.py": "def f():\n    from . import a\n",
+    }.items():
+        (src / name).write_text(text)
+    graph = _module_graph(src)
+    assert graph["moelab.pkg.a"] == {"moelab.pkg.b"}
+    assert find_cycles(graph) == [["moelab.pkg.a", "moelab.pkg.b", "moelab.pkg.c",
+                                   "moelab.pkg.a"]]
+
+
+def test_no_import_cycle_inside_a_package():
+    cycles = find_cycles(_module_graph())
+    assert not cycles, ("modules of one package import each other in a cycle (imports inside "
+                        "functions and under TYPE_CHECKING count); move what they share into a "
+                        "module they both import:\n  "
+                        + "\n  ".join(" -> ".join(c) for c in cycles))
 
 
 # ---------------------------------------------------------------------------------------------
