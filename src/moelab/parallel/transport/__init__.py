@@ -68,12 +68,12 @@ def make_transport_fn(mesh, par: ParallelConfig, kernel: tuple[str, int] | None 
     global arrays: tokens sharded over ("data", "expert"), expert weights [E, ...] over "expert".
 
     ``name`` defaults to ``par.transport``; ``kernel`` is the grouped expert compute (kernel,
-    block rows), default the model config's default. The counts are int32 [n_devices] (one per
-    device; sum them in int64 on the host with ``drop_totals``). ``valid_NK`` marks real
-    assignments (padding tokens: False) so padding takes no capacity; None = all valid.
+    block rows) of the transports that take one, default the model config's default. The counts
+    are int32 [n_devices] (one per device; sum them in int64 on the host with ``drop_totals``).
+    ``valid_NK`` marks real assignments (padding tokens: False) so padding takes no capacity;
+    None = all valid.
     """
-    t = get(name or par.transport)
-    kernel = kernel or grouped_kernel(ModelConfig())
+    run = get(name or par.transport).runner(kernel or grouped_kernel(ModelConfig()))
     n_dev = mesh.devices.size
     S = mesh.shape[EXPERT]
 
@@ -91,8 +91,8 @@ def make_transport_fn(mesh, par: ParallelConfig, kernel: tuple[str, int] | None 
             # them data-varying once here makes that one psum at this boundary, not one per use
             # (pooled_wave uses them in each of its W waves).
             w = jax.tree.map(lambda x: jax.lax.pcast(x, DATA, to="varying"), w)
-            out, stats = t.run(z, expert, weight, w, n_experts=E, par=par, kernel=kernel,
-                               valid_TK=valid, axis=EXPERT)
+            out, stats = run(z, expert, weight, w, n_experts=E, par=par, valid_TK=valid,
+                             axis=EXPERT)
             return out, DropCounts(*(v.reshape(1) for v in stats))
 
         tok = batch_spec(2)

@@ -9,6 +9,7 @@ E_l = E/S local experts (global expert e lives on rank e // E_l as local expert 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from fractions import Fraction
@@ -40,13 +41,16 @@ class Transport:
     """One expert-parallel transport, as the registry (``moelab.parallel.transport``) holds it.
 
     run: the per-rank function, ``run(z_TH, expert_TK, weight_TK, w_local, *, n_experts, par,
-      kernel, valid_TK, axis) -> (out_TH, DropCounts)``, called inside shard_map;
+      valid_TK, axis) -> (out_TH, DropCounts)``, called inside shard_map (``runner`` binds
+      ``kernel`` for the transports that take one);
     rows: ``rows(par, A, S, E_l, H) -> BufferRows``, the buffers ``run`` allocates for A
       assignments on each of S ranks with E_l local experts and H-wide rows (moelab plan);
     fields: the ``parallel.*`` fields it reads (``moelab plan`` sweeps the capacity ones);
     check: ``check(par, n_local)`` raises ConfigError naming the ``parallel.*`` field to fix;
     group: ``group(par, n_local)``, how many consecutive experts share one capacity limit (a
-      rank's send pool by default): what an expert placement groups (``moelab.ops.placement``)."""
+      rank's send pool by default): what an expert placement groups (``moelab.ops.placement``);
+    takes_kernel: whether ``run`` also takes ``kernel``, the grouped expert compute (kernel,
+      block rows) of its receive buffer; fixed-layout transports compute without one."""
 
     name: str
     run: Callable
@@ -54,10 +58,16 @@ class Transport:
     fields: tuple[str, ...]
     check: Callable[[ParallelConfig, int], None] = lambda par, n_local: None
     group: Callable[[ParallelConfig, int], int] = lambda par, n_local: n_local
+    takes_kernel: bool = False
+
+    def runner(self, kernel: tuple[str, int]) -> Callable:
+        """``run`` with ``kernel`` bound when it takes one."""
+        return functools.partial(self.run, kernel=kernel) if self.takes_kernel else self.run
 
 
-def require(cond: bool, field: str, msg: str) -> None:
-    """A transport's config check: the message names the ``parallel.*`` field and the fix."""
+def require_parallel(cond: bool, field: str, msg: str) -> None:
+    """A transport's config check: ConfigError "parallel.FIELD: msg" unless ``cond``; ``field``
+    is named without its section, the message says the fix."""
     if not cond:
         raise ConfigError(f"parallel.{field}: {msg}")
 

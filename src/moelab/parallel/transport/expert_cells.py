@@ -16,11 +16,11 @@ from moelab.config import ParallelConfig
 from moelab.model.experts import (
     DropCounts, combine_rows, gather_rows, invert, rank_in_group, swiglu_bank, token_of)
 from moelab.parallel.transport.common import (
-    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require)
+    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require_parallel)
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require(par.capacity_factor > 0, "capacity_factor", "must be > 0")
+    require_parallel(par.capacity_factor > 0, "capacity_factor", "must be > 0")
 
 
 def rows(par: ParallelConfig, A: int, S: int, E_l: int, H: int) -> BufferRows:
@@ -39,9 +39,8 @@ def cells_compute(x_arr_SLCH, w):
 
 
 def expert_cells(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
-                 kernel=None, valid_TK=None, axis: str = "expert"):
-    """Per-rank expert-cells transport; call inside shard_map over ``axis`` (fixed cells:
-    ``kernel`` is unused)."""
+                 valid_TK=None, axis: str = "expert"):
+    """Per-rank expert-cells transport; call inside shard_map over ``axis``."""
     T, H = z_TH.shape
     k = expert_TK.shape[1]
     A = T * k
@@ -57,9 +56,9 @@ def expert_cells(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: Pa
     # Global expert e = d * E_l + l, so expert-major cells are already destination-major.
     pos_A = jnp.where(kept_A, expert_A * c + r_A, n_experts * c)
     src_M = invert(pos_A, n_experts * c)
-    rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
+    sent_rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
 
-    arrived = jax.lax.all_to_all(rows.reshape(S, E_l * c, H), axis, 0, 0, tiled=True)
+    arrived = jax.lax.all_to_all(sent_rows.reshape(S, E_l * c, H), axis, 0, 0, tiled=True)
     y = cells_compute(arrived.reshape(S, E_l, c, H), w_local)
     back = jax.lax.all_to_all(y.reshape(S, E_l * c, H), axis, 0, 0, tiled=True)
     out = combine_rows(back.reshape(S * E_l * c, H), weight_TK, pos_A.reshape(T, k), src_M)

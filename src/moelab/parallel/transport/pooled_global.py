@@ -38,21 +38,23 @@ from moelab.model.experts import (
     DropCounts, GroupLayout, counts_layout, gather_rows, invert, rank_in_group, sorted_swiglu,
     token_of)
 from moelab.parallel.transport.common import (
-    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require)
+    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require_parallel)
 from moelab.parallel.transport.waterfill import expert_keep_E, source_share_SE
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require(par.sender_cf > 0, "sender_cf", "must be > 0")
-    require(par.receiver_cf > 0, "receiver_cf", "must be > 0")
-    require(par.waves >= 1, "waves", "must be >= 1")
+    require_parallel(par.sender_cf > 0, "sender_cf", "must be > 0")
+    require_parallel(par.receiver_cf > 0, "receiver_cf", "must be > 0")
+    require_parallel(par.waves >= 1, "waves", "must be >= 1")
     G = par.budget_group
-    require(G >= 1 and n_local % G == 0, "budget_group",
-            f"{G} experts per budget group must divide the local experts E_l={n_local} "
-            "(pooled_global); choose a divisor of n_experts / parallel.expert")
+    require_parallel(G >= 1 and n_local % G == 0, "budget_group",
+                     f"{G} experts per budget group must divide the local experts "
+                     f"E_l={n_local} (pooled_global); choose a divisor of n_experts / "
+                     "parallel.expert")
     B = par.fair_blocks
-    require(B >= 0 and (B == 0 or B % par.expert == 0), "fair_blocks",
-            f"{B} must be 0 (one block per rank) or a multiple of parallel.expert={par.expert}")
+    require_parallel(B >= 0 and (B == 0 or B % par.expert == 0), "fair_blocks",
+                     f"{B} must be 0 (one block per rank) or a multiple of "
+                     f"parallel.expert={par.expert}")
 
 
 def bank_rows(par: ParallelConfig, A: int, E_l: int) -> int:
@@ -174,8 +176,8 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
     for w in range(W):
         pos_A = jnp.where(sent_A & (wave_A == w), dest_A * P + slot_A, S * P)
         src_M = invert(pos_A, S * P)
-        rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
-        arrived = jax.lax.all_to_all(rows.reshape(S, P, H), axis, 0, 0, tiled=True)
+        sent_rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
+        arrived = jax.lax.all_to_all(sent_rows.reshape(S, P, H), axis, 0, 0, tiled=True)
         lay = bank_layout(sent_here, w, P, kernel, bank_rows(par, A, E_l))
         x_bank = gather_rows(arrived.reshape(S * P, H), lay.src_M, lay.dst_R[:, None])
         y_bank = compute(x_bank, lay.counts_G, lay.block_group, w_local).astype(z_TH.dtype)
@@ -193,4 +195,4 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
 
 TRANSPORT = Transport("pooled_global", pooled_global, rows,
                       ("sender_cf", "receiver_cf", "waves", "budget_group", "fair_blocks"), check,
-                      group=lambda par, n_local: par.budget_group)
+                      group=lambda par, n_local: par.budget_group, takes_kernel=True)

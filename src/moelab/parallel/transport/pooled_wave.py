@@ -19,16 +19,16 @@ from moelab.model.experts import (
     DropCounts, combine_rows, gather_rows, invert, rank_in_group, swiglu_bank, token_of)
 from moelab.parallel.transport.common import (
     BufferRows, Transport, assignment_arrays, capacity, check_payload_dtype, decode_ids,
-    encode_ids, header_rows, logical_capacity, require)
+    encode_ids, header_rows, logical_capacity, require_parallel)
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require(par.sender_cf > 0, "sender_cf", "must be > 0")
-    require(par.receiver_cf > 0, "receiver_cf", "must be > 0")
-    require(par.waves >= 1, "waves", "must be >= 1")
-    require(n_local % par.waves == 0, "waves",
-            f"local experts E_l={n_local} must be divisible by waves={par.waves} (pooled_wave); "
-            "change parallel.waves or parallel.expert")
+    require_parallel(par.sender_cf > 0, "sender_cf", "must be > 0")
+    require_parallel(par.receiver_cf > 0, "receiver_cf", "must be > 0")
+    require_parallel(par.waves >= 1, "waves", "must be >= 1")
+    require_parallel(n_local % par.waves == 0, "waves",
+                     f"local experts E_l={n_local} must be divisible by waves={par.waves} "
+                     "(pooled_wave); change parallel.waves or parallel.expert")
 
 
 def rows(par: ParallelConfig, A: int, S: int, E_l: int, H: int) -> BufferRows:
@@ -78,7 +78,7 @@ def wave_compute(x_arr_MH, cpos_M, csrc_C, w):
 
 
 def pooled_wave(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
-                kernel=None, valid_TK=None, axis: str = "expert"):
+                valid_TK=None, axis: str = "expert"):
     """Per-rank pooled-wave transport; call inside shard_map over ``axis``.
     Returns (out [T, H] in z's dtype, drop stats)."""
     T, H = z_TH.shape
@@ -109,9 +109,9 @@ def pooled_wave(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: Par
         pos_A = jnp.where(sent_A & (wave_A == w), dest_A * P + slot_A, S * P)
         src_M = invert(pos_A, S * P)
         ids_SP = jnp.take(local_id_A, src_M, mode="fill", fill_value=0).reshape(S, P)
-        rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
+        sent_rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
         payload = jnp.concatenate([encode_ids(ids_SP, E_l, H, z_TH.dtype),
-                                   rows.reshape(S, P, H)], axis=1)
+                                   sent_rows.reshape(S, P, H)], axis=1)
         arrived = jax.lax.all_to_all(payload, axis, 0, 0, tiled=True)  # [source, M + P, H]
 
         cpos_M, dropped = receiver_gate(decode_ids(arrived[:, :M], P, E_l), E_l, R, R_l)

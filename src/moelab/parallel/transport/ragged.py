@@ -20,12 +20,13 @@ import jax.numpy as jnp
 from moelab.config import ParallelConfig
 from moelab.model.experts import (
     DropCounts, combine_rows, gather_rows, grouped_swiglu, invert, rank_in_group, token_of)
-from moelab.parallel.transport.common import BufferRows, Transport, assignment_arrays, require
+from moelab.parallel.transport.common import (
+    BufferRows, Transport, assignment_arrays, require_parallel)
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require(par.ragged_impl in ("auto", "native", "emulated"), "ragged_impl",
-            "must be auto, native or emulated")
+    require_parallel(par.ragged_impl in ("auto", "native", "emulated"), "ragged_impl",
+                     "must be auto, native or emulated")
 
 
 def use_native(par: ParallelConfig) -> bool:
@@ -58,7 +59,6 @@ def _native_exchange(z_TH, dest_A, local_A, sent_A, r_A, counts_S, counts_SS, w_
                      recv_rows, axis):
     T, H = z_TH.shape
     A = dest_A.shape[0]
-    S = counts_S.shape[0]
     E_l = w_local["w_gate"].shape[0]
     me = jax.lax.axis_index(axis)
     if counts_SS is None:  # [source, destination]
@@ -68,12 +68,12 @@ def _native_exchange(z_TH, dest_A, local_A, sent_A, r_A, counts_S, counts_SS, w_
     src_off_SS = _exclusive_cumsum(counts_SS, axis=1)  # where s's rows for d sit in s's send buffer
     pos_A = jnp.where(sent_A, send_off[dest_A] + r_A, A)
     src_M = invert(pos_A, A)
-    rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
+    sent_rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
     ids = jnp.take(local_A + 1, src_M, mode="fill", fill_value=0)
     recv_sizes, recv_off = counts_SS[:, me], dst_off_SS[:, me]
     go = lambda x, out: jax.lax.ragged_all_to_all(
         x, out, send_off, counts_S, dst_off_SS[me], recv_sizes, axis_name=axis)
-    arrived = go(rows, _buffer_like((recv_rows, H), rows))
+    arrived = go(sent_rows, _buffer_like((recv_rows, H), sent_rows))
     ids_arr = go(ids, _buffer_like((recv_rows,), ids))
     y = grouped_swiglu(arrived, jnp.where(ids_arr > 0, ids_arr - 1, E_l), E_l, w_local, *kernel)
     back = jax.lax.ragged_all_to_all(y, _buffer_like((A, H), y), recv_off, recv_sizes,
@@ -90,9 +90,9 @@ def _emulated_exchange(z_TH, dest_A, local_A, sent_A, r_A, w_local, kernel, k, p
     Q = peer_rows
     pos_A = jnp.where(sent_A, dest_A * Q + r_A, S * Q)
     src_M = invert(pos_A, S * Q)
-    rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
+    sent_rows = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
     ids = jnp.take(local_A + 1, src_M, mode="fill", fill_value=0)
-    arrived = jax.lax.all_to_all(rows.reshape(S, Q, H), axis, 0, 0, tiled=True)
+    arrived = jax.lax.all_to_all(sent_rows.reshape(S, Q, H), axis, 0, 0, tiled=True)
     ids_arr = jax.lax.all_to_all(ids.reshape(S, Q), axis, 0, 0, tiled=True).reshape(-1)
     y = grouped_swiglu(arrived.reshape(S * Q, H), jnp.where(ids_arr > 0, ids_arr - 1, E_l), E_l,
                        w_local, *kernel)
@@ -141,4 +141,4 @@ def ragged(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: Parallel
     return out.astype(z_TH.dtype), DropCounts.of(n_valid)
 
 
-TRANSPORT = Transport("ragged", ragged, rows, ("ragged_impl",), check)
+TRANSPORT = Transport("ragged", ragged, rows, ("ragged_impl",), check, takes_kernel=True)

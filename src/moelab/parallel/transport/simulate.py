@@ -25,7 +25,7 @@ WIDTH = 8  # stand-in row width: enough for the in-band id header, cheap to move
 
 @lru_cache(maxsize=32)
 def _counter(par: ParallelConfig, ranks: int, n_experts: int, tokens: int, k: int):
-    t = get(par.transport)
+    transport_run = get(par.transport).runner(("blocks", 32))
     E_l = n_experts // ranks
     z = jnp.ones((ranks, tokens, WIDTH), jnp.float32)
     w = {"w_gate": jnp.zeros((ranks, E_l, WIDTH, 1)), "w_up": jnp.zeros((ranks, E_l, WIDTH, 1)),
@@ -33,8 +33,8 @@ def _counter(par: ParallelConfig, ranks: int, n_experts: int, tokens: int, k: in
 
     def rank(z_TH, expert_TK, valid_TK, w_local):
         weight = jnp.ones(expert_TK.shape, jnp.float32)
-        return t.run(z_TH, expert_TK, weight, w_local, n_experts=n_experts, par=par,
-                     kernel=("blocks", 32), valid_TK=valid_TK, axis="expert")[1]
+        return transport_run(z_TH, expert_TK, weight, w_local, n_experts=n_experts, par=par,
+                             valid_TK=valid_TK, axis="expert")[1]
 
     run = jax.jit(jax.vmap(rank, axis_name="expert"))
     return lambda expert_STK, valid_STK: run(z, expert_STK, valid_STK, w)

@@ -26,12 +26,12 @@ from moelab.config import ParallelConfig
 from moelab.model.experts import DropCounts, rank_in_group
 from moelab.parallel.transport import ragged
 from moelab.parallel.transport.common import (
-    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require)
+    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require_parallel)
 from moelab.parallel.transport.ragged import ragged_exchange, use_native
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require(par.capacity_factor > 0, "capacity_factor", "must be > 0")
+    require_parallel(par.capacity_factor > 0, "capacity_factor", "must be > 0")
     ragged.check(par, n_local)
 
 
@@ -93,4 +93,5 @@ def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: Paral
 
 
 TRANSPORT = Transport("waterfill", waterfill, rows, ("capacity_factor", "ragged_impl"), check,
-                      group=lambda par, n_local: 1)  # one budget per expert
+                      group=lambda par, n_local: 1,  # one budget per expert
+                      takes_kernel=True)
