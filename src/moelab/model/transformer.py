@@ -13,13 +13,11 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ModelConfig
+from moelab.model.axes import EXPERT
 from moelab.model.layers import attention, gated_norm, rms_norm, rope_tables, site_conv
 from moelab.model.loss import chunked_token_loss, head_logits, logit_sums, valid_weights
 from moelab.model.moe import moe_branch
 from moelab.model.router import update_bias
-
-
-EXPERT = "expert"  # the mesh axis routed experts are split over (moelab.parallel.mesh)
 
 
 class Param(NamedTuple):

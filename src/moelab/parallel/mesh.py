@@ -14,9 +14,9 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from moelab.config import ModelConfig
-from moelab.model.transformer import EXPERT, param_axes, param_fsdp_dims, param_shapes
+from moelab.model.axes import DATA, EXPERT
+from moelab.model.transformer import param_axes, param_fsdp_dims, param_shapes
 
-DATA = "data"
 BATCH_AXES = (DATA, EXPERT)
 
 

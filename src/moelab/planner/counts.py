@@ -16,6 +16,7 @@ import jax
 
 from moelab.config import ModelConfig, RunConfig
 from moelab.model import transformer as tr
+from moelab.model.axes import EXPERT
 
 # What the reference counts as active per token: the matmuls of these
 # (docs/reference.md#published-totals-and-moelab-plan).
@@ -30,7 +31,7 @@ COMPONENT_ORDER = ("embedding", "attention", "attention gate", "short convs", "r
 
 # Routed-expert weights: the parameters the model declares split over the expert axis.
 ROUTED = frozenset(name for name, axes in tr.param_axes(ModelConfig())["blocks"].items()
-                   if tr.EXPERT in axes)
+                   if EXPERT in axes)
 
 
 def component(name: str) -> str:

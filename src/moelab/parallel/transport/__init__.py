@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moelab.model.axes import DATA, EXPERT
 from moelab.model.experts import DropCounts, drop_fractions, drop_totals, grouped_kernel
-from moelab.parallel.mesh import DATA, EXPERT, batch_spec, expert_weight_spec, per_device_spec
+from moelab.parallel.mesh import batch_spec, expert_weight_spec, per_device_spec
 from moelab.parallel.transport import expert_cells, pooled_global, pooled_wave, ragged, waterfill
 from moelab.parallel.transport.common import BufferRows, Transport
 
