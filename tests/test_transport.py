@@ -22,7 +22,7 @@ from moelab.parallel import transport
 from moelab.parallel.mesh import make_mesh
 from moelab.parallel.transport.common import (
     capacity, check_payload_dtype, decode_ids, encode_ids, id_digits)
-from moelab.parallel.transport.drop_bench import skewed_routing
+from moelab.parallel.transport.simulate import skewed_routing
 
 N_DEV = 8
 T, H, I, E, K = 32, 16, 8, 24, 3  # per-device tokens, widths, experts, routes
@@ -309,7 +309,7 @@ def test_receiver_fairness(kind):
 
 
 def test_waterfill_drops_less_than_pooled_wave():
-    """At equal capacity factors on a skewed routing (the full table: drop_bench)."""
+    """At equal capacity factors on a skewed routing (the full table: bench/skewed_drops.py)."""
     require_devices()
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=4))
     cf, mesh = 1.1, make_mesh(expert=4)

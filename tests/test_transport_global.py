@@ -21,7 +21,7 @@ from moelab.model.experts import drop_totals
 from moelab.parallel import transport
 from moelab.parallel.mesh import make_mesh
 from moelab.parallel.transport.common import capacity
-from moelab.parallel.transport.drop_bench import skewed_routing
+from moelab.parallel.transport.simulate import skewed_routing
 
 
 def ceil_rule(cf: float, n: int, groups: int) -> int:

@@ -5,7 +5,8 @@ per-rank function runs on narrow stand-in activations and zero expert weights, w
 simulated by ``jax.vmap`` over a named axis: the all_to_alls, all_gathers and psums it calls run
 as batched collectives. The counts are the ones a real EP group of S devices would report
 (tests/test_transport_global.py checks this against shard_map on 8 devices), without needing
-S devices: ``moelab drops`` forecasts with it.
+S devices: ``moelab drops`` forecasts with it. ``skewed_routing`` is a synthetic routing with
+correlated load to run it on (the transport tests and bench/skewed_drops.py).
 """
 
 from __future__ import annotations
@@ -56,3 +57,16 @@ def simulate_drops(expert_NK, n_experts: int, par: ParallelConfig, ranks: int,
     stats = count(jnp.asarray(expert_NK.reshape(ranks, -1, k)),
                   jnp.asarray(valid_NK.reshape(ranks, -1, k)))
     return drop_totals(stats)
+
+
+def skewed_routing(n_sources: int, T: int, E: int, k: int, seed: int = 0, zipf: float = 0.6,
+                   source_pref: float = 0.8):
+    """Expert ids [n_sources * T, k] (distinct per token), tokens grouped by source. The routing
+    mimics long documents: a global Zipf-like expert popularity, plus a per-source preference
+    shared by all tokens of that source (correlated load), plus per-token noise."""
+    rng = np.random.default_rng(seed)
+    popularity = -zipf * np.log(rng.permutation(E) + 1.0)
+    prefs = source_pref * rng.standard_normal((n_sources, 1, E))
+    noise = rng.gumbel(size=(n_sources, T, E))
+    logits = (popularity + prefs + noise).reshape(n_sources * T, E)
+    return np.argsort(-logits, axis=1)[:, :k].astype(np.int32)
