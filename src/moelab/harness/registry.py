@@ -19,7 +19,6 @@ from moelab.config.errors import ConfigError
 from moelab.util import atomic_write_text
 
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
-LOCAL_GROUP = "moelab_local"
 
 
 def _local_configs() -> dict[str, dict]:
