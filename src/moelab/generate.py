@@ -10,11 +10,13 @@ window drops its oldest token and every position shifts, so every cached key cha
 positions attended to the dropped token) and re-prefilling is all an exact result allows.
 ``make_sampler(cfg, seq_len, cache=False)`` is the uncached reference: that full forward for
 every token. ``programs`` exposes the compiled prefill / step / window for other callers.
+``register`` adds the ``moelab generate`` command.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Callable, NamedTuple
 
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import ModelConfig
+from moelab.config.errors import require
 from moelab.model import decode
 from moelab.model import transformer as tr
 from moelab.model.loss import head_logits
@@ -144,3 +147,41 @@ def make_sampler(cfg: ModelConfig, seq_len: int, cache: bool = True):
         return out
 
     return sample
+
+
+# ----------------------------------------------------------------------------- moelab generate
+
+def check_sampling(args) -> None:
+    """Sampling options, checked before the run is loaded. Temperature 0 means greedy decoding
+    (as --help says); top-p 0 would keep no token, so it is refused rather than read as greedy."""
+    require(args.max_tokens >= 1, f"--max-tokens {args.max_tokens}", "must be >= 1")
+    require(math.isfinite(args.temperature) and args.temperature >= 0,
+            f"--temperature {args.temperature}", "must be a number >= 0 (0 = greedy)")
+    require(0 < args.top_p <= 1, f"--top-p {args.top_p}", "must be in (0, 1]; 1 keeps every "
+            "token, 0.9 the most likely ones holding 90% of the probability")
+    require(args.step is None or args.step >= 0, f"--step {args.step}",
+            "must be a checkpoint step (>= 0); omit it for the newest")
+
+
+def cmd_generate(args, load_run) -> int:
+    check_sampling(args)
+    run = load_run(args.run, step=args.step)  # a folder or a run URL
+    text = run.generate(args.prompt, args.max_tokens, temperature=args.temperature,
+                        top_p=args.top_p, seed=args.seed)
+    print(args.prompt + text)
+    return 0
+
+
+def register(sub, load_run) -> None:
+    """``moelab generate``; ``load_run(run, step=None)`` loads a run folder or URL
+    (moelab.serve, which sits above this module, so the command line hands it in)."""
+    g = sub.add_parser("generate", help="sample text from a trained run")
+    g.add_argument("run", help="run folder or URL (e.g. runs/tiny, gs://bucket/runs/tiny)")
+    g.add_argument("--prompt", default="The ", help="text to continue")
+    g.add_argument("--max-tokens", type=int, default=100, help="new tokens to sample (>= 1)")
+    g.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
+    g.add_argument("--top-p", type=float, default=0.95,
+                   help="in (0, 1]: sample from the most likely tokens holding this probability")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    g.set_defaults(fn=functools.partial(cmd_generate, load_run=load_run))

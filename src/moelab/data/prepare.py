@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moelab.config import ConfigError, DataConfig, RunConfig
+from moelab.config import ConfigError, DataConfig, RunConfig, load_config, split_overrides
 from moelab.data import corpus, store, tokenizer
 from moelab.util import info, is_url, sha256_file
 
@@ -135,6 +135,13 @@ def with_tokenizer_vocab(cfg: RunConfig) -> RunConfig:
                               f"({size} tokens); set model.vocab_size={size}, or 0 to take it "
                               "from the tokenizer")
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=size))
+
+
+def resolve_config(config: str | None, overrides: list[str]) -> tuple[str, RunConfig]:
+    """(config source, the config with its overrides; model.vocab_size from the tokenizer when
+    0): what `moelab train`, `plan` and `config` act on."""
+    source, overrides = split_overrides(config, overrides)
+    return source, with_tokenizer_vocab(load_config(source, overrides))
 
 
 def vocab_needed(tok) -> int:

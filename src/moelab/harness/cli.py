@@ -1,0 +1,48 @@
+"""``moelab eval``: score a trained run on lm-evaluation-harness tasks (``evaluate``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from moelab.config.errors import require
+from moelab.util import is_url
+
+
+def cmd_eval(args) -> int:
+    from moelab.harness.evaluate import (default_output, evaluate_run, format_results,
+                                         save_results, split_tasks)
+
+    require(args.output or not is_url(args.run), "--output", f"{args.run} is a URL: name a "
+            "local results file (--output FILE)")
+    tasks = split_tasks(args.tasks)
+    results = evaluate_run(args.run if is_url(args.run) else Path(args.run),
+                           tasks, limit=args.limit,
+                           batch_size=args.batch_size, num_fewshot=args.num_fewshot,
+                           step=args.step, include_paths=[Path(p) for p in args.include_path])
+    print(format_results(results))
+    out = Path(args.output) if args.output else default_output(
+        Path(args.run), tasks, results["moelab"]["step"])
+    save_results(results, out)
+    print(f"results: {out}")
+    return 0
+
+
+def register(sub) -> None:
+    e = sub.add_parser("eval", help="score a trained run on lm-evaluation-harness tasks",
+                       description="Run lm-evaluation-harness tasks (offline) on a run's "
+                       "checkpoint: moelab's local tasks (group moelab_local), task YAML "
+                       "folders given with --include-path, or harness built-ins whose data "
+                       "is already cached. Prints the results table and saves the JSON in "
+                       "RUN/eval/. Needs the eval extra: pip install -e '.[eval]'.")
+    e.add_argument("run", help="run folder (e.g. runs/tiny)")
+    e.add_argument("--tasks", required=True, help="comma-separated task or group names, "
+                   "e.g. moelab_local or moelab_choice,moelab_heldout")
+    e.add_argument("--limit", type=int, default=None, help="at most N examples per task")
+    e.add_argument("--batch-size", type=int, default=8, help="requests per forward pass")
+    e.add_argument("--num-fewshot", type=int, default=None,
+                   help="few-shot examples in each prompt (default: each task's own)")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
+    e.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a folder of extra task YAML files (repeatable)")
+    e.add_argument("--output", help="results JSON (default: RUN/eval/<tasks>-step<N>.json)")
+    e.set_defaults(fn=cmd_eval)

@@ -1,0 +1,152 @@
+"""``moelab plan``: parameters, FLOPs, time on a cluster and memory per device of a config
+(``report``); with --xla also a scaled copy of the real train step compiled here, its memory
+next to the estimate (``xla``)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import subprocess
+import sys
+
+from moelab.config import ConfigError
+from moelab.config.cli import EPILOG_OVERRIDES
+from moelab.config.errors import require
+from moelab.data.prepare import resolve_config
+from moelab.util import atomic_write_json
+
+
+def _fake_devices_rerun(args) -> int | None:
+    """``plan --xla --devices N`` on a CPU with fewer devices: the whole command again in a
+    child process with N fake CPU devices (XLA reads the flag only when JAX starts)."""
+    import jax
+
+    n = args.devices
+    if not (args.xla and n > len(jax.devices()) and jax.default_backend() == "cpu"):
+        return None
+    if os.environ.get("MOELAB_FAKE_DEVICES"):
+        raise ConfigError(f"--devices {n}: only {len(jax.devices())} fake devices came up")
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
+    env = {**os.environ, "XLA_FLAGS": flags.strip(), "MOELAB_FAKE_DEVICES": str(n)}
+    return subprocess.call([sys.executable, "-m", "moelab.cli", *args.argv[1:]], env=env)
+
+
+def _plan_xla(cfg, layout, train_step) -> dict:
+    """``plan --xla``: compile the real train step (``train_step()``: moelab.train.step) at a
+    scaled shape and compare its memory with the planner's: on one device, or on ``layout``
+    (expert parallelism, FSDP)."""
+    from moelab.planner.xla import compare_sharded_with_xla, compare_with_xla, scaled_config
+
+    step = train_step()
+    if layout is None or layout.devices == 1:
+        small = scaled_config(cfg)
+        cmp = compare_with_xla(small, step.init_train_state, step.make_train_step)
+        where = "one device"
+    else:  # local experts must split into the waves of a pooled_wave transport
+        small = scaled_config(cfg, batch=layout.devices,
+                              n_experts=math.lcm(16, layout.ep * cfg.parallel.waves))
+        cmp = compare_sharded_with_xla(small, layout, step.compile_train_step)
+        where = (f"{layout.devices} devices, EP {layout.ep}, FSDP {layout.fsdp}, transport "
+                 f"{cmp['transport']}" + (f" W={cmp['waves']}" if layout.ep > 1 else ""))
+        if cmp["cpu_gradient_all_reduce"]:
+            where += (f"; + {cmp['cpu_gradient_all_reduce'] / 2**20:.1f} MiB for XLA:CPU's "
+                      "full-size gradient all-reduce (a GPU reduce-scatters)")
+    m = small.model
+    print(f"\n  XLA check at a scaled shape (d_model {m.d_model}, {m.n_layers} layers, "
+          f"{m.n_experts} experts, {small.data.batch_size} x {small.data.seq_len} tokens, "
+          f"float32, {where}): estimate {cmp['estimate'] / 2**20:.1f} MiB, XLA "
+          f"{cmp['xla']['peak'] / 2**20:.1f} MiB ({cmp['ratio'] - 1:+.1%})")
+    return {"scaled_model": m.__dict__, "seq_len": small.data.seq_len,
+            "batch": small.data.batch_size, **cmp}
+
+
+def check_plan_options(args) -> None:
+    """The numbers `moelab plan` takes, each finite and in range; 0 means "not given"."""
+    for option, value in (("--tokens", args.tokens), ("--peak-flops", args.peak_flops),
+                          ("--hbm-gib", args.hbm_gib), ("--tokens-per-s", args.tokens_per_s)):
+        require(math.isfinite(value) and value >= 0, f"{option} {value:g}",
+                "must be a number >= 0 (0: not given)")
+    for mfu in args.mfu:
+        require(0 < mfu <= 1, f"--mfu {mfu:g}", "a fraction in (0, 1], e.g. 0.2 for 20%")
+    for cf in args.cf:
+        require(math.isfinite(cf) and cf > 0, f"--cf {cf:g}", "capacity factors must be > 0, "
+                "e.g. 1.25 2.0")
+    for waves in args.waves:
+        require(waves >= 1, f"--waves {waves}", "wave counts must be >= 1")
+
+
+def cmd_plan(args, train_step) -> int:
+    from moelab.planner.cluster import accelerator
+    from moelab.planner.memory import Layout, transport_options
+    from moelab.planner.report import build_plan, format_plan
+
+    check_plan_options(args)
+    rerun = _fake_devices_rerun(args)
+    if rerun is not None:
+        return rerun
+    source, cfg = resolve_config(args.config, args.overrides)
+    acc = accelerator(args.accelerator, args.peak_flops, args.hbm_gib)
+    layout = transports = None
+    if args.devices:
+        layout = Layout(args.devices, args.ep, args.fsdp, args.optimizer, tuple(args.offload))
+        par = cfg.parallel
+        transports = transport_options(par, {
+            "capacity_factor": args.cf, "waves": args.waves or sorted({1, par.waves})})
+    result = build_plan(cfg, tokens=args.tokens, acc=acc, devices=args.devices,
+                        mfus=tuple(args.mfu), tokens_per_s=args.tokens_per_s, layout=layout,
+                        transports=transports, attention=args.attention,
+                        loss=args.loss or ("fused" if cfg.model.loss_chunk else "materialized"))
+    print(format_plan(source, result))
+    if not args.devices:
+        print("\n  (give --devices with --mfu or --tokens-per-s for time on a cluster, and "
+              "--ep/--fsdp for memory per device)")
+    if args.xla:
+        result["xla"] = _plan_xla(cfg, layout, train_step)
+    if args.json:
+        atomic_write_json(args.json, result)
+        print(f"\n  written: {args.json}")
+    return 0
+
+
+def register(sub, train_step) -> None:
+    """``moelab plan``; ``train_step()`` returns moelab.train.step for --xla (train sits
+    above the planner, so the command line hands it in)."""
+    pl = sub.add_parser("plan", help="parameters, FLOPs, time on a cluster, memory per device",
+                        description="Total and active parameters (per component), training "
+                        "FLOPs, days on a cluster and memory per device of a config, read from "
+                        "the model's own parameter tree and residuals. Formulas: docs/plan.md.",
+                        epilog=EPILOG_OVERRIDES)
+    pl.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
+    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("--tokens", type=float, default=0.0,
+                    help="training tokens (default: train.steps x data.batch_size x seq_len)")
+    pl.add_argument("--accelerator", default="gb200",
+                    help="gb200, b200, h200, h100 or custom (with --peak-flops)")
+    pl.add_argument("--peak-flops", type=float, default=0.0,
+                    help="dense bf16 FLOP/s per device (overrides the accelerator's)")
+    pl.add_argument("--hbm-gib", type=float, default=0.0, help="device memory in GiB")
+    pl.add_argument("--devices", type=int, default=0, help="devices that train")
+    pl.add_argument("--mfu", type=float, nargs="*", default=[],
+                    help="model FLOP utilisation(s) to assume, e.g. 0.20 0.23")
+    pl.add_argument("--tokens-per-s", type=float, default=0.0,
+                    help="measured cluster-wide tokens/s (instead of an MFU)")
+    pl.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
+    pl.add_argument("--fsdp", type=int, default=1,
+                    help="FSDP degree of the non-expert weights and optimizer state")
+    pl.add_argument("--optimizer", default="adamw", help="adamw or muon (optimizer state size)")
+    pl.add_argument("--offload", nargs="*", default=[], choices=["master", "opt"],
+                    help="kept in host memory: master (fp32 weights) and/or opt")
+    pl.add_argument("--attention", default="materialized", choices=["materialized", "fused"],
+                    help="attention kernel memory: this code's score chunks or a fused kernel")
+    pl.add_argument("--loss", default=None, choices=["materialized", "fused"],
+                    help="loss memory: float32 logits or a chunked cross-entropy (default: "
+                    "fused when model.loss_chunk > 0)")
+    pl.add_argument("--cf", type=float, nargs="*", default=[1.25, 2.0, 4.0],
+                    help="capacity factors to compare (transports with parallel.capacity_factor)")
+    pl.add_argument("--waves", type=int, nargs="*", default=[],
+                    help="pooled_wave wave counts to compare (default: 1 and parallel.waves)")
+    pl.add_argument("--xla", action="store_true",
+                    help="also compile a scaled copy here and compare with XLA's memory analysis")
+    pl.add_argument("--json", help="also write the plan as JSON to this file")
+    pl.set_defaults(fn=functools.partial(cmd_plan, train_step=train_step))

@@ -1,0 +1,84 @@
+"""``moelab train`` and ``moelab config``: a run from a preset or YAML file and
+SECTION.FIELD=VALUE overrides, and the config such a run resolves to, every field with its
+meaning (``model.vocab_size`` 0 read from the tokenizer, as training reads it)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+from pathlib import Path
+
+from moelab.config.cli import EPILOG_OVERRIDES, config_epilog
+from moelab.config.docs import describe_config
+from moelab.config.errors import require
+from moelab.data.prepare import resolve_config
+from moelab.util import is_url, url_fs
+
+
+def cmd_train(args, attach_record) -> int:
+    from moelab.train.loop import format_summary, train
+
+    source, cfg = resolve_config(args.config, args.overrides)
+    if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
+        from moelab.parallel.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id)
+    if is_url(args.run_dir):  # gs://, s3://...: mirrored through a local copy (train/remote.py)
+        url_fs(args.run_dir)  # an unknown protocol or a missing package, before any work
+        require(not args.record, f"--record {args.record}", "reads the run folder from this "
+                "disk; give a local --run-dir, or drop --record")
+        run_dir = args.run_dir
+    else:
+        run_dir = Path(args.run_dir or Path("runs") / Path(source).stem)
+        require(not run_dir.exists() or run_dir.is_dir(), f"--run-dir {run_dir}",
+                "a file is in the way; give a folder (it is created when missing)")
+    if args.record:
+        attach_record(args.record, run_dir, args.arm)
+    summary = train(cfg, run_dir)
+    print(format_summary(summary))
+    print(f"results: {run_dir}/ (metrics.jsonl, summary.json, checkpoints/)")
+    if summary["interrupted"]:
+        return 130 if summary["interrupted"] == "SIGINT" else 143
+    return 0
+
+
+def cmd_config(args) -> int:
+    source, cfg = resolve_config(args.config, args.overrides)
+    print(f"# moelab config {source}: valid YAML; save it and train with `moelab train FILE`")
+    print(describe_config(cfg))
+    return 0
+
+
+def register_train(sub, attach_record) -> None:
+    """``moelab train``; ``attach_record(record, run_dir, arm)`` attaches a run to an
+    experiment record for --record (``moelab.lab``, which sits above train)."""
+    t = sub.add_parser("train", help="train a model (resumes from the run folder)",
+                       description="Train a model; running it again on the same run folder "
+                       "resumes from the newest checkpoint. Ctrl-C saves a checkpoint and stops.",
+                       epilog=config_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
+    t.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
+    t.add_argument("--run-dir", help="run folder, or a URL such as gs://bucket/runs/x "
+                   "(default: runs/<config name>)")
+    t.add_argument("--record", help="attach this run to an experiment record (id, number or "
+                   "file; see `moelab lab`)")
+    t.add_argument("--arm", help="the run's arm name in the record (default: run folder name)")
+    mp = t.add_argument_group("several processes (one per host or per GPU; see README)")
+    mp.add_argument("--distributed", action="store_true",
+                    help="join JAX's multi-controller runtime, cluster detected by JAX (SLURM, "
+                    "Open MPI, Kubernetes)")
+    mp.add_argument("--coordinator", help="HOST:PORT of process 0 (with --num-processes and "
+                    "--process-id, for clusters JAX does not detect)")
+    mp.add_argument("--num-processes", type=int)
+    mp.add_argument("--process-id", type=int)
+    t.set_defaults(fn=functools.partial(cmd_train, attach_record=attach_record))
+
+
+def register_config(sub) -> None:
+    c = sub.add_parser("config", help="print a resolved config with every field's meaning",
+                       description="Print the config a preset or YAML file and overrides resolve "
+                       "to, as YAML with each field's one-line doc; model.vocab_size 0 shows "
+                       "the tokenizer's size.", epilog=EPILOG_OVERRIDES)
+    c.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
+    c.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
+    c.set_defaults(fn=cmd_config)
