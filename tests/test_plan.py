@@ -12,11 +12,16 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from moelab import planner
 from moelab.cli import main
 from moelab.config import ConfigError, ModelConfig, load_config
 from moelab.ladder.plan import run_stats
 from moelab.model import transformer as tr
+from moelab.planner.cluster import ACCELERATORS, accelerator, cluster_estimate
+from moelab.planner.counts import (flops_report, matmul_params_per_token, param_breakdown,
+                                   param_counts, run_tokens, train_flops_per_token)
+from moelab.planner.memory import Layout, activation_memory, memory_report, residual_bytes
+from moelab.planner.xla import (compare_sharded_with_xla, compare_transport_with_xla,
+                                compare_with_xla, scaled_config)
 
 GiB = 2**30
 # docs/reference.md#the-scaling-ladder: published (total, active) of the rungs, as rounded there
@@ -56,11 +61,11 @@ def naive_counts(m: ModelConfig) -> tuple[int, int]:
 
 def test_reference_shape_counts_round_to_the_published_figures():
     cfg = load_config("535b-a23b")
-    c = planner.param_counts(cfg.model)
+    c = param_counts(cfg.model)
     assert rounded(c["total"], "535.48B") and not rounded(c["total"], "535.31B")
     assert rounded(c["active"], "22.76B")
     assert (c["total"], c["active"]) == naive_counts(cfg.model)
-    f = planner.flops_report(cfg.model, cfg.data.seq_len, planner.run_tokens(cfg))
+    f = flops_report(cfg.model, cfg.data.seq_len, run_tokens(cfg))
     assert round(f["tokens"] / 1e12, 1) == 18.0
     assert round(f["total"] / 1e24, 1) == 2.7  # docs/reference.md: about 2.7e24
     assert round(f["six_nd"] / 1e24, 1) == 2.5  # plain 6*N*D: about 2.5e24
@@ -69,7 +74,7 @@ def test_reference_shape_counts_round_to_the_published_figures():
 @pytest.mark.parametrize("name", sorted(LADDER))
 def test_ladder_rungs_round_to_the_published_table(name):
     m = load_config(name).model
-    c = planner.param_counts(m)
+    c = param_counts(m)
     total, active = LADDER[name]
     assert rounded(c["total"], total), c["total"]
     assert rounded(c["active"], active), c["active"]
@@ -82,10 +87,10 @@ def test_counts_come_from_the_initialised_tree():
                     latent_dim=16, shared_dim=16, n_shared=2, global_every=2, attn_gate=True,
                     conv_sites="k,attn,moe", gated_norm_rank=4, embed_norm=True)
     real = tr.init_params(m, jax.random.PRNGKey(0))
-    c = planner.param_counts(m)
+    c = param_counts(m)
     assert c["total"] == sum(x.size for x in jax.tree_util.tree_leaves(real))
     assert (c["total"], c["active"]) == naive_counts(m)
-    b = planner.param_breakdown(m)
+    b = param_breakdown(m)
     assert sum(v["total"] for v in b.values()) == c["total"]
     assert b["routed experts"]["active"] * m.n_experts == b["routed experts"]["total"] * m.top_k
 
@@ -99,10 +104,10 @@ def test_flops_count_windows_and_the_kv_heads_global_layers_skip():
     kv_cols = (2 * K + 2 * 1) * Q  # 2 local layers read 2 KV heads, 2 global layers 1
     macs = (4 * (2 * D * H * Q + D * 8 + 2 * 3 * D * 16 + 3 * D * 16) + 2 * D * kv_cols
             + D * 64)  # q, o, router, 2 of 8 experts, shared; k and v; head
-    assert planner.matmul_params_per_token(m) == macs
+    assert matmul_params_per_token(m) == macs
     local = (16 * 17 / 2 + (T - 16) * 16) / T  # mean keys seen with a 16-token window
     ctx = 2 * local + 2 * (T + 1) / 2
-    assert planner.train_flops_per_token(m, T) == pytest.approx(6 * macs + 3 * 4 * H * Q * ctx)
+    assert train_flops_per_token(m, T) == pytest.approx(6 * macs + 3 * 4 * H * Q * ctx)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,28 +116,28 @@ def test_flops_count_windows_and_the_kv_heads_global_layers_skip():
 
 def test_reference_cluster_takes_about_three_months():
     cfg = load_config("535b-a23b")
-    fpt = planner.train_flops_per_token(cfg.model, cfg.data.seq_len)
-    gb200 = planner.accelerator("gb200")
-    days = [planner.cluster_estimate(fpt, planner.run_tokens(cfg), gb200, 11 * 64, mfu=u)["days"]
+    fpt = train_flops_per_token(cfg.model, cfg.data.seq_len)
+    gb200 = accelerator("gb200")
+    days = [cluster_estimate(fpt, run_tokens(cfg), gb200, 11 * 64, mfu=u)["days"]
             for u in (0.20, 0.23)]
     assert 70 < days[1] < days[0] < 105  # "planned duration about 3 months (~100 days)"
     # the measured one-rack gate, 250,691 tokens/s on 64 GPUs, is the published 20-23% MFU
-    gate = planner.cluster_estimate(fpt, 1e12, gb200, 64, tokens_per_s=250_691)
+    gate = cluster_estimate(fpt, 1e12, gb200, 64, tokens_per_s=250_691)
     assert 0.20 <= gate["mfu"] <= 0.235
-    est = planner.cluster_estimate(fpt, 1e12, gb200, 64, mfu=0.2)
+    est = cluster_estimate(fpt, 1e12, gb200, 64, mfu=0.2)
     assert est["device_hours"] == pytest.approx(est["seconds"] * 64 / 3600)
     assert est["tokens_per_s"] * fpt == pytest.approx(0.2 * 64 * gb200.peak_flops)
 
 
 def test_accelerators_and_bad_cluster_input():
-    assert {"gb200", "b200", "h200", "h100"} <= set(planner.ACCELERATORS)
-    assert planner.accelerator("custom", peak_flops=1e15).peak_flops == 1e15
+    assert {"gb200", "b200", "h200", "h100"} <= set(ACCELERATORS)
+    assert accelerator("custom", peak_flops=1e15).peak_flops == 1e15
     with pytest.raises(ConfigError, match="--peak-flops"):
-        planner.accelerator("custom")
+        accelerator("custom")
     with pytest.raises(ConfigError, match="--accelerator"):
-        planner.accelerator("tpu9")
+        accelerator("tpu9")
     with pytest.raises(ConfigError, match="--mfu"):
-        planner.cluster_estimate(1e9, 1e12, planner.accelerator("h100"), 8, mfu=20)
+        cluster_estimate(1e9, 1e12, accelerator("h100"), 8, mfu=20)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,8 +146,8 @@ def test_accelerators_and_bad_cluster_input():
 
 def test_residual_bytes_counts_what_the_backward_keeps():
     x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
-    assert planner.residual_bytes(lambda x: jnp.sum(jnp.sin(x)), x) == 64 * 32 * 4  # cos(x)
-    assert planner.residual_bytes(lambda x: jnp.sum(x * 3.0), x) == 0  # linear: nothing kept
+    assert residual_bytes(lambda x: jnp.sum(jnp.sin(x)), x) == 64 * 32 * 4  # cos(x)
+    assert residual_bytes(lambda x: jnp.sum(x * 3.0), x) == 0  # linear: nothing kept
 
 
 @pytest.fixture(scope="module")
@@ -150,9 +155,9 @@ def reference_memory():
     cfg = load_config("535b-a23b")
     kinds = [dict(kind="expert_cells", capacity_factor=cf) for cf in (1.25, 2.0, 4.0)]
     kinds += [dict(kind="pooled_wave", sender_cf=1.10, receiver_cf=1.15, waves=w) for w in (1, 3)]
-    layout = planner.Layout(**REFERENCE_LAYOUT)
-    return planner.memory_report(cfg, layout, kinds, planner.accelerator("gb200").hbm_bytes,
-                                 attention="fused", loss="fused")
+    layout = Layout(**REFERENCE_LAYOUT)
+    return memory_report(cfg, layout, kinds, accelerator("gb200").hbm_bytes,
+                         attention="fused", loss="fused")
 
 
 def test_reference_memory_cells_do_not_fit_pooled_waves_do(reference_memory):
@@ -169,7 +174,7 @@ def test_reference_memory_cells_do_not_fit_pooled_waves_do(reference_memory):
     assert w3["kept"] == pytest.approx(w1["kept"], rel=1e-3)
     assert w1["total"] - w3["total"] > 10 * GiB
     # per-device weights: routed experts / 64 + the rest / 64, bf16 copy with the master on host
-    c = planner.param_counts(load_config("535b-a23b").model)
+    c = param_counts(load_config("535b-a23b").model)
     assert mem["state"]["params_per_device"] == pytest.approx(c["total"] / 64)
     assert mem["state"]["master_weights"] == 0 and mem["state"]["host"] > 0
     # remat keeps each layer's input: 48 x 65,536 tokens x 6144 x 2 bytes at least
@@ -179,24 +184,24 @@ def test_reference_memory_cells_do_not_fit_pooled_waves_do(reference_memory):
 
 def test_fused_kernels_drop_the_score_and_logit_buffers():
     cfg = load_config("d768")
-    mat = planner.activation_memory(cfg.model, 2, 4096, remat=True)
-    fused = planner.activation_memory(cfg.model, 2, 4096, remat=True, attention="fused",
-                                      loss="fused")
+    mat = activation_memory(cfg.model, 2, 4096, remat=True)
+    fused = activation_memory(cfg.model, 2, 4096, remat=True, attention="fused",
+                              loss="fused")
     logits = 2 * 4096 * cfg.model.vocab_size * 4
     assert mat["saved"] - fused["saved"] >= logits
     assert fused["attention_layer"] < mat["attention_layer"]
     with pytest.raises(ConfigError, match="--attention"):
-        planner.activation_memory(cfg.model, 1, 64, attention="flash")
+        activation_memory(cfg.model, 1, 64, attention="flash")
 
 
 def test_layout_errors_name_the_flag():
     cfg = load_config("535b-a23b")
     with pytest.raises(ConfigError, match="--ep"):
-        planner.Layout(devices=704, ep=100).validate(cfg)
+        Layout(devices=704, ep=100).validate(cfg)
     with pytest.raises(ConfigError, match="--devices"):
-        planner.Layout(devices=700).validate(cfg)
+        Layout(devices=700).validate(cfg)
     with pytest.raises(ConfigError, match="--offload"):
-        planner.Layout(devices=704, offload=("grads",)).validate(cfg)
+        Layout(devices=704, offload=("grads",)).validate(cfg)
 
 
 @pytest.mark.parametrize("kind,caps", [
@@ -210,7 +215,7 @@ def test_layout_errors_name_the_flag():
 def test_transport_estimate_within_15pc_of_xla(kind, caps, shape):
     """One MoE layer's transport on 8 devices (EP 8), forward + gradient, float32. Only W = 1:
     XLA:CPU does not run waves one after another, so it cannot show the W-fold saving."""
-    r = planner.compare_transport_with_xla(kind, **shape, **caps)
+    r = compare_transport_with_xla(kind, **shape, **caps)
     assert r["ranks"] == 8
     assert abs(r["ratio"] - 1) < 0.15, r
 
@@ -220,9 +225,9 @@ def test_model_estimate_within_15pc_of_xla():
     one train step; estimate = weights + AdamW state + gradients + batch + activations."""
     from moelab.train.step import init_train_state, make_train_step  # the step XLA compiles
 
-    cfg = planner.scaled_config(load_config("535b-a23b"), d_model=128, seq_len=128, batch=4,
-                                n_experts=8)
-    r = planner.compare_with_xla(cfg, init_train_state, make_train_step)
+    cfg = scaled_config(load_config("535b-a23b"), d_model=128, seq_len=128, batch=4,
+                        n_experts=8)
+    r = compare_with_xla(cfg, init_train_state, make_train_step)
     assert abs(r["ratio"] - 1) < 0.15, (r["estimate"], r["xla"])
 
 
@@ -236,9 +241,9 @@ def test_sharded_estimate_within_10pc_of_xla(ep, fsdp):
 
     if len(jax.devices()) < 8:
         pytest.fail("needs 8 devices (tests/conftest.py sets XLA_FLAGS)")
-    cfg = planner.scaled_config(load_config("d2048"), batch=8)
-    r = planner.compare_sharded_with_xla(cfg, planner.Layout(devices=8, ep=ep, fsdp=fsdp),
-                                         compile_train_step)
+    cfg = scaled_config(load_config("d2048"), batch=8)
+    r = compare_sharded_with_xla(cfg, Layout(devices=8, ep=ep, fsdp=fsdp),
+                                 compile_train_step)
     assert r["transport"] == ("pooled_wave" if ep > 1 else "ragged")
     assert r["state"]["fsdp_gather"] > 0
     assert abs(r["ratio"] - 1) < 0.10, (r["estimate"], r["xla"])
@@ -246,8 +251,8 @@ def test_sharded_estimate_within_10pc_of_xla(ep, fsdp):
 
 def test_sharded_xla_check_refuses_an_fsdp_degree_moelab_cannot_run():
     with pytest.raises(ConfigError, match="--fsdp 2"):
-        planner.compare_sharded_with_xla(planner.scaled_config(load_config("d2048"), batch=8),
-                                         planner.Layout(devices=8, ep=2, fsdp=2), None)
+        compare_sharded_with_xla(scaled_config(load_config("d2048"), batch=8),
+                                 Layout(devices=8, ep=2, fsdp=2), None)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,7 +269,7 @@ def test_plan_command_prints_the_published_figures(capsys, tmp_path):
     assert "(535.48B)" in out and "(22.76B)" in out and "2.66e+24" in out
     assert "pooled_wave" in out and "expert_cells" in out and "NO" in out
     saved = json.loads(out_json.read_text())
-    total = planner.param_counts(load_config("535b-a23b").model)["total"]
+    total = param_counts(load_config("535b-a23b").model)["total"]
     assert saved["params"]["total"] == total
     assert math.isclose(saved["cluster"]["runs"][1]["mfu"], 0.23)
 
@@ -280,7 +285,7 @@ def test_plan_and_ladder_count_the_tokens_the_train_loop_trains(capsys, tmp_path
     trained = cfg.data.tokens_before(cfg.train.steps)  # what the train loop reports
     assert trained == 4 * 256 * 32 + (cfg.train.steps - 4) * 512 * 2
     assert json.loads(out_json.read_text())["flops"]["tokens"] == trained
-    assert run_stats(cfg)["tokens"] == planner.run_tokens(cfg) == trained
+    assert run_stats(cfg)["tokens"] == run_tokens(cfg) == trained
 
 
 def test_plan_command_errors_name_the_flag(capsys):
@@ -292,7 +297,7 @@ def test_plan_command_errors_name_the_flag(capsys):
 
 def test_scaled_config_keeps_the_options():
     big = load_config("535b-a23b")
-    small = planner.scaled_config(big)
+    small = scaled_config(big)
     same = ("xsa", "attn_gate", "conv_sites", "global_rope", "router", "qk_norm", "embed_norm",
             "global_every")
     assert all(getattr(small.model, f) == getattr(big.model, f) for f in same)
@@ -302,14 +307,13 @@ def test_scaled_config_keeps_the_options():
 
 def test_plan_sizes_activations_per_micro_step_and_counts_the_gradient_sum():
     cfg = load_config("tiny", ["data.batch_size=32", "train.microbatch_tokens=2048"])
-    whole = planner.memory_report(load_config("tiny", ["data.batch_size=32"]),
-                                  planner.Layout(devices=2))
-    micro = planner.memory_report(cfg, planner.Layout(devices=2))
+    whole = memory_report(load_config("tiny", ["data.batch_size=32"]), Layout(devices=2))
+    micro = memory_report(cfg, Layout(devices=2))
     assert (whole["tokens_per_device"], micro["tokens_per_device"]) == (16 * 256, 4 * 256)
     assert micro["activations"][True]["peak"] < whole["activations"][True]["peak"]
     assert micro["state"]["gradient_sum"] == micro["state"]["gradients"]
     assert "gradient_sum" not in whole["state"]
-    assert planner.scaled_config(cfg).train.microbatch_tokens == 0  # the scaled batch is one step
+    assert scaled_config(cfg).train.microbatch_tokens == 0  # the scaled batch is one step
 
 
 def test_plan_sizes_gpu_kernel_configs_on_any_backend():
@@ -319,5 +323,5 @@ def test_plan_sizes_gpu_kernel_configs_on_any_backend():
     cfg = load_config("tiny", ["model.compute_dtype=bfloat16", "model.attention_impl=cudnn",
                                "model.moe_impl=mgpu", "model.d_model=256",
                                "model.latent_dim=128"])
-    rep = planner.memory_report(cfg, planner.Layout())
+    rep = memory_report(cfg, Layout())
     assert rep["activations"][False]["peak"] > 0
