@@ -18,7 +18,7 @@ from moelab.lab.cli import register as register_lab
 from moelab.ops.cli import register as register_ops
 from moelab.ops.drops import register as register_drops
 from moelab.export.cli import register as register_export
-from moelab.train.checkpoint import CheckpointError
+from moelab.run.checkpoint import CheckpointError
 from moelab.util import is_url, url_fs
 
 EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE arguments after the config, "
@@ -88,7 +88,7 @@ def check_sampling(args) -> None:
 
 
 def cmd_generate(args) -> int:
-    from moelab.serve import load_run
+    from moelab.run.load import load_run
 
     check_sampling(args)
     run = load_run(args.run, step=args.step)  # a folder or a run URL

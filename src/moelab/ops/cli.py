@@ -62,7 +62,7 @@ def _check_data(cfg) -> str:
 
 
 def cmd_replan(args) -> int:
-    from moelab.train.lock import run_lock
+    from moelab.run.lock import run_lock
 
     if not args.apply or not Path(args.run).is_dir():  # a dry run, or a folder that is no run
         return _replan(args)

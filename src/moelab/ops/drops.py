@@ -195,7 +195,7 @@ def format_rows(rows: list[dict], names: list[str]) -> str:
 
 
 def cmd_drops(args) -> int:
-    from moelab.serve import load_run
+    from moelab.run.load import load_run
 
     loaded = load_run(Path(args.run))
     cfg = at_context(loaded.cfg, loaded.step)
