@@ -40,8 +40,8 @@ from moelab.cli import main as moelab  # noqa: E402
 from moelab.config import load_config  # noqa: E402
 from moelab.ops.plot import plot_runs  # noqa: E402
 from moelab.ops.record import load_run_config, stage_report  # noqa: E402
+from moelab.run.logs import read_metrics  # noqa: E402
 from moelab.train.loop import train  # noqa: E402
-from moelab.train.tracker import read_metrics  # noqa: E402
 
 PLAN, STOP, NEW_END, BRANCH_AT, COOLDOWN_STEPS = 300, 100, 200, 120, 40
 MIX_BEFORE = "bible=1,code=1,prose=1,shakespeare=1"

@@ -69,7 +69,8 @@ def trained_run(steps: int = STEPS, run_dir: Path | str | None = None, experts: 
     """The run folder of the trained router model, training (or resuming) it if needed.
     64 experts is the default model; another count gets its own folder (router_run_e<N>)."""
     from moelab.config import load_config
-    from moelab.train.loop import format_summary, resolve_run_config, train
+    from moelab.train.loop import format_summary, train
+    from moelab.train.resume import resolve_run_config
 
     run_dir = Path(run_dir or (RUN_DIR if experts == 64 else f"{RUN_DIR}_e{experts}"))
     cfg = load_config("tiny", run_overrides(steps, experts))
@@ -92,7 +93,7 @@ def trained_run(steps: int = STEPS, run_dir: Path | str | None = None, experts: 
 @functools.lru_cache(maxsize=4)
 def load(run_dir: Path | str):
     """(RunConfig, params, model_state) of the newest checkpoint."""
-    from moelab.serve import load_run
+    from moelab.run.load import load_run
 
     r = load_run(Path(run_dir))
     return r.cfg, r.params, r.model_state

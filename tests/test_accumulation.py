@@ -138,7 +138,7 @@ def test_microbatch_checked_at_every_context_stage():
 
 def test_evaluation_batches_follow_the_micro_step():
     """With accumulation, evaluation runs a micro-step's sequences at a time (what fits)."""
-    from moelab.train.evaluate import eval_batch
+    from moelab.train.heldout import eval_batch
 
     assert eval_batch(config(microbatch=B * T // 4)) == B // 4
     assert eval_batch(config()) == B

@@ -319,7 +319,7 @@ def test_quantile_router_needs_a_k_plus_first_expert():
 
 def test_every_option_on_trains_and_loss_falls(data_dir, tmp_path):  # noqa: F811
     from moelab.train.loop import train
-    from moelab.train.tracker import read_metrics
+    from moelab.run.logs import read_metrics
 
     model = {k: v for k, v in ALL_ON.items() if k not in ("vocab_size", "d_model", "n_experts",
                                                           "expert_dim", "latent_dim",

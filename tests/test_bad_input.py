@@ -9,7 +9,7 @@ import yaml
 
 from helpers import data_dir, micro_dict  # noqa: F401  (session fixture)
 from moelab.lab import records as rec_mod
-from moelab.runlog import JsonlTracker
+from moelab.run.logs import JsonlTracker
 from test_cli import run_main
 
 POINTS = [(1e6, 1e9), (3e6, 2e9), (1e7, 5e9), (3e7, 1e10), (1e8, 3e10), (3e8, 6e10),
@@ -302,7 +302,7 @@ def test_a_context_longer_than_every_stream_names_data_seq_len(data_dir):  # noq
 
 
 def test_a_metrics_line_cut_inside_a_character_is_skipped_like_any_cut_line(tmp_path):
-    from moelab.runlog import read_metrics
+    from moelab.run.logs import read_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1, "train/loss": 3}\n{"step": 2, "note": "caf\xc3')

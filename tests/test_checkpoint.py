@@ -1,4 +1,4 @@
-"""Tests for moelab.train.checkpoint: exact round trips, pruning, damage fallback, crash leftovers."""
+"""Tests for moelab.run.checkpoint: exact round trips, pruning, damage fallback, crash leftovers."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from moelab.train.checkpoint import Checkpointer, CheckpointError, CheckpointWarning
+from moelab.run.checkpoint import Checkpointer, CheckpointError, CheckpointWarning
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -158,6 +158,28 @@ def test_round_trip_exact(tmp_path):
     assert isinstance(state2["np_u32"], jax.Array) and isinstance(state2["rng"], np.ndarray)
 
 
+def test_partial_restore_reads_only_the_named_entries(tmp_path):
+    """A reader names the entries it needs (params, router) without the optimizer state's
+    structure; they are checked against the saved ones like a whole state."""
+    state = make_state(1)
+    ck = Checkpointer(tmp_path, keep=3)
+    ck.save(7, state, META)
+    names = ("params", "router")
+    target = jax.eval_shape(lambda: {k: make_state(99)[k] for k in names})
+    step, got, meta = ck.restore_latest(target, partial=True)
+    assert step == 7 and meta == META and sorted(got) == sorted(names)
+    assert_tree_exact(got, {k: state[k] for k in names})
+    assert isinstance(got["params"]["embed"], jax.Array)
+
+    wrong = {**target, "params": {**target["params"], "embed": jax.ShapeDtypeStruct((65, 32), jnp.float32)}}
+    with pytest.raises(CheckpointError, match=r"embed: checkpoint has \(64, 32\)"):
+        ck.restore(7, wrong, partial=True)
+    with pytest.raises(CheckpointError, match="not in checkpoint: \\['model_state"):
+        ck.restore(7, {**target, "model_state": jax.ShapeDtypeStruct((2,), jnp.float32)}, partial=True)
+    with pytest.raises(CheckpointError, match="in checkpoint but not in target"):
+        ck.restore(7, target)  # without partial, a target must be the whole state
+
+
 def test_no_checkpoints_and_dir_created_on_save(tmp_path):
     d = tmp_path / "does" / "not" / "exist"
     ck = Checkpointer(d)
@@ -248,7 +270,7 @@ CRASH_SCRIPT = """
 import os, sys
 sys.path.insert(0, {src!r})
 import numpy as np
-import moelab.train.checkpoint as C
+import moelab.run.checkpoint as C
 
 real = C.atomic_write_json
 def crash(path, obj):
@@ -294,7 +316,7 @@ os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 sys.path.insert(0, {src!r})
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
-from moelab.train.checkpoint import Checkpointer
+from moelab.run.checkpoint import Checkpointer
 assert jax.device_count() == 4
 mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "expert"))
 w = np.arange(64 * 8, dtype=np.float32).reshape(64, 8) / 7
@@ -361,7 +383,7 @@ def test_typed_prng_key_round_trip(tmp_path):
 
 def test_failed_overwrite_keeps_previous(tmp_path, monkeypatch):
     """If re-saving an existing step fails at the commit, the previous checkpoint is kept."""
-    import moelab.train.checkpoint as C
+    import moelab.run.checkpoint as C
 
     ck = Checkpointer(tmp_path)
     s1 = {"w": np.arange(6, dtype=np.float32)}
@@ -420,7 +442,7 @@ def test_async_save_is_complete_after_the_caller_reuses_the_arrays(tmp_path):
 def test_async_save_failure_is_raised_with_its_step_and_leaves_nothing(tmp_path, monkeypatch):
     import errno as _errno
 
-    import moelab.train.checkpoint as C
+    import moelab.run.checkpoint as C
 
     def full_disk_commit(*_args):
         raise OSError(_errno.ENOSPC, "No space left on device")

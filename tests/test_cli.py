@@ -15,7 +15,8 @@ from helpers import data_dir, shared_run, subprocess_env  # noqa: F401  (session
 from moelab.cli import main
 from moelab.config import ConfigError, load_config
 from moelab.data.prepare import given_tokenizer, with_tokenizer_vocab
-from moelab.train.tracker import JsonlTracker, Trackers, read_metrics
+from moelab.run.logs import JsonlTracker, read_metrics
+from moelab.train.tracker import Trackers
 
 MOELAB = Path(sys.executable).parent / "moelab"  # the installed console script
 

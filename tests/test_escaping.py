@@ -15,7 +15,7 @@ import yaml
 from moelab.lab import records as rec_mod
 from moelab.lab.live import payload, render_page, run_sources, script_json
 from moelab.lab.report import code_span, evaluate_record, md_text, render_report
-from moelab.runlog import JsonlTracker
+from moelab.run.logs import JsonlTracker
 from test_lab import _browse  # headless Chromium, as the live-page test runs it
 
 IMG = "<img src=x onerror=alert(1)>"

@@ -16,7 +16,7 @@ from moelab.cli import main
 from moelab.config import ModelConfig, config_from_dict, load_config, save_config
 from moelab.data.tokenizer import EOS_TOKEN
 from moelab.model.transformer import forward
-from moelab.train.checkpoint import Checkpointer
+from moelab.run.checkpoint import Checkpointer
 
 from helpers import ALL_OPTIONS, random_train_state
 

@@ -27,7 +27,6 @@ import pytest
 
 from helpers import (VOCAB, data_dir, micro_config, micro_dict,  # noqa: F401  (session fixture)
                      subprocess_env, write_config_yaml)
-from moelab import runlog
 from moelab.cli import main
 from moelab.data import corpus
 from moelab.data.corpus import build_user_corpus, iter_documents
@@ -36,11 +35,12 @@ from moelab.data.prepare import prepare_data
 from moelab.data.sampler import SteppedSampler
 from moelab.data.store import TokenStore
 from moelab.model import transformer as tr
-from moelab.runlog import JsonlTracker, read_metrics
+from moelab.run import logs as runlog
+from moelab.run.checkpoint import Checkpointer, CheckpointError, CheckpointWarning
+from moelab.run.lock import LOCK_FILE, RunLocked, acquire, release
+from moelab.run.logs import JsonlTracker, read_metrics
 from moelab.train import loop
 from moelab.train import setup as train_setup
-from moelab.train.checkpoint import Checkpointer, CheckpointError, CheckpointWarning
-from moelab.train.lock import LOCK_FILE, RunLocked, acquire, release
 from test_train import events, load_state, losses, quiet_train
 
 SMALL = {"steps": 4, "ckpt_every": 2}  # the small run: checkpoints at steps 2 and 4
@@ -70,7 +70,7 @@ def eval_steps(run: Path) -> dict[int, dict]:
 
 HOLDER = """
 import sys, time
-from moelab.train.lock import acquire
+from moelab.run.lock import acquire
 acquire(sys.argv[1], "holder --for-the-test")
 print("held", flush=True)
 time.sleep(120)

@@ -19,7 +19,7 @@ from moelab.generate import padded, prefill_bucket
 from moelab.harness.lm import MoelabLM, cut_at_stop, gen_options
 from moelab.harness.registry import local_task_names
 from moelab.model import transformer as tr
-from moelab.serve import load_run
+from moelab.run.load import load_run
 from test_cli import run_main
 
 LOCAL_TASKS = ["moelab_choice", "moelab_complete", "moelab_heldout"]

@@ -22,8 +22,9 @@ from moelab.lab import records as rec_mod
 from moelab.lab.criteria import MET, NO_DATA, NOT_MET, ArmRun, evaluate, parse_criterion
 from moelab.lab.live import make_server
 from moelab.lab.report import evaluate_record, publish, render_report, write_report
-from moelab.lab.runs import load_run
-from moelab.train.tracker import HardwareMonitor, JsonlTracker, parse_nvidia_smi, read_metrics
+from moelab.lab.runs import read_run
+from moelab.run.logs import JsonlTracker, read_metrics
+from moelab.train.tracker import HardwareMonitor, parse_nvidia_smi
 
 from helpers import data_dir, micro_dict, write_config_yaml  # noqa: F401
 
@@ -280,7 +281,7 @@ def lab(tmp_path):
 
 
 def test_run_status_from_the_log(lab):
-    runs = {r.arm: r for r in (load_run(lab.parent.parent / "runs" / a, a) for a in
+    runs = {r.arm: r for r in (read_run(lab.parent.parent / "runs" / a, a) for a in
                                ("shared", "unstable", "killed", "later"))}
     assert runs["shared"].status == "finished" and runs["shared"].last_step == 40
     assert runs["unstable"].status == "diverged" and "FloatingPointError" in runs["unstable"].error
@@ -436,7 +437,7 @@ _WRITER = """
 import signal, sys
 # A process started in the background inherits SIGINT ignored; the test needs Python's own handler.
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from moelab.train.tracker import JsonlTracker
+from moelab.run.logs import JsonlTracker
 t = JsonlTracker(sys.argv[1])
 blob = "x" * 200_000
 print("ready", flush=True)
@@ -499,7 +500,7 @@ def test_hardware_stats():
 def test_live_data_thins_long_lines_and_keeps_the_newest_point(lab):
     from moelab.lab.live import payload
 
-    runs = [load_run(lab.parent.parent / "runs" / a, a) for a in ("shared", "killed")]
+    runs = [read_run(lab.parent.parent / "runs" / a, a) for a in ("shared", "killed")]
     full, thin = payload(runs), payload(runs, max_points=10)
     loss = [c for c in thin["charts"] if c["id"] == "loss"][0]["series"]
     assert [len(s["x"]) for s in loss] == [11, 9]  # 40 points -> every 4th + the last; 9 stay
@@ -636,7 +637,7 @@ def test_train_with_a_record_attaches_logs_hardware_and_records_a_failure(
     for r in records:  # hardware stats go with every metrics record
         assert 0 <= r["hw/cpu_percent"] <= 100 and r["hw/process_rss_gb"] > 0
     assert events[0]["event"] == "start" and events[0]["pid"] == os.getpid()
-    failed = load_run(run)
+    failed = read_run(run)
     assert failed.status == "failed" and failed.error == "RuntimeError: disk on fire"
     assert failed.last_step == 2
     # a failed run takes no part in verdicts: the record's criterion has no data

@@ -27,7 +27,7 @@ from moelab.ladder.predict import fit_ladder, write_outputs
 from moelab.ladder.run import is_finished, run_ladder
 from moelab.ladder.schedule_law import Curve, RunSchedule, fit_schedule_law
 from moelab.planner.counts import param_counts
-from moelab.train.tracker import JsonlTracker, read_metrics
+from moelab.run.logs import JsonlTracker, read_metrics
 from test_cli import run_main
 
 CHINCHILLA = {"E": 1.69, "A": 406.4, "alpha": 0.34, "B": 410.7, "beta": 0.28}

@@ -1,16 +1,19 @@
 """The package layering of src/moelab: every import points down.
 
-Each package (the first name after ``moelab.``; a top-level module such as cli.py or runlog.py
-counts as its own package) has a rank, and a module may import only from its own package or
-from a package of lower rank. Ranks make cycles between packages impossible; inside a package
-they say nothing, so a second check refuses import cycles between the modules of one package.
-Imports inside functions count too: a lazy import is still a dependency, and a lazy cycle is
-still a cycle. Read from the source with ``ast``; nothing is imported.
+Each package (the first name after ``moelab.``; a top-level module such as cli.py or
+generate.py counts as its own package) has a rank, and a module may import only from its own
+package or from a package of lower rank. Ranks make cycles between packages impossible; inside a
+package they say nothing, so a second check refuses import cycles between the modules of one
+package. Imports inside functions count too: a lazy import is still a dependency, and a lazy
+cycle is still a cycle. Read from the source with ``ast``; nothing is imported (but for the one
+check that the run folder's logs load without JAX, done in a child process).
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections import deque
 from pathlib import Path
 
@@ -20,20 +23,18 @@ RANKS = {
     "moelab": 0,  # the package's own __init__: imports nothing, so `import moelab` stays light
     "util": 0,
     "config": 1,
-    "runlog": 1,  # the run folder's JSONL logs: no JAX, readable by every layer above
     "data": 2,
     "model": 2,
-    "provenance": 2,
     "parallel": 3,
     "generate": 3,
     "planner": 4,
+    "run": 4,  # the run folder: checkpoints, lock, logs, provenance, loading; train writes it
     "train": 5,
-    "serve": 6,
     "ladder": 6,
     "ops": 7,  # may use ladder (forecasts)
     "lab": 7,  # may use ladder (derived series)
-    "export": 7,  # reads runs through serve
-    "harness": 7,  # `moelab eval`: reads runs through serve
+    "export": 7,  # reads runs through run.load
+    "harness": 7,  # `moelab eval`: reads runs through run.load
     "cli": 8,
 }
 
@@ -113,6 +114,16 @@ def test_train_never_imports_the_layers_above_it():
     bad = [f"{where}: {name}" for src, dst, name, where in _imports()
            if src == "train" and dst in TRAIN_NEVER_IMPORTS]
     assert not bad, "moelab.train imports a layer built on it:\n  " + "\n  ".join(bad)
+
+
+def test_run_logs_load_without_jax():
+    """Reports, ladders and operations read and append a run's logs without the training stack:
+    importing ``moelab.run`` or ``moelab.run.logs`` loads no JAX."""
+    code = ("import sys, moelab.run, moelab.run.logs; "
+            "print(sorted(m for m in ('jax', 'jaxlib', 'orbax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", f"importing moelab.run.logs loaded {out.strip()}"
 
 
 def test_lab_and_ladder_never_load_the_training_loop():

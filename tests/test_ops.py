@@ -32,8 +32,9 @@ from moelab.ops.replan import PENDING, end_step, ladder_forecast, parse_deadline
 from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note, steps_for_tokens
 from moelab.train.changes import (Change, PlanError, apply_change, check_future_only,
                                   inherit_operations, lr_curve)
-from moelab.train.loop import resolve_run_config, train
-from moelab.train.tracker import read_metrics
+from moelab.run.logs import read_metrics
+from moelab.train.loop import train
+from moelab.train.resume import resolve_run_config
 from moelab.ladder.folder import write_ladder
 from moelab.ladder.plan import LadderRule, plan_ladder
 from test_ladder import law_value, micro_target, write_run

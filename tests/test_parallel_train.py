@@ -16,7 +16,7 @@ from helpers import data_dir, micro_config  # noqa: F401  (session fixture)
 from test_multiprocess import free_port
 from moelab.config import save_config
 from moelab.train.loop import train
-from moelab.train.tracker import read_metrics
+from moelab.run.logs import read_metrics
 
 STEPS = 5
 MODEL = {"n_experts": 8}

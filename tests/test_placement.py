@@ -116,7 +116,7 @@ def test_drops_place_and_branch_place_experts(trained, tmp_path, capsys):
     lin = json.loads((child / "lineage.json").read_text())["placement"]
     slots = np.asarray(lin["slots"])
     assert lin["moment_after"] <= lin["moment_before"]
-    from moelab.serve import load_run
+    from moelab.run.load import load_run
 
     parent, branch = load_run(trained, step=30), load_run(child, step=30)
     moved = pl.permute_experts(parent.params, slots)

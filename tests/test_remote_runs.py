@@ -22,12 +22,12 @@ from fsspec.implementations.memory import MemoryFileSystem
 from helpers import data_dir, micro_config  # noqa: F401  (session fixture)
 from moelab import cli
 from moelab.config import ConfigError
-from moelab.runlog import read_metrics
-from moelab.serve import load_run
-from moelab.train.checkpoint import FORMAT, MANIFEST_FILE, Checkpointer, step_name
-from moelab.train.lock import RunLocked, holder_record
+from moelab.run.checkpoint import FORMAT, MANIFEST_FILE, Checkpointer, step_name
+from moelab.run.load import load_run
+from moelab.run.lock import RunLocked, holder_record
+from moelab.run.logs import read_metrics
+from moelab.run.remote import CACHE_ENV, Mirror, mirrored_run, staging_dir
 from moelab.train.loop import train
-from moelab.train.remote import CACHE_ENV, Mirror, mirrored_run, staging_dir
 
 STEPS_FIRST, STEPS = 3, 6
 

@@ -36,11 +36,12 @@ from helpers import (
 )
 from moelab.config import ConfigError, OptimConfig, config_from_dict
 from moelab.model import transformer as tr
-from moelab.train.checkpoint import Checkpointer, CheckpointWarning
-from moelab.train.loop import resolve_run_config, train
+from moelab.run.checkpoint import Checkpointer, CheckpointWarning
+from moelab.run.logs import read_metrics
+from moelab.train.loop import train
 from moelab.train.optim import decay_mask, lr_at, make_optimizer
+from moelab.train.resume import resolve_run_config
 from moelab.train.step import init_train_state
-from moelab.train.tracker import read_metrics
 
 # ---------------------------------------------------------------------------------------------
 # helpers

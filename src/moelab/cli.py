@@ -4,7 +4,7 @@ This module only assembles: each package registers its own subcommands (``regist
 cli module), in the order ``moelab --help`` lists them. A command registered by a package below
 a layer it needs is handed that piece here: ``train --record`` attaches through ``moelab.lab``,
 ``plan --xla`` compiles ``moelab.train.step``, ``generate`` loads the run through
-``moelab.serve``.
+``moelab.run.load``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from moelab.lab.cli import register as register_lab
 from moelab.ladder.cli import register as register_ladder
 from moelab.ops.cli import register as register_ops
 from moelab.planner.cli import register as register_plan
-from moelab.train.checkpoint import CheckpointError
+from moelab.run.checkpoint import CheckpointError
 from moelab.train.cli import register_config, register_train
 
 
@@ -35,8 +35,8 @@ def _train_step():
 
 
 def _load_run(run, step=None):
-    """moelab.serve.load_run, imported only when ``generate`` runs."""
-    from moelab.serve import load_run
+    """moelab.run.load.load_run, imported only when ``generate`` runs."""
+    from moelab.run.load import load_run
 
     return load_run(run, step=step)
 

@@ -174,7 +174,7 @@ def cmd_generate(args, load_run) -> int:
 
 def register(sub, load_run) -> None:
     """``moelab generate``; ``load_run(run, step=None)`` loads a run folder or URL
-    (moelab.serve, which sits above this module, so the command line hands it in)."""
+    (moelab.run.load, which sits above this module, so the command line hands it in)."""
     g = sub.add_parser("generate", help="sample text from a trained run")
     g.add_argument("run", help="run folder or URL (e.g. runs/tiny, gs://bucket/runs/tiny)")
     g.add_argument("--prompt", default="The ", help="text to continue")

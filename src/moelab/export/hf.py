@@ -145,7 +145,7 @@ def write_folder(folder: Path, run, run_dir: Path) -> int:
 
 def export_hf(run_dir: Path, out: Path, step: int | None = None) -> tuple[int, int]:
     """Export ``run_dir``'s newest checkpoint (or ``step``) to ``out``; returns (step, params)."""
-    from moelab.serve import load_run  # JAX and orbax: loaded only when exporting
+    from moelab.run.load import load_run  # JAX and orbax: loaded only when exporting
 
     check_out(out)
     _save_file()  # a missing extra stops here, before the checkpoint is read

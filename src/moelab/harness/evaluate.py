@@ -77,7 +77,7 @@ def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None
 
     from moelab.harness.lm import MoelabLM
     from moelab.harness.registry import render_local_tasks, task_manager
-    from moelab.serve import load_run
+    from moelab.run.load import load_run
 
     with offline(), tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
         manager = task_manager(tasks, include_paths, render_local_tasks(Path(tmp)))

@@ -15,7 +15,7 @@ from moelab.config.errors import require
 from moelab.data.tokenizer import decode, encode_batch, eos_id
 from moelab.generate import make_sampler
 from moelab.harness.batching import Window, make_scorer, make_window, score_windows
-from moelab.serve import LoadedRun
+from moelab.run.load import LoadedRun
 
 GEN_CHUNK = 32  # tokens sampled between checks for a stop string
 

@@ -26,14 +26,14 @@ def cmd_new(args) -> int:
 
 def record_state(path: Path, rec: rec_mod.Record) -> str:
     """Without runs: planned; else how many runs are in each status: "2 finished, 1 failed"."""
-    from moelab.lab.runs import load_run
+    from moelab.lab.runs import read_run
 
     if not rec.runs:
         return "planned"
     statuses = []
     for r in rec.runs:
         run = rec_mod.run_path(path, r)
-        statuses.append(load_run(run).status if run.exists() else "missing")
+        statuses.append(read_run(run).status if run.exists() else "missing")
     counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
     return ", ".join(f"{n} {s}" for s, n in counts.items())
 

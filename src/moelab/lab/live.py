@@ -15,7 +15,7 @@ from typing import Callable
 
 from moelab.lab import records as rec_mod
 from moelab.lab.charts import COLORS, chart_data
-from moelab.lab.runs import RunData, load_run, name_runs, shown_path
+from moelab.lab.runs import RunData, name_runs, read_run, shown_path
 
 
 def run_sources(targets: list[str], lab: str | None = None
@@ -26,13 +26,13 @@ def run_sources(targets: list[str], lab: str | None = None
 
         def from_record() -> list[RunData]:
             rec_now = rec_mod.load(path)  # runs attached later show up too
-            return name_runs([load_run(rec_mod.run_path(path, r), r.arm) for r in rec_now.runs])
+            return name_runs([read_run(rec_mod.run_path(path, r), r.arm) for r in rec_now.runs])
         return f"{rec.id}: {rec.title}", from_record
     missing = [t for t in targets if not Path(t).is_dir()]
     if missing:
         raise FileNotFoundError(f"{missing[0]}: not a run folder or record id; give run folders "
                                 "(e.g. runs/tiny) or one record id")
-    return ", ".join(targets), lambda: [load_run(Path(t)) for t in targets]
+    return ", ".join(targets), lambda: [read_run(Path(t)) for t in targets]
 
 
 def _json_safe(x):

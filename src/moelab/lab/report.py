@@ -19,7 +19,7 @@ from moelab.lab.charts import chart_data
 from moelab.lab.criteria import (MET, NO_DATA, NOT_MET, ArmRun, Criterion, Verdict,
                                  count_labels, evaluate, fmt_value, parse_criterion)
 from moelab.lab.plots import plot_charts
-from moelab.lab.runs import (EVAL_LOSS, USABLE, RunData, load_run, name_runs, newest_usable,
+from moelab.lab.runs import (EVAL_LOSS, USABLE, RunData, name_runs, newest_usable, read_run,
                              shown_path)
 from moelab.util import atomic_write_text
 
@@ -32,7 +32,7 @@ LAST_METRICS = ("train/loss", "train/grad_norm", "train/lr", "moe/drop_fraction"
 
 
 def load_record_runs(record_file: Path, rec: rec_mod.Record) -> list[RunData]:
-    return name_runs([load_run(rec_mod.run_path(record_file, r), r.arm) for r in rec.runs])
+    return name_runs([read_run(rec_mod.run_path(record_file, r), r.arm) for r in rec.runs])
 
 
 def arm_run(run: RunData) -> ArmRun:

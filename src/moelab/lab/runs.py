@@ -19,7 +19,7 @@ from pathlib import Path
 from moelab.config import load_yaml, migrate
 from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.observe import series as derived_series
-from moelab.runlog import read_metrics
+from moelab.run.logs import read_metrics
 from moelab.util import pid_alive, read_utf8
 
 USABLE = ("finished", "running")  # statuses whose metrics verdicts may rest on
@@ -152,7 +152,10 @@ def band_for(pred: dict | None, key: str) -> dict | None:
     return next((b for name, b in pred["metrics"].items() if names_metric(name, key)), None)
 
 
-def load_run(path: Path | str, arm: str | None = None) -> RunData:
+def read_run(path: Path | str, arm: str | None = None) -> RunData:
+    """What a report reads of the run folder ``path``: its logs, summary, provenance, config
+    and prediction, and the status they give (loading a run to use it is
+    ``moelab.run.load.load_run``)."""
     path = Path(path)
     records, events = read_metrics(path / "metrics.jsonl")
     summary = _read_json(path / "summary.json")

@@ -38,7 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.ladder.observe import EVAL_LOSS, rolling_median, run_records, series
-from moelab.runlog import JsonlTracker
+from moelab.run.logs import JsonlTracker
 from moelab.util import info
 
 

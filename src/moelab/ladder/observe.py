@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.runlog import read_metrics
+from moelab.run.logs import read_metrics
 
 EVAL_LOSS = "eval/loss"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelab.ladder.folder import Ladder
-from moelab.runlog import read_metrics
+from moelab.run.logs import read_metrics
 from moelab.util import info, pid_alive
 
 

@@ -18,10 +18,10 @@ from pathlib import Path
 from moelab.config import load_run_config, save_config
 from moelab.ops.record import LINEAGE
 from moelab.ops.schedule import steps_for_tokens
-from moelab.runlog import command_line, log_operation
+from moelab.run.checkpoint import Checkpointer
+from moelab.run.lock import LOCK_FILE, run_lock
+from moelab.run.logs import command_line, log_operation
 from moelab.train.changes import Change, PlanError, apply_change
-from moelab.train.checkpoint import Checkpointer
-from moelab.train.lock import LOCK_FILE, run_lock
 from moelab.util import atomic_write_bytes, atomic_write_json
 
 
@@ -73,7 +73,8 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     """Create the branch folder (it must not exist yet); returns its path. ``place_ranks``:
     re-place its experts for an EP group of that many ranks (``moelab.ops.placement``)."""
     from moelab.ops import placement as pl
-    from moelab.serve import restore_state
+    from moelab.run.load import restore_state
+    from moelab.train.step import abstract_train_state
 
     parent = Path(parent)
     parent_cfg, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor,
@@ -81,7 +82,8 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     child = branch_dir(parent, at, out)  # refused before any restoring or routing
     placed = None
     if place_ranks:  # the parent's state, restored once (finite, as loading a run checks)
-        _, state, meta = restore_state(parent, parent_cfg, at)  # then routed, saved re-placed
+        # the whole train state (the optimizer's moments too): routed, then saved re-placed
+        _, state, meta = restore_state(parent, parent_cfg, at, abstract_train_state(parent_cfg))
         placed = pl.plan_for_branch(state, at, parent_cfg, child_cfg, place_ranks)
     command = command or command_line()
     src = Checkpointer(parent / "checkpoints").step_dir(at)

@@ -66,7 +66,7 @@ def _check_data(cfg) -> str:
 
 
 def cmd_replan(args) -> int:
-    from moelab.train.lock import run_lock
+    from moelab.run.lock import run_lock
 
     if not args.apply or not Path(args.run).is_dir():  # a dry run, or a folder that is no run
         return _replan(args)
@@ -178,7 +178,7 @@ def cmd_history(args) -> int:
 def cmd_drops(args) -> int:
     from moelab.ops import drops
     from moelab.ops.routing import at_context
-    from moelab.serve import load_run
+    from moelab.run.load import load_run
 
     loaded = load_run(Path(args.run))
     cfg = at_context(loaded.cfg, loaded.step)

@@ -153,7 +153,7 @@ def plan_for_branch(state: dict, at: int, parent_cfg, child_cfg, ranks: int) -> 
 def write_placed(state: dict, meta: dict, at: int, slots_LE: np.ndarray, ckpt_dir) -> None:
     """``state`` with its experts re-placed, saved as the checkpoint of ``at`` in
     ``ckpt_dir``."""
-    from moelab.train.checkpoint import Checkpointer
+    from moelab.run.checkpoint import Checkpointer
 
     with Checkpointer(ckpt_dir) as out:
         out.save(at, permute_experts(state, slots_LE), meta)

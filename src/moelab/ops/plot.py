@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import RunConfig, load_run_config
-from moelab.runlog import read_metrics
+from moelab.run.logs import read_metrics
 from moelab.train.changes import lr_curve
 
 

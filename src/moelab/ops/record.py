@@ -1,6 +1,6 @@
 """A run's record of operations, its lineage, and the history and per-stage report read back.
 
-``ops.jsonl`` in a run folder (appended by ``moelab.runlog.log_operation``) is the append-only
+``ops.jsonl`` in a run folder (appended by ``moelab.run.logs.log_operation``) is the append-only
 log of operations on the run: what (the event kind and its numbers), when (time and step), why
 (the reason given) and by which command. It is kept apart from ``metrics.jsonl``, which only the
 training process writes, so an operation never races a live run and a branch can note its child
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import RunConfig, load_run_config
-from moelab.runlog import OPS_LOG, read_metrics
+from moelab.run.logs import OPS_LOG, read_metrics
 
 LINEAGE = "lineage.json"
 

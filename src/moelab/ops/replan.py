@@ -19,7 +19,7 @@ import numpy as np
 
 from moelab.config import RunConfig, load_run_config
 from moelab.ops.schedule import steps_for_tokens
-from moelab.runlog import log_operation, read_metrics
+from moelab.run.logs import log_operation, read_metrics
 from moelab.train.changes import Change, PlanError, apply_change, lr_curve
 from moelab.train.resume import PENDING, resume_step
 from moelab.util import atomic_write_json

@@ -23,7 +23,7 @@ def cmd_train(args, attach_record) -> int:
         from moelab.parallel.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id)
-    if is_url(args.run_dir):  # gs://, s3://...: mirrored through a local copy (train/remote.py)
+    if is_url(args.run_dir):  # gs://, s3://...: mirrored through a local copy (run/remote.py)
         url_fs(args.run_dir)  # an unknown protocol or a missing package, before any work
         require(not args.record, f"--record {args.record}", "reads the run folder from this "
                 "disk; give a local --run-dir, or drop --record")

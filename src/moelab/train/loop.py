@@ -1,7 +1,7 @@
 """The training loop: the step loop (metrics, evaluation, checkpoints, signals) and the finish
 (final evaluation, summary, baseline, sample). What is built before the first step (config,
 data, run folder, mesh, state, trackers, step functions) is in ``moelab.train.setup``; the
-resume rules in ``moelab.train.resume``; the evaluation itself in ``moelab.train.evaluate``.
+resume rules in ``moelab.train.resume``; the evaluation itself in ``moelab.train.heldout``.
 
 A run folder holds::
 
@@ -13,7 +13,7 @@ A run folder holds::
     summary.json       the final summary (written atomically at the end of each invocation)
 
 Running ``train`` again on the same folder resumes from the newest valid checkpoint; one
-process at a time trains a folder (``moelab.train.lock``). SIGINT or SIGTERM finish the current
+process at a time trains a folder (``moelab.run.lock``). SIGINT or SIGTERM finish the current
 step (or abandon an evaluation, which a resume then does), save a checkpoint and return (a second
 Ctrl-C aborts at once). Every step checks its loss and gradient norm for NaN/inf on the device;
 the loop reads those checks where it waits for the device anyway (logs, evaluations, saves), so
@@ -33,13 +33,10 @@ from moelab.config import RunConfig
 from moelab.data.sampler import heldout_text
 from moelab.parallel.distributed import agree_any, is_main
 from moelab.planner.counts import train_flops_per_token
-from moelab.train.checkpoint import CheckpointError, save_failure
-# evaluate, gzip_bpb, FINAL_EVAL_CAP, resolve_run_config and RESUMABLE_CHANGES are importable
-# from here as before the split; evaluate is called through this module's name (tests patch it)
-from moelab.train.evaluate import (FINAL_EVAL_CAP, evaluate, final_eval_tokens,  # noqa: F401
-                                   gzip_bpb, sample_text)
-from moelab.train.resume import RESUMABLE_CHANGES, resolve_run_config  # noqa: F401
-from moelab.train.lock import run_lock
+from moelab.run.checkpoint import CheckpointError, save_failure
+from moelab.run.lock import run_lock
+# evaluate is called through this module's name (tests patch it)
+from moelab.train.heldout import evaluate, final_eval_tokens, gzip_bpb, sample_text
 from moelab.train.setup import RunSetup, setup_run
 from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
 from moelab.util import atomic_write_json, info, is_url
@@ -95,9 +92,9 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
           sample_prompt: str | None = "The ") -> dict:
     """Train (or resume) the run in ``run_dir``, holding the folder's lock. Returns the
     summary dict. A URL (gs://, s3://, file://...) trains in a mirrored local copy
-    (``moelab.train.remote``)."""
+    (``moelab.run.remote``)."""
     if is_url(run_dir):
-        from moelab.train.remote import mirrored_run
+        from moelab.run.remote import mirrored_run
 
         with mirrored_run(str(run_dir)) as mirror:
             return _train(cfg, mirror.local, verbose, sample_prompt, mirror)

@@ -17,10 +17,10 @@ import yaml
 
 from moelab.config import (OPERATION_FIELDS, ConfigError, RunConfig, config_from_dict,
                            flatten_config)
-from moelab.runlog import log_operation
+from moelab.run.logs import log_operation
 from moelab.train.changes import (Change, PlanError, apply_change, check_future_only,
                                   inherit_operations, lr_curve)
-from moelab.train.checkpoint import Checkpointer
+from moelab.run.checkpoint import Checkpointer
 
 PENDING = "plan_pending.json"
 

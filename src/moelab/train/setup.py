@@ -25,15 +25,16 @@ from moelab.parallel import transport
 from moelab.parallel.distributed import barrier, is_main
 from moelab.parallel.mesh import mesh_from_config, shard_batch
 from moelab.planner.counts import param_counts, train_flops_per_token
-from moelab.provenance import provenance
-from moelab.train.checkpoint import Checkpointer, CheckpointError
-from moelab.train.evaluate import check_heldout
+from moelab.run.checkpoint import Checkpointer, CheckpointError
+from moelab.run.logs import JsonlTracker
+from moelab.run.provenance import provenance
+from moelab.train.heldout import check_heldout
 from moelab.train.peak import measure_peak_flops
 from moelab.train.resume import commit_pending, resolve_run_config
 from moelab.train.step import (init_train_state, make_eval_step, make_train_step,
                                train_state_shardings, transport_fns)
-from moelab.train.tracker import (HardwareMonitor, JsonlTracker, TensorBoardTracker, Trackers,
-                                  WandbTracker, check_trackers, process_identity)
+from moelab.train.tracker import (HardwareMonitor, TensorBoardTracker, Trackers, WandbTracker,
+                                  check_trackers, process_identity)
 from moelab.util import atomic_write_bytes, atomic_write_json, info
 
 
@@ -146,7 +147,7 @@ def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Call
 def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool,
               mirror=None) -> tuple[RunSetup, dict]:
     """(the run's setup, the train state to start from) for training ``cfg`` in ``run_dir``;
-    ``mirror`` (a remote run's ``moelab.train.remote.Mirror``) uploads each checkpoint."""
+    ``mirror`` (a remote run's ``moelab.run.remote.Mirror``) uploads each checkpoint."""
     run_dir = Path(run_dir)
     check_trackers(cfg)
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's

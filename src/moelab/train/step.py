@@ -30,14 +30,19 @@ def init_train_state(cfg: RunConfig, key) -> dict:
             "step": jnp.zeros((), jnp.int32), "rng": jax.random.key_data(rkey)}
 
 
+def abstract_train_state(cfg: RunConfig) -> dict:
+    """The train state's structure, shapes and dtypes, nothing computed (e.g. a restore
+    target for a whole checkpoint)."""
+    return jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
+
+
 def train_state_shardings(cfg: RunConfig, mesh):
     """The train state's shardings on ``mesh`` (None without one): routed experts split over
     "expert", and with ``parallel.fsdp`` every other parameter split over "data" (where its
     FSDP dimension divides evenly)."""
     if mesh is None:
         return None
-    shape = jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
-    return state_shardings(mesh, shape, cfg.model, cfg.parallel.fsdp)
+    return state_shardings(mesh, abstract_train_state(cfg), cfg.model, cfg.parallel.fsdp)
 
 
 def router_metrics(stats: dict, prefix: str = "moe") -> dict:

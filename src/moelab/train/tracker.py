@@ -2,8 +2,8 @@
 TensorBoard event files optionally (each an extra of the install), and the live hardware stats
 logged next to the training metrics.
 
-The JSONL log is the run's source of truth; its writer and reader live in ``moelab.runlog``
-(no JAX, no W&B: reports read it without the training stack) and are importable here too.
+The JSONL log is the run's source of truth; its writer and reader live in ``moelab.run.logs``
+(no JAX, no W&B: reports read it without the training stack).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 from moelab.config import RunConfig
 from moelab.config.errors import need_extra
-from moelab.runlog import JsonlTracker, clean_value, read_metrics  # noqa: F401  (importable here)
+from moelab.run.logs import clean_value
 
 
 def check_trackers(cfg: RunConfig) -> None:

@@ -49,8 +49,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from moelab.parallel.distributed import barrier, broadcast_str
-from moelab.train.ckpt_target import (CheckpointError, abstract_leaf, check_against_target,
-                                      check_restored, match_leaf_type)
+from moelab.run.ckpt_target import (CheckpointError, abstract_leaf, check_against_target,
+                                    check_restored, match_leaf_type, restore_entries,
+                                    saved_entries)
 from moelab.util import atomic_write_json, info, sha256_file
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointWarning", "save_failure"]
@@ -345,23 +346,24 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restore
 
-    def restore(self, step: int, target: Any) -> tuple[Any, dict]:
+    def restore(self, step: int, target: Any, *, partial: bool = False) -> tuple[Any, dict]:
         """Restore ``step`` into the structure, shapes, dtypes (and shardings) of ``target``.
 
         ``target`` may be concrete (e.g. a freshly initialised state) or abstract
         (``jax.eval_shape``); jax.Array / ShapeDtypeStruct leaves come back as jax.Arrays with the
         target's sharding (the default device when an abstract leaf has none), numpy leaves as
-        numpy arrays. Raises CheckpointError if the checkpoint is missing, damaged or does not
-        match ``target``.
+        numpy arrays. ``partial``: ``target`` is a dict of some of the saved state's top-level
+        entries, and only those are read. Raises CheckpointError if the checkpoint is missing,
+        damaged or does not match ``target``.
         """
         step = int(step)
         path = self.step_dir(step)
         try:
-            return self._restore(step, path, target)
+            return self._restore(step, path, target, partial)
         except Exception as e:
             raise CheckpointError(f"checkpoint step {step} at {path} is unusable: {_short(e)}") from e
 
-    def restore_latest(self, target: Any) -> tuple[int, Any, dict] | None:
+    def restore_latest(self, target: Any, *, partial: bool = False) -> tuple[int, Any, dict] | None:
         """Restore the newest usable checkpoint as ``(step, state, meta)``; None if there is none.
 
         A damaged checkpoint is reported (warning + stderr) and the next older one is tried; so
@@ -375,7 +377,7 @@ class Checkpointer:
         failures: list[str] = []
         for step in reversed(steps):
             try:
-                state, meta = self.restore(step, target)
+                state, meta = self.restore(step, target, partial=partial)
             except Exception as e:  # noqa: BLE001 -- any failure means "try an older one"
                 msg = str(e) if isinstance(e, CheckpointError) else f"step {step}: {_short(e)}"
                 failures.append(msg)
@@ -401,18 +403,19 @@ class Checkpointer:
             )
         self._check_files(path, manifest["files"])
 
-    def _restore(self, step: int, path: Path, target: Any) -> tuple[Any, dict]:
-        self.check_folder(path, step)
+    def _restore(self, step: int, path: Path, target: Any, partial: bool) -> tuple[Any, dict]:
+        self.check_folder(path, step)  # every file, the entries not read too
         meta = json.loads((path / META_FILE).read_text())
 
         state_dir = path / STATE_DIR
         md = self._orbax.metadata(state_dir).item_metadata
         if md is None or getattr(md, "tree", None) is None:
             raise CheckpointError("orbax metadata of the state is unreadable")
-        check_against_target(md.tree, target)
+        check_against_target(saved_entries(md.tree, target) if partial else md.tree, target)
 
         abstract = jax.tree.map(abstract_leaf, target)
-        restored = self._orbax.restore(state_dir, args=ocp.args.StandardRestore(abstract))
+        restored = (restore_entries(state_dir, abstract) if partial else
+                    self._orbax.restore(state_dir, args=ocp.args.StandardRestore(abstract)))
         restored = jax.tree.map(match_leaf_type, abstract, restored)
         check_restored(target, restored)
         return restored, meta

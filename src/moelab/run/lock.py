@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterator
 
 from moelab.config import ConfigError
-from moelab.runlog import command_line
+from moelab.run.logs import command_line
 from moelab.util import info, pid_alive
 
 LOCK_FILE = ".lock"

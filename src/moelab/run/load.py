@@ -1,4 +1,10 @@
-"""Load a trained run folder for inference (``moelab generate``)."""
+"""Load a trained run folder (or a run URL) for inference: its config, the parameters and router
+state of one checkpoint, and its tokenizer (``moelab generate``, ``eval``, ``export``).
+
+Only the parameters and the model state are read, against targets the model declares
+(``moelab.model.transformer``): the optimizer state stays on disk, and loading a run needs
+neither the optimizer nor the training package.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +18,8 @@ import yaml
 from moelab.config import RunConfig, config_from_dict
 from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
 from moelab.generate import make_sampler
-from moelab.train.checkpoint import Checkpointer, CheckpointError
-from moelab.train.step import init_train_state
+from moelab.model import transformer as tr
+from moelab.run.checkpoint import Checkpointer, CheckpointError
 from moelab.util import is_url
 
 
@@ -38,7 +44,7 @@ def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
     """The run in ``run_dir`` (a folder, or a URL such as gs://... whose config, tokenizer and
     checkpoint are first copied here) at checkpoint ``step`` (the newest usable by default)."""
     if is_url(run_dir):
-        from moelab.train.remote import fetch_run
+        from moelab.run.remote import fetch_run
 
         run_dir = fetch_run(str(run_dir), step)
     run_dir = Path(run_dir)
@@ -52,13 +58,24 @@ def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
     return LoadedRun(cfg, step, state["params"], state["model_state"], tok)
 
 
-def restore_state(run_dir: Path, cfg, step: int | None = None) -> tuple[int, dict, dict]:
-    """(step, train state, meta) of the run's checkpoint ``step`` (the newest usable by
-    default), refused when its weights are not finite."""
-    target = jax.eval_shape(lambda: init_train_state(cfg, jax.random.PRNGKey(0)))
+def inference_target(cfg: RunConfig) -> dict:
+    """The entries of a train state inference reads, abstract: the parameters and the model
+    state (router bias), as the model declares them."""
+    return jax.eval_shape(lambda: {"params": tr.init_params(cfg.model, jax.random.PRNGKey(0)),
+                                   "model_state": tr.init_state(cfg.model)})
+
+
+def restore_state(run_dir: Path, cfg, step: int | None = None,
+                  target: dict | None = None) -> tuple[int, dict, dict]:
+    """(step, state, meta) of the run's checkpoint ``step`` (the newest usable by default),
+    refused when its weights are not finite. The state holds the entries of
+    ``inference_target``; pass the whole train state's abstract tree as ``target`` (built by
+    the training package) to restore all of it."""
+    partial = target is None
+    target = inference_target(cfg) if partial else target
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
     if step is None:
-        got = ckpt.restore_latest(target)
+        got = ckpt.restore_latest(target, partial=partial)
         if got is None:
             raise FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint yet; train first")
         step, state, meta = got
@@ -66,7 +83,7 @@ def restore_state(run_dir: Path, cfg, step: int | None = None) -> tuple[int, dic
         if step not in ckpt.steps():
             raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: "
                                     f"{ckpt.steps()}")
-        state, meta = ckpt.restore(step, target)
+        state, meta = ckpt.restore(step, target, partial=partial)
     _check_finite(state["params"], run_dir, step, ckpt.steps())
     return step, state, meta
 

@@ -38,9 +38,9 @@ from typing import Iterator
 import jax
 
 from moelab.config import ConfigError
-from moelab.train.checkpoint import (MANIFEST_FILE, Checkpointer, CheckpointError, step_name,
-                                     step_of)
-from moelab.train.lock import LOCK_FILE, RunLocked, holder_record, refusal, run_lock
+from moelab.run.checkpoint import (MANIFEST_FILE, Checkpointer, CheckpointError, step_name,
+                                   step_of)
+from moelab.run.lock import LOCK_FILE, RunLocked, holder_record, refusal, run_lock
 from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
 
 CACHE_ENV = "MOELAB_RUN_CACHE"

@@ -1,5 +1,6 @@
-"""Held-out evaluation (loss and bits per byte per domain), the gzip baseline a model must beat,
-and the text sample that ends a run."""
+"""Held-out evaluation during training (loss and bits per byte per domain, at every
+``train.eval_every`` and at the end), the gzip baseline a model must beat, and the text sample
+that ends a run. Benchmark tasks on a trained run are ``moelab eval`` (``moelab.harness``)."""
 
 from __future__ import annotations
 

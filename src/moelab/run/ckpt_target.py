@@ -1,9 +1,12 @@
 """Matching a checkpoint to its restore target: the saved leaves against the target's paths,
 shapes and dtypes before restoring, the abstract target orbax restores into, and the restored
-tree checked against the target after."""
+tree checked against the target after. A target may also name only some of the saved state's
+top-level entries (``restore_entries``): readers restore the parameters without the optimizer
+state, so they need not know how the optimizer shapes it."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -63,6 +66,23 @@ def check_against_target(saved_tree: Any, target: Any) -> None:
             problems.append(f"{name}: checkpoint has {shape} {dtype}, target wants {spec[0]} {spec[1]}")
     if problems:
         raise CheckpointError("checkpoint does not match the target: " + "; ".join(problems[:20]))
+
+
+def saved_entries(saved_tree: dict, target: dict) -> dict:
+    """The saved state's top-level entries that ``target`` names (checked like a whole state:
+    an entry the checkpoint lacks is reported as missing)."""
+    return {k: v for k, v in saved_tree.items() if k in target}
+
+
+def restore_entries(state_dir: Path, abstract: dict) -> dict:
+    """Read only the top-level entries of the saved state that ``abstract`` names."""
+    reader = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
+    try:
+        return reader.restore(state_dir, args=ocp.args.PyTreeRestore(
+            item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract),
+            partial_restore=True))
+    finally:
+        reader.close()
 
 
 def check_restored(target: Any, restored: Any) -> None:
