@@ -94,11 +94,14 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 # Fields renamed since configs were first written: (section, old name) -> new name. The old key
 # is read as the new one, so run folders and YAML files written before a rename still load.
 RENAMED = {("train", "microbatch"): "microbatch_tokens"}
+# Values renamed the same way: (section, field) -> {old value: new value}. ``model.remat`` was a
+# bool before it named a policy.
+RENAMED_VALUES = {("model", "remat"): {True: "full", False: "none"}}
 
 
 def migrate(data: Any) -> Any:
-    """``data`` with renamed keys under their current names (a copy when anything moved); both
-    names at once is an error naming the one to keep."""
+    """``data`` with renamed keys under their current names and renamed values as their current
+    ones (a copy when anything moved); both names at once is an error naming the one to keep."""
     if not isinstance(data, dict):
         return data
     out = dict(data)
@@ -110,6 +113,10 @@ def migrate(data: Any) -> Any:
             raise ConfigError(f"{section}.{old}: renamed {section}.{new}, and both are given; "
                               f"keep {section}.{new}")
         out[section] = {(new if k == old else k): v for k, v in sec.items()}
+    for (section, name), values in RENAMED_VALUES.items():
+        sec = out.get(section)
+        if isinstance(sec, dict) and isinstance(sec.get(name), bool):  # not 1 or 0
+            out[section] = {**sec, name: values[sec[name]]}
     return out
 
 

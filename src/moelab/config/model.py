@@ -9,6 +9,7 @@ from moelab.config.errors import require
 
 
 CONV_SITES = ("q", "k", "v", "attn", "moe")  # projections, attention-branch / MoE-branch output
+REMAT_POLICIES = ("none", "dots", "full")  # what a block keeps for the backward (model.remat)
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ class ModelConfig:
     init_std: float = 0.0  # 0 = 0.5 / sqrt(d_model), as in the reference
     norm_eps: float = 1e-5  # RMSNorm epsilon
     compute_dtype: str = "float32"  # "float32" | "bfloat16"; master weights stay float32
-    remat: bool = False  # recompute each block's activations in the backward pass (memory)
+    # "none" | "full" (recompute each block in the backward) | "dots" (keep its unbatched matmul
+    # outputs, recompute the rest: attention core, routed experts, elementwise ops)
+    remat: str = "none"
 
     @property
     def routed_width(self) -> int:
@@ -137,6 +140,8 @@ class ModelConfig:
         require(self.moe_block > 0, f"{p}.moe_block", "must be > 0")
         require(self.compute_dtype in ("float32", "bfloat16"), f"{p}.compute_dtype",
                 "must be 'float32' or 'bfloat16'")
+        require(self.remat in REMAT_POLICIES, f"{p}.remat",
+                f"must be one of {', '.join(REMAT_POLICIES)} (got {self.remat!r})")
         require(self.attention_impl in ("auto", "chunked", "xla", "cudnn"), f"{p}.attention_impl",
                 "must be one of auto, chunked, xla, cudnn")
         require(self.attention_impl != "cudnn" or (self.compute_dtype == "bfloat16" and

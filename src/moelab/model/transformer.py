@@ -20,6 +20,17 @@ from moelab.model.moe import moe_branch
 from moelab.model.router import update_bias
 
 
+# model.remat -> the jax.checkpoint policy of the block scan: what each block saves beyond its
+# input. "dots" saves the matmuls without batch dimensions (projections, router, latent, shared
+# experts); the batched ones (attention scores, expert blocks) and the rest are recomputed.
+REMAT_SAVES = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def remat_block(block, remat: str):
+    """``block`` under model.remat's checkpoint policy ("none": as it is)."""
+    return block if remat == "none" else jax.checkpoint(block, policy=REMAT_SAVES[remat])
+
+
 class Param(NamedTuple):
     """A parameter's declaration: its shape, per dimension the mesh axis that dimension is split
     over (None = replicated), and the dimension FSDP splits over the data axis (the largest one
@@ -219,10 +230,9 @@ def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, ex
         x_BTD = attention_branch(pc, x_BTD, cfg, window, cos, sin, glob)
         return mixture_branch(pc, x_BTD, bias, cfg, valid_N, experts_fn)
 
-    if cfg.remat:
-        block = jax.checkpoint(block)
-    x, routing = jax.lax.scan(block, x, (params["blocks"], state["router_bias"], windows,
-                                         is_global))
+    # only the block scan: the chunked loss checkpoints the head itself (model.loss)
+    x, routing = jax.lax.scan(remat_block(block, cfg.remat), x,
+                              (params["blocks"], state["router_bias"], windows, is_global))
     return final_norm(params, x, cfg), routing
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.extend import core as jcore
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moelab.config.model import REMAT_POLICIES
 from moelab.model import transformer as tr
 from moelab.model.experts import DropCounts
 from moelab.model.layers import causal_attend, rope_tables
@@ -153,24 +154,34 @@ def kernel_residuals(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, in
             "loss": max(0, head_loss - 4 * B * T)}
 
 
-def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts: bool = True,
-                      remat: bool | None = None, attention: str = "materialized",
-                      loss: str = "materialized") -> dict[str, int]:
-    """Activation bytes of one device's forward + backward at [batch, seq_len].
+def _recomputed(fn, remat: str, *args) -> int:
+    """Bytes of ``fn``'s residuals that a block's backward recomputes under ``remat``: all of
+    them, less what the policy saves (counted once per layer in the whole loss's residuals)."""
+    return max(0, residual_bytes(fn, *args) - residual_bytes(tr.remat_block(fn, remat), *args))
 
-    saved: what the whole loss keeps for the backward (with remat: each layer's input, plus the
-    head); layer: what one layer's backward needs on top under remat, i.e. the larger of its two
-    branches' residuals (the backward runs the MoE branch, frees it, then the attention branch);
-    peak = saved + layer (remat) or saved (no remat). ``local_experts=False`` leaves the routed
-    experts out (an expert-parallel transport owns them; see transport_memory).
+
+def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts: bool = True,
+                      remat: str | None = None, attention: str = "materialized",
+                      loss: str = "materialized") -> dict[str, int]:
+    """Activation bytes of one device's forward + backward at [batch, seq_len] under the block
+    remat policy ``remat`` (model.remat: none, full or dots; default the config's).
+
+    saved: what the whole loss keeps for the backward: every layer's residuals (none); each
+    layer's input (full); each layer's input and unbatched matmul outputs (dots); plus the head.
+    layer: what one layer's backward recomputes on top (full, dots): the larger of its two
+    branches' residuals less what the policy saved of them (the backward runs the MoE branch,
+    frees it, then the attention branch); peak = saved + layer. ``local_experts=False`` leaves
+    the routed experts out (an expert-parallel transport owns them; see transport_memory).
     ``attention``/``loss``: "materialized" (this code's plain paths) or "fused" (see
     kernel_residuals); measured on the plain paths (``loss_chunk=0``), then the fused kernels'
-    savings taken off.
+    savings taken off (the attention scores are batched matmuls: saved only without remat).
     """
     for name, value in (("attention", attention), ("loss", loss)):
         if value not in KERNELS:
             raise ConfigError(f"--{name} {value}: use fused or materialized")
     remat = cfg.remat if remat is None else remat
+    if remat not in REMAT_POLICIES:
+        raise ConfigError(f"remat {remat!r}: use one of {', '.join(REMAT_POLICIES)}")
     # the portable paths (any backend): fused kernels' savings are modelled by the options
     m = dataclasses.replace(cfg, remat=remat, loss_chunk=0, moe_impl="blocks",
                             attention_impl="chunked")
@@ -185,20 +196,20 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     if loss == "fused":
         saved -= fused["loss"]
     attn_cut = fused["attention"] if attention == "fused" else 0
-    out = {"saved": saved, "layer": 0, "moe_layer": 0}
-    if remat:
+    out = {"saved": saved, "layer": 0, "attention_layer": 0, "moe_layer": 0}
+    if remat == "none":
+        out["saved"] -= m.n_layers * attn_cut
+    else:
         p1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], dt), params["blocks"])
         x = jax.ShapeDtypeStruct((batch, seq_len, m.d_model), dt)
         cos, sin = rope_tables(jnp.arange(seq_len), int(m.head_dim * m.rope_fraction),
                                m.rope_theta)
         bias = jnp.zeros((m.n_experts,), jnp.float32)
-        attn = residual_bytes(
-            lambda x, p: tr.attention_branch(p, x, m, 0, cos, sin, False), x, p1) - attn_cut
-        moe = residual_bytes(
-            lambda x, p: tr.mixture_branch(p, x, bias, m, None, experts_fn)[0], x, p1)
+        attn = _recomputed(lambda x, p: tr.attention_branch(p, x, m, 0, cos, sin, False),
+                           remat, x, p1) - attn_cut
+        moe = _recomputed(lambda x, p: tr.mixture_branch(p, x, bias, m, None, experts_fn)[0],
+                          remat, x, p1)
         out.update(layer=max(attn, moe), attention_layer=attn, moe_layer=moe)
-    else:
-        out["saved"] -= m.n_layers * attn_cut
     out["peak"] = out["saved"] + out["layer"]
     return out
 
@@ -245,10 +256,11 @@ def transport_options(par: ParallelConfig, sweeps: dict[str, list] | None = None
     return rows
 
 
-def with_transport(acts: dict, t: dict, n_layers: int, remat: bool) -> float:
-    """Activation peak with a transport's buffers: under remat one layer's are live, during its
-    MoE branch; without remat every layer keeps its ``kept`` rows and one wave is live."""
-    if remat:
+def with_transport(acts: dict, t: dict, n_layers: int, remat: str) -> float:
+    """Activation peak with a transport's buffers: under full or dots remat one layer's are live,
+    during its MoE branch (the block's recompute repeats the dispatch, a collective no policy
+    saves); under none every layer keeps its ``kept`` rows and one wave is live."""
+    if remat != "none":
         return acts["saved"] + max(acts["attention_layer"], acts["moe_layer"] + t["peak"])
     return acts["saved"] + n_layers * t["kept"] + t["wave"]
 
@@ -257,9 +269,9 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
                   hbm_bytes: float = 0.0, attention: str = "materialized",
                   loss: str = "materialized") -> dict:
     """Per-device memory of ``cfg`` trained on ``layout``: weights, gradients, optimizer state,
-    activations with and without remat, and, with expert parallelism, one row per transport
+    activations under each remat policy, and, with expert parallelism, one row per transport
     (``transports``: transport_memory keyword arguments) with the device total under the
-    config's remat setting and whether it fits ``hbm_bytes`` (when given)."""
+    config's remat policy and whether it fits ``hbm_bytes`` (when given)."""
     layout.validate(cfg)
     m = cfg.model
     # activations and transport buffers are those of one micro-step (train.microbatch_tokens)
@@ -271,7 +283,7 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
     if seqs < cfg.data.batch_size:  # accumulation keeps a running gradient sum beside the step's
         state["gradient_sum"] = state["gradients"]
     acts = {r: activation_memory(m, batch, cfg.data.seq_len, local, remat=r,
-                                 attention=attention, loss=loss) for r in (True, False)}
+                                 attention=attention, loss=loss) for r in REMAT_POLICIES}
     fixed = sum(v for k, v in state.items() if k not in ("params_per_device", "host"))
     rows = []
     for t in (transports or []) if not local else []:

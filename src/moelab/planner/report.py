@@ -109,19 +109,17 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
         out.append(row("gradient sum (micro-steps)", st["gradient_sum"]))
     if st["host"]:
         out.append(row("(host memory per device)", st["host"]))
-    for remat in (True, False):
-        a = acts[remat]
-        note = (f"saved {a['saved'] / GiB:.2f} + one layer {a['layer'] / GiB:.2f}" if remat
-                else "every layer's residuals")
+    for remat, a in acts.items():
+        note = (f"saved {a['saved'] / GiB:.2f} + one layer {a['layer'] / GiB:.2f}"
+                if remat != "none" else "every layer's residuals")
         mark = "; the config's setting" if remat == mem["remat"] else ""
-        out.append(row(f"activations, {'remat' if remat else 'no remat'}", a["peak"],
-                       note + mark))
+        out.append(row(f"activations, remat {remat}", a["peak"], note + mark))
     out.append(row("sum (before transport buffers)", mem["base_total"]))
     if mem["transports"]:
         hbm = mem["hbm_bytes"]
         out += ["", f"    transport buffers of one MoE layer per rank ({wdt} rows of the "
                 f"{m['latent_dim'] or m['d_model']}-wide latent); total = device total with "
-                f"remat={mem['remat']}" + (f"; HBM {hbm / GiB:.1f} GiB" if hbm else ""),
+                f"remat {mem['remat']}" + (f"; HBM {hbm / GiB:.1f} GiB" if hbm else ""),
                 f"    {'design':<14}{'capacity':<16}{'W':>2}{'kept':>10}{'one wave':>10}"
                 f"{'peak':>10}{'bank rows':>12}{'total':>10}  fits"]
         for t in mem["transports"]:

@@ -51,7 +51,7 @@ def xla_memory(compiled) -> dict[str, int]:
 def compare_with_xla(cfg: RunConfig, init_state_fn: Callable, make_step_fn: Callable) -> dict:
     """Compile one single-device train step of ``cfg`` (AdamW, as moelab trains) and compare
     XLA's peak with the planner's estimate: weights + optimizer state + gradients + batch +
-    activations.
+    activations (under ``cfg.model.remat``); and the activations alone.
 
     The step comes from the caller (``moelab.train.step.init_train_state`` and
     ``make_train_step``): train imports the planner for its MFU, so the planner must not import
@@ -64,8 +64,13 @@ def compare_with_xla(cfg: RunConfig, init_state_fn: Callable, make_step_fn: Call
     rep = memory_report(cfg, layout)
     inputs = 4 * math.prod(batch.shape) + 4 * cfg.model.n_layers * cfg.model.n_experts
     estimate = rep["base_total"] + inputs
+    acts = rep["activations"][cfg.model.remat]
+    # XLA's activations: its peak less what is not (weights, AdamW state, gradients, batch),
+    # whose sizes the planner knows exactly
+    xla_acts = xla["peak"] - (estimate - acts["peak"])
     return {"xla": xla, "estimate": estimate, "ratio": estimate / xla["peak"],
-            "activations": rep["activations"][cfg.model.remat], "state": rep["state"]}
+            "activations": acts, "xla_activations": xla_acts,
+            "activation_ratio": acts["peak"] / xla_acts, "state": rep["state"]}
 
 
 def compare_sharded_with_xla(cfg: RunConfig, layout: Layout, compile_fn: Callable) -> dict:

@@ -1,0 +1,100 @@
+"""model.remat, the block scan's checkpoint policy (none, dots, full): older configs' true/false
+load as full/none; dots computes the loss and gradients of none; more recompute costs more
+matmul FLOPs; the chunked loss recomputes the head once, under any policy. (Memory per policy
+against XLA: tests/test_plan.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jcore
+
+from moelab.config import ConfigError, config_from_dict, load_config, migrate
+from moelab.config.model import REMAT_POLICIES, ModelConfig
+from moelab.model import transformer as tr
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                  expert_dim=16, latent_dim=16, shared_dim=16, n_experts=4, sliding_window=4,
+                  global_every=2, gated_norm_rank=4)
+B, T = 2, 32
+
+
+def test_old_bool_remat_loads_as_a_policy(tmp_path):
+    assert config_from_dict({"model": {"remat": True}}).model.remat == "full"
+    assert config_from_dict({"model": {"remat": False}}).model.remat == "none"
+    old = tmp_path / "old.yaml"
+    old.write_text("model:\n  remat: true\n")
+    assert load_config(str(old)).model.remat == "full"
+    assert load_config("tiny", ["model.remat=false"]).model.remat == "none"
+    assert load_config("tiny", ["model.remat=dots"]).model.remat == "dots"
+    assert migrate({"model": {"remat": 1}})["model"]["remat"] == 1  # only bools were written
+
+
+@pytest.mark.parametrize("value", ["partial", "True"])
+def test_unknown_remat_names_the_field_and_the_choices(value):
+    with pytest.raises(ConfigError, match=r"model\.remat: must be one of none, dots, full"):
+        load_config("tiny", [f"model.remat='{value}'"])
+
+
+def test_dots_computes_the_loss_and_gradients_of_none():
+    """A policy only changes what the backward recomputes (full: as before this option)."""
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                      head_dim=8, expert_dim=8, shared_dim=8, n_experts=4)
+    p = tr.init_params(cfg, jax.random.PRNGKey(0))
+    s = tr.init_state(cfg)
+    toks = jax.random.randint(jax.random.PRNGKey(1), (B, T + 1), 0, cfg.vocab_size)
+
+    def loss_and_grad(remat):
+        c = dataclasses.replace(cfg, remat=remat)
+        return jax.jit(jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, c)[0]))(p)
+
+    (loss, grad), (dots, dots_grad) = loss_and_grad("none"), loss_and_grad("dots")
+    np.testing.assert_allclose(dots, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 dots_grad, grad)
+
+
+def dot_flops(jaxpr, mult: int = 1) -> int:
+    """2 x output size x contracted size of every dot_general, recursing into sub-jaxprs (remat,
+    custom VJPs, ...); a scan body counts ``length`` times."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            k = math.prod(eqn.invars[0].aval.shape[i] for i in contract)
+            total += 2 * math.prod(eqn.outvars[0].aval.shape) * k * mult
+        inner = mult * eqn.params.get("length", 1) if eqn.primitive.name == "scan" else mult
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(sub, (jcore.ClosedJaxpr, jcore.Jaxpr)):
+                    total += dot_flops(getattr(sub, "jaxpr", sub), inner)
+    return total
+
+
+def grad_flops(cfg: ModelConfig) -> int:
+    """Matmul FLOPs of the loss's value and gradient (traced, not run)."""
+    p = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.PRNGKey(0)))
+    s = jax.eval_shape(lambda: tr.init_state(cfg))
+    toks = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
+    f = jax.value_and_grad(lambda p, toks: tr.lm_loss(p, s, toks, cfg)[0])
+    return dot_flops(jax.make_jaxpr(f)(p, toks).jaxpr)
+
+
+@pytest.mark.parametrize("loss_chunk", [0, 16])
+def test_policies_cost_their_recompute_and_run_the_head_once_more_only_when_chunked(loss_chunk):
+    """The head's matmul passes, read from how FLOPs grow with the vocabulary (only the head's
+    matmuls see it): forward + two backward, plus the chunked loss's own recompute; the block
+    policy never adds one (it wraps the block scan only)."""
+    flops = {(r, v): grad_flops(dataclasses.replace(CFG, remat=r, loss_chunk=loss_chunk,
+                                                    vocab_size=v))
+             for r in REMAT_POLICIES for v in (64, 128)}
+    one_pass = 2 * B * T * CFG.d_model * 64  # one head matmul over 64 more vocabulary entries
+    for r in REMAT_POLICIES:
+        assert flops[(r, 128)] - flops[(r, 64)] == (3 + (loss_chunk > 0)) * one_pass, r
+    none, dots, full = (flops[(r, 64)] for r in ("none", "dots", "full"))
+    assert none < dots < full
