@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 import time
@@ -36,12 +37,25 @@ def print_table(rows: list[dict], columns: list[tuple[str, str, str]]) -> None:
             print("  ".join("-" * w for w in widths))
 
 
-def save(name: str, rows: list[dict], **extra) -> Path:
-    import jax
-
+def save(name: str, rows: list[dict], device_info: bool = True, **extra) -> Path:
+    """bench/results/NAME.json. ``device_info=False`` leaves out the JAX backend and devices
+    and so never imports JAX: for a driver whose child processes own the accelerator."""
     out = RESULTS / f"{name}.json"
-    atomic_write_json(out, {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                            "platform": platform.platform(), "backend": jax.default_backend(),
-                            "devices": [str(d) for d in jax.devices()][:8], **extra, "rows": rows})
+    head = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "platform": platform.platform()}
+    if device_info:
+        import jax
+
+        head.update(backend=jax.default_backend(), devices=[str(d) for d in jax.devices()][:8])
+    atomic_write_json(out, {**head, **extra, "rows": rows})
     print(f"saved {out}")
     return out
+
+
+def append_jsonl(path: Path, record: dict) -> None:
+    """One JSON line appended and flushed to disk: a run cut off later keeps every line."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,26 +1,29 @@
-"""How close to the limit: training MFU of the ladder rungs on one accelerator, next to the
-measured bf16 matmul peak and a dense transformer of the same active size (the practical
-ceiling), with one ablation row per fast path switched off.
+"""How close to the limit: training MFU on one GPU, in one command that ends before its deadline.
 
-    PYTHONPATH=src python3 bench/gpu_mfu.py                  # every row (about 10 min on one GPU)
-    PYTHONPATH=src python3 bench/gpu_mfu.py --rows d768 d1024
-    PYTHONPATH=src python3 bench/gpu_mfu.py --experts       # expert kernels only (~2 min)
-    .venv/bin/python bench/gpu_mfu.py --dry-run              # CPU: check every row's config
+    PYTHONPATH=src python3 bench/gpu_mfu.py                      # the rows that fit 540 s
+    PYTHONPATH=src python3 bench/gpu_mfu.py --rows d1024 d1024-ragged
+    PYTHONPATH=src python3 bench/gpu_mfu.py --experts           # the expert kernels only
+    .venv/bin/python bench/gpu_mfu.py --dry-run                  # CPU: every row, tiny shapes
 
-Rows (seq 4096, 16 sequences = 65,536 tokens per step unless the row says otherwise):
-- ``dense-d1024``: the d1024 rung with one expert of width k x expert_dim (top-1): the same
-  active parameters per token and the same code path without routing sparsity;
-- ``d768``, ``d1024``: the MoE rungs as the presets define them, fast paths on;
-- ``d1024-no-fused-attention`` / ``-no-chunked-loss`` / ``-ragged-experts``: one fast path
-  off at a time (chunked XLA attention; materialised float32 logits; ``jax.lax.ragged_dot``
-  instead of the blocks expert kernel); ``d1024-mgpu-experts``: the Hopper grouped-matmul
-  kernels instead of blocks;
-- ``d1024-micro32k``: 32K tokens per micro-step, to show memory growing with micro-batch
-  tokens; ``d1024-preset-batch``: the preset's own batch (1024 x 4096) as 64 micro-steps.
+Rows, most important first (``--help`` lists them with their expected seconds):
+1. ``peak``: the bf16 matmul peak, the MFU denominator of the other rows;
+2. ``d1024``: the d1024 rung as moelab runs it by default at seq 4096, 16 sequences = 65,536
+   tokens per step (bf16, cuDNN attention, chunked loss): tokens/s, MFU, peak memory, compile
+   time, XLA's memory analysis, one profiled step by kernel category (bench/gpu_profile.py);
+3. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
+   shape for every expert kernel, next to a dense matmul of the same FLOPs (bench/gpu_legs.py);
+4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
+   expert_dim, no routing sparsity): the practical ceiling;
+5. ``d768``; then ablations while time is left, one fast path changed at a time. Rows known to
+   need more than the GPU's memory or minutes of their own run only when named.
 
-Each row runs in its own process (a failure or an out-of-memory row does not stop the others;
-peak memory is per process) under a time limit, and prints MFU, tokens/s, peak memory and
-compile time. Results: bench/results/gpu_mfu.json (and $OUT/gpu_mfu.json when $OUT is set).
+The driver never imports JAX: each row runs in its own process (bench/gpu_rows.py) with its
+own XLA_PYTHON_CLIENT_MEM_FRACTION, so no process holds the memory the next one needs, and a
+crash or out-of-memory fails that row only. Before a row starts it must fit the deadline by
+its expected seconds, else it is recorded as "skipped: deadline"; each child is killed at its
+own limit or at the deadline, whichever comes first, keeping the partial result it saved.
+Every row is appended to bench/results/gpu_mfu.jsonl as it ends (and to $OUT/gpu_mfu.jsonl
+when $OUT is set, with the table as gpu_mfu.json and each row's log under gpu_mfu_logs/).
 """
 
 from __future__ import annotations
@@ -28,208 +31,339 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import print_table, save
+from common import RESULTS, append_jsonl, print_table, save
 
+from moelab.config import load_config
+
+HERE = Path(__file__).resolve().parent
 BATCH = ["data.seq_len=4096", "data.batch_size=16"]  # 65,536 tokens per step
 FAST = ["model.compute_dtype=bfloat16", "model.attention_impl=auto", "model.loss_chunk=8192"]
-ROWS = {
-    "dense-d1024": ("d1024", BATCH + FAST + [
-        "model.n_experts=1", "model.top_k=1", "model.expert_dim=4096", "model.router=sigmoid_bias",
-        "model.combine_sum=0"], 5),
-    "d768": ("d768", BATCH + FAST, 5),
-    "d1024": ("d1024", BATCH + FAST, 5),
-    "d1024-no-fused-attention": ("d1024", BATCH + FAST + ["model.attention_impl=chunked"], 3),
-    "d1024-no-chunked-loss": ("d1024", BATCH + FAST + ["model.loss_chunk=0"], 3),
-    "d1024-ragged-experts": ("d1024", BATCH + FAST + ["model.moe_impl=ragged"], 3),
-    "d1024-mgpu-experts": ("d1024", BATCH + FAST + ["model.moe_impl=mgpu"], 3),
-    "d1024-micro32k": ("d1024", BATCH + FAST + ["train.microbatch_tokens=32768"], 3),
-    "d1024-preset-batch": ("d1024", FAST + ["data.seq_len=4096", "data.batch_size=1024",
-                                            "train.microbatch_tokens=65536"], 1),
-}
-LIMIT_S = {"d1024-preset-batch": 300}  # 64 micro-steps per step
-# --dry-run measures this one through the same child-process path, on a CPU in seconds
-SMOKE = {"cpu-smoke": ("tiny", ["data.batch_size=4", "data.seq_len=64",
-                                "train.microbatch_tokens=128"], 2)}
-COLUMNS = [("row", "row", "s"), ("params_active", "active", ",d"),
-           ("tokens_per_step", "tokens/step", ",d"), ("micro_steps", "micro", "d"),
-           ("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),
-           ("peak_mem_gib", "peak GiB", ".1f"), ("compile_s", "compile s", ".0f"),
-           ("status", "status", "s")]
+TINY = ["data.seq_len=64", "data.batch_size=2", "model.n_layers=2", "model.loss_chunk=64"]
+HBM_BW, CPU_BW = 4.8e12, 2e10  # bytes/s for the profile's roofline estimate (H200; a CPU)
+END_RESERVE_S = 8  # kept after the last child for the summary and a kill's grace
+LIMIT_FACTOR = 2.5  # a child may run this many times its expected seconds
 
 
-def expert_kernels(rows: int, H: int, I: int, G: int, reps: int) -> list[dict]:
-    """The routed experts' SwiGLU (3 grouped matmuls, forward + both gradients, bf16) at one
-    rung's shape, rows already sorted by expert (about rows / G each): TFLOP/s of each kernel,
-    the Hopper kernel at several tile shapes, next to a dense SwiGLU of the same FLOPs; every
-    kernel's output and gradients (inputs and weights) checked against ``jax.lax.ragged_dot``'s
-    (the first row)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from moelab.model import experts
-    from moelab.model.grouped_matmul import (MgpuBlocks, grouped_swiglu_rows, mgpu_backend,
-                                             reference_backend)
-
-    rng = np.random.default_rng(0)
-    counts = np.bincount(rng.integers(0, G, rows), minlength=G).astype(np.int32)
-    group = jnp.asarray(np.repeat(np.arange(G), counts), jnp.int32)
-    bf = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.05, jnp.bfloat16)
-    x, dy = bf(rows, H), bf(rows, H)
-    w = {"w_gate": bf(G, H, I), "w_up": bf(G, H, I), "w_down": bf(G, I, H)}
-    c = jnp.asarray(counts)
-
-    def timed(fn, *args):
-        """(seconds per forward + backward, [output, input gradient, weight gradients])."""
-        def step(*a):
-            y, vjp = jax.vjp(fn, *a)
-            return [y, *jax.tree.leaves(vjp(dy))]
-        step = jax.jit(step)
-        out = jax.block_until_ready(step(*args))
-        t = time.perf_counter()
-        for _ in range(reps):
-            jax.block_until_ready(step(*args))
-        return (time.perf_counter() - t) / reps, out
-
-    blocks = lambda x, w: experts.grouped_swiglu(x, group, G, w, "blocks", 128)
-    cands = {"jax.lax.ragged_dot (reference)": (
-                 lambda x, w: grouped_swiglu_rows(x, w, c, reference_backend()), x, w),
-             "dense SwiGLU, same FLOPs (ceiling)": (lambda x, w: experts.swiglu_bank(
-                 x[None], {k: v[:1] for k, v in w.items()})[0], x, w),
-             "blocks (sort, pad, batched einsum)": (blocks, x, w)}
-    for bm, bn, steps, gbn in ((128, 128, 4, 2), (128, 256, 4, 1), (64, 128, 6, 4),
-                               (192, 128, 4, 2), (128, 128, 6, 8)):
-        b = MgpuBlocks(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=steps,
-                       grid_block_n=gbn)
-        cands[f"mgpu {bm}x{bn}x64 s{steps} g{gbn}"] = (
-            lambda x, w, b=b: grouped_swiglu_rows(x, w, c, mgpu_backend(b)), x, w)
-    flops = 3 * 3 * 2 * rows * H * I  # 3 products, forward + data + weight gradients
-    ref = None
-    out = []
-    for name, (fn, *args) in cands.items():
-        try:
-            s, ys = timed(fn, *args)
-            ys = [np.asarray(y, np.float32) for y in ys]
-            ref = ys if ref is None else ref
-            err = (None if "ceiling" in name else  # worst of output and gradients, relative
-                   max(float(np.abs(y - r).max() / (np.abs(r).max() + 1e-9))
-                       for y, r in zip(ys, ref)))
-            out.append({"kernel": name, "ms": 1e3 * s, "tflops": flops / s / 1e12,
-                        "max_rel_err": err, "status": "ok"})
-        except Exception as e:  # a tile shape that does not fit shared memory, ...
-            out.append({"kernel": name, "status": f"{type(e).__name__}: {str(e)[:120]}"})
-        print(out[-1], flush=True)
-    return out
+@dataclass(frozen=True)
+class Row:
+    name: str
+    expect_s: float  # on the GPU, process start to exit: compile ~60-90 s + steps
+    spec: dict  # what the child measures there (bench/gpu_rows.py)
+    dry: dict  # the same on a CPU with tiny shapes
+    dry_expect_s: float
+    ask_only: bool = False  # runs only when named: too big for the GPU or the default budget
+    gpu_only: bool = False  # has no CPU form: a dry run records it as skipped
+    note: str = ""
 
 
-def run_experts(smoke: bool) -> None:
-    """The expert-kernel table: the d768 and d1024 rungs' expert shapes (262,144 routed rows =
-    32,768 tokens x top-8; latent width H, expert width I); a tiny CPU shape with ``smoke``."""
-    shapes = ({"cpu-smoke": (512, 16, 16, 8)} if smoke else
-              {"d768": (262144, 384, 384, 384), "d1024": (262144, 512, 512, 384)})
-    table = [{"shape": k, **r} for k, (rows, H, I, G) in shapes.items()
-             for r in expert_kernels(rows, H, I, G, reps=1 if smoke else 10)]
-    print_table(table, [("shape", "shape", "s"), ("kernel", "kernel", "s"), ("ms", "ms", ".2f"),
-                        ("tflops", "TFLOP/s", ".1f"), ("max_rel_err", "max rel err", ".1e"),
-                        ("status", "status", "s")])
-    export(save("gpu_experts_smoke" if smoke else "gpu_experts", table))
+def train_row(name: str, preset: str, overrides: list[str], expect_s: float, steps: int = 5,
+              profile: bool = False, dry_overrides: list[str] | None = None, **kw) -> Row:
+    spec = {"kind": "train", "preset": preset, "overrides": BATCH + FAST + overrides,
+            "steps": steps, "profile": profile, "mem_bw": HBM_BW}
+    dry = {**spec, "preset": "tiny", "steps": 2, "mem_bw": CPU_BW,
+           "overrides": TINY + (overrides if dry_overrides is None else dry_overrides)}
+    return Row(name, expect_s, spec, dry, 30 if profile else 20, **kw)
 
 
-def export(path: Path) -> None:
-    """A copy in $OUT when set (the device tool brings that folder back)."""
-    if os.environ.get("OUT"):
-        shutil.copy(path, Path(os.environ["OUT"]) / path.name)
+def legs_row(name: str, shape: list[int], expect_s: float, **kw) -> Row:
+    spec = {"kind": "legs", "shape": shape, "budget_s": 0.5}  # every bench/gpu_legs.py entry
+    dry = {**spec, "shape": [2048, 32, 64, 16], "budget_s": 0.02}
+    return Row(name, expect_s, spec, dry, 12, **kw)
 
 
-def check_rows(names: list[str]) -> None:
-    """Every row's config loads and validates (no compile): bad names fail before any work."""
-    from moelab.config import load_config
-
-    for name in names:
-        preset, overrides, _ = ROWS[name]
-        load_config(preset, overrides)
-
-
-def run_one(name: str, peak: float) -> dict:
-    """Measure one row in this process (see bench/train_throughput.measure)."""
-    from train_throughput import measure
-
-    preset, overrides, steps = {**ROWS, **SMOKE}[name]
-    r = measure(preset, steps, overrides)
-    micro = r.get("microbatch") or r["tokens_per_step"]
-    r.update(row=name, mfu=r["model_flops_per_s"] / peak, status="ok",
-             micro_steps=r["tokens_per_step"] // micro)
-    return r
+def dense_overrides(preset: str) -> list[str]:
+    """One expert of width top_k x expert_dim, always chosen with weight 1: the MoE preset's
+    active parameters as a dense FFN (the routed path's latent projection stays)."""
+    m = load_config(preset).model
+    return ["model.moe_impl=dense", "model.n_experts=1", "model.top_k=1",
+            f"model.expert_dim={m.top_k * m.expert_dim}", "model.router=sigmoid_bias",
+            "model.combine_sum=1.0"]
 
 
-def run_rows(names: list[str], peak: float, limit_s: int, out: str = "gpu_mfu") -> list[dict]:
-    rows = []
-    for name in names:
-        t, limit = time.time(), LIMIT_S.get(name, limit_s)
-        cmd = [sys.executable, __file__, "--one", name, "--peak", str(peak)]
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=limit)
-            lines = [x for x in p.stdout.splitlines() if x.startswith("ROW ")]
-            row = (json.loads(lines[-1][4:]) if p.returncode == 0 and lines else
-                   {"row": name, "status": f"failed ({p.returncode}): "
-                    + (p.stderr.strip().splitlines() or ["?"])[-1][:160]})
-        except subprocess.TimeoutExpired:
-            row = {"row": name, "status": f"timed out after {limit} s"}
-        row["wall_s"] = time.time() - t
-        print(f"{name}: {row.get('status')} in {row['wall_s']:.0f} s", flush=True)
-        rows.append(row)
-        save(out, rows, peak_flops=peak)  # a cut-off run keeps what it measured
-    return rows
+def all_rows() -> dict[str, Row]:
+    peak = {"kind": "peak", "sizes": [4096, 8192], "dtype": "bfloat16"}
+    rows = [
+        Row("peak", 30, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
+        train_row("d1024", "d1024", [], 150, profile=True),
+        legs_row("legs-d1024", [262144, 512, 1024, 384], 90),
+        train_row("dense-d1024", "d1024", dense_overrides("d1024"), 120,
+                  dry_overrides=dense_overrides("tiny")),
+        train_row("d768", "d768", [], 110),
+        train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 140),
+        train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 150, gpu_only=True),
+        train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 130,
+                  dry_overrides=["train.microbatch_tokens=64"]),
+        legs_row("legs-d768", [262144, 384, 768, 384], 80),
+        train_row("d1024-ragged", "d1024", ["model.moe_impl=ragged"], 200, ask_only=True,
+                  note="XLA's ragged_dot is masked dense matmuls on GPU: >141 GiB"),
+        train_row("d1024-no-chunked-loss", "d1024", ["model.loss_chunk=0"], 140, ask_only=True,
+                  note="float32 logits of 65,536 tokens: >141 GiB with Adam state",
+                  dry_overrides=["model.loss_chunk=0"]),
+        train_row("d1024-preset-batch", "d1024", ["data.batch_size=1024",
+                                                  "train.microbatch_tokens=65536"], 330,
+                  steps=1, ask_only=True, note="the preset's 4M-token batch, 64 micro-steps",
+                  dry_overrides=["data.batch_size=8", "train.microbatch_tokens=128"]),
+    ]
+    return {r.name: r for r in rows}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), metavar="ROW",
-                    help=f"rows to run (default: all): {', '.join(ROWS)}")
-    ap.add_argument("--limit", type=int, default=150, help="seconds per row before it is cut")
+# the dry run's own row, first when named: a child that fails, to show the others go on
+CRASH = Row("crash", 0, {}, {"kind": "crash"}, 5)
+
+
+def known_rows(rows: dict[str, Row], dry_run: bool) -> dict[str, Row]:
+    return {"crash": CRASH, **rows} if dry_run else rows
+
+
+# ----------------------------------------------------------------------------- options
+
+def parse_args(argv: list[str] | None, rows: dict[str, Row]) -> argparse.Namespace:
+    listing = "\n".join(f"  {r.name:<24} ~{r.expect_s:>3.0f} s" + (" (only when named)"
+                        if r.ask_only else "") + (f"  {r.note}" if r.note else "")
+                        for r in rows.values())
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog="rows:\n" + listing,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", nargs="+", metavar="ROW", help="rows to run, in table order "
+                    "(default: every row not marked 'only when named'; peak joins any "
+                    "training row)")
+    ap.add_argument("--experts", action="store_true", help="only the expert-kernel rows")
+    ap.add_argument("--deadline", type=float, help="seconds the whole run may take "
+                    "(default 540, 120 with --dry-run)")
+    ap.add_argument("--mem-fraction", type=float, default=0.92,
+                    help="XLA_PYTHON_CLIENT_MEM_FRACTION of each child (default 0.92)")
     ap.add_argument("--dry-run", action="store_true",
-                    help="check every row's config and measure a tiny CPU row through the same "
-                    "path (no GPU needed)")
-    ap.add_argument("--experts", action="store_true",
-                    help="only the expert-kernel micro-benchmark at the d768 and d1024 shapes")
-    ap.add_argument("--one", help=argparse.SUPPRESS)  # internal: measure one row, print it
-    ap.add_argument("--peak", type=float, default=0.0, help=argparse.SUPPRESS)
-    args = ap.parse_args()
-    bad = [r for r in args.rows + ([args.one] if args.one else []) if r not in {**ROWS, **SMOKE}]
+                    help="tiny shapes on the CPU (JAX_PLATFORMS=cpu) through the same driver")
+    ap.add_argument("--name", help="results name (default gpu_mfu, gpu_mfu_dry with --dry-run)")
+    args = ap.parse_args(argv)
+    check_args(ap, args, rows)
+    return args
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace,
+               rows: dict[str, Row]) -> None:
+    """Every option and row name checked, every selected row's config loaded: before any
+    child starts."""
+    known = known_rows(rows, args.dry_run)
+    bad = [r for r in args.rows or [] if r not in known]
     if bad:
-        ap.error(f"unknown row {bad[0]!r}; rows: {', '.join(ROWS)}")
-    if args.one:
-        print("ROW " + json.dumps(run_one(args.one, args.peak)), flush=True)
-        return
-    check_rows(args.rows)
-    if args.experts or args.dry_run:
-        run_experts(args.dry_run)
-        if args.experts:
+        hint = " (an option value? --rows takes row names only)" if "=" in bad[0] else ""
+        ap.error(f"--rows: unknown row {bad[0]!r}{hint}; rows: {', '.join(known)}")
+    if args.rows and args.experts:
+        ap.error("--experts selects the expert rows itself: use --rows or --experts, not both")
+    args.deadline = args.deadline if args.deadline is not None else (
+        120.0 if args.dry_run else 540.0)
+    if args.deadline <= 0:
+        ap.error(f"--deadline: must be > 0 seconds, got {args.deadline}")
+    if not 0 < args.mem_fraction <= 1:
+        ap.error(f"--mem-fraction: must be in (0, 1], got {args.mem_fraction}")
+    args.name = args.name or ("gpu_mfu_dry" if args.dry_run else "gpu_mfu")
+    if not re.fullmatch(r"[\w.-]+", args.name):
+        ap.error(f"--name: letters, digits, '_', '.', '-' only, got {args.name!r}")
+    if os.environ.get("OUT") and not Path(os.environ["OUT"]).is_dir():
+        ap.error(f"$OUT={os.environ['OUT']} is not a folder: create it or unset OUT")
+    for row in select(args, known):
+        for spec in (row.spec,) + (() if row.gpu_only else (row.dry,)):
+            if spec.get("kind") == "train":
+                try:
+                    load_config(spec["preset"], spec["overrides"])
+                except Exception as e:  # noqa: BLE001 - ConfigError and friends
+                    ap.error(f"row {row.name}: {e}")
+
+
+def select(args: argparse.Namespace, known: dict[str, Row]) -> list[Row]:
+    """The rows to run, in table order (the order of importance)."""
+    if args.experts:
+        return [r for r in known.values() if r.name.startswith("legs-")]
+    if not args.rows:
+        return [r for r in known.values() if not r.ask_only and r.name != "crash"]
+    names = set(args.rows)
+    if any(known[n].spec.get("kind") == "train" or known[n].dry.get("kind") == "train"
+           for n in names):
+        names.add("peak")  # MFU needs the measured peak
+    return [r for r in known.values() if r.name in names]
+
+
+# ----------------------------------------------------------------------------- children
+
+def child_env(args: argparse.Namespace) -> dict:
+    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction),
+           "PYTHONUNBUFFERED": "1"}
+    src = str(HERE.parent / "src")
+    env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    if args.dry_run:  # the CPU, and quicker compiles: a dry run checks plumbing, not speed
+        env["JAX_PLATFORMS"] = "cpu"
+        flags = env.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+        env["XLA_FLAGS"] = flags.strip()
+    return env
+
+
+def run_child(spec: dict, timeout: float, env: dict, log: Path) -> tuple[str, dict]:
+    """(status, result) of one row's process, killed (with its process group) at
+    ``timeout``; the result is whatever the child last saved."""
+    result_path = Path(tempfile.mkdtemp()) / "row.json"
+    cmd = [sys.executable, str(HERE / "gpu_rows.py"), json.dumps(spec), str(result_path)]
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)
+        RUNNING[:] = [p]
+        try:
+            rc = p.wait(timeout=timeout)
+            status = "ok" if rc == 0 else f"failed (exit {rc}): {last_line(log)}"
+        except subprocess.TimeoutExpired:
+            kill(p)
+            status = f"timed out after {timeout:.0f} s"
+        RUNNING.clear()
+    result = json.loads(result_path.read_text()) if result_path.exists() else {}
+    shutil.rmtree(result_path.parent, ignore_errors=True)
+    return status, result
+
+
+RUNNING: list[subprocess.Popen] = []  # the child now running, if any
+
+
+def stop(signum, _frame) -> None:
+    """SIGTERM / SIGINT: the child (in its own session) goes with the driver."""
+    for p in RUNNING:
+        kill(p)
+    sys.exit(128 + signum)
+
+
+def kill(p: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(p.pid, sig)
+            p.wait(timeout=wait)
             return
-    if args.dry_run:
-        print(f"{len(args.rows)} row configs are valid: {', '.join(args.rows)}")
-        print_table(run_rows(list(SMOKE), 1e11, args.limit, "gpu_mfu_smoke"), COLUMNS)
-        return
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            continue
 
-    import jax
 
-    from moelab.train.peak import measure_peak_flops
+def last_line(log: Path) -> str:
+    """The error a failed child printed last (its traceback's final line)."""
+    lines = [x for x in log.read_text(errors="replace").splitlines() if x.strip()]
+    return (lines or ["(no output)"])[-1][:200]
 
-    peak = max(measure_peak_flops(n, dtype="bfloat16") for n in (4096, 8192))
-    print(f"jax {jax.__version__}, {jax.devices()[0].device_kind}: bf16 matmul peak "
-          f"{peak / 1e12:.0f} TFLOP/s", flush=True)
-    rows = run_rows(args.rows, peak, args.limit)
-    print_table(rows, COLUMNS)
-    export(save("gpu_mfu", rows, peak_flops=peak, jax_version=jax.__version__,
-                device=jax.devices()[0].device_kind, date=time.strftime("%Y-%m-%d")))
+
+# ----------------------------------------------------------------------------- the run
+
+class Results:
+    """The run's JSONL (one line per row as it ends) in bench/results and $OUT."""
+
+    def __init__(self, name: str):
+        self.out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+        self.logs = RESULTS / f"{name}_logs"
+        self.logs.mkdir(exist_ok=True)
+        self.paths = [RESULTS / f"{name}.jsonl"]
+        if self.out:
+            self.paths.append(self.out / f"{name}.jsonl")
+        for p in self.paths:  # a file per run
+            p.unlink(missing_ok=True)
+
+    def append(self, record: dict) -> None:
+        for p in self.paths:
+            append_jsonl(p, record)
+        log = self.logs / f"{record['row']}.log"
+        if self.out and log.exists():
+            (self.out / log.parent.name).mkdir(exist_ok=True)
+            shutil.copy(log, self.out / log.parent.name / log.name)
+
+    def export(self, path: Path) -> None:
+        if self.out:
+            shutil.copy(path, self.out / path.name)
+
+
+def run(args: argparse.Namespace, rows: list[Row]) -> tuple[list[dict], float | None, Results]:
+    """Each row in turn, if it fits before the deadline: (records, measured peak, files)."""
+    start = time.monotonic()
+    deadline = start + args.deadline
+    env, results, peak = child_env(args), Results(args.name), None
+    records = []
+    for row in rows:
+        spec = {**(row.dry if args.dry_run else row.spec), "name": row.name, "peak": peak}
+        expect = row.dry_expect_s if args.dry_run else row.expect_s
+        left = deadline - time.monotonic() - END_RESERVE_S
+        rec = {"row": row.name, "started_s": round(time.monotonic() - start, 1),
+               "expect_s": expect}
+        if args.dry_run and row.gpu_only:
+            rec["status"] = "skipped: needs a GPU"
+        elif expect > left:
+            rec["status"] = f"skipped: deadline (needs {expect:.0f} s, {max(left, 0):.0f} s left)"
+        else:
+            limit = left if args.dry_run else LIMIT_FACTOR * expect  # shared CPUs vary
+            rec["timeout_s"] = round(min(limit, left), 1)
+            status, result = run_child(spec, rec["timeout_s"], env,
+                                       results.logs / f"{row.name}.log")
+            rec.update(result, status=status)
+            peak = result.get("peak_flops", peak) if status == "ok" else peak
+        rec["wall_s"] = round(max(0.0, time.monotonic() - start - rec["started_s"]), 1)
+        results.append(rec)
+        records.append(rec)
+        print(f"[{time.monotonic() - start:5.0f} s] {row.name}: {rec['status']}", flush=True)
+    return records, peak, results
+
+
+# ----------------------------------------------------------------------------- summary
+
+COLUMNS = [("row", "row", "s"), ("status", "status", ".48s"), ("wall_s", "wall s", ".0f"),
+           ("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),
+           ("peak_mem_gib", "peak GiB", ".1f"), ("xla_total_gib", "XLA GiB", ".1f"),
+           ("compile_s", "compile s", ".0f"), ("tflops", "TFLOP/s", ".1f")]
+
+
+def summarize(records: list[dict]) -> None:
+    """Expert legs, then each profiled step by category, then the main table (printed last)."""
+    legs = [{"row": r["row"], **leg} for r in records for leg in r.get("legs", [])]
+    if legs:
+        print_table(legs, [("row", "row", "s"), ("impl", "impl", "s"), ("leg", "leg", "s"),
+                           ("ms", "ms", ".3f"), ("tflops", "TFLOP/s", ".1f"),
+                           ("max_rel_err", "max rel err", ".1e"), ("status", "status", ".50s")])
+        print()
+    for r in records:
+        if "profile" in r:
+            p = r["profile"]
+            print(f"{r['row']}: one step {p['step_ms']:.0f} ms, kernels {p['busy_ms']:.0f} ms "
+                  f"({p['source']})")
+            cats = sorted(({"category": c, **v, **{f"est_{k}": x for k, x in
+                                                    p.get("estimate", {}).get(c, {}).items()}}
+                           for c, v in p["by_category"].items()), key=lambda c: -c["ms"])
+            print_table(cats, [("category", "category", "s"), ("ms", "ms", ".1f"),
+                               ("share", "share", ".1%"), ("est_tflop", "est TFLOP", ".2f"),
+                               ("est_gb", "est GB", ".1f"), ("est_ms", "roofline ms", ".1f")])
+            print()
+    table = [{**r, "xla_total_gib": r.get("xla_memory_gib", {}).get("total")} for r in records]
+    print_table(table, COLUMNS)
+
+
+def main(argv: list[str] | None = None) -> None:
+    rows = all_rows()
+    args = parse_args(argv, rows)
+    chosen = select(args, known_rows(rows, args.dry_run))
+    print(f"{len(chosen)} row(s), deadline {args.deadline:.0f} s, "
+          f"XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction} per child"
+          + (", dry run on the CPU" if args.dry_run else ""), flush=True)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    records, peak, results = run(args, chosen)
+    device = next((r for r in records if r.get("device")), {})
+    jax_here = "jax" in sys.modules  # the driver must leave the GPU to its children
+    results.export(save(args.name, records, device_info=False, peak_flops=peak,
+                        deadline_s=args.deadline, mem_fraction=args.mem_fraction,
+                        dry_run=args.dry_run, device=device.get("device"),
+                        jax_version=device.get("jax_version"), parent_imported_jax=jax_here))
+    print()
+    summarize(records)
+    assert not jax_here, "the driver imported jax: it would hold GPU memory"
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     main()

@@ -15,7 +15,6 @@ import time
 from common import print_table, save
 
 import jax
-import jax.numpy as jnp
 
 from moelab.config import load_config
 from moelab.planner.counts import param_counts, train_flops_per_token
@@ -23,32 +22,51 @@ from moelab.train.peak import measure_peak_flops
 from moelab.train.step import init_train_state, make_train_step
 
 
-def measure(preset: str, steps: int, overrides: list[str]) -> dict:
-    cfg = load_config(preset, overrides)
+def compile_step(cfg) -> tuple:
+    """(compiled train step, initial state, two random batches, compile seconds). The step is
+    lowered and compiled explicitly, so callers can also read XLA's analyses of it; the state
+    is made by one jitted program (op by op, each op would compile on its own)."""
     m, d = cfg.model, cfg.data
-    state = init_train_state(cfg, jax.random.PRNGKey(0))
-    step = make_train_step(cfg)
+    state = jax.jit(lambda key: init_train_state(cfg, key))(jax.random.PRNGKey(0))
     batches = [jax.random.randint(jax.random.PRNGKey(i), (d.batch_size, d.seq_len + 1), 0,
                                   m.vocab_size) for i in range(2)]
     t = time.perf_counter()
-    state, metrics = step(state, batches[0])
+    compiled = make_train_step(cfg).lower(state, batches[0]).compile()
+    return compiled, state, batches, time.perf_counter() - t
+
+
+def time_steps(compiled, state, batches, steps: int) -> tuple:
+    """(state after the steps, seconds per step): one untimed warm-up step, then ``steps``."""
+    state, metrics = compiled(state, batches[1])
     jax.block_until_ready(metrics)
-    compile_s = time.perf_counter() - t
     t = time.perf_counter()
     for i in range(steps):
-        state, metrics = step(state, batches[i % 2])
+        state, metrics = compiled(state, batches[i % 2])
     jax.block_until_ready(metrics)
-    dt = (time.perf_counter() - t) / steps
+    return state, (time.perf_counter() - t) / steps
+
+
+def describe(preset: str, cfg, step_s: float, compile_s: float) -> dict:
+    """One result row: throughput, model FLOP/s and this process's peak device memory."""
+    m, d = cfg.model, cfg.data
     tokens = d.batch_size * d.seq_len
     fpt = train_flops_per_token(m, d.seq_len)
     counts = param_counts(m)
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.devices()[0].memory_stats() or {}  # None on CPU
     return {"preset": preset, "seq_len": d.seq_len, "batch": d.batch_size,
-            "peak_mem_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None, "params_total": counts["total"], "params_active": counts["active"],
-            "tokens_per_step": tokens, "step_s": dt, "tokens_per_s": tokens / dt,
-            "flops_per_token": fpt, "model_flops_per_s": fpt * tokens / dt,
+            "peak_mem_gib": stats.get("peak_bytes_in_use", 0) / 2**30 or None,
+            "params_total": counts["total"], "params_active": counts["active"],
+            "tokens_per_step": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s,
+            "flops_per_token": fpt, "model_flops_per_s": fpt * tokens / step_s,
             "compile_s": compile_s, "moe_impl": m.moe_impl, "dtype": m.compute_dtype,
             "microbatch": cfg.train.microbatch_tokens}
+
+
+def measure(preset: str, steps: int, overrides: list[str]) -> dict:
+    cfg = load_config(preset, overrides)
+    compiled, state, batches, compile_s = compile_step(cfg)
+    _, step_s = time_steps(compiled, state, batches, steps)
+    return describe(preset, cfg, step_s, compile_s)
 
 
 def main() -> None:

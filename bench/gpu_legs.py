@@ -1,0 +1,195 @@
+"""The routed experts' grouped GEMM, leg by leg: forward y = x @ w[g], data gradient
+dx = dy @ w[g]^T and weight gradient dw[g] = x_g^T @ dy_g, over rows sorted by group.
+
+``LEGS`` maps a name to its three legs: one entry per ``model.moe_impl`` plus the ceiling, a
+dense matmul of the same FLOPs. A new backend is one entry: its (forward, data gradient, weight
+gradient) functions with the signature of ``moelab.model.grouped_matmul``'s backends,
+``(x_RK, w_GKN, counts_G)``, ``(dy_RN, w_GKN, counts_G)``, ``(x_RK, dy_RN, counts_G)``.
+
+Each leg is timed alone (jitted, after a compile call) and checked against a plain float32
+matmul on the host for a few groups (first, last, largest, smallest and a random one; at most
+512 rows and 64 weight columns each): never against another kernel or itself.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from moelab.model import experts
+from moelab.model.grouped_matmul import mgpu_backend, reference_backend
+
+BLOCK = 128  # rows per block of the blocks kernel (model.moe_block's default)
+TOLERANCE = 2e-2  # max |error| / max |reference| of a bf16 result with float32 accumulation
+
+
+def sorted_rows(x, w, dy, counts):
+    """The layout the grouped kernels take: rows sorted by group, no padding."""
+    c = np.asarray(counts)
+    spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(c) - c, c))]
+    return x, w, dy, jnp.asarray(c, jnp.int32), spans
+
+
+def block_rows(x, w, dy, counts):
+    """The blocks kernel's layout (the model's own ``group_layout``): each group padded to
+    whole blocks of ``BLOCK`` rows; the auxiliary input is each block's group."""
+    c = np.asarray(counts)
+    group = jnp.asarray(np.repeat(np.arange(len(c)), c), jnp.int32)
+    xp, dyp, block_group, dst = _padded(x, dy, group, len(c))
+    dst = np.asarray(dst)
+    first = np.minimum(np.cumsum(c) - c, len(dst) - 1)  # an empty last group: any slot
+    spans = [(int(dst[f]), int(n), g) for g, (f, n) in enumerate(zip(first, c))]
+    return xp, w, dyp, block_group, spans
+
+
+@partial(jax.jit, static_argnums=3)
+def _padded(x, dy, group, G: int):
+    """x and dy in the blocks layout, each block's group, each row's slot."""
+    lay = experts.group_layout(group, G, "blocks", BLOCK)
+    pad = lambda a: experts.take_rows(a, lay.src_M)
+    return pad(x), pad(dy), lay.block_group, lay.dst_R
+
+
+def one_group(x, w, dy, counts):
+    """The ceiling's layout: every row through the first group's weights."""
+    return x, w[:1], dy, None, [(0, x.shape[0], 0)]
+
+
+def autodiff_legs(forward: Callable) -> tuple[Callable, Callable, Callable]:
+    """(forward, data gradient, weight gradient) of ``forward(x, w, aux)`` by autodiff: the
+    backward XLA builds for it in a training step."""
+    dgrad = lambda dy, w, aux, x: jax.vjp(lambda x: forward(x, w, aux), x)[1](dy)[0]
+    wgrad = lambda x, dy, aux, w: jax.vjp(lambda w: forward(x, w, aux), w)[1](dy)[0]
+    return forward, dgrad, wgrad
+
+
+def blocks_forward(x, w, block_group):
+    """Per block: its rows times a copy of its group's weights (``experts.block_weights``)."""
+    nb = block_group.shape[0]
+    y = jnp.einsum("bmk,bkn->bmn", x.reshape(nb, -1, x.shape[-1]),
+                   experts.block_weights(w, block_group))
+    return y.reshape(x.shape[0], -1)
+
+
+def masked_forward(x, w, counts):
+    """The ``dense`` impl: every group's weights on every row, kept where the row belongs."""
+    group = jnp.repeat(jnp.arange(w.shape[0]), counts, total_repeat_length=x.shape[0])
+
+    def one(y, g):
+        return y + jnp.where((group == g)[:, None], x @ w[g], 0).astype(y.dtype), None
+
+    return jax.lax.scan(one, jnp.zeros((x.shape[0], w.shape[2]), x.dtype),
+                        jnp.arange(w.shape[0]))[0]
+
+
+@dataclass(frozen=True)
+class Legs:
+    fwd: Callable  # (x_RK, w_GKN, aux) -> y_RN
+    dgrad: Callable  # (dy_RN, w_GKN, aux[, x_RK]) -> dx_RK
+    wgrad: Callable  # (x_RK, dy_RN, aux[, w_GKN]) -> dw_GKN
+    # rows sorted by group -> (x, w, dy, aux, [(first row, rows, weight index)] per group) in
+    # this kernel's layout, made before the timing
+    layout: Callable = sorted_rows
+    gpu_only: bool = False
+    autodiff: bool = False  # the gradient legs also take the primal input (for jax.vjp)
+
+
+# bench/gpu_mfu.py's legs rows run every entry, in this order (the slow references last)
+LEGS: dict[str, Callable[[], Legs]] = {  # built on use: mgpu imports Mosaic GPU
+    "ceiling": lambda: Legs(*autodiff_legs(lambda x, w, _: x @ w[0]), one_group, autodiff=True),
+    "blocks": lambda: Legs(*autodiff_legs(blocks_forward), block_rows, autodiff=True),
+    "mgpu": lambda: Legs(*mgpu_backend(), gpu_only=True),
+    "ragged": lambda: Legs(*reference_backend()),
+    "dense": lambda: Legs(*autodiff_legs(masked_forward), autodiff=True),
+}
+
+
+def problem(rows: int, K: int, N: int, G: int, seed: int = 0):
+    """bf16 x [rows, K], w [G, K, N] (scaled 1/sqrt(K)), dy [rows, N] on the device, and rows
+    per group drawn uniformly (about rows / G each, summing to rows). Drawn with numpy: no
+    compile, a few seconds at the rungs' shapes."""
+    rng = np.random.default_rng(seed)
+    counts = rng.multinomial(rows, np.full(G, 1.0 / G))
+    bf16 = lambda *shape, scale=1.0: jax.device_put(
+        (rng.standard_normal(shape, dtype=np.float32) * scale).astype(jnp.bfloat16))
+    return bf16(rows, K), bf16(G, K, N, scale=K ** -0.5), bf16(rows, N), counts
+
+
+def timed(fn: Callable, args: tuple, budget_s: float = 0.5) -> tuple:
+    """(seconds per call, output, compile seconds): calls queued back to back, enough of
+    them to fill about ``budget_s`` (1 to 20)."""
+    f = jax.jit(fn)
+    t = time.perf_counter()
+    out = jax.block_until_ready(f(*args))
+    compile_s = time.perf_counter() - t
+    t = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    once = time.perf_counter() - t
+    reps = int(min(20, max(1, budget_s / max(once, 1e-6))))
+    t = time.perf_counter()
+    for _ in range(reps):
+        out = f(*args)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t) / reps, out, compile_s
+
+
+def _sample(spans: list, seed: int) -> list:
+    """First, last, largest, smallest non-empty and one random group."""
+    full = [s for s in spans if s[1] > 0]
+    pick = [full[0], full[-1], max(full, key=lambda s: s[1]), min(full, key=lambda s: s[1]),
+            full[np.random.default_rng(seed).integers(len(full))]]
+    return list(dict.fromkeys(pick))
+
+
+def max_error(leg: str, out, x, w, dy, spans: list, seed: int = 0) -> float:
+    """Worst max|out - ref| / max|ref| over sampled groups, ref a float32 host matmul (all
+    arrays here are host copies: numpy slicing, no device work)."""
+    rng = np.random.default_rng(seed)
+    f32 = lambda a: a.astype(np.float32)
+    worst = 0.0
+    for start, n, g in _sample(spans, seed):
+        rows = start + np.sort(rng.choice(n, min(n, 512), replace=False))
+        wg = f32(w[g])
+        if leg == "wgrad":  # the whole group's rows, 64 output columns
+            cols = np.sort(rng.choice(wg.shape[1], min(64, wg.shape[1]), replace=False))
+            xs, dys = f32(x[start:start + n]), f32(dy[start:start + n][:, cols])
+            got, ref = f32(out[g][:, cols]), xs.T @ dys
+        elif leg == "fwd":
+            got, ref = f32(out[rows]), f32(x[rows]) @ wg
+        else:
+            got, ref = f32(out[rows]), f32(dy[rows]) @ wg.T
+        worst = max(worst, float(np.abs(got - ref).max() / (np.abs(ref).max() + 1e-30)))
+    return worst
+
+
+def run_impl(name: str, x, w, dy, counts, budget_s: float = 0.5) -> list[dict]:
+    """One table entry's three legs: ms, effective TFLOP/s (2 x rows x K x N per leg),
+    compile seconds, checked error; about ``budget_s`` of timed calls per leg."""
+    legs = LEGS[name]()
+    if legs.gpu_only and jax.default_backend() != "gpu":
+        return [{"impl": name, "leg": "all", "status": "needs a GPU"}]
+    xl, wl, dyl, aux, spans = legs.layout(x, w, dy, counts)
+    host = [np.asarray(a) for a in (xl, wl, dyl)]  # bf16 copies for the reference
+    flops = 2.0 * x.shape[0] * x.shape[1] * dy.shape[1]
+    calls = {"fwd": (legs.fwd, (xl, wl, aux)),
+             "dgrad": (legs.dgrad, (dyl, wl, aux) + ((xl,) if legs.autodiff else ())),
+             "wgrad": (legs.wgrad, (xl, dyl, aux) + ((wl,) if legs.autodiff else ()))}
+    out = []
+    for leg, (fn, args) in calls.items():
+        row = {"impl": name, "leg": leg}
+        try:
+            s, y, compile_s = timed(fn, args, budget_s)
+            err = max_error(leg, np.asarray(y), *host, spans)
+            row.update(ms=1e3 * s, tflops=flops / s / 1e12, compile_s=compile_s,
+                       max_rel_err=err, status="ok" if err <= TOLERANCE else "WRONG")
+        except Exception as e:  # noqa: BLE001 - out of memory, a kernel that cannot compile
+            row["status"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        out.append(row)
+        print(row, flush=True)
+    return out

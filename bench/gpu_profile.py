@@ -1,0 +1,378 @@
+"""Where a compiled training step spends its time, by kernel category.
+
+Categories: attention, grouped GEMM (the routed experts' matmuls), other matmuls, sort/gather/
+scatter, elementwise/other, optimizer.
+
+Every kernel (GPU) or thunk (CPU) that XLA runs carries the name of the HLO instruction it
+executes (``hlo_op``). The compiled step's optimized HLO text says what each instruction is
+(opcode, fused body, custom-call target) and, in its metadata, the Python stack that produced
+it, so an instruction's category comes from what it computes and which moelab or optax
+function it came from (``category``). Two views of one step:
+
+- measured (``measured``): jax.profiler traces one step; its events are read with
+  ``jax.profiler.ProfileData`` (part of jaxlib: no protobuf or TensorBoard package needed), else
+  from the perfetto trace JSON; durations are summed per category. XLA runs command buffers
+  (CUDA graphs) op by op while a profiler is active, so every kernel keeps its ``hlo_op``.
+- estimated (``estimated``): each executed instruction's FLOPs (dots, from the HLO shapes) and
+  bytes (operands and result) times the trip counts of the loops around it, and its roofline
+  time at the given matmul peak and memory bandwidth. Always computed; it is the whole answer
+  when no trace can be read (``summary`` says which source it used).
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import gzip
+import json
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+ATTENTION, GROUPED, MATMUL = "attention", "grouped GEMM", "other matmuls"
+MOVES, ELEMENTWISE, OPTIMIZER = "sort/gather/scatter", "elementwise/other", "optimizer"
+CATEGORIES = (ATTENTION, GROUPED, MATMUL, MOVES, ELEMENTWISE, OPTIMIZER)
+
+# moelab functions whose every op is attention's core (model/layers.py); the projections
+# around them are ordinary matmuls
+ATTENTION_FUNCS = {"attend", "_attend", "causal_attend", "_fused", "attention_mask", "exclusive"}
+EXPERT_FILES = ("experts.py", "grouped_matmul.py")  # plus any model file named *gmm* / *grouped*
+MOVE_OPS = {"sort", "gather", "scatter"}
+# instructions that only route values or hold other computations: no kernel of their own
+STRUCTURAL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
+              "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",
+              "add-dependency", "domain"}
+BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4,
+         "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+
+@dataclass
+class Instr:
+    name: str
+    comp: str
+    opcode: str
+    shape: str
+    operands: list[str]
+    attrs: str
+    calls: list[str] = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- HLO text
+
+def _close(s: str, i: int) -> int:
+    """Index just past the bracket group that opens at s[i]."""
+    depth = 0
+    for j in range(i, len(s)):
+        depth += {"(": 1, "{": 1, ")": -1, "}": -1}.get(s[j], 0)
+        if depth == 0:
+            return j + 1
+    return len(s)
+
+
+def _instr(comp: str, name: str, rest: str) -> Instr | None:
+    """``TYPE opcode(operands), attributes`` after ``name =``."""
+    end = _close(rest, 0) if rest.startswith("(") else rest.find(" ")
+    shape, tail = rest[:end], rest[end:].lstrip()
+    m = re.match(r"([\w\-]+)\(", tail)
+    if not m:
+        return None
+    close = _close(tail, m.end() - 1)
+    attrs = tail[close:]
+    calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", attrs)
+    for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", attrs):
+        calls += re.findall(r"%?([\w.\-]+)", group)
+    return Instr(name, comp, m.group(1), shape,
+                 re.findall(r"%([\w.\-]+)", tail[m.end():close - 1]), attrs, calls)
+
+
+class Hlo:
+    """The instructions of an optimized HLO module's text, with their Python stacks."""
+
+    def __init__(self, text: str):
+        m = re.match(r"HloModule ([\w.\-]+)", text)
+        self.module = m.group(1) if m else ""
+        self.ins: dict[str, Instr] = {}
+        self.comps: dict[str, list[Instr]] = defaultdict(list)
+        self.entry, comp = "", ""
+        for line in text.splitlines():
+            head = re.match(r"(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+            if head and not line.startswith(" "):
+                comp = head.group(2)
+                self.entry = comp if head.group(1) else self.entry
+                continue
+            m = re.match(r"\s+(?:ROOT )?%?([\w.\-]+) = (.*)$", line)
+            if m and comp and (ins := _instr(comp, m.group(1), m.group(2))):
+                self.ins[ins.name] = ins
+                self.comps[comp].append(ins)
+        self._stack_tables(text)
+
+    def _stack_tables(self, text: str) -> None:
+        """The FileNames / FunctionNames / FileLocations / StackFrames tables, when printed."""
+        def table(name: str, pattern: str) -> dict:
+            m = re.search(rf"^{name}\n((?:\d.*\n?)*)", text, re.MULTILINE)  # its numbered rows
+            rows = re.findall(pattern, m.group(1), re.MULTILINE) if m else []
+            return {int(r[0]): r[1:] if len(r) > 2 else r[1] for r in rows}
+
+        self.files = table("FileNames", r'^(\d+) "(.*)"$')
+        self.funcs = table("FunctionNames", r'^(\d+) "(.*)"$')
+        self.locs = table("FileLocations",
+                          r"^(\d+) \{file_name_id=(\d+) function_name_id=(\d+) line=(\d+)")
+        self.frames = table("StackFrames", r"^(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)")
+
+    def stack(self, ins: Instr) -> list[tuple[str, str]]:
+        """(file, function) of the Python frames behind ``ins``, innermost first."""
+        out, seen = [], set()
+        m = re.search(r"stack_frame_id=(\d+)", ins.attrs)
+        frame = int(m.group(1)) if m else 0
+        while frame in self.frames and frame not in seen:  # parent ids are 1-based, 0 = none
+            seen.add(frame)
+            loc, parent = self.frames[frame]
+            file_id, func_id, _ = self.locs[int(loc)]
+            out.append((self.files[int(file_id)], self.funcs[int(func_id)]))
+            frame = int(parent) - 1
+        if not out:  # older metadata: one source location
+            src = re.search(r'source_file="([^"]+)" source_line=(\d+)', ins.attrs)
+            if src:
+                out.append((src.group(1), _function_at(src.group(1), int(src.group(2)))))
+        return out
+
+    def body(self, ins: Instr) -> list[Instr]:
+        """Every instruction inside a fusion's computation (nested fusions too)."""
+        if ins.opcode != "fusion":
+            return []
+        inner = [i for c in ins.calls for i in self.comps.get(c, [])]
+        return inner + [j for i in inner for j in self.body(i)]
+
+    def executed(self) -> dict[str, int]:
+        """Instruction name -> times it runs per call of the module: computations reached from
+        the entry through loops (times their known trip counts), calls and branches."""
+        times: dict[str, int] = {}
+
+        def walk(comp: str, n: int) -> None:
+            for ins in self.comps.get(comp, []):
+                times[ins.name] = times.get(ins.name, 0) + n
+                if ins.opcode in ("while", "call", "conditional", "async-start"):
+                    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+                    for c in ins.calls:
+                        walk(c, n * (int(trip.group(1)) if trip and ins.opcode == "while" else 1))
+
+        walk(self.entry, 1)
+        return times
+
+
+@cache
+def _function_at(path: str, line: int) -> str:
+    """Name of the innermost function around ``line`` of a source file ('' if unreadable)."""
+    try:
+        tree = ast.parse(Path(path).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return ""
+    best = ""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and \
+                node.lineno <= line <= (node.end_lineno or node.lineno):
+            best = node.name  # ast.walk is breadth-first: later matches are nested deeper
+    return best
+
+
+# ----------------------------------------------------------------------------- categories
+
+def _target(ins: Instr) -> str:
+    m = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+    return m.group(1).lower() if m else ""
+
+
+def _is_matmul(ins: Instr) -> bool:
+    t = _target(ins)
+    return ins.opcode in ("dot", "convolution") or any(
+        k in t for k in ("gemm", "matmul", "mosaic", "triton"))
+
+
+def _is_move(ins: Instr) -> bool:
+    return ins.opcode in MOVE_OPS or "topk" in _target(ins)
+
+
+def _expert_file(path: str) -> bool:
+    base = os.path.basename(path)
+    return base in EXPERT_FILES or ("/model/" in path and ("gmm" in base or "grouped" in base))
+
+
+def category(hlo: Hlo, ins: Instr) -> str:
+    """What ``ins`` is: its own custom-call target, then the Python functions behind it, then
+    the kind of work inside (a fusion's body counts)."""
+    if any(k in _target(ins) for k in ("fmha", "flash", "attention")):
+        return ATTENTION
+    ops = [ins, *hlo.body(ins)]
+    main = next((o for o in ops if _is_matmul(o)), None) or next(
+        (o for o in ops if _is_move(o)), None)
+    stack = hlo.stack(main) if main else []
+    stack = stack or hlo.stack(ins)
+    if any("/optax/" in f or f.endswith("train/optim.py") for f, _ in stack):
+        return OPTIMIZER
+    if any(fn in ATTENTION_FUNCS and (f.endswith("layers.py") or "attention" in f)
+           for f, fn in stack):
+        return ATTENTION
+    if main is not None and _is_matmul(main):
+        expert = any(_expert_file(f) for f, _ in stack) or "mosaic" in _target(main)
+        return GROUPED if expert else MATMUL
+    return MOVES if main is not None else ELEMENTWISE
+
+
+# ----------------------------------------------------------------------------- estimate
+
+def _arrays(shape: str) -> list[tuple[str, list[int]]]:
+    return [(t, [int(d) for d in dims.split(",") if d])
+            for t, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape)]
+
+
+def _bytes(shape: str) -> int:
+    total = 0
+    for t, dims in _arrays(shape):
+        n = BYTES.get(t, 4)
+        for d in dims:
+            n *= d
+        total += n
+    return total
+
+
+def _dot_flops(hlo: Hlo, ins: Instr) -> float:
+    """2 x output elements x contracted size, for a dot or a GEMM custom call."""
+    out = _arrays(ins.shape)
+    lhs = hlo.ins.get(ins.operands[0]) if ins.operands else None
+    m = re.search(r'lhs_contracting_dim(?:s=\{|ensions":\[)([^}\]]*)', ins.attrs)
+    if not out or lhs is None or not m or not _arrays(lhs.shape):
+        return 0.0
+    lhs_dims = _arrays(lhs.shape)[0][1]
+    k = 1
+    for d in re.findall(r"\d+", m.group(1)):
+        k *= lhs_dims[int(d)] if int(d) < len(lhs_dims) else 1
+    n = 1
+    for d in out[0][1]:
+        n *= d
+    return 2.0 * n * k
+
+
+def estimated(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict:
+    """Per category: TFLOP and GB per step and the roofline ms (max of compute and memory
+    time), summed over executed instructions."""
+    cat = {c: {"tflop": 0.0, "gb": 0.0, "ms": 0.0} for c in CATEGORIES}
+    for name, n in hlo.executed().items():
+        ins = hlo.ins[name]
+        if ins.opcode in STRUCTURAL:
+            continue
+        flops = sum(_dot_flops(hlo, o) for o in [ins, *hlo.body(ins)] if _is_matmul(o))
+        moved = _bytes(ins.shape) + sum(_bytes(hlo.ins[o].shape) for o in ins.operands
+                                        if o in hlo.ins)
+        c = cat[category(hlo, ins)]
+        c["tflop"] += n * flops / 1e12
+        c["gb"] += n * moved / 1e9
+        c["ms"] += n * 1e3 * max(flops / peak_flops, moved / mem_bw)
+    return cat
+
+
+# ----------------------------------------------------------------------------- trace
+
+def _events_profile_data(path: str):
+    """(plane, line, event name, ns, stats) of an .xplane.pb, through jaxlib's reader."""
+    import jax
+
+    data = jax.profiler.ProfileData.from_file(path)
+    for plane in data.planes:
+        for line in plane.lines:
+            for ev in line.events:
+                yield plane.name, line.name, ev.name, ev.duration_ns, dict(ev.stats)
+
+
+def _events_perfetto(path: str):
+    """The same from a perfetto/Chrome trace.json.gz (durations in microseconds)."""
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    for e in events:
+        if e.get("ph") == "X":
+            yield (names.get(e.get("pid"), ""), str(e.get("tid")), e.get("name", ""),
+                   1e3 * float(e.get("dur", 0)), e.get("args", {}))
+
+
+DERIVED_LINES = {"XLA Modules", "XLA Ops", "XLA TraceMe", "Steps", "Framework Ops",
+                 "Framework Name Scope", "Source code", "Launch Stats"}
+
+
+def _op_of(name: str, stats: dict) -> tuple[str, str]:
+    """(hlo_op, hlo_module) of an event, from its stats or its annotation text."""
+    op, module = str(stats.get("hlo_op", "")), str(stats.get("hlo_module", ""))
+    text = " ".join([name] + [str(v) for v in stats.values() if isinstance(v, str)])
+    op = op or next(iter(re.findall(r"hlo_op=([^,#\s]+)", text)), "")
+    module = module or next(iter(re.findall(r"hlo_module=([^,#\s]+)", text)), "")
+    return op, module
+
+
+def op_times(events, hlo: Hlo) -> tuple[dict[str, float], float]:
+    """(ns per HLO instruction of this module, ns of device events with no instruction).
+    Device planes when they hold kernels (GPU: only their stream lines, when named so), else
+    the host's thunk events (CPU); loops and calls are left out (their bodies' events
+    already count)."""
+    rows = [(p, ln, n, ns, s) for p, ln, n, ns, s in events if ln not in DERIVED_LINES]
+    device = [r for r in rows if r[0].startswith("/device:") and "CPU" not in r[0]]
+    streams = [r for r in device if r[1].startswith("Stream")]
+    device = streams or device
+    ops: dict[str, float] = defaultdict(float)
+    unknown = 0.0
+    for _, _, name, ns, stats in device or rows:
+        op, module = _op_of(name, stats)
+        ins = hlo.ins.get(op)
+        if module and module != hlo.module or (not device and ins is None):
+            continue
+        if ins is None:
+            unknown += ns
+        elif ins.opcode not in STRUCTURAL:
+            ops[op] += ns
+    return ops, unknown
+
+
+def measured(hlo: Hlo, trace_dir: str) -> dict | None:
+    """The traced step by category, or None when no trace file could be read."""
+    readers = [("jax.profiler.ProfileData", "*.xplane.pb", _events_profile_data),
+               ("perfetto trace JSON", "*trace.json.gz", _events_perfetto)]
+    for source, pattern, read in readers:
+        for path in glob.glob(os.path.join(trace_dir, "**", pattern), recursive=True):
+            try:
+                ops, unknown = op_times(read(path), hlo)
+            except Exception as e:  # noqa: BLE001 - an unreadable trace: try the next reader
+                print(f"profile: {source} could not read {path}: {e}", flush=True)
+                continue
+            if ops:
+                return _by_category(hlo, ops, unknown, source)
+    return None
+
+
+def _by_category(hlo: Hlo, ops: dict[str, float], unknown: float, source: str) -> dict:
+    cat = {c: 0.0 for c in CATEGORIES}
+    for op, ns in ops.items():
+        cat[category(hlo, hlo.ins[op])] += ns / 1e6
+    busy = sum(cat.values())
+    top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
+    return {"source": source, "busy_ms": busy, "unattributed_ms": unknown / 1e6,
+            "by_category": {c: {"ms": ms, "share": ms / busy if busy else 0.0}
+                            for c, ms in cat.items()},
+            "top_ops": [{"op": op, "category": category(hlo, hlo.ins[op]), "ms": ns / 1e6}
+                        for op, ns in top]}
+
+
+def summary(hlo_text: str, trace_dir: str | None, peak_flops: float, mem_bw: float) -> dict:
+    """Measured breakdown when the trace is readable, the estimate always."""
+    hlo = Hlo(hlo_text)
+    out = measured(hlo, trace_dir) if trace_dir else None
+    est = estimated(hlo, peak_flops, mem_bw)
+    if out is None:
+        total = sum(c["ms"] for c in est.values())
+        out = {"source": "estimate from HLO shapes (no readable trace)", "busy_ms": total,
+               "by_category": {c: {"ms": v["ms"], "share": v["ms"] / total if total else 0.0}
+                               for c, v in est.items()}}
+    return {**out, "estimate": est, "instructions": len(hlo.ins),
+            "with_stack": sum(1 for i in hlo.ins.values() if "stack_frame_id" in i.attrs)}

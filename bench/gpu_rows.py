@@ -1,0 +1,137 @@
+"""One row of bench/gpu_mfu.py, measured in this process (the driver starts one per row):
+
+    python bench/gpu_rows.py SPEC_JSON RESULT_PATH
+
+SPEC_JSON says what to measure (``kind``: peak, train, legs or crash, and its settings);
+RESULT_PATH receives the row as JSON, rewritten after every phase (compile, timed steps,
+profile; each expert kernel), so a row cut off by its time limit or an error keeps what it
+measured. The exit status says whether the row finished.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import jax
+from common import RESULTS  # noqa: F401 - puts src/ on the path before moelab is imported
+
+from moelab.util import atomic_write_json
+
+
+class Row(dict):
+    """The result so far, written to its file on every ``save``."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def save(self, **fields) -> None:
+        self.update(fields)
+        atomic_write_json(self.path, dict(self))
+
+
+def peak(spec: dict, row: Row) -> None:
+    """The best square matmul of the given sizes: the MFU denominator of the other rows."""
+    from moelab.train.peak import measure_peak_flops
+
+    best = max(measure_peak_flops(n, dtype=spec["dtype"]) for n in spec["sizes"])
+    row.save(peak_flops=best, tflops=best / 1e12, dtype=spec["dtype"], sizes=spec["sizes"])
+
+
+def xla_memory(compiled) -> dict:
+    """GiB of XLA's memory analysis of the compiled step (arguments include the state)."""
+    m = compiled.memory_analysis()
+    gib = {k: getattr(m, f"{k}_size_in_bytes", 0) / 2**30
+           for k in ("argument", "output", "alias", "temp", "generated_code")}
+    gib["total"] = gib["argument"] + gib["output"] - gib["alias"] + gib["temp"]
+    return gib
+
+
+def xla_cost(compiled) -> dict:
+    cost = compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
+    return {"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed")}
+
+
+def profile(compiled, state, batch, spec: dict) -> tuple:
+    """(state, breakdown of one traced step by kernel category; see gpu_profile.py)."""
+    import gpu_profile
+
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+        t = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+        step_ms = 1e3 * (time.perf_counter() - t)
+        jax.profiler.stop_trace()
+        out = gpu_profile.summary(compiled.as_text(), trace_dir, spec.get("peak") or 1e12,
+                                  spec["mem_bw"])
+    return state, {"step_ms": step_ms, **out}
+
+
+def train(spec: dict, row: Row) -> None:
+    """Compile (XLA's memory and cost analyses), time the steps, then profile one step."""
+    from train_throughput import compile_step, describe, time_steps
+
+    from moelab.config import load_config
+
+    cfg = load_config(spec["preset"], spec["overrides"])
+    compiled, state, batches, compile_s = compile_step(cfg)
+    row.save(compile_s=compile_s, xla_memory_gib=xla_memory(compiled), xla_cost=xla_cost(compiled))
+    state, step_s = time_steps(compiled, state, batches, spec["steps"])
+    r = describe(spec["preset"], cfg, step_s, compile_s)
+    micro = r["microbatch"] or r["tokens_per_step"]
+    row.save(**r, micro_steps=r["tokens_per_step"] // micro,
+             mfu=r["model_flops_per_s"] / spec["peak"] if spec.get("peak") else None)
+    if spec.get("profile"):  # secondary: a failure here keeps the row's measurements
+        try:
+            row.save(profile=profile(compiled, state, batches[0], spec)[1])
+        except Exception as e:  # noqa: BLE001
+            row.save(profile_error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def legs(spec: dict, row: Row) -> None:
+    """Every expert kernel of gpu_legs.LEGS, leg by leg, at one expert shape."""
+    import gpu_legs
+    import numpy as np
+
+    rows, K, N, G = spec["shape"]
+    x, w, dy, counts = gpu_legs.problem(rows, K, N, G)
+    row.save(shape={"rows": rows, "K": K, "N": N, "groups": G},
+             rows_per_group={"mean": rows / G, "min": int(np.min(counts)),
+                             "max": int(np.max(counts))}, legs=[])
+    for impl in spec.get("impls") or gpu_legs.LEGS:  # default: every entry, in table order
+        row.save(legs=row["legs"] + gpu_legs.run_impl(impl, x, w, dy, counts,
+                                                      spec["budget_s"]))
+    bad = [r for r in row["legs"] if r["status"] not in ("ok", "needs a GPU")]
+    if bad:
+        raise RuntimeError(f"{len(bad)} leg(s) failed or gave wrong results: "
+                           + ", ".join(f"{r['impl']} {r['leg']}: {r['status']}" for r in bad))
+
+
+def crash(spec: dict, row: Row) -> None:
+    """Dry runs only: a row that fails after saving a partial result."""
+    row.save(note="partial result saved before the failure")
+    raise RuntimeError("deliberate failure (the dry run's crash row)")
+
+
+KINDS = {"peak": peak, "train": train, "legs": legs, "crash": crash}
+
+
+def main() -> None:
+    spec, path = json.loads(sys.argv[1]), sys.argv[2]
+    row = Row(path)
+    row.save(jax_version=jax.__version__, backend=jax.default_backend(),
+             device=jax.devices()[0].device_kind, pid=os.getpid())
+    print(f"{spec['name']}: {spec['kind']} on {row['device']} (jax {jax.__version__})",
+          flush=True)
+    KINDS[spec["kind"]](spec, row)
+    print(json.dumps(row, default=str)[:2000], flush=True)
+
+
+if __name__ == "__main__":
+    main()

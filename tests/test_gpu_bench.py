@@ -1,0 +1,225 @@
+"""bench/gpu_mfu.py, the one-command GPU benchmark, as a CPU dry run of the same driver: rows in
+their own processes, the JSONL growing as rows end, the deadline, a crashing row, a parent
+that never imports JAX; plus the pieces only a GPU run exercises end to end (trace readers,
+kernel categories, the expert legs' reference check), on inputs made here."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "bench"))  # after everything else: bench/ holds generic names
+
+import gpu_profile as gp
+
+
+def driver(args: list[str], out: Path, name: str, poll=None) -> tuple:
+    """Run the driver with $OUT=out; returns (exit code, stdout + stderr, JSONL line counts
+    seen while it ran)."""
+    env = {**os.environ, "OUT": str(out), "PYTHONPATH": str(ROOT / "src")}
+    log = out / "driver.txt"
+    with open(log, "w") as f:
+        p = subprocess.Popen([sys.executable, str(ROOT / "bench" / "gpu_mfu.py"), "--name",
+                              name, *args], stdout=f, stderr=subprocess.STDOUT, env=env)
+        seen = []
+        while poll is not None and p.poll() is None:
+            seen.append(len(poll.read_text().splitlines()) if poll.exists() else 0)
+            time.sleep(0.2)
+        p.wait(timeout=600)
+    return p.returncode, log.read_text(), seen
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def name(request):
+    """A results name of this test's own; its files in bench/results are removed after."""
+    name = f"test_{request.node.name}_{os.getpid()}".replace("[", "_").replace("]", "")
+    name = "".join(c if c.isalnum() or c in "_.-" else "_" for c in name)
+    yield name
+    results = ROOT / "bench" / "results"
+    for suffix in (".json", ".jsonl"):
+        (results / f"{name}{suffix}").unlink(missing_ok=True)
+    shutil.rmtree(results / f"{name}_logs", ignore_errors=True)
+
+
+def test_dry_run_measures_each_row_in_its_own_process(tmp_path, name):
+    jsonl = tmp_path / f"{name}.jsonl"
+    rc, text, seen = driver(["--dry-run", "--rows", "d1024", "legs-d1024", "crash",
+                             "--deadline", "500"], tmp_path, name, poll=jsonl)
+    assert rc == 0, text
+    rows = {r["row"]: r for r in lines(jsonl)}
+    # table order, one line per row: the crash first, then peak (joined for MFU)
+    assert [r["row"] for r in lines(jsonl)] == ["crash", "peak", "d1024", "legs-d1024"]
+    assert any(0 < n < 4 for n in seen), seen  # lines appear as rows end, not at the end
+    assert lines(jsonl) == lines(ROOT / "bench" / "results" / f"{name}.jsonl")
+
+    crash, peak, train, legs = (rows[k] for k in ("crash", "peak", "d1024", "legs-d1024"))
+    assert crash["status"].startswith("failed") and "deliberate failure" in crash["status"]
+    assert crash["note"].startswith("partial result")  # saved before the failure, kept
+    assert all(r["status"] == "ok" for r in (peak, train, legs)), text
+    pids = {r["pid"] for r in rows.values()}
+    assert len(pids) == 4 and os.getpid() not in pids
+
+    assert peak["peak_flops"] > 0  # row 1's figure is the MFU denominator of the others
+    assert train["mfu"] == pytest.approx(train["model_flops_per_s"] / peak["peak_flops"])
+    assert train["tokens_per_s"] > 0 and train["xla_memory_gib"]["temp"] > 0
+    prof = train["profile"]
+    assert prof["source"] == "jax.profiler.ProfileData"  # measured, not the estimate
+    cats = prof["by_category"]
+    assert set(cats) == set(gp.CATEGORIES)
+    for c in (gp.GROUPED, gp.MATMUL, gp.OPTIMIZER, gp.ATTENTION, gp.MOVES):
+        assert cats[c]["ms"] > 0 and prof["estimate"][c]["gb"] > 0, c
+    assert prof["estimate"][gp.GROUPED]["tflop"] > 0
+
+    status = {(r["impl"], r["leg"]): r for r in legs["legs"]}
+    assert status[("mgpu", "all")]["status"] == "needs a GPU"
+    checked = [r for k, r in status.items() if k[0] != "mgpu"]
+    assert len(checked) == 12 and all(r["status"] == "ok" for r in checked), checked
+    assert all(r["max_rel_err"] <= 2e-2 for r in checked)
+
+    summary = json.loads((tmp_path / f"{name}.json").read_text())
+    assert summary["parent_imported_jax"] is False and len(summary["rows"]) == 4
+    assert (tmp_path / f"{name}_logs" / "d1024.log").exists()
+    assert text.rstrip().splitlines()[-1].split()[0] == "legs-d1024"  # the table comes last
+
+
+def test_rows_that_cannot_fit_the_deadline_are_skipped(tmp_path, name):
+    rc, text, _ = driver(["--dry-run", "--rows", "dense-d1024", "--deadline", "12"], tmp_path,
+                         name)
+    assert rc == 0, text
+    rows = lines(tmp_path / f"{name}.jsonl")
+    assert [r["row"] for r in rows] == ["peak", "dense-d1024"]
+    assert all(r["status"].startswith("skipped: deadline") for r in rows), rows
+    assert not any("pid" in r for r in rows)  # no child was started
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--rows", "d768", "data.batch_size=4"], "unknown row 'data.batch_size=4' (an option"),
+    (["--rows", "crash"], "unknown row 'crash'"),  # the dry run's own row
+    (["--deadline", "0"], "--deadline: must be > 0"),
+    (["--mem-fraction", "1.5"], "--mem-fraction: must be in (0, 1]"),
+    (["--experts", "--rows", "d768"], "use --rows or --experts"),
+])
+def test_bad_options_fail_before_any_row(tmp_path, name, args, message):
+    rc, text, _ = driver(args, tmp_path, name)
+    assert rc == 2 and message in text, text
+    assert not (tmp_path / f"{name}.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- profile parts
+
+HLO = """HloModule jit_step_fn, is_scheduled=true
+
+FileNames
+1 "/x/moelab/model/experts.py"
+2 "/x/optax/_src/transform.py"
+3 "/x/moelab/model/layers.py"
+4 "/x/moelab/model/transformer.py"
+
+FunctionNames
+1 "swiglu_bank"
+2 "update_fn"
+3 "attend"
+4 "forward_hidden"
+
+FileLocations
+1 {file_name_id=4 function_name_id=4 line=10 end_line=10 column=1 end_column=2}
+2 {file_name_id=1 function_name_id=1 line=20 end_line=20 column=1 end_column=2}
+3 {file_name_id=2 function_name_id=2 line=30 end_line=30 column=1 end_column=2}
+4 {file_name_id=3 function_name_id=3 line=40 end_line=40 column=1 end_column=2}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=0}
+2 {file_location_id=2 parent_frame_id=2}
+3 {file_location_id=3 parent_frame_id=0}
+4 {file_location_id=4 parent_frame_id=2}
+
+%fused_dot (p0: bf16[8,4], p1: bf16[4,16]) -> bf16[8,16] {
+  %p0 = bf16[8,4]{1,0} parameter(0)
+  %p1 = bf16[4,16]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,16]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="dot" stack_frame_id=2}
+}
+
+%body (s: (s32[], bf16[8,4])) -> (s32[], bf16[8,4]) {
+  %s = (s32[], bf16[8,4]{1,0}) parameter(0)
+  %x = bf16[8,4]{1,0} get-tuple-element(%s), index=1
+  %w = bf16[4,16]{1,0} constant({...})
+  %gemm_fusion = bf16[8,16]{1,0} fusion(%x, %w), kind=kCustom, calls=%fused_dot, metadata={op_name="f" stack_frame_id=1}
+  %attn = bf16[8,4]{1,0} custom-call(%x), custom_call_target="__cudnn$fmhaSoftmax", metadata={op_name="a" stack_frame_id=4}
+  %sort.2 = s32[8]{0} sort(%x), dimensions={0}, to_apply=%cmp
+  %adam = bf16[8,4]{1,0} multiply(%x, %x), metadata={op_name="m" stack_frame_id=3}
+  ROOT %t = (s32[], bf16[8,4]{1,0}) tuple(%i, %adam)
+}
+
+ENTRY %main (a: bf16[8,4]) -> bf16[8,4] {
+  %a = bf16[8,4]{1,0} parameter(0)
+  %loop = (s32[], bf16[8,4]{1,0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  ROOT %out = bf16[8,4]{1,0} add(%a, %a)
+}
+"""
+
+
+def test_hlo_instructions_get_their_category_from_op_and_python_stack():
+    h = gp.Hlo(HLO)
+    cat = {n: gp.category(h, h.ins[n]) for n in ("gemm_fusion", "attn", "sort.2", "adam", "out")}
+    assert cat == {"gemm_fusion": gp.GROUPED, "attn": gp.ATTENTION, "sort.2": gp.MOVES,
+                   "adam": gp.OPTIMIZER, "out": gp.ELEMENTWISE}
+    assert h.stack(h.ins["dot.1"])[0] == ("/x/moelab/model/experts.py", "swiglu_bank")
+    est = gp.estimated(h, peak_flops=1e12, mem_bw=1e9)
+    assert est[gp.GROUPED]["tflop"] == pytest.approx(12 * 2 * 8 * 16 * 4 / 1e12)  # x trips
+
+
+def test_trace_events_map_to_hlo_ops_from_either_reader(tmp_path):
+    """Kernel events name their HLO op in an annotation (GPU) or a stat (CPU); the device plane
+    wins over host events; other modules' kernels are left out."""
+    h = gp.Hlo(HLO)
+    dev = "/device:GPU:0"
+    events = [
+        (dev, "Stream #1", "sm90_gemm", 5e6, {"kernel_annotation":
+                                              "Thunk:#hlo_op=gemm_fusion,hlo_module=jit_step_fn#"}),
+        (dev, "Stream #1", "fmha_kernel", 2e6, {"hlo_op": "attn", "hlo_module": "jit_step_fn"}),
+        (dev, "Stream #1", "other", 9e6, {"hlo_op": "dot.9", "hlo_module": "jit_init"}),
+        (dev, "Stream #1", "memcpy", 1e6, {}),
+        (dev, "XLA Ops", "gemm_fusion", 5e6, {"hlo_op": "gemm_fusion"}),  # derived: not again
+        ("/host:CPU", "python", "adam", 7e6, {"hlo_op": "adam"}),
+    ]
+    ops, unknown = gp.op_times(events, h)
+    assert ops == {"gemm_fusion": 5e6, "attn": 2e6} and unknown == 1e6
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": dev}},
+        {"ph": "X", "pid": 7, "tid": 1, "name": "k", "dur": 3000.0, "args": {"hlo_op": "sort.2"}},
+    ]}
+    with gzip.open(tmp_path / "perfetto_trace.json.gz", "wt") as f:
+        json.dump(trace, f)
+    out = gp.measured(h, str(tmp_path))
+    assert out["source"] == "perfetto trace JSON"
+    assert out["by_category"][gp.MOVES]["ms"] == pytest.approx(3.0)
+
+
+def test_a_wrong_expert_kernel_fails_its_check(monkeypatch):
+    """The legs' reference is a host float32 matmul, not another kernel: a kernel off by 10%
+    is caught (and a correct one passes)."""
+    import gpu_legs
+
+    from moelab.model.grouped_matmul import reference_backend
+
+    fwd, dgrad, wgrad = reference_backend()
+    monkeypatch.setitem(gpu_legs.LEGS, "off", lambda: gpu_legs.Legs(
+        lambda x, w, c: fwd(x, w, c) * 1.1, dgrad, wgrad))
+    x, w, dy, counts = gpu_legs.problem(512, 16, 32, 8)
+    rows = {r["leg"]: r for r in gpu_legs.run_impl("off", x, w, dy, counts, budget_s=0.0)}
+    assert rows["fwd"]["status"] == "WRONG" and rows["fwd"]["max_rel_err"] > 0.05
+    assert rows["dgrad"]["status"] == rows["wgrad"]["status"] == "ok"
