@@ -26,6 +26,7 @@ def rms_norm(x, scale=None, eps: float = 1e-5):
     return y.astype(x.dtype)
 
 
+@jax.named_scope("gated_norm")  # names its matmuls for planner.flop_audit
 def gated_norm(x, w_down_DR, w_up_RD):
     """GatedNorm: x * sigmoid(W_up silu(W_down x)), a low-rank per-dimension gate applied to an
     RMSNorm output (the gate lets the model re-scale dimensions the norm made uniform)."""
@@ -137,6 +138,7 @@ def _fused(q_BTKGQ, k_BSKQ, v_BSKQ, *, window: int, kv_stride: int, impl: str):
     return out.reshape(B, T, K, G, Q)
 
 
+@jax.named_scope("attention_core")  # names its matmuls for planner.flop_audit
 def attend(q_BTKGQ, k_BTKQ, v_BTKQ, window, is_global, cfg: ModelConfig):
     """The attention core, softmax(q k / sqrt(Q)) v over causal keys within ``window`` (0 = all),
     computed by ``resolve_attention(cfg)``. The fused kernels need a static window: a traced one
@@ -236,6 +238,7 @@ def attention_output(p: dict, x_BTD, out_BTKGQ, v_BTKQ, cfg: ModelConfig):
     return out.reshape(B, T, H * Q) @ p["wo"]
 
 
+@jax.named_scope("attention")  # names its matmuls for planner.flop_audit
 def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global=False):
     """Grouped-query causal self-attention; ``p`` holds wq [D, H*Q], wk/wv [D, K*Q], wo [H*Q, D]
     and, with the options on, conv_q/conv_k/conv_v [n, C] and attn_gate [D, H].
@@ -250,6 +253,7 @@ def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global=Fals
     return attention_output(p, x_BTD, out, v, cfg)
 
 
+@jax.named_scope("swiglu")  # names its matmuls for planner.flop_audit
 def swiglu(x_ND, w_gate_DF, w_up_DF, w_down_FD):
     """SwiGLU feed-forward: down(silu(x gate) * (x up))."""
     return (jax.nn.silu(x_ND @ w_gate_DF) * (x_ND @ w_up_DF)) @ w_down_FD

@@ -18,6 +18,7 @@ from moelab.model.layers import rms_norm, swiglu
 from moelab.model.router import Routing, route
 
 
+@jax.named_scope("moe")  # names its matmuls for planner.flop_audit
 def moe_branch(p: dict, x_ND, bias_E, cfg: ModelConfig, valid_N=None, experts_fn=None):
     """The whole MoE branch on flattened tokens [N, D]. Returns (output [N, D], Routing).
 

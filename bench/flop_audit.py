@@ -1,0 +1,187 @@
+"""FLOP audit of a train step: the matmul FLOPs it executes against the planner's model FLOPs,
+per component and remat policy, traced on abstract inputs (nothing runs; a CPU is enough).
+
+    PYTHONPATH=src .venv/bin/python bench/flop_audit.py d1024 data.seq_len=4096 \\
+        data.batch_size=16 model.compute_dtype=bfloat16 model.loss_chunk=8192
+    ... --remat none full     the policies audited, as model.remat overrides (default: both)
+    ... --backend cpu         the path a CPU runs (default gpu: the path a GPU runs)
+
+The step is ``moelab.train.step.make_train_step(cfg)`` on one device (no mesh, no transport),
+traced with ``jax.make_jaxpr`` on ``jax.eval_shape``'d state; ``moelab.planner.flop_audit``
+walks the jaxpr (loop trip counts, cond branches, Pallas grids) and names each matmul's
+component. ``--backend gpu`` traces the choices a GPU makes (``planner.flop_audit.
+traced_as_gpu``): ``attention_impl=auto`` is cuDNN's fused attention when it fits (bfloat16,
+head_dim a multiple of 8 up to 128), ``moe_impl=auto`` the blocks kernel. ``mgpu`` (the Hopper
+kernels) traces only on a GPU. Model FLOPs: ``planner.counts.train_flops_per_token`` x tokens per
+step, split by component. Short convs run as elementwise multiply-adds, not matmuls: their
+executed column is 0.
+
+Targets (printed, never fatal): remat none <= 1.05x the model FLOPs, remat full <= 1.40x, and no
+float32 matmul in a bfloat16 config (float32 x bfloat16 counts: XLA converts the bfloat16 side
+up). Results: bench/results/NAME.json (and $OUT/NAME.json when $OUT is set).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from common import print_table, save
+
+import jax
+import jax.numpy as jnp
+
+from moelab.config import ConfigError, load_config
+from moelab.model.experts import resolve_impl
+from moelab.model.layers import resolve_attention
+from moelab.planner import flop_audit as fa
+from moelab.planner.counts import train_flops_per_token
+from moelab.train.step import init_train_state, make_train_step
+
+TARGETS = {"none": 1.05, "full": 1.40}  # executed / model FLOPs, per remat policy
+
+
+def backend(name: str):
+    return fa.traced_as_gpu() if name == "gpu" else contextlib.nullcontext()
+
+
+def check(cfg, name: str) -> dict:
+    """The kernels the traced step uses; an error naming the option when it cannot be traced."""
+    with backend(name):
+        try:
+            attention, experts = resolve_attention(cfg.model), resolve_impl(cfg.model)
+        except ValueError as e:  # ConfigError included: both name the option
+            raise ConfigError(f"{e} (--backend {name})") from None
+    if experts == "mgpu" and jax.default_backend() != "gpu":
+        raise ConfigError("model.moe_impl: 'mgpu' (the Hopper kernels) reads the GPU's SM count "
+                          "while tracing, so it is audited on a GPU only; use blocks or ragged "
+                          "here")
+    return {"attention": attention, "experts": experts}
+
+
+def load(args) -> dict:
+    """{policy: (config, kernels)}, every input checked before any tracing."""
+    if any(o.split("=")[0].strip() == "model.remat" for o in args.overrides):
+        raise ConfigError("model.remat: set by --remat here; drop the override")
+    out = {}
+    for policy in args.remat:
+        cfg = load_config(args.config, args.overrides + [fa.remat_override(policy)])
+        out[policy] = (cfg, check(cfg, args.backend))
+    return out
+
+
+def trace(cfg, name: str):
+    """The train step's closed jaxpr on abstract state and batch."""
+    with backend(name):
+        state = jax.eval_shape(lambda k: init_train_state(cfg, k), jax.random.PRNGKey(0))
+        batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
+        return jax.make_jaxpr(make_train_step(cfg))(state, batch)
+
+
+def audit(cfg, name: str) -> dict:
+    t = time.perf_counter()
+    dots = fa.attribute(fa.dot_flops(trace(cfg, name)), cfg.model)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    model = fa.model_flops(cfg.model, cfg.data.seq_len, tokens)
+    rows = fa.component_rows(dots, model)
+    planner = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+    if abs(rows[-1]["model"] / planner - 1) > 1e-9:
+        raise RuntimeError("planner.flop_audit.model_flops no longer adds up to "
+                           "planner.counts.train_flops_per_token: update it")
+    notes = sorted({n for d in dots for n in d.notes})
+    return {"tokens": tokens, "rows": rows, "largest": fa.grouped(dots)[:8],
+            "fp32": fa.fp32_matmuls(dots), "notes": notes,
+            "seconds": time.perf_counter() - t}
+
+
+def verdicts(policy: str, cfg, res: dict) -> dict:
+    ratio = res["rows"][-1]["ratio"]
+    target = TARGETS.get(policy)
+    bf16 = cfg.model.compute_dtype == "bfloat16"
+    return {"ratio": ratio, "ratio_target": target,
+            "ratio_pass": None if target is None else ratio <= target,
+            "fp32_matmuls": len(res["fp32"]) if bf16 else None,
+            "fp32_pass": (not res["fp32"]) if bf16 else None}
+
+
+def show(policy: str, cfg, kernels: dict, res: dict, v: dict) -> None:
+    print(f"\n== remat {policy} ({fa.remat_override(policy)}): {res['tokens']:,} tokens/step, "
+          f"attention {kernels['attention']}, experts {kernels['experts']}, "
+          f"{cfg.model.compute_dtype}; traced and walked in {res['seconds']:.1f} s")
+    rows = [{**r, "share": r["executed"] / res["rows"][-1]["executed"]} for r in res["rows"]]
+    print_table(rows, [("component", "component", "s"), ("executed", "executed", ".4g"),
+                       ("model", "model", ".4g"), ("ratio", "ratio", ".3f"),
+                       ("share", "of executed", ".1%")])
+    if v["ratio_target"] is not None:
+        print(f"target remat {policy} <= {v['ratio_target']:.2f}x: {v['ratio']:.3f}x "
+              f"{'PASS' if v['ratio_pass'] else 'FAIL'}")
+    print("\nlargest matmuls:")
+    print_table(res["largest"], [("component", "component", "s"), ("kind", "kind", "s"),
+                                 ("shapes", "shapes", "s"), ("dtypes", "dtypes", "s"),
+                                 ("calls", "calls", ".0f"), ("flops", "FLOPs", ".4g")])
+    show_fp32(cfg, res, v)
+    for note in res["notes"]:
+        print(f"note: {note}")
+
+
+def show_fp32(cfg, res: dict, v: dict) -> None:
+    if v["fp32_pass"] is None:
+        print(f"\n{cfg.model.compute_dtype} config: every matmul runs in float32 (the float32 "
+              "check is for bfloat16 configs)")
+        return
+    calls = sum(g["calls"] for g in res["fp32"])
+    print(f"\nfloat32 matmuls in a bfloat16 config: {v['fp32_matmuls']} distinct, {calls:.0f} "
+          f"calls: {'PASS' if v['fp32_pass'] else 'FAIL'} (target: none)")
+    if res["fp32"]:
+        print_table(res["fp32"], [("component", "component", "s"), ("kind", "kind", "s"),
+                                  ("shapes", "shapes", "s"), ("dtypes", "dtypes", "s"),
+                                  ("calls", "calls", ".0f"), ("flops", "FLOPs", ".4g")])
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """KEY=VALUE words are overrides wherever they stand, so ``--remat none full`` cannot
+    swallow one."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("config", help="preset name or YAML file; then KEY=VALUE overrides")
+    ap.add_argument("--remat", nargs="+", default=["none", "full"],
+                    choices=["none", "full", "dots"], help="remat policies (default: none full)")
+    ap.add_argument("--backend", choices=["gpu", "cpu"], default="gpu",
+                    help="trace the path a GPU runs (default) or the one a CPU runs")
+    ap.add_argument("--name", default="flop_audit", help="results file name")
+    is_override = lambda a: "=" in a and not a.startswith("-")  # noqa: E731
+    args = ap.parse_args([a for a in argv if not is_override(a)])
+    args.overrides = [a for a in argv if is_override(a)]
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        configs = load(args)
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"flop_audit: {e}", file=sys.stderr)
+        sys.exit(2)
+    results, table = {}, {}
+    for policy, (cfg, kernels) in configs.items():
+        res = audit(cfg, args.backend)
+        v = verdicts(policy, cfg, res)
+        show(policy, cfg, kernels, res, v)
+        results[policy] = {**res, **v, **kernels}
+        for r in res["rows"]:
+            row = table.setdefault(r["component"], {"component": r["component"],
+                                                    "model": r["model"]})
+            row.update({f"{policy}_executed": r["executed"], f"{policy}_ratio": r["ratio"]})
+    out = save(args.name, list(table.values()), config=args.config, overrides=args.overrides,
+               backend=args.backend, policies=results)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
+        shutil.copy(out, Path(os.environ["OUT"]) / out.name)
+
+
+if __name__ == "__main__":
+    main()
