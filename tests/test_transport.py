@@ -325,10 +325,12 @@ def test_waterfill_drops_less_than_pooled_wave():
 # ----------------------------------------------------------------------------- collectives
 
 def primitives(jaxpr, acc=None):
-    """(primitive name, first output dtype) for every equation, recursing into sub-jaxprs."""
+    """(primitive name, first output dtype) for every equation, recursing into sub-jaxprs; a
+    scatter over sorted indices is named ``<name>(sorted)``."""
     acc = [] if acc is None else acc
     for eqn in jaxpr.eqns:
-        acc.append((eqn.primitive.name, str(eqn.outvars[0].aval.dtype) if eqn.outvars else ""))
+        name = eqn.primitive.name + ("(sorted)" if eqn.params.get("indices_are_sorted") else "")
+        acc.append((name, str(eqn.outvars[0].aval.dtype) if eqn.outvars else ""))
         for v in eqn.params.values():
             for sub in v if isinstance(v, (list, tuple)) else [v]:
                 if isinstance(sub, jcore.ClosedJaxpr):
@@ -363,6 +365,7 @@ def test_collective_counts_and_no_float_scatter_add(kind):
     count = lambda prims: {n: c for n, c in Counter(p for p, _ in prims).items()
                            if n in names[:3]}
     assert (count(fwd), count(grad)) == EXPECTED[kind]
+    # the transpose of a gather; the blocks' per-expert weight-gradient sum is a sorted one
     assert not [p for p, dt in grad if p == "scatter-add" and "float" in dt]
 
 

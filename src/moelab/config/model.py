@@ -10,6 +10,7 @@ from moelab.config.errors import require
 
 CONV_SITES = ("q", "k", "v", "attn", "moe")  # projections, attention-branch / MoE-branch output
 REMAT_POLICIES = ("none", "dots", "full")  # what a block keeps for the backward (model.remat)
+MOE_IMPLS = ("auto", "blocks", "gmm", "ragged", "ragged_fusion", "mgpu", "dense")
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class ModelConfig:
     bias_update_rate: float = 1e-3  # sigmoid_bias: step size of the balancing bias
     combine_sum: float = 0.0  # sigmoid routers: rescale the k weights to sum to this; 0 = raw
     qb_bins: int = 10_000  # quantile router: histogram bins of the balancing quantile
-    # "auto" | "blocks" | "ragged" | "mgpu" (Hopper GPUs) | "dense" (the slow reference)
+    # "auto" | "blocks" | "gmm" (grouped GEMM; GPU) | "ragged" | "ragged_fusion" (XLA's, GPU)
+    # | "mgpu" (Hopper GPUs) | "dense" (the slow reference)
     moe_impl: str = "auto"
     moe_block: int = 128  # rows per block of the sorted-blocks MoE kernel
     # head / loss / numerics
@@ -129,8 +131,20 @@ class ModelConfig:
                 f"comma list of {','.join(CONV_SITES)}")
         require(self.conv_kernel >= 1, f"{p}.conv_kernel", "must be >= 1")
         require(self.gated_norm_rank >= 0, f"{p}.gated_norm_rank", "must be >= 0 (0 = off)")
-        require(self.moe_impl in ("auto", "blocks", "ragged", "mgpu", "dense"), f"{p}.moe_impl",
-                "must be one of auto, blocks, ragged, mgpu, dense")
+        require(self.moe_impl in MOE_IMPLS, f"{p}.moe_impl",
+                f"must be one of {', '.join(MOE_IMPLS)}")
+        require(self.moe_impl != "ragged_fusion" or self.compute_dtype == "bfloat16",
+                f"{p}.moe_impl", "ragged_fusion needs model.compute_dtype=bfloat16 (XLA fuses "
+                "only 16-bit ragged dots; others expand to E times the work)")
+        if self.moe_impl == "gmm":  # the Triton kernels' tiles (model/grouped_gemm.py)
+            require(self.compute_dtype == "bfloat16", f"{p}.moe_impl",
+                    "gmm needs model.compute_dtype=bfloat16 (its tiles are sized for bf16)")
+            require(self.moe_block >= 16 and self.moe_block & (self.moe_block - 1) == 0,
+                    f"{p}.moe_block", f"gmm uses it as the kernel's row tile: {self.moe_block} "
+                    "must be a power of two >= 16 (e.g. 128)")
+            require(self.routed_width % 16 == 0 and self.expert_dim % 16 == 0,
+                    f"{p}.moe_impl", f"gmm needs the routed width ({self.routed_width}) and "
+                    f"expert_dim ({self.expert_dim}) to be multiples of 16 (Triton's dot tiles)")
         if self.moe_impl == "mgpu":  # the Hopper kernels' tiles (model/grouped_matmul.py)
             require(self.compute_dtype == "bfloat16", f"{p}.moe_impl",
                     "mgpu needs model.compute_dtype=bfloat16")

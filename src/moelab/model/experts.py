@@ -13,9 +13,15 @@ Data movement uses gathers whose custom VJPs are gathers too (``gather_rows``,
 memory-hungry (docs/transport.md, "Backward").
 
 Kernels (``ModelConfig.moe_impl``; ``resolve_impl`` says why ``auto`` is ``blocks``):
-- ``blocks``: static shapes, padding waste below ``groups * block`` rows, plain dense matmuls.
+- ``blocks``: static shapes, padding waste below ``groups * block`` rows, plain dense matmuls
+  on a per-block copy of each block's expert weights.
+- ``gmm``: the same padded layout, a Pallas grouped GEMM (``moelab.model.grouped_gemm``) that
+  reads each tile's expert weights in place and skips unused tiles; Triton on a GPU, Pallas
+  interpret mode (slow, for checking) elsewhere.
 - ``ragged``: ``jax.lax.ragged_dot`` over the sorted rows (for a backend with a grouped-matmul
   kernel behind it).
+- ``ragged_fusion``: the same calls, for XLA's ragged-dot fusion on a GPU (cuDNN's grouped
+  GEMM), which the process must enable at start-up (``RAGGED_FUSION_FLAG`` in ``XLA_FLAGS``).
 - ``mgpu``: JAX's Hopper grouped-matmul kernels (``moelab.model.grouped_matmul``), weights
   used in place; NVIDIA sm_90 only.
 - ``dense``: every expert on every token, masked: slow, obviously correct, the reference.
@@ -26,6 +32,7 @@ fill zeros there, so empty slots carry zeros and contribute nothing.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import jax
@@ -33,26 +40,53 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import ModelConfig
+from moelab.model.grouped_gemm import gmm_backend, group_tiles
 from moelab.model.grouped_matmul import grouped_swiglu_rows, mgpu_backend
 from moelab.model.layers import swiglu
 
+RAGGED_FUSION_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
+UNPADDED = ("ragged", "ragged_fusion", "mgpu")  # kernels that take any group sizes
+GROUPED = UNPADDED + ("blocks", "gmm")
+
+
+def xla_flags(impl: str) -> str:
+    """XLA flags a process must start with (in ``XLA_FLAGS``, before JAX initialises its
+    backend) for ``impl`` on a GPU: a launcher that runs one impl per process adds them."""
+    return RAGGED_FUSION_FLAG if impl == "ragged_fusion" else ""
+
+
+def _ragged_fusion_on() -> bool:
+    flag = RAGGED_FUSION_FLAG.split("=")[0]
+    return any(t in (flag, flag + "=true", flag + "=1")
+               for t in os.environ.get("XLA_FLAGS", "").split())
+
+
 def resolve_impl(cfg: ModelConfig) -> str:
-    """``auto`` is ``blocks`` on every backend (``mgpu``, the Hopper grouped-matmul kernels, is
-    chosen by name until it is measured faster: bench/gpu_mfu.py --experts). Measured on one H200 with JAX 0.11 (see
-    bench/reference/h200_*.json): XLA lowers ``ragged_dot`` to masked dense matmuls there, so
-    ``ragged`` did E times the expert work (small preset: 6.1% MFU vs 7.4% for blocks) and ran
-    out of memory on the d768 rung (205 GiB asked) where blocks used 34.5 GiB."""
-    if cfg.moe_impl == "mgpu" and jax.default_backend() != "gpu":
+    """``auto`` is ``blocks`` on every backend: ``gmm`` (moelab's grouped GEMM), ``mgpu`` (JAX's
+    Hopper kernels) and ``ragged_fusion`` (XLA's) are chosen by name until bench/gpu_mfu.py
+    measures one faster than blocks on a GPU; none has been yet. Measured on one H200 with JAX
+    0.11 (bench/reference/h200_*.json): XLA lowers a plain ``ragged_dot`` to masked dense
+    matmuls there, so ``ragged`` did E times the expert work (small preset: 6.1% MFU vs 7.4% for
+    blocks) and ran out of memory on the d768 rung (205 GiB asked) where blocks used 34.5 GiB.
+    On CPU ``gmm`` runs its kernels in Pallas interpret mode (slow, correct) and
+    ``ragged_fusion`` is ``ragged`` (the fusion is a GPU pass)."""
+    backend = jax.default_backend()
+    if cfg.moe_impl == "mgpu" and backend != "gpu":
         raise ValueError(f"model.moe_impl='mgpu' needs an NVIDIA Hopper GPU (JAX backend here: "
-                         f"{jax.default_backend()}); use blocks")
+                         f"{backend}); use blocks")
+    if cfg.moe_impl == "ragged_fusion" and backend == "gpu" and not _ragged_fusion_on():
+        raise ValueError("model.moe_impl='ragged_fusion' needs XLA's ragged-dot fusion, which "
+                         "is set when the process starts: run with XLA_FLAGS="
+                         f"{RAGGED_FUSION_FLAG} (without it XLA expands ragged_dot to E times "
+                         "the work), or use blocks / gmm")
     return "blocks" if cfg.moe_impl == "auto" else cfg.moe_impl
 
 
 def grouped_kernel(cfg: ModelConfig) -> tuple[str, int]:
-    """(kernel, block rows) for grouped compute: ``ragged`` or ``mgpu`` when asked, else
-    ``blocks`` (the dense reference has no grouped form, so transports use blocks under it)."""
+    """(kernel, block rows) for grouped compute: the impl when it has a grouped form, else
+    ``blocks`` (the dense reference has none, so transports use blocks under it)."""
     impl = resolve_impl(cfg)
-    return (impl if impl in ("ragged", "mgpu") else "blocks"), cfg.moe_block
+    return (impl if impl in GROUPED else "blocks"), cfg.moe_block
 
 
 # ----------------------------------------------------------------------------- drop counts
@@ -204,7 +238,7 @@ class GroupLayout(NamedTuple):
     dst_R: jax.Array  # row -> its slot in the sorted layout (n_slots = an empty row)
     src_M: jax.Array  # slot -> the row it holds (R = an empty slot)
     counts_G: jax.Array  # rows per group (int32)
-    block_group: jax.Array | None  # blocks: the group of each block; ragged, mgpu: None
+    block_group: jax.Array | None  # blocks, gmm: the group of each block; UNPADDED: None
     kernel: str = "blocks"
 
 
@@ -218,21 +252,21 @@ def counts_layout(group_R, rank_R, counts_G, kernel: str = "blocks", block: int 
                   max_rows: int | None = None) -> GroupLayout:
     """The sorted layout from each row's group and its rank within the group (no sort needed
     when a transport already knows both). ``max_rows`` bounds the real rows (default: every
-    row). ``blocks`` pads each group to whole blocks of min(block, max_rows) rows: enough
-    blocks for any counts, since sum_g ceil(count_g / block) <= ceil(max_rows / block) + G."""
+    row). ``blocks`` and ``gmm`` pad each group to whole blocks of min(block, max_rows) rows
+    (gmm: max_rows rounded up to a power of two, at least 16): enough blocks for any counts,
+    since sum_g ceil(count_g / block) <= ceil(max_rows / block) + G; unused blocks trail."""
     R = group_R.shape[0] if max_rows is None else max_rows
     n_groups = counts_G.shape[0]
     g = jnp.minimum(group_R, n_groups - 1)
     block_group = None
-    if kernel in ("ragged", "mgpu"):  # no padding: grouped kernels take any group sizes
+    if kernel in UNPADDED:
         pos, n_slots = (jnp.cumsum(counts_G) - counts_G)[g] + rank_R, R
-    else:
-        block = min(block, R)
-        padded = -(-counts_G // block) * block
+    else:  # gmm's row tile stays a power of two (Triton's tiles)
+        block = min(block, R if kernel != "gmm" else max(16, 1 << (R - 1).bit_length()))
         n_blocks = -(-R // block) + n_groups
-        pos, n_slots = (jnp.cumsum(padded) - padded)[g] + rank_R, n_blocks * block
-        block_group = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(n_blocks) * block,
-                                                   side="right"), n_groups - 1)
+        tiles = group_tiles(counts_G, n_blocks, block)
+        pos, n_slots = tiles.first_tile[g] * block + rank_R, n_blocks * block
+        block_group = tiles.tile_group
     dst_R = jnp.where(group_R < n_groups, pos, n_slots).astype(jnp.int32)
     return GroupLayout(dst_R, invert(dst_R, n_slots), counts_G.astype(jnp.int32), block_group,
                        kernel)
@@ -241,8 +275,9 @@ def counts_layout(group_R, rank_R, counts_G, kernel: str = "blocks", block: int 
 @jax.custom_vjp
 def block_weights(w_G, block_group):
     """w[block_group]: each block's copy of its group's weights. The backward sums the blocks'
-    gradients per group as a one-hot matmul rather than the scatter-add XLA would emit for the
-    transpose of a gather."""
+    gradients per group over the sorted blocks (``sum_blocks``: additions only, where a one-hot
+    matmul would add G times the blocks' gradient size in matmul FLOPs; measured no slower on
+    CPU by bench/expert_kernels_cpu.py)."""
     return w_G[block_group]
 
 
@@ -250,10 +285,17 @@ def _block_weights_fwd(w_G, block_group):
     return w_G[block_group], (block_group, w_G.shape[0])
 
 
+def sum_blocks(g_B, block_group, n_groups: int):
+    """Per-group sums of the blocks' gradients, blocks sorted by group (float32 accumulation,
+    as a matmul would do; no matmul FLOPs)."""
+    dw = jax.ops.segment_sum(g_B.astype(jnp.float32), block_group, n_groups,
+                             indices_are_sorted=True)
+    return dw.astype(g_B.dtype)
+
+
 def _block_weights_bwd(res, g_B):
     block_group, G = res
-    onehot = jax.nn.one_hot(block_group, G, dtype=g_B.dtype)
-    return jnp.einsum("bg,b...->g...", onehot, g_B), None
+    return sum_blocks(g_B, block_group, G), None
 
 
 block_weights.defvjp(_block_weights_fwd, _block_weights_bwd)
@@ -263,7 +305,13 @@ def sorted_swiglu(xs_MH, layout: GroupLayout, w):
     """SwiGLU of rows already in ``layout``'s sorted order, each with its group's weights.
 
     ``blocks``: one batched einsum over blocks with each block's expert weights
-    (``block_weights``). ``ragged``: ``jax.lax.ragged_dot`` over the group counts."""
+    (``block_weights``). ``gmm``: the grouped GEMM over the same blocks, with the blocks' tile
+    metadata computed once here for its nine kernel calls. ``ragged``, ``ragged_fusion``:
+    ``jax.lax.ragged_dot`` over the group counts."""
+    if layout.kernel == "gmm":
+        n_blocks = layout.block_group.shape[0]
+        tiles = group_tiles(layout.counts_G, n_blocks, xs_MH.shape[0] // n_blocks)
+        return grouped_swiglu_rows(xs_MH, w, tiles, gmm_backend())
     if layout.kernel == "mgpu":  # empty rows (zeros, sorted last) join the last group: output 0
         c = layout.counts_G.at[-1].add(xs_MH.shape[0] - jnp.sum(layout.counts_G))
         return grouped_swiglu_rows(xs_MH, w, c, mgpu_backend())

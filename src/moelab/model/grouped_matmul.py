@@ -1,8 +1,11 @@
 """Grouped matmul over rows sorted by group, with the weights used in place (no copy per block):
-y[rows of g] = x[rows of g] @ w[g], for the ``mgpu`` expert kernel.
+y[rows of g] = x[rows of g] @ w[g], for the ``mgpu`` and ``gmm`` expert kernels.
 
 One custom VJP assembles the three products a grouped matmul needs, each from a backend:
 forward y = x @ w[g]; data gradient dx = dy @ w[g]^T; weight gradient dw[g] = x_g^T @ dy_g.
+A backend's functions take the groups as its kernels want them: counts per group (``MGPU``,
+``REFERENCE``) or the tile metadata of a padded layout (``gmm``,
+``moelab.model.grouped_gemm.gmm_backend``).
 
 - ``MGPU``: JAX's Hopper kernels (Mosaic GPU, wgmma): ``ragged_dot_mgpu.ragged_dot`` for the
   forward and (with ``transpose_rhs``) the data gradient, ``transposed_ragged_dot_mgpu`` for
@@ -64,31 +67,32 @@ def mgpu_backend(blocks: MgpuBlocks = MgpuBlocks()):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def grouped_matmul(x_RK, w_GKN, counts_G, backend):
-    """[R, K] rows sorted by group (``counts_G`` rows each; rows past their sum are padding)
-    times each group's [K, N] weights -> [R, N]. ``backend``: ``reference_backend()`` or
-    ``mgpu_backend(...)`` (a hashable tuple of functions)."""
-    return backend[0](x_RK, w_GKN, counts_G)
+def grouped_matmul(x_RK, w_GKN, groups, backend):
+    """[R, K] rows sorted by group times each group's [K, N] weights -> [R, N]. ``groups``:
+    int32 counts per group for ``reference_backend()`` / ``mgpu_backend(...)`` (rows past their
+    sum are padding), the layout's ``GroupTiles`` for ``gmm_backend(...)``; ``backend`` is a
+    hashable tuple of functions."""
+    return backend[0](x_RK, w_GKN, groups)
 
 
-def _gm_fwd(x_RK, w_GKN, counts_G, backend):
-    return backend[0](x_RK, w_GKN, counts_G), (x_RK, w_GKN, counts_G)
+def _gm_fwd(x_RK, w_GKN, groups, backend):
+    return backend[0](x_RK, w_GKN, groups), (x_RK, w_GKN, groups)
 
 
 def _gm_bwd(backend, res, g_RN):
-    x_RK, w_GKN, counts_G = res
+    x_RK, w_GKN, groups = res
     g = g_RN.astype(x_RK.dtype)
-    dx = backend[1](g, w_GKN, counts_G).astype(x_RK.dtype)
-    dw = backend[2](x_RK, g, counts_G).astype(w_GKN.dtype)
+    dx = backend[1](g, w_GKN, groups).astype(x_RK.dtype)
+    dw = backend[2](x_RK, g, groups).astype(w_GKN.dtype)
     return dx, dw, None
 
 
 grouped_matmul.defvjp(_gm_fwd, _gm_bwd)
 
 
-def grouped_swiglu_rows(xs_RH, w: dict, counts_G, backend):
+def grouped_swiglu_rows(xs_RH, w: dict, groups, backend):
     """SwiGLU of rows sorted by group with each group's weights, three grouped matmuls."""
-    g = grouped_matmul(xs_RH, w["w_gate"], counts_G, backend)
-    u = grouped_matmul(xs_RH, w["w_up"], counts_G, backend)
-    return grouped_matmul((jax.nn.silu(g) * u).astype(xs_RH.dtype), w["w_down"], counts_G,
+    g = grouped_matmul(xs_RH, w["w_gate"], groups, backend)
+    u = grouped_matmul(xs_RH, w["w_up"], groups, backend)
+    return grouped_matmul((jax.nn.silu(g) * u).astype(xs_RH.dtype), w["w_down"], groups,
                           backend)
