@@ -10,6 +10,7 @@ The routed-expert compute itself (kernels ``blocks`` / ``ragged`` / ``dense``) l
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from moelab.config import ModelConfig
