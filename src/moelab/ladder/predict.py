@@ -111,10 +111,19 @@ def _compute_laws(rungs: list[RungData], e_fixed: float, n_boot: int, seed: int)
                                           finals, n_boot=n_boot, seed=seed)}
 
 
-def _curve_fit(rungs: list[RungData], key: str, level: float, n_boot: int, seed: int,
-               like: CurveFit | None = None) -> CurveFit:
+def curve_fit(rungs: list[RungData], key: str = EVAL_LOSS, level: float = LEVEL,
+              n_boot: int = 200, seed: int = 0, like: CurveFit | None = None) -> CurveFit:
+    """The law chosen for the rungs' ``key`` curves (with ``like``: like's laws refitted)."""
     return fit_curves([loss_curve(r, key) for r in rungs], [r.stats["flops"] for r in rungs],
                       level, n_boot, seed, like)
+
+
+def final_loss(law: CurveFit, cfg: RunConfig, level: float = LEVEL) -> dict:
+    """mid, lo, hi of the loss ``law`` predicts at the last step of a run of config ``cfg``,
+    with the band at the run's compute."""
+    p = law.predict(RunSchedule.from_config(cfg), np.array([cfg.train.steps]), level,
+                    run_stats(cfg)["flops_per_token"])
+    return {k: float(v[0]) for k, v in p.items()}
 
 
 def holdout_check(rungs: list[RungData], level: float = LEVEL) -> dict:
@@ -131,23 +140,22 @@ def holdout_check(rungs: list[RungData], level: float = LEVEL) -> dict:
     same = [r for r in rungs if r.stats["params_active"] == n_top
             and r.stats["flops"] == test.stats["flops"]]
     observed = float(np.mean(_finals(same)))
-    cf = _curve_fit(train, EVAL_LOSS, level, 0, 0)
-    p = cf.predict(RunSchedule.from_config(test.cfg), np.array([test.cfg.train.steps]),
-                   flops_per_token=test.stats["flops_per_token"])
-    out = {"chosen law": float(p["mid"][0])}
+    cf = curve_fit(train, EVAL_LOSS, level, 0, 0)
+    p = final_loss(cf, test.cfg, level)
+    out = {"chosen law": p["mid"]}
     for name, bf in _compute_laws(train, cf.coefficients()["E"], 0, 0).items():
         out[f"L(C), {name.replace('_', ' ')}"] = float(bf.fit.predict([[test.stats["flops"]]])[0])
     return {"rung": test.name, "observed": observed, "predicted": out,
-            "band": {k: float(p[k][0]) for k in ("lo", "hi") if k in p},
+            "band": {k: p[k] for k in ("lo", "hi") if k in p},
             "rel_error": {k: v / observed - 1 for k, v in out.items()}}
 
 
 def fit_ladder(lad: Ladder, n_boot: int = 200, level: float = LEVEL, seed: int = 0) -> LadderFit:
     rungs = finished_rungs(lad)
     # the held-out loss chooses the law; the training loss is fitted with the same laws and band
-    schedule = {EVAL_LOSS: _curve_fit(rungs, EVAL_LOSS, level, n_boot, seed)}
-    schedule["train/loss"] = _curve_fit(rungs, "train/loss", level, n_boot, seed,
-                                        like=schedule[EVAL_LOSS])
+    schedule = {EVAL_LOSS: curve_fit(rungs, EVAL_LOSS, level, n_boot, seed)}
+    schedule["train/loss"] = curve_fit(rungs, "train/loss", level, n_boot, seed,
+                                       like=schedule[EVAL_LOSS])
     flops = np.array([[r.stats["flops"]] for r in rungs])
     compute = _compute_laws(rungs, schedule[EVAL_LOSS].coefficients()["E"], n_boot, seed)
     curves = {}
@@ -234,7 +242,7 @@ def predict_runs(fit: LadderFit, runs: list[tuple[Path, RunConfig]]) -> list[dic
     N, tokens and the LR schedule's shape, not the peak LR)."""
     out = []
     for d, cfg in runs:
-        p = predict(fit, cfg, str(d))["final"][EVAL_LOSS]
+        p = final_loss(fit.schedule[EVAL_LOSS], cfg, fit.level)
         obs = None
         if (d / "metrics.jsonl").exists():
             obs = final_value(run_records(d)[0], EVAL_LOSS, cfg.train.steps)
