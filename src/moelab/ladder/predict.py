@@ -26,10 +26,10 @@ import numpy as np
 
 from moelab.config import RunConfig
 from moelab.ladder import bands
-from moelab.ladder.fit import BootFit, fit_with_bootstrap, make_law
 from moelab.ladder.folder import Ladder
 from moelab.ladder.observe import EVAL_LOSS, binned, eval_domains, run_records, series
 from moelab.ladder.plan import run_stats
+from moelab.ladder.powerlaw import COMPUTE, BootFit, fit_with_bootstrap, make_law
 from moelab.ladder.run import is_finished
 from moelab.ladder.schedule_law import Curve, RunSchedule
 from moelab.ladder.trajectory import CurveFit, fit_curves
@@ -105,9 +105,9 @@ def _compute_laws(rungs: list[RungData], e_fixed: float, n_boot: int, seed: int)
     flops = np.array([[r.stats["flops"]] for r in rungs])
     finals = _finals(rungs)
     e_fixed = min(e_fixed, 0.999 * finals.min())
-    return {"E_fitted": fit_with_bootstrap(make_law(("C",), flops), flops, finals,
+    return {"E_fitted": fit_with_bootstrap(make_law(COMPUTE, flops), flops, finals,
                                            n_boot=n_boot, seed=seed),
-            "E_fixed": fit_with_bootstrap(make_law(("C",), flops, fixed_E=e_fixed), flops,
+            "E_fixed": fit_with_bootstrap(make_law(COMPUTE, flops, fixed_E=e_fixed), flops,
                                           finals, n_boot=n_boot, seed=seed)}
 
 
