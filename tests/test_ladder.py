@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from moelab.config import ConfigError, load_config
+from moelab.ladder.fit import fit_ladder, write_outputs
 from moelab.ladder.folder import load_ladder, write_ladder
 from moelab.ladder.guard import GuardRules, check, guard_run
 from moelab.ladder.observe import EVAL_LOSS
@@ -23,7 +24,6 @@ from moelab.ladder.plan import (LadderRule, active_params, format_plan, plan_lad
                                 warmup_note)
 from moelab.ladder.points import fit_points, frontier, read_points
 from moelab.ladder.powerlaw import COMPUTE, fit_law, fit_with_bootstrap, make_law
-from moelab.ladder.predict import fit_ladder, write_outputs
 from moelab.ladder.run import is_finished, run_ladder
 from moelab.ladder.schedule_law import Curve, RunSchedule, fit_schedule_law
 from moelab.planner.counts import param_counts
@@ -404,7 +404,7 @@ def test_fit_predicts_other_run_folders_and_compares_with_their_last_eval(ladder
 
 
 def test_seed_replicates_are_planned_and_the_holdout_compares_with_their_mean(tmp_path):
-    from moelab.ladder.predict import finished_rungs, holdout_check
+    from moelab.ladder.fit import finished_rungs, holdout_check
 
     target = micro_target()
     rule = LadderRule(rungs=4, widths=(16, 32, 48, 64), depths=(2, 2, 3, 3), evals=8, seeds=2)

@@ -355,7 +355,7 @@ def test_replan_forecast_is_what_ladder_fit_predicts_for_the_run(tmp_path):
     `ladder fit --predict-run` gives that run's final held-out loss, and the end of what
     `ladder fit` writes into prediction.json for it. The rungs sit 2% off the law in turn, so
     no candidate law fits them exactly and the choice matters."""
-    from moelab.ladder.predict import fit_ladder, predict, predict_runs
+    from moelab.ladder.fit import fit_ladder, predict, predict_runs
     from moelab.ladder.folder import load_ladder
     from moelab.ladder.observe import EVAL_LOSS
 

@@ -122,10 +122,10 @@ def format_preview(rows: list[dict], names: tuple[str, str] = ("now", "new")) ->
 def ladder_forecast(ladder_dir: Path | str, plans: dict[str, RunConfig],
                     n_boot: int = 200) -> list[dict]:
     """The held-out loss a scaling ladder predicts at the end of each plan: the law `moelab
-    ladder fit` chooses for its rungs, with the same band (moelab.ladder.predict.final_loss). The
+    ladder fit` chooses for its rungs, with the same band (moelab.ladder.fit.final_loss). The
     law sees the whole LR curve, re-timed decays included."""
+    from moelab.ladder.fit import LEVEL, curve_fit, final_loss, finished_rungs
     from moelab.ladder.folder import load_ladder
-    from moelab.ladder.predict import LEVEL, curve_fit, final_loss, finished_rungs
 
     law = curve_fit(finished_rungs(load_ladder(ladder_dir)), level=LEVEL, n_boot=n_boot)
     rows = []
