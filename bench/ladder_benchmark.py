@@ -30,7 +30,7 @@ from common import RESULTS, print_table, save
 import numpy as np
 
 from moelab.ladder.choose import choose, make_data
-from moelab.ladder.fit import fit_with_bootstrap, make_law
+from moelab.ladder.powerlaw import fit_with_bootstrap, make_law
 
 DATA = Path(__file__).resolve().parent / "data" / "scaling"
 HELD_OUT = ("gadre_rw_heldout",)
@@ -50,7 +50,7 @@ def split(p: dict) -> tuple[np.ndarray, np.ndarray]:
 
 
 def approach3(X, y, Xq, n_boot: int, seed: int = 0) -> dict:
-    bf = fit_with_bootstrap(make_law(("N", "D"), X), X, y, n_boot=n_boot, seed=seed)
+    bf = fit_with_bootstrap(make_law("chinchilla", X), X, y, n_boot=n_boot, seed=seed)
     return bf.predict(Xq, LEVEL)
 
 

@@ -54,11 +54,11 @@ import numpy as np
 import yaml
 
 from moelab.config import config_from_dict
+from moelab.ladder.fit import final_value
 from moelab.ladder.folder import load_ladder
 from moelab.ladder.guard import GuardRules, check, format_alert
 from moelab.ladder.observe import EVAL_LOSS, run_records
 from moelab.ladder.points import fit_points
-from moelab.ladder.predict import final_value
 from moelab.ladder.run import is_finished
 from moelab.util import atomic_write_text
 

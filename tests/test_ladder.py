@@ -16,14 +16,14 @@ import numpy as np
 import pytest
 
 from moelab.config import ConfigError, load_config
-from moelab.ladder.fit import fit_power_law, fit_with_bootstrap, make_law
+from moelab.ladder.fit import fit_ladder, write_outputs
 from moelab.ladder.folder import load_ladder, write_ladder
 from moelab.ladder.guard import GuardRules, check, guard_run
 from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.plan import (LadderRule, active_params, format_plan, plan_ladder, run_stats,
                                 warmup_note)
 from moelab.ladder.points import fit_points, frontier, read_points
-from moelab.ladder.predict import fit_ladder, write_outputs
+from moelab.ladder.powerlaw import COMPUTE, fit_law, fit_with_bootstrap, make_law
 from moelab.ladder.run import is_finished, run_ladder
 from moelab.ladder.schedule_law import Curve, RunSchedule, fit_schedule_law
 from moelab.planner.counts import param_counts
@@ -141,13 +141,13 @@ def test_chinchilla_coefficients_recovered_from_noisy_points():
     D = np.exp(rng.uniform(np.log(1e9), np.log(3e11), 80))
     y = chinchilla_loss(N, D) * np.exp(rng.normal(0, 0.003, 80))
     X = np.stack([N, D], 1)
-    c = fit_power_law(make_law(("N", "D"), X), X, y).coefficients()
+    c = fit_law(make_law("chinchilla", X), X, y).coefficients()
     assert c["E"] == pytest.approx(1.69, rel=0.05)
-    assert c["alpha_N"] == pytest.approx(0.34, abs=0.03)
-    assert c["alpha_D"] == pytest.approx(0.28, abs=0.03)
+    assert c["alpha"] == pytest.approx(0.34, abs=0.03)
+    assert c["beta"] == pytest.approx(0.28, abs=0.03)
     # the fit extrapolates: 10x beyond the data in both N and D
     big = np.array([[1e11, 3e12]])
-    assert fit_power_law(make_law(("N", "D"), X), X, y).predict(big)[0] == pytest.approx(
+    assert fit_law(make_law("chinchilla", X), X, y).predict(big)[0] == pytest.approx(
         chinchilla_loss(1e11, 3e12), rel=0.01)
 
 
@@ -157,8 +157,8 @@ def test_huber_fit_shrugs_off_an_outlier():
     y_bad = y.copy()
     y_bad[5] *= 1.3  # one broken run
     X = C[:, None]
-    c = fit_power_law(make_law(("C",), X), X, y_bad).coefficients()
-    assert c["alpha_C"] == pytest.approx(0.08, rel=0.05)
+    c = fit_law(make_law(COMPUTE, X), X, y_bad).coefficients()
+    assert c["alpha"] == pytest.approx(0.08, rel=0.05)
     assert c["E"] == pytest.approx(2.0, rel=0.05)
 
 
@@ -166,11 +166,11 @@ def test_compute_law_with_fixed_E():
     C = np.geomspace(1e15, 1e19, 8)
     y = 1.8 + 30.0 * C ** -0.12
     X = C[:, None]
-    c = fit_power_law(make_law(("C",), X, fixed_E=1.8), X, y).coefficients()
+    c = fit_law(make_law(COMPUTE, X, fixed_E=1.8), X, y).coefficients()
     assert c["E"] == 1.8
-    assert c["A_C"] == pytest.approx(30.0, rel=1e-3) and c["alpha_C"] == pytest.approx(0.12, rel=1e-3)
+    assert c["A"] == pytest.approx(30.0, rel=1e-3) and c["alpha"] == pytest.approx(0.12, rel=1e-3)
     with pytest.raises(ValueError, match="fixed E"):
-        fit_power_law(make_law(("C",), X, fixed_E=5.0), X, y)
+        fit_law(make_law(COMPUTE, X, fixed_E=5.0), X, y)
 
 
 def test_bootstrap_intervals_cover_the_truth_at_about_their_rate():
@@ -183,7 +183,7 @@ def test_bootstrap_intervals_cover_the_truth_at_about_their_rate():
     for seed in range(30):
         rng = np.random.default_rng(100 + seed)
         y = (truth["E"] + truth["A"] * C ** -truth["alpha"]) * np.exp(rng.normal(0, 0.01, len(C)))
-        law = make_law(("C",), C[:, None], fixed_E=truth["E"])
+        law = make_law(COMPUTE, C[:, None], fixed_E=truth["E"])
         p = fit_with_bootstrap(law, C[:, None], y, n_boot=60, seed=seed).predict(x_new, 0.9)
         covered.append(p["lo"][0] <= truth_new <= p["hi"][0])
     rate = np.mean(covered)
@@ -404,7 +404,7 @@ def test_fit_predicts_other_run_folders_and_compares_with_their_last_eval(ladder
 
 
 def test_seed_replicates_are_planned_and_the_holdout_compares_with_their_mean(tmp_path):
-    from moelab.ladder.predict import finished_rungs, holdout_check
+    from moelab.ladder.fit import finished_rungs, holdout_check
 
     target = micro_target()
     rule = LadderRule(rungs=4, widths=(16, 32, 48, 64), depths=(2, 2, 3, 3), evals=8, seeds=2)

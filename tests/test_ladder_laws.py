@@ -1,5 +1,5 @@
 """Candidate scaling laws, their choice by validation inside the fitting budgets, calibrated
-bands, rungs that spread N and D, and the published benchmark data (moelab.ladder.laws,
+bands, rungs that spread N and D, and the published benchmark data (moelab.ladder.powerlaw,
 moelab.ladder.choose, moelab.ladder.plan, bench/data/scaling)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 from moelab.config import ConfigError
 from moelab.ladder.choose import budget_groups, choose, folds, make_data
-from moelab.ladder.laws import fit_law, make_law
 from moelab.ladder.plan import LadderRule, plan_ladder
+from moelab.ladder.powerlaw import fit_law, make_law
 from test_ladder import micro_target
 
 TRUTH = {"E": 1.8, "A": 60.0, "alpha": 0.3, "B": 90.0, "beta": 0.3, "gamma": 0.7}

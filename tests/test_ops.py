@@ -348,3 +348,31 @@ def test_replan_forecast_follows_the_ladder_law_through_a_re_timed_decay(rungs):
         truth = law_value(RunSchedule.from_config(cfg), [cfg.train.steps])[0]
         assert row["end_step"] == cfg.train.steps and abs(row["mid"] / truth - 1) < 0.02
     assert rows[1]["mid"] > rows[0]["mid"]  # fewer tokens: a higher loss at the end
+
+
+def test_replan_forecast_is_what_ladder_fit_predicts_for_the_run(tmp_path):
+    """`moelab replan --ladder` and `moelab ladder fit` forecast a run with one law and one
+    band: for the target re-timed to end early, the forecast's mid, lo and hi are what
+    `ladder fit --predict-run` gives that run's final held-out loss, and the end of what
+    `ladder fit` writes into prediction.json for it. The rungs sit 2% off the law in turn, so
+    no candidate law fits them exactly and the choice matters."""
+    from moelab.ladder.fit import fit_ladder, predict, predict_runs
+    from moelab.ladder.folder import load_ladder
+    from moelab.ladder.observe import EVAL_LOSS
+
+    target, rng = micro_target(), np.random.default_rng(3)
+    rule = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 3), evals=8)
+    lad = write_ladder(tmp_path / "ladder", "micro", target, rule, plan_ladder(target, rule))
+    for i, r in enumerate(lad.rungs):
+        truth, off = RunSchedule.from_config(r.cfg), 1 + 0.02 * (-1) ** i
+        write_run(lad.run_dir(r.name), r.cfg,
+                  lambda s, t=truth, off=off: off * law_value(t, [max(s, 1)])[0], rng)
+    short = apply_change(target, 400, Change(end=800), keep_warmup=True)
+    (row,) = ladder_forecast(lad.root, {"new": short}, n_boot=20)
+    fit = fit_ladder(load_ladder(lad.root), n_boot=20)
+    (run,) = predict_runs(fit, [(tmp_path / "short", short)])
+    assert row["end_step"] == 800 and row["lo"] < row["mid"] < row["hi"]
+    assert (row["mid"], row["lo"], row["hi"]) == (run["predicted"], run["lo"], run["hi"])
+    final = predict(fit, short, "short")["final"][EVAL_LOSS]
+    assert [row[k] for k in ("mid", "lo", "hi")] == pytest.approx(
+        [final[k] for k in ("mid", "lo", "hi")], rel=1e-12)

@@ -1,269 +1,342 @@
-"""Robust fits of power laws: L = E + sum_k A_k * x_k ** -alpha_k, by Huber loss on log residuals.
+"""`moelab ladder fit` on a ladder folder: fit the laws to the rungs, predict the target.
 
-As in Hoffmann et al. 2022 (Chinchilla, approach 3) and Besiroglu et al. 2024 (Epoch AI's
-replication): minimise sum_i Huber_delta(log L_hat_i - log L_i) with L-BFGS from many starting
-points, delta = 1e-3. The starting points are a grid; every grid point is scored at once and the
-best few are refined (the grid is screened in one vectorised pass, so thousands of starts cost
-milliseconds). Features are normalised by their geometric mean, x_k / x0_k, so one grid serves
-every scale; coefficients are reported back in the caller's units.
+What is fitted:
 
-Two instances are used: L(C) = E + A C^-alpha (E fitted or fixed) and
-L(N, D) = E + A / N^alpha + B / D^beta. Uncertainty: bootstrap over runs (resample whole runs with
-replacement, refit from the full-data estimate), percentile intervals.
+* the law chosen for the rungs' held-out loss curves (``eval/loss``) and, separately, their
+  binned training loss (``train/loss``): candidate forms of the schedule-aware law, validated by
+  leaving the largest rungs out, the best three averaged, a band calibrated on their validation
+  errors (moelab.ladder.trajectory); the constant-LR limit of each form is an L(N, D);
+* L(C) = E + A C^-alpha to the rungs' final held-out losses, E fitted, and E fixed to the
+  chosen law's E (the reference fitted with a fixed irreducible loss), bootstrap over rungs;
+* bands of gradient norm and drop fraction over training progress (moelab.ladder.bands).
+
+Points before ``MIN_PROGRESS`` of a run (warmup and the first fast transient) are left out of the
+loss fits. The target's prediction is written as prediction.json: for each metric, arrays
+``step``, ``lo``, ``mid``, ``hi`` over the target's steps (the contract the guard and
+`moelab lab` read).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
-# L-BFGS-B works on tiny matrices; OpenBLAS threads only add contention there (measured 15x
-# slower on a busy 2-core machine). Read once, when scipy's OpenBLAS loads.
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-from scipy.optimize import minimize  # noqa: E402
+from moelab.config import RunConfig
+from moelab.ladder import bands
+from moelab.ladder.folder import Ladder
+from moelab.ladder.observe import EVAL_LOSS, binned, eval_domains, run_records, series
+from moelab.ladder.plan import run_stats
+from moelab.ladder.powerlaw import COMPUTE, BootFit, fit_with_bootstrap, make_law
+from moelab.ladder.run import is_finished
+from moelab.ladder.schedule_law import Curve, RunSchedule
+from moelab.ladder.trajectory import CurveFit, fit_curves
 
-HUBER_DELTA = 1e-3
-LBFGS_OPTIONS = {"maxiter": 1000, "ftol": 1e-12, "gtol": 1e-10}
-
-
-def huber(r: np.ndarray, delta: float = HUBER_DELTA) -> np.ndarray:
-    a = np.abs(r)
-    return np.where(a <= delta, 0.5 * r * r, delta * (a - 0.5 * delta))
-
-
-def huber_grad(r: np.ndarray, delta: float = HUBER_DELTA) -> np.ndarray:
-    return np.clip(r, -delta, delta)
-
-
-@dataclass(frozen=True)
-class PowerLaw:
-    """L = E + sum_k exp(a_k) * (x_k / x0_k) ** -alpha_k - sum_m c_m * z_m.
-
-    Parameters theta = (a..., alpha..., [e], c...). With ``fixed_E`` set E is that constant,
-    else E = exp(e) is fitted. ``linear`` names features z that lower the loss linearly with a
-    coefficient c >= 0 (the schedule-aware law's annealing term); X holds the power features
-    first, then the linear ones.
-    """
-
-    names: tuple[str, ...]  # power features, e.g. ("N", "D") or ("C",)
-    x0: tuple[float, ...]  # normalisation of each power feature (geometric mean of the data)
-    fixed_E: float | None = None
-    linear: tuple[str, ...] = ()
-
-    @property
-    def k(self) -> int:
-        return len(self.names)
-
-    @property
-    def _ie(self) -> int:  # index of e, or of the first c when E is fixed
-        return 2 * self.k
-
-    @property
-    def n_params(self) -> int:
-        return 2 * self.k + (self.fixed_E is None) + len(self.linear)
-
-    def _split(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(log of the normalised power features, linear features)."""
-        X = np.asarray(X, float)
-        return np.log(X[:, : self.k] / np.asarray(self.x0)), X[:, self.k:]
-
-    def _parts(self, theta: np.ndarray, lx: np.ndarray, z: np.ndarray):
-        """(power terms [..., n, k], E [...], c [..., m]) for theta [..., P]."""
-        a, alpha = theta[..., : self.k], theta[..., self.k: 2 * self.k]
-        terms = np.exp(np.minimum(a[..., None, :] - alpha[..., None, :] * lx, 700.0))
-        if self.fixed_E is None:
-            E, c = np.exp(theta[..., self._ie]), theta[..., self._ie + 1:]
-        else:
-            E, c = np.full(theta.shape[:-1], self.fixed_E), theta[..., self._ie:]
-        return terms, E, c
-
-    def _value(self, theta: np.ndarray, lx: np.ndarray, z: np.ndarray) -> np.ndarray:
-        terms, E, c = self._parts(theta, lx, z)
-        return terms.sum(-1) + E[..., None] - (c[..., None, :] * z).sum(-1)
-
-    def predict(self, theta: np.ndarray, X: np.ndarray) -> np.ndarray:
-        return self._value(np.asarray(theta, float), *self._split(X))
-
-    def objective(self, theta: np.ndarray, lx: np.ndarray, z: np.ndarray, logy: np.ndarray,
-                  w: np.ndarray) -> tuple[float, np.ndarray]:
-        terms, E, c = self._parts(theta, lx, z)
-        value = terms.sum(-1) + E - z @ c
-        floor = 1e-9  # a linear term may push the value below zero: treat as a huge residual
-        r = np.log(np.maximum(value, floor)) - logy
-        g = w * huber_grad(r) / np.maximum(value, floor) * (value > floor)
-        grad = [g @ terms[:, j] for j in range(self.k)]
-        grad += [-(g * lx[:, j]) @ terms[:, j] for j in range(self.k)]
-        if self.fixed_E is None:
-            grad.append(g.sum() * E)
-        grad += [-(g @ z[:, m]) for m in range(len(self.linear))]
-        return float(w @ huber(r)), np.array(grad)
-
-    def grid(self, logy: np.ndarray) -> np.ndarray:
-        """Starting points: term sizes around the data, exponents 0.05..1.2, E below min(L),
-        linear coefficients from 0 to a third of the mean loss."""
-        mean = float(np.exp(logy).mean())
-        a = math.log(mean) + np.array([-4.0, -2.5, -1.0, 0.0])
-        alphas = np.array([0.05, 0.15, 0.3, 0.5, 0.8, 1.2])
-        axes = [a] * self.k + [alphas] * self.k
-        if self.fixed_E is None:
-            axes.append(np.log(np.exp(logy.min()) * np.array([0.05, 0.3, 0.6, 0.8, 0.95])))
-        axes += [mean * np.array([0.0, 0.03, 0.1, 0.3])] * len(self.linear)
-        return np.array(list(itertools.product(*axes)))
-
-    def bounds(self, logy: np.ndarray) -> list[tuple]:
-        b = [(-30.0, 30.0)] * self.k + [(0.0, 5.0)] * self.k
-        b += [(-30.0, 30.0)] if self.fixed_E is None else []
-        return b + [(0.0, 10.0 * float(np.exp(logy).mean()))] * len(self.linear)
-
-    def coefficients(self, theta: np.ndarray) -> dict:
-        """theta in the caller's units: E, A_x and alpha_x per power feature (A for x itself,
-        not x / x0), c_z per linear feature."""
-        theta = np.asarray(theta, float)
-        _, E, c = self._parts(theta, np.zeros((1, self.k)), np.zeros((1, len(self.linear))))
-        out = {"E": float(E)}
-        for j, name in enumerate(self.names):
-            alpha = float(theta[self.k + j])
-            out[f"A_{name}"] = float(math.exp(theta[j]) * self.x0[j] ** alpha)
-            out[f"alpha_{name}"] = alpha
-        out.update({f"c_{name}": float(v) for name, v in zip(self.linear, c)})
-        return out
+LEVEL = 0.9
+MIN_PROGRESS = 0.1
+TRAIN_BINS = 20
+# logged at step s, the training loss is that of the weights after s - 1 updates
+LOSS_KEYS = {EVAL_LOSS: 0, "train/loss": 1}
+BAND_KEYS = ("train/grad_norm", "moe/drop_fraction")
+PREDICTION_POINTS = 200
 
 
-@dataclass(frozen=True)
-class Fit:
-    law: PowerLaw
-    theta: np.ndarray
-    objective: float
-
-    def predict(self, X) -> np.ndarray:
-        return self.law.predict(self.theta, np.atleast_2d(np.asarray(X, float)))
-
-    @property
-    def n_params(self) -> int:
-        return self.law.n_params
-
-    def coefficients(self) -> dict:
-        return self.law.coefficients(self.theta)
+@dataclass
+class RungData:
+    name: str
+    cfg: RunConfig
+    stats: dict
+    records: list[dict]
 
 
-def make_law(names: tuple[str, ...], X: np.ndarray, fixed_E: float | None = None,
-             linear: tuple[str, ...] = ()) -> PowerLaw:
-    """A law normalised to the data X (power features first, then linear ones)."""
-    X = np.asarray(X, float)
-    k = len(names)
-    if X.ndim != 2 or X.shape[1] != k + len(linear):
-        raise ValueError(f"features: expected an array [n, {k + len(linear)}] for "
-                         f"{names + tuple(linear)}")
-    if not np.all(np.isfinite(X)) or np.any(X[:, :k] <= 0):
-        raise ValueError(f"{'/'.join(names)}: every value must be a positive number")
-    if fixed_E is not None and not (math.isfinite(fixed_E) and fixed_E >= 0):
-        raise ValueError(f"fixed E={fixed_E}: must be a number >= 0")
-    x0 = tuple(float(np.exp(np.log(X[:, j]).mean())) for j in range(k))
-    return PowerLaw(tuple(names), x0, fixed_E, tuple(linear))
-
-
-def fit_power_law(law: PowerLaw, X: np.ndarray, y: np.ndarray, weights: np.ndarray | None = None,
-                  init: np.ndarray | None = None, n_refine: int = 8) -> Fit:
-    """Huber fit of ``law``; from ``init`` alone if given (bootstrap refits), else multi-start."""
-    X, y = np.asarray(X, float), np.asarray(y, float)
-    if len(y) < law.n_params:
-        raise ValueError(f"{len(y)} points cannot determine {law.n_params} parameters; add "
-                         "points (runs) or fix E")
-    if np.any(y <= 0) or not np.all(np.isfinite(y)):
-        raise ValueError("loss: every value must be a positive finite number")
-    if law.fixed_E is not None and np.any(y <= law.fixed_E):
-        raise ValueError(f"fixed E={law.fixed_E}: must be below every loss (min {y.min():.4g})")
-    (lx, z), logy = law._split(X), np.log(y)
-    w = np.ones(len(y)) if weights is None else np.asarray(weights, float)
-    if init is not None:
-        starts = [np.asarray(init, float)]
-    else:
-        grid = law.grid(logy)
-        scores = np.concatenate([_grid_scores(law, g, lx, z, logy, w)
-                                 for g in np.array_split(grid, max(1, len(grid) // 2048))])
-        starts = grid[np.argsort(scores)[:n_refine]]
-    best = None
-    for x0 in starts:
-        res = minimize(law.objective, x0, args=(lx, z, logy, w), jac=True, method="L-BFGS-B",
-                       bounds=law.bounds(logy), options=LBFGS_OPTIONS)
-        if best is None or res.fun < best.fun:
-            best = res
-    return Fit(law, best.x, float(best.fun))
-
-
-def _grid_scores(law: PowerLaw, grid, lx, z, logy, w) -> np.ndarray:
-    value = law._value(grid, lx, z)
-    r = np.log(np.maximum(value, 1e-9)) - logy
-    return (w * huber(r)).sum(-1)
-
-
-def bootstrap_groups(groups: np.ndarray, n_boot: int, seed: int = 0,
-                     min_distinct: int = 2) -> list[np.ndarray]:
-    """Index sets of ``n_boot`` case-bootstrap resamples over groups (runs): each resample draws
-    as many groups as there are, with replacement, and keeps all points of each drawn group.
-    Resamples with fewer than ``min_distinct`` distinct groups cannot identify the law: redrawn."""
-    groups = np.asarray(groups)
-    ids = np.unique(groups)
-    members = {g: np.flatnonzero(groups == g) for g in ids}
-    rng = np.random.default_rng(seed)
+def finished_rungs(lad: Ladder) -> list[RungData]:
     out = []
-    tries = 0
-    while len(out) < n_boot:
-        tries += 1
-        if tries > 50 * n_boot:
-            raise ValueError(f"bootstrap: cannot draw resamples with {min_distinct} distinct runs "
-                             f"from {len(ids)}; add runs")
-        pick = rng.choice(ids, size=len(ids), replace=True)
-        if len(set(pick.tolist())) < min_distinct:
-            continue
-        out.append(np.concatenate([members[g] for g in pick]))
+    for r in lad.rungs:
+        d = lad.run_dir(r.name)
+        if is_finished(d, r.cfg.train.steps):
+            out.append(RungData(r.name, r.cfg, r.stats, run_records(d)[0]))
+    if len(out) < 3:
+        raise ValueError(f"{lad.root}: {len(out)} of {len(lad.rungs)} rungs finished; the fit "
+                         f"needs at least 3: run `moelab ladder run {lad.root}` first")
     return out
 
 
-def percentile_band(samples: np.ndarray, level: float) -> tuple[np.ndarray, np.ndarray]:
-    """Central ``level`` interval over axis 0."""
-    q = 100 * (1 - level) / 2
-    return np.percentile(samples, q, axis=0), np.percentile(samples, 100 - q, axis=0)
+def loss_curve(rung: RungData, key: str) -> Curve:
+    steps_total = rung.cfg.train.steps
+    steps, vals = series(rung.records, key)
+    if key == "train/loss":
+        steps, vals = binned(steps, vals, steps_total, TRAIN_BINS, start=MIN_PROGRESS)
+    keep = steps >= MIN_PROGRESS * steps_total
+    at = np.clip(steps[keep] - LOSS_KEYS[key], 1, steps_total)
+    if not keep.any():
+        raise ValueError(f"rung {rung.name}: no {key} values logged after "
+                         f"{MIN_PROGRESS:.0%} of the run")
+    return Curve(RunSchedule.from_config(rung.cfg), at, vals[keep])
 
 
-@dataclass(frozen=True)
-class BootFit:
-    fit: Fit
-    thetas: np.ndarray  # [n_boot, P]
-
-    def predict(self, X, level: float = 0.9) -> dict:
-        X = np.atleast_2d(np.asarray(X, float))
-        mid = self.fit.predict(X)
-        if not len(self.thetas):
-            return {"mid": mid}
-        samples = np.array([self.fit.law.predict(t, X) for t in self.thetas])
-        lo, hi = percentile_band(samples, level)
-        return {"mid": mid, "lo": np.minimum(lo, mid), "hi": np.maximum(hi, mid)}
-
-    def intervals(self, level: float = 0.9) -> dict:
-        """Percentile interval of every coefficient (none without bootstrap refits)."""
-        if not len(self.thetas):
-            return {}
-        coefs = [self.fit.law.coefficients(t) for t in self.thetas]
-        out = {}
-        for k, v in self.fit.coefficients().items():
-            lo, hi = percentile_band(np.array([c[k] for c in coefs]), level)
-            out[k] = {"value": v, "lo": float(lo), "hi": float(hi)}
-        return out
+def final_value(records: list[dict], key: str, step: int) -> float | None:
+    steps, vals = series(records, key)
+    hit = vals[steps == step]
+    return float(hit[-1]) if len(hit) else None
 
 
-def fit_with_bootstrap(law: PowerLaw, X, y, groups=None, n_boot: int = 200, seed: int = 0,
-                       min_distinct: int | None = None) -> BootFit:
-    """Multi-start fit on all points, then ``n_boot`` warm-started refits on run resamples
-    (``groups`` gives each point's run; default: every point is its own run)."""
-    X, y = np.asarray(X, float), np.asarray(y, float)
-    fit = fit_power_law(law, X, y)
-    groups = np.arange(len(y)) if groups is None else np.asarray(groups)
-    need = min_distinct or min(len(np.unique(groups)), law.k + 1 + (law.fixed_E is None))
-    thetas = [fit_power_law(law, X[idx], y[idx], init=fit.theta).theta
-              for idx in bootstrap_groups(groups, n_boot, seed, need)]
-    return BootFit(fit, np.array(thetas))
+@dataclass
+class LadderFit:
+    rungs: list[RungData]
+    schedule: dict[str, CurveFit]  # per loss key
+    compute: dict[str, BootFit]  # "E_fitted", "E_fixed"
+    band_curves: dict[str, np.ndarray]  # per band key: [rungs, PROGRESS]
+    log_flops: np.ndarray
+    level: float
+    holdout: dict  # each predictor refitted without the largest model's rungs, predicting it
+
+
+def _finals(rungs: list[RungData]) -> np.ndarray:
+    finals = [final_value(r.records, EVAL_LOSS, r.cfg.train.steps) for r in rungs]
+    if any(v is None for v in finals):
+        raise ValueError("a rung has no final held-out evaluation; re-run it with "
+                         "`moelab ladder run` (the final evaluation runs at its last step)")
+    return np.array(finals, float)
+
+
+def _compute_laws(rungs: list[RungData], e_fixed: float, n_boot: int, seed: int) -> dict:
+    flops = np.array([[r.stats["flops"]] for r in rungs])
+    finals = _finals(rungs)
+    e_fixed = min(e_fixed, 0.999 * finals.min())
+    return {"E_fitted": fit_with_bootstrap(make_law(COMPUTE, flops), flops, finals,
+                                           n_boot=n_boot, seed=seed),
+            "E_fixed": fit_with_bootstrap(make_law(COMPUTE, flops, fixed_E=e_fixed), flops,
+                                          finals, n_boot=n_boot, seed=seed)}
+
+
+def curve_fit(rungs: list[RungData], key: str = EVAL_LOSS, level: float = LEVEL,
+              n_boot: int = 200, seed: int = 0, like: CurveFit | None = None) -> CurveFit:
+    """The law chosen for the rungs' ``key`` curves (with ``like``: like's laws refitted)."""
+    return fit_curves([loss_curve(r, key) for r in rungs], [r.stats["flops"] for r in rungs],
+                      level, n_boot, seed, like)
+
+
+def final_loss(law: CurveFit, cfg: RunConfig, level: float = LEVEL) -> dict:
+    """mid, lo, hi of the loss ``law`` predicts at the last step of a run of config ``cfg``,
+    with the band at the run's compute."""
+    p = law.predict(RunSchedule.from_config(cfg), np.array([cfg.train.steps]), level,
+                    run_stats(cfg)["flops_per_token"])
+    return {k: float(v[0]) for k, v in p.items()}
+
+
+def holdout_check(rungs: list[RungData], level: float = LEVEL) -> dict:
+    """Refit every predictor without the largest model's rungs and predict the final held-out
+    loss of its largest run: the ladder's own extrapolation test, known before the target
+    trains. Needs three rungs of smaller models."""
+    n_top = max(r.stats["params_active"] for r in rungs)
+    train = [r for r in rungs if r.stats["params_active"] < n_top]
+    if len(train) < 3:
+        return {}
+    test = max((r for r in rungs if r.stats["params_active"] == n_top),
+               key=lambda r: r.stats["flops"])
+    # with seed replicates, the truth is their mean (rungs of the same shape and FLOPs)
+    same = [r for r in rungs if r.stats["params_active"] == n_top
+            and r.stats["flops"] == test.stats["flops"]]
+    observed = float(np.mean(_finals(same)))
+    cf = curve_fit(train, EVAL_LOSS, level, 0, 0)
+    p = final_loss(cf, test.cfg, level)
+    out = {"chosen law": p["mid"]}
+    for name, bf in _compute_laws(train, cf.coefficients()["E"], 0, 0).items():
+        out[f"L(C), {name.replace('_', ' ')}"] = float(bf.fit.predict([[test.stats["flops"]]])[0])
+    return {"rung": test.name, "observed": observed, "predicted": out,
+            "band": {k: p[k] for k in ("lo", "hi") if k in p},
+            "rel_error": {k: v / observed - 1 for k, v in out.items()}}
+
+
+def fit_ladder(lad: Ladder, n_boot: int = 200, level: float = LEVEL, seed: int = 0) -> LadderFit:
+    rungs = finished_rungs(lad)
+    # the held-out loss chooses the law; the training loss is fitted with the same laws and band
+    schedule = {EVAL_LOSS: curve_fit(rungs, EVAL_LOSS, level, n_boot, seed)}
+    schedule["train/loss"] = curve_fit(rungs, "train/loss", level, n_boot, seed,
+                                       like=schedule[EVAL_LOSS])
+    flops = np.array([[r.stats["flops"]] for r in rungs])
+    compute = _compute_laws(rungs, schedule[EVAL_LOSS].coefficients()["E"], n_boot, seed)
+    curves = {}
+    for key in BAND_KEYS:
+        rows = [bands.progress_curve(*series(r.records, key), r.cfg.train.steps) for r in rungs]
+        curves[key] = np.array(rows)
+    return LadderFit(rungs, schedule, compute, curves, np.log(flops[:, 0]), level,
+                     holdout_check(rungs, level))
+
+
+def prediction_steps(steps: int, n: int = PREDICTION_POINTS) -> np.ndarray:
+    return np.unique(np.linspace(1, steps, n).round().astype(int))
+
+
+def predict(fit: LadderFit, cfg: RunConfig, source: str) -> dict:
+    """The prediction.json object for a run of config ``cfg`` (usually the target)."""
+    steps_total = cfg.train.steps
+    run = RunSchedule.from_config(cfg)
+    at = prediction_steps(steps_total)
+    at = at[at >= MIN_PROGRESS * steps_total]  # the laws say nothing about the first transient
+    metrics, final = {}, {}
+    stats = run_stats(cfg)
+    for key, lag in LOSS_KEYS.items():
+        p = fit.schedule[key].predict(run, np.clip(at - lag, 1, steps_total), fit.level,
+                                      stats["flops_per_token"])
+        metrics[key] = {"step": at.tolist(), **{k: v.tolist() for k, v in p.items()}}
+        final[key] = {k: float(v[-1]) for k, v in p.items()}
+    c = np.array([[stats["flops"]]])
+    for name, bf in fit.compute.items():
+        p = bf.predict(c, fit.level)
+        final[f"{EVAL_LOSS} (L(C), {name.replace('_', ' ')})"] = {k: float(v[0])
+                                                                   for k, v in p.items()}
+    for key, curves in fit.band_curves.items():
+        b = bands.scale_band(curves, fit.log_flops, math.log(stats["flops"]),
+                             log_values=key in bands.LOG_METRICS)
+        ok = np.isfinite(b["mid"])
+        if ok.any():
+            metrics[key] = {"step": (bands.PROGRESS[ok] * steps_total).round().astype(int).tolist(),
+                            **{k: v[ok].tolist() for k, v in b.items()}}
+    domains = eval_domains(fit.rungs[-1].records)
+    return {"source": source, "level": fit.level, "steps": steps_total,
+            "config_hash": cfg.hash(),
+            "target": {k: stats[k] for k in ("params_active", "tokens", "flops")},
+            "metrics": metrics, "final": final,
+            "definitions": {EVAL_LOSS: f"mean of eval/<domain>/loss over {', '.join(domains)}",
+                            "lo/hi": f"{fit.level:.0%} band: loss, from the chosen law's errors "
+                            "on left-out rungs, scaled by leverage in log compute; L(C), "
+                            "bootstrap over rungs; grad norm and drops, rung envelope and scale "
+                            "extrapolation"}}
+
+
+# what a run must share with the ladder's target for their held-out losses to be comparable
+COMPARABLE = (("model", "vocab_size"), ("data", "data_dir"), ("data", "source"),
+              ("data", "tokenizer"))
+
+
+def load_run_configs(run_dirs: list[Path], target: RunConfig) -> list[tuple[Path, RunConfig]]:
+    """The config.yaml of each run folder for ``--predict-run``, checked before any fitting:
+    the folder holds one, it loads, and it tokenizes the same data as the target."""
+    from moelab.config import ConfigError, load_run_config
+
+    out = []
+    for d in map(Path, run_dirs):
+        try:
+            cfg = load_run_config(d)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"--predict-run {d}: {e}") from e
+        except ConfigError as e:
+            raise ValueError(f"--predict-run {d}: its config.yaml does not load: {e}") from e
+        for sec, field in COMPARABLE:
+            mine, theirs = getattr(getattr(cfg, sec), field), getattr(getattr(target, sec), field)
+            if mine != theirs:
+                raise ValueError(f"--predict-run {d}: {sec}.{field} is {mine!r}, the ladder's "
+                                 f"target has {theirs!r}; held-out losses on other data or "
+                                 "another vocabulary are not comparable")
+        out.append((d, cfg))
+    return out
+
+
+def predict_runs(fit: LadderFit, runs: list[tuple[Path, RunConfig]]) -> list[dict]:
+    """The chosen law's final held-out loss for other runs (from load_run_configs), with its
+    band and, where the run has logged its last eval, the observed loss and the error: a check
+    of the ladder on runs it did not plan (another depth, length, shape or seed; the law sees
+    N, tokens and the LR schedule's shape, not the peak LR)."""
+    out = []
+    for d, cfg in runs:
+        p = final_loss(fit.schedule[EVAL_LOSS], cfg, fit.level)
+        obs = None
+        if (d / "metrics.jsonl").exists():
+            obs = final_value(run_records(d)[0], EVAL_LOSS, cfg.train.steps)
+        s = run_stats(cfg)
+        out.append({"run": str(d), **{k: s[k] for k in ("params_active", "tokens", "flops")},
+                    "predicted": p["mid"], "lo": p["lo"], "hi": p["hi"], "observed": obs,
+                    "rel_error": None if obs is None else p["mid"] / obs - 1,
+                    "covered": None if obs is None else bool(p["lo"] <= obs <= p["hi"])})
+    return out
+
+
+def format_runs(rows: list[dict], level: float) -> str:
+    lines = [f"other runs, the chosen law's final held-out loss (central {level:.0%} interval):"]
+    for r in rows:
+        seen = ("  (not finished: no final eval)" if r["observed"] is None else
+                f"  observed {r['observed']:.4f}, error {r['rel_error']:+.2%}"
+                + ("" if r["covered"] else " (out of band)"))
+        lines.append(f"  {r['run']}: N {r['params_active']:,}, D {r['tokens']:,}: predicted "
+                     f"{r['predicted']:.4f} [{r['lo']:.4f}, {r['hi']:.4f}]{seen}")
+    return "\n".join(lines)
+
+
+def report(fit: LadderFit, lad: Ladder, pred: dict) -> dict:
+    """fit.json: coefficients with intervals, per-rung table, the target's final predictions."""
+    t = run_stats(lad.target)
+    laws = {}
+    for key, cf in fit.schedule.items():
+        laws[f"chosen {key}"] = {
+            "form": cf.report["law"] + " (N active parameters, D the LR-weighted tokens S1, S2 "
+                    "the annealing area; constant LR: S2 = 0, S1 = D)",
+            "coefficients": cf.coefficients(), "intervals": cf.intervals(),
+            "method": cf.report["method"]}
+    for name, bf in fit.compute.items():
+        laws[f"L(C) {name.replace('_', ' ')}"] = {
+            "form": "L = E + A C^-alpha (final held-out loss vs training FLOPs)",
+            "coefficients": bf.fit.coefficients(), "intervals": bf.intervals(fit.level)}
+    rungs = []
+    for r in fit.rungs:
+        s = r.cfg.train.steps
+        rungs.append({"name": r.name, "params_active": r.stats["params_active"],
+                      "tokens": r.stats["tokens"], "flops": r.stats["flops"],
+                      "final_eval_loss": final_value(r.records, EVAL_LOSS, s)})
+    ladder_flops = sum(r.stats["flops"] for r in lad.rungs)
+    return {"ladder": str(lad.root), "level": fit.level,
+            "target": {"name": lad.target_name, "params_active": t["params_active"],
+                       "tokens": t["tokens"], "flops": t["flops"], "steps": t["steps"]},
+            "cost": {"ladder_flops": ladder_flops, "target_flops": t["flops"],
+                     "share": ladder_flops / t["flops"]},
+            "rungs": rungs, "laws": laws, "final": pred["final"], "holdout": fit.holdout}
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"ladder {rep['ladder']}: {len(rep['rungs'])} rungs, cost "
+             f"{100 * rep['cost']['share']:.2f}% of the target's FLOPs"]
+    for r in rep["rungs"]:
+        lines.append(f"  {r['name']:<14} N {r['params_active']:>12,}  D {r['tokens']:>14,}  "
+                     f"C {r['flops']:.3g}  final held-out loss {r['final_eval_loss']:.4f}")
+    for name, law in rep["laws"].items():
+        c = law["coefficients"]
+        lines.append(f"  {name}: " + ", ".join(f"{k}={v:.4g}" for k, v in c.items()))
+        if "method" in law:
+            lines.append(f"    chosen: {', '.join(law['method']['members'])}")
+            lines += [f"    warning: {w}" for w in law["method"]["warnings"]]
+    h = rep.get("holdout")
+    if h:
+        lines.append(f"  holdout: refitted without the largest model, predicting {h['rung']}'s "
+                     f"final held-out loss {h['observed']:.4f}: " + ", ".join(
+                         f"{k} {v:+.2%}" for k, v in h["rel_error"].items()))
+    t = rep["target"]
+    lines.append(f"target {t['name']} (N {t['params_active']:,}, D {t['tokens']:,}, "
+                 f"C {t['flops']:.3g}), central {rep['level']:.0%} intervals:")
+    for name, p in rep["final"].items():
+        lines.append(f"  final {name:<32} {p['mid']:.4f}"
+                     + (f"  [{p['lo']:.4f}, {p['hi']:.4f}]" if "lo" in p else ""))
+    return "\n".join(lines)
+
+
+def target_outputs(lad: Ladder, fit: LadderFit) -> tuple[dict, dict]:
+    """(report, prediction) of the ladder's target: what fit.json and prediction.json hold."""
+    pred = predict(fit, lad.target, f"moelab ladder fit {lad.root} ("
+                   + ", ".join(r.name for r in fit.rungs) + ")")
+    return report(fit, lad, pred), pred
+
+
+def write_outputs(lad: Ladder, fit: LadderFit,
+                  target_run: Path | None = None) -> tuple[dict, dict]:
+    """fit.json and prediction.json in the ladder folder (and the prediction into the target's
+    run folder when it exists). Returns (report, prediction)."""
+    from moelab.util import atomic_write_json
+
+    rep, pred = target_outputs(lad, fit)
+    atomic_write_json(lad.root / "fit.json", rep)
+    atomic_write_json(lad.root / "prediction.json", pred)
+    for d in {lad.target_dir, target_run} - {None}:
+        if d.exists():
+            atomic_write_json(Path(d) / "prediction.json", pred)
+    return rep, pred

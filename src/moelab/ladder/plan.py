@@ -274,8 +274,9 @@ def format_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -> str:
 def warmup_note(rungs: list[Rung]) -> str | None:
     """A note naming the rungs whose warmup is shorter than Adam's second-moment horizon
     1 / (1 - b2) steps: their first full-LR steps use unsettled moment estimates, and the end
-    loss then varies with the seed (measured in docs/ladder.md: 1.1% seed sd at 4 warmup steps,
-    0.4% at 40). None when every rung warms up long enough."""
+    loss then varies with the seed (1.1% seed sd at 4 warmup steps, 0.4% at 40, measured in
+    examples/lab/0003-ladder-design-1-warmup-10-one-lr.md). None when every rung warms up long
+    enough."""
     short = [r for r in rungs if r.stats["replicate"] == 0
              and r.cfg.optim.warmup_steps < 1 / (1 - r.cfg.optim.b2)]
     if not short:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.ladder.choose import choose, make_data, summary
-from moelab.ladder.fit import fit_with_bootstrap, make_law
+from moelab.ladder.powerlaw import COMPUTE, fit_with_bootstrap, make_law
 from moelab.util import decode_utf8
 
 REQUIRED = ("N", "D", "loss")
@@ -121,12 +121,10 @@ def fit_points(points: dict[str, np.ndarray], predict: list[tuple[float, float]]
     if "C" in points:
         C, best = frontier(points["C"], points["loss"])
         if len(C) >= 4:
-            cf = fit_with_bootstrap(make_law(("C",), C[:, None]), C[:, None], best,
+            cf = fit_with_bootstrap(make_law(COMPUTE, C[:, None]), C[:, None], best,
                                     n_boot=n_boot, seed=seed)
-            cc = cf.fit.coefficients()
             out["compute_law"] = {"law": "L(C) = E + A C^-alpha (best loss per budget)",
-                                  "n_budgets": int(len(C)), "E": cc["E"], "A": cc["A_C"],
-                                  "alpha": cc["alpha_C"]}
+                                  "n_budgets": int(len(C)), **cf.fit.coefficients()}
     preds = []
     if predict:
         q = np.array(predict, float)

@@ -1,6 +1,6 @@
 """The loss along a whole run under its own LR schedule, across model sizes.
 
-    L(N, s) = E + A * N^-alpha + B * S1(s)^-beta - C * S2(s)
+    L(N, s) = E + A * N^-alpha + B * S1(s)^-beta - k * S2(s)
 
 * N: active parameters (moelab.ladder.plan.active_params);
 * S1(s) = sum over the first s steps of r_t * tokens_t, the LR-weighted tokens (r = LR / peak):
@@ -14,8 +14,9 @@ Annealing", arXiv:2408.11029: L = L0 + A S1^-alpha - C S2, with S2 the sum of an
 (1 - lam) times their S2 equals ours), joined with the model-size term of Chinchilla's
 L(N, D) = E + A/N^alpha + B/D^beta: at constant LR, S2 = 0 and S1 = D, and it *is* L(N, D).
 Warmup, linear decay, a re-timed decay, a cooldown branch: each only changes r, so one set of
-parameters predicts them all. tau is chosen from a grid by the fit; the other six parameters
-are fitted robustly (moelab.ladder.fit).
+parameters predicts them all. The lag tau is chosen from a grid: the tau whose robust fit of
+this (Chinchilla) form fits best (moelab.ladder.powerlaw, Huber on log residuals). Every form
+of moelab.ladder.powerlaw takes the same - k S2 term (moelab.ladder.trajectory).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from moelab.config import RunConfig
-from moelab.ladder.fit import (PowerLaw, bootstrap_groups, fit_power_law, make_law,
-                               percentile_band)
 from moelab.ladder.plan import active_params
+from moelab.ladder.powerlaw import LawFit, fit_law, make_law
 
 TAUS = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0)  # annealing lag candidates, in steps
 
@@ -104,59 +104,29 @@ def stack_curves(curves: list[Curve], tau: float) -> tuple[np.ndarray, np.ndarra
 
 @dataclass(frozen=True)
 class ScheduleFit:
-    law: PowerLaw
-    theta: np.ndarray
+    """The law in Chinchilla's form at its best lag tau."""
+
+    fit: LawFit
     tau: float
-    objective: float
-    thetas: np.ndarray  # bootstrap refits [n_boot, P] (empty without bootstrap)
 
     def coefficients(self) -> dict:
-        c = self.law.coefficients(self.theta)
-        return {"E": c["E"], "A": c["A_N"], "alpha": c["alpha_N"], "B": c["A_S1"],
-                "beta": c["alpha_S1"], "C": c["c_S2"], "tau": self.tau}
+        return {**self.fit.coefficients(), "tau": self.tau}
 
-    def intervals(self, level: float = 0.9) -> dict:
-        if not len(self.thetas):
-            return {}
-        samples = [ScheduleFit(self.law, t, self.tau, 0.0, np.empty(0)).coefficients()
-                   for t in self.thetas]
-        out = {}
-        for k, v in self.coefficients().items():
-            lo, hi = percentile_band(np.array([s[k] for s in samples]), level)
-            out[k] = {"value": v, "lo": float(lo), "hi": float(hi)}
-        return out
-
-    def predict(self, run: RunSchedule, at: np.ndarray, level: float = 0.9) -> dict:
-        """mid (the fit) and the bootstrap's central ``level`` band after ``at`` steps."""
-        X = run.features(at, self.tau)
-        out = {"mid": self.law.predict(self.theta, X)}
-        if len(self.thetas):
-            samples = np.array([self.law.predict(t, X) for t in self.thetas])
-            out["lo"], out["hi"] = percentile_band(samples, level)
-            out["lo"] = np.minimum(out["lo"], out["mid"])
-            out["hi"] = np.maximum(out["hi"], out["mid"])
-        return out
+    def predict(self, run: RunSchedule, at: np.ndarray) -> dict:
+        """mid after ``at`` steps of ``run``."""
+        return {"mid": self.fit.predict(run.features(at, self.tau))}
 
 
-def fit_schedule_law(curves: list[Curve], taus=TAUS, n_boot: int = 0, seed: int = 0,
-                     fixed_E: float | None = None) -> ScheduleFit:
-    """Multi-start Huber fit for each tau, keep the best; then bootstrap over runs (curves)
-    with tau held at its estimate, each refit warm-started from the full-data fit."""
+def fit_schedule_law(curves: list[Curve], taus=TAUS) -> ScheduleFit:
+    """Chinchilla's form with the annealing term, Huber on log residuals (approach 3), fitted
+    for each lag tau; the tau whose fit has the lowest objective."""
     if len(curves) < 2:
         raise ValueError(f"{len(curves)} run(s): the schedule law needs runs of at least two "
                          "sizes")
     best = None
     for tau in taus:
         X, y, _ = stack_curves(curves, tau)
-        law = make_law(("N", "S1"), X, fixed_E=fixed_E, linear=("S2",))
-        fit = fit_power_law(law, X, y)
-        if best is None or fit.objective < best[1].objective:
-            best = (tau, fit)
-    tau, fit = best
-    thetas = []
-    if n_boot:
-        X, y, groups = stack_curves(curves, tau)
-        need = min(3, len(curves))  # N's term needs sizes on both sides of the fit
-        for idx in bootstrap_groups(groups, n_boot, seed, need):
-            thetas.append(fit_power_law(fit.law, X[idx], y[idx], init=fit.theta).theta)
-    return ScheduleFit(fit.law, fit.theta, tau, fit.objective, np.array(thetas))
+        fit = fit_law(make_law("chinchilla", X, anneal=True), X, y, "huber")
+        if best is None or fit.objective < best.fit.objective:
+            best = ScheduleFit(fit, tau)
+    return best

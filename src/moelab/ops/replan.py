@@ -120,28 +120,25 @@ def format_preview(rows: list[dict], names: tuple[str, str] = ("now", "new")) ->
 
 
 def ladder_forecast(ladder_dir: Path | str, plans: dict[str, RunConfig],
-                    n_boot: int = 50) -> list[dict]:
-    """The held-out loss a scaling ladder predicts at the end of each plan: its schedule-aware
-    law (moelab.ladder.schedule_law) sees the whole LR curve, re-timed decays included."""
+                    n_boot: int = 200) -> list[dict]:
+    """The held-out loss a scaling ladder predicts at the end of each plan: the law `moelab
+    ladder fit` chooses for its rungs, with the same band (moelab.ladder.fit.final_loss). The
+    law sees the whole LR curve, re-timed decays included."""
+    from moelab.ladder.fit import LEVEL, curve_fit, final_loss, finished_rungs
     from moelab.ladder.folder import load_ladder
-    from moelab.ladder.observe import EVAL_LOSS
-    from moelab.ladder.predict import LEVEL, finished_rungs, loss_curve
-    from moelab.ladder.schedule_law import RunSchedule, fit_schedule_law
 
-    rungs = finished_rungs(load_ladder(ladder_dir))
-    law = fit_schedule_law([loss_curve(r, EVAL_LOSS) for r in rungs], n_boot=n_boot)
+    law = curve_fit(finished_rungs(load_ladder(ladder_dir)), level=LEVEL, n_boot=n_boot)
     rows = []
     for name, cfg in plans.items():
         end = cfg.train.steps
-        p = law.predict(RunSchedule.from_config(cfg), np.array([end]), LEVEL)
         rows.append({"plan": name, "end_step": end, "tokens": cfg.data.tokens_before(end),
-                     "level": LEVEL, **{k: float(v[0]) for k, v in p.items()}})
+                     "level": LEVEL, **final_loss(law, cfg, LEVEL)})
     return rows
 
 
 def format_forecast(rows: list[dict]) -> str:
-    lines = ["ladder forecast of the held-out loss at the end (schedule-aware law, "
-             f"central {rows[0]['level']:.0%} interval over rungs):"]
+    lines = ["ladder forecast of the held-out loss at the end (the law `moelab ladder fit` "
+             f"chooses, central {rows[0]['level']:.0%} band):"]
     for r in rows:
         band = f" [{r['lo']:.3f}, {r['hi']:.3f}]" if "lo" in r else ""
         lines.append(f"  {r['plan']:<6} step {r['end_step']:>9,} ({r['tokens']:,} tokens): "
