@@ -1,10 +1,9 @@
 """The routed experts' grouped GEMM, leg by leg: forward y = x @ w[g], data gradient
 dx = dy @ w[g]^T and weight gradient dw[g] = x_g^T @ dy_g, over rows sorted by group.
 
-``LEGS`` maps a name to its three legs: one entry per ``model.moe_impl`` plus the ceiling, a
-dense matmul of the same FLOPs. A new backend is one entry: its (forward, data gradient, weight
-gradient) functions with the signature of ``moelab.model.grouped_matmul``'s backends,
-``(x_RK, w_GKN, counts_G)``, ``(dy_RN, w_GKN, counts_G)``, ``(x_RK, dy_RN, counts_G)``.
+``LEGS`` maps a name to its three legs: one entry per grouped ``model.moe_impl`` (the legs the
+model itself runs, ``moelab.model.expert_legs``), the ``dense`` reference, and the ceiling, a
+dense matmul of the same FLOPs. A new kernel is one entry.
 
 Each leg is timed alone (jitted, after a compile call) and checked against a plain float32
 matmul on the host for a few groups (first, last, largest, smallest and a random one; at most
@@ -22,38 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moelab.model import experts
-from moelab.model.grouped_matmul import mgpu_backend, reference_backend
+from moelab.model.expert_legs import expert_legs
 
 BLOCK = 128  # rows per block of the blocks kernel (model.moe_block's default)
 TOLERANCE = 2e-2  # max |error| / max |reference| of a bf16 result with float32 accumulation
-
-
-def sorted_rows(x, w, dy, counts):
-    """The layout the grouped kernels take: rows sorted by group, no padding."""
-    c = np.asarray(counts)
-    spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(c) - c, c))]
-    return x, w, dy, jnp.asarray(c, jnp.int32), spans
-
-
-def block_rows(x, w, dy, counts):
-    """The blocks kernel's layout (the model's own ``group_layout``): each group padded to
-    whole blocks of ``BLOCK`` rows; the auxiliary input is each block's group."""
-    c = np.asarray(counts)
-    group = jnp.asarray(np.repeat(np.arange(len(c)), c), jnp.int32)
-    xp, dyp, block_group, dst = _padded(x, dy, group, len(c))
-    dst = np.asarray(dst)
-    first = np.minimum(np.cumsum(c) - c, len(dst) - 1)  # an empty last group: any slot
-    spans = [(int(dst[f]), int(n), g) for g, (f, n) in enumerate(zip(first, c))]
-    return xp, w, dyp, block_group, spans
-
-
-@partial(jax.jit, static_argnums=3)
-def _padded(x, dy, group, G: int):
-    """x and dy in the blocks layout, each block's group, each row's slot."""
-    lay = experts.group_layout(group, G, "blocks", BLOCK)
-    pad = lambda a: experts.take_rows(a, lay.src_M)
-    return pad(x), pad(dy), lay.block_group, lay.dst_R
 
 
 def one_group(x, w, dy, counts):
@@ -69,14 +40,6 @@ def autodiff_legs(forward: Callable) -> tuple[Callable, Callable, Callable]:
     return forward, dgrad, wgrad
 
 
-def blocks_forward(x, w, block_group):
-    """Per block: its rows times a copy of its group's weights (``experts.block_weights``)."""
-    nb = block_group.shape[0]
-    y = jnp.einsum("bmk,bkn->bmn", x.reshape(nb, -1, x.shape[-1]),
-                   experts.block_weights(w, block_group))
-    return y.reshape(x.shape[0], -1)
-
-
 def masked_forward(x, w, counts):
     """The ``dense`` impl: every group's weights on every row, kept where the row belongs."""
     group = jnp.repeat(jnp.arange(w.shape[0]), counts, total_repeat_length=x.shape[0])
@@ -86,6 +49,13 @@ def masked_forward(x, w, counts):
 
     return jax.lax.scan(one, jnp.zeros((x.shape[0], w.shape[2]), x.dtype),
                         jnp.arange(w.shape[0]))[0]
+
+
+def sorted_rows(x, w, dy, counts):
+    """Rows sorted by group, no padding (the ``dense`` reference's layout)."""
+    c = np.asarray(counts)
+    spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(c) - c, c))]
+    return x, w, dy, jnp.asarray(c, jnp.int32), spans
 
 
 @dataclass(frozen=True)
@@ -100,12 +70,36 @@ class Legs:
     autodiff: bool = False  # the gradient legs also take the primal input (for jax.vjp)
 
 
-# bench/gpu_mfu.py's legs rows run every entry, in this order (the slow references last)
+def model_legs(impl: str, gpu_only: bool = False) -> Callable[[], Legs]:
+    """A grouped kernel of the model (``model.expert_legs``: the legs its custom VJPs run), in
+    its own layout: ``blocks`` and ``gmm`` pad each group to whole blocks of ``BLOCK`` rows."""
+    def build() -> Legs:
+        legs = expert_legs(impl, BLOCK)
+        to_layout = jax.jit(legs.layout)
+
+        def layout(x, w, dy, counts):
+            c = np.asarray(counts)
+            (xl, groups), (dyl, _) = (to_layout(a, jnp.asarray(c, jnp.int32)) for a in (x, dy))
+            size = -(-c // BLOCK) * BLOCK if impl in PADDED else c  # rows each group occupies
+            spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(size) - size,
+                                                                         c))]
+            return xl, w, dyl, groups, spans
+
+        return Legs(legs.fwd, legs.dgrad, legs.wgrad, layout, gpu_only=gpu_only)
+
+    return build
+
+
+PADDED = ("blocks", "gmm")
+# bench/gpu_mfu.py's legs rows run every entry, in this order (the slow reference last). The
+# legs child starts with RAGGED_FUSION_FLAG in XLA_FLAGS, so ``ragged_fusion`` is XLA's grouped
+# GEMM where this jaxlib and cuDNN have it (plain ``ragged`` would be the same call).
 LEGS: dict[str, Callable[[], Legs]] = {  # built on use: mgpu imports Mosaic GPU
     "ceiling": lambda: Legs(*autodiff_legs(lambda x, w, _: x @ w[0]), one_group, autodiff=True),
-    "blocks": lambda: Legs(*autodiff_legs(blocks_forward), block_rows, autodiff=True),
-    "mgpu": lambda: Legs(*mgpu_backend(), gpu_only=True),
-    "ragged": lambda: Legs(*reference_backend()),
+    "blocks": model_legs("blocks"),
+    "gmm": model_legs("gmm"),
+    "ragged_fusion": model_legs("ragged_fusion"),
+    "mgpu": model_legs("mgpu", gpu_only=True),
     "dense": lambda: Legs(*autodiff_legs(masked_forward), autodiff=True),
 }
 

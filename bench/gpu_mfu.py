@@ -12,9 +12,10 @@ Rows, most important first (``--help`` lists them with their expected seconds):
    time, XLA's memory analysis, one profiled step by kernel category (bench/gpu_profile.py);
 3. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
    shape for every expert kernel, next to a dense matmul of the same FLOPs (bench/gpu_legs.py);
-4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
+4. ``d1024-gmm``: the same with the Pallas grouped GEMM (``model.moe_impl=gmm``);
+5. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling;
-5. ``d768``; then ablations while time is left, one fast path changed at a time. Rows known to
+6. ``d768``; then ablations while time is left, one fast path changed at a time. Rows known to
    need more than the GPU's memory or minutes of their own run only when named.
 
 The driver never imports JAX: each row runs in its own process (bench/gpu_rows.py) with its
@@ -44,11 +45,13 @@ from pathlib import Path
 from common import RESULTS, append_jsonl, print_table, save
 
 from moelab.config import load_config
+from moelab.config.model import RAGGED_FUSION_FLAG
 
 HERE = Path(__file__).resolve().parent
 BATCH = ["data.seq_len=4096", "data.batch_size=16"]  # 65,536 tokens per step
 FAST = ["model.compute_dtype=bfloat16", "model.attention_impl=auto", "model.loss_chunk=8192"]
 TINY = ["data.seq_len=64", "data.batch_size=2", "model.n_layers=2", "model.loss_chunk=64"]
+BF16_GMM = ["model.compute_dtype=bfloat16", "model.moe_impl=gmm"]  # gmm's CPU form: interpreted
 HBM_BW, CPU_BW = 4.8e12, 2e10  # bytes/s for the profile's roofline estimate (H200; a CPU)
 END_RESERVE_S = 8  # kept after the last child for the summary and a kill's grace
 LIMIT_FACTOR = 2.5  # a child may run this many times its expected seconds
@@ -67,17 +70,19 @@ class Row:
 
 
 def train_row(name: str, preset: str, overrides: list[str], expect_s: float, steps: int = 5,
-              profile: bool = False, dry_overrides: list[str] | None = None, **kw) -> Row:
+              profile: bool = False, dry_overrides: list[str] | None = None,
+              xla_flags: str = "", **kw) -> Row:
     spec = {"kind": "train", "preset": preset, "overrides": BATCH + FAST + overrides,
-            "steps": steps, "profile": profile, "mem_bw": HBM_BW}
-    dry = {**spec, "preset": "tiny", "steps": 2, "mem_bw": CPU_BW,
+            "steps": steps, "profile": profile, "mem_bw": HBM_BW, "xla_flags": xla_flags}
+    dry = {**spec, "preset": "tiny", "steps": 2, "mem_bw": CPU_BW, "xla_flags": "",
            "overrides": TINY + (overrides if dry_overrides is None else dry_overrides)}
     return Row(name, expect_s, spec, dry, 30 if profile else 20, **kw)
 
 
 def legs_row(name: str, shape: list[int], expect_s: float, **kw) -> Row:
-    spec = {"kind": "legs", "shape": shape, "budget_s": 0.5}  # every bench/gpu_legs.py entry
-    dry = {**spec, "shape": [2048, 32, 64, 16], "budget_s": 0.02}
+    # every bench/gpu_legs.py entry; XLA's grouped GEMM for ragged_fusion needs its flag
+    spec = {"kind": "legs", "shape": shape, "budget_s": 0.5, "xla_flags": RAGGED_FUSION_FLAG}
+    dry = {**spec, "shape": [2048, 32, 64, 16], "budget_s": 0.02, "xla_flags": ""}
     return Row(name, expect_s, spec, dry, 12, **kw)
 
 
@@ -96,9 +101,13 @@ def all_rows() -> dict[str, Row]:
         Row("peak", 30, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
         train_row("d1024", "d1024", [], 150, profile=True),
         legs_row("legs-d1024", [262144, 512, 1024, 384], 90),
+        train_row("d1024-gmm", "d1024", ["model.moe_impl=gmm"], 150, dry_overrides=BF16_GMM),
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 120,
                   dry_overrides=dense_overrides("tiny")),
         train_row("d768", "d768", [], 110),
+        train_row("d1024-ragged-fusion", "d1024", ["model.moe_impl=ragged_fusion"], 150,
+                  xla_flags=RAGGED_FUSION_FLAG,
+                  dry_overrides=["model.compute_dtype=bfloat16", "model.moe_impl=ragged_fusion"]),
         train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 140),
         train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 150, gpu_only=True),
         train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 130,
@@ -301,7 +310,8 @@ def run(args: argparse.Namespace, rows: list[Row]) -> tuple[list[dict], float | 
         else:
             limit = left if args.dry_run else LIMIT_FACTOR * expect  # shared CPUs vary
             rec["timeout_s"] = round(min(limit, left), 1)
-            status, result = run_child(spec, rec["timeout_s"], env,
+            flags = f"{env.get('XLA_FLAGS', '')} {spec.get('xla_flags', '')}".strip()
+            status, result = run_child(spec, rec["timeout_s"], {**env, "XLA_FLAGS": flags},
                                        results.logs / f"{row.name}.log")
             rec.update(result, status=status)
             peak = result.get("peak_flops", peak) if status == "ok" else peak

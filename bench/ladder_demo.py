@@ -81,7 +81,7 @@ def target_overrides(steps: int, warmup: float) -> list[str]:
 # of different widths meet at near-equal D (d48 at 2x ~ d80 at 0.5x) and the largest run reaches
 # 59% of the target's D (a: 42%). "c" (120%): a's widths at 1x and 2.5x, so the largest run
 # (d96-L3-t2.5, 4.33M tokens) reaches the target's D (4.1M) and the fit interpolates D: with a,
-# extrapolating D alone predicted 2.2-3.4% low (docs/ladder.md). "d" (150%): c's widths at the
+# extrapolating D alone predicted 2.2-3.4% low (examples/lab/0007). "d" (150%): c's widths at the
 # target's depth (4 layers), at 0.5x and 2x, so the fit meets no depth the target does not have
 # (d96-L4-t2: 4.62M tokens); with c, the law predicted the 4-layer target 0.9-1.1% high.
 DESIGNS = {"a": ["--top-share", "0.25", "--spacing", "2.5", "--token-multipliers", "0.5,1"],

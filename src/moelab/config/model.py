@@ -11,6 +11,8 @@ from moelab.config.errors import require
 CONV_SITES = ("q", "k", "v", "attn", "moe")  # projections, attention-branch / MoE-branch output
 REMAT_POLICIES = ("none", "dots", "full")  # what a block keeps for the backward (model.remat)
 MOE_IMPLS = ("auto", "blocks", "gmm", "ragged", "ragged_fusion", "mgpu", "dense")
+# what moe_impl=ragged_fusion needs in XLA_FLAGS on a GPU (here, so launchers read it without JAX)
+RAGGED_FUSION_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
 
 
 @dataclass(frozen=True)

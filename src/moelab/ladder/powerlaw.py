@@ -23,7 +23,6 @@ from the full-data estimate), percentile intervals.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import math
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import least_squares
+from threadpoolctl import ThreadpoolController
 
 FORMS = ("chinchilla", "tied", "interaction")  # the laws of loss in N and D
 COMPUTE = "compute"
@@ -46,23 +46,16 @@ MAX_NFEV = 1000  # evaluations per refinement: enough to converge (the candidate
 
 
 @functools.cache
-def _blas():
-    """The BLAS libraries numpy and scipy loaded (found by threadpoolctl, once, after the imports
-    above), or None where threadpoolctl is not installed."""
-    try:
-        from threadpoolctl import ThreadpoolController
-    except ImportError:
-        return None
+def _blas() -> ThreadpoolController:
+    """The BLAS libraries numpy and scipy loaded (found once, after the imports above)."""
     return ThreadpoolController()
 
 
 def one_blas_thread():
     """A context in which BLAS runs on one thread, restored on exit. A fit's matrices are tiny:
     extra threads can only wait on each other (L-BFGS-B fits ran 10x slower with two threads
-    than with one on a busy 2-core machine; these trust-region fits measured the same). Without
-    threadpoolctl the libraries keep their own thread counts."""
-    blas = _blas()
-    return contextlib.nullcontext() if blas is None else blas.limit(limits=1, user_api="blas")
+    than with one on a busy 2-core machine; these trust-region fits measured the same)."""
+    return _blas().limit(limits=1, user_api="blas")
 
 
 @dataclass(frozen=True)

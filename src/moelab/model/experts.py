@@ -40,11 +40,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import ModelConfig
+from moelab.config.model import RAGGED_FUSION_FLAG
 from moelab.model.grouped_gemm import gmm_backend, group_tiles
 from moelab.model.grouped_matmul import grouped_swiglu_rows, mgpu_backend
 from moelab.model.layers import swiglu
 
-RAGGED_FUSION_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
 UNPADDED = ("ragged", "ragged_fusion", "mgpu")  # kernels that take any group sizes
 GROUPED = UNPADDED + ("blocks", "gmm")
 
