@@ -1,6 +1,7 @@
-"""The chunked LM head + loss (moelab.model.loss) against the plain, materialised path: values
-and gradients, chunk sizes that do and do not divide the tokens, padding, bfloat16, the whole
-model's loss, the eval step, and compiled memory that never holds all logits."""
+"""The LM head + loss custom VJP (moelab.model.loss), chunked and not, against autodiff of the
+plain, materialised logits: values and gradients (hidden states, head, token weights), chunk
+sizes that do and do not divide the tokens, padding, bfloat16, the whole model's loss, the eval
+step, compiled memory that never holds all logits, and the batch sharded over 8 devices."""
 
 import dataclasses
 import functools
@@ -63,7 +64,7 @@ def _losses_and_grads(f, x, head, targets, valid):
 
 
 @pytest.mark.parametrize("masked", [False, True])
-@pytest.mark.parametrize("chunk", [4, 9, 15, 24])  # 2, 5 (padded), 8 (padded) a row; one
+@pytest.mark.parametrize("chunk", [0, 4, 9, 15, 24])  # one; 2, 5, 8 (both padded) a row; one
 def test_chunked_equals_plain_float32(chunk, masked):
     args = _inputs(jnp.float32, masked)
     got, g_chunk = _losses_and_grads(_chunked(chunk), *args)
@@ -83,13 +84,26 @@ def test_flat_tokens_as_one_row():
     _close(chunked_loss_sums(*flat, 7), chunked_loss_sums(x, head, targets, valid, 0), 1e-6)
 
 
-def test_chunked_equals_plain_bfloat16():
+def test_token_weight_gradients_equal_plain():
+    """Float weights (not only a mask) get the gradient autodiff gives them."""
+    x, head, targets, valid = _inputs(jnp.float32, True)
+    w = valid * jnp.linspace(0.5, 1.5, N_T)[None, :]
+    loss = lambda f: jax.grad(lambda w: _weighted(f(x, head, targets, w)))
+    for chunk in (0, 5):
+        _close(loss(_chunked(chunk))(w), loss(_plain)(w), 1e-6)
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_chunked_equals_plain_bfloat16(chunk):
+    """bf16 hidden states: the products run in bf16 and d logits is rounded to bf16, where
+    autodiff multiplies float32 d logits; measured: gradients differ by 0.6% of their largest
+    magnitude (autodiff itself is 0.4% from float32 on the same values), the losses by 3e-4."""
     args = _inputs(jnp.bfloat16, True)
-    got, g_chunk = _losses_and_grads(_chunked(5), *args)
+    got, g_chunk = _losses_and_grads(_chunked(chunk), *args)
     want, g_plain = _losses_and_grads(_plain, *args)
     _close(got, want, 1e-3)
     assert g_chunk[0].dtype == jnp.bfloat16 and g_chunk[1].dtype == jnp.float32
-    _close(g_chunk, g_plain, 2e-2)
+    _close(g_chunk, g_plain, 1e-2)
 
 
 TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
@@ -167,3 +181,20 @@ def test_chunks_keep_the_batch_sharding():
     loss = lambda x, h, t: _weighted(chunked_token_loss(x, h, t, None, 128))
     hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, head, targets).compile().as_text()
     assert "all-reduce" in hlo and "all-gather" not in hlo
+
+
+def test_sharded_masked_loss_equals_unsharded():
+    """Rows split over 8 devices, padded tokens, chunks of 2 positions x 16 rows (the last
+    padded): values and gradients equal the one-device ones."""
+    kx, kh, kt = jax.random.split(jax.random.PRNGKey(4), 3)
+    x = jax.random.normal(kx, (16, 7, D))
+    head = jax.random.normal(kh, (D, V)) * 0.5
+    targets = jax.random.randint(kt, (16, 7), 0, V)
+    valid = jnp.arange(7)[None, :] < (jnp.arange(16) % 7 + 1)[:, None]
+    f = jax.value_and_grad(lambda x, h, t, v: _weighted(chunked_token_loss(x, h, t, v, 32)),
+                           (0, 1))
+    mesh = make_mesh(data=8)
+    rows = lambda a: jax.device_put(a, NamedSharding(mesh, batch_spec(a.ndim)))
+    got = jax.jit(f)(rows(x), head, rows(targets), rows(valid))
+    assert got[1][0].sharding.spec == batch_spec(3)
+    _close(got, jax.jit(f)(x, head, targets, valid), 1e-6)

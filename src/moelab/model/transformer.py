@@ -256,17 +256,13 @@ def lm_loss(params, state, tokens_B1T, cfg: ModelConfig, valid_BT=None, experts_
     """Next-token loss on a packed batch [B, T+1]. Returns (loss to optimise, stats dict).
 
     loss = cross-entropy + logit z-loss + (softmax router) aux loss + router z-loss, as weighted
-    by the config. Stats hold the unweighted parts and per-layer router statistics. With
-    ``cfg.loss_chunk`` > 0 the head + loss run over chunks of tokens (moelab.model.loss), never
-    holding all logits [B, T, V].
+    by the config. Stats hold the unweighted parts and per-layer router statistics. The head +
+    loss are one custom VJP (moelab.model.loss) in the compute dtype, over chunks of
+    ``cfg.loss_chunk`` tokens when it is > 0 (never holding all logits [B, T, V]).
     """
     inputs, targets = tokens_B1T[:, :-1], tokens_B1T[:, 1:]
-    if cfg.loss_chunk > 0:
-        x, r = forward_hidden(params, state, inputs, cfg, valid_BT, experts_fn, layer_hook)
-        ce, logit_z = chunked_token_loss(x, params["head"], targets, valid_BT, cfg.loss_chunk)
-    else:
-        logits, r = forward(params, state, inputs, cfg, valid_BT, experts_fn, layer_hook)
-        ce, logit_z = token_loss(logits, targets, valid_BT)
+    x, r = forward_hidden(params, state, inputs, cfg, valid_BT, experts_fn, layer_hook)
+    ce, logit_z = chunked_token_loss(x, params["head"], targets, valid_BT, cfg.loss_chunk)
     aux = jnp.mean(r.aux_loss)
     router_z = jnp.mean(r.z_loss)
     loss = ce + cfg.logit_z_coef * logit_z + cfg.router_z_coef * router_z

@@ -131,8 +131,9 @@ def kernel_residuals(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, in
     attention (per layer): this code materialises every query chunk's scores and probabilities;
       a fused (flash / cuDNN) kernel keeps only its inputs and output, which the layer saves
       anyway, plus a float32 log-sum-exp per head and query;
-    loss: this code materialises float32 logits [B, T, V]; a chunked cross-entropy keeps the
-      final hidden state (saved anyway) and a float32 log-sum-exp per token.
+    loss: autodiff of float32 logits keeps the logits [B, T, V]; this code's head + loss (a
+      custom VJP, moelab.model.loss) keeps, like a fused kernel, the final hidden state (saved
+      anyway) and a float32 log-sum-exp per token.
     Values: bytes the materialised form saves beyond the fused one (>= 0).
     """
     dt = jnp.dtype(cfg.compute_dtype)
@@ -174,7 +175,9 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     the routed experts out (an expert-parallel transport owns them; see transport_memory).
     ``attention``/``loss``: "materialized" (this code's plain paths) or "fused" (see
     kernel_residuals); measured on the plain paths (``loss_chunk=0``), then the fused kernels'
-    savings taken off (the attention scores are batched matmuls: saved only without remat).
+    savings taken off (the attention scores are batched matmuls: saved only without remat). The loss measures as fused (its residuals are
+    a log-sum-exp per token); "materialized" adds the float32 logits [B, T, V], which the
+    unchunked loss holds while every residual is live (its backward recomputes them first).
     """
     for name, value in (("attention", attention), ("loss", loss)):
         if value not in KERNELS:
@@ -193,8 +196,8 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     saved = residual_bytes(
         lambda p, s, t: tr.lm_loss(p, s, t, m, experts_fn=experts_fn)[0], params, state, tokens)
     fused = kernel_residuals(m, batch, seq_len)
-    if loss == "fused":
-        saved -= fused["loss"]
+    if loss == "materialized":
+        saved += fused["loss"]
     attn_cut = fused["attention"] if attention == "fused" else 0
     out = {"saved": saved, "layer": 0, "attention_layer": 0, "moe_layer": 0}
     if remat == "none":
