@@ -31,6 +31,9 @@ from jax.extend import core as jcore  # noqa: E402
 from moelab.model.loss import _chunks, chunked_token_loss, head_logits, logit_sums  # noqa: E402
 
 
+Z_COEF = 1e-4  # the logit z-loss weight (model.logit_z_coef's default)
+
+
 def before(x_BTD, head_DV, targets_BT, chunk: int):
     """The previous path: autodiff of the float32 logits, each chunk under jax.checkpoint."""
     B, T, _ = x_BTD.shape
@@ -54,13 +57,16 @@ def before(x_BTD, head_DV, targets_BT, chunk: int):
 
 
 def after(x_BTD, head_DV, targets_BT, chunk: int):
-    return chunked_token_loss(x_BTD, head_DV, targets_BT, None, chunk)
+    """ce + Z_COEF z: the head's custom VJP (its one output with a gradient)."""
+    return chunked_token_loss(x_BTD, head_DV, targets_BT, None, chunk, Z_COEF)[0]
 
 
 def grad_fn(loss, chunk: int):
     def total(x, head, targets):
+        if loss is after:
+            return after(x, head, targets, chunk)
         ce, z = loss(x, head, targets, chunk)
-        return ce + 1e-4 * z
+        return ce + Z_COEF * z
     return jax.jit(jax.value_and_grad(total, (0, 1)))
 
 

@@ -39,21 +39,22 @@ def _inputs(dtype, masked: bool):
     return x, head, targets, valid
 
 
-def _weighted(ce_z):
-    return ce_z[0] + 0.3 * ce_z[1]  # both losses reach the gradients
+Z = 0.3  # the logit z-loss weight: both losses reach the gradients
 
 
 def _plain(x, head, targets, valid):
-    return tr.token_loss(head_logits(x, head), targets, valid)
+    """(ce + Z z, ce, z) by autodiff of the materialised float32 logits."""
+    ce, z = tr.token_loss(head_logits(x, head), targets, valid)
+    return ce + Z * z, ce, z
 
 
 def _chunked(chunk):
-    return lambda *args: chunked_token_loss(*args, chunk)
+    return lambda *args: chunked_token_loss(*args, chunk, Z)
 
 
 @functools.cache
 def _jitted(f):
-    fn = lambda x, h, t, v: (_weighted(out := f(x, h, t, v)), out)
+    fn = lambda x, h, t, v: ((out := f(x, h, t, v))[0], out[1:])
     return jax.jit(jax.value_and_grad(fn, (0, 1), has_aux=True))
 
 
@@ -71,7 +72,7 @@ def test_chunked_equals_plain_float32(chunk, masked):
     want, g_plain = _losses_and_grads(_plain, *args)
     _close(got, want, 1e-6)
     _close(g_chunk, g_plain, 1e-6)
-    ce, z, n = jax.jit(chunked_loss_sums, static_argnums=4)(*args, chunk)
+    _, ce, z, n = jax.jit(chunked_loss_sums, static_argnums=4)(*args, chunk)
     assert float(n) == (21 if masked else 24)
     _close((ce / n, z / n), want, 1e-6)
     if masked:  # padding tokens get no gradient
@@ -88,7 +89,7 @@ def test_token_weight_gradients_equal_plain():
     """Float weights (not only a mask) get the gradient autodiff gives them."""
     x, head, targets, valid = _inputs(jnp.float32, True)
     w = valid * jnp.linspace(0.5, 1.5, N_T)[None, :]
-    loss = lambda f: jax.grad(lambda w: _weighted(f(x, head, targets, w)))
+    loss = lambda f: jax.grad(lambda w: f(x, head, targets, w)[0])
     for chunk in (0, 5):
         _close(loss(_chunked(chunk))(w), loss(_plain)(w), 1e-6)
 
@@ -158,7 +159,7 @@ def test_chunked_gradient_never_holds_all_logits():
     targets = jax.ShapeDtypeStruct((B, T), jnp.int32)
 
     def temp(c):
-        loss = lambda x, h, t: _weighted(chunked_token_loss(x, h, t, None, c))
+        loss = lambda x, h, t: chunked_token_loss(x, h, t, None, c, Z)[0]
         compiled = jax.jit(jax.grad(loss, (0, 1))).lower(x, head, targets).compile()
         ma = compiled.memory_analysis()
         return (ma[0] if isinstance(ma, (list, tuple)) else ma).temp_size_in_bytes
@@ -178,7 +179,7 @@ def test_chunks_keep_the_batch_sharding():
     head = jax.ShapeDtypeStruct((32, 1024), jnp.float32,
                                 sharding=NamedSharding(mesh, PartitionSpec()))
     targets = jax.ShapeDtypeStruct((16, 64), jnp.int32, sharding=rows(2))
-    loss = lambda x, h, t: _weighted(chunked_token_loss(x, h, t, None, 128))
+    loss = lambda x, h, t: chunked_token_loss(x, h, t, None, 128, Z)[0]
     hlo = jax.jit(jax.grad(loss, (0, 1))).lower(x, head, targets).compile().as_text()
     assert "all-reduce" in hlo and "all-gather" not in hlo
 
@@ -191,7 +192,7 @@ def test_sharded_masked_loss_equals_unsharded():
     head = jax.random.normal(kh, (D, V)) * 0.5
     targets = jax.random.randint(kt, (16, 7), 0, V)
     valid = jnp.arange(7)[None, :] < (jnp.arange(16) % 7 + 1)[:, None]
-    f = jax.value_and_grad(lambda x, h, t, v: _weighted(chunked_token_loss(x, h, t, v, 32)),
+    f = jax.value_and_grad(lambda x, h, t, v: chunked_token_loss(x, h, t, v, 32, Z)[0],
                            (0, 1))
     mesh = make_mesh(data=8)
     rows = lambda a: jax.device_put(a, NamedSharding(mesh, batch_spec(a.ndim)))

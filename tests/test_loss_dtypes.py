@@ -1,97 +1,23 @@
 """The LM head + loss custom VJP (moelab.model.loss) in a bf16 model: every matmul of the head
 and loss takes compute-dtype operands (a float32 operand makes XLA run the product in float32,
-TF32 on a GPU), the logits are computed twice (forward, one recompute), and a train step on
+TF32 on a GPU), the head runs three products (logits, dx, dW: no recompute), and a train step on
 8 fake devices (batch sharded, FSDP or not) equals the unsharded one."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jcore
 
 from moelab.config import ModelConfig, ParallelConfig, RunConfig
 from moelab.config.run import DataConfig, OptimConfig, TrainConfig
 from moelab.parallel.mesh import mesh_from_config, shard_batch
+from moelab.planner.flop_audit import dot_flops
 from moelab.train.setup import init_sharded_state
 from moelab.train.step import init_train_state, make_train_step, train_state_shardings
-
-
-# ------------------------------------------------------------------ a small jaxpr walker
-# (to be replaced by the shared walker of moelab.planner.flop_audit)
-
-def _eqn_vjp_jaxpr(eqn):
-    """The jaxpr of one custom_vjp_call / custom_jvp_call equation's VJP: differentiating it
-    inlines its own forward and backward rules, which its call_jaxpr does not hold."""
-    ins = list(dict.fromkeys(v for v in eqn.invars if isinstance(v, jcore.Var)))
-    with warnings.catch_warnings():  # a one-equation jaxpr has no debug info of its own
-        warnings.simplefilter("ignore", DeprecationWarning)
-        one = jcore.ClosedJaxpr(jcore.Jaxpr([], ins, list(eqn.outvars), [eqn], eqn.effects), [])
-    cts = [jnp.ones(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
-    args = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in ins]
-    return jax.make_jaxpr(lambda *a: jax.vjp(jcore.jaxpr_as_fun(one), *a)[1](cts))(*args).jaxpr
-
-
-def _sub_jaxprs(eqn, rules: bool = True):
-    """Every jaxpr inside an equation: pjit, scan, while (cond, body), cond (branches),
-    checkpoint / remat, shard_map, custom_vjp / custom_jvp (call_jaxpr, and with ``rules``
-    the VJP of their rules)."""
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, jcore.ClosedJaxpr):
-                yield v.jaxpr
-            elif isinstance(v, jcore.Jaxpr):
-                yield v
-    if rules and eqn.primitive.name in ("custom_vjp_call", "custom_jvp_call"):
-        yield _eqn_vjp_jaxpr(eqn)
-
-
-def dot_generals(jaxpr, path=()):
-    """[(path of enclosing primitives, ((dtype name, shape) of each operand))] of every
-    dot_general in ``jaxpr`` and, recursively, in its sub-jaxprs. Inside a custom rule's VJP
-    the rules of custom calls are not traced again (a forward rule usually calls its own
-    function)."""
-    out = []
-    in_rule = any(p.startswith("custom_") for p in path)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            out.append((path, tuple((v.aval.dtype.name, tuple(v.aval.shape))
-                                    for v in eqn.invars)))
-        for sub in _sub_jaxprs(eqn, rules=not in_rule):
-            out += dot_generals(sub, path + (eqn.primitive.name,))
-    return out
-
-
-def test_walker_reaches_every_kind_of_sub_jaxpr():
-    """A product of its own shape in each place; the custom VJP's backward rule only runs
-    when differentiated, so only its VJP (which the walker traces) holds that product."""
-    @jax.custom_vjp
-    def f(x):
-        return x @ jnp.ones((3, 8))
-
-    f.defvjp(lambda x: (f(x), x), lambda x, g: (g @ jnp.ones((8, 3)) + 0 * x,))
-
-    def step(k):  # c -> c + (c @ ones[3, k])[:, :3]: a dot with its own operand shape
-        return lambda c: c + (c @ jnp.ones((3, k)))[:, :3]
-
-    def g(x):
-        y = jax.lax.scan(lambda c, _: (step(4)(c), None), x, None, length=2)[0]
-        y = jax.lax.while_loop(lambda c: c[0, 0] > 1e9, step(5), y)
-        y = jax.lax.cond(y[0, 0] > 0, step(6), lambda c: c, y)
-        y = jax.checkpoint(step(7))(y)
-        return jnp.sum(jax.jit(f)(y))
-
-    found = {ops[1][1]: p for p, ops in dot_generals(
-        jax.make_jaxpr(g)(jax.ShapeDtypeStruct((2, 3), jnp.float32)).jaxpr)}
-    want = {(3, 4): "scan", (3, 5): "while", (3, 6): "cond", (3, 7): "remat",  # remat2
-            (3, 8): "custom_vjp_call", (8, 3): "custom_vjp_call"}
-    for shape, primitive in want.items():
-        assert any(p.startswith(primitive) for p in found[shape]), (shape, found)
-    assert found[(8, 3)][0] in ("pjit", "jit")
 
 
 # ------------------------------------------------------------------ the bf16 train step
@@ -102,12 +28,14 @@ BF16 = ModelConfig(vocab_size=V, d_model=D, n_layers=1, n_heads=2, n_kv_heads=1,
 
 
 def _step_dots(loss_chunk: int):
-    """Every dot_general of a bf16 train step (make_train_step), traced on abstract shapes."""
+    """Every matmul of a bf16 train step (make_train_step), traced on abstract shapes, as
+    ((operand dtype, operand shape), ...) (moelab.planner.flop_audit's walker)."""
     cfg = RunConfig(model=dataclasses.replace(BF16, loss_chunk=loss_chunk),
                     data=DataConfig(seq_len=T, batch_size=B))
     state = jax.eval_shape(lambda: init_train_state(cfg, jax.random.PRNGKey(0)))
     batch = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
-    return dot_generals(jax.make_jaxpr(make_train_step(cfg))(state, batch).jaxpr)
+    dots = dot_flops(jax.make_jaxpr(make_train_step(cfg))(state, batch))
+    return [tuple(zip(d.dtypes, d.shapes)) for d in dots if d.kind == "dot_general"]
 
 
 def _float32(ops) -> bool:
@@ -131,15 +59,15 @@ def _router_shapes(N):
 @pytest.mark.parametrize("loss_chunk", [0, 8])  # one chunk; 3 chunks of 2 rows x 4 positions
 def test_bf16_train_step_head_and_loss_in_bf16(loss_chunk):
     dots = _step_dots(loss_chunk)
-    vocab = [ops for _, ops in dots if any(V in s for _, s in ops)]
-    # the logits in the forward and once in the backward (the recompute), dx, dW
-    assert len(vocab) == 4, vocab
+    vocab = [ops for ops in dots if any(V in s for _, s in ops)]
+    # the logits, dx and dW, once each: the gradient is formed in the forward (no recompute)
+    assert len(vocab) == 3, vocab
     assert all(dt == "bfloat16" for ops in vocab for dt, _ in ops), vocab
     c = T if loss_chunk == 0 else loss_chunk // B  # positions per chunk
     x, logits, head = (B, c, D), (B, c, V), (D, V)
-    want = sorted([(x, head), (x, head), (logits, head), (x, logits)])
+    want = sorted([(x, head), (logits, head), (x, logits)])
     assert sorted(tuple(s for _, s in ops) for ops in vocab) == want
-    f32 = [tuple(s for _, s in ops) for _, ops in dots if _float32(ops)]
+    f32 = [tuple(s for _, s in ops) for ops in dots if _float32(ops)]
     router = [tuple(sorted(s)) for s in f32 if E in s[0] + s[1]]
     assert set(router) == _router_shapes(B * T) and len(router) == 3, f32
 

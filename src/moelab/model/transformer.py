@@ -262,10 +262,12 @@ def lm_loss(params, state, tokens_B1T, cfg: ModelConfig, valid_BT=None, experts_
     """
     inputs, targets = tokens_B1T[:, :-1], tokens_B1T[:, 1:]
     x, r = forward_hidden(params, state, inputs, cfg, valid_BT, experts_fn, layer_hook)
-    ce, logit_z = chunked_token_loss(x, params["head"], targets, valid_BT, cfg.loss_chunk)
+    # ce + logit_z_coef * logit z-loss, the one output of the head's VJP with a gradient
+    loss, ce, logit_z = chunked_token_loss(x, params["head"], targets, valid_BT, cfg.loss_chunk,
+                                           cfg.logit_z_coef)
     aux = jnp.mean(r.aux_loss)
     router_z = jnp.mean(r.z_loss)
-    loss = ce + cfg.logit_z_coef * logit_z + cfg.router_z_coef * router_z
+    loss = loss + cfg.router_z_coef * router_z
     if cfg.router == "softmax_aux":
         loss = loss + cfg.aux_loss_coef * aux
     stats = {"ce": ce, "logit_z": logit_z, "aux_loss": aux, "router_z": router_z,

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
-from moelab.config import ConfigError, ModelConfig
+from moelab.config import ModelConfig
 from moelab.planner import counts
 
 FOLD_LIMIT = 4096  # elements: fold only flags, indices and counters, never activations
@@ -422,17 +422,6 @@ def fp32_matmuls(dots: list[Dot]) -> list[dict]:
     against a narrower type (XLA converts that one up)."""
     rows = grouped([d for d in dots if "float32" in d.dtypes])
     return [{**g, "both_fp32": set(g["dtypes"].split(" x ")) == {"float32"}} for g in rows]
-
-
-def remat_override(policy: str) -> str:
-    """``model.remat=<value>`` for a remat policy (none | full | dots); while ``model.remat`` is
-    a bool, none and full are false and true."""
-    if not isinstance(ModelConfig().remat, bool):
-        return f"model.remat={policy}"
-    if policy not in ("none", "full"):
-        raise ConfigError(f"model.remat: policy {policy!r} needs the none | full | dots field; "
-                          "this one is true / false: use none or full")
-    return f"model.remat={str(policy == 'full').lower()}"
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from moelab.config.model import REMAT_POLICIES
 from moelab.model import transformer as tr
 from moelab.model.experts import DropCounts
 from moelab.model.layers import causal_attend, rope_tables
+from moelab.model.loss import chunked_token_loss
 from moelab.parallel import transport
 from moelab.planner.counts import ROUTED, param_leaves, param_tree
 
@@ -132,8 +133,8 @@ def kernel_residuals(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, in
       a fused (flash / cuDNN) kernel keeps only its inputs and output, which the layer saves
       anyway, plus a float32 log-sum-exp per head and query;
     loss: autodiff of float32 logits keeps the logits [B, T, V]; this code's head + loss (a
-      custom VJP, moelab.model.loss) keeps, like a fused kernel, the final hidden state (saved
-      anyway) and a float32 log-sum-exp per token.
+      custom VJP, moelab.model.loss) forms its gradient in the forward and keeps dx (the size
+      of the final hidden state), dW [D, V] in float32 and a float32 loss per token.
     Values: bytes the materialised form saves beyond the fused one (>= 0).
     """
     dt = jnp.dtype(cfg.compute_dtype)
@@ -150,9 +151,17 @@ def kernel_residuals(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, in
         logits = jnp.einsum("btd,dv->btv", x, w.astype(dt), preferred_element_type=jnp.float32)
         return tr.token_loss(logits, t)[0]
 
-    head_loss = residual_bytes(loss, x, head, targets)
+    own = residual_bytes(lambda x, w, t: chunked_token_loss(x, w, t)[0], x, head, targets)
     return {"attention": max(0, attn - 4 * B * T * cfg.n_heads),
-            "loss": max(0, head_loss - 4 * B * T)}
+            "loss": max(0, residual_bytes(loss, x, head, targets)
+                        - (own - head_gradient_bytes(cfg)))}
+
+
+def head_gradient_bytes(cfg: ModelConfig) -> int:
+    """The head's float32 gradient [D, V], which the loss forms in its forward (moelab.model.
+    loss) and keeps as a residual: the buffer of the head's gradient, already counted with the
+    gradients (``state_memory``), not an activation."""
+    return 4 * cfg.d_model * cfg.vocab_size
 
 
 def _recomputed(fn, remat: str, *args) -> int:
@@ -176,8 +185,8 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     ``attention``/``loss``: "materialized" (this code's plain paths) or "fused" (see
     kernel_residuals); measured on the plain paths (``loss_chunk=0``), then the fused kernels'
     savings taken off (the attention scores are batched matmuls: saved only without remat). The loss measures as fused (its residuals are
-    a log-sum-exp per token); "materialized" adds the float32 logits [B, T, V], which the
-    unchunked loss holds while every residual is live (its backward recomputes them first).
+    dx, dW and a loss per token, see kernel_residuals); "materialized" adds the float32 logits
+    [B, T, V] that autodiff of the plain logits would keep.
     """
     for name, value in (("attention", attention), ("loss", loss)):
         if value not in KERNELS:
@@ -195,6 +204,7 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
     saved = residual_bytes(
         lambda p, s, t: tr.lm_loss(p, s, t, m, experts_fn=experts_fn)[0], params, state, tokens)
+    saved -= head_gradient_bytes(m)
     fused = kernel_residuals(m, batch, seq_len)
     if loss == "materialized":
         saved += fused["loss"]

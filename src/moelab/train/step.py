@@ -198,7 +198,7 @@ def make_eval_step(cfg: RunConfig, experts_fn=None, mesh=None) -> Callable:
                                  experts_fn=experts_fn, layer_hook=hook)
         targets = batch_B1T[:, 1:]
         valid = jnp.broadcast_to(row_valid_B[:, None], targets.shape)
-        return chunked_loss_sums(x, params["head"], targets, valid, mcfg.loss_chunk)[0]
+        return chunked_loss_sums(x, params["head"], targets, valid, mcfg.loss_chunk)[1]  # ce
 
     return jax.jit(eval_fn)
 

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from moelab.config import ParallelConfig
 from moelab.model.experts import (
     DropCounts, GroupLayout, counts_layout, gather_rows, invert, rank_in_group, sorted_swiglu,
-    token_of)
+    token_of, weighted_routes)
 from moelab.parallel.transport.common import (
     BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require_parallel)
 from moelab.parallel.transport.waterfill import expert_keep_E, source_share_SE
@@ -184,8 +184,7 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
         y_arr = gather_rows(y_bank, lay.dst_R, lay.src_M[:, None])
         back = jax.lax.all_to_all(y_arr.reshape(S, P, H), axis, 0, 0, tiled=True)
         routes = routes + gather_rows(back.reshape(S * P, H), pos_A, src_M[:, None])
-    out = jnp.einsum("tkh,tk->th", routes.reshape(T, k, H).astype(jnp.float32),
-                     weight_TK.astype(jnp.float32))
+    out = weighted_routes(routes.reshape(T, k, H), weight_TK)
 
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
     n_acc = jnp.sum(accepted_A.astype(jnp.int32))
