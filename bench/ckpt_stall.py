@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 from common import print_table, save
-
 from moelab.config import load_config
 from moelab.train import loop
 from moelab.train.setup import setup_run

@@ -17,12 +17,11 @@ import argparse
 import statistics
 import time
 
-from common import print_table, save
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import print_table, save
 from moelab.config import load_config
 from moelab.model import experts
 

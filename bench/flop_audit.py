@@ -31,11 +31,10 @@ import sys
 import time
 from pathlib import Path
 
-from common import print_table, save
-
 import jax
 import jax.numpy as jnp
 
+from common import print_table, save
 from moelab.config import ConfigError, load_config
 from moelab.model.experts import resolve_impl
 from moelab.model.layers import resolve_attention

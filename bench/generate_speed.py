@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import print_table, save
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from common import print_table, save
 from moelab.config import load_config  # noqa: E402
 from moelab.generate import make_sampler  # noqa: E402
 from moelab.model import transformer as tr  # noqa: E402

@@ -15,7 +15,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 
 import jax
 import jax.numpy as jnp

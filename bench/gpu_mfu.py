@@ -43,7 +43,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common import RESULTS, append_jsonl, print_table, save
-
 from moelab.config import load_config
 from moelab.config.model import RAGGED_FUSION_FLAG
 

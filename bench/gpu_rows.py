@@ -17,8 +17,8 @@ import tempfile
 import time
 
 import jax
-from common import RESULTS  # noqa: F401 - puts src/ on the path before moelab is imported
 
+from common import RESULTS  # noqa: F401 - puts src/ on the path before moelab is imported
 from moelab.util import atomic_write_json
 
 
@@ -75,9 +75,8 @@ def profile(compiled, state, batch, spec: dict) -> tuple:
 
 def train(spec: dict, row: Row) -> None:
     """Compile (XLA's memory and cost analyses), time the steps, then profile one step."""
-    from train_throughput import compile_step, describe, time_steps
-
     from moelab.config import load_config
+    from train_throughput import compile_step, describe, time_steps
 
     cfg = load_config(spec["preset"], spec["overrides"])
     compiled, state, batches, compile_s = compile_step(cfg)
@@ -96,8 +95,9 @@ def train(spec: dict, row: Row) -> None:
 
 def legs(spec: dict, row: Row) -> None:
     """Every expert kernel of gpu_legs.LEGS, leg by leg, at one expert shape."""
-    import gpu_legs
     import numpy as np
+
+    import gpu_legs
 
     rows, K, N, G = spec["shape"]
     x, w, dy, counts = gpu_legs.problem(rows, K, N, G)

@@ -25,10 +25,9 @@ import csv
 import time
 from pathlib import Path
 
-from common import RESULTS, print_table, save
-
 import numpy as np
 
+from common import RESULTS, print_table, save
 from moelab.ladder.choose import choose, make_data
 from moelab.ladder.powerlaw import fit_with_bootstrap, make_law
 

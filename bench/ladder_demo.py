@@ -48,11 +48,10 @@ import sys
 import time
 from pathlib import Path
 
-from common import RESULTS, copy_result, print_table, save
-
 import numpy as np
 import yaml
 
+from common import RESULTS, copy_result, print_table, save
 from moelab.config import config_from_dict
 from moelab.ladder.fit import final_value
 from moelab.ladder.folder import load_ladder
@@ -113,8 +112,7 @@ def optimal(C: float) -> tuple[float, float]:
     """The true law's compute-optimal (N, D) at C = 6 N D (closed form, Chinchilla eq. 4)."""
     c = CHINCHILLA
     G = (c["alpha"] * c["A"] / (c["beta"] * c["B"])) ** (1 / (c["alpha"] + c["beta"]))
-    a, b = c["beta"] / (c["alpha"] + c["beta"]), c["alpha"] / (c["alpha"] + c["beta"])
-    n = G * (C / 6) ** a
+    n = G * (C / 6) ** (c["beta"] / (c["alpha"] + c["beta"]))
     return n, C / (6 * n)
 
 

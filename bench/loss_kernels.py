@@ -22,14 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import print_table, save  # noqa: E402  (also puts src/ on sys.path)
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.extend import core as jcore  # noqa: E402
 
+from common import print_table, save  # noqa: E402  (also puts src/ on sys.path)
 from moelab.model.loss import _chunks, chunked_token_loss, head_logits, logit_sums  # noqa: E402
-
 
 Z_COEF = 1e-4  # the logit z-loss weight (model.logit_z_coef's default)
 

@@ -15,11 +15,9 @@ import argparse
 import statistics
 import time
 
-from common import print_table, save
-
 import jax
-import jax.numpy as jnp
 
+from common import print_table, save
 from moelab.config import load_config
 from moelab.train.step import init_train_state, make_train_step
 

@@ -35,7 +35,6 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from common import RESULTS, print_table, save  # noqa: E402
-
 from moelab.cli import main as moelab  # noqa: E402
 from moelab.config import load_config  # noqa: E402
 from moelab.ops.plot import plot_runs  # noqa: E402

@@ -23,16 +23,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import print_table, save  # noqa: E402  (also puts src/ on sys.path)
-from trained_router import heldout_batch, load, trained_run  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from common import print_table, save  # noqa: E402  (also puts src/ on sys.path)
 from moelab.model import transformer as tr  # noqa: E402
 from moelab.model.layers import rope_tables  # noqa: E402
 from moelab.model.router import quantile_bias  # noqa: E402
+from trained_router import heldout_batch, load, trained_run  # noqa: E402
 
 
 def router_inputs(params, state, tokens_BT, m):

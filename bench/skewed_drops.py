@@ -14,7 +14,6 @@ import argparse
 from collections import Counter
 
 import common  # noqa: F401  (puts src/ on sys.path)
-
 from moelab.config import ParallelConfig
 from moelab.parallel.transport.simulate import simulate_drops, skewed_routing
 

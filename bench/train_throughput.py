@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import print_table, save
-
 import jax
 
+from common import print_table, save
 from moelab.config import load_config
 from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.train.peak import measure_peak_flops

@@ -26,11 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS  # noqa: E402  (also puts src/ on sys.path)
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from common import RESULTS  # noqa: E402  (also puts src/ on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_DIR = RESULTS / "router_run"

@@ -54,20 +54,19 @@ import statistics  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
 
-from common import print_table, save  # noqa: E402
-from trained_router import STEPS, heldout_batch, load, routing_all, trained_run  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.extend import core as jcore  # noqa: E402
 
-from moelab.parallel.mesh import make_mesh, shard_batch, shard_expert_weights  # noqa: E402
+from common import print_table, save  # noqa: E402
 from moelab.config import ParallelConfig  # noqa: E402
 from moelab.model.experts import drop_totals  # noqa: E402
 from moelab.parallel import transport  # noqa: E402
+from moelab.parallel.mesh import make_mesh, shard_batch, shard_expert_weights  # noqa: E402
 from moelab.parallel.transport.simulate import simulate_drops  # noqa: E402
 from moelab.planner.memory import transport_memory  # noqa: E402
+from trained_router import STEPS, heldout_batch, load, routing_all, trained_run  # noqa: E402
 
 KERNEL = ("blocks", 32)  # grouped expert compute of the dropless transports: blocks of 32 rows
 

@@ -6,3 +6,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
+
+# The session's prepared data folder, a fixture every test module may ask for by name (imported
+# after the flags above: helpers loads moelab).
+from helpers import data_dir  # noqa: E402, F401

@@ -22,9 +22,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
+from moelab.config import ParallelConfig  # noqa: E402
 from moelab.model.experts import experts_dense  # noqa: E402
 from moelab.parallel.mesh import batch_spec, expert_weight_spec, make_mesh  # noqa: E402
-from moelab.config import ParallelConfig  # noqa: E402
 from moelab.parallel.transport import make_transport_fn  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

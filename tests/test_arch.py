@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import data_dir, micro_config  # noqa: F401  (session fixture)
+from helpers import micro_config
 from moelab.config import ConfigError, ModelConfig, load_config
-from moelab.model import layers, router, transformer as tr
+from moelab.model import layers, router
+from moelab.model import transformer as tr
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -318,8 +319,8 @@ def test_quantile_router_needs_a_k_plus_first_expert():
 
 
 def test_every_option_on_trains_and_loss_falls(data_dir, tmp_path):  # noqa: F811
-    from moelab.train.loop import train
     from moelab.run.logs import read_metrics
+    from moelab.train.loop import train
 
     model = {k: v for k, v in ALL_ON.items() if k not in ("vocab_size", "d_model", "n_experts",
                                                           "expert_dim", "latent_dim",

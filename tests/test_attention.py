@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from moelab.config import ConfigError, ModelConfig
-from moelab.model import layers, transformer as tr
+from moelab.model import layers
+from moelab.model import transformer as tr
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

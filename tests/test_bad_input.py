@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from helpers import data_dir, micro_dict  # noqa: F401  (session fixture)
+from helpers import micro_dict
 from moelab.lab import records as rec_mod
 from moelab.run.logs import JsonlTracker
 from test_cli import run_main

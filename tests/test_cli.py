@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import data_dir, shared_run, subprocess_env  # noqa: F401  (session fixture)
+from helpers import shared_run, subprocess_env
 from moelab.cli import main
 from moelab.config import ConfigError, load_config
 from moelab.data.prepare import given_tokenizer, with_tokenizer_vocab

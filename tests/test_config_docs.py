@@ -9,7 +9,6 @@ import shutil
 import pytest
 import yaml
 
-from helpers import data_dir  # noqa: F401  (session fixture)
 from moelab.cli import main
 from moelab.config import ConfigError, load_config
 from moelab.config.docs import describe_config, field_docs, section_classes

@@ -11,11 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import ALL_OPTIONS, random_train_state
 from moelab import generate
 from moelab.config import ModelConfig, config_from_dict, load_config
 from moelab.model import decode
-
-from helpers import ALL_OPTIONS, random_train_state
 
 TOL = 1e-4  # float32: logits of order 1 agree to a few 1e-6
 SEQ_LEN = 16  # the sampler's context: short, so generation runs past it quickly

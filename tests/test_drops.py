@@ -9,8 +9,8 @@ import json
 import jax
 import numpy as np
 import pytest
-from helpers import ALL_OPTIONS, data_dir, random_train_state, shared_run  # noqa: F401
 
+from helpers import ALL_OPTIONS, random_train_state, shared_run
 from moelab.cli import main
 from moelab.config import ModelConfig, RunConfig
 from moelab.model.transformer import forward

@@ -12,13 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from helpers import ALL_OPTIONS, random_train_state
 from moelab.cli import main
 from moelab.config import ModelConfig, config_from_dict, load_config, save_config
 from moelab.data.tokenizer import EOS_TOKEN
 from moelab.model.transformer import forward
 from moelab.run.checkpoint import Checkpointer
-
-from helpers import ALL_OPTIONS, random_train_state
 
 try:  # the hf extra, which ./install.sh installs: a missing one fails the tests, never skips
     import torch

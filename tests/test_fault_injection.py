@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import data_dir, micro_config, micro_dict, subprocess_env  # noqa: F401
+from helpers import micro_config, micro_dict, subprocess_env
 from moelab.config import load_config
 from test_train import quiet_train
 

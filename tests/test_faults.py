@@ -25,8 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import (VOCAB, data_dir, micro_config, micro_dict,  # noqa: F401  (session fixture)
-                     subprocess_env, write_config_yaml)
+from helpers import VOCAB, micro_config, micro_dict, subprocess_env, write_config_yaml
 from moelab.cli import main
 from moelab.data import corpus
 from moelab.data.corpus import build_user_corpus, iter_documents

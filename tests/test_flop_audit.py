@@ -13,7 +13,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from moelab.config import load_config
-from moelab.planner import counts, flop_audit as fa
+from moelab.planner import counts
+from moelab.planner import flop_audit as fa
 from moelab.train.step import init_train_state, make_train_step
 
 F32 = jnp.float32

@@ -216,7 +216,6 @@ def test_a_wrong_expert_kernel_fails_its_check(monkeypatch):
     """The legs' reference is a host float32 matmul, not another kernel: a kernel off by 10%
     is caught (and a correct one passes)."""
     import gpu_legs
-
     from moelab.model.grouped_matmul import reference_backend
 
     fwd, dgrad, wgrad = reference_backend()

@@ -14,7 +14,12 @@ from moelab.config import ConfigError, ModelConfig, ParallelConfig
 from moelab.model import experts
 from moelab.model.expert_legs import expert_legs
 from moelab.model.grouped_gemm import (
-    GmmBlocks, gmm_backend, group_tiles, reference_rows, reference_wgrad)
+    GmmBlocks,
+    gmm_backend,
+    group_tiles,
+    reference_rows,
+    reference_wgrad,
+)
 from moelab.model.grouped_matmul import grouped_matmul, grouped_swiglu_rows
 from moelab.parallel import transport
 from moelab.parallel.mesh import make_mesh

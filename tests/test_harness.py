@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from lm_eval.api.instance import Instance  # a missing harness fails here, as it should
 
-from helpers import data_dir, shared_run  # noqa: F401  (session fixture)
+from helpers import shared_run
 from moelab.data.tokenizer import decode, encode_batch, eos_id
 from moelab.generate import padded, prefill_bucket
 from moelab.harness.lm import MoelabLM, cut_at_stop, gen_options

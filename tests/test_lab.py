@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers import micro_dict, write_config_yaml
 from moelab.cli import main
 from moelab.lab import records as rec_mod
 from moelab.lab.criteria import MET, NO_DATA, NOT_MET, ArmRun, evaluate, parse_criterion
@@ -25,8 +26,6 @@ from moelab.lab.report import evaluate_record, publish, render_report, write_rep
 from moelab.lab.runs import read_run
 from moelab.run.logs import JsonlTracker, read_metrics
 from moelab.train.tracker import HardwareMonitor, parse_nvidia_smi
-
-from helpers import data_dir, micro_dict, write_config_yaml  # noqa: F401
 
 # ---------------------------------------------------------------- criteria
 

@@ -19,7 +19,6 @@ from moelab.planner.flop_audit import dot_flops
 from moelab.train.setup import init_sharded_state
 from moelab.train.step import init_train_state, make_train_step, train_state_shardings
 
-
 # ------------------------------------------------------------------ the bf16 train step
 
 B, T, D, V, E = 2, 12, 40, 96, 6  # N = 24 tokens; every size distinct

@@ -6,7 +6,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from moelab.parallel.mesh import (
-    batch_spec, expert_weight_spec, make_mesh, shard_batch, shard_expert_weights)
+    batch_spec,
+    expert_weight_spec,
+    make_mesh,
+    shard_batch,
+    shard_expert_weights,
+)
 
 
 def require_devices():

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from moelab.config import ModelConfig
-from moelab.model import experts, layers, moe, router, transformer as tr
+from moelab.model import experts, layers, moe, router
+from moelab.model import transformer as tr
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

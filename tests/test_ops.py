@@ -19,24 +19,35 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers import MICRO, data_dir, micro_config, micro_dict  # noqa: F401  (session fixture)
+from helpers import MICRO, micro_config, micro_dict
 from moelab.cli import main
-from moelab.config import (ConfigError, ContextStage, MixtureChange, config_from_dict,
-                           load_run_config)
+from moelab.config import (
+    ConfigError,
+    ContextStage,
+    MixtureChange,
+    config_from_dict,
+    load_run_config,
+)
+from moelab.data.prepare import prepare_data
 from moelab.data.sampler import MixtureSampler, SteppedSampler
 from moelab.data.store import TokenStore
-from moelab.data.prepare import prepare_data
-from moelab.ops.record import stage_report
-from moelab.ladder.schedule_law import RunSchedule
-from moelab.ops.replan import PENDING, end_step, ladder_forecast, parse_deadline
-from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note, steps_for_tokens
-from moelab.train.changes import (Change, PlanError, apply_change, check_future_only,
-                                  inherit_operations, lr_curve)
-from moelab.run.logs import read_metrics
-from moelab.train.loop import train
-from moelab.train.resume import resolve_run_config
 from moelab.ladder.folder import write_ladder
 from moelab.ladder.plan import LadderRule, plan_ladder
+from moelab.ladder.schedule_law import RunSchedule
+from moelab.ops.record import stage_report
+from moelab.ops.replan import PENDING, end_step, ladder_forecast, parse_deadline
+from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note, steps_for_tokens
+from moelab.run.logs import read_metrics
+from moelab.train.changes import (
+    Change,
+    PlanError,
+    apply_change,
+    check_future_only,
+    inherit_operations,
+    lr_curve,
+)
+from moelab.train.loop import train
+from moelab.train.resume import resolve_run_config
 from test_ladder import law_value, micro_target, write_run
 from test_train import assert_trees_equal, load_state
 

@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import data_dir, micro_config  # noqa: F401  (session fixture)
-from test_multiprocess import free_port
+from helpers import micro_config
 from moelab.config import save_config
-from moelab.train.loop import train
 from moelab.run.logs import read_metrics
+from moelab.train.loop import train
+from test_multiprocess import free_port
 
 STEPS = 5
 MODEL = {"n_experts": 8}

@@ -18,11 +18,21 @@ from moelab.config.model import REMAT_POLICIES
 from moelab.ladder.plan import run_stats
 from moelab.model import transformer as tr
 from moelab.planner.cluster import ACCELERATORS, accelerator, cluster_estimate
-from moelab.planner.counts import (flops_report, matmul_params_per_token, param_breakdown,
-                                   param_counts, run_tokens, train_flops_per_token)
+from moelab.planner.counts import (
+    flops_report,
+    matmul_params_per_token,
+    param_breakdown,
+    param_counts,
+    run_tokens,
+    train_flops_per_token,
+)
 from moelab.planner.memory import Layout, activation_memory, memory_report, residual_bytes
-from moelab.planner.xla import (compare_sharded_with_xla, compare_transport_with_xla,
-                                compare_with_xla, scaled_config)
+from moelab.planner.xla import (
+    compare_sharded_with_xla,
+    compare_transport_with_xla,
+    compare_with_xla,
+    scaled_config,
+)
 
 GiB = 2**30
 # docs/reference.md#the-scaling-ladder: published (total, active) of the rungs, as rounded there

@@ -19,7 +19,7 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from helpers import data_dir, micro_config  # noqa: F401  (session fixture)
+from helpers import micro_config
 from moelab import cli
 from moelab.config import ConfigError
 from moelab.run.checkpoint import FORMAT, MANIFEST_FILE, Checkpointer, step_name

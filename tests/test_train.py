@@ -27,7 +27,6 @@ from helpers import (
     DOMAINS,
     MICRO,
     SHARED_RUN_TRAIN,
-    data_dir,  # noqa: F401  (session fixture)
     micro_config,
     micro_dict,
     shared_run,

@@ -21,7 +21,12 @@ from moelab.model.moe import moe_branch
 from moelab.parallel import transport
 from moelab.parallel.mesh import make_mesh
 from moelab.parallel.transport.common import (
-    capacity, check_payload_dtype, decode_ids, encode_ids, id_digits)
+    capacity,
+    check_payload_dtype,
+    decode_ids,
+    encode_ids,
+    id_digits,
+)
 from moelab.parallel.transport.simulate import skewed_routing
 
 N_DEV = 8

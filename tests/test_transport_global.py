@@ -13,8 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_transport import (
-    DATA, E, K, N, N_DEV, T, check_kept, make_transport_fn, require_devices, tc)
 
 from moelab.config import ConfigError
 from moelab.model.experts import drop_totals
@@ -22,6 +20,18 @@ from moelab.parallel import transport
 from moelab.parallel.mesh import make_mesh
 from moelab.parallel.transport.common import capacity
 from moelab.parallel.transport.simulate import skewed_routing
+from test_transport import (
+    DATA,
+    N_DEV,
+    E,
+    K,
+    N,
+    T,
+    check_kept,
+    make_transport_fn,
+    require_devices,
+    tc,
+)
 
 
 def ceil_rule(cf: float, n: int, groups: int) -> int:

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 
 from moelab.config.errors import require
 
-
 CONV_SITES = ("q", "k", "v", "attn", "moe")  # projections, attention-branch / MoE-branch output
 REMAT_POLICIES = ("none", "dots", "full")  # what a block keeps for the backward (model.remat)
 MOE_IMPLS = ("auto", "blocks", "gmm", "ragged", "ragged_fusion", "mgpu", "dense")

@@ -19,6 +19,7 @@ from moelab.config import ModelConfig
 from moelab.generate import prefill_bucket
 from moelab.model import transformer as tr
 
+
 class Window(NamedTuple):
     """Model inputs and targets (equal length, at most seq_len) and how many of the last
     targets are scored."""

@@ -9,8 +9,13 @@ from moelab.util import is_url
 
 
 def cmd_eval(args) -> int:
-    from moelab.harness.evaluate import (default_output, evaluate_run, format_results,
-                                         save_results, split_tasks)
+    from moelab.harness.evaluate import (
+        default_output,
+        evaluate_run,
+        format_results,
+        save_results,
+        split_tasks,
+    )
 
     require(args.output or not is_url(args.run), "--output", f"{args.run} is a URL: name a "
             "local results file (--output FILE)")

@@ -16,11 +16,28 @@ from pathlib import Path
 from moelab.config import flatten_config  # the field names the resume check uses
 from moelab.lab import records as rec_mod
 from moelab.lab.charts import chart_data
-from moelab.lab.criteria import (MET, NO_DATA, NOT_MET, ArmRun, Criterion, Verdict,
-                                 count_labels, evaluate, fmt_value, parse_criterion)
+from moelab.lab.criteria import (
+    MET,
+    NO_DATA,
+    NOT_MET,
+    ArmRun,
+    Criterion,
+    Verdict,
+    count_labels,
+    evaluate,
+    fmt_value,
+    parse_criterion,
+)
 from moelab.lab.plots import plot_charts
-from moelab.lab.runs import (EVAL_LOSS, USABLE, RunData, name_runs, newest_usable, read_run,
-                             shown_path)
+from moelab.lab.runs import (
+    EVAL_LOSS,
+    USABLE,
+    RunData,
+    name_runs,
+    newest_usable,
+    read_run,
+    shown_path,
+)
 from moelab.util import atomic_write_text
 
 ICONS = {MET: "✅", NOT_MET: "❌", NO_DATA: "❔"}

@@ -25,8 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moelab.ladder.powerlaw import (FORMS, LOSSES, BootFit, LawFit, bootstrap, fit_law,
-                                    make_law)
+from moelab.ladder.powerlaw import FORMS, LOSSES, BootFit, LawFit, bootstrap, fit_law, make_law
 
 N_FOLDS = (2, 4)  # at least 2 left-out budgets, more (up to 4) until MIN_VAL_POINTS are scored
 MIN_VAL_POINTS = 8

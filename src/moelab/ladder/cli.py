@@ -101,8 +101,15 @@ def cmd_fit(args) -> int:
     if args.predict_run and args.target_run:
         raise ValueError("--predict-run leaves every file as it is, --target-run writes one: "
                          "give them in separate calls")
-    from moelab.ladder.fit import (fit_ladder, format_report, format_runs, load_run_configs,
-                                   predict_runs, target_outputs, write_outputs)
+    from moelab.ladder.fit import (
+        fit_ladder,
+        format_report,
+        format_runs,
+        load_run_configs,
+        predict_runs,
+        target_outputs,
+        write_outputs,
+    )
     from moelab.ladder.folder import load_ladder
 
     lad = load_ladder(args.ladder)

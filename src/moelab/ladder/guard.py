@@ -41,7 +41,6 @@ from moelab.ladder.observe import EVAL_LOSS, rolling_median, run_records, series
 from moelab.run.logs import JsonlTracker
 from moelab.util import info
 
-
 LIFECYCLE = ("start", "resume", "finished", "interrupted", "diverged")  # training's own events
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moelab.ladder.observe import EVAL_LOSS, binned, rolling_median, series
 from moelab.ladder.fit import LadderFit, final_value, prediction_steps
+from moelab.ladder.observe import EVAL_LOSS, binned, rolling_median, series
 from moelab.ladder.schedule_law import RunSchedule
 from moelab.util import atomic_write_bytes
 

@@ -21,8 +21,15 @@ import jax.numpy as jnp
 from moelab.config import ModelConfig
 from moelab.model import transformer as tr
 from moelab.model.experts import DropCounts
-from moelab.model.layers import (_attend, attention_output, causal_conv, map_kv, project_qkv,
-                                 rope_tables)
+from moelab.model.layers import (
+    _attend,
+    attention_output,
+    causal_conv,
+    map_kv,
+    project_qkv,
+    rope_tables,
+)
+
 
 def init_cache(cfg: ModelConfig, batch: int, size: int) -> dict:
     """An empty cache for ``batch`` rows of up to ``size`` positions (compute dtype):

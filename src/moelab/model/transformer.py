@@ -19,7 +19,6 @@ from moelab.model.loss import chunked_token_loss, head_logits, logit_sums, valid
 from moelab.model.moe import moe_branch
 from moelab.model.router import update_bias
 
-
 # model.remat -> the jax.checkpoint policy of the block scan: what each block saves beyond its
 # input. "dots" saves the matmuls without batch dimensions (projections, router, latent, shared
 # experts); the batched ones (attention scores, expert blocks) and the rest are recomputed.

@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import datetime as dt
+import json
 import math
 import shlex
 from dataclasses import asdict
@@ -75,9 +75,9 @@ def cmd_replan(args) -> int:
 
 
 def _replan(args) -> int:
+    from moelab.config import load_run_config
     from moelab.ops import replan as rp
     from moelab.ops.plot import plot_replan
-    from moelab.config import load_run_config
     from moelab.train.resume import read_pending
 
     check_change_args(args)

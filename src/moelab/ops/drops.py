@@ -84,7 +84,7 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
     n_batches = len(picked) // per_batch
     route = routing_fn(cfg)
     if place:
-        require(len(rest) * span >= 2 * max(lens), "--place", f"no held-out text is left "
+        require(len(rest) * span >= 2 * max(lens), "--place", "no held-out text is left "
                 "beside the forecast's batches to fit the placement on: lower --batches")
         fit_ids = routed_ids(route, params, state, spans[rest], now)
         fitted = {n: p["slots"] for n, p in fit_placements(

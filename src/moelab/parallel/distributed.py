@@ -9,9 +9,8 @@ by all of them together through orbax.
 
 from __future__ import annotations
 
-import numpy as np
-
 import jax
+import numpy as np
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,

@@ -7,7 +7,7 @@ import dataclasses
 
 from moelab.config import RunConfig
 from moelab.parallel import transport
-from moelab.planner.cluster import GiB, Accelerator, cluster_estimate
+from moelab.planner.cluster import Accelerator, GiB, cluster_estimate
 from moelab.planner.counts import flops_report, param_breakdown, param_counts, run_tokens
 from moelab.planner.memory import Layout, memory_report
 
@@ -61,7 +61,7 @@ def format_plan(name: str, plan: dict) -> str:
               f"  {'per-token extras':<22}{_b(p['per_token_extra']):>24}  norms, GatedNorms, "
               "output gates, short convs", ""]
     f = plan["flops"]
-    lines += [f"  training FLOPs (forward + backward, attention over each layer's window)",
+    lines += ["  training FLOPs (forward + backward, attention over each layer's window)",
               f"    per token   {f['per_token']:.4g}  (matmuls {f['matmul_per_token']:.4g}, "
               f"attention {f['attention_per_token']:.4g})",
               f"    {f['tokens']:.4g} tokens: {f['total']:.3g} FLOPs  (plain 6 x N_active x D: "

@@ -12,8 +12,7 @@ import jax.numpy as jnp
 
 from moelab.config import ConfigError, RunConfig
 from moelab.planner.counts import ROUTED, param_leaves
-from moelab.planner.memory import (CAPACITY_FIELDS, Layout, memory_report,
-                                   transport_memory)
+from moelab.planner.memory import CAPACITY_FIELDS, Layout, memory_report, transport_memory
 
 
 def scaled_config(cfg: RunConfig, d_model: int = 256, seq_len: int = 256, batch: int = 4,
@@ -126,8 +125,8 @@ def compare_transport_with_xla(kind: str, *, tokens: int, top_k: int, n_experts:
     --xla_force_host_platform_device_count=8 before JAX starts)."""
     from jax.sharding import NamedSharding
 
-    from moelab.parallel.mesh import batch_spec, expert_weight_spec, make_mesh
     from moelab.config import ParallelConfig
+    from moelab.parallel.mesh import batch_spec, expert_weight_spec, make_mesh
     from moelab.parallel.transport import make_transport_fn
 
     S = len(jax.devices())

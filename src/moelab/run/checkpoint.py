@@ -45,13 +45,18 @@ from pathlib import Path
 from typing import Any, Callable
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from moelab.parallel.distributed import barrier, broadcast_str
-from moelab.run.ckpt_target import (CheckpointError, abstract_leaf, check_against_target,
-                                    check_restored, match_leaf_type, restore_entries,
-                                    saved_entries)
+from moelab.run.ckpt_target import (
+    CheckpointError,
+    abstract_leaf,
+    check_against_target,
+    check_restored,
+    match_leaf_type,
+    restore_entries,
+    saved_entries,
+)
 from moelab.util import atomic_write_json, info, sha256_file
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointWarning", "save_failure"]

@@ -38,8 +38,7 @@ from typing import Iterator
 import jax
 
 from moelab.config import ConfigError
-from moelab.run.checkpoint import (MANIFEST_FILE, Checkpointer, CheckpointError, step_name,
-                                   step_of)
+from moelab.run.checkpoint import MANIFEST_FILE, Checkpointer, CheckpointError, step_name, step_of
 from moelab.run.lock import LOCK_FILE, RunLocked, holder_record, refusal, run_lock
 from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
 

@@ -15,8 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moelab.config import (OPERATION_FIELDS, ConfigError, ContextStage, Decay, MixtureChange,
-                           RunConfig)
+from moelab.config import (
+    OPERATION_FIELDS,
+    ConfigError,
+    ContextStage,
+    Decay,
+    MixtureChange,
+    RunConfig,
+)
 
 
 class PlanError(ValueError):

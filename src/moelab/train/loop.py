@@ -35,6 +35,7 @@ from moelab.parallel.distributed import agree_any, is_main
 from moelab.planner.counts import train_flops_per_token
 from moelab.run.checkpoint import CheckpointError, save_failure
 from moelab.run.lock import run_lock
+
 # evaluate is called through this module's name (tests patch it)
 from moelab.train.heldout import evaluate, final_eval_tokens, gzip_bpb, sample_text
 from moelab.train.setup import RunSetup, setup_run

@@ -15,12 +15,17 @@ from pathlib import Path
 
 import yaml
 
-from moelab.config import (OPERATION_FIELDS, ConfigError, RunConfig, config_from_dict,
-                           flatten_config)
-from moelab.run.logs import log_operation
-from moelab.train.changes import (Change, PlanError, apply_change, check_future_only,
-                                  inherit_operations, lr_curve)
+from moelab.config import OPERATION_FIELDS, ConfigError, RunConfig, config_from_dict, flatten_config
 from moelab.run.checkpoint import Checkpointer
+from moelab.run.logs import log_operation
+from moelab.train.changes import (
+    Change,
+    PlanError,
+    apply_change,
+    check_future_only,
+    inherit_operations,
+    lr_curve,
+)
 
 PENDING = "plan_pending.json"
 

@@ -31,10 +31,21 @@ from moelab.run.provenance import provenance
 from moelab.train.heldout import check_heldout
 from moelab.train.peak import measure_peak_flops
 from moelab.train.resume import commit_pending, resolve_run_config
-from moelab.train.step import (init_train_state, make_eval_step, make_train_step,
-                               train_state_shardings, transport_fns)
-from moelab.train.tracker import (HardwareMonitor, TensorBoardTracker, Trackers, WandbTracker,
-                                  check_trackers, process_identity)
+from moelab.train.step import (
+    init_train_state,
+    make_eval_step,
+    make_train_step,
+    train_state_shardings,
+    transport_fns,
+)
+from moelab.train.tracker import (
+    HardwareMonitor,
+    TensorBoardTracker,
+    Trackers,
+    WandbTracker,
+    check_trackers,
+    process_identity,
+)
 from moelab.util import atomic_write_bytes, atomic_write_json, info
 
 

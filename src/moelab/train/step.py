@@ -10,7 +10,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from moelab.config import RunConfig
 from moelab.model import transformer as tr

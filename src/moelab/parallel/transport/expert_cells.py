@@ -14,9 +14,22 @@ import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
 from moelab.model.experts import (
-    DropCounts, combine_rows, gather_rows, invert, rank_in_group, swiglu_bank, token_of)
+    DropCounts,
+    combine_rows,
+    gather_rows,
+    invert,
+    rank_in_group,
+    swiglu_bank,
+    token_of,
+)
 from moelab.parallel.transport.common import (
-    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require_parallel)
+    BufferRows,
+    Transport,
+    assignment_arrays,
+    capacity,
+    logical_capacity,
+    require_parallel,
+)
 
 
 def check(par: ParallelConfig, n_local: int) -> None:

@@ -35,10 +35,24 @@ import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
 from moelab.model.experts import (
-    DropCounts, GroupLayout, counts_layout, gather_rows, invert, rank_in_group, sorted_swiglu,
-    token_of, weighted_routes)
+    DropCounts,
+    GroupLayout,
+    counts_layout,
+    gather_rows,
+    invert,
+    rank_in_group,
+    sorted_swiglu,
+    token_of,
+    weighted_routes,
+)
 from moelab.parallel.transport.common import (
-    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require_parallel)
+    BufferRows,
+    Transport,
+    assignment_arrays,
+    capacity,
+    logical_capacity,
+    require_parallel,
+)
 from moelab.parallel.transport.waterfill import expert_keep_E, source_share_SE
 
 

@@ -19,9 +19,20 @@ import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
 from moelab.model.experts import (
-    DropCounts, combine_rows, gather_rows, grouped_swiglu, invert, rank_in_group, token_of)
+    DropCounts,
+    combine_rows,
+    gather_rows,
+    grouped_swiglu,
+    invert,
+    rank_in_group,
+    token_of,
+)
 from moelab.parallel.transport.common import (
-    BufferRows, Transport, assignment_arrays, require_parallel)
+    BufferRows,
+    Transport,
+    assignment_arrays,
+    require_parallel,
+)
 
 
 def check(par: ParallelConfig, n_local: int) -> None:

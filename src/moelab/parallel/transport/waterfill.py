@@ -26,7 +26,13 @@ from moelab.config import ParallelConfig
 from moelab.model.experts import DropCounts, rank_in_group
 from moelab.parallel.transport import ragged
 from moelab.parallel.transport.common import (
-    BufferRows, Transport, assignment_arrays, capacity, logical_capacity, require_parallel)
+    BufferRows,
+    Transport,
+    assignment_arrays,
+    capacity,
+    logical_capacity,
+    require_parallel,
+)
 from moelab.parallel.transport.ragged import ragged_exchange, use_native
 
 
