@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from jax.extend import core as jcore  # noqa: E402
 
 from common import print_table, save  # noqa: E402  (also puts src/ on sys.path)
 from moelab.model.loss import _chunks, chunked_token_loss, head_logits, logit_sums  # noqa: E402
+from moelab.planner.flop_audit import dot_flops  # noqa: E402
 
 Z_COEF = 1e-4  # the logit z-loss weight (model.logit_z_coef's default)
 
@@ -69,18 +69,8 @@ def grad_fn(loss, chunk: int):
 
 
 def float32_dots(fn, *args) -> int:
-    """dot_generals of the traced gradient with a float32 operand (scan bodies included)."""
-    def walk(jaxpr):
-        n = 0
-        for e in jaxpr.eqns:
-            if e.primitive.name == "dot_general":
-                n += any(v.aval.dtype == jnp.float32 for v in e.invars)
-            for p in e.params.values():
-                for s in p if isinstance(p, (tuple, list)) else (p,):
-                    n += walk(s.jaxpr) if isinstance(s, jcore.ClosedJaxpr) else (
-                        walk(s) if isinstance(s, jcore.Jaxpr) else 0)
-        return n
-    return walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    """Matmuls of the traced gradient with a float32 operand (moelab.planner.flop_audit)."""
+    return sum("float32" in d.dtypes for d in dot_flops(jax.make_jaxpr(fn)(*args)))
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*?)\)")
