@@ -23,7 +23,7 @@ from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.plan import (
     LadderRule,
     active_params,
-    format_plan,
+    format_ladder_plan,
     plan_ladder,
     run_stats,
     warmup_note,
@@ -89,7 +89,7 @@ def test_plan_notes_rungs_that_warm_up_too_briefly():
         rungs = plan_ladder(target, rule)
         short = [r for r in rungs if r.cfg.optim.warmup_steps < 20 and r.stats["replicate"] == 0]
         assert len(short) == n_short, (warmup, [r.cfg.optim.warmup_steps for r in rungs])
-        last = format_plan("tiny", target, rungs).splitlines()[-1]
+        last = format_ladder_plan("tiny", target, rungs).splitlines()[-1]
         if not n_short:
             assert warmup_note(rungs) is None and last.startswith("ladder cost")
             continue
@@ -118,7 +118,7 @@ def test_plan_scales_the_learning_rate_with_width():
                                        schedule_steps=0) == dataclasses.replace(
                 target.optim, warmup_steps=0, schedule_steps=0)  # nothing else changes
     assert rungs[0].cfg.optim.lr > rungs[1].cfg.optim.lr > target.optim.lr
-    table = format_plan("tiny", target, rungs).splitlines()
+    table = format_ladder_plan("tiny", target, rungs).splitlines()
     assert table[0].split()[-2:] == ["peak", "LR"]
     assert float(table[2].split()[-1]) == pytest.approx(rungs[0].cfg.optim.lr, rel=1e-2)
     with pytest.raises(ConfigError, match="ladder.lr_exp"):

@@ -34,7 +34,7 @@ def cmd_plan(args) -> int:
     from moelab.config import load_config, split_overrides
     from moelab.data.prepare import with_tokenizer_vocab
     from moelab.ladder.folder import write_ladder
-    from moelab.ladder.plan import LadderRule, format_plan, plan_ladder
+    from moelab.ladder.plan import LadderRule, format_ladder_plan, plan_ladder
 
     source, overrides = split_overrides(args.config, args.overrides)
     target = with_tokenizer_vocab(load_config(source, overrides)).with_frozen_schedule()
@@ -44,7 +44,7 @@ def cmd_plan(args) -> int:
                       token_multipliers=args.token_multipliers or (1.0,), seeds=args.seeds,
                       lr_exp=args.lr_exp)
     rungs = plan_ladder(target, rule)
-    print(format_plan(Path(source).stem, target, rungs))
+    print(format_ladder_plan(Path(source).stem, target, rungs))
     if args.out:
         lad = write_ladder(args.out, Path(source).stem, target, rule, rungs)
         print(f"ladder written to {lad.root}/ (ladder.json, configs/); next: "

@@ -111,7 +111,7 @@ def _compute_laws(rungs: list[RungData], e_fixed: float, n_boot: int, seed: int)
                                           finals, n_boot=n_boot, seed=seed)}
 
 
-def curve_fit(rungs: list[RungData], key: str = EVAL_LOSS, level: float = LEVEL,
+def chosen_law(rungs: list[RungData], key: str = EVAL_LOSS, level: float = LEVEL,
               n_boot: int = 200, seed: int = 0, like: CurveFit | None = None) -> CurveFit:
     """The law chosen for the rungs' ``key`` curves (with ``like``: like's laws refitted)."""
     return fit_curves([loss_curve(r, key) for r in rungs], [r.stats["flops"] for r in rungs],
@@ -140,7 +140,7 @@ def holdout_check(rungs: list[RungData], level: float = LEVEL) -> dict:
     same = [r for r in rungs if r.stats["params_active"] == n_top
             and r.stats["flops"] == test.stats["flops"]]
     observed = float(np.mean(_finals(same)))
-    cf = curve_fit(train, EVAL_LOSS, level, 0, 0)
+    cf = chosen_law(train, EVAL_LOSS, level, 0, 0)
     p = final_loss(cf, test.cfg, level)
     out = {"chosen law": p["mid"]}
     for name, bf in _compute_laws(train, cf.coefficients()["E"], 0, 0).items():
@@ -153,8 +153,8 @@ def holdout_check(rungs: list[RungData], level: float = LEVEL) -> dict:
 def fit_ladder(lad: Ladder, n_boot: int = 200, level: float = LEVEL, seed: int = 0) -> LadderFit:
     rungs = finished_rungs(lad)
     # the held-out loss chooses the law; the training loss is fitted with the same laws and band
-    schedule = {EVAL_LOSS: curve_fit(rungs, EVAL_LOSS, level, n_boot, seed)}
-    schedule["train/loss"] = curve_fit(rungs, "train/loss", level, n_boot, seed,
+    schedule = {EVAL_LOSS: chosen_law(rungs, EVAL_LOSS, level, n_boot, seed)}
+    schedule["train/loss"] = chosen_law(rungs, "train/loss", level, n_boot, seed,
                                        like=schedule[EVAL_LOSS])
     flops = np.array([[r.stats["flops"]] for r in rungs])
     compute = _compute_laws(rungs, schedule[EVAL_LOSS].coefficients()["E"], n_boot, seed)

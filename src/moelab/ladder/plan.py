@@ -250,7 +250,7 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
     return sorted(rungs, key=lambda r: (r.stats["flops"], r.stats["replicate"]))
 
 
-def format_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -> str:
+def format_ladder_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -> str:
     """The plan as a table: parameters, tokens, FLOPs and cost share per rung and in total."""
     t = run_stats(target)
     rows = [(r.name, r.stats, r.cfg.optim.lr) for r in rungs]

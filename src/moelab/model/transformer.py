@@ -52,7 +52,9 @@ def conv_widths(cfg: ModelConfig) -> dict[str, int]:
 
 def param_decls(cfg: ModelConfig) -> dict:
     """Every parameter as a ``Param``. Block arrays carry a leading layer axis L; the routed
-    experts' E axis is split over the expert-parallel mesh axis, the rest is replicated."""
+    experts' E axis is split over the expert-parallel mesh axis. Each parameter's FSDP
+    dimension (split over "data" under ``parallel.fsdp``) is its largest one past the layer
+    axis (``declare`` below), unless it is written out as a ``Param``."""
     L, D, V = cfg.n_layers, cfg.d_model, cfg.vocab_size
     H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     E, F, R = cfg.n_experts, cfg.expert_dim, cfg.routed_width

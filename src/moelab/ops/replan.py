@@ -124,10 +124,10 @@ def ladder_forecast(ladder_dir: Path | str, plans: dict[str, RunConfig],
     """The held-out loss a scaling ladder predicts at the end of each plan: the law `moelab
     ladder fit` chooses for its rungs, with the same band (moelab.ladder.fit.final_loss). The
     law sees the whole LR curve, re-timed decays included."""
-    from moelab.ladder.fit import LEVEL, curve_fit, final_loss, finished_rungs
+    from moelab.ladder.fit import LEVEL, chosen_law, final_loss, finished_rungs
     from moelab.ladder.folder import load_ladder
 
-    law = curve_fit(finished_rungs(load_ladder(ladder_dir)), level=LEVEL, n_boot=n_boot)
+    law = chosen_law(finished_rungs(load_ladder(ladder_dir)), level=LEVEL, n_boot=n_boot)
     rows = []
     for name, cfg in plans.items():
         end = cfg.train.steps

@@ -84,11 +84,11 @@ def restore_state(run_dir: Path, cfg, step: int | None = None,
             raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: "
                                     f"{ckpt.steps()}")
         state, meta = ckpt.restore(step, target, partial=partial)
-    _check_finite(state["params"], run_dir, step, ckpt.steps())
+    _refuse_nonfinite_weights(state["params"], run_dir, step, ckpt.steps())
     return step, state, meta
 
 
-def _check_finite(params: dict, run_dir: Path, step: int, steps: list[int]) -> None:
+def _refuse_nonfinite_weights(params: dict, run_dir: Path, step: int, steps: list[int]) -> None:
     """Refuse weights with NaN/inf (saved before training checked every step): they sample
     nothing, and printing the bare prompt would pass for an answer."""
     bad = sum(int(jnp.sum(~jnp.isfinite(x))) for x in jax.tree.leaves(params))

@@ -69,7 +69,8 @@ def make_transport_fn(mesh, par: ParallelConfig, kernel: tuple[str, int] | None 
     global arrays: tokens sharded over ("data", "expert"), expert weights [E, ...] over "expert".
 
     ``name`` defaults to ``par.transport``; ``kernel`` is the grouped expert compute (kernel,
-    block rows) of the transports that take one, default the model config's default. The counts
+    block rows) of the transports that take one; training passes the run's
+    (``train.step.transport_fns``), and None means a default ``ModelConfig()``'s. The counts
     are int32 [n_devices] (one per device; sum them in int64 on the host with ``drop_totals``).
     ``valid_NK`` marks real assignments (padding tokens: False) so padding takes no capacity;
     None = all valid.
