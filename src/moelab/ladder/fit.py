@@ -112,7 +112,7 @@ def _compute_laws(rungs: list[RungData], e_fixed: float, n_boot: int, seed: int)
 
 
 def chosen_law(rungs: list[RungData], key: str = EVAL_LOSS, level: float = LEVEL,
-              n_boot: int = 200, seed: int = 0, like: CurveFit | None = None) -> CurveFit:
+               n_boot: int = 200, seed: int = 0, like: CurveFit | None = None) -> CurveFit:
     """The law chosen for the rungs' ``key`` curves (with ``like``: like's laws refitted)."""
     return fit_curves([loss_curve(r, key) for r in rungs], [r.stats["flops"] for r in rungs],
                       level, n_boot, seed, like)
@@ -155,7 +155,7 @@ def fit_ladder(lad: Ladder, n_boot: int = 200, level: float = LEVEL, seed: int =
     # the held-out loss chooses the law; the training loss is fitted with the same laws and band
     schedule = {EVAL_LOSS: chosen_law(rungs, EVAL_LOSS, level, n_boot, seed)}
     schedule["train/loss"] = chosen_law(rungs, "train/loss", level, n_boot, seed,
-                                       like=schedule[EVAL_LOSS])
+                                        like=schedule[EVAL_LOSS])
     flops = np.array([[r.stats["flops"]] for r in rungs])
     compute = _compute_laws(rungs, schedule[EVAL_LOSS].coefficients()["E"], n_boot, seed)
     curves = {}
