@@ -233,6 +233,21 @@ CASES = [
     (["plan", "tiny", "--tokens", "0"], 0, "tiny: total"),
 ]
 
+# Trust 2 (data and config identity, bounds, messages): one list per area, joined below.
+DATA_CASES = [  # data build, corpus and token store inputs
+]
+
+RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
+]
+
+BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
+]
+
+OPS_CASES = [  # replan, branch, drops, lab, guard messages
+]
+
+CASES += DATA_CASES + RUN_CASES + BOUND_CASES + OPS_CASES
+
 
 class Reached(Exception):
     """Raised where a refused input must never get to: the case fails at once, no work done."""

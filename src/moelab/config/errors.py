@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 
+# Steps and token counts reach jitted code (step counter, LR schedule) as int32: larger values
+# must be refused before any work, naming the option.
+INT32_MAX = 2**31 - 1
+
 
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and how to fix it."""
