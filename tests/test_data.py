@@ -125,7 +125,7 @@ def test_user_corpus_skips_bad_inputs(tmp_path, capsys):
     m = build_user_corpus([inputs], tmp_path / "corpus")
     skipped = {item.split(": ", 1)[0]: item.split(": ", 1)[1] for item in m["skipped"]["items"]}
     assert skipped == {
-        "inputs/mydomain/blob.bin": "binary content (NUL bytes)",
+        "inputs/mydomain/blob.bin": "unknown file type '.bin'",
         "inputs/mydomain/docs.jsonl line 2": "missing field 'text'",
         "inputs/mydomain/docs.jsonl line 3": "not valid JSON",
         "inputs/mydomain/docs.jsonl line 4": "field 'text' is not a string",

@@ -1,22 +1,26 @@
 """``moelab data build``: a corpus (built-in, or your own files), a tokenizer trained on it
-(or one you give) and the token store, in one folder."""
+(or one you give) and the token store, in one folder; ``moelab data verify``: that folder's
+files against the checksums recorded when it was built."""
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 from moelab.config import DataConfig
 from moelab.config.data import DATA_FORMATS
 from moelab.config.errors import require
-from moelab.data import corpus
+from moelab.data import build, corpus
+from moelab.data.errors import DataError
 from moelab.data.prepare import OWN_TOKENIZER, prepare_data, vocab_needed
+from moelab.data.store import TokenStore
 from moelab.data.tokenizer import MIN_VOCAB, load_tokenizer
-from moelab.util import atomic_write_bytes
+from moelab.util import atomic_write_bytes, sha256_file, sigterm_interrupts
 
 
 def cmd_data_build(args) -> int:
-    out = Path(args.out)
+    out = build.output_folder(args.inputs, args.out)
     require(not out.exists() or out.is_dir(), f"--out {out}", "a file is in the way; give a folder")
     require(args.tokenizer or args.vocab >= MIN_VOCAB, f"--vocab {args.vocab}",
             f"must be >= {MIN_VOCAB} (256 byte tokens, <|endoftext|> and at least one merge)")
@@ -30,12 +34,27 @@ def cmd_data_build(args) -> int:
         vocab = vocab_needed(load_tokenizer(args.tokenizer))
     require(args.inputs or (args.format, args.text_field, args.split) == ("files", "text", ""),
             "--format/--text-field/--split", "read your INPUT paths; give them")
+    build.check_inputs(args.inputs, out)
+    # SIGTERM unwinds like Ctrl-C: temp files are removed and the lock released on the way out
+    with sigterm_interrupts(), build.data_lock(out, shlex.join(getattr(args, "argv", ["moelab"]))):
+        build.remove_stale_temps(out)
+        return _build(args, out, vocab)
+
+
+def _build(args, out: Path, vocab: int) -> int:
+    """The build itself, under the folder's lock."""
+    request = build.build_request(args.inputs, args.format, args.text_field, args.split,
+                                  args.heldout)
+    old = build.check_rebuild(out, request, args.force)
     if args.inputs:  # strings: Path() would mangle gs://, memory:// URLs
         manifest = corpus.build_user_corpus(args.inputs, out / "corpus",
                                             heldout_fraction=args.heldout, fmt=args.format,
                                             text_field=args.text_field, split=args.split)
     else:
         manifest = corpus.build_builtin_corpus(out / "corpus", heldout_fraction=args.heldout)
+    if args.force or manifest["fingerprint"] != old:
+        build.discard_derived(out, "--force" if args.force else "the corpus changed",
+                              keep=Path(args.tokenizer) if args.tokenizer else None)
     print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
     own = out / OWN_TOKENIZER
     own.unlink(missing_ok=True)  # a rebuild chooses its tokenizer again
@@ -50,13 +69,39 @@ def cmd_data_build(args) -> int:
     return 0
 
 
+def cmd_data_verify(args) -> int:
+    """Check a data folder's corpus and every token store in it (or one store) in full."""
+    root = Path(args.data_dir)
+    stores = [root] if (root / "index.json").is_file() else sorted(root.glob("tokens-*"))
+    manifest = root / "corpus" / "manifest.json"
+    if not stores and not manifest.is_file():
+        raise DataError(f"{root}: no corpus or token store here; give a folder written by "
+                        "`moelab data build` (or one of its tokens-* folders)")
+    lines = []
+    if manifest.is_file():
+        files = corpus.load_manifest(root / "corpus").get("files", {})
+        for name, want in sorted(files.items()):
+            if sha256_file(root / "corpus" / name) != want:
+                raise DataError(f"{root / 'corpus' / name}: contents differ from the sha256 in "
+                                f"{manifest}; {corpus.REBUILD}")
+        lines.append(f"ok: {root / 'corpus'} ({len(files)} files)")
+    for s in stores:
+        st = TokenStore(s)
+        n = st.verify()
+        lines.append(f"ok: {s} ({sum(1 for _ in s.rglob('*.bin'))} arrays, {n / 1e6:.1f} MB, "
+                     f"ids up to {st.max_id()})")
+    print("\n".join(lines))
+    return 0
+
+
 def register(sub) -> None:
     d = sub.add_parser("data", help="corpus, tokenizer and token store")
     dsub = d.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     b = dsub.add_parser("build", help="build a corpus (built-in, or your own files), train a "
                         "tokenizer and tokenize", description="Without INPUT paths: the built-in "
-                        "corpus from installed packages. With paths: your .txt/.md files, .jsonl "
-                        "(field 'text', optional 'domain') and .parquet (column 'text'), or "
+                        "corpus from installed packages. With paths: your text files (.txt, .md, "
+                        "source code ...), .jsonl/.json (field 'text', optional 'domain') and "
+                        ".parquet (column 'text'), or "
                         "Hugging Face datasets (--format). Paths may be gs://, s3://, memory:// "
                         "or file:// URLs (read through fsspec).")
     b.add_argument("inputs", nargs="*", help="your own files or folders (or URLs)")
@@ -69,8 +114,18 @@ def register(sub) -> None:
     b.add_argument("--split", default="", help="datasets split to read (hf-*; default: train, "
                    "or the only one)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    b.add_argument("--out", default="data/builtin", help="output folder (default: data/builtin)")
+    b.add_argument("--out", help=f"output folder (required with INPUT paths; without them "
+                   f"{build.BUILTIN_OUT}, the built-in corpus)")
+    b.add_argument("--force", action="store_true", help="replace a corpus the folder holds from "
+                   "other inputs or options; its tokenizers and token stores are retrained")
     b.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size to train")
     b.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
     b.add_argument("--heldout", type=float, default=0.02, help="held-out fraction of documents")
     b.set_defaults(fn=cmd_data_build)
+    v = dsub.add_parser("verify", help="check a data folder's files against their checksums",
+                        description="Hash the corpus files and every token array in full and "
+                        "compare with the checksums recorded at build. Exit 0 when all match; "
+                        "exit 2 naming the first damaged file.")
+    v.add_argument("data_dir", metavar="DATA_DIR", help="a folder written by `moelab data "
+                   "build`, or one of its tokens-* folders")
+    v.set_defaults(fn=cmd_data_verify)

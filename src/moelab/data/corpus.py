@@ -7,7 +7,9 @@ A corpus is a folder::
     heldout.jsonl   same, the held-out documents
     manifest.json   per-domain/per-split doc and UTF-8 byte counts, skipped inputs, fingerprint
 
-manifest.json is written last, so a folder without it is an unfinished build. Builds are
+manifest.json is written last, so a folder without it is an unfinished build. A document of
+your own files is at most ``MAX_DOC_CHARS`` characters: a longer text is cut into parts there
+(``bounded_parts``), so that no tokenizer ever sees one giant document. Builds are
 deterministic: the same inputs give byte-identical files. Documents are split train/held-out by
 a hash of their id, so a document is never in both splits (except a domain's only document, whose
 end is held out) and the split does not depend on order.
@@ -34,13 +36,23 @@ from typing import Iterable, Iterator
 from moelab.config.data import DATA_FORMATS
 from moelab.config.errors import need_extra
 from moelab.data.builtin_docs import CODE_CAP, bible_docs, code_docs, prose_docs, shakespeare_docs
-from moelab.data.errors import DataError, Skips
+from moelab.data.errors import DataError, Skips, read_json
 from moelab.data.hf_docs import hf_docs
-from moelab.data.user_docs import clean_domain, file_docs, folder_name, input_files, resolve_input
-from moelab.util import atomic_write_json, info, open_atomic, sha256_file
+from moelab.data.user_docs import (
+    clean_domain,
+    file_docs,
+    folder_name,
+    input_files,
+    is_folder,
+    known_suffixes,
+    resolve_input,
+    unknown_suffix,
+)
+from moelab.util import atomic_write_json, info, is_url, open_atomic, sha256_file
 
 SPLITS = ("train", "heldout")
 FORMAT = 1
+REBUILD = "rebuild it with `moelab data build` (from its sources)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,7 +65,9 @@ def load_manifest(corpus_dir: Path | str) -> dict:
     if not path.is_file():
         raise DataError(f"no corpus at {corpus_dir} ({path.name} missing, or the build was "
                         "interrupted); build it with `moelab data build`")
-    manifest = json.loads(path.read_text())
+    manifest = read_json(path, f"the corpus is damaged; {REBUILD}")
+    if not isinstance(manifest, dict):
+        raise DataError(f"{path}: not a corpus manifest (a JSON object); {REBUILD}")
     for split in SPLITS:
         if not (corpus_dir / f"{split}.jsonl").is_file():
             raise DataError(f"corpus {corpus_dir}: {split}.jsonl missing; rebuild the corpus")
@@ -68,12 +82,53 @@ def iter_documents(corpus_dir: Path | str, split: str) -> Iterator[dict]:
     if not path.is_file():
         raise DataError(f"{path}: not found; build the corpus with `moelab data build`")
     with open(path, encoding="utf-8") as f:
-        for line in f:
-            yield json.loads(line)
+        for lineno, line in enumerate(f, 1):
+            try:
+                doc = json.loads(line)
+            except ValueError as e:
+                raise DataError(f"{path} line {lineno}: not valid JSON ({e}); the corpus is "
+                                f"damaged; {REBUILD}") from None
+            if not (isinstance(doc, dict) and isinstance(doc.get("text"), str)
+                    and isinstance(doc.get("domain"), str)):
+                raise DataError(f"{path} line {lineno}: not a corpus document (an object with "
+                                f"string 'text' and 'domain'); {REBUILD}")
+            yield doc
 
 
 # ---------------------------------------------------------------------------------------------
 # writing a corpus
+
+# A document's size bound. The tokenizers' memory grows with the longest text they are handed
+# (a 50 MB single-line file took 150x its size), so longer texts are cut into parts; 1 Mi
+# characters is far beyond any training window, so no context is lost that the model could use.
+MAX_DOC_CHARS = 1 << 20
+
+
+def bounded_parts(text: str, limit: int = MAX_DOC_CHARS) -> Iterator[str]:
+    """``text`` in consecutive parts of at most ``limit`` characters, cut at the last paragraph
+    break, else line break, else space in the second half of each window; else (one giant
+    word) at the limit, a character boundary. Parts of only whitespace are dropped."""
+    start = 0
+    while len(text) - start > limit:
+        end = start + limit
+        cut = next((i + len(sep) for sep in ("\n\n", "\n", " ")
+                    if (i := text.rfind(sep, start + limit // 2, end)) >= 0), end)
+        if text[start:cut].strip():
+            yield text[start:cut]
+        start = cut
+    if text[start:].strip():
+        yield text[start:]
+
+
+def bounded_docs(docs: Iterable[dict], limit: int = MAX_DOC_CHARS) -> Iterator[dict]:
+    """The documents, each longer than ``limit`` characters as its parts ("a.txt part 2")."""
+    for doc in docs:
+        if len(doc["text"]) <= limit:
+            yield doc
+            continue
+        for k, part in enumerate(bounded_parts(doc["text"], limit), 1):
+            yield {**doc, "id": f"{doc['id']} part {k}", "text": part}
+
 
 
 def is_heldout(doc_id: str, fraction: float) -> bool:
@@ -304,20 +359,30 @@ def _check_options(fmt: str, text_field: str, split: str) -> None:
                         "(Hugging Face datasets); drop it, or give --format hf-disk/hf-files")
 
 
+def normalize_source(source: Path | str) -> str:
+    """An input as recorded and compared: an absolute local path, or the URL without a
+    trailing slash."""
+    return str(source).rstrip("/") if is_url(source) else str(Path(source).resolve())
+
+
 def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | str,
                       heldout_fraction: float = 0.02, domain: str | None = None,
                       fmt: str = "files", text_field: str = "text", split: str = "") -> dict:
     """Build a corpus from your own files and return its manifest.
 
     Inputs are local paths or fsspec URLs (gs://, s3://, memory://, file://), read as ``fmt``:
-    ``files``: text files (any suffix; one document per file), ``.jsonl`` (one document per
-    line, field ``text_field``, optional ``domain``) and ``.parquet`` (the same as columns);
+    ``files``: text files (one document per file; the extensions in
+    ``user_docs.TEXT_SUFFIXES``), ``.jsonl`` (one document per line, field ``text_field``,
+    optional ``domain``), ``.json`` (JSON lines, an array of records or one record) and
+    ``.parquet`` (the same as columns); a named file of another extension is an error, one
+    inside a folder is skipped;
     ``hf-disk``: folders written by datasets' ``save_to_disk``; ``hf-files``/``hf-stream``:
     .json/.jsonl/.csv/.parquet/.txt files through datasets' builders, converted to Arrow or
     streamed. ``split`` picks a datasets split (default ``train``, or the only one).
     Folders are walked recursively in sorted order. A record's own domain wins; otherwise
     ``domain``; otherwise the name of the folder holding the file (of a saved dataset: its
-    own). Bad inputs (empty, binary, non-UTF-8, malformed JSON, missing text) are skipped,
+    own). Texts longer than ``MAX_DOC_CHARS`` are cut into parts (``bounded_docs``).
+    Bad inputs (empty, binary, non-UTF-8, malformed JSON, missing text) are skipped,
     counted in the manifest and summarised on stderr; if nothing usable remains, DataError
     (a ValueError) is raised. Document ids name their origin ("books/a.txt", "web/x.jsonl
     line 7", "t.parquet row 3").
@@ -333,6 +398,9 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     if fmt != "files":
         need_extra("datasets", "datasets", f"--format {fmt}: reading Hugging Face datasets")
     else:
+        for p, i in zip(paths, inputs):  # a file you name must be one moelab can read
+            if not is_folder(i) and unknown_suffix(i):
+                raise DataError(f"input {p}: {unknown_suffix(i)} ({known_suffixes()})")
         parquet = next((p for p, _ in input_files(inputs) if p.suffix.lower() == ".parquet"),
                        None)
         if parquet is not None:  # before any work: which extra reads it
@@ -341,19 +409,22 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     default = clean_domain(domain) if domain else None
     corpus_dir = Path(corpus_dir)  # write_corpus makes it before it reads the documents
 
-    def docs() -> Iterator[dict]:
+    def all_docs() -> Iterator[dict]:
         if fmt != "files":
             with tempfile.TemporaryDirectory(prefix=".hf-cache.", dir=corpus_dir) as scratch:
                 yield from hf_docs(inputs, fmt, text_field, split, default, skips, Path(scratch))
             return
         for path, name in input_files(inputs):
+            if unknown_suffix(path):  # inside a folder: skipped and reported, not read as text
+                skips.append((name, unknown_suffix(path)))
+                continue
             dom = default or clean_domain(folder_name(path))
             yield from file_docs(path, name, dom, skips, text_field)
 
     # "format" is the manifest's own version (write_corpus): the read mode has its own key
-    fields = {"kind": "user", "sources": [str(p) for p in paths], "source_format": fmt,
-              "text_field": text_field, **({"split": split} if split else {})}
-    manifest = write_corpus(corpus_dir, docs(), heldout_fraction, fields, skips,
+    fields = {"kind": "user", "sources": [normalize_source(p) for p in paths],
+              "source_format": fmt, "text_field": text_field, **({"split": split} if split else {})}
+    manifest = write_corpus(corpus_dir, bounded_docs(all_docs()), heldout_fraction, fields, skips,
                             what=", ".join(map(str, paths)))
     if skips:
         info(_skip_summary(skips) + f" (details in {corpus_dir / 'manifest.json'})")

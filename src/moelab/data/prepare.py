@@ -22,7 +22,7 @@ from pathlib import Path
 
 from moelab.config import ConfigError, DataConfig, RunConfig, load_config, split_overrides
 from moelab.data import corpus, store, tokenizer
-from moelab.util import info, is_url, sha256_file
+from moelab.util import info, sha256_file
 
 DEFAULT_VOCAB = 4096  # a new tokenizer's size when model.vocab_size is 0
 OWN_TOKENIZER = "tokenizer.json"  # a data folder's own tokenizer (`moelab data build` writes it)
@@ -58,7 +58,7 @@ def _check_built_from(dcfg: DataConfig, corpus_dir: Path, m: dict) -> None:
     """Refuse a corpus folder built from another source than data.source, or from the same
     source read another way (manifests before these fields: files, text)."""
     built = [str(s) for s in m.get("sources", [])] if m.get("kind") == "user" else []
-    if [_norm(s) for s in built] != [_norm(dcfg.source)]:
+    if [corpus.normalize_source(s) for s in built] != [corpus.normalize_source(dcfg.source)]:
         raise ConfigError(f"data.source={dcfg.source}: the corpus in {corpus_dir} was built "
                           f"from {', '.join(built) or 'the built-in sources'}; set another "
                           "data.data_dir, or delete that corpus folder to rebuild it")
@@ -70,10 +70,6 @@ def _check_built_from(dcfg: DataConfig, corpus_dir: Path, m: dict) -> None:
         raise ConfigError(f"data.{diff[0]}={asked[diff[0]]!r}: the corpus in {corpus_dir} "
                           f"was built with {diff[0]}={had[diff[0]]!r}; set another "
                           "data.data_dir, or delete that corpus folder to rebuild it")
-
-
-def _norm(source: str) -> str:
-    return source.rstrip("/") if is_url(source) else str(Path(source).resolve())
 
 
 def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,

@@ -4,16 +4,21 @@ Layout of ``store_dir``::
 
     train/<domain>.bin     the domain's documents, each followed by EOS (packing with separators)
     heldout/<domain>.bin
-    index.json             counts per split and domain; dtype, vocab, tokenizer and corpus hashes
+    index.json             counts per split and domain; dtype, vocab, tokenizer and corpus hashes;
+                           per array: its size, sha256, a sampled sha256 and its largest id
 
 Arrays are uint16 when every id fits (vocab <= 65536), else uint32. index.json is removed when a
 build starts and written last, so a store without it is unfinished and gets rebuilt.
+
+Opening a store checks each array's size and sampled hash (``SAMPLE_BLOCKS`` blocks at fixed
+offsets: cheap, and it catches a file overwritten or truncated in place); ``verify_store`` (and
+``moelab data verify``) checks the full sha256. ``check_vocab`` refuses ids the model has no row
+for, which would otherwise train to NaN.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import sys
 import time
@@ -25,11 +30,11 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from moelab.data.corpus import SPLITS, iter_documents, load_manifest
-from moelab.data.errors import DataError
+from moelab.data.errors import DataError, read_json
 from moelab.data.tokenizer import encode_batch, eos_id, load_tokenizer, tokenizer_sha256
-from moelab.util import atomic_write_json, info, open_atomic
+from moelab.util import atomic_write_json, info, open_atomic, sha256_file
 
-FORMAT = 1
+FORMAT = 2  # 2: per-array checksums and largest ids
 _BATCH_DOCS = 256  # documents per encode call: enough to keep every core busy
 _BATCH_CHARS = 8 << 20  # and at most ~8M characters, so batches of books stay small in memory
 
@@ -59,12 +64,28 @@ def _token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
 
 
+SAMPLE_BLOCKS, SAMPLE_BLOCK = 8, 64 << 10  # what opening a store reads of each array: 512 KiB
+
+
+def sampled_sha256(path: Path) -> str:
+    """sha256 of the file's size and ``SAMPLE_BLOCKS`` blocks at evenly spaced offsets (the
+    whole file when it is that small)."""
+    size = path.stat().st_size
+    offsets = (range(0, size, SAMPLE_BLOCK) if size <= SAMPLE_BLOCKS * SAMPLE_BLOCK else
+               [i * (size - SAMPLE_BLOCK) // (SAMPLE_BLOCKS - 1) for i in range(SAMPLE_BLOCKS)])
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        for off in offsets:
+            h.update(os.pread(f.fileno(), SAMPLE_BLOCK, off))
+    return h.hexdigest()
+
+
 def _write_split(corpus_dir: Path, tok: Tokenizer, split: str, out_dir: Path,
                  dtype: np.dtype, bar) -> dict:
     """Tokenize one split into out_dir/<domain>.bin; returns per-domain counts."""
     eos = eos_id(tok)
     stats: dict[str, dict] = {}
-    writers = {}
+    writers, hashes = {}, {}
     # ExitStack: on success every temp file is renamed into place; on error all are dropped
     with ExitStack() as stack:
         for batch in _batches(iter_documents(corpus_dir, split), _BATCH_DOCS):
@@ -74,17 +95,22 @@ def _write_split(corpus_dir: Path, tok: Tokenizer, split: str, out_dir: Path,
                 dom = doc["domain"]
                 if dom not in writers:  # domains may interleave in user corpora
                     writers[dom] = stack.enter_context(open_atomic(out_dir / f"{dom}.bin", "wb"))
-                    stats[dom] = {"n_tokens": 0, "n_bytes": 0, "n_docs": 0}
+                    stats[dom] = {"n_tokens": 0, "n_bytes": 0, "n_docs": 0, "max_id": 0}
+                    hashes[dom] = hashlib.sha256()
                 arr = np.asarray(toks + [eos], dtype=dtype)
                 writers[dom].write(arr.tobytes())
+                hashes[dom].update(arr.tobytes())
                 st = stats[dom]
+                st["max_id"] = max(st["max_id"], int(arr.max()))
                 st["n_tokens"] += arr.size
                 size = len(doc["text"].encode("utf-8"))
                 st["n_bytes"] += size
                 st["n_docs"] += 1
                 n_bytes += size
             bar.update(n_bytes)
-    return {d: {**stats[d], "file": f"{split}/{d}.bin"} for d in sorted(stats)}
+    return {d: {**stats[d], "file": f"{split}/{d}.bin", "sha256": hashes[d].hexdigest(),
+                "size": stats[d]["n_tokens"] * dtype.itemsize,
+                "sample_sha256": sampled_sha256(out_dir / f"{d}.bin")} for d in sorted(stats)}
 
 
 def build_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str,
@@ -141,8 +167,8 @@ def ensure_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     index_path = Path(store_dir) / "index.json"
     if index_path.is_file():
-        index = json.loads(index_path.read_text())
-        if (index.get("format") == FORMAT
+        index = read_json(index_path, _damaged(Path(store_dir)))
+        if (isinstance(index, dict) and index.get("format") == FORMAT
                 and index.get("tokenizer_sha256") == tokenizer_sha256(tok)
                 and index.get("corpus_fingerprint") == load_manifest(corpus_dir)["fingerprint"]):
             return TokenStore(store_dir)
@@ -150,20 +176,91 @@ def ensure_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str
     return TokenStore(store_dir)
 
 
-class TokenStore:
-    """Read-only view of a token store; arrays are memory-mapped, never loaded whole."""
+def _damaged(store_dir: Path) -> str:
+    return (f"the token store is damaged: delete {store_dir} and run `moelab data build` "
+            "again (it is rebuilt from the corpus)")
 
-    def __init__(self, store_dir: Path | str):
+
+_INDEX_KEYS = ("format", "dtype", "vocab_size", "eos_id", "tokenizer_sha256",
+               "corpus_fingerprint", "splits")
+_ENTRY_KEYS = ("file", "n_tokens", "n_bytes", "n_docs", "max_id", "size", "sha256",
+               "sample_sha256")
+
+
+def read_index(store_dir: Path) -> dict:
+    """A store's index.json, with every key it must have; a DataError naming the file else."""
+    path = store_dir / "index.json"
+    if not path.is_file():
+        raise DataError(f"no token store at {store_dir} (index.json missing, or the build "
+                        "was interrupted); run `moelab data build`")
+    index = read_json(path, _damaged(store_dir))
+    if isinstance(index, dict) and index.get("format", FORMAT) != FORMAT:
+        raise DataError(f"{path}: written by another moelab (format {index.get('format')}, "
+                        f"this one reads {FORMAT}); delete {store_dir} and run `moelab data "
+                        "build` again to rebuild it")
+    entries = (index.get("splits") if isinstance(index, dict) else None) or {}
+    missing = ([k for k in _INDEX_KEYS if k not in index] if isinstance(index, dict) else
+               ["(not a JSON object)"])
+    missing += [f"splits.{s}.{d}.{k}" for s, doms in entries.items() if isinstance(doms, dict)
+                for d, e in doms.items() for k in _ENTRY_KEYS if k not in e]
+    if missing:
+        raise DataError(f"{path}: missing {', '.join(missing[:3])}; {_damaged(store_dir)}")
+    try:
+        np.dtype(index["dtype"])
+    except TypeError:
+        raise DataError(f"{path}: dtype {index['dtype']!r} is not an array type; "
+                        f"{_damaged(store_dir)}") from None
+    return index
+
+
+def _arrays(index: dict) -> Iterator[dict]:
+    for split in index["splits"].values():
+        yield from split.values()
+
+
+class TokenStore:
+    """Read-only view of a token store; arrays are memory-mapped, never loaded whole.
+
+    Opening it checks every array's size and sampled hash; ``vocab_size`` (the model's), when
+    given, is checked against the largest id (``check_vocab``)."""
+
+    def __init__(self, store_dir: Path | str, vocab_size: int | None = None):
         self.dir = Path(store_dir)
-        path = self.dir / "index.json"
-        if not path.is_file():
-            raise DataError(f"no token store at {self.dir} (index.json missing, or the build "
-                            "was interrupted); run `moelab data build`")
-        self.index = json.loads(path.read_text())
+        self.index = read_index(self.dir)
         self.dtype = np.dtype(self.index["dtype"])
         self.vocab_size: int = self.index["vocab_size"]
         self.eos_id: int = self.index["eos_id"]
         self._maps: dict[tuple[str, str], np.memmap] = {}
+        for entry in _arrays(self.index):
+            self._check_array(entry, sampled_sha256, "sample_sha256", "sampled sha256")
+        if vocab_size is not None:
+            self.check_vocab(vocab_size)
+
+    def _check_array(self, entry: dict, hasher, key: str, what: str) -> None:
+        path = self.dir / entry["file"]
+        if not path.is_file() or path.stat().st_size != entry["size"]:
+            raise DataError(f"{path}: missing or wrong size (want {entry['size']} bytes); "
+                            f"{_damaged(self.dir)}")
+        if hasher(path) != entry[key]:
+            raise DataError(f"{path}: contents differ from the {what} recorded at build (the "
+                            f"file was changed or damaged); {_damaged(self.dir)}")
+
+    def verify(self) -> int:
+        """Check every array's full sha256; returns the bytes checked."""
+        for entry in _arrays(self.index):
+            self._check_array(entry, sha256_file, "sha256", "sha256")
+        return sum(e["size"] for e in _arrays(self.index))
+
+    def max_id(self) -> int:
+        return max((e["max_id"] for e in _arrays(self.index)), default=0)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse ids the model has no embedding row for (they would train to NaN)."""
+        top = self.max_id()
+        if top >= vocab_size:
+            raise DataError(f"token store {self.dir}: ids up to {top}, but model.vocab_size="
+                            f"{vocab_size}; set model.vocab_size to at least {top + 1} (0 takes "
+                            "the tokenizer's), or use the data folder this model was built for")
 
     @property
     def fingerprint(self) -> str:
@@ -202,10 +299,6 @@ class TokenStore:
         if key not in self._maps:
             entry = self._entry(split, domain)
             path = self.dir / entry["file"]
-            want = entry["n_tokens"] * self.dtype.itemsize
-            if not path.is_file() or path.stat().st_size != want:
-                raise DataError(f"{path}: missing or wrong size (want {want} bytes); the store "
-                                "is damaged, delete it and run `moelab data build`")
             self._maps[key] = np.memmap(path, dtype=self.dtype, mode="r",
                                         shape=(entry["n_tokens"],))
         return self._maps[key]

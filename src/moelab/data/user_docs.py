@@ -1,7 +1,12 @@
-"""Documents from users' own files: text files (one document each), JSONL (one per line) and
-Parquet (one per row), on this disk or behind an fsspec URL (gs://, s3://, memory://, file://).
-A bad input (empty, binary, not UTF-8, malformed JSON, no text field) is recorded as a skip
-(where, reason) and never stops the build."""
+"""Documents from users' own files: text files (one document each), JSONL (one per line),
+JSON (JSON lines, an array of records or one record) and Parquet (one per row), on this disk or
+behind an fsspec URL (gs://, s3://, memory://, file://). A bad input (empty, binary, not UTF-8,
+malformed JSON, no text field) is recorded as a skip (where, reason) and never stops the build.
+
+Files are read by their extension (``KNOWN_SUFFIXES``). A file named on the command line with
+another extension is an error; inside a folder it is skipped and reported, since folders often
+hold files that are not text (images, PDFs, spreadsheets), and reading one as text would train
+on it silently."""
 
 from __future__ import annotations
 
@@ -35,6 +40,24 @@ class RemoteFile:
 
 Input = Union[Path, RemoteFile]
 
+# plain text and source code: one document per file ("" is a file without an extension)
+TEXT_SUFFIXES = ("", ".txt", ".text", ".md", ".markdown", ".rst", ".tex", ".org", ".adoc",
+                 ".py", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go", ".java", ".js", ".ts",
+                 ".sh", ".html", ".css", ".xml", ".yaml", ".yml", ".toml", ".sql")
+RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
+KNOWN_SUFFIXES = TEXT_SUFFIXES + RECORD_SUFFIXES
+
+
+def unknown_suffix(path: Input) -> str | None:
+    """Why ``path`` is not read (an extension no reader knows), or None if it is."""
+    suffix = path.suffix.lower()
+    return None if suffix in KNOWN_SUFFIXES else f"unknown file type {suffix!r}"
+
+
+def known_suffixes() -> str:
+    return (f"known: {', '.join(s for s in KNOWN_SUFFIXES if s)}, or none; rename a text file "
+            "to .txt, or read .csv with --format hf-files")
+
 
 def resolve_input(path: Path | str) -> Input | None:
     """A local path or an fsspec URL as something the readers open; None when it is missing.
@@ -44,6 +67,10 @@ def resolve_input(path: Path | str) -> Input | None:
         return Path(path) if Path(path).exists() else None
     fs, inner = url_fs(str(path))
     return RemoteFile(fs, inner) if fs.exists(inner) else None
+
+
+def is_folder(path: Input) -> bool:
+    return path.fs.isdir(path.path) if isinstance(path, RemoteFile) else path.is_dir()
 
 
 def folder_name(path: Input) -> str:
@@ -171,6 +198,37 @@ def _jsonl_docs(path: Input, name: str, domain: str, skips: Skips,
         skips.append((name, "empty file"))
 
 
+def _json_docs(path: Input, name: str, domain: str, skips: Skips,
+                field: str) -> Iterator[dict]:
+    """A .json file: JSON lines when its first line is a whole JSON object (read as JSONL);
+    else one JSON value: an array of records, or one record."""
+    with path.open("rb") as f:
+        first = f.readline()
+    try:
+        lines = isinstance(json.loads(first), dict)
+    except ValueError:
+        lines = False
+    if lines:
+        yield from _jsonl_docs(path, name, domain, skips, field)
+        return
+    try:
+        value = json.loads(path.read_bytes().decode("utf-8-sig"))
+    except UnicodeDecodeError:
+        skips.append((name, "not valid UTF-8 text"))
+        return
+    except json.JSONDecodeError as e:
+        skips.append((name, f"not valid JSON (line {e.lineno})"))
+        return
+    records = value if isinstance(value, list) else [value]
+    for i, rec in enumerate(records):
+        doc = record_doc(rec, f"{name} record {i}" if isinstance(value, list) else name, domain,
+                         skips, field)
+        if doc:
+            yield doc
+    if not records:
+        skips.append((name, "empty file"))
+
+
 def _parquet_docs(path: Input, name: str, domain: str, skips: Skips,
                   field: str) -> Iterator[dict]:
     import pyarrow as pa
@@ -203,7 +261,8 @@ def file_docs(path: Input, name: str, domain: str, skips: Skips,
     """Documents of one input file (JSONL/Parquet text in ``field``); a failure inside it is
     recorded, never raised."""
     suffix = path.suffix.lower()
-    reader = {".jsonl": _jsonl_docs, ".parquet": _parquet_docs}.get(suffix, _text_file_docs)
+    reader = {".jsonl": _jsonl_docs, ".json": _json_docs,
+              ".parquet": _parquet_docs}.get(suffix, _text_file_docs)
     try:
         yield from reader(path, name, domain, skips, field)
     except Exception as e:  # noqa: BLE001 - one bad file must not stop the whole build

@@ -166,7 +166,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool,
     main = is_main()  # with several processes, process 0 alone writes the run folder
     say = info if verbose and main else _quiet
     data = _prepare(cfg, main, verbose)
-    store = TokenStore(data.store_dir)
+    store = TokenStore(data.store_dir, vocab_size=cfg.model.vocab_size)  # ids < vocab
     check_heldout(cfg, store, data.corpus_dir, say)  # evaluation must not vanish at the end
     tok = load_tokenizer(data.tokenizer_path)
     prov = provenance(cfg, store.fingerprint)

@@ -1,0 +1,144 @@
+"""What ``moelab data build`` checks before it writes a data folder, and how it keeps the folder
+whole: one build at a time (the folder's lock), no rebuild from other inputs without
+``--force``, no tokenizer kept from another corpus, no temp files left by a killed build.
+
+A data folder's corpus manifest records what it was built from (``kind``, ``sources`` as
+absolute paths or URLs, ``source_format``, ``text_field``, ``split``, ``heldout_fraction``):
+the request a rebuild is compared with.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from moelab.data.corpus import load_manifest, normalize_source
+from moelab.data.errors import DataError
+from moelab.util import LockHeld, holder_record, info, is_url, lock_refusal, release_lock, take_lock
+
+BUILTIN_OUT = "data/builtin"  # the built-in corpus: every default-preset run trains on it
+LOCK_FILE = ".lock"
+
+
+def output_folder(inputs: list[str], out: str | None) -> Path:
+    """``--out``, or the built-in corpus' folder for a build of the built-in corpus. Your own
+    files never go to that folder by default: the default presets would train on them."""
+    if out:
+        return Path(out)
+    if inputs:
+        raise DataError(f"--out: required with INPUT paths ({BUILTIN_OUT}, the default, holds "
+                        "the built-in corpus the default presets train on); give a folder of "
+                        "your own, e.g. --out data/mine")
+    return Path(BUILTIN_OUT)
+
+
+def _inside(a: str, b: str) -> bool:
+    """Whether the normalized source ``a`` is ``b`` or lies inside it."""
+    if is_url(a) != is_url(b):
+        return False
+    return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+def check_inputs(inputs: list[str], out: Path) -> None:
+    """Refuse an input given twice (also a file given both alone and through its folder) and an
+    ``--out`` inside an input folder, whose build would read its own output the next time."""
+    norm = [normalize_source(p) for p in inputs]
+    for i, a in enumerate(norm):
+        for j, b in enumerate(norm[:i]):
+            if _inside(a, b) or _inside(b, a):
+                how = ("the same as" if a == b else "inside" if _inside(a, b) else "holds")
+                raise DataError(f"input {inputs[i]}: {how} input {inputs[j]}; its documents "
+                                "would be read twice (and could land in both train and "
+                                "held-out); give each file or folder once")
+    here = normalize_source(str(out))
+    for p, n in zip(inputs, norm):
+        if not is_url(p) and _inside(here, n):
+            raise DataError(f"--out {out}: inside the input {p}; a rebuild would read the "
+                            "corpus it wrote as input; give an --out outside your inputs")
+
+
+def build_request(inputs: list[str], fmt: str, text_field: str, split: str,
+                  heldout: float) -> dict:
+    """What a build is asked to read: the fields of the manifest that a rebuild must match."""
+    if not inputs:
+        return {"kind": "builtin", "heldout_fraction": heldout}
+    return {"kind": "user", "sources": [normalize_source(p) for p in inputs],
+            "source_format": fmt, "text_field": text_field, "split": split,
+            "heldout_fraction": heldout}
+
+
+def recorded_request(manifest: dict) -> dict:
+    """The request a manifest was built from (older manifests: files, text, no split)."""
+    if manifest.get("kind") != "user":
+        return {"kind": "builtin", "heldout_fraction": manifest.get("heldout_fraction")}
+    return {"kind": "user", "sources": [normalize_source(s) for s in manifest.get("sources", [])],
+            "source_format": manifest.get("source_format", "files"),
+            "text_field": manifest.get("text_field", "text"), "split": manifest.get("split", ""),
+            "heldout_fraction": manifest.get("heldout_fraction")}
+
+
+def _describe(req: dict) -> str:
+    return ", ".join(req["sources"]) if req["kind"] == "user" else "the built-in sources"
+
+
+def check_rebuild(out: Path, request: dict, force: bool) -> str | None:
+    """The fingerprint of the corpus ``out`` holds (None if none); refuses, unless ``force``,
+    a corpus built from other inputs or options than ``request``."""
+    corpus_dir = out / "corpus"
+    if not (corpus_dir / "manifest.json").exists():
+        return None
+    try:
+        manifest = load_manifest(corpus_dir)
+    except DataError:
+        if force:
+            return None
+        raise
+    had = recorded_request(manifest)
+    diff = [k for k in request if request[k] != had.get(k)]
+    if diff and not force:
+        k = diff[0]
+        what = (f"from {_describe(had)}" if k in ("kind", "sources")
+                else f"with {k}={had.get(k)!r} (asked: {request[k]!r})")
+        raise DataError(f"{out}: its corpus was built {what}; give another --out for a new "
+                        "corpus, or add --force to replace it (its tokenizers are retrained)")
+    return manifest.get("fingerprint")
+
+
+def discard_derived(out: Path, why: str, keep: Path | None = None) -> None:
+    """Remove the tokenizers trained in ``out`` and its token stores: they belong to a corpus
+    that is gone, and a tokenizer trained on other text must never be reused. ``keep``: a
+    tokenizer the build was given (--tokenizer), wherever it lies."""
+    gone = [p for p in sorted(out.glob("tokenizer*.json")) + sorted(out.glob("tokens-*"))
+            if keep is None or p.resolve() != keep.resolve()]
+    for p in gone:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if gone:
+        info(f"{out}: {why}; removed {', '.join(p.name for p in gone)} (retrained below)")
+
+
+def remove_stale_temps(out: Path) -> None:
+    """Temp files of a build that was killed (held under the lock, so none is in use)."""
+    stale = [p for p in out.rglob(".*.tmp") if p.is_file()]
+    stale += [p for p in (out / "corpus").glob(".hf-cache.*") if p.is_dir()]
+    for p in stale:
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    if stale:
+        info(f"{out}: removed {len(stale)} temp file(s) left by an interrupted build")
+
+
+@contextmanager
+def data_lock(out: Path, command: str) -> Iterator[None]:
+    """Hold ``out``'s lock for the block: a second build into the folder fails at once."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = take_lock(out / LOCK_FILE, holder_record(command))
+    except LockHeld as e:
+        raise DataError(lock_refusal(out, out / LOCK_FILE, e.holder, socket.gethostname())) \
+            from None
+    try:
+        yield
+    finally:
+        release_lock(fd)
