@@ -59,6 +59,28 @@ def _write_runs_and_records(d) -> None:
                                           "criteria: [train/loss last <= 9]\ncriteria: []\n---\n")
 
 
+def _data_inputs(d, data_dir) -> None:
+    """Inputs of `data build` and damaged data folders (corpus, store index) for DATA_CASES;
+    badjsonl has the session's tokenizer, so its store is built (and fails) at once."""
+    import shutil
+
+    from moelab.data.corpus import build_user_corpus
+
+    (d / "txt").mkdir()
+    for i in range(3):
+        (d / "txt" / f"a{i}.txt").write_text(f"document {i} of a few words\n")
+    (d / "table.csv").write_text("text\nhello\n")
+    for name, index in (("badindex", "{not json"), ("nodtype", '{"format": 2, "splits": {}}')):
+        (d / name).mkdir()
+        (d / name / "index.json").write_text(index)
+    (d / "badmanifest" / "corpus").mkdir(parents=True)
+    (d / "badmanifest" / "corpus" / "manifest.json").write_text('{"kind": "user", ')
+    build_user_corpus([d / "txt"], d / "badjsonl" / "corpus")
+    train = d / "badjsonl" / "corpus" / "train.jsonl"
+    train.write_text(train.read_text().splitlines()[0] + '\n{"id": "x", "te\n')
+    shutil.copy(data_dir / "tokenizer-512.json", d / "badjsonl" / "tokenizer-512.json")
+
+
 @pytest.fixture(scope="module")
 def where(tmp_path_factory, data_dir):  # noqa: F811
     """The files the cases name, by placeholder: {d} their folder, {lab} a lab folder with one
@@ -83,6 +105,7 @@ def where(tmp_path_factory, data_dir):  # noqa: F811
     (d / "latin1.csv").write_bytes(_csv(good, "N,D,loss,caf\xe9").encode("latin-1"))
     (d / "tok.json").write_text("{not json")
     _write_runs_and_records(d)
+    _data_inputs(d, data_dir)
     return {"d": str(d), "data": str(data_dir), "lab": str(d / "lab")}
 
 
@@ -235,6 +258,27 @@ CASES = [
 
 # Trust 2 (data and config identity, bounds, messages): one list per area, joined below.
 DATA_CASES = [  # data build, corpus and token store inputs
+    (["data", "build", "{d}/txt"], 2, "--out: required with INPUT paths (data/builtin"),
+    (["data", "build", "{d}/txt", "{d}/txt", "--out", "{d}/o8"], 2,
+     "input {d}/txt: the same as input {d}/txt"),
+    (["data", "build", "{d}/txt", "{d}/txt/a1.txt", "--out", "{d}/o9"], 2,
+     "input {d}/txt/a1.txt: inside input {d}/txt"),
+    (["data", "build", "{d}/txt/a1.txt", "{d}/txt", "--out", "{d}/o9"], 2,
+     "input {d}/txt: holds input {d}/txt/a1.txt"),
+    (["data", "build", "{d}/txt", "--out", "{d}/txt/out"], 2,
+     "--out {d}/txt/out: inside the input {d}/txt"),
+    (["data", "build", "{d}/txt", "--out", "{d}/txt"], 2, "--out {d}/txt: inside the input"),
+    (["data", "build", "{d}/table.csv", "--out", "{d}/o10"], 2,
+     "input {d}/table.csv: unknown file type '.csv' (known: .txt"),
+    (["data", "build", "{d}/txt", "--out", "{d}/badmanifest"], 2,
+     "{d}/badmanifest/corpus/manifest.json: not valid JSON"),
+    (["train", "tiny", "data.data_dir={d}/badjsonl", "model.vocab_size=512", "--run-dir",
+      "{d}/r3"], 2,
+     "{d}/badjsonl/corpus/train.jsonl line 2: not valid JSON"),
+    (["data", "verify", "{d}/nothing"], 2, "{d}/nothing: no corpus or token store"),
+    (["data", "verify", "{d}/badindex"], 2, "{d}/badindex/index.json: not valid JSON"),
+    (["data", "verify", "{d}/nodtype"], 2, "{d}/nodtype/index.json: missing dtype"),
+    (["data", "verify", "{d}/badmanifest"], 2, "badmanifest/corpus/manifest.json: not valid"),
 ]
 
 RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export

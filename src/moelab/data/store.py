@@ -242,8 +242,8 @@ class TokenStore:
             raise DataError(f"{path}: missing or wrong size (want {entry['size']} bytes); "
                             f"{_damaged(self.dir)}")
         if hasher(path) != entry[key]:
-            raise DataError(f"{path}: contents differ from the {what} recorded at build (the "
-                            f"file was changed or damaged); {_damaged(self.dir)}")
+            raise DataError(f"{path}: contents differ from the {what} recorded at build; "
+                            f"{_damaged(self.dir)}")
 
     def verify(self) -> int:
         """Check every array's full sha256; returns the bytes checked."""
