@@ -31,7 +31,7 @@ from moelab.data import (  # noqa: E402
     train_tokenizer,
 )
 from moelab.data.corpus import FORMAT  # noqa: E402
-from moelab.data.store import _batches  # noqa: E402
+from moelab.data.tokenizer import doc_batches  # noqa: E402
 from moelab.train.loop import train  # noqa: E402
 
 
@@ -193,7 +193,7 @@ class _Terminal(io.StringIO):
 
 def test_parallel_tokens_equal_serial_and_the_progress_bar(texts, tmp_path, monkeypatch):
     docs = [{"text": t} for ts in texts.values() for t in ts]
-    cut = list(_batches(iter(docs), 5, chars=3000))  # by count, and by size for long texts
+    cut = list(doc_batches(iter(docs), 5, chars=3000))  # by count, and by size for long texts
     assert [d for b in cut for d in b] == docs and max(map(len, cut)) <= 5
     assert any(len(b) < 5 for b in cut[:-1])
     _write_jsonl(texts, tmp_path / "x.jsonl")

@@ -31,24 +31,17 @@ from tokenizers import Tokenizer
 
 from moelab.data.corpus import SPLITS, iter_documents, load_manifest
 from moelab.data.errors import DataError, read_json
-from moelab.data.tokenizer import encode_batch, eos_id, load_tokenizer, tokenizer_sha256
+from moelab.data.tokenizer import (
+    doc_batches,
+    encode_batch,
+    eos_id,
+    load_tokenizer,
+    tokenizer_sha256,
+)
 from moelab.util import atomic_write_json, info, open_atomic, sha256_file
 
 FORMAT = 2  # 2: per-array checksums and largest ids
-_BATCH_DOCS = 256  # documents per encode call: enough to keep every core busy
-_BATCH_CHARS = 8 << 20  # and at most ~8M characters, so batches of books stay small in memory
-
-
-def _batches(docs: Iterator[dict], size: int, chars: int = _BATCH_CHARS) -> Iterator[list[dict]]:
-    batch, n = [], 0
-    for doc in docs:
-        batch.append(doc)
-        n += len(doc["text"])
-        if len(batch) == size or n >= chars:
-            yield batch
-            batch, n = [], 0
-    if batch:
-        yield batch
+_BATCH_DOCS = 256  # documents per encode call (at most BATCH_CHARS): every core kept busy
 
 
 def progress_bar(total: int, desc: str, enabled: bool = True):
@@ -88,7 +81,7 @@ def _write_split(corpus_dir: Path, tok: Tokenizer, split: str, out_dir: Path,
     writers, hashes = {}, {}
     # ExitStack: on success every temp file is renamed into place; on error all are dropped
     with ExitStack() as stack:
-        for batch in _batches(iter_documents(corpus_dir, split), _BATCH_DOCS):
+        for batch in doc_batches(iter_documents(corpus_dir, split), _BATCH_DOCS):
             ids = encode_batch(tok, [d["text"] for d in batch])
             n_bytes = 0
             for doc, toks in zip(batch, ids):

@@ -22,15 +22,27 @@ _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|
 MIN_VOCAB = 256 + 1 + 1  # every byte, the separator, and at least one merge
 
 
-def _text_batches(corpus_dir: Path, size: int = 1000) -> Iterator[list[str]]:
-    batch = []
-    for doc in iter_documents(corpus_dir, "train"):
-        batch.append(doc["text"])
-        if len(batch) == size:
+BATCH_CHARS = 4 << 20  # characters per batch handed to the tokenizers library, at most
+
+
+def doc_batches(docs: Iterable[dict], size: int,
+                chars: int = BATCH_CHARS) -> Iterator[list[dict]]:
+    """``docs`` in batches of ``size`` documents, cut early at ``chars`` characters: the Rust
+    side holds a batch's texts and encodings at once, ~100 bytes a character."""
+    batch, n = [], 0
+    for doc in docs:
+        batch.append(doc)
+        n += len(doc["text"])
+        if len(batch) == size or n >= chars:
             yield batch
-            batch = []
+            batch, n = [], 0
     if batch:
         yield batch
+
+
+def _text_batches(corpus_dir: Path, size: int = 1000) -> Iterator[list[str]]:
+    for batch in doc_batches(iter_documents(corpus_dir, "train"), size):
+        yield [d["text"] for d in batch]
 
 
 def train_tokenizer(corpus_dir: Path | str, out_path: Path | str,
