@@ -26,7 +26,13 @@ from moelab.parallel.distributed import barrier, is_main
 from moelab.parallel.mesh import mesh_from_config, shard_batch
 from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.run.checkpoint import Checkpointer, CheckpointError
-from moelab.run.identity import check_data, compared_fields, data_record, read_provenance
+from moelab.run.identity import (
+    DATA_FIELDS,
+    check_data,
+    compared_fields,
+    data_record,
+    read_provenance,
+)
 from moelab.run.logs import JsonlTracker
 from moelab.run.provenance import provenance
 from moelab.train.heldout import check_heldout
@@ -188,9 +194,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     if at is not None and not (run_dir / "config.yaml").is_file():
         say(f"{run_dir}/config.yaml: missing; resuming with the config the checkpoint of step "
             f"{at} was trained with (its meta.json), written back now")
-    if at is not None and not compared_fields(recorded):
+    if at is not None and compared_fields(recorded) != DATA_FIELDS:
         say(f"{run_dir}: no record of the data it trained on (a run of an older moelab); "
-            f"recording {cfg.data.data_dir} as its data now")
+            f"recording the corpus and tokenizer of {cfg.data.data_dir} as its data now")
     data = _prepare(cfg, main, verbose)
     store = TokenStore(data.store_dir)
     check_heldout(cfg, store, data.corpus_dir, say)  # evaluation must not vanish at the end
