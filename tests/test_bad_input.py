@@ -276,7 +276,7 @@ DATA_CASES = [  # data build, corpus and token store inputs
 RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
     (["resume", "{d}/edited"], 2, "{d}/edited/config.yaml: differs from the config the "
      "checkpoint of step 30 was trained with (its meta.json): model.d_model (64 in config.yaml, "
-     "32 there)"),
+     "32 in meta.json)"),
     (["resume", "{d}/rebuilt"], 2, "corpus fingerprint 0000000000000000 recorded"),
     (["train", "{d}/rebuilt/config.yaml", "--run-dir", "{d}/rebuilt"], 2,
      "add --accept-data-change"),

@@ -100,7 +100,7 @@ def test_a_hand_edited_config_names_the_field_not_unusable_checkpoints(run):
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
     with pytest.raises(ConfigError) as e:
         resolve_run_config(load_run_config(run), run)
-    assert "model.d_model (64 in config.yaml, 32 there)" in str(e.value)
+    assert "model.d_model (64 in config.yaml, 32 in meta.json)" in str(e.value)
     assert "unusable" not in str(e.value) and "move them away" not in str(e.value)
 
 

@@ -53,9 +53,12 @@ def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "
                                 "`moelab train` first")
     cfg = load_run_config(run_dir)  # a damaged file: one line naming it
-    tok = load_tokenizer(run_dir / "tokenizer.json")
-    check_run_tokenizer(run_dir, tok, cfg.model.vocab_size)  # before any restoring
+    tok_path = run_dir / "tokenizer.json"
+    tok = load_tokenizer(tok_path) if tok_path.is_file() else None
+    if tok is not None:  # another tokenizer is refused before any restoring
+        check_run_tokenizer(run_dir, tok, cfg.model.vocab_size)
     step, state, _ = restore_state(run_dir, cfg, step)
+    tok = tok or load_tokenizer(tok_path)  # a missing one is named after the checkpoint
     return LoadedRun(cfg, step, state["params"], state["model_state"], tok)
 
 

@@ -128,7 +128,7 @@ def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
     old, new = flatten_config(trained.to_dict()), flatten_config(saved.to_dict())
     bad = _differing(old, new, RESUMABLE_CHANGES | set(OPERATION_FIELDS))
     if bad:
-        what = ", ".join(f"{k} ({new.get(k)!r} in config.yaml, {old.get(k)!r} there)"
+        what = ", ".join(f"{k} ({new.get(k)!r} in config.yaml, {old.get(k)!r} in meta.json)"
                          for k in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
         raise ConfigError(f"{run_dir}/config.yaml: differs from the config the checkpoint of "
                           f"step {step} was trained with (its meta.json): {what}. Restore "
