@@ -81,6 +81,41 @@ def _data_inputs(d, data_dir) -> None:
     shutil.copy(data_dir / "tokenizer-512.json", d / "badjsonl" / "tokenizer-512.json")
 
 
+def _identity_runs(d, data) -> None:
+    """Run folders at step 30 whose checkpoint holds only its meta.json (the config it was
+    trained with): what they must refuse is refused before any restore."""
+    import json
+    import shutil
+
+    from moelab.config import config_from_dict
+
+    trained = config_from_dict(micro_dict(data, train={"steps": 30})).to_dict()
+
+    def run(name, config=trained, prov=None, text=None):
+        ckpt = d / name / "checkpoints" / "step_00000030"
+        ckpt.mkdir(parents=True)
+        (ckpt / "meta.json").write_text(json.dumps({"step": 30, "config": trained}))
+        (ckpt / "manifest.json").write_text("{}")
+        if config is not None:
+            (d / name / "config.yaml").write_text(text or yaml.safe_dump(config))
+        shutil.copyfile(data / "tokenizer-512.json", d / name / "tokenizer.json")
+        if prov:
+            (d / name / "provenance.json").write_text(json.dumps(prov))
+
+    def changed(section, **fields):
+        out = json.loads(json.dumps(trained))
+        out[section].update(fields)
+        return out
+
+    run("edited", changed("model", d_model=64))
+    run("rebuilt", prov={"corpus_fingerprint": "0" * 16, "tokenizer_sha256": "1" * 64})
+    run("at30")
+    run("nocfg", config=None)
+    run("othertok", prov={"tokenizer_sha256": "1" * 64, "tokenizer_vocab": 512})
+    run("smallvocab", changed("model", vocab_size=300))
+    run("badcfg", text="model: [d_model\n")
+
+
 @pytest.fixture(scope="module")
 def where(tmp_path_factory, data_dir):  # noqa: F811
     """The files the cases name, by placeholder: {d} their folder, {lab} a lab folder with one
@@ -106,6 +141,7 @@ def where(tmp_path_factory, data_dir):  # noqa: F811
     (d / "tok.json").write_text("{not json")
     _write_runs_and_records(d)
     _data_inputs(d, data_dir)
+    _identity_runs(d, data_dir)
     return {"d": str(d), "data": str(data_dir), "lab": str(d / "lab")}
 
 
@@ -282,6 +318,25 @@ DATA_CASES = [  # data build, corpus and token store inputs
 ]
 
 RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
+    (["resume", "{d}/edited"], 2, "{d}/edited/config.yaml: differs from the config the "
+     "checkpoint of step 30 was trained with (its meta.json): model.d_model (64 in config.yaml, "
+     "32 in meta.json)"),
+    (["resume", "{d}/rebuilt"], 2, "corpus fingerprint 0000000000000000 recorded"),
+    (["train", "{d}/rebuilt/config.yaml", "--run-dir", "{d}/rebuilt"], 2,
+     "add --accept-data-change"),
+    (["branch", "{d}/rebuilt", "--at", "30", "--cooldown", "1M", "--dry-run"], 2,
+     "corpus fingerprint 0000000000000000 recorded"),
+    (["resume", "{d}/at30", "train.steps=10"], 2, "train.steps=10: {d}/at30 is at step 30 "
+     "already"),
+    (["train", "{d}/at30/config.yaml", "model.d_model=64", "--run-dir", "{d}/nocfg"], 2,
+     "model.d_model: {d}/nocfg was started with 32, now 64"),
+    (["generate", "{d}/othertok"], 2, "{d}/othertok/tokenizer.json: not the tokenizer this run "
+     "trained with"),
+    (["export", "{d}/othertok", "{d}/ex1", "--to", "hf"], 2, "{d}/othertok/tokenizer.json: not "
+     "the tokenizer"),
+    (["generate", "{d}/smallvocab"], 2, "(512 tokens) here, a model of 300 tokens"),
+    (["generate", "{d}/badcfg"], 2, "{d}/badcfg/config.yaml: invalid YAML: line 2"),
+    (["export", "{d}/badcfg", "{d}/ex2", "--to", "hf"], 2, "{d}/badcfg/config.yaml: invalid YAML"),
 ]
 
 BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers

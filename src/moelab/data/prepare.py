@@ -79,10 +79,9 @@ def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,
     corpus_dir = root / "corpus"
     say = info if verbose else (lambda _msg: None)
     _build_corpus(dcfg, corpus_dir, say)
-    tok_path = given_tokenizer(dcfg)
-    if tok_path is None:
+    tok_path = tokenizer_path(dcfg, vocab_size)
+    if given_tokenizer(dcfg) is None:
         vocab_size = vocab_size or DEFAULT_VOCAB
-        tok_path = root / f"tokenizer-{vocab_size}.json"
         if not tok_path.exists():
             t = time.time()
             say(f"training a {vocab_size}-token byte-level BPE tokenizer ...")
@@ -114,6 +113,27 @@ def given_tokenizer(dcfg: DataConfig) -> Path | None:
         return path
     own = Path(dcfg.data_dir) / OWN_TOKENIZER
     return own if own.is_file() else None
+
+
+def tokenizer_path(dcfg: DataConfig, vocab_size: int) -> Path:
+    """The tokenizer ``prepare_data`` uses: the given one, else the data folder's one of the
+    model's size (trained there when missing)."""
+    return (given_tokenizer(dcfg)
+            or Path(dcfg.data_dir) / f"tokenizer-{vocab_size or DEFAULT_VOCAB}.json")
+
+
+def data_identity(dcfg: DataConfig, vocab_size: int) -> dict:
+    """The corpus fingerprint and tokenizer hash the data folder holds now, read without building
+    anything (so a changed folder is refused before any work); a part not built yet is left
+    out: ``prepare_data`` builds it, and the token store's record is compared then."""
+    out = {}
+    corpus_dir = Path(dcfg.data_dir) / "corpus"
+    if (corpus_dir / "manifest.json").is_file():
+        out["corpus_fingerprint"] = corpus.load_manifest(corpus_dir)["fingerprint"]
+    tok = tokenizer_path(dcfg, vocab_size)
+    if tok.is_file():
+        out["tokenizer_sha256"] = tokenizer.tokenizer_sha256(tokenizer.load_tokenizer(tok))
+    return out
 
 
 def with_tokenizer_vocab(cfg: RunConfig) -> RunConfig:

@@ -16,12 +16,15 @@ import time
 from pathlib import Path
 
 from moelab.config import load_run_config, save_config
+from moelab.data.prepare import data_identity
 from moelab.ops.record import LINEAGE
 from moelab.ops.schedule import steps_for_tokens
 from moelab.run.checkpoint import Checkpointer
+from moelab.run.identity import PROVENANCE, check_data, read_provenance
 from moelab.run.lock import LOCK_FILE, run_lock
-from moelab.run.logs import command_line, log_operation
+from moelab.run.logs import JsonlTracker, command_line, log_operation
 from moelab.train.changes import Change, PlanError, apply_change
+from moelab.train.resume import absolute_data
 from moelab.util import atomic_write_bytes, atomic_write_json
 
 
@@ -44,7 +47,7 @@ def _clear_but_lock(folder: Path) -> None:
 def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: float | None = None,
                 mixture: dict | None = None, seq_len: int | None = None):
     """(the parent's config, the branch's config) for a cooldown from ``at``."""
-    cfg = load_run_config(parent)
+    cfg = absolute_data(load_run_config(parent))  # the branch trains on the parent's data
     steps = Checkpointer(Path(parent) / "checkpoints").steps()
     if at not in steps:
         raise PlanError(f"--at {at}: {parent} has no checkpoint at that step; checkpoints: "
@@ -54,6 +57,32 @@ def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: flo
     end = steps_for_tokens(shaped, shaped.data.tokens_before(at) + cooldown_tokens)
     return cfg, apply_change(cfg, at, Change(end=end, floor=floor, mixture=mixture,
                                              seq_len=seq_len), keep_warmup=False)
+
+
+def parent_data(parent: Path | str, accept: bool = False) -> dict:
+    """The parent's provenance record with the data its folder holds now; a branch of a run
+    whose data changed is refused unless ``accept``, and then its record holds the new data
+    and ``"changes"`` the accepted changes."""
+    cfg = absolute_data(load_run_config(parent))
+    recorded = read_provenance(parent)
+    now = data_identity(cfg.data, cfg.model.vocab_size)
+    changes = check_data(parent, recorded, now, cfg.data.data_dir, accept)
+    return {**recorded, **{f: b for f, (_, b) in changes.items()}, "changes": changes}
+
+
+def _write_data_record(folder: Path, record: dict, at: int) -> None:
+    """The branch's provenance (its parent's data, which its first start compares with) and,
+    when a data change was accepted, that change as its first event."""
+    changes = record.pop("changes")
+    if record:
+        atomic_write_json(folder / PROVENANCE, record)
+    if changes:
+        t = JsonlTracker(folder / "metrics.jsonl")
+        try:
+            t.event("data_change", at, accepted="--accept-data-change",
+                    **{f: {"recorded": a, "now": b} for f, (a, b) in changes.items()})
+        finally:
+            t.close()
 
 
 def branch_dir(parent: Path | str, at: int, out: Path | str | None = None) -> Path:
@@ -69,14 +98,17 @@ def branch_dir(parent: Path | str, at: int, out: Path | str | None = None) -> Pa
 
 def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str | None = None,
            floor: float | None = None, mixture: dict | None = None, seq_len: int | None = None,
-           place_ranks: int | None = None, reason: str = "", command: str | None = None) -> Path:
+           place_ranks: int | None = None, reason: str = "", command: str | None = None,
+           accept_data_change: bool = False) -> Path:
     """Create the branch folder (it must not exist yet); returns its path. ``place_ranks``:
-    re-place its experts for an EP group of that many ranks (``moelab.ops.placement``)."""
+    re-place its experts for an EP group of that many ranks (``moelab.ops.placement``).
+    A parent whose data changed is refused unless ``accept_data_change``."""
     from moelab.ops import placement as pl
     from moelab.run.load import restore_state
     from moelab.train.step import abstract_train_state
 
     parent = Path(parent)
+    data = parent_data(parent, accept_data_change)
     parent_cfg, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor,
                                         mixture=mixture, seq_len=seq_len)
     child = branch_dir(parent, at, out)  # refused before any restoring or routing
@@ -99,6 +131,7 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
         if (parent / "tokenizer.json").is_file():
             atomic_write_bytes(tmp / "tokenizer.json", (parent / "tokenizer.json").read_bytes())
         save_config(child_cfg, tmp / "config.yaml")
+        _write_data_record(tmp, data, at)
         lin = {"parent": str(parent.resolve()), "step": at, "reason": reason,
                "command": command, "time": time.time(), "cooldown_tokens": cooldown_tokens,
                "end": child_cfg.train.steps}

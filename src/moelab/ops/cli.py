@@ -17,6 +17,7 @@ from moelab.config.io import apply_overrides
 from moelab.ops.record import LINEAGE
 from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note
 from moelab.train.changes import Change, PlanError
+from moelab.train.cli import add_accept_data_change
 
 WHY = "why (recorded in the run's operations log)"
 
@@ -128,6 +129,7 @@ def cmd_branch(args) -> int:
     parent = Path(args.run)
     tokens = parse_tokens(args.cooldown, "--cooldown")
     mixture = _mixture(args)
+    br.parent_data(parent, args.accept_data_change)  # refused before any planning
     if not args.dry_run:
         br.branch_dir(parent, args.at, args.out)  # refuse a used folder before planning
     before, after = br.plan_branch(parent, args.at, tokens, floor=args.floor, mixture=mixture,
@@ -143,7 +145,8 @@ def cmd_branch(args) -> int:
         return 0
     child = br.branch(parent, args.at, tokens, out=args.out, floor=args.floor,
                       mixture=mixture, seq_len=args.seq_len, place_ranks=args.place_experts,
-                      reason=args.reason, command=shlex.join(args.argv))
+                      reason=args.reason, command=shlex.join(args.argv),
+                      accept_data_change=args.accept_data_change)
     tokens = after.data.tokens_before(after.train.steps) - after.data.tokens_before(args.at)
     print(f"branch {child}: from step {args.at} of {parent} to step {after.train.steps} "
           f"(cooldown of {tokens:,} tokens); parent untouched but for one line in its ops.jsonl")
@@ -157,11 +160,12 @@ def cmd_branch(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from moelab.config import load_run_config
     from moelab.train.loop import format_summary, train
+    from moelab.train.resume import recovered_config
 
     run = Path(args.run)
-    summary = train(load_run_config(run, args.overrides), run)
+    summary = train(recovered_config(run, args.overrides), run,
+                    accept_data_change=args.accept_data_change)
     print(format_summary(summary))
     if summary["interrupted"]:
         return 130 if summary["interrupted"] == "SIGINT" else 143
@@ -246,6 +250,7 @@ def register(sub) -> None:
                    "share a capacity group (fewer drops, most at long contexts; see `moelab "
                    "drops --place`); the model computes the same function")
     b.add_argument("--dry-run", action="store_true", help="print the plan, create nothing")
+    add_accept_data_change(b)
     b.set_defaults(fn=cmd_branch)
 
     s = sub.add_parser("resume", help="continue a run folder with its saved config",
@@ -254,6 +259,7 @@ def register(sub) -> None:
     s.add_argument("run", help="run folder")
     s.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE for resumable fields, "
                    "e.g. train.log_every=5")
+    add_accept_data_change(s)
     s.set_defaults(fn=cmd_resume)
 
     h = sub.add_parser("history", help="a run's operations, events and per-stage drop rates")

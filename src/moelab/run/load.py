@@ -13,13 +13,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import yaml
 
-from moelab.config import RunConfig, config_from_dict
+from moelab.config import RunConfig, load_run_config
 from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
 from moelab.generate import make_sampler
 from moelab.model import transformer as tr
 from moelab.run.checkpoint import Checkpointer, CheckpointError
+from moelab.run.identity import check_run_tokenizer
 from moelab.util import is_url
 
 
@@ -52,9 +52,13 @@ def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
     if not cfg_path.exists():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "
                                 "`moelab train` first")
-    cfg = config_from_dict(yaml.safe_load(cfg_path.read_text()))
+    cfg = load_run_config(run_dir)  # a damaged file: one line naming it
+    tok_path = run_dir / "tokenizer.json"
+    tok = load_tokenizer(tok_path) if tok_path.is_file() else None
+    if tok is not None:  # another tokenizer is refused before any restoring
+        check_run_tokenizer(run_dir, tok, cfg.model.vocab_size)
     step, state, _ = restore_state(run_dir, cfg, step)
-    tok = load_tokenizer(run_dir / "tokenizer.json")
+    tok = tok or load_tokenizer(tok_path)  # a missing one is named after the checkpoint
     return LoadedRun(cfg, step, state["params"], state["model_state"], tok)
 
 

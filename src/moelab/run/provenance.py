@@ -1,4 +1,5 @@
-"""Provenance of a run: code version, config hash, data fingerprint, library versions."""
+"""Provenance of a run: code version, config hash, its data (corpus fingerprint, tokenizer hash
+and the absolute data folder: ``moelab.run.identity.data_record``), library versions."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def _git(*args: str) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def provenance(cfg: RunConfig, data_fingerprint: str) -> dict:
+def provenance(cfg: RunConfig, data: dict) -> dict:
     commit = _git("rev-parse", "HEAD")
     diff = _git("diff", "HEAD")
     versions = {}
@@ -37,7 +38,7 @@ def provenance(cfg: RunConfig, data_fingerprint: str) -> dict:
         "git_dirty": bool(diff),
         "git_diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None,
         "config_hash": cfg.hash(),
-        "data_fingerprint": data_fingerprint,
+        **data,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "versions": versions,

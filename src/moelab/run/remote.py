@@ -45,7 +45,7 @@ from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
 CACHE_ENV = "MOELAB_RUN_CACHE"
 CKPTS = "checkpoints"
 MARKER = ".url"  # in a staging folder: the URL it mirrors (hidden, so never uploaded)
-READ_FILES = ("config.yaml", "tokenizer.json")  # what a reader needs besides a checkpoint
+READ_FILES = ("config.yaml", "tokenizer.json", "provenance.json")  # a reader needs, with a checkpoint
 
 
 def staging_dir(url: str, suffix: str = "") -> Path:

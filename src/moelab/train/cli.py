@@ -34,7 +34,7 @@ def cmd_train(args, attach_record) -> int:
                 "a file is in the way; give a folder (it is created when missing)")
     if args.record:
         attach_record(args.record, run_dir, args.arm)
-    summary = train(cfg, run_dir)
+    summary = train(cfg, run_dir, accept_data_change=args.accept_data_change)
     print(format_summary(summary))
     print(f"results: {run_dir}/ (metrics.jsonl, summary.json, checkpoints/)")
     if summary["interrupted"]:
@@ -47,6 +47,14 @@ def cmd_config(args) -> int:
     print(f"# moelab config {source}: valid YAML; save it and train with `moelab train FILE`")
     print(describe_config(cfg))
     return 0
+
+
+def add_accept_data_change(p: argparse.ArgumentParser) -> None:
+    """The option that lets a run go on when its data folder changed (otherwise refused)."""
+    p.add_argument("--accept-data-change", action="store_true",
+                   help="go on although the data folder's corpus or tokenizer differs from "
+                   "what the run recorded (provenance.json); the change is logged in "
+                   "metrics.jsonl")
 
 
 def register_train(sub, attach_record) -> None:
@@ -63,6 +71,7 @@ def register_train(sub, attach_record) -> None:
     t.add_argument("--record", help="attach this run to an experiment record (id, number or "
                    "file; see `moelab lab`)")
     t.add_argument("--arm", help="the run's arm name in the record (default: run folder name)")
+    add_accept_data_change(t)
     mp = t.add_argument_group("several processes (one per host or per GPU; see README)")
     mp.add_argument("--distributed", action="store_true",
                     help="join JAX's multi-controller runtime, cluster detected by JAX (SLURM, "

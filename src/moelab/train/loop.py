@@ -90,22 +90,24 @@ class _Progress:
 
 
 def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
-          sample_prompt: str | None = "The ") -> dict:
+          sample_prompt: str | None = "The ", accept_data_change: bool = False) -> dict:
     """Train (or resume) the run in ``run_dir``, holding the folder's lock. Returns the
     summary dict. A URL (gs://, s3://, file://...) trains in a mirrored local copy
-    (``moelab.run.remote``)."""
+    (``moelab.run.remote``). ``accept_data_change``: resume on data other than the run
+    recorded, logging the change (otherwise refused)."""
     if is_url(run_dir):
         from moelab.run.remote import mirrored_run
 
         with mirrored_run(str(run_dir)) as mirror:
-            return _train(cfg, mirror.local, verbose, sample_prompt, mirror)
+            return _train(cfg, mirror.local, verbose, sample_prompt, accept_data_change, mirror)
     with run_lock(run_dir, enabled=is_main()):
-        return _train(cfg, Path(run_dir), verbose, sample_prompt)
+        return _train(cfg, Path(run_dir), verbose, sample_prompt, accept_data_change)
 
 
 def _train(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | None,
-           mirror=None) -> dict:
-    run, state = setup_run(cfg, run_dir, verbose=verbose, mirror=mirror)
+           accept_data_change: bool, mirror=None) -> dict:
+    run, state = setup_run(cfg, run_dir, verbose=verbose, mirror=mirror,
+                           accept_data_change=accept_data_change)
     progress = _Progress(step=run.start, state=state, eval_pending=run.eval_pending)
     del state  # the loop replaces the state every step: hold no reference to the first one
     t_run = time.time()

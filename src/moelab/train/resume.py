@@ -13,10 +13,17 @@ import dataclasses
 import json
 from pathlib import Path
 
-import yaml
-
-from moelab.config import OPERATION_FIELDS, ConfigError, RunConfig, config_from_dict, flatten_config
+from moelab.config import (
+    OPERATION_FIELDS,
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    config_from_dict,
+    flatten_config,
+    load_run_config,
+)
 from moelab.run.checkpoint import Checkpointer
+from moelab.run.identity import checkpoint_config
 from moelab.run.logs import log_operation
 from moelab.train.changes import (
     Change,
@@ -37,7 +44,9 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block",
                      "train.microbatch_tokens", "parallel.fsdp", "model.attention_impl",
                      "model.loss_chunk", "train.on_nonfinite", "train.skip_limit",
-                     "train.tensorboard", "train.async_ckpt"}
+                     "train.tensorboard", "train.async_ckpt",
+                     # where the data is may change; what it is, is checked by its fingerprints
+                     "data.data_dir", "data.tokenizer"}
 
 
 def resume_step(run_dir: Path | str) -> int | None:
@@ -84,25 +93,81 @@ def commit_pending(run_dir: Path | str, cfg: RunConfig) -> None:
     (Path(run_dir) / PENDING).unlink()
 
 
+def absolute_data(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with data.data_dir and data.tokenizer absolute, as config.yaml keeps them from the
+    first start on: a resume from another working folder finds the run's own data."""
+    d = cfg.data
+    tok = str(Path(d.tokenizer).resolve()) if d.tokenizer else ""
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        d, data_dir=str(Path(d.data_dir).resolve()), tokenizer=tok))
+
+
+def recovered_config(run_dir: Path | str, overrides: list[str] | None = None) -> RunConfig:
+    """The run's config.yaml with ``overrides``; when the file was deleted but checkpoints
+    remain, the config the newest of them was trained with (never a different one)."""
+    run_dir = Path(run_dir)
+    saved = checkpoint_config(run_dir)
+    if (run_dir / "config.yaml").is_file() or saved is None:
+        return load_run_config(run_dir, overrides)
+    return config_from_dict(apply_overrides(saved[1], overrides or []))
+
+
+def _differing(old: dict, new: dict, allowed) -> list[str]:
+    return [k for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k) and k not in allowed]
+
+
+def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
+    """Refuse a config.yaml that differs from the config the newest checkpoint was trained with
+    (a hand edit): name the fields and the ways to change a run that exist."""
+    got = checkpoint_config(run_dir)
+    if got is None:
+        return
+    step, data = got
+    trained = absolute_data(config_from_dict(data))
+    old, new = flatten_config(trained.to_dict()), flatten_config(saved.to_dict())
+    bad = _differing(old, new, RESUMABLE_CHANGES | set(OPERATION_FIELDS))
+    if bad:
+        what = ", ".join(f"{k} ({new.get(k)!r} in config.yaml, {old.get(k)!r} in meta.json)"
+                         for k in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ConfigError(f"{run_dir}/config.yaml: differs from the config the checkpoint of "
+                          f"step {step} was trained with (its meta.json): {what}. Restore "
+                          "config.yaml to those values; to change a run, use `moelab replan` "
+                          "(end, decay, mixture, context) or `moelab branch` (a new run folder "
+                          "from a checkpoint)")
+    check_future_only(trained, saved, step)  # an operation's past, edited by hand
+
+
+def check_stop_step(saved: RunConfig, cfg: RunConfig, at: int, run_dir: Path) -> None:
+    """A new train.steps at or below the step the run resumes from would train nothing."""
+    steps = cfg.train.steps
+    if steps != saved.train.steps and steps <= at:
+        raise ConfigError(f"train.steps={steps}: {run_dir} is at step {at} already, so it would "
+                          f"train nothing; give a train.steps above {at} to train on, or, to "
+                          "end a run earlier, `moelab replan RUN --end-steps N` before it gets "
+                          "there")
+
+
 def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     """The config to use in ``run_dir``: the saved one, updated only where a resume allows.
     A folder without checkpoints has trained nothing yet, so any config may (re)start it."""
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.exists() or not Checkpointer(run_dir / "checkpoints").steps():
+    at = resume_step(run_dir)
+    if at is None:
         return cfg.with_frozen_schedule()
-    saved = config_from_dict(yaml.safe_load(saved_path.read_text()))
+    saved = absolute_data(recovered_config(run_dir))
+    check_config_identity(saved, run_dir)
     if cfg.optim.schedule_steps == 0:  # "follow train.steps" means the length it started with
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
             cfg.optim, schedule_steps=saved.optim.schedule_steps,
             warmup_steps=cfg.optim.warmup_steps or saved.optim.warmup_steps))
     # operations (replan, branch) are kept, a pending replan applied, the past left as it was
     cfg = resume_config(saved, cfg.with_frozen_schedule(), run_dir)
+    check_stop_step(saved, cfg, at, run_dir)
     old, new = flatten_config(saved.to_dict()), flatten_config(cfg.to_dict())
-    diff = [k for k in new if old.get(k) != new[k]]
-    bad = [k for k in diff if k not in RESUMABLE_CHANGES and k not in OPERATION_FIELDS]
+    bad = _differing(old, new, RESUMABLE_CHANGES | set(OPERATION_FIELDS))
     if bad:
         k = bad[0]
-        raise ConfigError(f"{k}: {run_dir} was started with {old.get(k)!r}, now {new[k]!r}. A run "
-                          "folder trains one model: use a new --run-dir (or drop the override "
-                          "to resume this run as it was configured)")
+        raise ConfigError(f"{k}: {run_dir} was started with {old.get(k)!r}, now {new.get(k)!r}. "
+                          "A run folder trains one model: use a new --run-dir (or drop the "
+                          "override to resume this run as it was configured)")
     return cfg

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import RunConfig, save_config
-from moelab.data.prepare import PreparedData, prepare_data, with_tokenizer_vocab
+from moelab.data.prepare import PreparedData, data_identity, prepare_data, with_tokenizer_vocab
 from moelab.data.sampler import SteppedSampler
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import load_tokenizer
@@ -26,11 +26,18 @@ from moelab.parallel.distributed import barrier, is_main
 from moelab.parallel.mesh import mesh_from_config, shard_batch
 from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.run.checkpoint import Checkpointer, CheckpointError
+from moelab.run.identity import (
+    DATA_FIELDS,
+    check_data,
+    compared_fields,
+    data_record,
+    read_provenance,
+)
 from moelab.run.logs import JsonlTracker
 from moelab.run.provenance import provenance
 from moelab.train.heldout import check_heldout
 from moelab.train.peak import measure_peak_flops
-from moelab.train.resume import commit_pending, resolve_run_config
+from moelab.train.resume import absolute_data, commit_pending, resolve_run_config, resume_step
 from moelab.train.step import (
     init_train_state,
     make_eval_step,
@@ -155,21 +162,47 @@ def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Call
     return step_fn, eval_fn
 
 
-def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool,
-              mirror=None) -> tuple[RunSetup, dict]:
+def _checked_data(cfg: RunConfig, run_dir: Path, recorded: dict, store: TokenStore, tok,
+                  accept: bool, say) -> tuple[dict, dict]:
+    """(the data record, its accepted changes) of the data as prepared: a resume trains on what
+    the run recorded, or on a change accepted with --accept-data-change."""
+    now = data_record(store.index["corpus_fingerprint"], tok, store.fingerprint,
+                      Path(cfg.data.data_dir))
+    changes = check_data(run_dir, recorded, now, cfg.data.data_dir, accept)
+    if changes:
+        say(f"data changed, accepted (--accept-data-change): {changes}")
+    return now, changes
+
+
+def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None,
+              accept_data_change: bool = False) -> tuple[RunSetup, dict]:
     """(the run's setup, the train state to start from) for training ``cfg`` in ``run_dir``;
-    ``mirror`` (a remote run's ``moelab.run.remote.Mirror``) uploads each checkpoint."""
+    ``mirror`` (a remote run's ``moelab.run.remote.Mirror``) uploads each checkpoint.
+    A resume must find the data the run recorded, unless ``accept_data_change``."""
     run_dir = Path(run_dir)
     check_trackers(cfg)
+    cfg = absolute_data(cfg)  # the run's own data, wherever it is resumed from
+    at = resume_step(run_dir)  # None: nothing trained yet, any data may (re)start it
+    recorded = read_provenance(run_dir) if at is not None else {}
+    # refused before anything is built, from what the data folder holds now
+    check_data(run_dir, recorded, data_identity(cfg.data, cfg.model.vocab_size),
+               cfg.data.data_dir, accept_data_change)
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
     cfg = transport.check_config(resolve_run_config(cfg, run_dir))  # before any work
     main = is_main()  # with several processes, process 0 alone writes the run folder
     say = info if verbose and main else _quiet
+    if at is not None and not (run_dir / "config.yaml").is_file():
+        say(f"{run_dir}/config.yaml: missing; resuming with the config the checkpoint of step "
+            f"{at} was trained with (its meta.json), written back now")
+    if at is not None and compared_fields(recorded) != DATA_FIELDS:
+        say(f"{run_dir}: no record of the data it trained on (a run of an older moelab); "
+            f"recording the corpus and tokenizer of {cfg.data.data_dir} as its data now")
     data = _prepare(cfg, main, verbose)
     store = TokenStore(data.store_dir, vocab_size=cfg.model.vocab_size)  # ids < vocab
     check_heldout(cfg, store, data.corpus_dir, say)  # evaluation must not vanish at the end
     tok = load_tokenizer(data.tokenizer_path)
-    prov = provenance(cfg, store.fingerprint)
+    now, changes = _checked_data(cfg, run_dir, recorded, store, tok, accept_data_change, say)
+    prov = provenance(cfg, now)
     if main:
         _write_run_folder(cfg, run_dir, data, prov)
 
@@ -190,6 +223,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool,
         say(f"resuming {run_dir} from step {start}")
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"), **process_identity())
+    if changes:  # the run's record of what it trained on from here
+        trackers.event("data_change", start, accepted="--accept-data-change",
+                       **{f: {"recorded": a, "now": b} for f, (a, b) in changes.items()})
     hardware = HardwareMonitor()
     counts, peak = _model_costs(cfg, mesh, say)
     step_fn, eval_fn = _step_functions(cfg, mesh, state_sh, say)

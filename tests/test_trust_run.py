@@ -1,0 +1,117 @@
+"""A run's identity: it records the data it trains on, resumes only on that data (or a change
+accepted and logged), only with the config its checkpoints were trained with, and is read only
+with its own tokenizer. Each test works on a copy of the session's shared run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import yaml
+
+from helpers import shared_run
+from moelab.config import ConfigError, load_run_config
+from moelab.data.tokenizer import load_tokenizer
+from moelab.run.identity import check_run_tokenizer, read_provenance
+from moelab.train.resume import recovered_config, resolve_run_config
+from moelab.train.setup import setup_run
+
+
+@pytest.fixture
+def run(tmp_path_factory, data_dir, tmp_path):  # noqa: F811
+    """A copy of the shared run (30 steps, checkpoints at 10, 20, 30)."""
+    src = shared_run(tmp_path_factory, data_dir)[0]
+    return shutil.copytree(src, tmp_path / "run")
+
+
+def _setup(cfg, run_dir, **kw):
+    """setup_run, its files closed again (no step is taken)."""
+    setup, _ = setup_run(cfg, run_dir, verbose=True, **kw)
+    setup.trackers.close()
+    setup.ckpt.close()
+    return setup
+
+
+def _events(run_dir, kind):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("event") == kind]
+
+
+def test_a_run_records_its_data_and_its_absolute_data_folder(run, data_dir):  # noqa: F811
+    prov = read_provenance(run)
+    index = json.loads(next(data_dir.glob("tokens-*/index.json")).read_text())
+    assert prov["corpus_fingerprint"] == index["corpus_fingerprint"]
+    assert prov["tokenizer_sha256"] == index["tokenizer_sha256"]
+    assert prov["tokenizer_vocab"] == 512 and prov["data_dir"] == str(data_dir)
+
+
+def test_an_older_run_resumes_from_its_own_folder_and_its_data_is_recorded(
+        run, data_dir, monkeypatch, capsys):  # noqa: F811
+    """A run of an older moelab: data_dir relative to where it was started, no data record.
+    Resumed from there, it is not refused: its data is recorded now, with an info line, and
+    config.yaml names the folder absolutely, so a resume from elsewhere finds the same data."""
+    prov = read_provenance(run)
+    old = {k: v for k, v in prov.items() if k not in ("corpus_fingerprint", "tokenizer_sha256",
+                                                      "tokenizer_vocab", "data_dir")}
+    (run / "provenance.json").write_text(json.dumps(old))
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["data"]["data_dir"] = data_dir.name
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(data_dir.parent)
+    _setup(load_run_config(run), run)
+    assert "no record of the data it trained on" in capsys.readouterr().err
+    assert read_provenance(run)["corpus_fingerprint"] == prov["corpus_fingerprint"]
+    assert load_run_config(run).data.data_dir == str(data_dir)
+
+
+def test_a_data_change_is_refused_then_accepted_and_logged(run, data_dir, tmp_path):  # noqa: F811
+    """The data folder rebuilt from other text (its corpus fingerprint changes): a resume names
+    both fingerprints; --accept-data-change goes on, logs the change and records the new data."""
+    other = shutil.copytree(data_dir, tmp_path / "other")
+    manifest = json.loads((other / "corpus" / "manifest.json").read_text())
+    was = manifest["fingerprint"]
+    manifest["fingerprint"] = "f" * 16
+    (other / "corpus" / "manifest.json").write_text(json.dumps(manifest))
+    cfg = recovered_config(run, [f"data.data_dir={other}"])
+    with pytest.raises(ConfigError, match=f"corpus fingerprint {was[:16]} recorded, ffffffff"):
+        _setup(cfg, run)
+    _setup(cfg, run, accept_data_change=True)
+    change = _events(run, "data_change")[-1]
+    assert change["step"] == 30 and change["corpus_fingerprint"] == {"recorded": was,
+                                                                     "now": "f" * 16}
+    assert read_provenance(run)["corpus_fingerprint"] == "f" * 16
+    _setup(cfg, run)  # the change is the run's record now
+
+
+def test_a_deleted_config_yaml_is_recovered_from_the_newest_checkpoint(run):
+    """No start over under another config: the checkpoint's own config is the run's."""
+    trained = load_run_config(run)
+    (run / "config.yaml").unlink()
+    assert recovered_config(run) == trained
+    wider = recovered_config(run, ["model.d_model=64"])
+    with pytest.raises(ConfigError, match="model.d_model: .* was started with 32, now 64"):
+        resolve_run_config(wider, run)
+
+
+def test_a_hand_edited_config_names_the_field_not_unusable_checkpoints(run):
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["model"]["d_model"] = 64
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError) as e:
+        resolve_run_config(load_run_config(run), run)
+    assert "model.d_model (64 in config.yaml, 32 in meta.json)" in str(e.value)
+    assert "unusable" not in str(e.value) and "move them away" not in str(e.value)
+
+
+def test_only_the_recorded_tokenizer_reads_a_run(run):
+    """Another tokenizer of the same size (two ids swapped) is refused; the run's own passes."""
+    check_run_tokenizer(run, load_tokenizer(run / "tokenizer.json"), 512)
+    tok = json.loads((run / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (run / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ConfigError, match=r"tokenizer.json: not the tokenizer this run trained "
+                                          r"with: \w+ \(512 tokens\) here"):
+        check_run_tokenizer(run, load_tokenizer(run / "tokenizer.json"), 512)
