@@ -240,7 +240,21 @@ DATA_CASES = [  # data build, corpus and token store inputs
 RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
 ]
 
+BIG = "3000000000 is more steps than the jitted step counter holds"
 BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
+    (["train", "tiny", "train.steps=3e9"], 2, f"train.steps: {BIG}"),
+    (["train", "tiny", "train.steps=.inf"], 2, "train.steps: expected an integer, got inf"),
+    (["train", "tiny", "optim.schedule_steps=3000000000"], 2, f"optim.schedule_steps: {BIG}"),
+    (["train", "tiny", "optim.warmup_steps=3e9"], 2, f"optim.warmup_steps: {BIG}"),
+    (["train", "tiny", "train.eval_every=3e9"], 2, f"train.eval_every: {BIG}"),
+    (["train", "tiny", "data.context_stages=[{{step: 3e9, seq_len: 512}}]"], 2,
+     f"data.context_stages[0].step: {BIG}"),
+    (["train", "tiny", "data.mixture_schedule=[{{step: 3e9, mixture: {{a: 1}}}}]"], 2,
+     f"data.mixture_schedule[0].step: {BIG}"),
+    (["train", "tiny", "optim.decays=[{{start: 10, end: 3e9}}]"], 2, f"optim.decays[0].end: {BIG}"),
+    (["train", "tiny", "train.seed=5000000000"], 2, "train.seed: 5000000000 must be in [0, "),
+    (["train", "tiny", "data.seed=-1"], 2, "data.seed: -1 must be in [0, "),
+    (["resume", RUN, "train.steps=3e9"], 2, f"train.steps: {BIG}"),
 ]
 
 OPS_CASES = [  # replan, branch, drops, lab, guard messages

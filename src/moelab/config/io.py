@@ -57,21 +57,30 @@ def _unknown_field(prefix: str, name: str, names: set[str]) -> str:
             "lists them with their meaning)")
 
 
+def _number_text(value: Any) -> Any:
+    """A string that reads as a number, as that number: YAML reads 3e-3 and 3e9 (no dot) as
+    strings. Any other value as it is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        value = _number_text(value)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or int(value) != value):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return int(value)
     if hint is float:
-        if isinstance(value, str):  # YAML reads 3e-3 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
+        value = _number_text(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
