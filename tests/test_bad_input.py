@@ -59,6 +59,12 @@ def _write_runs_and_records(d) -> None:
                                           "criteria: [train/loss last <= 9]\ncriteria: []\n---\n")
 
 
+def _write_bound_files(d) -> None:
+    from test_trust_signals import laughs
+
+    (d / "laughs.yaml").write_text(laughs(5))
+
+
 @pytest.fixture(scope="module")
 def where(tmp_path_factory, data_dir):  # noqa: F811
     """The files the cases name, by placeholder: {d} their folder, {lab} a lab folder with one
@@ -83,6 +89,7 @@ def where(tmp_path_factory, data_dir):  # noqa: F811
     (d / "latin1.csv").write_bytes(_csv(good, "N,D,loss,caf\xe9").encode("latin-1"))
     (d / "tok.json").write_text("{not json")
     _write_runs_and_records(d)
+    _write_bound_files(d)
     return {"d": str(d), "data": str(data_dir), "lab": str(d / "lab")}
 
 
@@ -255,6 +262,15 @@ BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
     (["train", "tiny", "train.seed=5000000000"], 2, "train.seed: 5000000000 must be in [0, "),
     (["train", "tiny", "data.seed=-1"], 2, "data.seed: -1 must be in [0, "),
     (["resume", RUN, "train.steps=3e9"], 2, f"train.steps: {BIG}"),
+    (["train", "{d}/laughs.yaml"], 2, "{d}/laughs.yaml: line 3: more than 10 aliases (*name)"),
+    (["train", "tiny", f"model.d_model=[&a [1], {', '.join(['*a'] * 11)}]"], 2,
+     "line 1: more than 10 aliases (*name) of a list or mapping"),
+    (["train", "tiny", "--coordinator", "bogus:99999", "--num-processes", "2", "--process-id",
+      "0"], 2, "--coordinator bogus:99999: not HOST:PORT with a port in 1-65535"),
+    (["train", "tiny", "--coordinator", ":8476"], 2, "--coordinator :8476: not HOST:PORT"),
+    (["train", "tiny", "--coordinator", "localhost"], 2, "--coordinator localhost: not HOST:PORT"),
+    (["train", "tiny", "--coordinator", "bogus.invalid:8476"], 2,
+     "--coordinator bogus.invalid:8476: host 'bogus.invalid' not found"),
 ]
 
 OPS_CASES = [  # replan, branch, drops, lab, guard messages

@@ -16,8 +16,11 @@ from moelab.util import is_url, url_fs
 
 
 def cmd_train(args, attach_record) -> int:
+    from moelab.parallel.distributed import check_coordinator
     from moelab.train.loop import format_summary, train
 
+    if args.coordinator is not None:  # before any work: a bad one makes JAX hang, then crash
+        check_coordinator(args.coordinator)
     source, cfg = resolve_config(args.config, args.overrides)
     if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
         from moelab.parallel.distributed import initialize

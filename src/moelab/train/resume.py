@@ -13,9 +13,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-import yaml
-
-from moelab.config import OPERATION_FIELDS, ConfigError, RunConfig, config_from_dict, flatten_config
+from moelab.config import OPERATION_FIELDS, ConfigError, RunConfig, flatten_config, load_run_config
 from moelab.run.checkpoint import Checkpointer
 from moelab.run.logs import log_operation
 from moelab.train.changes import (
@@ -90,7 +88,7 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     saved_path = run_dir / "config.yaml"
     if not saved_path.exists() or not Checkpointer(run_dir / "checkpoints").steps():
         return cfg.with_frozen_schedule()
-    saved = config_from_dict(yaml.safe_load(saved_path.read_text()))
+    saved = load_run_config(run_dir)  # read as any config file: named in errors, no alias bombs
     if cfg.optim.schedule_steps == 0:  # "follow train.steps" means the length it started with
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
             cfg.optim, schedule_steps=saved.optim.schedule_steps,

@@ -1,0 +1,57 @@
+"""Signals and bounds: an interrupted command leaves no orphan and no temporary files; inputs
+that would exhaust memory, overflow the jitted int32 counters or fail deep inside a library are
+refused first, naming the file or option."""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import pytest
+
+from moelab.config import ConfigError, load_config
+from test_bad_input import refuse_work  # noqa: F401  (a fixture)
+from test_cli import run_main
+
+
+def laughs(levels: int) -> str:
+    """A YAML "billion laughs": each line a list of 9 aliases of the line before (9**levels x)."""
+    return "\n".join(["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_fast_and_small(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(laughs(8))  # the 8 lines that took 33.8 s and 4.8 GB
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=f"config {bomb}: line 3: more than 10 aliases"):
+        load_config(str(bomb))
+    seconds, peak = time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 1 and peak < 10e6, (seconds, peak)
+
+
+def test_a_few_aliases_still_share_a_value(tmp_path):
+    cfg = tmp_path / "shared.yaml"
+    cfg.write_text("data:\n  mixture: &mix {prose: 1, code: 1}\n  mixture_schedule:\n"
+                   "    - {step: 5, mixture: *mix}\n    - {step: 9, mixture: *mix}\n"
+                   "train:\n  steps: &n 20\n  ckpt_every: *n\n")
+    c = load_config(str(cfg))
+    assert c.data.mixture_schedule[1].mixture == {"prose": 1.0, "code": 1.0}
+    assert c.train.ckpt_every == 20
+
+
+def test_wandb_online_without_a_key_is_one_line_before_any_work(tmp_path, monkeypatch, capsys,
+                                                                 refuse_work):  # noqa: F811
+    pytest.importorskip("wandb")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "NETRC"):  # the tests' WANDB_MODE=offline too
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
+    rc, _, err = run_main(["train", "tiny", "train.wandb=true", "--run-dir", str(tmp_path / "r")],
+                          capsys)
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "moelab: error: train.wandb=true: no W&B API key on this machine; run `wandb login` (or "
+        "set WANDB_API_KEY), or set WANDB_MODE=offline to log locally and `wandb sync` later")
