@@ -271,6 +271,8 @@ BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
     (["train", "tiny", "--coordinator", "localhost"], 2, "--coordinator localhost: not HOST:PORT"),
     (["train", "tiny", "--coordinator", "bogus.invalid:8476"], 2,
      "--coordinator bogus.invalid:8476: host 'bogus.invalid' not found"),
+    (["train", "tiny", "--run-dir", "memory://runs/x"], 2,
+     "--run-dir memory://runs/x: memory:// lives only inside this process"),
 ]
 
 OPS_CASES = [  # replan, branch, drops, lab, guard messages
