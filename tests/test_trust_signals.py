@@ -4,11 +4,15 @@ refused first, naming the file or option."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 import tracemalloc
 
 import pytest
 
+from helpers import subprocess_env
 from moelab.config import ConfigError, load_config
 from test_bad_input import refuse_work  # noqa: F401  (a fixture)
 from test_cli import run_main
@@ -55,3 +59,37 @@ def test_wandb_online_without_a_key_is_one_line_before_any_work(tmp_path, monkey
     assert err.strip().splitlines()[-1] == (
         "moelab: error: train.wandb=true: no W&B API key on this machine; run `wandb login` (or "
         "set WANDB_API_KEY), or set WANDB_MODE=offline to log locally and `wandb sync` later")
+
+
+# `moelab eval` whose run load stalls (the harness's tasks are rendered into the temp folder
+# by then): the window in which a SIGTERM used to leave that folder behind
+STALLED_EVAL = """
+import sys, time
+from moelab import cli
+from moelab.run import load
+
+def stall(*_args, **_kw):
+    print("loading", flush=True)
+    time.sleep(120)
+
+load.load_run = stall
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_eval_leaves_no_temporary_folder(tmp_path):
+    pytest.importorskip("lm_eval")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_EVAL, "eval", str(tmp_path / "run"),
+                             "--tasks", "moelab_local"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env(TMPDIR=str(temp)))
+    try:
+        assert proc.stdout.readline() == "loading\n", proc.stderr.read()
+        assert [p.name[:13] for p in temp.iterdir()] == ["moelab-tasks-"]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.endswith("moelab: terminated (SIGTERM)\n"), err
+    assert list(temp.iterdir()) == []

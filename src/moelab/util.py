@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -61,6 +63,30 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM raised where the program is, as Ctrl-C raises KeyboardInterrupt: ``finally``
+    blocks and ``with`` exits run (temporary files go, locks are released) instead of the
+    process ending on the spot."""
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within: SIGTERM raises ``Terminated``. A handler set inside (the training loop's stop
+    flag) takes over until it restores this one. Only the main thread may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(_signum, _frame):
+        raise Terminated
+
+    old = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def info(msg: str) -> None:
