@@ -4,6 +4,8 @@ refused first, naming the file or option."""
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,7 +14,7 @@ import tracemalloc
 
 import pytest
 
-from helpers import subprocess_env
+from helpers import micro_config, subprocess_env
 from moelab.config import ConfigError, load_config
 from test_bad_input import refuse_work  # noqa: F401  (a fixture)
 from test_cli import run_main
@@ -93,3 +95,59 @@ def test_sigterm_during_eval_leaves_no_temporary_folder(tmp_path):
         proc.kill()
     assert proc.returncode == 143 and err.endswith("moelab: terminated (SIGTERM)\n"), err
     assert list(temp.iterdir()) == []
+
+
+def _wait_for(what: str, cond, proc, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"exited {proc.returncode} before {what}"
+        assert time.time() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.1)
+
+
+def _ladder_run(root) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moelab.cli", "ladder", "run", str(root),
+                             "--poll", "0.2"], stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())
+
+
+def test_sigterm_to_ladder_run_stops_its_trainer_after_a_checkpoint(tmp_path, data_dir):  # noqa: F811
+    from moelab.ladder.folder import write_ladder
+    from moelab.ladder.plan import LadderRule, Rung
+    from moelab.ladder.run import LOCK
+    from moelab.run.logs import read_metrics
+    from moelab.util import pid_alive
+
+    far = 100_000  # the rung never finishes on its own
+    cfg = micro_config(data_dir, train={"steps": far, "eval_every": far, "ckpt_every": far})
+    lad = write_ladder(tmp_path / "lad", "micro", cfg, LadderRule(), [Rung("r0", cfg, {})])
+    rung = lad.run_dir("r0")
+    proc = _ladder_run(lad.root)
+    try:  # SIGTERM the ladder once its trainer is in the step loop
+        _wait_for("a training step", lambda: any(
+            "train/loss" in r for r in read_metrics(rung / "metrics.jsonl")[0]), proc)
+        trainer = int((rung / LOCK).read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    orphan = pid_alive(trainer)
+    if orphan:  # not left training for hours when this fails
+        os.kill(trainer, signal.SIGKILL)
+    assert not orphan and not (rung / LOCK).exists()  # and no stale claim on the folder
+    step = json.loads((rung / "summary.json").read_text())["step"]
+    assert proc.returncode == 143 and err.splitlines()[-1] == (
+        f"moelab: ladder stopped by SIGTERM: r0 at step {step} of {far} (checkpoint saved); run "
+        f"`moelab ladder run {lad.root}` again to continue"), err
+    assert (rung / "checkpoints" / f"step_{step:08d}" / "manifest.json").is_file()
+
+    again = _ladder_run(lad.root)  # takes the rung up again at once
+    try:
+        lines = [again.stderr.readline()]
+        while not lines[-1].startswith(("ladder: starting", "moelab")) and lines[-1]:
+            lines.append(again.stderr.readline())
+        again.send_signal(signal.SIGTERM)
+        lines += again.communicate(timeout=120)[1].splitlines()
+    finally:
+        again.kill()
+    assert lines[0].startswith("ladder: starting r0") and "another process" not in "".join(lines)

@@ -69,12 +69,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError, ValueError, CheckpointError, FloatingPointError) as e:
         print(f"moelab: error: {e}", file=sys.stderr)
         return 2
-    except Terminated:
-        print("\nmoelab: terminated (SIGTERM)", file=sys.stderr)
-        return 143
-    except KeyboardInterrupt:
-        print("\nmoelab: aborted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated); a message says more
+        sigterm = isinstance(e, Terminated)
+        print(f"\nmoelab: {str(e) or ('terminated (SIGTERM)' if sigterm else 'aborted')}",
+              file=sys.stderr)
+        return 143 if sigterm else 130
 
 
 if __name__ == "__main__":
