@@ -151,3 +151,14 @@ def test_sigterm_to_ladder_run_stops_its_trainer_after_a_checkpoint(tmp_path, da
     finally:
         again.kill()
     assert lines[0].startswith("ladder: starting r0") and "another process" not in "".join(lines)
+
+
+def test_the_bounds_let_their_largest_value_and_every_host_form_through():
+    from moelab.config.errors import INT32_MAX
+    from moelab.parallel.distributed import check_coordinator
+
+    cfg = load_config("tiny", [f"train.steps={INT32_MAX}", f"optim.schedule_steps={INT32_MAX}",
+                               f"train.seed={INT32_MAX}", "train.ckpt_every=2e9"])
+    assert (cfg.train.steps, cfg.train.ckpt_every) == (INT32_MAX, 2_000_000_000)
+    for address in ("localhost:8476", "127.0.0.1:1", "[::1]:65535"):
+        check_coordinator(address)
