@@ -157,6 +157,8 @@ def _stopped_at(job: _Job) -> str:
         summary = {}
     if summary.get("interrupted"):
         return f"{job.name} at step {summary.get('step')} of {job.steps} (checkpoint saved)"
+    if summary and is_finished(job.run_dir, job.steps):  # it ended just before the signal
+        return f"{job.name} finished"
     return f"{job.name} before its first step (exit {job.proc.returncode}; nothing new to save)"
 
 
