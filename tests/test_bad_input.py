@@ -116,6 +116,12 @@ def _identity_runs(d, data) -> None:
     run("badcfg", text="model: [d_model\n")
 
 
+def _write_bound_files(d) -> None:
+    from test_trust_signals import laughs
+
+    (d / "laughs.yaml").write_text(laughs(5))
+
+
 @pytest.fixture(scope="module")
 def where(tmp_path_factory, data_dir):  # noqa: F811
     """The files the cases name, by placeholder: {d} their folder, {lab} a lab folder with one
@@ -142,6 +148,7 @@ def where(tmp_path_factory, data_dir):  # noqa: F811
     _write_runs_and_records(d)
     _data_inputs(d, data_dir)
     _identity_runs(d, data_dir)
+    _write_bound_files(d)
     return {"d": str(d), "data": str(data_dir), "lab": str(d / "lab")}
 
 
@@ -339,7 +346,32 @@ RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
     (["export", "{d}/badcfg", "{d}/ex2", "--to", "hf"], 2, "{d}/badcfg/config.yaml: invalid YAML"),
 ]
 
+BIG = "3000000000 is more steps than the jitted step counter holds"
 BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
+    (["train", "tiny", "train.steps=3e9"], 2, f"train.steps: {BIG}"),
+    (["train", "tiny", "train.steps=.inf"], 2, "train.steps: expected an integer, got inf"),
+    (["train", "tiny", "optim.schedule_steps=3000000000"], 2, f"optim.schedule_steps: {BIG}"),
+    (["train", "tiny", "optim.warmup_steps=3e9"], 2, f"optim.warmup_steps: {BIG}"),
+    (["train", "tiny", "train.eval_every=3e9"], 2, f"train.eval_every: {BIG}"),
+    (["train", "tiny", "data.context_stages=[{{step: 3e9, seq_len: 512}}]"], 2,
+     f"data.context_stages[0].step: {BIG}"),
+    (["train", "tiny", "data.mixture_schedule=[{{step: 3e9, mixture: {{a: 1}}}}]"], 2,
+     f"data.mixture_schedule[0].step: {BIG}"),
+    (["train", "tiny", "optim.decays=[{{start: 10, end: 3e9}}]"], 2, f"optim.decays[0].end: {BIG}"),
+    (["train", "tiny", "train.seed=5000000000"], 2, "train.seed: 5000000000 must be in [0, "),
+    (["train", "tiny", "data.seed=-1"], 2, "data.seed: -1 must be in [0, "),
+    (["resume", RUN, "train.steps=3e9"], 2, f"train.steps: {BIG}"),
+    (["train", "{d}/laughs.yaml"], 2, "{d}/laughs.yaml: line 3: more than 10 aliases (*name)"),
+    (["train", "tiny", f"model.d_model=[&a [1], {', '.join(['*a'] * 11)}]"], 2,
+     "line 1: more than 10 aliases (*name) of a list or mapping"),
+    (["train", "tiny", "--coordinator", "bogus:99999", "--num-processes", "2", "--process-id",
+      "0"], 2, "--coordinator bogus:99999: not HOST:PORT with a port in 1-65535"),
+    (["train", "tiny", "--coordinator", ":8476"], 2, "--coordinator :8476: not HOST:PORT"),
+    (["train", "tiny", "--coordinator", "localhost"], 2, "--coordinator localhost: not HOST:PORT"),
+    (["train", "tiny", "--coordinator", "bogus.invalid:8476"], 2,
+     "--coordinator bogus.invalid:8476: host 'bogus.invalid' not found"),
+    (["train", "tiny", "--run-dir", "memory://runs/x"], 2,
+     "--run-dir memory://runs/x: memory:// lives only inside this process"),
 ]
 
 OPS_CASES = [  # replan, branch, drops, lab, guard messages

@@ -25,6 +25,7 @@ from moelab.ops.cli import register as register_ops
 from moelab.planner.cli import register as register_plan
 from moelab.run.checkpoint import CheckpointError
 from moelab.train.cli import register_config, register_train
+from moelab.util import Terminated, sigterm_raises
 
 
 def _train_step():
@@ -63,13 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = ["moelab", *(sys.argv[1:] if argv is None else argv)]  # recorded by operations
     try:
-        return args.fn(args)
+        with sigterm_raises():  # so that cleanup runs on SIGTERM as on Ctrl-C
+            return args.fn(args)
     except (ConfigError, OSError, ValueError, CheckpointError, FloatingPointError) as e:
         print(f"moelab: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\nmoelab: aborted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated); a message says more
+        sigterm = isinstance(e, Terminated)
+        print(f"\nmoelab: {str(e) or ('terminated (SIGTERM)' if sigterm else 'aborted')}",
+              file=sys.stderr)
+        return 143 if sigterm else 130
 
 
 if __name__ == "__main__":

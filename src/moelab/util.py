@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, Iterator
@@ -66,6 +67,30 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM raised where the program is, as Ctrl-C raises KeyboardInterrupt: ``finally``
+    blocks and ``with`` exits run (temporary files go, locks are released) instead of the
+    process ending on the spot."""
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """Within: SIGTERM raises ``Terminated``. A handler set inside (the training loop's stop
+    flag) takes over until it restores this one. Only the main thread may set handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handle(_signum, _frame):
+        raise Terminated
+
+    old = signal.signal(signal.SIGTERM, handle)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
 
 
 def info(msg: str) -> None:
@@ -145,25 +170,6 @@ def release_lock(fd: int) -> None:
         os.ftruncate(fd, 0)
     finally:
         os.close(fd)
-
-
-@contextmanager
-def sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the block, as Ctrl-C does, so its ``finally`` and
-    ``except BaseException`` clean-ups (temp files, locks) run before the process ends. Only
-    in the main thread; elsewhere a no-op."""
-    def stop(_signum, _frame):
-        raise KeyboardInterrupt("SIGTERM")
-
-    try:
-        old = signal.signal(signal.SIGTERM, stop)
-    except ValueError:  # not the main thread: signal handlers cannot be set
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
 
 
 def decode_utf8(data: bytes, source: str) -> str:

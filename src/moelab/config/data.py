@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from moelab.config.errors import require
+from moelab.config.errors import require, require_seed, require_steps
 
 # How data.source is read (`moelab data build --format`): moelab's own readers, or Hugging Face
 # `datasets` (a save_to_disk folder; data files through its builders, loaded or streamed)
@@ -50,6 +50,7 @@ def _check_increasing(steps: list[int], p: str) -> None:
     for i, s in enumerate(steps):
         require(s > (steps[i - 1] if i else 0), f"{p}[{i}].step",
                 "steps must be > 0 and strictly increasing (step 0 is the base config)")
+        require_steps(s, f"{p}[{i}].step")
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class DataConfig:
                 "leave them at their defaults")
         require(self.seq_len > 0, f"{p}.seq_len", "must be > 0")
         require(self.batch_size > 0, f"{p}.batch_size", "must be > 0")
+        require_seed(self.seed, f"{p}.seed")
         _check_mixture(self.mixture, f"{p}.mixture")
         _check_increasing([m.step for m in self.mixture_schedule], f"{p}.mixture_schedule")
         for i, m in enumerate(self.mixture_schedule):

@@ -19,6 +19,18 @@ def require(cond: bool, field_name: str, msg: str) -> None:
         raise ConfigError(f"{field_name}: {msg}")
 
 
+def require_steps(value: int, field_name: str) -> None:
+    """A step count fits the int32 step counter and LR schedule of the jitted step."""
+    require(value <= INT32_MAX, field_name, f"{value} is more steps than the jitted step counter "
+            f"holds (int32, at most {INT32_MAX}); give a smaller value")
+
+
+def require_seed(value: int, field_name: str) -> None:
+    """A seed the PRNG key and the sampler take as is: larger ones would wrap silently onto
+    smaller seeds (a 32-bit key), negative ones are refused by numpy mid-run."""
+    require(0 <= value <= INT32_MAX, field_name, f"{value} must be in [0, {INT32_MAX}]")
+
+
 def need_extra(module: str, extra: str, what: str) -> None:
     """Stop, naming the extra to install, when ``what`` needs a package that a plain install
     leaves out (found without importing it)."""

@@ -57,21 +57,30 @@ def _unknown_field(prefix: str, name: str, names: set[str]) -> str:
             "lists them with their meaning)")
 
 
+def _number_text(value: Any) -> Any:
+    """A string that reads as a number, as that number: YAML reads 3e-3 and 3e9 (no dot) as
+    strings. Any other value as it is."""
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     if hint is bool:
         if isinstance(value, bool):
             return value
         raise ConfigError(f"{where}: expected true/false, got {value!r}")
     if hint is int:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+        value = _number_text(value)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not math.isfinite(value) or int(value) != value):
             raise ConfigError(f"{where}: expected an integer, got {value!r}")
         return int(value)
     if hint is float:
-        if isinstance(value, str):  # YAML reads 3e-3 (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                pass
+        value = _number_text(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
         return float(value)
@@ -129,12 +138,35 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+# Aliases (*name) of a list or mapping a YAML file may hold. Nested ones expand exponentially:
+# 8 lines of them (a "billion laughs") took 33.8 s and 4.8 GB before any error. A few serve to
+# share a mixture or a section; this many expand a small file at most ~40x.
+MAX_ALIASES = 10
+
+
+class _SafeLoader(yaml.SafeLoader):
     """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML
-    keeps the last one silently, so a config would run with a value its author did not see)."""
+    keeps the last one silently, so a config would run with a value its author did not see), and
+    so are more than ``MAX_ALIASES`` aliases of a list or mapping (refused while composing,
+    before anything is expanded)."""
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self.collection_aliases = 0
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            if isinstance(self.anchors.get(event.anchor), yaml.CollectionNode):
+                self.collection_aliases += 1
+                if self.collection_aliases > MAX_ALIASES:
+                    raise ConfigError(f"line {event.start_mark.line + 1}: more than {MAX_ALIASES}"
+                                      " aliases (*name) of a list or mapping; write the values "
+                                      "out instead")
+        return super().compose_node(parent, index)
 
 
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False):
+def _unique_mapping(loader: _SafeLoader, node: yaml.MappingNode, deep: bool = False):
     seen = set()
     for key_node, _ in node.value:
         key = loader.construct_object(key_node, deep=True)
@@ -147,13 +179,13 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool
     return loader.construct_mapping(node, deep)
 
 
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+_SafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
 
 def load_yaml(text: str, source: str) -> Any:
-    """YAML text read safely, refusing duplicate keys; errors name ``source``."""
+    """YAML text read safely, refusing duplicate keys and alias bombs; errors name ``source``."""
     try:
-        return yaml.load(text, Loader=_UniqueKeyLoader)
+        return yaml.load(text, Loader=_SafeLoader)
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None
     except yaml.MarkedYAMLError as e:  # on one line: where, and what is wrong there
@@ -204,7 +236,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         try:
-            node[parts[-1]] = yaml.safe_load(raw)
+            node[parts[-1]] = yaml.load(raw, Loader=_SafeLoader)
+        except ConfigError as e:
+            raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError:
             node[parts[-1]] = raw
     return data

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from moelab.config.data import DataConfig
-from moelab.config.errors import require
+from moelab.config.errors import require, require_seed, require_steps
 from moelab.config.model import ModelConfig
 
 
@@ -45,10 +45,14 @@ class OptimConfig:
             q = f"{p}.decays[{i}]"
             require(d.start >= (self.decays[i - 1].start + 1 if i else 0), f"{q}.start",
                     "must be >= 0 and after the previous decay's start")
+            require_steps(d.start, f"{q}.start")
             require(d.end > d.start, f"{q}.end", f"must be after start={d.start}")
             require(0 <= d.floor <= 1, f"{q}.floor", "must be a fraction of peak in [0, 1]")
+            require_steps(d.end, f"{q}.end")
         require(self.warmup_steps >= 0, f"{p}.warmup_steps", "must be >= 0")
         require(self.schedule_steps >= 0, f"{p}.schedule_steps", "must be >= 0 (0 = train.steps)")
+        for name in ("warmup_steps", "schedule_steps"):
+            require_steps(getattr(self, name), f"{p}.{name}")
         require(0 <= self.floor <= 1, f"{p}.floor", "must be a fraction of peak in [0, 1]")
         require(self.weight_decay >= 0, f"{p}.weight_decay", "must be >= 0")
         require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", "must be in [0, 1)")
@@ -85,6 +89,9 @@ class TrainConfig:
         require(self.steps > 0, f"{p}.steps", "must be > 0")
         for name in ("log_every", "eval_every", "ckpt_every", "keep_ckpts", "eval_tokens"):
             require(getattr(self, name) > 0, f"{p}.{name}", "must be > 0")
+        for name in ("steps", "log_every", "eval_every", "ckpt_every"):
+            require_steps(getattr(self, name), f"{p}.{name}")
+        require_seed(self.seed, f"{p}.seed")
         require(self.peak_flops >= 0, f"{p}.peak_flops", "must be >= 0 (0 = measure)")
         require(self.microbatch_tokens >= 0, f"{p}.microbatch_tokens", "must be >= 0 (tokens per micro-step; "
                 "0 = no gradient accumulation)")

@@ -16,7 +16,7 @@ from moelab.data.errors import DataError
 from moelab.data.prepare import OWN_TOKENIZER, prepare_data, vocab_needed
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import MIN_VOCAB, load_tokenizer
-from moelab.util import atomic_write_bytes, sha256_file, sigterm_interrupts
+from moelab.util import atomic_write_bytes, sha256_file
 
 
 def cmd_data_build(args) -> int:
@@ -35,8 +35,8 @@ def cmd_data_build(args) -> int:
     require(args.inputs or (args.format, args.text_field, args.split) == ("files", "text", ""),
             "--format/--text-field/--split", "read your INPUT paths; give them")
     build.check_inputs(args.inputs, out)
-    # SIGTERM unwinds like Ctrl-C: temp files are removed and the lock released on the way out
-    with sigterm_interrupts(), build.data_lock(out, shlex.join(getattr(args, "argv", ["moelab"]))):
+    # SIGTERM unwinds like Ctrl-C (moelab.cli): temp files go and the lock is released
+    with build.data_lock(out, shlex.join(getattr(args, "argv", ["moelab"]))):
         build.remove_stale_temps(out)
         return _build(args, out, vocab)
 

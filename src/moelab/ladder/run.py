@@ -4,6 +4,8 @@ Each run is a child process (``python -m moelab.cli train CONFIG --run-dir DIR``
 in ``DIR/train.log``, so rungs can run side by side (``jobs``) and a crash stays contained.
 Resumable: a rung whose summary says it reached its last step is skipped; an unfinished one
 resumes from its newest checkpoint (that is what `moelab train` does on an existing folder).
+Ctrl-C or SIGTERM stops the trainers too: each saves a checkpoint, and the next `ladder run`
+goes on from there.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +22,7 @@ from pathlib import Path
 
 from moelab.ladder.folder import Ladder
 from moelab.run.logs import read_metrics
-from moelab.util import info, pid_alive
+from moelab.util import Terminated, info, pid_alive
 
 
 def is_finished(run_dir: Path, steps: int) -> bool:
@@ -76,6 +79,7 @@ class _Job:
     steps: int
     proc: subprocess.Popen
     log: object
+    started: float = 0.0  # time.time() at the start
 
 
 def _start(name: str, config: Path, run_dir: Path, steps: int) -> _Job:
@@ -84,7 +88,7 @@ def _start(name: str, config: Path, run_dir: Path, steps: int) -> _Job:
     cmd = [sys.executable, "-m", "moelab.cli", "train", str(config), "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     (run_dir / LOCK).write_text(str(proc.pid))  # the trainer holds the folder, even if we die
-    return _Job(name, run_dir, steps, proc, log)
+    return _Job(name, run_dir, steps, proc, log, time.time())
 
 
 def _tail(path: Path, n: int = 15) -> str:
@@ -113,12 +117,16 @@ def run_ladder(lad: Ladder, jobs: int = 1, names: list[str] | None = None,
             say(f"ladder: {item[0]} already finished ({item[2]})")
         else:
             pending.append(item)
-    _run_pool(pending, jobs, status, None, poll_s, say)
-    if target:
-        if any(v.startswith("failed") for v in status.values()):
-            say("ladder: not starting the target: a rung failed")
-        else:
-            _run_target(lad, status, guard, poll_s, say)
+    try:
+        _run_pool(pending, jobs, status, None, poll_s, say)
+        if target:
+            if any(v.startswith("failed") for v in status.values()):
+                say("ladder: not starting the target: a rung failed")
+            else:
+                _run_target(lad, status, guard, poll_s, say)
+    except KeyboardInterrupt as e:  # the trainers have stopped (_run_pool): say how to go on
+        raise type(e)(f"{str(e) or 'ladder stopped'}; run `moelab ladder run {lad.root}` again to "
+                      "continue") from None
     return status
 
 
@@ -139,9 +147,59 @@ def _run_target(lad: Ladder, status: dict, guard, poll_s: float, say) -> None:
               poll_s, say)
 
 
+def _stopped_at(job: _Job) -> str:
+    """Where a trainer stopped by a signal is: the step of the checkpoint it saved on the
+    signal (its summary, written after it started), or that it saved none."""
+    path = job.run_dir / "summary.json"
+    try:
+        summary = json.loads(path.read_text()) if path.stat().st_mtime >= job.started else {}
+    except (OSError, json.JSONDecodeError):
+        summary = {}
+    if summary.get("interrupted"):
+        return f"{job.name} at step {summary.get('step')} of {job.steps} (checkpoint saved)"
+    if summary and is_finished(job.run_dir, job.steps):  # it ended just before the signal
+        return f"{job.name} finished"
+    return f"{job.name} before its first step (exit {job.proc.returncode}; nothing new to save)"
+
+
+def _stop(running: list[_Job], say) -> list[str]:
+    """Stop every trainer and wait for it to save a checkpoint and exit; where each stopped.
+    SIGTERM, since a trainer saves on it and on a first SIGINT alike, while a second SIGINT
+    (the terminal's Ctrl-C reaches the trainers too) aborts without saving. Another Ctrl-C or
+    SIGTERM here does abort them."""
+    for job in running:
+        job.proc.send_signal(signal.SIGTERM)
+    if running:
+        say(f"ladder: stopping: {', '.join(j.name for j in running)} saving a checkpoint")
+    try:
+        for job in running:
+            job.proc.wait()
+    except KeyboardInterrupt:
+        for job in running:
+            if job.proc.poll() is None:
+                job.proc.send_signal(signal.SIGINT)
+        for job in running:
+            job.proc.wait()
+    for job in running:
+        job.log.close()
+        release(job.run_dir)
+    return [_stopped_at(job) for job in running]
+
+
 def _run_pool(items: list, jobs: int, status: dict, guard, poll_s: float, say) -> None:
-    queue = list(items)
+    """Run ``items`` ``jobs`` at a time; on Ctrl-C or SIGTERM, stop the trainers first (no
+    orphan keeps training or holds a folder) and raise again, saying where they stopped."""
     running: list[_Job] = []
+    try:
+        _pool_loop(list(items), running, jobs, status, guard, poll_s, say)
+    except KeyboardInterrupt as e:
+        where = "; ".join(_stop(running, say)) or "no rung was training"
+        sig = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+        raise type(e)(f"ladder stopped by {sig}: {where}") from None
+
+
+def _pool_loop(queue: list, running: list[_Job], jobs: int, status: dict, guard, poll_s: float,
+               say) -> None:
     t0 = time.time()
     while queue or running:
         while queue and len(running) < jobs:

@@ -9,6 +9,8 @@ by all of them together through orbax.
 
 from __future__ import annotations
 
+import socket
+
 import jax
 import numpy as np
 
@@ -24,9 +26,26 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                          "three (or none, to let JAX detect the cluster)")
     if num_processes is not None and not 0 <= process_id < num_processes:
         raise ValueError(f"--process-id {process_id}: must be in [0, {num_processes})")
+    if coordinator is not None:
+        check_coordinator(coordinator)
     # CPU collectives across processes need gloo; the setting is ignored by GPU/TPU backends.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def check_coordinator(address: str) -> None:
+    """Refuse a coordinator that is not HOST:PORT, with a port in 1-65535 and a host this
+    machine resolves: JAX would wait minutes for it, then crash in native code."""
+    host, sep, port = address.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:8476
+    fix = "give HOST:PORT of process 0, e.g. 10.0.0.1:8476"
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"--coordinator {address}: not HOST:PORT with a port in 1-65535; {fix}")
+    try:
+        socket.getaddrinfo(host, int(port))
+    except OSError as e:
+        raise ValueError(f"--coordinator {address}: host {host!r} not found ({e.strerror}); "
+                         f"{fix}") from None
 
 
 def is_main() -> bool:

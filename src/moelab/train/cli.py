@@ -15,9 +15,22 @@ from moelab.data.prepare import resolve_config
 from moelab.util import is_url, url_fs
 
 
+def _check_options(args) -> None:
+    """Options that would fail only once work has started, or lose its results: checked first."""
+    from moelab.parallel.distributed import check_coordinator
+
+    if args.coordinator is not None:  # a bad one makes JAX wait minutes, then crash
+        check_coordinator(args.coordinator)
+    # memory:// is fsspec's in-process filesystem: fine from Python (tests), lost at exit here
+    require(not str(args.run_dir).startswith("memory://"), f"--run-dir {args.run_dir}",
+            "memory:// lives only inside this process, so the run would be gone when `moelab "
+            "train` exits; give a folder, or a gs://, s3:// or file:// URL")
+
+
 def cmd_train(args, attach_record) -> int:
     from moelab.train.loop import format_summary, train
 
+    _check_options(args)
     source, cfg = resolve_config(args.config, args.overrides)
     if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
         from moelab.parallel.distributed import initialize

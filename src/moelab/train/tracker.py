@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from moelab.config import RunConfig
-from moelab.config.errors import need_extra
+from moelab.config.errors import ConfigError, need_extra
 from moelab.run.logs import clean_value
 
 
@@ -26,8 +26,24 @@ def check_trackers(cfg: RunConfig) -> None:
     """The optional trackers a config asks for are installed (checked before any work)."""
     if cfg.train.wandb:
         need_extra("wandb", "wandb", "train.wandb=true")
+        check_wandb_login()
     if cfg.train.tensorboard:
         need_extra("tensorboardX", "tensorboard", "train.tensorboard=true")
+
+
+def check_wandb_login() -> None:
+    """W&B online needs an API key: without one (and no terminal to ask for it) wandb.init
+    raises a UsageError once the run has started. Offline and disabled need none."""
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
+        return
+    import wandb
+
+    try:  # finds the key as wandb.init would (WANDB_API_KEY, .netrc, settings), or asks for it
+        wandb.login(verify=False)
+    except wandb.errors.UsageError:
+        raise ConfigError("train.wandb=true: no W&B API key on this machine; run `wandb login` "
+                          "(or set WANDB_API_KEY), or set WANDB_MODE=offline to log locally and "
+                          "`wandb sync` later") from None
 
 
 class WandbTracker:

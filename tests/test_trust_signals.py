@@ -1,0 +1,164 @@
+"""Signals and bounds: an interrupted command leaves no orphan and no temporary files; inputs
+that would exhaust memory, overflow the jitted int32 counters or fail deep inside a library are
+refused first, naming the file or option."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import tracemalloc
+
+import pytest
+
+from helpers import micro_config, subprocess_env
+from moelab.config import ConfigError, load_config
+from test_bad_input import refuse_work  # noqa: F401  (a fixture)
+from test_cli import run_main
+
+
+def laughs(levels: int) -> str:
+    """A YAML "billion laughs": each line a list of 9 aliases of the line before (9**levels x)."""
+    return "\n".join(["a0: &a0 [x, x, x, x, x, x, x, x, x]"] + [
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, levels)]) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_fast_and_small(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(laughs(8))  # the 8 lines that took 33.8 s and 4.8 GB
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError, match=f"config {bomb}: line 3: more than 10 aliases"):
+        load_config(str(bomb))
+    seconds, peak = time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert seconds < 1 and peak < 10e6, (seconds, peak)
+
+
+def test_a_few_aliases_still_share_a_value(tmp_path):
+    cfg = tmp_path / "shared.yaml"
+    cfg.write_text("data:\n  mixture: &mix {prose: 1, code: 1}\n  mixture_schedule:\n"
+                   "    - {step: 5, mixture: *mix}\n    - {step: 9, mixture: *mix}\n"
+                   "train:\n  steps: &n 20\n  ckpt_every: *n\n")
+    c = load_config(str(cfg))
+    assert c.data.mixture_schedule[1].mixture == {"prose": 1.0, "code": 1.0}
+    assert c.train.ckpt_every == 20
+
+
+def test_wandb_online_without_a_key_is_one_line_before_any_work(tmp_path, monkeypatch, capsys,
+                                                                 refuse_work):  # noqa: F811
+    pytest.importorskip("wandb")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "NETRC"):  # the tests' WANDB_MODE=offline too
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
+    rc, _, err = run_main(["train", "tiny", "train.wandb=true", "--run-dir", str(tmp_path / "r")],
+                          capsys)
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        "moelab: error: train.wandb=true: no W&B API key on this machine; run `wandb login` (or "
+        "set WANDB_API_KEY), or set WANDB_MODE=offline to log locally and `wandb sync` later")
+
+
+# `moelab eval` whose run load stalls (the harness's tasks are rendered into the temp folder
+# by then): the window in which a SIGTERM used to leave that folder behind
+STALLED_EVAL = """
+import sys, time
+from moelab import cli
+from moelab.run import load
+
+def stall(*_args, **_kw):
+    print("loading", flush=True)
+    time.sleep(120)
+
+load.load_run = stall
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_during_eval_leaves_no_temporary_folder(tmp_path):
+    pytest.importorskip("lm_eval")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", STALLED_EVAL, "eval", str(tmp_path / "run"),
+                             "--tasks", "moelab_local"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=subprocess_env(TMPDIR=str(temp)))
+    try:
+        assert proc.stdout.readline() == "loading\n", proc.stderr.read()
+        assert [p.name[:13] for p in temp.iterdir()] == ["moelab-tasks-"]
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.endswith("moelab: terminated (SIGTERM)\n"), err
+    assert list(temp.iterdir()) == []
+
+
+def _wait_for(what: str, cond, proc, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert proc.poll() is None, f"exited {proc.returncode} before {what}"
+        assert time.time() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.1)
+
+
+def _ladder_run(root) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "moelab.cli", "ladder", "run", str(root),
+                             "--poll", "0.2"], stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env())
+
+
+def test_sigterm_to_ladder_run_stops_its_trainer_after_a_checkpoint(tmp_path, data_dir):  # noqa: F811
+    from moelab.ladder.folder import write_ladder
+    from moelab.ladder.plan import LadderRule, Rung
+    from moelab.ladder.run import LOCK
+    from moelab.run.logs import read_metrics
+    from moelab.util import pid_alive
+
+    far = 100_000  # the rung never finishes on its own
+    cfg = micro_config(data_dir, train={"steps": far, "eval_every": far, "ckpt_every": far})
+    lad = write_ladder(tmp_path / "lad", "micro", cfg, LadderRule(), [Rung("r0", cfg, {})])
+    rung = lad.run_dir("r0")
+    proc = _ladder_run(lad.root)
+    try:  # SIGTERM the ladder once its trainer is in the step loop
+        _wait_for("a training step", lambda: any(
+            "train/loss" in r for r in read_metrics(rung / "metrics.jsonl")[0]), proc)
+        trainer = int((rung / LOCK).read_text())
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    orphan = pid_alive(trainer)
+    if orphan:  # not left training for hours when this fails
+        os.kill(trainer, signal.SIGKILL)
+    assert not orphan and not (rung / LOCK).exists()  # and no stale claim on the folder
+    step = json.loads((rung / "summary.json").read_text())["step"]
+    assert proc.returncode == 143 and err.splitlines()[-1] == (
+        f"moelab: ladder stopped by SIGTERM: r0 at step {step} of {far} (checkpoint saved); run "
+        f"`moelab ladder run {lad.root}` again to continue"), err
+    assert (rung / "checkpoints" / f"step_{step:08d}" / "manifest.json").is_file()
+
+    again = _ladder_run(lad.root)  # takes the rung up again at once
+    try:
+        lines = [again.stderr.readline()]
+        while not lines[-1].startswith(("ladder: starting", "moelab")) and lines[-1]:
+            lines.append(again.stderr.readline())
+        again.send_signal(signal.SIGTERM)
+        lines += again.communicate(timeout=120)[1].splitlines()
+    finally:
+        again.kill()
+    assert lines[0].startswith("ladder: starting r0") and "another process" not in "".join(lines)
+
+
+def test_the_bounds_let_their_largest_value_and_every_host_form_through():
+    from moelab.config.errors import INT32_MAX
+    from moelab.parallel.distributed import check_coordinator
+
+    cfg = load_config("tiny", [f"train.steps={INT32_MAX}", f"optim.schedule_steps={INT32_MAX}",
+                               f"train.seed={INT32_MAX}", "train.ckpt_every=2e9"])
+    assert (cfg.train.steps, cfg.train.ckpt_every) == (INT32_MAX, 2_000_000_000)
+    for address in ("localhost:8476", "127.0.0.1:1", "[::1]:65535"):
+        check_coordinator(address)
