@@ -126,12 +126,18 @@ def test_lab_list_shows_every_record_beside_a_damaged_one(tmp_path, capsys):
     rec_mod.new_record(lab, "First", "h", "g", ["train/loss last <= 9"])
     (lab / "0002-broken.md").write_text("---\nid: [unclosed\n---\n")
     rec_mod.new_record(lab, "Third", "h", "g", ["train/loss last <= 9"])
+    path, _ = rec_mod.new_record(lab, "Fourth", "h", "g", ["train/loss last <= 9"])
+    (tmp_path / "bad_run").mkdir()
+    (tmp_path / "bad_run" / "metrics.jsonl").write_text("[1, 2]\n")
+    rec_mod.attach(path, tmp_path / "bad_run")
     rc, out, err = run_main(["lab", "list", "--lab-dir", str(lab)], capsys)
     assert rc == 2 and "0002-broken.md: front matter" in err.strip().splitlines()[-1]
+    assert "(and 1 more flagged above)" in err
     rows = {line.split()[0]: line for line in out.splitlines()[1:]}
-    assert set(rows) == {"0001-first", "0002-broken", "0003-third"}
+    assert set(rows) == {"0001-first", "0002-broken", "0003-third", "0004-fourth"}
     assert "planned" in rows["0003-third"] and "DAMAGED" in rows["0002-broken"]
     assert "front matter" in rows["0002-broken"]  # the error is shown on its row
+    assert "DAMAGED RUN" in rows["0004-fourth"] and "bad_run/metrics.jsonl: line 1" in out
     rc, out, err = run_main(["lab", "show", "3", "--lab-dir", str(lab)], capsys)
     assert rc == 0 and "0003-third: Third" in out, err
     rc, _, err = run_main(["lab", "report", "1", "--lab-dir", str(lab)], capsys)
