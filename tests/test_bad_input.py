@@ -122,6 +122,17 @@ def _write_bound_files(d) -> None:
     (d / "laughs.yaml").write_text(laughs(5))
 
 
+def _write_ops_inputs(d) -> None:
+    """Runs with a damaged and with a valid pending replan; a lab folder holding a fine record
+    beside a damaged one."""
+    for name, pending in (("badplan", "[1, 2]"), ("planned", '{"change": {"end": 40}, '
+                                                  '"requested_at_step": 3, "reason": ""}')):
+        _run_folder(d / name)
+        (d / name / "plan_pending.json").write_text(pending)
+    rec_mod.new_record(d / "lab4", "Fine", "h", "g", ["train/loss last <= 9"])
+    (d / "lab4" / "0002-broken.md").write_text("no front matter here\n")
+
+
 @pytest.fixture(scope="module")
 def where(tmp_path_factory, data_dir):  # noqa: F811
     """The files the cases name, by placeholder: {d} their folder, {lab} a lab folder with one
@@ -149,6 +160,7 @@ def where(tmp_path_factory, data_dir):  # noqa: F811
     _data_inputs(d, data_dir)
     _identity_runs(d, data_dir)
     _write_bound_files(d)
+    _write_ops_inputs(d)
     return {"d": str(d), "data": str(data_dir), "lab": str(d / "lab")}
 
 
@@ -374,7 +386,38 @@ BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
      "--run-dir memory://runs/x: memory:// lives only inside this process"),
 ]
 
+DROPS = ["drops", RUN, "--seq-len", "64"]
 OPS_CASES = [  # replan, branch, drops, lab, guard messages
+    (["replan", RUN, "--end-steps", "99999999999"], 2,
+     "--end-steps 99999999999: must be in 1-2,147,483,647"),
+    (["replan", RUN, "--end-tokens", "1000T"], 2, "--end-tokens 1000T: ends at step"),
+    (["replan", RUN, "--deadline", "+99999d"], 2, "--deadline +99999d: ends at step"),
+    (["replan", RUN, "--seq-len", "7"], 2, "--seq-len 7: must divide the run's 128 tokens"),
+    (["replan", "{d}/badplan", "--end-steps", "20"], 2,
+     "{d}/badplan/plan_pending.json: not a replan request"),
+    (["replan", "{d}/planned", "--end-steps", "20", "--apply"], 2,
+     "{d}/planned/plan_pending.json: a plan is already pending (end=40, requested at step 3)"),
+    (["branch", RUN, "--at", "7", "--cooldown", "99999999999999"], 2,
+     "--cooldown 99,999,999,999,999 tokens: ends at step"),
+    (["branch", RUN, "--at", "7", "--cooldown", "1k", "--seq-len", "7", "--dry-run"], 2,
+     "--seq-len 7: must divide"),
+    (["branch", RUN, "--at", "7", "--cooldown", "1k", "--out", "{d}/afile/b"], 2,
+     "branch folder {d}/afile/b: not writable"),
+    (["drops", RUN, "--seq-len", "0"], 2, "--seq-len 0: must be >= 1"),
+    ([*DROPS, "--batches", "0"], 2, "--batches 0: must be >= 1"),
+    ([*DROPS, "--tokens-per-rank", "0"], 2, "--tokens-per-rank 0: must be >= 1"),
+    ([*DROPS, "--seed", "-1"], 2, "--seed -1: must be >= 0"),
+    ([*DROPS, "--ranks", "1"], 2, "--ranks 1: must be >= 2"),
+    ([*DROPS, "--transport", "bogus"], 2, "--transport bogus: unknown"),
+    ([*DROPS, "--json", "{d}/afile/x.json"], 2, "--json {d}/afile/x.json: cannot be written"),
+    (["lab", "live", RUN, "--host", "999.1.1.1", "--port", "0"], 2, "--host 999.1.1.1"),
+    (["lab", "show", "2", "--lab-dir", "{d}/lab4"], 2, "{d}/lab4/0002-broken.md: no front"),
+    (["lab", "list", "--lab-dir", "{d}/lab4"], 2, "{d}/lab4/0002-broken.md: no front"),
+    (["lab", "show", "1", "--lab-dir", "{d}/lab4"], 0, "0001-fine: Fine"),
+    (["ladder", "guard", RUN, "--strict"], 2, "{d}/run/prediction.json: not found"),
+    (["ladder", "guard", RUN], 0, "no band was checked"),
+    (["eval", RUN, "--tasks", "moelab_local", "--output", "{d}/afile/r.json"], 2,
+     "--output {d}/afile/r.json: not writable"),
 ]
 
 CASES += DATA_CASES + RUN_CASES + BOUND_CASES + OPS_CASES

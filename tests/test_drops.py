@@ -46,12 +46,25 @@ def test_forecast_keeps_tokens_and_budget_drops_across_contexts(trained, tmp_pat
 
 def test_forecast_refuses_bad_lengths_and_fields(trained, capsys):
     for argv, phrase in ((["parallel.waves=1", "--seq-len", "48"], "--seq-len: 48"),
-                         (["parallel.waves=1", "--seq-len", "64", "--ranks", "3"], "--ranks: 3"),
-                         (["--seq-len", "64"], "parallel.waves"),
+                         (["parallel.waves=1", "--seq-len", "64", "--ranks", "3"],
+                          "--ranks 3: must divide model.n_experts=4"),
+                         # waves set by the user and unfit for the typed EP degree
+                         (["parallel.waves=3", "--seq-len", "64", "--ranks", "2"],
+                          "--ranks 2: parallel.waves"),
                          (["model.d_model=8", "--seq-len", "64"], "only parallel.* fields")):
         rc = main(["drops", str(trained), *argv])
         err = capsys.readouterr().err
         assert rc == 2 and phrase in err, err
+
+
+def test_the_readme_example_runs_on_a_run_trained_without_expert_parallelism(trained, capsys):
+    """`moelab drops RUN --seq-len L` with every default: the run trained at EP 1, so its
+    pooled_wave waves (3) never applied; the forecast at EP 4 (1 local expert) fits them to
+    1 and says so, instead of failing on parallel.waves."""
+    rc = main(["drops", str(trained), "--seq-len", "64", "--batches", "1"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert "parallel.waves 3 -> 1 for 1 local expert(s)" in out and "drop forecast at EP 4" in out
 
 
 def test_layer_routings_run_the_models_own_blocks():

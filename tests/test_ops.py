@@ -272,6 +272,25 @@ def test_resume_after_a_mixture_change_equals_an_uninterrupted_run(runs, tmp_pat
     assert stage[0]["step"] == 3 and stage[0]["mixture"] == {"code": 0.5, "prose": 0.5}
 
 
+def test_a_second_replan_apply_is_refused_and_replace_names_both(runs, tmp_path, capsys):
+    from moelab.ops.replan import request
+    from moelab.train.changes import Change
+    from moelab.train.resume import read_pending
+
+    run = Path(shutil.copytree(runs / "stopped", tmp_path / "run"))
+    request(run, Change(end=7), at=3)
+    first = (run / PENDING).read_text()
+    base = ["replan", str(run), "--end-steps", "8", "--apply", "--plot", str(tmp_path / "p.png")]
+    assert main(base) == 2
+    err = capsys.readouterr().err
+    assert "a plan is already pending (end=7, requested at step 3); add --replace" in err
+    assert (run / PENDING).read_text() == first
+    assert main([*base, "--replace"]) == 0
+    assert ("replaced the pending plan (end=7, requested at step 3) with (end=8, requested at "
+            "step 3)") in capsys.readouterr().out
+    assert read_pending(run)["change"] == {"end": 8}
+
+
 def test_replan_and_branch(runs, data_dir, tmp_path, capsys):  # noqa: F811
     """Replan (stopped run, applied at its resume) and branch (from the parent's checkpoint at
     the same step) make the same change: the parent's mixture, a decay to the floor at step 7

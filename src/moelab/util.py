@@ -187,6 +187,40 @@ def read_utf8(path: Path | str, source: str | None = None) -> str:
     return decode_utf8(Path(path).read_bytes(), source or str(path))
 
 
+def writable(folder: Path | str) -> bool:
+    """Whether this process can create files in ``folder``, or in its nearest existing
+    ancestor when the folder is still to be made: a file is made there and removed. A probe,
+    not permission bits, so root, ACLs and read-only mounts answer truthfully."""
+    folder = Path(folder)
+    while not folder.exists():
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+def appendable(path: Path | str) -> bool:
+    """Whether a log at ``path`` can be appended to: the file opened for appending (nothing
+    written), or its folder when it does not exist yet."""
+    path = Path(path)
+    if not path.exists():
+        return writable(path.parent)
+    try:
+        with open(path, "a"):
+            return True
+    except OSError:
+        return False
+
+
+def check_writable(path: Path | str, what: str, fix: str, *, append: bool = False) -> None:
+    """Refuse, before any work, a command whose results could not be written: files made in
+    the folder ``path`` (or, with ``append``, lines added to the file ``path``)."""
+    if not (appendable(path) if append else writable(path)):
+        raise PermissionError(f"{what}: not writable by this user; {fix}")
+
+
 # --- fsspec URLs (gs://, s3://, memory://, file://): corpora and run folders off this disk ---
 
 _PROTOCOL_PACKAGE = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "s3a": "s3fs", "az": "adlfs",

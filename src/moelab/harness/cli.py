@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moelab.config.errors import require
-from moelab.util import is_url
+from moelab.util import check_writable, is_url
 
 
 def cmd_eval(args) -> int:
@@ -20,6 +20,7 @@ def cmd_eval(args) -> int:
     require(args.output or not is_url(args.run), "--output", f"{args.run} is a URL: name a "
             "local results file (--output FILE)")
     tasks = split_tasks(args.tasks)
+    check_output(args.run, args.output)
     results = evaluate_run(args.run if is_url(args.run) else Path(args.run),
                            tasks, limit=args.limit,
                            batch_size=args.batch_size, num_fewshot=args.num_fewshot,
@@ -30,6 +31,19 @@ def cmd_eval(args) -> int:
     save_results(results, out)
     print(f"results: {out}")
     return 0
+
+
+def check_output(run: str, output: str | None) -> None:
+    """Refuse, before the model is loaded or any task runs, results that could not be saved
+    (a read-only run folder would lose the whole evaluation at the end)."""
+    if output:
+        require(not Path(output).is_dir(), f"--output {output}", "a folder; name a file")
+        check_writable(Path(output).parent, f"--output {output}", "name a file in a folder "
+                       "you can write")
+    elif not is_url(run):
+        folder = Path(run) / "eval"
+        check_writable(folder, f"{folder} (where results are saved)",
+                       "give --output FILE in a folder you can write")
 
 
 def register(sub) -> None:

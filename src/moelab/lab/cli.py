@@ -45,18 +45,31 @@ def verdict_counts(rec: rec_mod.Record) -> str:
     return count_labels(verdicts.values())
 
 
+def list_row(path: Path, rec: rec_mod.Record) -> tuple[tuple[str, ...], str | None]:
+    """(the record's row, the error of a damaged run it reads; None when all read)."""
+    try:
+        return (rec.id, record_state(path, rec), verdict_counts(rec), rec.title), None
+    except (OSError, ValueError) as e:
+        return (rec.id, "DAMAGED RUN", verdict_counts(rec), f"{rec.title} ({e})"), str(e)
+
+
 def cmd_list(args) -> int:
     directory = rec_mod.lab_dir(args.lab_dir)
-    found = rec_mod.list_records(directory)
-    if not found:
+    found, damaged = rec_mod.read_records(directory)
+    if not found and not damaged:
         print(f"no records in {directory}/; create one with `moelab lab new TITLE --hypothesis "
               "... --goal ... --criterion ...`")
         return 0
-    rows = [(r.id, record_state(p, r), verdict_counts(r), r.title) for p, r in found]
+    listed = [list_row(p, r) for p, r in found]
+    rows = [row for row, _ in listed] + [(p.stem, "DAMAGED", "-", e) for p, e in damaged]
     widths = [max(len(row[i]) for row in rows + [("id", "runs", "verdicts", "")]) for i in range(3)]
     print(f"{'id':<{widths[0]}}  {'runs':<{widths[1]}}  {'verdicts':<{widths[2]}}  title")
     for row in rows:
         print("  ".join(f"{v:<{w}}" for v, w in zip(row[:3], widths)) + f"  {row[3]}")
+    errors = [e for _, e in damaged] + [e for _, e in listed if e]
+    if errors:  # every other record was listed; the exit status still tells a script
+        more = f" (and {len(errors) - 1} more flagged above)" if len(errors) > 1 else ""
+        raise ValueError(f"{errors[0]}{more}; fix or move away what is flagged DAMAGED")
     return 0
 
 

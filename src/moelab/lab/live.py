@@ -5,8 +5,10 @@ on each request, so the page follows the runs as metrics.jsonl grows."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import socket
 from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
@@ -130,8 +132,17 @@ def make_server(targets: list[str], lab: str | None = None, host: str = "127.0.0
     try:
         return ThreadingHTTPServer((host, port), handler)
     except OSError as e:
-        raise ValueError(f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); "
-                         "pick another port, or --port 0 for any free one") from None
+        raise ValueError(bind_error(e, host, port)) from None
+
+
+def bind_error(e: OSError, host: str, port: int) -> str:
+    """The option a failed listen is due to: a host that is no address of this machine (or no
+    address at all) is --host's fault, anything else (in use, privileged) the port's."""
+    if isinstance(e, socket.gaierror) or e.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):
+        return (f"--host {host}: cannot listen on it ({e.strerror}); give an address of this "
+                "machine, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)")
+    return (f"--port {port}: cannot listen on {host}:{port} ({e.strerror}); pick another port, "
+            "or --port 0 for any free one")
 
 
 def serve(targets: list[str], lab: str | None = None, host: str = "127.0.0.1", port: int = 8765,

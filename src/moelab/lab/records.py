@@ -152,10 +152,31 @@ def save(rec: Record, path: Path) -> None:
     atomic_write_text(path, render(rec))
 
 
+def record_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("[0-9]*.md")) if directory.is_dir() else []
+
+
+def read_records(directory: Path) -> tuple[list[tuple[Path, Record]], list[tuple[Path, str]]]:
+    """(the records, the damaged files with their errors): one damaged file hides no other."""
+    good, damaged = [], []
+    for p in record_files(directory):
+        try:
+            good.append((p, load(p)))
+        except (OSError, ValueError) as e:
+            damaged.append((p, str(e)))
+    return good, damaged
+
+
 def list_records(directory: Path) -> list[tuple[Path, Record]]:
-    if not directory.is_dir():
-        return []
-    return [(p, load(p)) for p in sorted(directory.glob("[0-9]*.md"))]
+    """The readable records of ``directory`` (``read_records`` also names the damaged)."""
+    return read_records(directory)[0]
+
+
+def _refers_to(ref: str, rec_id: str) -> bool:
+    """Whether ``ref`` (full id, number or unique prefix) names the record ``rec_id``."""
+    number = rec_id.split("-")[0]
+    return (rec_id.startswith(ref)
+            or (ref.isdigit() and number.isdigit() and int(number) == int(ref)))
 
 
 def find(ref: str, directory: Path | None = None) -> tuple[Path, Record]:
@@ -163,13 +184,16 @@ def find(ref: str, directory: Path | None = None) -> tuple[Path, Record]:
     if ref.endswith(".md") and Path(ref).is_file():
         return Path(ref), load(Path(ref))
     directory = lab_dir(directory)
-    records = list_records(directory)
+    records, damaged = read_records(directory)
     hits = [(p, r) for p, r in records if r.id == ref]
     if not hits and ref.isdigit():
         hits = [(p, r) for p, r in records if int(r.id.split("-")[0]) == int(ref)]
     hits = hits or [(p, r) for p, r in records if r.id.startswith(ref)]
     if len(hits) == 1:
         return hits[0]
+    broken = [e for p, e in damaged if _refers_to(ref, p.stem)]
+    if not hits and broken:  # the record asked for is the damaged one: its own error
+        raise ValueError(broken[0])
     if not hits:
         known = ", ".join(r.id for _, r in records) or "none yet"
         raise FileNotFoundError(f"record {ref!r}: not found in {directory}/ (records: {known}); "
@@ -195,7 +219,9 @@ def new_record(directory: Path, title: str, hypothesis: str, goal: str, criteria
     if min_steps < 0:
         raise ValueError("--min-steps: must be >= 0")
     canonical = tuple(str(parse_criterion(c)) for c in criteria)
-    numbers = [int(r.id.split("-")[0]) for _, r in list_records(directory)]
+    # numbered after every record file, damaged ones too, so no id is given twice
+    numbers = [int(m.group(1)) for p in record_files(directory)
+               if (m := re.match(r"(\d+)", p.name))]
     rec_id = f"{max(numbers, default=0) + 1:04d}-{slugify(title)}"
     rec = Record(id=rec_id, title=title.strip(), hypothesis=hypothesis.strip(), goal=goal.strip(),
                  criteria=canonical, min_steps=min_steps, created=now_utc(), issue=issue,

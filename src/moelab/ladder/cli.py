@@ -150,9 +150,21 @@ def check_guard_options(args) -> None:
 
 
 def cmd_guard(args) -> int:
-    from moelab.ladder.guard import GuardRules, follow, format_alert, guard_run
+    from moelab.ladder.guard import (
+        GuardRules,
+        band_summary,
+        follow,
+        format_alert,
+        guard_run,
+        load_prediction,
+        prediction_path,
+    )
 
     check_guard_options(args)
+    pred_path = prediction_path(args.run, args.prediction)
+    if args.strict and not args.prediction:  # strict promises the bands were compared
+        require(pred_path.exists(), str(pred_path), "not found, and --strict needs the bands; "
+                "make it with `moelab ladder fit LADDER` or pass --prediction FILE")
     rules = GuardRules(loss_tol=args.loss_tol, grad_norm_max=args.grad_norm_max,
                        patience=args.patience, window=args.window)
     if args.follow:
@@ -161,8 +173,11 @@ def cmd_guard(args) -> int:
         new = guard_run(args.run, args.prediction, rules)
     from moelab.ladder.observe import run_records
 
-    alerts = [e for e in run_records(Path(args.run))[1] if e.get("event") == "alert"]
-    print(f"{args.run}: {len(new)} new alert(s), {len(alerts)} in its log")
+    records, events = run_records(Path(args.run))
+    alerts = [e for e in events if e.get("event") == "alert"]
+    pred = load_prediction(pred_path) if pred_path.exists() else None
+    print(f"{args.run}: {len(new)} new alert(s), {len(alerts)} in its log; "
+          f"{band_summary(records, pred, pred_path)}")
     for a in alerts:
         print("  " + format_alert(a))
     return 3 if alerts and args.strict else 0

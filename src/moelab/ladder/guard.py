@@ -155,12 +155,30 @@ def format_alert(a: dict) -> str:
     return f"ALERT step {a['step']}: {a['metric']} = {obs} {band} (rule {a['rule']})"
 
 
+def prediction_path(run_dir: Path | str, prediction: Path | str | None = None) -> Path:
+    return Path(prediction) if prediction else Path(run_dir) / "prediction.json"
+
+
+def band_summary(records: list[dict], prediction: dict | None, path: Path) -> str:
+    """Which bands a check compared, so "0 alerts" is never read as "in band" when no band was
+    checked (no prediction, or none of its metrics logged yet)."""
+    if prediction is None:
+        return (f"no band was checked: {path} not found, so only the prediction-free rules "
+                "(grad_norm_max, nonfinite) ran; make one with `moelab ladder fit LADDER` or "
+                "pass --prediction FILE")
+    names = [m for m in prediction.get("metrics", {}) if len(series(records, m)[0])]
+    if not names:
+        return (f"no band was checked: none of the metrics in {path} "
+                f"({', '.join(prediction.get('metrics', {})) or 'none'}) is logged yet")
+    return f"bands checked: {', '.join(names)} ({path})"
+
+
 def guard_run(run_dir: Path | str, prediction: Path | str | None = None,
               rules: GuardRules = GuardRules(), say=info) -> list[dict]:
     """Check a run once; append new alerts to its metrics.jsonl and print them. Returns the new
     alerts. Without a prediction file only the prediction-free rules apply."""
     run_dir = Path(run_dir)
-    pred_path = Path(prediction) if prediction else run_dir / "prediction.json"
+    pred_path = prediction_path(run_dir, prediction)
     pred = load_prediction(pred_path) if (prediction or pred_path.exists()) else None
     records, events = run_records(run_dir)
     seen = {(e.get("metric"), e.get("rule"), e.get("step")) for e in events

@@ -18,14 +18,14 @@ from pathlib import Path
 from moelab.config import load_run_config, save_config
 from moelab.data.prepare import data_identity
 from moelab.ops.record import LINEAGE
-from moelab.ops.schedule import steps_for_tokens
+from moelab.ops.schedule import check_end, check_seq_len, steps_for_tokens
 from moelab.run.checkpoint import Checkpointer
 from moelab.run.identity import PROVENANCE, check_data, read_provenance
 from moelab.run.lock import LOCK_FILE, run_lock
-from moelab.run.logs import JsonlTracker, command_line, log_operation
+from moelab.run.logs import OPS_LOG, JsonlTracker, command_line, log_operation
 from moelab.train.changes import Change, PlanError, apply_change
 from moelab.train.resume import absolute_data
-from moelab.util import atomic_write_bytes, atomic_write_json
+from moelab.util import atomic_write_bytes, atomic_write_json, check_writable
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -48,13 +48,19 @@ def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: flo
                 mixture: dict | None = None, seq_len: int | None = None):
     """(the parent's config, the branch's config) for a cooldown from ``at``."""
     cfg = absolute_data(load_run_config(parent))  # the branch trains on the parent's data
+    if seq_len is not None:
+        check_seq_len(cfg, seq_len)
+    # checked on the numbers alone, before the checkpoint (tokens per batch stay the same)
+    option = f"--cooldown {cooldown_tokens:,} tokens"
+    check_end(steps_for_tokens(cfg, cfg.data.tokens_before(at) + cooldown_tokens), option)
     steps = Checkpointer(Path(parent) / "checkpoints").steps()
     if at not in steps:
         raise PlanError(f"--at {at}: {parent} has no checkpoint at that step; checkpoints: "
                         f"{', '.join(map(str, steps)) or 'none'}")
     # the cooldown's tokens are counted at the branch's batch shape (its context stage)
     shaped = apply_change(cfg, at, Change(mixture=mixture, seq_len=seq_len), keep_warmup=False)
-    end = steps_for_tokens(shaped, shaped.data.tokens_before(at) + cooldown_tokens)
+    end = check_end(steps_for_tokens(shaped, shaped.data.tokens_before(at) + cooldown_tokens),
+                    option)
     return cfg, apply_change(cfg, at, Change(end=end, floor=floor, mixture=mixture,
                                              seq_len=seq_len), keep_warmup=False)
 
@@ -96,6 +102,16 @@ def branch_dir(parent: Path | str, at: int, out: Path | str | None = None) -> Pa
     return child
 
 
+def check_can_record(parent: Path | str, child: Path) -> None:
+    """Refuse before anything is made when the branch could not be recorded: its folder
+    appears beside ``child``'s name, and the parent's operations log gains a line."""
+    check_writable(child.parent, f"branch folder {child}", "give --out in a folder you can "
+                   "write")
+    log = Path(parent) / OPS_LOG
+    check_writable(log, str(log), "a branch records itself in its parent's operations log: "
+                   "make the parent run writable, or branch from a copy of it", append=True)
+
+
 def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str | None = None,
            floor: float | None = None, mixture: dict | None = None, seq_len: int | None = None,
            place_ranks: int | None = None, reason: str = "", command: str | None = None,
@@ -112,6 +128,7 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     parent_cfg, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor,
                                         mixture=mixture, seq_len=seq_len)
     child = branch_dir(parent, at, out)  # refused before any restoring or routing
+    check_can_record(parent, child)
     placed = None
     if place_ranks:  # the parent's state, restored once (finite, as loading a run checks)
         # the whole train state (the optimizer's moments too): routed, then saved re-placed

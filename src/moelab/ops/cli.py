@@ -12,12 +12,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 from moelab.config import config_from_dict
-from moelab.config.errors import require
+from moelab.config.errors import INT32_MAX, require
 from moelab.config.io import apply_overrides
 from moelab.ops.record import LINEAGE
-from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note
+from moelab.ops.schedule import check_end, check_seq_len, parse_mixture, parse_tokens, rope_note
 from moelab.train.changes import Change, PlanError
 from moelab.train.cli import add_accept_data_change
+from moelab.util import atomic_write_text
 
 WHY = "why (recorded in the run's operations log)"
 
@@ -41,7 +42,8 @@ def check_change_args(args) -> None:
     require(args.seq_len is None or args.seq_len >= 1, f"--seq-len {args.seq_len}",
             "must be >= 1 tokens")
     end_steps, rate = getattr(args, "end_steps", None), getattr(args, "tokens_per_s", None)
-    require(end_steps is None or end_steps >= 1, f"--end-steps {end_steps}", "must be >= 1")
+    require(end_steps is None or 1 <= end_steps <= INT32_MAX, f"--end-steps {end_steps}",
+            f"must be in 1-{INT32_MAX:,} (the compiled step counts steps in int32)")
     require(rate is None or (math.isfinite(rate) and rate > 0), f"--tokens-per-s {rate}",
             "must be a number > 0")
     at = getattr(args, "at", None)
@@ -50,6 +52,22 @@ def check_change_args(args) -> None:
 
 def _mixture(args) -> dict | None:
     return parse_mixture(args.mixture) if args.mixture else None
+
+
+def _end_option(args) -> str:
+    """The option a replan's new end came from, as typed."""
+    if args.end_tokens is not None:
+        return f"--end-tokens {args.end_tokens}"
+    if args.deadline is not None:
+        return f"--deadline {args.deadline}"
+    return f"--end-steps {args.end_steps}"
+
+
+def _describe(pending: dict) -> str:
+    """A pending replan in one phrase: its change and the step it was asked at."""
+    change = ", ".join(f"{k}={v}" for k, v in pending["change"].items()) or "no change"
+    at = pending.get("requested_at_step")
+    return change + (f", requested at step {at:,}" if at is not None else "")
 
 
 def _check_data(cfg) -> str:
@@ -84,15 +102,22 @@ def _replan(args) -> int:
     check_change_args(args)
     run = Path(args.run)
     cfg = load_run_config(run)
+    pending = read_pending(run)  # a damaged request is named before any planning
+    if pending is not None and args.apply and not args.replace:
+        raise PlanError(f"{run / rp.PENDING}: a plan is already pending ({_describe(pending)}); "
+                        "add --replace to replace it with this one, or resume the run first")
+    if args.seq_len is not None:
+        check_seq_len(cfg, args.seq_len)
     now = rp.progress(run)
     seconds = (rp.parse_deadline(args.deadline, dt.datetime.now().astimezone())
                if args.deadline else None)
     end = None
     if args.end_steps is not None or args.end_tokens is not None or seconds is not None:
         tokens = parse_tokens(args.end_tokens, "--end-tokens") if args.end_tokens else None
-        end = rp.end_step(cfg, steps=args.end_steps, tokens=tokens, seconds_left=seconds,
-                          tokens_per_s=args.tokens_per_s or now["tokens_per_s"],
-                          tokens_now=now["tokens"])
+        end = check_end(rp.end_step(cfg, steps=args.end_steps, tokens=tokens,
+                                    seconds_left=seconds,
+                                    tokens_per_s=args.tokens_per_s or now["tokens_per_s"],
+                                    tokens_now=now["tokens"]), _end_option(args))
     change = Change(end=end, floor=args.floor, mixture=_mixture(args), seq_len=args.seq_len)
     if change == Change():
         raise PlanError("nothing to change: give a new end (--end-steps, --end-tokens, "
@@ -111,11 +136,14 @@ def _replan(args) -> int:
         print(rope_note(after))
     print(f"plot: {plot_replan(before, after, at, args.plot or run / 'replan_preview.png')}")
     if not args.apply:
-        print("dry run: nothing changed; add --apply to apply it at the next resume")
+        print("dry run: nothing changed; add --apply to apply it at the next resume"
+              + (f" (a plan is pending: {_describe(pending)}; --apply --replace replaces it)"
+                 if pending is not None else ""))
         return 0
-    if read_pending(run) is not None:
-        print(f"replacing the pending plan {read_pending(run)['change']}")
-    rp.request(run, change, at=now["step"], reason=args.reason, command=shlex.join(args.argv))
+    new = rp.request(run, change, at=now["step"], reason=args.reason,
+                     command=shlex.join(args.argv))
+    if pending is not None:
+        print(f"replaced the pending plan ({_describe(pending)}) with ({_describe(new)})")
     print(f"pending: {run / rp.PENDING}; applied when the run resumes "
           f"(`moelab resume {run}`), from the step it resumes at")
     return 0
@@ -130,8 +158,8 @@ def cmd_branch(args) -> int:
     tokens = parse_tokens(args.cooldown, "--cooldown")
     mixture = _mixture(args)
     br.parent_data(parent, args.accept_data_change)  # refused before any planning
-    if not args.dry_run:
-        br.branch_dir(parent, args.at, args.out)  # refuse a used folder before planning
+    if not args.dry_run:  # a used or unwritable folder is refused before planning
+        br.check_can_record(parent, br.branch_dir(parent, args.at, args.out))
     before, after = br.plan_branch(parent, args.at, tokens, floor=args.floor, mixture=mixture,
                                    seq_len=args.seq_len)
     print(rp.format_preview(rp.preview_rows(before, after, args.at), ("parent", "branch")))
@@ -184,20 +212,21 @@ def cmd_drops(args) -> int:
     from moelab.ops.routing import at_context
     from moelab.run.load import load_run
 
+    drops.check_options(args.seq_len, args.transport, args.ranks, args.tokens_per_rank,
+                        args.batches, args.seed, args.json)
+    bad = [o for o in args.overrides if not o.startswith("parallel.")]
+    require(not bad, "overrides", f"{bad[0] if bad else ''!r}: only parallel.* fields "
+            "change a forecast")
     loaded = load_run(Path(args.run))
     cfg = at_context(loaded.cfg, loaded.step)
     if args.overrides:
-        bad = [o for o in args.overrides if not o.startswith("parallel.")]
-        require(not bad, "overrides", f"{bad[0] if bad else ''!r}: only parallel.* fields "
-                "change a forecast")
         cfg = config_from_dict(apply_overrides(asdict(cfg), args.overrides))
-    E = cfg.model.n_experts
-    ranks = args.ranks or (cfg.parallel.expert if cfg.parallel.expert > 1
-                           else next((r for r in (8, 4, 2) if E % r == 0), 0))
-    require(ranks >= 2 and cfg.model.n_experts % ranks == 0, "--ranks",
-            f"{ranks} must be >= 2 and divide model.n_experts={cfg.model.n_experts}")
+    ranks = args.ranks or drops.default_ranks(cfg)
+    require(cfg.model.n_experts % ranks == 0, f"--ranks {ranks}",
+            f"must divide model.n_experts={cfg.model.n_experts}")
     per_rank = args.tokens_per_rank or drops.run_tokens_per_rank(cfg)
-    pars = drops.transports(cfg, args.transport, ranks)
+    pars = drops.transports(cfg, args.transport, ranks, ranks_given=args.ranks is not None,
+                            overridden=frozenset(o.split("=")[0] for o in args.overrides))
     rows = drops.forecast(cfg, loaded.params, loaded.model_state, args.seq_len, pars, ranks,
                           per_rank, args.batches, args.seed, place=args.place)
     print(f"{args.run}: drop forecast at EP {ranks}, {per_rank:,} tokens per rank, routing of "
@@ -205,10 +234,9 @@ def cmd_drops(args) -> int:
           f"({rows[0][next(iter(pars))]['assignments']:,} assignments per context)")
     print(drops.format_rows(rows, [n for n in rows[0] if n in pars or n.endswith(" placed")]))
     if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps({"run": str(args.run), "ranks": ranks,
-                                   "tokens_per_rank": per_rank, "rows": rows}, indent=1))
-        tmp.replace(args.json)
+        atomic_write_text(args.json, json.dumps({"run": str(args.run), "ranks": ranks,
+                                                 "tokens_per_rank": per_rank, "rows": rows},
+                                                indent=1))
     return 0
 
 
@@ -231,6 +259,8 @@ def register(sub) -> None:
                    "median of the run's last 20 logged values)")
     _change_args(r)
     r.add_argument("--apply", action="store_true", help="write the plan (default: dry run)")
+    r.add_argument("--replace", action="store_true", help="with --apply: replace a plan that "
+                   "is already pending (without it a second --apply is refused)")
     r.add_argument("--plot", help="where to save the LR plot (default: RUN/replan_preview.png)")
     r.set_defaults(fn=cmd_replan)
 

@@ -21,15 +21,65 @@ branches.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
-from moelab.config import ParallelConfig, RunConfig
+from moelab.config import ConfigError, ParallelConfig, RunConfig
 from moelab.config.errors import require
 from moelab.ops.placement import fit_placement, relabel
 from moelab.ops.routing import heldout_spans, route_spans, routed_ids, routing_fn
-from moelab.parallel.transport import get
+from moelab.parallel.transport import TRANSPORTS, get
 from moelab.parallel.transport.simulate import simulate_drops
+from moelab.util import writable
+
+# Per-rank counts a transport checks against the local experts E_l: a run trained without
+# expert parallelism never used them, so a forecast at EP > 1 fits them to E_l (and says so).
+PER_RANK_FIELDS = {"pooled_wave": "waves", "pooled_global": "budget_group"}
+
+
+def check_options(seq_lens: list[int], transport: list[str] | None, ranks: int | None,
+                  tokens_per_rank: int | None, batches: int, seed: int,
+                  json_out: str | None) -> None:
+    """The options of `moelab drops` that need no run, checked before it is loaded; each
+    error names the option as typed."""
+    for L in seq_lens:
+        require(L >= 1, f"--seq-len {L}", "must be >= 1 (a multiple of the run's data.seq_len)")
+    for name in transport or []:
+        require(name in TRANSPORTS, f"--transport {name}",
+                f"unknown; choose from {', '.join(TRANSPORTS)}")
+    require(ranks is None or ranks >= 2, f"--ranks {ranks}", "must be >= 2 (an EP group)")
+    require(tokens_per_rank is None or tokens_per_rank >= 1, f"--tokens-per-rank "
+            f"{tokens_per_rank}", "must be >= 1 (a multiple of every --seq-len)")
+    require(batches >= 1, f"--batches {batches}", "must be >= 1")
+    require(seed >= 0, f"--seed {seed}", "must be >= 0")
+    require(json_out is None or (not Path(json_out).is_dir() and writable(Path(json_out).parent)),
+            f"--json {json_out}", "cannot be written; give a file in a folder you can write")
+
+
+def default_ranks(cfg: RunConfig) -> int:
+    """The EP degree a forecast uses unless --ranks is given: the run's own, or without
+    expert parallelism the largest of 8, 4 and 2 dividing the experts."""
+    E = cfg.model.n_experts
+    if cfg.parallel.expert > 1:
+        return cfg.parallel.expert
+    ranks = next((r for r in (8, 4, 2) if E % r == 0), 0)
+    require(ranks > 0, f"model.n_experts={E}", "none of 8, 4 or 2 divides it: give --ranks")
+    return ranks
+
+
+def fit_per_rank(par: ParallelConfig, n_local: int) -> tuple[ParallelConfig, str | None]:
+    """``par`` with its transport's per-rank count (PER_RANK_FIELDS) lowered to the largest
+    divisor of the ``n_local`` local experts, and a note saying so (None: unchanged)."""
+    field = PER_RANK_FIELDS.get(par.transport)
+    value = getattr(par, field, 0) if field else 0
+    if value < 1 or n_local % value == 0:
+        return par, None
+    fitted = max(d for d in range(1, min(value, n_local) + 1) if n_local % d == 0)
+    return replace(par, **{field: fitted}), (
+        f"{par.transport}: parallel.{field} {value} -> {fitted} for {n_local} local expert(s) "
+        f"per rank (the run trained without expert parallelism; set parallel.{field}=N to "
+        "choose)")
 
 
 def placements(n_spans: int, span: int, L: int, seed: int) -> np.ndarray:
@@ -114,12 +164,23 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
     return rows
 
 
-def transports(cfg: RunConfig, names: list[str] | None, ranks: int) -> dict[str, ParallelConfig]:
-    """The run's parallel config with each named transport, at ``ranks`` ranks; checked."""
+def transports(cfg: RunConfig, names: list[str] | None, ranks: int, *, ranks_given: bool = True,
+               overridden: frozenset[str] = frozenset(), say=print) -> dict[str, ParallelConfig]:
+    """The run's parallel config with each named transport, at ``ranks`` ranks; checked. A run
+    trained without expert parallelism gets per-rank counts that fit (``fit_per_rank``) unless
+    ``overridden`` names them (``parallel.FIELD``)."""
     out = {}
+    n_local = cfg.model.n_experts // ranks
     for name in names or [cfg.parallel.transport]:
         par = replace(cfg.parallel, transport=name, expert=ranks, devices=ranks)
-        get(name).check(par, cfg.model.n_experts // ranks)
+        if cfg.parallel.expert == 1 and f"parallel.{PER_RANK_FIELDS.get(name)}" not in overridden:
+            par, note = fit_per_rank(par, n_local)
+            if note:
+                say(note)
+        try:
+            get(name).check(par, n_local)
+        except ConfigError as e:  # the option typed, when the EP degree was typed
+            raise ConfigError(f"--ranks {ranks}: {e}" if ranks_given else str(e)) from None
         out[name] = par
     return out
 

@@ -12,6 +12,7 @@ import re
 import numpy as np
 
 from moelab.config import RunConfig
+from moelab.config.errors import INT32_MAX, require
 from moelab.train.changes import PlanError
 
 
@@ -24,6 +25,24 @@ def steps_for_tokens(cfg: RunConfig, tokens: int) -> int:
         if nxt is None or g.start + n <= nxt.start:
             return g.start + n
     raise AssertionError("unreachable: the last segment has no end")
+
+
+def check_end(end: int, option: str) -> int:
+    """``end``, a new last step computed from ``option``; the compiled step counts steps in
+    int32, so a later end would fail there with a traceback."""
+    require(end <= INT32_MAX, option, f"ends at step {end:,}, past the last step a run can "
+            f"count ({INT32_MAX:,}); choose a smaller value")
+    return end
+
+
+def check_seq_len(cfg: RunConfig, seq_len: int) -> None:
+    """A new context must split the run's tokens per batch into whole rows (tokens per batch
+    stay the same), named by the option the user typed rather than the stage it becomes."""
+    tokens = cfg.data.seq_len * cfg.data.batch_size
+    fits = [L for L in (cfg.data.seq_len * 2**k for k in (1, 2, 3)) if tokens % L == 0]
+    require(tokens % seq_len == 0, f"--seq-len {seq_len}", f"must divide the run's {tokens:,} "
+            "tokens per batch (data.seq_len x data.batch_size, which stay constant)"
+            + (f", e.g. {', '.join(map(str, fits))}" if fits else ""))
 
 
 _NUMBER = r"\d+(?:\.\d*)?(?:[eE][+-]?\d+)?"

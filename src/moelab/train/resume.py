@@ -22,6 +22,7 @@ from moelab.config import (
     flatten_config,
     load_run_config,
 )
+from moelab.config.errors import INT32_MAX
 from moelab.run.checkpoint import Checkpointer
 from moelab.run.identity import checkpoint_config
 from moelab.run.logs import log_operation
@@ -54,15 +55,47 @@ def resume_step(run_dir: Path | str) -> int | None:
     return Checkpointer(Path(run_dir) / "checkpoints").latest_step()
 
 
+def pending_problem(pending) -> str | None:
+    """What is wrong with a parsed ``plan_pending.json`` (None: a request `moelab replan`
+    writes), so a hand-edited or damaged file is named instead of failing mid-resume."""
+    if not isinstance(pending, dict) or not isinstance(pending.get("change"), dict):
+        return 'expected {"change": {...}, "requested_at_step": N, "reason": "..."}'
+    change = pending["change"]
+    whole = {k: change.get(k) for k in ("end", "seq_len") if change.get(k) is not None}
+    for k, v in whole.items():
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= INT32_MAX:
+            return f"change.{k}: {v!r} is not a step count or length in 1-{INT32_MAX}"
+    floor, mixture = change.get("floor"), change.get("mixture")
+    if floor is not None and (isinstance(floor, bool) or not isinstance(floor, (int, float))):
+        return f"change.floor: {floor!r} is not a number"
+    if mixture is not None and not (isinstance(mixture, dict) and all(
+            isinstance(w, (int, float)) and not isinstance(w, bool) for w in mixture.values())):
+        return f"change.mixture: {mixture!r} is not a mapping of domain to weight"
+    unknown = set(change) - {"end", "floor", "mixture", "seq_len"}
+    if unknown:
+        return f"change: unknown field(s) {sorted(unknown)}"
+    at = pending.get("requested_at_step")
+    if at is not None and (isinstance(at, bool) or not isinstance(at, int)):
+        return f"requested_at_step: {at!r} is not a step"
+    if not isinstance(pending.get("reason", ""), str):
+        return "reason: not text"
+    return None
+
+
 def read_pending(run_dir: Path | str) -> dict | None:
     path = Path(run_dir) / PENDING
     if not path.is_file():
         return None
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        pending = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path}: unreadable ({e}); delete it and run `moelab replan` "
                           "again") from None
+    problem = pending_problem(pending)
+    if problem:
+        raise ConfigError(f"{path}: not a replan request ({problem}); delete it and run "
+                          "`moelab replan --apply` again")
+    return pending
 
 
 def resume_config(saved: RunConfig, cfg: RunConfig, run_dir: Path | str) -> RunConfig:
