@@ -38,7 +38,15 @@ from typing import Iterator
 import jax
 
 from moelab.config import ConfigError
-from moelab.run.checkpoint import MANIFEST_FILE, Checkpointer, CheckpointError, step_name, step_of
+from moelab.run.checkpoint import (
+    MANIFEST_FILE,
+    CheckpointDamaged,
+    Checkpointer,
+    CheckpointError,
+    none_restored,
+    step_name,
+    step_of,
+)
 from moelab.run.lock import LOCK_FILE, RunLocked, holder_record, refusal, run_lock
 from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
 
@@ -73,10 +81,13 @@ def _hidden(rel: str) -> bool:
 
 
 def _manifest_files(manifest: bytes) -> list[str]:
-    """The files a checkpoint manifest lists; CheckpointError when it has no file list."""
-    files = json.loads(manifest)
+    """The files a checkpoint manifest lists; CheckpointDamaged when it has no file list."""
+    try:
+        files = json.loads(manifest)
+    except ValueError as e:
+        raise CheckpointDamaged(f"{MANIFEST_FILE} is not JSON ({e})") from e
     if not isinstance(files, dict) or not isinstance(files.get("files"), dict):
-        raise CheckpointError(f"{MANIFEST_FILE} lists no files (damaged or not a moelab "
+        raise CheckpointDamaged(f"{MANIFEST_FILE} lists no files (damaged or not a moelab "
                               "checkpoint)")
     return list(files["files"])
 
@@ -206,12 +217,14 @@ class Mirror:
             self._synced[rel] = _stamp(self.local / rel)
 
     def _clear_local(self, keep: set[str], step: int | None = None) -> None:
-        """Remove staging files the remote lacks, and every checkpoint but ``step``."""
+        """Remove staging files the remote lacks, and every checkpoint but ``step`` and those
+        another reader of this copy holds a lease on."""
+        leased = Checkpointer(self.local / CKPTS).leased_steps()
         for dirpath, dirs, names in os.walk(self.local):
             rel_dir = Path(dirpath).relative_to(self.local).as_posix()
             if rel_dir == CKPTS:
                 for d in dirs:
-                    if step_of(d) is not None and step_of(d) != step:
+                    if step_of(d) not in (None, step, *leased):
                         shutil.rmtree(Path(dirpath) / d, ignore_errors=True)
                 dirs.clear()
             for n in names:
@@ -221,19 +234,25 @@ class Mirror:
 
     def _fetch_newest(self, manifests: dict[int, bytes]) -> int | None:
         """Download the newest remote checkpoint whose files match its manifest (warning about
-        each damaged one); its step, or None when the remote has none."""
-        failures = []
-        for step in sorted(manifests, reverse=True):
+        each damaged one); its step, or None when the remote has none. One the trainer prunes
+        while it downloads is no failure: the remote is listed again and its newest fetched."""
+        tried: set[int] = set()
+        failures: dict[int, CheckpointError] = {}
+        while todo := sorted(set(manifests) - tried):
+            step = todo[-1]
+            tried.add(step)
             try:
                 self.fetch(step, manifests[step])
                 return step
             except (CheckpointError, OSError, ValueError) as e:
-                failures.append(f"step {step}: {e}")
-                info(f"WARNING: {self.url}: checkpoint {step} is unusable ({e}); trying an older one")
-        if failures:
-            raise CheckpointError(f"all {len(failures)} checkpoints in {self.url} are unusable; "
-                                  "restore them from a copy, or move them away to start this "
-                                  "run over: " + "; ".join(failures))
+                if not self.fs.exists(f"{self._step_r(step)}/{MANIFEST_FILE}"):
+                    manifests = self._remote_checkpoints()[0]  # pruned: list again
+                    continue
+                failures[step] = _fetch_failure(step, e)
+                info(f"WARNING: {self.url}: {failures[step]}"
+                     + ("; trying an older one" if len(todo) > 1 else ""))
+        if tried:
+            raise none_restored(self.url, failures)
         return None
 
     def fetch(self, step: int, manifest: bytes) -> None:
@@ -425,6 +444,14 @@ def _push_kept(mirror: Mirror, what: str, checkpoints: bool = True) -> None:
     except Exception as e:  # noqa: BLE001
         info(f"{mirror.url}: {what} failed ({type(e).__name__}: {e}); it is in {mirror.local}, "
              "and the next run of this command uploads it")
+
+
+def _fetch_failure(step: int, e: BaseException) -> CheckpointError:
+    """A failed download of checkpoint ``step``: damaged (a file missing or unlike its
+    manifest) or not downloaded (a network error, say; nothing known about the checkpoint)."""
+    if isinstance(e, (CheckpointDamaged, FileNotFoundError, ValueError)):
+        return CheckpointDamaged(f"checkpoint {step} is unusable ({e})")
+    return CheckpointError(f"checkpoint {step} could not be downloaded ({type(e).__name__}: {e})")
 
 
 def fetch_run(url: str, step: int | None = None) -> Path:
