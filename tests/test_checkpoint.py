@@ -351,6 +351,24 @@ def test_a_reader_that_loses_the_race_reads_the_newest(tmp_path):
     assert_tree_exact(got, make_state(2))
 
 
+def test_a_failed_read_silences_only_the_closed_loop_reports(tmp_path, monkeypatch):
+    """Orbax's reads still in flight when one fails (a checkpoint removed under its reader)
+    report "Event loop is closed" through sys.unraisablehook, dozens of tracebacks at exit of
+    `moelab export`: after a failed read those are dropped, and every other report passes."""
+    from types import SimpleNamespace
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    ck = Checkpointer(tmp_path)
+    ck.save(1, make_state(1), {})
+    ck.check_folder = lambda path, step: os.rename(path, tmp_path / ".trash-x")
+    with pytest.raises(CheckpointError, match="is gone"):
+        ck.restore(1, fresh_target())
+    sys.unraisablehook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
+    sys.unraisablehook(SimpleNamespace(exc_value=ValueError("a real problem")))
+    assert [str(r.exc_value) for r in seen] == ["a real problem"]
+
+
 def test_a_killed_readers_lease_stops_counting(tmp_path):
     """A lease of a reader killed with kill -9 (its pid gone) or an old one from another host
     no longer keeps a checkpoint, and the next save removes its file."""

@@ -150,6 +150,28 @@ def save_failure(ckpt: "Checkpointer", step: int, e: BaseException) -> str:
             f"from {resume}")
 
 
+def _quiet_closed_loop_reports() -> None:
+    """Drop the "Event loop is closed" reports of a read that lost its checkpoint, from now on.
+
+    Orbax reads a checkpoint as tensorstore futures awaited in an asyncio loop that it closes
+    as soon as one read fails; the other reads finish later, and each one's callback to the
+    closed loop is reported through ``sys.unraisablehook`` as a traceback (dozens of them):
+    after a checkpoint was removed under its reader, say. The failure itself is reported, and
+    the reader goes on to another checkpoint: those reports are noise. Every other one passes.
+    """
+    previous = sys.unraisablehook
+    if getattr(previous, "closed_loop_quiet", False):
+        return
+
+    def hook(report) -> None:
+        if not (isinstance(report.exc_value, RuntimeError)
+                and str(report.exc_value) == "Event loop is closed"):
+            previous(report)
+
+    hook.closed_loop_quiet = True
+    sys.unraisablehook = hook
+
+
 def _lease_of_file(p: Path) -> dict:
     """A lease file whose record is unreadable counts from its modification time."""
     try:
@@ -499,6 +521,7 @@ class Checkpointer:
     def _restore_failure(self, step: int, path: Path, e: Exception) -> CheckpointError:
         """What a failed restore of ``step`` says: gone, damaged, mismatched or unreadable."""
         where = f"checkpoint step {step} at {path}"
+        _quiet_closed_loop_reports()  # orbax's reads may still be finishing
         if not path.is_dir():  # pruned while read (a damaged folder is still there)
             return CheckpointGone(f"{where} is gone (pruned by the trainer while it was read, "
                                   f"or never saved); available: {self.steps()}")
