@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -295,7 +297,7 @@ def test_intact_checkpoints_of_another_config_are_named_not_called_unusable(tmp_
 
 def test_lease_rule_kills_and_age():
     """A lease holds while young and, on its own host, while its reader runs; prune skips it."""
-    from moelab.run.checkpoint import LEASE_SECONDS, lease_live, prunable
+    from moelab.run.ckpt_lease import LEASE_SECONDS, lease_live, prunable
 
     now, alive = 1000.0, {7}.__contains__
     lease = {"pid": 7, "host": "here", "time": now - 1}
@@ -376,13 +378,17 @@ def test_a_killed_readers_lease_stops_counting(tmp_path):
     ck.save(1, make_state(1), {})
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    host = __import__("socket").gethostname()
-    (tmp_path / f".read-step_00000001.{dead.pid}.a").write_text(
-        json.dumps({"pid": dead.pid, "host": host, "time": __import__("time").time()}))
-    (tmp_path / ".read-step_00000001.1.b").write_text(
+    host = socket.gethostname()
+    (tmp_path / f".read-1.{dead.pid}.a").write_text(
+        json.dumps({"pid": dead.pid, "host": host, "time": time.time()}))
+    (tmp_path / ".read-1.1.b").write_text(
         json.dumps({"pid": 1, "host": "elsewhere", "time": 0.0}))
     ck.save(2, make_state(2), {})
     assert ck.steps() == [2] and not list(tmp_path.glob(".read-*"))
+    live = tmp_path / f".read-2.{os.getpid()}.c"  # this process: a reader still reading
+    live.write_text(json.dumps({"pid": os.getpid(), "host": host, "time": time.time()}))
+    ck.save(3, make_state(3), {})
+    assert ck.steps() == [2, 3] and live.exists()
 
 
 CRASH_SCRIPT = """

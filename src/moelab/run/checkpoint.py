@@ -25,25 +25,18 @@ runtime) on a filesystem they all see: every process calls ``save`` and ``restor
 each process's shards, and process 0 alone writes ``meta.json`` and the manifest and commits.
 Readers (an eval job, say) may open the same directory concurrently: only ``save`` modifies it.
 
-A reader holds a lease on the checkpoint it reads: a file ``.read-step_XXXXXXXX.<pid>.<id>``
-holding its pid, host and time, removed when the read ends. Pruning keeps a leased checkpoint
-(a later save prunes it), so ``keep`` is exceeded while someone reads. A lease of a reader killed
-with kill -9 stops counting once its pid is gone (same host) or after ``LEASE_SECONDS``, and
-the next save removes it. A reader that loses the race anyway (the trainer pruned between
-listing leases and the reader writing its own; or no lease, in a folder it may not write)
-sees ``CheckpointGone``, and ``restore_latest`` lists the checkpoints again and reads the
-newest.
+A reader holds a lease on the checkpoint it reads, and pruning skips leased checkpoints
+(``moelab.run.ckpt_lease``); a reader that finds its checkpoint pruned anyway reads the newest.
+Failures are told apart (gone, damaged, another config's: ``moelab.run.ckpt_failures``).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
 import re
 import shutil
-import socket
 import sys
 import threading
 import time
@@ -58,6 +51,15 @@ import jax
 import orbax.checkpoint as ocp
 
 from moelab.parallel.distributed import barrier, broadcast_str
+from moelab.run.ckpt_failures import (
+    CheckpointDamaged,
+    CheckpointGone,
+    none_restored,
+    restore_failure,
+    save_failure,
+    short,
+)
+from moelab.run.ckpt_lease import leased_steps, prunable, reading
 from moelab.run.ckpt_target import (
     CheckpointError,
     CheckpointMismatch,
@@ -68,7 +70,7 @@ from moelab.run.ckpt_target import (
     restore_entries,
     saved_entries,
 )
-from moelab.util import atomic_write_json, info, pid_alive, sha256_file
+from moelab.util import atomic_write_json, info, sha256_file
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointDamaged", "CheckpointGone",
            "CheckpointMismatch", "CheckpointWarning", "save_failure"]
@@ -80,25 +82,11 @@ MANIFEST_FILE = "manifest.json"
 _STEP_RE = re.compile(r"step_(\d+)")
 _TMP_PREFIX = ".tmp-"  # a save in progress / crash leftover
 _TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned or overwritten)
-_LEASE_PREFIX = ".read-"  # a reader's lease on a checkpoint: pruning leaves that one alone
-# A lease older than this no longer holds, whoever wrote it (a reader on another host killed
-# with kill -9, or a reused pid): reading one checkpoint takes far less.
-LEASE_SECONDS = 600.0
-_MAX_ERR_CHARS = 600
 _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
 
 
 class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped in favour of an older one."""
-
-
-class CheckpointDamaged(CheckpointError):
-    """A checkpoint's files fail its manifest check (missing, truncated or changed)."""
-
-
-class CheckpointGone(CheckpointError):
-    """A checkpoint is not there (any more): pruned by its trainer while being read, or never
-    saved. Not damage: a reader lists the checkpoints again."""
 
 
 def step_name(step: int) -> str:
@@ -110,12 +98,6 @@ def step_of(name: str) -> int | None:
     """The step a checkpoint folder's name stands for; None for any other name."""
     m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m and name == step_name(int(m.group(1))) else None
-
-
-def _short(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}"
-    text = " ".join(text.split())  # tensorstore errors span many lines
-    return text if len(text) <= _MAX_ERR_CHARS else text[: _MAX_ERR_CHARS - 3] + "..."
 
 
 @contextmanager
@@ -131,106 +113,12 @@ def _orbax_errors_quiet():
         log.setLevel(level)
 
 
-def _disk_full(e: BaseException | None) -> bool:
-    """Whether ENOSPC caused ``e`` (orbax reports it as a ValueError with the OS error text)."""
-    while e is not None:
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def save_failure(ckpt: "Checkpointer", step: int, e: BaseException) -> str:
-    """One line for a failed save: the step, the cause, and where a resume starts."""
-    cause = "no space left on the device" if _disk_full(e) else _short(e)
-    last = ckpt.latest_step()
-    resume = f"step {last}" if last is not None else "the start"
-    return (f"checkpoint of step {step} not saved in {ckpt.dir} ({cause}); nothing of it was "
-            f"left. Free space or fix the cause, then run the same command again: it resumes "
-            f"from {resume}")
-
-
-def _quiet_closed_loop_reports() -> None:
-    """Drop the "Event loop is closed" reports of a read that lost its checkpoint, from now on.
-
-    Orbax reads a checkpoint as tensorstore futures awaited in an asyncio loop that it closes
-    as soon as one read fails; the other reads finish later, and each one's callback to the
-    closed loop is reported through ``sys.unraisablehook`` as a traceback (dozens of them):
-    after a checkpoint was removed under its reader, say. The failure itself is reported, and
-    the reader goes on to another checkpoint: those reports are noise. Every other one passes.
-    """
-    previous = sys.unraisablehook
-    if getattr(previous, "closed_loop_quiet", False):
-        return
-
-    def hook(report) -> None:
-        if not (isinstance(report.exc_value, RuntimeError)
-                and str(report.exc_value) == "Event loop is closed"):
-            previous(report)
-
-    hook.closed_loop_quiet = True
-    sys.unraisablehook = hook
-
-
-def _lease_of_file(p: Path) -> dict:
-    """A lease file whose record is unreadable counts from its modification time."""
-    try:
-        return {"pid": 0, "host": None, "time": p.stat().st_mtime}
-    except OSError:
-        return {}
-
-
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def lease_live(record: dict, now: float, host: str, alive: Callable[[int], bool]) -> bool:
-    """Whether a reader's lease (``{"pid", "host", "time"}``) still holds: younger than
-    LEASE_SECONDS, and, when written on this host, its process still running -- a reader killed
-    with kill -9 leaves its lease file behind, and it must not keep a checkpoint forever."""
-    try:
-        age = now - float(record["time"])
-        pid = int(record["pid"])
-    except (KeyError, TypeError, ValueError):
-        return False
-    if not 0 <= age <= LEASE_SECONDS:  # a clock far in the future counts as stale too
-        return False
-    return record.get("host") != host or alive(pid)
-
-
-def prunable(steps: list[int], keep: int, leased: set[int]) -> list[int]:
-    """The checkpoints a save removes: all but the newest ``keep``, except those a reader holds
-    a lease on (they go with a later save, once the reader is done)."""
-    return [s for s in sorted(steps)[:-keep] if s not in leased]
-
-
-def none_restored(where: str, failures: dict[int, CheckpointError]) -> CheckpointError:
-    """The error when no checkpoint of ``where`` could be restored. "Damaged" (and restoring
-    from a copy) only when every one failed its manifest check; intact checkpoints that do not
-    fit the state come from another config, and the advice is to restore that config, never to
-    set the checkpoints aside."""
-    steps = sorted(failures)
-    details = "; ".join(str(failures[s]) for s in reversed(steps))
-    if not steps:
-        return CheckpointError(f"the checkpoints in {where} were all removed while being read "
-                               "(is another process deleting them?); run this again")
-    if all(isinstance(e, CheckpointDamaged) for e in failures.values()):
-        return CheckpointError(
-            f"all {len(steps)} checkpoints in {where} are damaged (steps {steps} fail their "
-            "manifest check); restore them from a copy, or train from scratch in a new "
-            f"--run-dir: {details}")
-    fits = [s for s in steps if isinstance(failures[s], CheckpointMismatch)]
-    if fits:  # the newest one's differences stand for all
-        return CheckpointError(
-            f"the checkpoints in {where} (steps {fits}) are intact, but were saved by a "
-            "different config than this one: restore the run's config.yaml to the config they "
-            "were saved with (each checkpoint's meta.json holds it), or train this config in a "
-            f"new --run-dir. {failures[fits[-1]]}")
-    return CheckpointError(f"no checkpoint in {where} could be read (steps {steps}): {details}")
 
 
 class Checkpointer:
@@ -440,8 +328,8 @@ class Checkpointer:
                     p.unlink(missing_ok=True)
 
     def _prune(self) -> None:
-        for s in prunable(self.steps(), self.keep, self.leased_steps(remove_stale=True)):
-            if s in self.leased_steps():  # listed again just before the rename: the window in
+        for s in prunable(self.steps(), self.keep, leased_steps(self.dir, remove_stale=True)):
+            if s in leased_steps(self.dir):  # listed again just before the rename: the window in
                 continue  # which a new reader can lose its lease race stays microseconds long
             path = self.step_dir(s)
             trash = self.dir / f"{_TRASH_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}"
@@ -452,47 +340,6 @@ class Checkpointer:
                 continue
             shutil.rmtree(trash, ignore_errors=True)
 
-    # ------------------------------------------------------------------ read leases
-
-    def leased_steps(self, *, remove_stale: bool = False) -> set[int]:
-        """Steps a reader holds a live lease on (``lease_live``); ``remove_stale`` deletes the
-        lease files that no longer hold (the writer's cleanup of killed readers)."""
-        if not self.dir.is_dir():
-            return set()
-        now, host, out = time.time(), socket.gethostname(), set()
-        for p in self.dir.iterdir():
-            if not p.name.startswith(_LEASE_PREFIX):
-                continue
-            step = step_of(p.name[len(_LEASE_PREFIX):].split(".", 1)[0])
-            try:
-                record = json.loads(p.read_text())
-            except (OSError, ValueError):  # being written, or gone: by its age alone
-                record = _lease_of_file(p)
-            if step is not None and lease_live(record, now, host, pid_alive):
-                out.add(step)
-            elif remove_stale:
-                p.unlink(missing_ok=True)
-        return out
-
-    @contextmanager
-    def reading(self, step: int):
-        """Hold a read lease on ``step`` while the block runs, so that the trainer's pruning
-        keeps it. Best effort: a folder the reader may not write is read without one (a lost
-        race then shows as CheckpointGone, and restore_latest reads the newest again)."""
-        path = self.dir / f"{_LEASE_PREFIX}{step_name(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
-        except OSError:
-            path = None
-        try:
-            yield
-        finally:
-            if path is not None:
-                path.unlink(missing_ok=True)
-
     # ------------------------------------------------------------------ restore
 
     def restore(self, step: int, target: Any, *, partial: bool = False) -> tuple[Any, dict]:
@@ -502,36 +349,19 @@ class Checkpointer:
         (``jax.eval_shape``); jax.Array / ShapeDtypeStruct leaves come back as jax.Arrays with the
         target's sharding (the default device when an abstract leaf has none), numpy leaves as
         numpy arrays. ``partial``: ``target`` is a dict of some of the saved state's top-level
-        entries, and only those are read. A read lease keeps the checkpoint from being pruned
-        meanwhile. Raises CheckpointGone if the checkpoint is not there (pruned: never while
-        leased, but a reader may lose the race for the lease), CheckpointDamaged if its files
-        fail the manifest check, CheckpointMismatch if they are intact but do not fit
-        ``target``, and CheckpointError if orbax cannot read them.
+        entries, and only those are read. A read lease keeps it from being pruned meanwhile.
+        Raises CheckpointGone (not there: never saved, or pruned by a lost lease race),
+        CheckpointDamaged, CheckpointMismatch (intact, but not ``target``'s) or CheckpointError.
         """
         step = int(step)
         path = self.step_dir(step)
-        with self.reading(step):
+        with reading(self.dir, step):
             try:
                 if not path.is_dir():  # checked under the lease: a prune now skips it
                     raise CheckpointGone("not there")
                 return self._restore(step, path, target, partial)
             except Exception as e:
-                raise self._restore_failure(step, path, e) from e
-
-    def _restore_failure(self, step: int, path: Path, e: Exception) -> CheckpointError:
-        """What a failed restore of ``step`` says: gone, damaged, mismatched or unreadable."""
-        where = f"checkpoint step {step} at {path}"
-        _quiet_closed_loop_reports()  # orbax's reads may still be finishing
-        if not path.is_dir():  # pruned while read (a damaged folder is still there)
-            return CheckpointGone(f"{where} is gone (pruned by the trainer while it was read, "
-                                  f"or never saved); available: {self.steps()}")
-        if isinstance(e, CheckpointDamaged):
-            return CheckpointDamaged(f"{where} is unusable: {_short(e)}")
-        if isinstance(e, CheckpointMismatch):
-            return CheckpointMismatch(f"{where} is intact but was saved by a different config: "
-                                      f"{_short(e).removeprefix('CheckpointMismatch: ')}")
-        return CheckpointError(f"{where} matches its manifest, but orbax could not read it (the "
-                               f"version that wrote it is in {MANIFEST_FILE}): {_short(e)}")
+                raise restore_failure(step, path, e, self.steps()) from e
 
     def restore_latest(self, target: Any, *, partial: bool = False) -> tuple[int, Any, dict] | None:
         """Restore the newest usable checkpoint as ``(step, state, meta)``; None if there is none.
@@ -552,13 +382,13 @@ class Checkpointer:
                 state, meta = self.restore(step, target, partial=partial)
             except CheckpointGone:
                 if len(tried) - len(failures) >= _MAX_GONE:  # readers without a lease only
-                    raise CheckpointError(f"{self.dir}: {_MAX_GONE} checkpoints in a row were "
-                                          "pruned while being read; lower the trainer's "
-                                          "checkpoint rate or raise train.keep_ckpts") from None
+                    raise CheckpointError(f"{self.dir}: {_MAX_GONE} checkpoints were pruned "
+                                          "while being read; lower the trainer's checkpoint "
+                                          "rate or raise train.keep_ckpts") from None
                 continue  # pruned under us: list again (a newer one has been committed)
             except Exception as e:  # noqa: BLE001 -- any failure means "try an older one"
                 err = e if isinstance(e, CheckpointError) else CheckpointError(
-                    f"step {step}: {_short(e)}")
+                    f"step {step}: {short(e)}")
                 failures[step] = err
                 msg = str(err) + ("; trying an older checkpoint" if len(steps) > 1 else "")
                 warnings.warn(msg, CheckpointWarning, stacklevel=2)
@@ -573,22 +403,16 @@ class Checkpointer:
         """Raise CheckpointDamaged unless ``path`` holds a complete checkpoint of ``step`` whose
         files match its manifest (sizes; sha256 sums too when verifying)."""
         try:
-            self._check_folder(path, step)
-        except CheckpointDamaged:
-            raise
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, CheckpointError) as e:
-            raise CheckpointDamaged(_short(e)) from e
-
-    def _check_folder(self, path: Path, step: int) -> None:
-        manifest_path = path / MANIFEST_FILE
-        if not manifest_path.is_file():
-            raise FileNotFoundError(f"no {MANIFEST_FILE} (deleted or damaged)")
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != FORMAT or manifest.get("step") != step:
-            raise CheckpointError(
-                f"bad manifest (format={manifest.get('format')!r}, step={manifest.get('step')!r})"
-            )
-        self._check_files(path, manifest["files"])
+            manifest = json.loads((path / MANIFEST_FILE).read_text())
+            if manifest.get("format") != FORMAT or manifest.get("step") != step:
+                raise CheckpointDamaged(f"bad manifest (format={manifest.get('format')!r}, "
+                                        f"step={manifest.get('step')!r})")
+            self._check_files(path, manifest["files"])
+        except FileNotFoundError as e:
+            name = Path(e.filename).name if e.filename else MANIFEST_FILE
+            raise CheckpointDamaged(f"no {name} (deleted or damaged)") from e
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointDamaged(short(e)) from e
 
     def _restore(self, step: int, path: Path, target: Any, partial: bool) -> tuple[Any, dict]:
         self.check_folder(path, step)  # every file, the entries not read too
@@ -611,13 +435,13 @@ class Checkpointer:
         for rel, want in files.items():
             p = path / rel
             if not p.is_file():
-                raise CheckpointError(f"missing file {rel}")
+                raise CheckpointDamaged(f"missing file {rel}")
             size = p.stat().st_size
             if size != want["size"]:
-                raise CheckpointError(f"file {rel} has {size} bytes, manifest says {want['size']}")
+                raise CheckpointDamaged(f"file {rel} has {size} bytes, manifest says {want['size']}")
         if self.verify:
             with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
                 sums = dict(zip(files, pool.map(lambda rel: sha256_file(path / rel), files)))
             bad = [rel for rel, want in files.items() if sums[rel] != want["sha256"]]
             if bad:
-                raise CheckpointError(f"checksum mismatch (corrupted file) in {', '.join(bad)}")
+                raise CheckpointDamaged(f"checksum mismatch (corrupted file) in {', '.join(bad)}")

@@ -38,15 +38,9 @@ from typing import Iterator
 import jax
 
 from moelab.config import ConfigError
-from moelab.run.checkpoint import (
-    MANIFEST_FILE,
-    CheckpointDamaged,
-    Checkpointer,
-    CheckpointError,
-    none_restored,
-    step_name,
-    step_of,
-)
+from moelab.run.checkpoint import MANIFEST_FILE, Checkpointer, CheckpointError, step_name, step_of
+from moelab.run.ckpt_failures import download_failure, manifest_files, none_restored
+from moelab.run.ckpt_lease import leased_steps
 from moelab.run.lock import LOCK_FILE, RunLocked, holder_record, refusal, run_lock
 from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
 
@@ -78,18 +72,6 @@ def _stamp(p: Path) -> tuple[int, int]:
 def _hidden(rel: str) -> bool:
     """Locks, temporary files and saves in progress: never mirrored."""
     return any(part.startswith(".") for part in rel.split("/"))
-
-
-def _manifest_files(manifest: bytes) -> list[str]:
-    """The files a checkpoint manifest lists; CheckpointDamaged when it has no file list."""
-    try:
-        files = json.loads(manifest)
-    except ValueError as e:
-        raise CheckpointDamaged(f"{MANIFEST_FILE} is not JSON ({e})") from e
-    if not isinstance(files, dict) or not isinstance(files.get("files"), dict):
-        raise CheckpointDamaged(f"{MANIFEST_FILE} lists no files (damaged or not a moelab "
-                              "checkpoint)")
-    return list(files["files"])
 
 
 class Mirror:
@@ -219,7 +201,7 @@ class Mirror:
     def _clear_local(self, keep: set[str], step: int | None = None) -> None:
         """Remove staging files the remote lacks, and every checkpoint but ``step`` and those
         another reader of this copy holds a lease on."""
-        leased = Checkpointer(self.local / CKPTS).leased_steps()
+        leased = leased_steps(self.local / CKPTS)
         for dirpath, dirs, names in os.walk(self.local):
             rel_dir = Path(dirpath).relative_to(self.local).as_posix()
             if rel_dir == CKPTS:
@@ -248,7 +230,7 @@ class Mirror:
                 if not self.fs.exists(f"{self._step_r(step)}/{MANIFEST_FILE}"):
                     manifests = self._remote_checkpoints()[0]  # pruned: list again
                     continue
-                failures[step] = _fetch_failure(step, e)
+                failures[step] = download_failure(step, e)
                 info(f"WARNING: {self.url}: {failures[step]}"
                      + ("; trying an older one" if len(todo) > 1 else ""))
         if tried:
@@ -264,7 +246,7 @@ class Mirror:
             return
         tmp = ckpt.dir / f".tmp-{final.name}.{_token()}"
         try:
-            rels = _manifest_files(manifest)
+            rels = manifest_files(manifest)
             self.fs.get([f"{self._step_r(step)}/{r}" for r in rels], [str(tmp / r) for r in rels])
             atomic_write_bytes(tmp / MANIFEST_FILE, manifest)
             ckpt.check_folder(tmp, step)
@@ -312,7 +294,7 @@ class Mirror:
         manifest = (src / MANIFEST_FILE).read_bytes()
         if self._manifests.get(step) == manifest:
             return
-        rels = [*_manifest_files(manifest), MANIFEST_FILE]  # the manifest last
+        rels = [*manifest_files(manifest), MANIFEST_FILE]  # the manifest last
         final = self._step_r(step)
         tmp = self._r(f"{CKPTS}/.tmp-{src.name}.{_token()}")
         try:
@@ -444,14 +426,6 @@ def _push_kept(mirror: Mirror, what: str, checkpoints: bool = True) -> None:
     except Exception as e:  # noqa: BLE001
         info(f"{mirror.url}: {what} failed ({type(e).__name__}: {e}); it is in {mirror.local}, "
              "and the next run of this command uploads it")
-
-
-def _fetch_failure(step: int, e: BaseException) -> CheckpointError:
-    """A failed download of checkpoint ``step``: damaged (a file missing or unlike its
-    manifest) or not downloaded (a network error, say; nothing known about the checkpoint)."""
-    if isinstance(e, (CheckpointDamaged, FileNotFoundError, ValueError)):
-        return CheckpointDamaged(f"checkpoint {step} is unusable ({e})")
-    return CheckpointError(f"checkpoint {step} could not be downloaded ({type(e).__name__}: {e})")
 
 
 def fetch_run(url: str, step: int | None = None) -> Path:
