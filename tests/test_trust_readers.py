@@ -38,15 +38,20 @@ def start_trainer(run: Path, config: Path, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "moelab.cli", "train", str(config), "--run-dir", str(run)]
     proc = subprocess.Popen(cmd, env=subprocess_env(), stdout=log, stderr=log)
     deadline = time.time() + 240
-    while max(committed(run), default=0) < 2:
-        assert proc.poll() is None, "the trainer ended before its second checkpoint"
-        assert time.time() < deadline, "no second checkpoint within 240 s"
-        time.sleep(0.05)
+    try:
+        while max(committed(run), default=0) < 2:
+            assert proc.poll() is None, "the trainer ended before its second checkpoint"
+            assert time.time() < deadline, "no second checkpoint within 240 s"
+            time.sleep(0.05)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
     return proc
 
 
 def test_generate_and_export_on_a_live_run_keeping_one_checkpoint_all_succeed(
-        data_dir, tmp_path, capfd):  # noqa: F811
+        data_dir, tmp_path, capfd):
     run = tmp_path / "run"
     config = write_config_yaml(tmp_path / "live.yaml", micro_dict(data_dir, train=LIVE))
     with open(tmp_path / "trainer.log", "w") as log:
