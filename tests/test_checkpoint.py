@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -176,7 +178,7 @@ def test_partial_restore_reads_only_the_named_entries(tmp_path):
         ck.restore(7, wrong, partial=True)
     with pytest.raises(CheckpointError, match="not in checkpoint: \\['model_state"):
         ck.restore(7, {**target, "model_state": jax.ShapeDtypeStruct((2,), jnp.float32)}, partial=True)
-    with pytest.raises(CheckpointError, match="in checkpoint but not in target"):
+    with pytest.raises(CheckpointError, match="in checkpoint but not in this config.s state"):
         ck.restore(7, target)  # without partial, a target must be the whole state
 
 
@@ -264,6 +266,129 @@ def test_all_damaged_raises(tmp_path):
     with pytest.warns(CheckpointWarning), pytest.raises(RuntimeError, match=r"all 2 checkpoints") as exc:
         ck.restore_latest(fresh_target())
     assert "step 3" in str(exc.value) and "step 4" in str(exc.value)
+
+
+def test_intact_checkpoints_of_another_config_are_named_not_called_unusable(tmp_path):
+    """Files that pass their manifest but do not fit the state come from another config: the
+    error says so, names the array and both shapes, and advises restoring the config -- never
+    setting intact checkpoints aside. "Damaged" only when every one fails its manifest."""
+    ck = Checkpointer(tmp_path)
+    for s in (3, 4):
+        ck.save(s, make_state(s, d=16), {})
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError) as exc:
+        ck.restore_latest(fresh_target())
+    msg = str(exc.value)
+    assert "intact" in msg and "different config" in msg and "config.yaml" in msg, msg
+    assert "params/embed: checkpoint has (64, 16) float32, this config's state has (64, 32)" in msg
+    assert "unusable" not in msg and "move them away" not in msg and "damaged" not in msg
+
+    damage(tmp_path / "step_00000003", "truncate")  # one damaged, one intact: still intact advice
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError, match="intact") as exc:
+        ck.restore_latest(fresh_target())
+    assert "move them away" not in str(exc.value)
+
+    damage(tmp_path / "step_00000004", "flip")  # every one damaged: a copy, or a new folder
+    with pytest.warns(CheckpointWarning), pytest.raises(CheckpointError) as exc:
+        ck.restore_latest(fresh_target())
+    msg = str(exc.value)
+    assert "all 2 checkpoints" in msg and "damaged" in msg and "restore them from a copy" in msg
+    assert "move them away" not in msg and "new --run-dir" in msg
+
+
+def test_lease_rule_kills_and_age():
+    """A lease holds while young and, on its own host, while its reader runs; prune skips it."""
+    from moelab.run.ckpt_lease import LEASE_SECONDS, lease_live, prunable
+
+    now, alive = 1000.0, {7}.__contains__
+    lease = {"pid": 7, "host": "here", "time": now - 1}
+    assert lease_live(lease, now, "here", alive)
+    assert not lease_live({**lease, "pid": 8}, now, "here", alive)  # killed with kill -9
+    assert lease_live({**lease, "pid": 8}, now, "there", alive)  # another host: by age alone
+    assert not lease_live({**lease, "time": now - LEASE_SECONDS - 1}, now, "there", alive)
+    assert not lease_live({**lease, "time": now + LEASE_SECONDS + 1}, now, "here", alive)
+    assert not lease_live({"pid": "x"}, now, "here", alive)  # unreadable: no lease
+    assert prunable([1, 2, 3, 4], 1, set()) == [1, 2, 3]
+    assert prunable([1, 2, 3, 4], 1, {2, 4}) == [1, 3]
+    assert prunable([1, 2], 3, {1}) == []
+
+
+def test_a_checkpoint_being_read_is_not_pruned_under_its_reader(tmp_path):
+    """keep=1: the trainer saves (and prunes) while a reader reads the only checkpoint. The read
+    succeeds, and the next save prunes what the reader held."""
+    trainer, reader = Checkpointer(tmp_path, keep=1), Checkpointer(tmp_path, keep=1)
+    trainer.save(1, make_state(1), {"step": 1})
+    check = reader.check_folder
+
+    def save_meanwhile(path, step):
+        trainer.save(2, make_state(2), {"step": 2})  # the trainer's next checkpoint
+        check(path, step)
+
+    reader.check_folder = save_meanwhile
+    step, got, meta = reader.restore_latest(fresh_target())
+    assert step == 1 and meta == {"step": 1}
+    assert_tree_exact(got, make_state(1))
+    assert trainer.steps() == [1, 2]  # kept over keep=1 while read
+    assert not list(tmp_path.glob(".read-*"))  # the lease ended with the read
+    trainer.save(3, make_state(3), {"step": 3})
+    assert trainer.steps() == [3]
+
+
+def test_a_reader_that_loses_the_race_reads_the_newest(tmp_path):
+    """The checkpoint vanishes under a reader anyway (pruned before its lease was seen): that
+    is no damage, and the reader lists again and reads the newest."""
+    trainer, reader = Checkpointer(tmp_path, keep=1), Checkpointer(tmp_path, keep=1)
+    trainer.save(1, make_state(1), {"step": 1})
+    check, calls = reader.check_folder, []
+
+    def pruned_meanwhile(path, step):
+        calls.append(step)
+        if step == 1:
+            os.rename(path, tmp_path / ".trash-step_00000001.x")  # as _prune does
+            trainer.save(2, make_state(2), {"step": 2})
+        check(path, step)
+
+    reader.check_folder = pruned_meanwhile
+    step, got, meta = reader.restore_latest(fresh_target())
+    assert (step, meta, calls) == (2, {"step": 2}, [1, 2])
+    assert_tree_exact(got, make_state(2))
+
+
+def test_a_failed_read_silences_only_the_closed_loop_reports(tmp_path, monkeypatch):
+    """Orbax's reads still in flight when one fails (a checkpoint removed under its reader)
+    report "Event loop is closed" through sys.unraisablehook, dozens of tracebacks at exit of
+    `moelab export`: after a failed read those are dropped, and every other report passes."""
+    from types import SimpleNamespace
+
+    seen = []
+    monkeypatch.setattr(sys, "unraisablehook", seen.append)
+    ck = Checkpointer(tmp_path)
+    ck.save(1, make_state(1), {})
+    ck.check_folder = lambda path, step: os.rename(path, tmp_path / ".trash-x")
+    with pytest.raises(CheckpointError, match="is gone"):
+        ck.restore(1, fresh_target())
+    sys.unraisablehook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
+    sys.unraisablehook(SimpleNamespace(exc_value=ValueError("a real problem")))
+    assert [str(r.exc_value) for r in seen] == ["a real problem"]
+
+
+def test_a_killed_readers_lease_stops_counting(tmp_path):
+    """A lease of a reader killed with kill -9 (its pid gone) or an old one from another host
+    no longer keeps a checkpoint, and the next save removes its file."""
+    ck = Checkpointer(tmp_path, keep=1)
+    ck.save(1, make_state(1), {})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    (tmp_path / f".read-1.{dead.pid}.a").write_text(
+        json.dumps({"pid": dead.pid, "host": host, "time": time.time()}))
+    (tmp_path / ".read-1.1.b").write_text(
+        json.dumps({"pid": 1, "host": "elsewhere", "time": 0.0}))
+    ck.save(2, make_state(2), {})
+    assert ck.steps() == [2] and not list(tmp_path.glob(".read-*"))
+    live = tmp_path / f".read-2.{os.getpid()}.c"  # this process: a reader still reading
+    live.write_text(json.dumps({"pid": os.getpid(), "host": host, "time": time.time()}))
+    ck.save(3, make_state(3), {})
+    assert ck.steps() == [2, 3] and live.exists()
 
 
 CRASH_SCRIPT = """

@@ -24,11 +24,14 @@ directories as crash leftovers). A job may be several JAX processes (the multi-c
 runtime) on a filesystem they all see: every process calls ``save`` and ``restore``; orbax writes
 each process's shards, and process 0 alone writes ``meta.json`` and the manifest and commits.
 Readers (an eval job, say) may open the same directory concurrently: only ``save`` modifies it.
+
+A reader holds a lease on the checkpoint it reads, and pruning skips leased checkpoints
+(``moelab.run.ckpt_lease``); a reader that finds its checkpoint pruned anyway reads the newest.
+Failures are told apart (gone, damaged, another config's: ``moelab.run.ckpt_failures``).
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -48,8 +51,18 @@ import jax
 import orbax.checkpoint as ocp
 
 from moelab.parallel.distributed import barrier, broadcast_str
+from moelab.run.ckpt_failures import (
+    CheckpointDamaged,
+    CheckpointGone,
+    none_restored,
+    restore_failure,
+    save_failure,
+    short,
+)
+from moelab.run.ckpt_lease import leased_steps, prunable, reading
 from moelab.run.ckpt_target import (
     CheckpointError,
+    CheckpointMismatch,
     abstract_leaf,
     check_against_target,
     check_restored,
@@ -59,7 +72,8 @@ from moelab.run.ckpt_target import (
 )
 from moelab.util import atomic_write_json, info, sha256_file
 
-__all__ = ["Checkpointer", "CheckpointError", "CheckpointWarning", "save_failure"]
+__all__ = ["Checkpointer", "CheckpointError", "CheckpointDamaged", "CheckpointGone",
+           "CheckpointMismatch", "CheckpointWarning", "save_failure"]
 
 FORMAT = "moelab-checkpoint/1"
 STATE_DIR = "state"
@@ -68,7 +82,7 @@ MANIFEST_FILE = "manifest.json"
 _STEP_RE = re.compile(r"step_(\d+)")
 _TMP_PREFIX = ".tmp-"  # a save in progress / crash leftover
 _TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned or overwritten)
-_MAX_ERR_CHARS = 600
+_MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
 
 
 class CheckpointWarning(UserWarning):
@@ -86,12 +100,6 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m and name == step_name(int(m.group(1))) else None
 
 
-def _short(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}"
-    text = " ".join(text.split())  # tensorstore errors span many lines
-    return text if len(text) <= _MAX_ERR_CHARS else text[: _MAX_ERR_CHARS - 3] + "..."
-
-
 @contextmanager
 def _orbax_errors_quiet():
     """Orbax logs each failed array write with a traceback from its worker threads (dozens on a
@@ -103,25 +111,6 @@ def _orbax_errors_quiet():
         yield
     finally:
         log.setLevel(level)
-
-
-def _disk_full(e: BaseException | None) -> bool:
-    """Whether ENOSPC caused ``e`` (orbax reports it as a ValueError with the OS error text)."""
-    while e is not None:
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def save_failure(ckpt: "Checkpointer", step: int, e: BaseException) -> str:
-    """One line for a failed save: the step, the cause, and where a resume starts."""
-    cause = "no space left on the device" if _disk_full(e) else _short(e)
-    last = ckpt.latest_step()
-    resume = f"step {last}" if last is not None else "the start"
-    return (f"checkpoint of step {step} not saved in {ckpt.dir} ({cause}); nothing of it was "
-            f"left. Free space or fix the cause, then run the same command again: it resumes "
-            f"from {resume}")
 
 
 def _fsync_path(path: Path) -> None:
@@ -339,7 +328,9 @@ class Checkpointer:
                     p.unlink(missing_ok=True)
 
     def _prune(self) -> None:
-        for s in self.steps()[: -self.keep]:
+        for s in prunable(self.steps(), self.keep, leased_steps(self.dir, remove_stale=True)):
+            if s in leased_steps(self.dir):  # listed again just before the rename: the window in
+                continue  # which a new reader can lose its lease race stays microseconds long
             path = self.step_dir(s)
             trash = self.dir / f"{_TRASH_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}"
             try:
@@ -358,55 +349,70 @@ class Checkpointer:
         (``jax.eval_shape``); jax.Array / ShapeDtypeStruct leaves come back as jax.Arrays with the
         target's sharding (the default device when an abstract leaf has none), numpy leaves as
         numpy arrays. ``partial``: ``target`` is a dict of some of the saved state's top-level
-        entries, and only those are read. Raises CheckpointError if the checkpoint is missing,
-        damaged or does not match ``target``.
+        entries, and only those are read. A read lease keeps it from being pruned meanwhile.
+        Raises CheckpointGone (not there: never saved, or pruned by a lost lease race),
+        CheckpointDamaged, CheckpointMismatch (intact, but not ``target``'s) or CheckpointError.
         """
         step = int(step)
         path = self.step_dir(step)
-        try:
-            return self._restore(step, path, target, partial)
-        except Exception as e:
-            raise CheckpointError(f"checkpoint step {step} at {path} is unusable: {_short(e)}") from e
+        with reading(self.dir, step):
+            try:
+                if not path.is_dir():  # checked under the lease: a prune now skips it
+                    raise CheckpointGone("not there")
+                return self._restore(step, path, target, partial)
+            except Exception as e:
+                raise restore_failure(step, path, e, self.steps()) from e
 
     def restore_latest(self, target: Any, *, partial: bool = False) -> tuple[int, Any, dict] | None:
         """Restore the newest usable checkpoint as ``(step, state, meta)``; None if there is none.
 
-        A damaged checkpoint is reported (warning + stderr) and the next older one is tried; so
-        is a step folder without its manifest (a commit renames a whole folder, so one without
-        a manifest was damaged after it). If every checkpoint is damaged, raises
-        CheckpointError (a RuntimeError) listing them all.
+        A checkpoint that fails is reported (warning + stderr) and the next older one is tried;
+        so is a step folder without its manifest (a commit renames a whole folder, so one
+        without a manifest was damaged after it). One pruned while being read (a reader that
+        lost the race for its lease) is no failure: the checkpoints are listed again and the
+        newest is read. If none can be restored, raises CheckpointError (a RuntimeError) whose
+        advice depends on why (``none_restored``).
         """
-        steps = sorted(self._step_folders())
-        if not steps:
-            return None
-        failures: list[str] = []
-        for step in reversed(steps):
+        tried: set[int] = set()
+        failures: dict[int, CheckpointError] = {}
+        while steps := sorted(set(self._step_folders()) - tried):
+            step = steps[-1]
+            tried.add(step)
             try:
                 state, meta = self.restore(step, target, partial=partial)
+            except CheckpointGone:
+                if len(tried) - len(failures) >= _MAX_GONE:  # readers without a lease only
+                    raise CheckpointError(f"{self.dir}: {_MAX_GONE} checkpoints were pruned "
+                                          "while being read; lower the trainer's checkpoint "
+                                          "rate or raise train.keep_ckpts") from None
+                continue  # pruned under us: list again (a newer one has been committed)
             except Exception as e:  # noqa: BLE001 -- any failure means "try an older one"
-                msg = str(e) if isinstance(e, CheckpointError) else f"step {step}: {_short(e)}"
-                failures.append(msg)
-                msg += "; trying an older checkpoint" if step != steps[0] else ""
+                err = e if isinstance(e, CheckpointError) else CheckpointError(
+                    f"step {step}: {short(e)}")
+                failures[step] = err
+                msg = str(err) + ("; trying an older checkpoint" if len(steps) > 1 else "")
                 warnings.warn(msg, CheckpointWarning, stacklevel=2)
                 print(f"WARNING: {msg}", file=sys.stderr, flush=True)
                 continue
             return step, state, meta
-        raise CheckpointError(
-            f"all {len(steps)} checkpoints in {self.dir} are unusable (steps {steps}); restore "
-            "them from a copy, or move them away to start this run over: " + "; ".join(failures))
+        if not tried:
+            return None
+        raise none_restored(str(self.dir), failures)
 
     def check_folder(self, path: Path, step: int) -> None:
-        """Raise unless ``path`` holds a complete checkpoint of ``step`` whose files match its
-        manifest (sizes; sha256 sums too when verifying)."""
-        manifest_path = path / MANIFEST_FILE
-        if not manifest_path.is_file():
-            raise FileNotFoundError(f"no {MANIFEST_FILE} (deleted or damaged)")
-        manifest = json.loads(manifest_path.read_text())
-        if manifest.get("format") != FORMAT or manifest.get("step") != step:
-            raise CheckpointError(
-                f"bad manifest (format={manifest.get('format')!r}, step={manifest.get('step')!r})"
-            )
-        self._check_files(path, manifest["files"])
+        """Raise CheckpointDamaged unless ``path`` holds a complete checkpoint of ``step`` whose
+        files match its manifest (sizes; sha256 sums too when verifying)."""
+        try:
+            manifest = json.loads((path / MANIFEST_FILE).read_text())
+            if manifest.get("format") != FORMAT or manifest.get("step") != step:
+                raise CheckpointDamaged(f"bad manifest (format={manifest.get('format')!r}, "
+                                        f"step={manifest.get('step')!r})")
+            self._check_files(path, manifest["files"])
+        except FileNotFoundError as e:
+            name = Path(e.filename).name if e.filename else MANIFEST_FILE
+            raise CheckpointDamaged(f"no {name} (deleted or damaged)") from e
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointDamaged(short(e)) from e
 
     def _restore(self, step: int, path: Path, target: Any, partial: bool) -> tuple[Any, dict]:
         self.check_folder(path, step)  # every file, the entries not read too
@@ -429,13 +435,13 @@ class Checkpointer:
         for rel, want in files.items():
             p = path / rel
             if not p.is_file():
-                raise CheckpointError(f"missing file {rel}")
+                raise CheckpointDamaged(f"missing file {rel}")
             size = p.stat().st_size
             if size != want["size"]:
-                raise CheckpointError(f"file {rel} has {size} bytes, manifest says {want['size']}")
+                raise CheckpointDamaged(f"file {rel} has {size} bytes, manifest says {want['size']}")
         if self.verify:
             with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
                 sums = dict(zip(files, pool.map(lambda rel: sha256_file(path / rel), files)))
             bad = [rel for rel, want in files.items() if sums[rel] != want["sha256"]]
             if bad:
-                raise CheckpointError(f"checksum mismatch (corrupted file) in {', '.join(bad)}")
+                raise CheckpointDamaged(f"checksum mismatch (corrupted file) in {', '.join(bad)}")

@@ -18,6 +18,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, damaged, or does not match the restore target."""
 
 
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint's files are intact, but its arrays do not fit the restore target (a state
+    built from another config): nothing is wrong with the checkpoint itself."""
+
+
 def _key_str(k: Any) -> str:
     # Orbax stores dicts, namedtuples/dataclasses (by field name) and sequences (by index) as
     # nested dicts/lists; normalise JAX key paths to the same plain strings.
@@ -56,16 +61,21 @@ def check_against_target(saved_tree: Any, target: Any) -> None:
     if missing:
         problems.append(f"not in checkpoint: {missing[:10]}{' ...' if len(missing) > 10 else ''}")
     if extra:
-        problems.append(f"in checkpoint but not in target: {extra[:10]}{' ...' if len(extra) > 10 else ''}")
-    for name in sorted(set(saved) & set(wanted)):
+        problems.append(f"in checkpoint but not in this config's state: "
+                        f"{extra[:10]}{' ...' if len(extra) > 10 else ''}")
+    differ = []
+    # shallow paths first: a parameter says more than the optimizer moments that mirror it
+    for name in sorted(set(saved) & set(wanted), key=lambda n: (n.count("/"), n)):
         spec, m = _leaf_spec(wanted[name]), saved[name]
         if spec is None or not hasattr(m, "shape"):
             continue
         shape, dtype = tuple(m.shape), np.dtype(m.dtype) if m.dtype is not None else None
         if shape != spec[0] or (dtype is not None and dtype != spec[1]):
-            problems.append(f"{name}: checkpoint has {shape} {dtype}, target wants {spec[0]} {spec[1]}")
+            differ.append(f"{name}: checkpoint has {shape} {dtype}, this config's state has "
+                          f"{spec[0]} {spec[1]}")
+    problems += differ[:3] + ([f"{len(differ) - 3} more arrays differ"] if len(differ) > 3 else [])
     if problems:
-        raise CheckpointError("checkpoint does not match the target: " + "; ".join(problems[:20]))
+        raise CheckpointMismatch("; ".join(problems))
 
 
 def saved_entries(saved_tree: dict, target: dict) -> dict:
@@ -89,11 +99,11 @@ def check_restored(target: Any, restored: Any) -> None:
     """The restored tree has the target's structure and each array leaf its shape and dtype."""
     want, got = jax.tree.structure(target), jax.tree.structure(restored)
     if want != got:
-        raise CheckpointError(f"restored pytree structure differs from the target:\n{got}\nvs\n{want}")
+        raise CheckpointMismatch(f"restored pytree structure differs from the target:\n{got}\nvs\n{want}")
     for (kp, t), r in zip(jax.tree_util.tree_leaves_with_path(target), jax.tree.leaves(restored)):
         ts, rs = _leaf_spec(t), _leaf_spec(r)
         if ts is not None and ts != rs:
-            raise CheckpointError(f"{_path_str(kp)}: restored {rs}, target {ts}")
+            raise CheckpointMismatch(f"{_path_str(kp)}: restored {rs}, target {ts}")
 
 
 def abstract_leaf(x: Any) -> Any:

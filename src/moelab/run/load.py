@@ -77,18 +77,19 @@ def restore_state(run_dir: Path, cfg, step: int | None = None,
     the training package) to restore all of it."""
     partial = target is None
     target = inference_target(cfg) if partial else target
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts)
-    if step is None:
-        got = ckpt.restore_latest(target, partial=partial)
-        if got is None:
-            raise FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint yet; train first")
-        step, state, meta = got
-    else:
-        if step not in ckpt.steps():
-            raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: "
-                                    f"{ckpt.steps()}")
-        state, meta = ckpt.restore(step, target, partial=partial)
-    _refuse_nonfinite_weights(state["params"], run_dir, step, ckpt.steps())
+    with Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts) as ckpt:
+        if step is None:  # a live run's newest, held by a read lease (retried when pruned)
+            got = ckpt.restore_latest(target, partial=partial)
+            if got is None:
+                raise FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint yet; train first")
+            step, state, meta = got
+        else:
+            if step not in ckpt.steps():
+                raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: "
+                                        f"{ckpt.steps()}")
+            state, meta = ckpt.restore(step, target, partial=partial)
+        steps = ckpt.steps()
+    _refuse_nonfinite_weights(state["params"], run_dir, step, steps)
     return step, state, meta
 
 

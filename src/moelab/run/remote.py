@@ -39,6 +39,8 @@ import jax
 
 from moelab.config import ConfigError
 from moelab.run.checkpoint import MANIFEST_FILE, Checkpointer, CheckpointError, step_name, step_of
+from moelab.run.ckpt_failures import download_failure, manifest_files, none_restored
+from moelab.run.ckpt_lease import leased_steps
 from moelab.run.lock import LOCK_FILE, RunLocked, holder_record, refusal, run_lock
 from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
 
@@ -70,15 +72,6 @@ def _stamp(p: Path) -> tuple[int, int]:
 def _hidden(rel: str) -> bool:
     """Locks, temporary files and saves in progress: never mirrored."""
     return any(part.startswith(".") for part in rel.split("/"))
-
-
-def _manifest_files(manifest: bytes) -> list[str]:
-    """The files a checkpoint manifest lists; CheckpointError when it has no file list."""
-    files = json.loads(manifest)
-    if not isinstance(files, dict) or not isinstance(files.get("files"), dict):
-        raise CheckpointError(f"{MANIFEST_FILE} lists no files (damaged or not a moelab "
-                              "checkpoint)")
-    return list(files["files"])
 
 
 class Mirror:
@@ -206,12 +199,14 @@ class Mirror:
             self._synced[rel] = _stamp(self.local / rel)
 
     def _clear_local(self, keep: set[str], step: int | None = None) -> None:
-        """Remove staging files the remote lacks, and every checkpoint but ``step``."""
+        """Remove staging files the remote lacks, and every checkpoint but ``step`` and those
+        another reader of this copy holds a lease on."""
+        leased = leased_steps(self.local / CKPTS)
         for dirpath, dirs, names in os.walk(self.local):
             rel_dir = Path(dirpath).relative_to(self.local).as_posix()
             if rel_dir == CKPTS:
                 for d in dirs:
-                    if step_of(d) is not None and step_of(d) != step:
+                    if step_of(d) not in (None, step, *leased):
                         shutil.rmtree(Path(dirpath) / d, ignore_errors=True)
                 dirs.clear()
             for n in names:
@@ -221,19 +216,25 @@ class Mirror:
 
     def _fetch_newest(self, manifests: dict[int, bytes]) -> int | None:
         """Download the newest remote checkpoint whose files match its manifest (warning about
-        each damaged one); its step, or None when the remote has none."""
-        failures = []
-        for step in sorted(manifests, reverse=True):
+        each damaged one); its step, or None when the remote has none. One the trainer prunes
+        while it downloads is no failure: the remote is listed again and its newest fetched."""
+        tried: set[int] = set()
+        failures: dict[int, CheckpointError] = {}
+        while todo := sorted(set(manifests) - tried):
+            step = todo[-1]
+            tried.add(step)
             try:
                 self.fetch(step, manifests[step])
                 return step
             except (CheckpointError, OSError, ValueError) as e:
-                failures.append(f"step {step}: {e}")
-                info(f"WARNING: {self.url}: checkpoint {step} is unusable ({e}); trying an older one")
-        if failures:
-            raise CheckpointError(f"all {len(failures)} checkpoints in {self.url} are unusable; "
-                                  "restore them from a copy, or move them away to start this "
-                                  "run over: " + "; ".join(failures))
+                if not self.fs.exists(f"{self._step_r(step)}/{MANIFEST_FILE}"):
+                    manifests = self._remote_checkpoints()[0]  # pruned: list again
+                    continue
+                failures[step] = download_failure(step, e)
+                info(f"WARNING: {self.url}: {failures[step]}"
+                     + ("; trying an older one" if len(todo) > 1 else ""))
+        if tried:
+            raise none_restored(self.url, failures)
         return None
 
     def fetch(self, step: int, manifest: bytes) -> None:
@@ -245,7 +246,7 @@ class Mirror:
             return
         tmp = ckpt.dir / f".tmp-{final.name}.{_token()}"
         try:
-            rels = _manifest_files(manifest)
+            rels = manifest_files(manifest)
             self.fs.get([f"{self._step_r(step)}/{r}" for r in rels], [str(tmp / r) for r in rels])
             atomic_write_bytes(tmp / MANIFEST_FILE, manifest)
             ckpt.check_folder(tmp, step)
@@ -293,7 +294,7 @@ class Mirror:
         manifest = (src / MANIFEST_FILE).read_bytes()
         if self._manifests.get(step) == manifest:
             return
-        rels = [*_manifest_files(manifest), MANIFEST_FILE]  # the manifest last
+        rels = [*manifest_files(manifest), MANIFEST_FILE]  # the manifest last
         final = self._step_r(step)
         tmp = self._r(f"{CKPTS}/.tmp-{src.name}.{_token()}")
         try:
