@@ -35,6 +35,8 @@ def cmd_data_build(args) -> int:
     require(args.inputs or (args.format, args.text_field, args.split) == ("files", "text", ""),
             "--format/--text-field/--split", "read your INPUT paths; give them")
     build.check_inputs(args.inputs, out)
+    if args.inputs:  # paths, types and extras before the folder (and its lock) is made
+        corpus.check_user_inputs(args.inputs, args.format, args.text_field, args.split)
     # SIGTERM unwinds like Ctrl-C (moelab.cli): temp files go and the lock is released
     with build.data_lock(out, shlex.join(getattr(args, "argv", ["moelab"]))):
         build.remove_stale_temps(out)

@@ -365,6 +365,31 @@ def normalize_source(source: Path | str) -> str:
     return str(source).rstrip("/") if is_url(source) else str(Path(source).resolve())
 
 
+def check_user_inputs(paths: list[Path | str], fmt: str = "files", text_field: str = "text",
+                      split: str = "") -> list:
+    """The resolved inputs of ``build_user_corpus``, checked before anything is written: the
+    options, that every path exists, that a named file has a known type, and that the extra
+    reading the format is installed."""
+    _check_options(fmt, text_field, split)
+    if not paths:
+        raise DataError("build_user_corpus: no input paths given")
+    inputs = [resolve_input(p) for p in paths]  # a URL's filesystem must be installed
+    missing = [str(p) for p, i in zip(paths, inputs) if i is None]
+    if missing:
+        raise DataError(f"input path(s) not found: {', '.join(missing)}")
+    if fmt != "files":
+        need_extra("datasets", "datasets", f"--format {fmt}: reading Hugging Face datasets")
+    else:
+        for p, i in zip(paths, inputs):  # a file you name must be one moelab can read
+            if not is_folder(i) and unknown_suffix(i):
+                raise DataError(f"input {p}: {unknown_suffix(i)} ({known_suffixes()})")
+        parquet = next((p for p, _ in input_files(inputs) if p.suffix.lower() == ".parquet"),
+                       None)
+        if parquet is not None:  # before any work: which extra reads it
+            need_extra("pyarrow", "parquet", f"{parquet}: reading Parquet files")
+    return inputs
+
+
 def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | str,
                       heldout_fraction: float = 0.02, domain: str | None = None,
                       fmt: str = "files", text_field: str = "text", split: str = "") -> dict:
@@ -387,24 +412,8 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     (a ValueError) is raised. Document ids name their origin ("books/a.txt", "web/x.jsonl
     line 7", "t.parquet row 3").
     """
-    _check_options(fmt, text_field, split)
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-    if not paths:
-        raise DataError("build_user_corpus: no input paths given")
-    inputs = [resolve_input(p) for p in paths]  # a URL's filesystem must be installed
-    missing = [str(p) for p, i in zip(paths, inputs) if i is None]
-    if missing:
-        raise DataError(f"input path(s) not found: {', '.join(missing)}")
-    if fmt != "files":
-        need_extra("datasets", "datasets", f"--format {fmt}: reading Hugging Face datasets")
-    else:
-        for p, i in zip(paths, inputs):  # a file you name must be one moelab can read
-            if not is_folder(i) and unknown_suffix(i):
-                raise DataError(f"input {p}: {unknown_suffix(i)} ({known_suffixes()})")
-        parquet = next((p for p, _ in input_files(inputs) if p.suffix.lower() == ".parquet"),
-                       None)
-        if parquet is not None:  # before any work: which extra reads it
-            need_extra("pyarrow", "parquet", f"{parquet}: reading Parquet files")
+    inputs = check_user_inputs(paths, fmt, text_field, split)
     skips: Skips = []
     default = clean_domain(domain) if domain else None
     corpus_dir = Path(corpus_dir)  # write_corpus makes it before it reads the documents
