@@ -17,15 +17,36 @@ from typing import Iterator
 
 from moelab.data.corpus import load_manifest, normalize_source
 from moelab.data.errors import DataError
-from moelab.util import LockHeld, holder_record, info, is_url, lock_refusal, release_lock, take_lock
+from moelab.data.tokenizer import load_tokenizer
+from moelab.util import (
+    LockHeld,
+    holder_record,
+    info,
+    is_url,
+    lock_refusal,
+    release_lock,
+    sha256_file,
+    take_lock,
+)
 
 BUILTIN_OUT = "data/builtin"  # the built-in corpus: every default-preset run trains on it
 LOCK_FILE = ".lock"
+OWN_TOKENIZER = "tokenizer.json"  # a data folder's own tokenizer: training uses it
+
+
+def is_builtin_folder(folder: Path | str) -> bool:
+    """Whether ``folder`` is the built-in corpus' folder (``data/builtin`` here), however
+    written (./data/../data/builtin/, an absolute path, a link)."""
+    return Path(folder).resolve() == Path(BUILTIN_OUT).resolve()
 
 
 def output_folder(inputs: list[str], out: str | None) -> Path:
     """``--out``, or the built-in corpus' folder for a build of the built-in corpus. Your own
-    files never go to that folder by default: the default presets would train on them."""
+    files never go to that folder: the default presets would train on them."""
+    if inputs and out and is_builtin_folder(out):
+        raise DataError(f"--out {out}: the built-in corpus' folder ({BUILTIN_OUT}), which the "
+                        "default presets train on; give a folder of your own for your files, "
+                        "e.g. --out data/mine")
     if out:
         return Path(out)
     if inputs:
@@ -84,6 +105,16 @@ def _describe(req: dict) -> str:
     return ", ".join(req["sources"]) if req["kind"] == "user" else "the built-in sources"
 
 
+def _difference(key: str, had: dict, asked: dict) -> str:
+    """How the recorded build differs from the asked one in ``key``."""
+    if key == "sources" and sorted(had["sources"]) == sorted(asked["sources"]):
+        # order decides document ids and the corpus' file order: another order, another corpus
+        return f"from the same inputs in another order ({_describe(had)})"
+    if key in ("kind", "sources"):
+        return f"from {_describe(had)}"
+    return f"with {key}={had.get(key)!r} (asked: {asked[key]!r})"
+
+
 def check_rebuild(out: Path, request: dict, force: bool) -> str | None:
     """The fingerprint of the corpus ``out`` holds (None if none); refuses, unless ``force``,
     a corpus built from other inputs or options than ``request``."""
@@ -99,12 +130,26 @@ def check_rebuild(out: Path, request: dict, force: bool) -> str | None:
     had = recorded_request(manifest)
     diff = [k for k in request if request[k] != had.get(k)]
     if diff and not force:
-        k = diff[0]
-        what = (f"from {_describe(had)}" if k in ("kind", "sources")
-                else f"with {k}={had.get(k)!r} (asked: {request[k]!r})")
-        raise DataError(f"{out}: its corpus was built {what}; give another --out for a new "
-                        "corpus, or add --force to replace it (its tokenizers are retrained)")
+        raise DataError(f"{out}: its corpus was built {_difference(diff[0], had, request)}; "
+                        "give another --out for a new corpus, or add --force to replace it "
+                        "(its tokenizers are retrained)")
     return manifest.get("fingerprint")
+
+
+def check_own_tokenizer(out: Path, new: Path | None, asked: str, force: bool) -> None:
+    """Refuse, unless ``force``, a rebuild that would replace or remove the folder's own
+    tokenizer.json (what every run trained on ``out`` uses) with ``new`` (None: none);
+    ``asked``: the option that asks for it."""
+    own = out / OWN_TOKENIZER
+    if force or not own.is_file():
+        return
+    if new is not None and new.is_file() and sha256_file(new) == sha256_file(own):
+        return
+    size = load_tokenizer(own).get_vocab_size(with_added_tokens=True)
+    raise DataError(f"{own}: the tokenizer in use ({size} tokens, sha256 "
+                    f"{sha256_file(own)[:12]}), which runs trained on {out} need; {asked} "
+                    f"would {'replace' if new is not None else 'remove'} it: keep the options "
+                    "it was built with, give another --out, or add --force to replace it")
 
 
 def discard_derived(out: Path, why: str, keep: Path | None = None) -> None:
@@ -129,15 +174,24 @@ def remove_stale_temps(out: Path) -> None:
         info(f"{out}: removed {len(stale)} temp file(s) left by an interrupted build")
 
 
+def take_data_lock(out: Path, command: str) -> int:
+    """Lock ``out`` (made if missing) for this process; LockHeld if another holds it."""
+    out.mkdir(parents=True, exist_ok=True)
+    return take_lock(out / LOCK_FILE, holder_record(command))
+
+
+def lock_error(out: Path, e: LockHeld) -> DataError:
+    return DataError(lock_refusal(out, out / LOCK_FILE, e.holder, socket.gethostname()))
+
+
 @contextmanager
 def data_lock(out: Path, command: str) -> Iterator[None]:
-    """Hold ``out``'s lock for the block: a second build into the folder fails at once."""
-    out.mkdir(parents=True, exist_ok=True)
+    """Hold ``out``'s lock for the block: a second build into the folder, or a run preparing
+    its data there, fails at once."""
     try:
-        fd = take_lock(out / LOCK_FILE, holder_record(command))
+        fd = take_data_lock(out, command)
     except LockHeld as e:
-        raise DataError(lock_refusal(out, out / LOCK_FILE, e.holder, socket.gethostname())) \
-            from None
+        raise lock_error(out, e) from None
     try:
         yield
     finally:

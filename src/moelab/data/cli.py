@@ -13,7 +13,7 @@ from moelab.config.data import DATA_FORMATS
 from moelab.config.errors import require
 from moelab.data import build, corpus
 from moelab.data.errors import DataError
-from moelab.data.prepare import OWN_TOKENIZER, prepare_data, vocab_needed
+from moelab.data.prepare import prepare_data, vocab_needed
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import MIN_VOCAB, load_tokenizer
 from moelab.util import atomic_write_bytes, sha256_file
@@ -48,6 +48,7 @@ def _build(args, out: Path, vocab: int) -> int:
     request = build.build_request(args.inputs, args.format, args.text_field, args.split,
                                   args.heldout)
     old = build.check_rebuild(out, request, args.force)
+    build.check_own_tokenizer(out, *_new_own_tokenizer(args, out, vocab), args.force)
     if args.inputs:  # strings: Path() would mangle gs://, memory:// URLs
         manifest = corpus.build_user_corpus(args.inputs, out / "corpus",
                                             heldout_fraction=args.heldout, fmt=args.format,
@@ -58,10 +59,10 @@ def _build(args, out: Path, vocab: int) -> int:
         build.discard_derived(out, "--force" if args.force else "the corpus changed",
                               keep=Path(args.tokenizer) if args.tokenizer else None)
     print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
-    own = out / OWN_TOKENIZER
+    own = out / build.OWN_TOKENIZER
     own.unlink(missing_ok=True)  # a rebuild chooses its tokenizer again
     prep = prepare_data(DataConfig(data_dir=str(out), tokenizer=args.tokenizer or ""), vocab,
-                        progress=not args.no_progress)
+                        progress=not args.no_progress, lock=False)  # held above
     print(f"corpus: {prep.corpus_dir}\ntokenizer: {prep.tokenizer_path}\n"
           f"token store: {prep.store_dir}")
     if args.inputs or args.tokenizer:  # the folder's own tokenizer: training uses it
@@ -69,6 +70,15 @@ def _build(args, out: Path, vocab: int) -> int:
         vocab = vocab_needed(load_tokenizer(own))
         print(f"train on it with: moelab train tiny data.data_dir={out} model.vocab_size={vocab}")
     return 0
+
+
+def _new_own_tokenizer(args, out: Path, vocab: int) -> tuple[Path | None, str]:
+    """(the tokenizer this build makes the folder's own, None for none; the option asking)."""
+    if args.tokenizer:
+        return Path(args.tokenizer), f"--tokenizer {args.tokenizer}"
+    if args.inputs:
+        return out / f"tokenizer-{vocab}.json", f"--vocab {vocab}"
+    return None, "a build of the built-in corpus without --tokenizer"
 
 
 def cmd_data_verify(args) -> int:
