@@ -65,13 +65,21 @@ def load_manifest(corpus_dir: Path | str) -> dict:
     if not path.is_file():
         raise DataError(f"no corpus at {corpus_dir} ({path.name} missing, or the build was "
                         "interrupted); build it with `moelab data build`")
-    manifest = read_json(path, f"the corpus is damaged; {REBUILD}")
+    manifest = read_json(path, _rebuild_forced(corpus_dir))
     if not isinstance(manifest, dict):
-        raise DataError(f"{path}: not a corpus manifest (a JSON object); {REBUILD}")
+        raise DataError(f"{path}: not a corpus manifest (a JSON object); "
+                        f"{_rebuild_forced(corpus_dir)}")
     for split in SPLITS:
         if not (corpus_dir / f"{split}.jsonl").is_file():
             raise DataError(f"corpus {corpus_dir}: {split}.jsonl missing; rebuild the corpus")
     return manifest
+
+
+def _rebuild_forced(corpus_dir: Path) -> str:
+    """The fix for a damaged manifest: its record of the inputs is lost, so a rebuild cannot
+    tell they are the same and needs --force."""
+    return (f"the corpus is damaged; rebuild it with `moelab data build SOURCES --out "
+            f"{corpus_dir.parent} --force` (SOURCES: your files, none for the built-in corpus)")
 
 
 def iter_documents(corpus_dir: Path | str, split: str) -> Iterator[dict]:
@@ -423,7 +431,7 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
             with tempfile.TemporaryDirectory(prefix=".hf-cache.", dir=corpus_dir) as scratch:
                 yield from hf_docs(inputs, fmt, text_field, split, default, skips, Path(scratch))
             return
-        for path, name in input_files(inputs):
+        for path, name in input_files(inputs, skips):
             if unknown_suffix(path):  # inside a folder: skipped and reported, not read as text
                 skips.append((name, unknown_suffix(path)))
                 continue

@@ -101,32 +101,58 @@ def clean_domain(name: str) -> str:
     return _DOMAIN_OK.sub("_", name).strip("._") or "text"
 
 
-def _remote_files(root: RemoteFile) -> list[tuple[Input, str]]:
+DATA_FOLDER_SKIP = "a moelab data folder (an earlier build's output), not read as input"
+
+
+def data_folders(rels: list[PurePosixPath]) -> list[PurePosixPath]:
+    """The folders among the relative file paths ``rels`` that `moelab data build` wrote: one
+    holding corpus/manifest.json (a data folder), or a corpus folder (manifest.json beside
+    train.jsonl) elsewhere. Reading them would train on an earlier corpus, held-out text too."""
+    files = set(rels)
+    found = set()
+    for rel in rels:
+        if rel.name == "manifest.json" and rel.parent / "train.jsonl" in files:
+            corpus = rel.parent
+            found.add(corpus.parent if corpus.name == "corpus" else corpus)
+    return sorted(found)
+
+
+def _walk(rels: list[PurePosixPath], name: str, skips: Skips | None) -> list[PurePosixPath]:
+    """The visible files of a folder (relative paths, sorted) less its data folders, each
+    recorded in ``skips`` under its display name (``name``: the folder's)."""
+    rels = [r for r in sorted(rels) if not any(part.startswith(".") for part in r.parts)]
+    skipped = data_folders(rels)
+    for d in skipped:
+        if skips is not None:
+            skips.append(((PurePosixPath(name) / d).as_posix(), DATA_FOLDER_SKIP))
+    return [r for r in rels if not any(r.is_relative_to(d) for d in skipped)]
+
+
+def _remote_files(root: RemoteFile, skips: Skips | None) -> list[tuple[Input, str]]:
     if not root.fs.isdir(root.path):
         return [(root, root.name)]
-    out = []
-    for p in sorted(root.fs.find(root.path)):
-        rel = PurePosixPath(p).relative_to(PurePosixPath(root.path))
-        if not any(part.startswith(".") for part in rel.parts):
-            out.append((RemoteFile(root.fs, p), (PurePosixPath(root.name) / rel).as_posix()))
-    return out
+    top = PurePosixPath(root.path)
+    rels = [PurePosixPath(p).relative_to(top) for p in root.fs.find(root.path)]
+    return [(RemoteFile(root.fs, (top / r).as_posix()), (PurePosixPath(root.name) / r).as_posix())
+            for r in _walk(rels, root.name, skips)]
 
 
-def input_files(paths: list[Input]) -> list[tuple[Input, str]]:
+def input_files(paths: list[Input], skips: Skips | None = None) -> list[tuple[Input, str]]:
     """(file, display name) for each input; folders are walked in sorted order.
 
-    Hidden entries (.git, .DS_Store) inside folders are ignored; display names are relative to
-    each argument's parent, so ids do not depend on where the corpus lives on disk.
+    Hidden entries (.git, .DS_Store) inside folders are ignored, and so are the data folders
+    of earlier builds (recorded in ``skips``); display names are relative to each argument's
+    parent, so ids do not depend on where the corpus lives on disk.
     """
     out = []
     for root in paths:
         if isinstance(root, RemoteFile):
-            out += _remote_files(root)
+            out += _remote_files(root, skips)
         elif root.is_dir():
-            for p in sorted(root.rglob("*")):
-                rel = p.relative_to(root)
-                if p.is_file() and not any(part.startswith(".") for part in rel.parts):
-                    out.append((p, (Path(root.name) / rel).as_posix()))
+            rels = [PurePosixPath(p.relative_to(root).as_posix()) for p in root.rglob("*")
+                    if p.is_file()]
+            out += [(root / r, (PurePosixPath(root.name) / r).as_posix())
+                    for r in _walk(rels, root.name, skips)]
         else:
             out.append((root, root.name))
     return out
