@@ -11,21 +11,38 @@ Layout under ``data.data_dir``::
 
 ``model.vocab_size`` 0 takes the size of the tokenizer that will be used; a size that disagrees
 with an existing tokenizer is an error, so a forgotten size never trains a second tokenizer.
+
+``prepare_data`` holds the folder's lock (``build.data_lock``) while it checks and builds, so a
+run never reads a folder that ``moelab data build`` is rewriting, nor the reverse; runs
+preparing the same folder wait for each other. A folder this process cannot write is read
+without the lock (nothing can be built there anyway).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import shlex
+import socket
+import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from moelab.config import ConfigError, DataConfig, RunConfig, load_config, split_overrides
 from moelab.data import corpus, store, tokenizer
-from moelab.util import info, sha256_file
+from moelab.data.build import (
+    BUILTIN_OUT,
+    OWN_TOKENIZER,
+    is_builtin_folder,
+    lock_error,
+    take_data_lock,
+)
+from moelab.util import LockHeld, describe_holder, info, release_lock, sha256_file, writable
 
 DEFAULT_VOCAB = 4096  # a new tokenizer's size when model.vocab_size is 0
-OWN_TOKENIZER = "tokenizer.json"  # a data folder's own tokenizer (`moelab data build` writes it)
+PREPARING = "preparing a run's data"  # a lock holder other preparations wait for
 
 
 @dataclass(frozen=True)
@@ -42,6 +59,7 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
         m = corpus.load_manifest(corpus_dir)  # a damaged one is refused here
         if dcfg.source:
             _check_built_from(dcfg, corpus_dir, m)
+        check_builtin_kind(dcfg, m)
         return
     t = time.time()
     if dcfg.source:
@@ -72,9 +90,69 @@ def _check_built_from(dcfg: DataConfig, corpus_dir: Path, m: dict) -> None:
                           "data.data_dir, or delete that corpus folder to rebuild it")
 
 
+def check_builtin_kind(dcfg: DataConfig, m: dict | None = None) -> None:
+    """Refuse a corpus of your own files in the built-in corpus' folder when the config asks
+    for the built-in corpus (``data.source`` empty): the default presets would train on it.
+    ``m``: the folder's manifest, read here when not given (none yet: nothing to refuse)."""
+    corpus_dir = Path(dcfg.data_dir) / "corpus"
+    if dcfg.source or not is_builtin_folder(dcfg.data_dir):
+        return
+    if m is None and not (corpus_dir / "manifest.json").is_file():
+        return
+    m = m if m is not None else corpus.load_manifest(corpus_dir)
+    if m.get("kind") == "user":
+        raise ConfigError(f"data.data_dir={dcfg.data_dir}: the built-in corpus' folder holds a "
+                          f"corpus of your own files (built from {', '.join(m.get('sources', []))}"
+                          "), not the built-in corpus the default presets train on; set "
+                          "data.data_dir to a folder of your own (move that corpus there), or "
+                          f"rebuild the built-in corpus: `moelab data build --out {BUILTIN_OUT} "
+                          "--force`")
+
+
 def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,
-                 progress: bool = True) -> PreparedData:
-    """``progress``: a tokenizing progress bar on stderr (when verbose and a terminal)."""
+                 progress: bool = True, lock: bool = True) -> PreparedData:
+    """``progress``: a tokenizing progress bar on stderr (when verbose and a terminal);
+    ``lock``: take the data folder's lock (False: the caller holds it, or only reads)."""
+    if not lock:
+        return _prepare(dcfg, vocab_size, verbose, progress)
+    with _preparation_lock(Path(dcfg.data_dir), info if verbose else (lambda _msg: None)):
+        return _prepare(dcfg, vocab_size, verbose, progress)
+
+
+@contextmanager
+def _preparation_lock(root: Path, say) -> Iterator[None]:
+    """Hold ``root``'s lock: a `data build` holding it stops this at once; another run's
+    preparation is waited for. A folder this process cannot write is read without it."""
+    if root.is_dir() and not writable(root):
+        yield
+        return
+    command = f"{PREPARING}: {shlex.join(['moelab', *sys.argv[1:]])}"
+    waited = False
+    while True:
+        try:
+            fd = take_data_lock(root, command)
+            break
+        except LockHeld as e:
+            if not _waits_for(e.holder):
+                raise lock_error(root, e) from None
+            if not waited:
+                say(f"{root}: waiting for {describe_holder(e.holder)} to finish with it")
+                waited = True
+            time.sleep(0.2)
+    try:
+        yield
+    finally:
+        release_lock(fd)
+
+
+def _waits_for(holder: dict) -> bool:
+    """Whether a preparation waits for this lock holder: another run preparing its data on
+    this host, or a holder that is just taking or releasing the lock (no record)."""
+    return not holder or (holder.get("host") == socket.gethostname()
+                          and str(holder.get("command", "")).startswith(PREPARING))
+
+
+def _prepare(dcfg: DataConfig, vocab_size: int, verbose: bool, progress: bool) -> PreparedData:
     root = Path(dcfg.data_dir)
     corpus_dir = root / "corpus"
     say = info if verbose else (lambda _msg: None)
@@ -140,6 +218,7 @@ def with_tokenizer_vocab(cfg: RunConfig) -> RunConfig:
     """``cfg`` with ``model.vocab_size`` set to its tokenizer's size when 0. A given size must
     match a given tokenizer (the folder's own or ``data.tokenizer``); with neither, a tokenizer
     of that size is trained (``DEFAULT_VOCAB`` when 0)."""
+    check_builtin_kind(cfg.data)
     given, path = cfg.model.vocab_size, given_tokenizer(cfg.data)
     if path is None:
         size = given or DEFAULT_VOCAB

@@ -94,12 +94,13 @@ def init_sharded_state(cfg: RunConfig, shardings) -> dict:
 
 
 def _prepare(cfg: RunConfig, main: bool, verbose: bool) -> PreparedData:
-    """The corpus, tokenizer and token store, built once by the main process."""
+    """The corpus, tokenizer and token store, built once by the main process (under the data
+    folder's lock); the others then find them built."""
     if main:
         data = prepare_data(cfg.data, cfg.model.vocab_size, verbose=verbose)
     barrier("data-prepared")
     if not main:
-        data = prepare_data(cfg.data, cfg.model.vocab_size, verbose=False)
+        data = prepare_data(cfg.data, cfg.model.vocab_size, verbose=False, lock=False)
     return data
 
 
