@@ -75,6 +75,7 @@ class MixtureSampler:
         self._streams = [store.tokens(split, d) for d in self._domains]
         # last valid start offset + 1, per domain: a row needs seq_len + 1 tokens
         self._n_starts = np.array([len(s) - seq_len for s in self._streams], dtype=np.int64)
+        self._max_ids = np.array([store.max_id(split, d) for d in self._domains])
 
     def _draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(domain index, start offset) of each row; all randomness comes from (seed, step)."""
@@ -90,6 +91,11 @@ class MixtureSampler:
         out = np.empty((self.batch_size, self.seq_len + 1), dtype=np.int32)
         for r, (d, s) in enumerate(zip(rows_domain, starts)):
             out[r] = self._streams[d][s: s + self.seq_len + 1]
+        # every id used is checked (a max per row: cheap next to a step); opening the store
+        # hashes only samples of each file
+        bad = np.flatnonzero(out.max(axis=1) > self._max_ids[rows_domain])
+        if bad.size:
+            self.store.check_ids(out[bad[0]], self.split, self._domains[rows_domain[bad[0]]])
         return out
 
     def batch_domains(self, step: int) -> list[str]:
@@ -164,7 +170,9 @@ def eval_windows(store: TokenStore, domain: str, seq_len: int,
                         "larger heldout_fraction")
     n = min(n_avail, max(1, max_tokens // seq_len))
     idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    windows = np.asarray(toks[: n * seq_len + 1], dtype=np.int32)[idx]
+    windows = np.asarray(toks[: n * seq_len + 1], dtype=np.int32)
+    store.check_ids(windows, "heldout", domain)  # the sampled hash skips most of the file
+    windows = windows[idx]
     return windows, store.n_bytes("heldout", domain) / store.n_tokens("heldout", domain)
 
 

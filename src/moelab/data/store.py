@@ -12,8 +12,10 @@ build starts and written last, so a store without it is unfinished and gets rebu
 
 Opening a store checks each array's size and sampled hash (``SAMPLE_BLOCKS`` blocks at fixed
 offsets: cheap, and it catches a file overwritten or truncated in place); ``verify_store`` (and
-``moelab data verify``) checks the full sha256. ``check_vocab`` refuses ids the model has no row
-for, which would otherwise train to NaN.
+``moelab data verify``) checks the full sha256. ``check_vocab`` refuses a store whose recorded
+ids the model has no row for, which would otherwise train to NaN; ``check_ids`` refuses tokens
+read (every batch, every evaluation window) above their array's recorded largest id: a change
+the sampled hash missed.
 """
 
 from __future__ import annotations
@@ -244,8 +246,21 @@ class TokenStore:
             self._check_array(entry, sha256_file, "sha256", "sha256")
         return sum(e["size"] for e in _arrays(self.index))
 
-    def max_id(self) -> int:
+    def max_id(self, split: str | None = None, domain: str | None = None) -> int:
+        """The largest id recorded at build: of one array, or of them all."""
+        if split is not None and domain is not None:
+            return self._entry(split, domain)["max_id"]
         return max((e["max_id"] for e in _arrays(self.index)), default=0)
+
+    def check_ids(self, tokens: np.ndarray, split: str, domain: str) -> None:
+        """Refuse ``tokens`` read from one array with an id above the largest recorded for it
+        at build: the file changed where the sampled hash does not look (it trains to NaN)."""
+        top = self.max_id(split, domain)
+        if tokens.size and int(tokens.max()) > top:
+            path = self.dir / self._entry(split, domain)["file"]
+            raise DataError(f"{path}: holds id {int(tokens.max())}, above the largest recorded "
+                            f"at build ({top}) (check it in full: `moelab data verify "
+                            f"{self.dir}`); {_damaged(self.dir)}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse ids the model has no embedding row for (they would train to NaN)."""
