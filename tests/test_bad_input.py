@@ -334,6 +334,8 @@ DATA_CASES = [  # data build, corpus and token store inputs
     (["data", "verify", "{d}/badindex"], 2, "{d}/badindex/index.json: not valid JSON"),
     (["data", "verify", "{d}/nodtype"], 2, "{d}/nodtype/index.json: missing dtype"),
     (["data", "verify", "{d}/badmanifest"], 2, "badmanifest/corpus/manifest.json: not valid"),
+    (["data", "build", "{d}/txt", "--out", "{d}/badmanifest"], 2,
+     "rebuild it with `moelab data build SOURCES --out {d}/badmanifest --force`"),
 ]
 
 RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export

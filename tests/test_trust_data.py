@@ -160,3 +160,112 @@ def test_sigterm_during_data_build_leaves_no_temp_files(tmp_path):
     assert proc.returncode == 143 and err.strip().splitlines() == ["moelab: terminated (SIGTERM)"]
     assert not list(out.rglob(".*.tmp")) and not list(out.rglob(".hf-cache.*"))
     assert not (out / "corpus" / "manifest.json").exists()
+
+
+def test_your_files_never_go_to_the_builtin_folder_nor_train_a_default_run(tmp_path, capsys,
+                                                                          monkeypatch):
+    from moelab.config import DataConfig
+    from moelab.config.errors import ConfigError
+    from moelab.data.prepare import prepare_data
+
+    a = _texts(tmp_path / "a", "apple")
+    monkeypatch.chdir(tmp_path)
+    for out in ("data/builtin", "./data/../data/builtin/", str(tmp_path / "data" / "builtin")):
+        rc, err = _build(capsys, str(a), "--out", out, "--force")
+        assert rc == 2 and f"--out {out}: the built-in corpus' folder" in err, err
+        assert not (tmp_path / "data").exists()
+    build_user_corpus([a], tmp_path / "data" / "builtin" / "corpus")  # as an older moelab did
+    with pytest.raises(ConfigError, match=r"data.data_dir=data/builtin: the built-in corpus' "
+                       r"folder holds a corpus of your own files \(built from .*a\).* `moelab "
+                       r"data build --out data/builtin --force`"):
+        prepare_data(DataConfig(), 300, verbose=False)
+    assert not list((tmp_path / "data" / "builtin").glob("tokenizer*"))
+
+
+def test_a_rebuild_names_what_differs_order_and_tokenizer(tmp_path, capsys):
+    a, b, out = _texts(tmp_path / "a", "apple"), _texts(tmp_path / "b", "pear"), tmp_path / "o"
+    assert _build(capsys, str(a), str(b), "--out", str(out))[0] == 0
+    rc, err = _build(capsys, str(b), str(a), "--out", str(out))
+    assert rc == 2 and f"built from the same inputs in another order ({a}, {b})" in err, err
+    own = out / "tokenizer.json"
+    first = sha256_file(own)
+    rc, _, err = run_main(["data", "build", str(a), str(b), "--out", str(out), "--vocab", "280",
+                           "--no-progress"], capsys)
+    assert rc == 2 and f"{own}: the tokenizer in use (" in err and f"sha256 {first[:12]})" in err
+    assert "--vocab 280 would replace it" in err and "--force" in err
+    assert sha256_file(own) == first and not (out / "tokenizer-280.json").exists()
+    rc, _, err = run_main(["data", "build", str(a), str(b), "--out", str(out), "--tokenizer",
+                           str(out / "tokenizer-300.json"), "--no-progress"], capsys)
+    assert rc == 0, err  # the same tokenizer, given by path: nothing changes
+    assert _build(capsys, str(a), str(b), "--out", str(out))[0] == 0 and sha256_file(own) == first
+
+
+def test_a_build_skips_the_data_folders_inside_its_inputs(tmp_path, capsys):
+    src = _texts(tmp_path / "in", "plum")
+    assert _build(capsys, str(src / "plum0.txt"), str(src / "plum1.txt"), "--out",
+                  str(src / "built"))[0] == 0
+    m = build_user_corpus([src], tmp_path / "c")
+    ids = {doc["id"] for s in ("train", "heldout") for doc in iter_documents(tmp_path / "c", s)}
+    assert ids == {f"in/plum{i}.txt" for i in range(12)}
+    assert m["skipped"]["items"] == ["in/built: a moelab data folder (an earlier build's output), "
+                                     "not read as input"]
+
+
+def test_a_run_preparing_its_data_takes_the_folder_lock(data_dir, tmp_path, monkeypatch):
+    import threading
+
+    from moelab.config import DataConfig
+    from moelab.data.build import release_lock, take_data_lock
+    from moelab.data.prepare import PREPARING, prepare_data
+
+    data = DataConfig(data_dir=str(data_dir))
+    with data_lock(data_dir, "moelab data build SRC --out DATA --force"):
+        t = time.perf_counter()
+        with pytest.raises(DataError, match=f"{data_dir} is in use by pid {os.getpid()} .*"
+                           r"\(moelab data build SRC --out DATA --force\); wait for it"):
+            prepare_data(data, 512, verbose=False)
+        assert time.perf_counter() - t < 5
+    fd = take_data_lock(data_dir, f"{PREPARING}: moelab train")  # another run's preparation
+    done = []
+    waiter = threading.Thread(target=lambda: done.append(prepare_data(data, 512, verbose=False)))
+    waiter.start()
+    time.sleep(0.5)
+    assert waiter.is_alive() and not done  # waits for it, never fails
+    release_lock(fd)
+    waiter.join(30)
+    assert done and done[0].store_dir.is_dir()
+    # a folder this process cannot write is read as it is, without the lock
+    ro = Path(shutil.copytree(data_dir, tmp_path / "ro", ignore=shutil.ignore_patterns(".lock")))
+    for p in (ro, *ro.rglob("*")):
+        p.chmod(p.stat().st_mode & ~0o222)
+    if os.geteuid() == 0:  # root writes anywhere: the probe is told the folder is read-only
+        monkeypatch.setattr("moelab.data.prepare.writable", lambda _folder: False)
+    try:
+        assert prepare_data(DataConfig(data_dir=str(ro)), 512, verbose=False).store_dir.is_dir()
+        assert not (ro / ".lock").exists()
+    finally:
+        for p in (ro, *ro.rglob("*")):
+            p.chmod(p.stat().st_mode | 0o200)
+
+
+def test_ids_above_the_recorded_largest_are_caught_in_every_batch(data_dir, tmp_path):
+    from moelab.data.sampler import MixtureSampler, eval_windows
+    from moelab.data.store import sampled_sha256
+
+    store = _store_copy(data_dir, tmp_path)
+    index = json.loads((store / "index.json").read_text())
+    for split in ("train", "heldout"):  # ids >= vocab where the sampled hash does not look
+        entry = index["splits"][split]["prose"]
+        arr = (store / entry["file"])
+        ids = bytearray(arr.read_bytes())
+        ids[2: len(ids) - 2] = b"\xff" * (len(ids) - 4)
+        arr.write_bytes(bytes(ids))
+        entry["sample_sha256"] = sampled_sha256(arr)
+    (store / "index.json").write_text(json.dumps(index))
+    st = TokenStore(store, vocab_size=512)  # the sampled check misses it
+    sampler = MixtureSampler(st, seq_len=16, batch_size=8, mixture={"prose": 1})
+    with pytest.raises(DataError, match=f"{store / 'train' / 'prose.bin'}: holds id 65535, above "
+                       r"the largest recorded at build \(\d+\) .*moelab data verify"):
+        sampler.batch(0)
+    with pytest.raises(DataError, match="heldout/prose.bin: holds id 65535"):
+        eval_windows(st, "prose", 16, 64)
