@@ -91,14 +91,16 @@ def _identity_runs(d, data) -> None:
 
     trained = config_from_dict(micro_dict(data, train={"steps": 30})).to_dict()
 
-    def run(name, config=trained, prov=None, text=None):
+    def run(name, config=trained, prov=None, text=None, tok=data / "tokenizer-512.json",
+            meta=None):
         ckpt = d / name / "checkpoints" / "step_00000030"
         ckpt.mkdir(parents=True)
-        (ckpt / "meta.json").write_text(json.dumps({"step": 30, "config": trained}))
+        (ckpt / "meta.json").write_text(json.dumps({"step": 30, "config": trained, **(meta or {})}))
         (ckpt / "manifest.json").write_text("{}")
         if config is not None:
             (d / name / "config.yaml").write_text(text or yaml.safe_dump(config))
-        shutil.copyfile(data / "tokenizer-512.json", d / name / "tokenizer.json")
+        if tok:
+            shutil.copyfile(tok, d / name / "tokenizer.json")
         if prov:
             (d / name / "provenance.json").write_text(json.dumps(prov))
 
@@ -114,6 +116,49 @@ def _identity_runs(d, data) -> None:
     run("othertok", prov={"tokenizer_sha256": "1" * 64, "tokenizer_vocab": 512})
     run("smallvocab", changed("model", vocab_size=300))
     run("badcfg", text="model: [d_model\n")
+    _rebuilt_data_runs(d, data, run, changed)
+
+
+def _data_folder(d, data, name, tok) -> str:
+    """A data folder holding the session's corpus and ``tok`` as its own tokenizer.json."""
+    import shutil
+
+    shutil.copytree(data / "corpus", d / name / "corpus")
+    shutil.copyfile(tok, d / name / "tokenizer.json")
+    return str(d / name)
+
+
+def _rebuilt_data_runs(d, data, run, changed) -> None:
+    """Runs whose data folder was rebuilt with another tokenizer (of another size, or of the
+    same size with two ids swapped), or moved away; some without provenance.json."""
+    import json
+
+    from moelab.data.tokenizer import load_tokenizer, tokenizer_sha256, train_tokenizer
+    from moelab.run.identity import data_record
+
+    train_tokenizer(data / "corpus", d / "tok300.json", vocab_size=300)
+    tok = json.loads((data / "tokenizer-512.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "swapped.json").write_text(json.dumps(tok))
+    tok512 = load_tokenizer(data / "tokenizer-512.json")
+    own = {"tokenizer_sha256": tokenizer_sha256(tok512), "tokenizer_vocab": 512}  # meta.json's
+    index = json.loads(next(data.glob("tokens-*/index.json")).read_text())
+    rec = data_record(index["corpus_fingerprint"], tok512, "0" * 16, data)
+
+    def on(folder):  # the run's config and record, its data folder ``folder``
+        return changed("data", data_dir=folder), {**rec, "data_dir": folder}
+
+    cfg, prov = on(_data_folder(d, data, "data300", d / "tok300.json"))
+    run("vocab300", cfg, prov)
+    cfg, prov = on(str(d / "movedaway"))
+    run("moved", cfg, prov)
+    run("notok", prov=rec, tok=None)
+    run("swapped", tok=d / "swapped.json", meta=own)
+    cfg, _ = on(_data_folder(d, data, "dataswap", d / "swapped.json"))
+    run("noprov", cfg, meta=own)
+    run("noprovold", cfg)
 
 
 def _write_bound_files(d) -> None:
@@ -358,6 +403,31 @@ RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
     (["generate", "{d}/smallvocab"], 2, "(512 tokens) here, a model of 300 tokens"),
     (["generate", "{d}/badcfg"], 2, "{d}/badcfg/config.yaml: invalid YAML: line 2"),
     (["export", "{d}/badcfg", "{d}/ex2", "--to", "hf"], 2, "{d}/badcfg/config.yaml: invalid YAML"),
+    # the data folder rebuilt with a tokenizer of another size: the data change first, then
+    # the size a resume cannot change (not a vocab_size to set)
+    (["train", "{d}/vocab300/config.yaml", "--run-dir", "{d}/vocab300"], 2,
+     "{d}/data300 is not what this run trained on: tokenizer sha256 "),
+    (["resume", "{d}/vocab300", "--accept-data-change"], 2, "{d}/data300/tokenizer.json: 300 "
+     "tokens, but the model of {d}/vocab300 has 512: a model's vocabulary cannot change on "
+     "resume; train this data in a new run (another --run-dir), or point data.tokenizer at "
+     "the run's own tokenizer ({d}/vocab300/tokenizer.json)"),
+    # a moved data folder: refused before the built-in corpus is built in its place
+    (["resume", "{d}/moved"], 2, "data.data_dir={d}/movedaway: holds no corpus, so it is not "
+     "the data {d}/moved trained on (recorded in {d}/movedaway); restore that folder, or "
+     "point data.data_dir at where it moved (`moelab resume {d}/moved data.data_dir=NEW`)"),
+    # a deleted tokenizer.json: the recorded one to copy back, and where it is
+    (["generate", "{d}/notok"], 2, "{d}/notok/tokenizer.json: not found; copy back the "
+     "tokenizer this run trained with, sha256 "),
+    (["generate", "{d}/notok"], 2, "(provenance.json): {data}/tokenizer-512.json holds it"),
+    # no provenance.json: the checkpoint's meta.json, else the run's tokenizer.json, records it
+    (["generate", "{d}/swapped"], 2, "(512 tokens) recorded in the meta.json of step 30; copy "
+     "the run's own tokenizer back: {data}/tokenizer-512.json holds it"),
+    (["export", "{d}/swapped", "{d}/ex3", "--to", "hf"], 2, "{d}/swapped/tokenizer.json: not "
+     "the tokenizer this run trained with"),
+    (["resume", "{d}/noprov"], 2, "{d}/dataswap is not what this run trained on: tokenizer "
+     "sha256 "),
+    (["resume", "{d}/noprov"], 2, "(the run's record: the meta.json of step 30)"),
+    (["resume", "{d}/noprovold"], 2, "(the run's record: its tokenizer.json)"),
 ]
 
 BIG = "3000000000 is more steps than the jitted step counter holds"

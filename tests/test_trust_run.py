@@ -115,3 +115,38 @@ def test_only_the_recorded_tokenizer_reads_a_run(run):
     with pytest.raises(ConfigError, match=r"tokenizer.json: not the tokenizer this run trained "
                                           r"with: \w+ \(512 tokens\) here"):
         check_run_tokenizer(run, load_tokenizer(run / "tokenizer.json"), 512)
+
+
+def test_each_checkpoint_records_its_tokenizer_and_names_it_when_the_copy_is_gone(
+        run, data_dir):  # noqa: F811
+    """meta.json holds the tokenizer's hash and size; with the run's tokenizer.json deleted,
+    loading names that hash and the data folder's file that has it (not a new tokenizer)."""
+    from moelab.run.load import load_run
+
+    prov = read_provenance(run)
+    for meta in run.glob("checkpoints/step_*/meta.json"):
+        rec = json.loads(meta.read_text())
+        assert (rec["tokenizer_sha256"], rec["tokenizer_vocab"]) == (prov["tokenizer_sha256"], 512)
+    (run / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=f"sha256 {prov['tokenizer_sha256']} \\(the meta.json "
+                                          f"of step 30\\): {data_dir}/tokenizer-512.json holds"):
+        load_run(run)
+
+
+def test_without_provenance_a_resume_compares_the_data_with_the_checkpoint_record(
+        run, data_dir, tmp_path):  # noqa: F811
+    """provenance.json deleted, the data folder's tokenizer replaced by another of the same
+    size: refused (the newest meta.json records the run's), and tokenizer.json kept."""
+    (run / "provenance.json").unlink()
+    other = shutil.copytree(data_dir, tmp_path / "other")
+    tok = json.loads((other / "tokenizer-512.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    copy = (run / "tokenizer.json").read_bytes()
+    cfg = recovered_config(run, [f"data.data_dir={other}"])
+    with pytest.raises(ConfigError, match=r"tokenizer sha256 \w+ recorded, \w+ now \(the run's "
+                                          r"record: the meta.json of step 30\)"):
+        _setup(cfg, run)
+    assert (run / "tokenizer.json").read_bytes() == copy

@@ -5,8 +5,11 @@ before anything trains on the run or reads it.
   absolute data folder. A resume or a branch on other data is refused unless the change is
   accepted (``--accept-data-change``), and then it is logged; a run recorded by an older moelab
   has no such record: its data is "unknown", recorded at its next start.
-- Tokenizer: the run folder's ``tokenizer.json`` (what generate, eval and export read) must be
-  the one recorded.
+- Tokenizer: each checkpoint's ``meta.json`` also records the tokenizer it was trained with; the
+  run folder's ``tokenizer.json`` (what generate, eval and export read) must be that one (or,
+  for a checkpoint without it, the one in ``provenance.json``). Where ``provenance.json`` lost
+  its record, the newest meta.json (else the run's tokenizer.json copy) stands in for it.
+- Vocabulary: a resume keeps the model's size, so data whose tokenizer has another is refused.
 - Config: each checkpoint's ``meta.json`` holds the config it was trained with; the newest one
   is what ``config.yaml`` is compared with (moelab.train.resume), or recovered from when the
   file was deleted.
@@ -18,8 +21,9 @@ import json
 from pathlib import Path
 
 from moelab.config import ConfigError
+from moelab.data.errors import DataError
 from moelab.data.prepare import vocab_needed
-from moelab.data.tokenizer import tokenizer_sha256
+from moelab.data.tokenizer import load_tokenizer, tokenizer_sha256
 from moelab.run.checkpoint import META_FILE, Checkpointer
 
 PROVENANCE = "provenance.json"
@@ -44,11 +48,38 @@ def read_provenance(run_dir: Path | str) -> dict:
     return data
 
 
+def tokenizer_record(tok) -> dict:
+    """What names a tokenizer in provenance.json and in each checkpoint's meta.json."""
+    return {"tokenizer_sha256": tokenizer_sha256(tok), "tokenizer_vocab": vocab_needed(tok)}
+
+
 def data_record(corpus_fingerprint: str, tok, store_fingerprint: str, data_dir: Path) -> dict:
     """What provenance.json records of the data a run trains on."""
-    return {"corpus_fingerprint": corpus_fingerprint, "tokenizer_sha256": tokenizer_sha256(tok),
-            "tokenizer_vocab": vocab_needed(tok), "data_fingerprint": store_fingerprint,
-            "data_dir": str(Path(data_dir).resolve())}
+    return {"corpus_fingerprint": corpus_fingerprint, **tokenizer_record(tok),
+            "data_fingerprint": store_fingerprint, "data_dir": str(Path(data_dir).resolve())}
+
+
+def _file_sha(path: Path) -> str | None:
+    """The tokenizer hash of ``path``; None when it is missing or no tokenizer."""
+    try:
+        return tokenizer_sha256(load_tokenizer(path)) if path.is_file() else None
+    except DataError:
+        return None
+
+
+def run_data_record(run_dir: Path | str) -> dict:
+    """The run's record of its data: provenance.json; where that names no tokenizer (deleted,
+    or a run of an older moelab), the newest checkpoint's meta.json, else the run's own
+    tokenizer.json copy, names it ("tokenizer_from" says which)."""
+    rec = read_provenance(run_dir)
+    if rec.get("tokenizer_sha256"):
+        return rec
+    got = checkpoint_meta(run_dir)
+    if got and got[1].get("tokenizer_sha256"):
+        return {**rec, "tokenizer_sha256": got[1]["tokenizer_sha256"],
+                "tokenizer_from": f"the {META_FILE} of step {got[0]}"}
+    sha = _file_sha(Path(run_dir) / "tokenizer.json")
+    return {**rec, "tokenizer_sha256": sha, "tokenizer_from": "its tokenizer.json"} if sha else rec
 
 
 def compared_fields(recorded: dict) -> tuple[str, ...]:
@@ -72,6 +103,8 @@ def data_change_message(run_dir: Path | str, recorded: dict, changes: dict, data
     """One line: which fingerprint changed (recorded vs now), where, and the two ways on."""
     what = "; ".join(f"{f.replace('_', ' ')} {_short(a)} recorded, {_short(b)} now"
                      for f, (a, b) in changes.items())
+    if recorded.get("tokenizer_from"):
+        what += f" (the run's record: {recorded['tokenizer_from']})"
     was = recorded.get("data_dir")
     where = f" (recorded in {was})" if was and str(was) != str(data_dir) else ""
     return (f"{run_dir}: the data in {data_dir} is not what this run trained on{where}: {what}. "
@@ -88,31 +121,104 @@ def check_data(run_dir: Path | str, recorded: dict, now: dict, data_dir, accept:
     return changes
 
 
-def check_run_tokenizer(run_dir: Path | str, tok, vocab_size: int) -> None:
-    """Refuse a run folder whose tokenizer.json is not the one the run trained with: another
-    size, or another tokenizer of the same size (its hash against provenance.json)."""
-    path = Path(run_dir) / "tokenizer.json"
+def check_data_found(run_dir: Path | str, recorded: dict, now: dict, data_dir) -> None:
+    """Refuse a run with a data record whose data folder holds no corpus (moved or deleted)
+    before anything is built there: the built-in corpus would never be the run's."""
+    if compared_fields(recorded) and "corpus_fingerprint" not in now:
+        was = recorded.get("data_dir") or data_dir
+        raise ConfigError(f"data.data_dir={data_dir}: holds no corpus, so it is not the data "
+                          f"{run_dir} trained on (recorded in {was}); restore that folder, or "
+                          f"point data.data_dir at where it moved (`moelab resume {run_dir} "
+                          "data.data_dir=NEW`), whose data is then checked against the record")
+
+
+def check_vocab_kept(run_dir: Path | str, vocab_size: int, tok_path: Path | None) -> None:
+    """A resume keeps the model's vocabulary: refuse a tokenizer of another size (an accepted
+    data change may bring one)."""
+    if tok_path is None or not vocab_size:
+        return
+    size = vocab_needed(load_tokenizer(tok_path))
+    if size != vocab_size:
+        raise ConfigError(f"{tok_path}: {size} tokens, but the model of {run_dir} has "
+                          f"{vocab_size}: a model's vocabulary cannot change on resume; train "
+                          "this data in a new run (another --run-dir), or point data.tokenizer "
+                          f"at the run's own tokenizer ({Path(run_dir) / 'tokenizer.json'})")
+
+
+def trained_tokenizer(run_dir: Path | str, step: int | None = None) -> tuple[dict, str]:
+    """(the tokenizer record, where it is) the run's checkpoint ``step`` (the newest by
+    default) was trained with: its meta.json's, else provenance.json's (a checkpoint of an
+    older moelab); ({}, "") without either. The meta wins: it records that checkpoint's
+    weights, and provenance.json names the data from the latest start on."""
+    got = checkpoint_meta(run_dir, step)
+    if got and got[1].get("tokenizer_sha256"):
+        return got[1], f"the {META_FILE} of step {got[0]}"
     rec = read_provenance(run_dir)
+    return (rec, PROVENANCE) if rec.get("tokenizer_sha256") else ({}, "")
+
+
+def check_run_tokenizer(run_dir: Path | str, tok, vocab_size: int, step: int | None = None,
+                        data_dir=None) -> None:
+    """Refuse a run folder whose tokenizer.json is not the one checkpoint ``step`` trained
+    with: another size, or another tokenizer of the same size (its recorded hash)."""
+    path = Path(run_dir) / "tokenizer.json"
+    rec, where = trained_tokenizer(run_dir, step)
     sha, size = tokenizer_sha256(tok), vocab_needed(tok)
     want = rec.get("tokenizer_sha256")
     if sha == want or (not want and size <= vocab_size):  # an older run: the size alone
         return
-    recorded = (f"{_short(want)} ({rec.get('tokenizer_vocab', '?')} tokens) recorded in "
-                f"{PROVENANCE}" if want else f"a model of {vocab_size} tokens")
+    if not want:
+        raise ConfigError(f"{path}: not the tokenizer this run trained with: {_short(sha)} "
+                          f"({size} tokens) here, a model of {vocab_size} tokens; copy the "
+                          "run's own tokenizer back (its data folder's tokenizer)")
     raise ConfigError(f"{path}: not the tokenizer this run trained with: {_short(sha)} ({size} "
-                      f"tokens) here, {recorded}; copy the run's own tokenizer back (its data "
-                      "folder's tokenizer with that hash)")
+                      f"tokens) here, {_short(want)} ({rec.get('tokenizer_vocab', '?')} tokens) "
+                      f"recorded in {where}; copy the run's own tokenizer back"
+                      + _holder(run_dir, want, data_dir))
+
+
+def _holder(run_dir: Path | str, sha: str, data_dir) -> str:
+    """Where the tokenizer with hash ``sha`` is: a tokenizer*.json of the run's recorded data
+    folder (else ``data_dir``), or that none there has it."""
+    folder = read_provenance(run_dir).get("data_dir") or data_dir
+    if not folder:
+        return " (its data folder's tokenizer with that hash)"
+    found = next((p for p in sorted(Path(folder).glob("tokenizer*.json")) if _file_sha(p) == sha),
+                 None)
+    return (f": {found} holds it" if found else f"; {folder} holds none with that hash, find "
+            "the tokenizer.json that has it")
+
+
+def missing_tokenizer_message(run_dir: Path | str, step: int | None, data_dir) -> str:
+    """The run's tokenizer.json is gone: which one to copy back (its recorded hash) and, when
+    the recorded data folder (else ``data_dir``) holds it, where."""
+    path = Path(run_dir) / "tokenizer.json"
+    rec, where = trained_tokenizer(run_dir, step)
+    want = rec.get("tokenizer_sha256")
+    if not want:
+        return (f"{path}: not found; copy back the tokenizer this run trained with (the "
+                f"tokenizer.json of its data folder {data_dir})")
+    return (f"{path}: not found; copy back the tokenizer this run trained with, sha256 {want} "
+            f"({where})" + _holder(run_dir, want, data_dir))
+
+
+def checkpoint_meta(run_dir: Path | str, step: int | None = None) -> tuple[int, dict] | None:
+    """(step, meta) of checkpoint ``step`` or, by default, of the newest whose meta.json reads
+    and holds its config; None without one. Only the meta is read: a restore checks the
+    checkpoint itself."""
+    ckpt = Checkpointer(Path(run_dir) / "checkpoints")
+    for s in reversed(ckpt.steps()) if step is None else [step]:
+        try:
+            meta = json.loads((ckpt.step_dir(s) / META_FILE).read_text())
+        except (OSError, ValueError):
+            continue  # damaged or missing: a restore skips or names it
+        if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
+            return s, meta
+    return None
 
 
 def checkpoint_config(run_dir: Path | str) -> tuple[int, dict] | None:
     """(step, config) saved with the newest checkpoint whose meta.json reads; None without
-    one. Only the meta is read: a restore checks the checkpoint itself."""
-    ckpt = Checkpointer(Path(run_dir) / "checkpoints")
-    for step in reversed(ckpt.steps()):
-        try:
-            meta = json.loads((ckpt.step_dir(step) / META_FILE).read_text())
-        except (OSError, ValueError):
-            continue  # damaged: a restore skips it too
-        if isinstance(meta, dict) and isinstance(meta.get("config"), dict):
-            return step, meta["config"]
-    return None
+    one."""
+    got = checkpoint_meta(run_dir)
+    return (got[0], got[1]["config"]) if got else None

@@ -14,12 +14,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from moelab.config import RunConfig, load_run_config
+from moelab.config import ConfigError, RunConfig, load_run_config
 from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
 from moelab.generate import make_sampler
 from moelab.model import transformer as tr
 from moelab.run.checkpoint import Checkpointer, CheckpointError
-from moelab.run.identity import check_run_tokenizer
+from moelab.run.identity import (
+    check_run_tokenizer,
+    checkpoint_meta,
+    missing_tokenizer_message,
+)
 from moelab.util import is_url
 
 
@@ -55,10 +59,14 @@ def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
     cfg = load_run_config(run_dir)  # a damaged file: one line naming it
     tok_path = run_dir / "tokenizer.json"
     tok = load_tokenizer(tok_path) if tok_path.is_file() else None
-    if tok is not None:  # another tokenizer is refused before any restoring
-        check_run_tokenizer(run_dir, tok, cfg.model.vocab_size)
+    # another tokenizer, or none (with a checkpoint to name its hash), before any restoring
+    if tok is not None:
+        check_run_tokenizer(run_dir, tok, cfg.model.vocab_size, step, cfg.data.data_dir)
+    elif checkpoint_meta(run_dir, step) is not None:
+        raise ConfigError(missing_tokenizer_message(run_dir, step, cfg.data.data_dir))
     step, state, _ = restore_state(run_dir, cfg, step)
-    tok = tok or load_tokenizer(tok_path)  # a missing one is named after the checkpoint
+    if tok is None:
+        raise ConfigError(missing_tokenizer_message(run_dir, step, cfg.data.data_dir))
     return LoadedRun(cfg, step, state["params"], state["model_state"], tok)
 
 

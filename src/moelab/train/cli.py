@@ -8,10 +8,11 @@ import argparse
 import functools
 from pathlib import Path
 
+from moelab.config import load_config, split_overrides
 from moelab.config.cli import EPILOG_OVERRIDES, config_epilog
 from moelab.config.docs import describe_config
 from moelab.config.errors import require
-from moelab.data.prepare import resolve_config
+from moelab.data.prepare import resolve_config, with_tokenizer_vocab
 from moelab.util import is_url, url_fs
 
 
@@ -27,15 +28,22 @@ def _check_options(args) -> None:
             "train` exits; give a folder, or a gs://, s3:// or file:// URL")
 
 
+def _resolved_vocab(cfg, run_dir):
+    """``cfg`` with model.vocab_size from its tokenizer, checked now unless ``run_dir`` has
+    checkpoints: a resume compares its data with the run's record first (train.setup)."""
+    from moelab.train.resume import resume_step
+
+    if not is_url(run_dir) and resume_step(run_dir) is not None:
+        return cfg
+    return with_tokenizer_vocab(cfg)
+
+
 def cmd_train(args, attach_record) -> int:
     from moelab.train.loop import format_summary, train
 
     _check_options(args)
-    source, cfg = resolve_config(args.config, args.overrides)
-    if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
-        from moelab.parallel.distributed import initialize
-
-        initialize(args.coordinator, args.num_processes, args.process_id)
+    source, overrides = split_overrides(args.config, args.overrides)
+    cfg = load_config(source, overrides)
     if is_url(args.run_dir):  # gs://, s3://...: mirrored through a local copy (run/remote.py)
         url_fs(args.run_dir)  # an unknown protocol or a missing package, before any work
         require(not args.record, f"--record {args.record}", "reads the run folder from this "
@@ -45,6 +53,11 @@ def cmd_train(args, attach_record) -> int:
         run_dir = Path(args.run_dir or Path("runs") / Path(source).stem)
         require(not run_dir.exists() or run_dir.is_dir(), f"--run-dir {run_dir}",
                 "a file is in the way; give a folder (it is created when missing)")
+    cfg = _resolved_vocab(cfg, run_dir)
+    if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
+        from moelab.parallel.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id)
     if args.record:
         attach_record(args.record, run_dir, args.arm)
     summary = train(cfg, run_dir, accept_data_change=args.accept_data_change)

@@ -200,7 +200,7 @@ def _save(run: RunSetup, p: _Progress, wait: bool = True) -> None:
     _check_finite(run, p)
     meta = {"step": p.step, "data": run.sampler.state(), "config": run.cfg.to_dict(),
             "metrics": {k: float(v) for k, v in p.metrics.items()},
-            "eval_pending": p.eval_pending}
+            "eval_pending": p.eval_pending, **run.tok_record}
     try:
         run.ckpt.save(p.step, p.state, meta, wait=wait)
     except CheckpointError:  # an earlier background save failed: reported with its own step

@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import RunConfig, save_config
-from moelab.data.prepare import PreparedData, data_identity, prepare_data, with_tokenizer_vocab
+from moelab.data.prepare import (
+    PreparedData,
+    data_identity,
+    given_tokenizer,
+    prepare_data,
+    with_tokenizer_vocab,
+)
 from moelab.data.sampler import SteppedSampler
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import load_tokenizer
@@ -29,9 +35,13 @@ from moelab.run.checkpoint import Checkpointer, CheckpointError
 from moelab.run.identity import (
     DATA_FIELDS,
     check_data,
+    check_data_found,
+    check_vocab_kept,
+    checkpoint_config,
     compared_fields,
     data_record,
-    read_provenance,
+    run_data_record,
+    tokenizer_record,
 )
 from moelab.run.logs import JsonlTracker
 from moelab.run.provenance import provenance
@@ -68,6 +78,7 @@ class RunSetup:
     data: PreparedData
     store: TokenStore
     tok: Any  # the tokenizer
+    tok_record: dict  # its hash and size, saved in each checkpoint's meta.json
     sampler: SteppedSampler
     ckpt: Checkpointer
     put_batch: Callable  # a host batch onto the device(s), sharded over the mesh if any
@@ -175,6 +186,18 @@ def _checked_data(cfg: RunConfig, run_dir: Path, recorded: dict, store: TokenSto
     return now, changes
 
 
+def _check_resume_data(cfg: RunConfig, run_dir: Path, recorded: dict, accept: bool) -> None:
+    """What the data folder holds now against the run's record, before anything is built or
+    its config compared: found, unchanged (or the change accepted), of the model's size."""
+    now = data_identity(cfg.data, cfg.model.vocab_size)
+    check_data_found(run_dir, recorded, now, cfg.data.data_dir)
+    check_data(run_dir, recorded, now, cfg.data.data_dir, accept)
+    trained = checkpoint_config(run_dir)
+    if trained is not None:
+        check_vocab_kept(run_dir, trained[1].get("model", {}).get("vocab_size", 0),
+                         given_tokenizer(cfg.data))
+
+
 def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None,
               accept_data_change: bool = False) -> tuple[RunSetup, dict]:
     """(the run's setup, the train state to start from) for training ``cfg`` in ``run_dir``;
@@ -184,10 +207,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     check_trackers(cfg)
     cfg = absolute_data(cfg)  # the run's own data, wherever it is resumed from
     at = resume_step(run_dir)  # None: nothing trained yet, any data may (re)start it
-    recorded = read_provenance(run_dir) if at is not None else {}
+    recorded = run_data_record(run_dir) if at is not None else {}
     # refused before anything is built, from what the data folder holds now
-    check_data(run_dir, recorded, data_identity(cfg.data, cfg.model.vocab_size),
-               cfg.data.data_dir, accept_data_change)
+    _check_resume_data(cfg, run_dir, recorded, accept_data_change)
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
     cfg = transport.check_config(resolve_run_config(cfg, run_dir))  # before any work
     main = is_main()  # with several processes, process 0 alone writes the run folder
@@ -231,7 +253,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     counts, peak = _model_costs(cfg, mesh, say)
     step_fn, eval_fn = _step_functions(cfg, mesh, state_sh, say)
     run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
-                   tok=tok, sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
+                   tok=tok, tok_record=tokenizer_record(tok), sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
                    restored=restored is not None, eval_pending=bool(meta.get("eval_pending")),
                    trackers=trackers, hardware=hardware, counts=counts, peak=peak,
                    step_fn=step_fn, eval_fn=eval_fn)
