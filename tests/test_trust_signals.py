@@ -210,3 +210,33 @@ def test_wandb_init_waits_a_bounded_time_and_says_what_to_do(tmp_path, monkeypat
         "initialization has timed out after 60.0 sec. Please refer to the documentation for "
         "additional information); check the network (or raise WANDB_INIT_TIMEOUT), or set "
         "WANDB_MODE=offline to log locally and `wandb sync` later")
+
+
+def test_a_coordinator_that_never_answers_is_one_line_after_the_timeout(capsys):
+    """Process 1 with nobody at --coordinator: JAX waited minutes, then aborted natively."""
+    t0 = time.perf_counter()
+    rc, _, err = run_main(["train", "tiny", "--coordinator", "127.0.0.1:1", "--num-processes",
+                           "2", "--process-id", "1", "--coordinator-timeout", "1.5"], capsys)
+    assert rc == 2 and time.perf_counter() - t0 < 30, err
+    assert err.splitlines() == [
+        "waiting up to 1.5 s for the coordinator 127.0.0.1:1 (process 0) to answer",
+        "moelab: error: --coordinator 127.0.0.1:1: no answer within 1.5 s; start process 0 "
+        "(--process-id 0) with the same --coordinator, check HOST:PORT and that the port is "
+        "open to this host, or wait longer with --coordinator-timeout"]
+
+
+def test_waiting_for_the_coordinator_ends_once_it_listens(capsys):
+    import socket
+    import threading
+
+    from moelab.parallel.distributed import wait_for_coordinator
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        late = threading.Timer(0.7, server.listen)  # process 0 comes up a little later
+        late.start()
+        t0 = time.perf_counter()
+        wait_for_coordinator(f"127.0.0.1:{port}", timeout=20)
+        late.join()
+    assert 0.6 < time.perf_counter() - t0 < 10
