@@ -456,6 +456,14 @@ BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
      "--coordinator bogus.invalid:8476: host 'bogus.invalid' not found"),
     (["train", "tiny", "--run-dir", "memory://runs/x"], 2,
      "--run-dir memory://runs/x: memory:// lives only inside this process"),
+    # overrides after an option join those before it, in order (the last one counts)
+    (["train", "tiny", "--run-dir", "{d}/r6", "train.steps=3e9"], 2, f"train.steps: {BIG}"),
+    (["train", "tiny", "train.steps=5", "--run-dir", "{d}/r6", "train.steps=3e9"], 2,
+     f"train.steps: {BIG}"),
+    (["resume", RUN, "--accept-data-change", "train.steps=3e9"], 2, f"train.steps: {BIG}"),
+    (["plan", "tiny", "--accelerator", "h100", "model.n_experts=abc"], 2,
+     "model.n_experts: expected an integer, got 'abc'"),
+    (["train", "tiny", "--run-dir", "{d}/r6", "stray"], 2, "unrecognized arguments: stray"),
 ]
 
 DROPS = ["drops", RUN, "--seq-len", "64"]

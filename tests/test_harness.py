@@ -177,13 +177,15 @@ def test_evaluation_is_offline_and_restores_the_settings(monkeypatch):
     assert datasets.config.HF_HUB_OFFLINE is False and "HF_HUB_OFFLINE" not in os.environ
 
 
-def test_eval_command_runs_the_local_tasks(trained, tmp_path, capsys):
+def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch):
     assert local_task_names() == sorted(LOCAL_TASKS + ["moelab_local"])
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
+    monkeypatch.chdir(tmp_path)  # no git repository: git says nothing on stderr (capfd sees it)
     rc, out, err = run_main(["eval", str(run_dir), "--tasks", "moelab_local", "--limit", "3",
-                             "--batch-size", "4"], capsys)
+                             "--batch-size", "4"], capfd)
     assert rc == 0, err
+    assert "fatal:" not in err, err
     table = "\n".join(line for line in out.splitlines() if line.startswith("|"))
     for name in LOCAL_TASKS + ["acc_norm", "word_perplexity", "bits_per_byte", "exact_match"]:
         assert name in table, out

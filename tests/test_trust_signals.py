@@ -162,3 +162,81 @@ def test_the_bounds_let_their_largest_value_and_every_host_form_through():
     assert (cfg.train.steps, cfg.train.ckpt_every) == (INT32_MAX, 2_000_000_000)
     for address in ("localhost:8476", "127.0.0.1:1", "[::1]:65535"):
         check_coordinator(address)
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"WANDB_API_KEY": "bogus123"}, "WANDB_API_KEY: refused by wandb (WANDB_API_KEY invalid: "
+     "API key must have 40+ characters, has 8.); set WANDB_API_KEY to your key from "),
+    ({"WANDB_MODE": "bogus"}, "WANDB_MODE=bogus: not a W&B mode; set it to online, offline or "
+     "disabled, or unset it"),
+    ({"WANDB_INIT_TIMEOUT": "soon"}, "WANDB_INIT_TIMEOUT=soon: seconds that wandb.init waits"),
+], ids=["key", "mode", "timeout"])
+def test_bad_wandb_settings_are_one_line_and_no_run_folder(env, line, tmp_path, monkeypatch,
+                                                           capsys, refuse_work):  # noqa: F811
+    pytest.importorskip("wandb")
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "NETRC"):  # the tests' WANDB_MODE=offline too
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    run = tmp_path / "r"
+    rc, _, err = run_main(["train", "tiny", "train.wandb=true", "--run-dir", str(run)], capsys)
+    assert rc == 2 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1].startswith(f"moelab: error: {line}"), err
+    assert not run.exists()
+
+
+def test_wandb_init_waits_a_bounded_time_and_says_what_to_do(tmp_path, monkeypatch):
+    """No network: wandb.init gives up after its init_timeout (a CommError, here raised by a
+    stand-in, as the real one needs a minute without network); that is one line."""
+    wandb = pytest.importorskip("wandb")
+    from moelab.train.tracker import INIT_TIMEOUT_S, WandbTracker
+
+    asked = {}
+
+    def no_answer(**kw):
+        asked.update(kw)
+        raise wandb.errors.CommError("Run initialization has timed out after 60.0 sec.\nPlease "
+                                     "refer to the documentation for additional information")
+
+    monkeypatch.setattr(wandb, "init", no_answer)
+    monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
+    with pytest.raises(ConnectionError) as e:
+        WandbTracker("p", tmp_path, {}, "r")
+    assert asked["settings"].init_timeout == INIT_TIMEOUT_S <= 120
+    assert str(e.value) == (
+        f"train.wandb=true: no answer from the W&B server within {INIT_TIMEOUT_S:g} s (Run "
+        "initialization has timed out after 60.0 sec. Please refer to the documentation for "
+        "additional information); check the network (or raise WANDB_INIT_TIMEOUT), or set "
+        "WANDB_MODE=offline to log locally and `wandb sync` later")
+
+
+def test_a_coordinator_that_never_answers_is_one_line_after_the_timeout(capsys):
+    """Process 1 with nobody at --coordinator: JAX waited minutes, then aborted natively."""
+    t0 = time.perf_counter()
+    rc, _, err = run_main(["train", "tiny", "--coordinator", "127.0.0.1:1", "--num-processes",
+                           "2", "--process-id", "1", "--coordinator-timeout", "1.5"], capsys)
+    assert rc == 2 and time.perf_counter() - t0 < 30, err
+    assert err.splitlines() == [
+        "waiting up to 1.5 s for the coordinator 127.0.0.1:1 (process 0) to answer",
+        "moelab: error: --coordinator 127.0.0.1:1: no answer within 1.5 s; start process 0 "
+        "(--process-id 0) with the same --coordinator, check HOST:PORT and that the port is "
+        "open to this host, or wait longer with --coordinator-timeout"]
+
+
+def test_waiting_for_the_coordinator_ends_once_it_listens(capsys):
+    import socket
+    import threading
+
+    from moelab.parallel.distributed import wait_for_coordinator
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        late = threading.Timer(0.7, server.listen)  # process 0 comes up a little later
+        late.start()
+        t0 = time.perf_counter()
+        wait_for_coordinator(f"127.0.0.1:{port}", timeout=20)
+        late.join()
+    assert 0.6 < time.perf_counter() - t0 < 10

@@ -10,6 +10,7 @@ a layer it needs is handed that piece here: ``train --record`` attaches through 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from moelab import generate
@@ -60,8 +61,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")  # section.field=value
+
+
+def place_overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
+    """Overrides given after an option (``train CFG --run-dir R train.steps=5``) join the
+    command's ``overrides`` list, after those before it; returns what is left unrecognized."""
+    if not hasattr(args, "overrides"):
+        return extra
+    args.overrides = [*args.overrides, *(a for a in extra if OVERRIDE.match(a))]
+    return [a for a in extra if not OVERRIDE.match(a)]
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    extra = place_overrides(args, extra)
+    if extra:  # what parse_args would refuse
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.argv = ["moelab", *(sys.argv[1:] if argv is None else argv)]  # recorded by operations
     try:
         with sigterm_raises():  # so that cleanup runs on SIGTERM as on Ctrl-C

@@ -13,7 +13,8 @@ from moelab.config.docs import section_classes, section_doc
 from moelab.config.io import preset_names
 
 EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE arguments after the "
-                    "config, e.g. `moelab train tiny train.steps=100 model.n_experts=16`.")
+                    "config (before or after the options), e.g. `moelab train tiny "
+                    "train.steps=100 model.n_experts=16`.")
 
 
 def config_epilog() -> str:

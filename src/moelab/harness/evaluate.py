@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import re
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Sequence
@@ -64,6 +65,37 @@ def offline():
                 os.environ[k] = v
 
 
+def git_hash() -> str | None:
+    """The harness's git_hash entry (``git describe --always`` in the current folder, else the
+    .git files it finds), without git's "fatal: not a git repository" on stderr."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        out = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        out = None
+    if out is not None and out.returncode == 0:
+        return out.stdout.strip()
+    return get_commit_from_path(os.getcwd())
+
+
+@contextlib.contextmanager
+def quiet_git():
+    """simple_evaluate asks git for the current folder's commit, and git complains on stderr
+    where that is no repository; use ``git_hash`` instead while evaluating."""
+    from lm_eval import evaluator
+
+    saved = getattr(evaluator, "get_git_commit_hash", None)
+    if saved is not None:
+        evaluator.get_git_commit_hash = git_hash
+    try:
+        yield
+    finally:
+        if saved is not None:
+            evaluator.get_git_commit_hash = saved
+
+
 def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None = None,
                  batch_size: int = 8, num_fewshot: int | None = None, step: int | None = None,
                  include_paths: Sequence[Path] = ()) -> dict:
@@ -79,7 +111,7 @@ def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None
     from moelab.harness.registry import render_local_tasks, task_manager
     from moelab.run.load import load_run
 
-    with offline(), tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
+    with offline(), quiet_git(), tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
         manager = task_manager(tasks, include_paths, render_local_tasks(Path(tmp)))
         run = load_run(run_dir, step=step)  # a folder or a run URL
         results = simple_evaluate(MoelabLM(run, batch_size=batch_size), tasks=list(tasks),

@@ -22,6 +22,9 @@ def _check_options(args) -> None:
 
     if args.coordinator is not None:  # a bad one makes JAX wait minutes, then crash
         check_coordinator(args.coordinator)
+    require(args.coordinator_timeout is None or args.coordinator_timeout > 0,
+            f"--coordinator-timeout {args.coordinator_timeout}", "seconds to wait for process 0 "
+            "to answer: give a number > 0")
     # memory:// is fsspec's in-process filesystem: fine from Python (tests), lost at exit here
     require(not str(args.run_dir).startswith("memory://"), f"--run-dir {args.run_dir}",
             "memory:// lives only inside this process, so the run would be gone when `moelab "
@@ -57,7 +60,8 @@ def cmd_train(args, attach_record) -> int:
     if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
         from moelab.parallel.distributed import initialize
 
-        initialize(args.coordinator, args.num_processes, args.process_id)
+        initialize(args.coordinator, args.num_processes, args.process_id,
+                   timeout=args.coordinator_timeout)
     if args.record:
         attach_record(args.record, run_dir, args.arm)
     summary = train(cfg, run_dir, accept_data_change=args.accept_data_change)
@@ -106,6 +110,9 @@ def register_train(sub, attach_record) -> None:
                     "--process-id, for clusters JAX does not detect)")
     mp.add_argument("--num-processes", type=int)
     mp.add_argument("--process-id", type=int)
+    mp.add_argument("--coordinator-timeout", type=float, metavar="SECONDS",
+                    help="how long the other processes wait for process 0 to answer at "
+                    "--coordinator (default 300, JAX's own initialization timeout)")
     t.set_defaults(fn=functools.partial(cmd_train, attach_record=attach_record))
 
 

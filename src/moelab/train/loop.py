@@ -40,6 +40,7 @@ from moelab.run.lock import run_lock
 from moelab.train.heldout import evaluate, final_eval_tokens, gzip_bpb, sample_text
 from moelab.train.setup import RunSetup, setup_run
 from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
+from moelab.train.tracker import check_trackers
 from moelab.util import atomic_write_json, info, is_url
 
 
@@ -95,6 +96,7 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
     summary dict. A URL (gs://, s3://, file://...) trains in a mirrored local copy
     (``moelab.run.remote``). ``accept_data_change``: resume on data other than the run
     recorded, logging the change (otherwise refused)."""
+    check_trackers(cfg)  # before the run folder (or its local mirror) is made
     if is_url(run_dir):
         from moelab.run.remote import mirrored_run
 

@@ -60,7 +60,6 @@ from moelab.train.tracker import (
     TensorBoardTracker,
     Trackers,
     WandbTracker,
-    check_trackers,
     process_identity,
 )
 from moelab.util import atomic_write_bytes, atomic_write_json, info
@@ -204,7 +203,6 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     ``mirror`` (a remote run's ``moelab.run.remote.Mirror``) uploads each checkpoint.
     A resume must find the data the run recorded, unless ``accept_data_change``."""
     run_dir = Path(run_dir)
-    check_trackers(cfg)
     cfg = absolute_data(cfg)  # the run's own data, wherever it is resumed from
     at = resume_step(run_dir)  # None: nothing trained yet, any data may (re)start it
     recorded = run_data_record(run_dir) if at is not None else {}

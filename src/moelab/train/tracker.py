@@ -18,22 +18,51 @@ from pathlib import Path
 from typing import Any
 
 from moelab.config import RunConfig
-from moelab.config.errors import ConfigError, need_extra
+from moelab.config.errors import ConfigError, need_extra, require
 from moelab.run.logs import clean_value
+
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # wandb.Settings.mode
+INIT_TIMEOUT_S = 60.0  # how long wandb.init waits for the W&B server (WANDB_INIT_TIMEOUT sets it)
+OFFLINE_FIX = "or set WANDB_MODE=offline to log locally and `wandb sync` later"
 
 
 def check_trackers(cfg: RunConfig) -> None:
-    """The optional trackers a config asks for are installed (checked before any work)."""
+    """The optional trackers a config asks for are installed and set up (checked before any
+    work, before the run folder is made)."""
     if cfg.train.wandb:
         need_extra("wandb", "wandb", "train.wandb=true")
+        wandb_init_timeout(os.environ)
         check_wandb_login()
     if cfg.train.tensorboard:
         need_extra("tensorboardX", "tensorboard", "train.tensorboard=true")
 
 
+def wandb_init_timeout(env) -> float:
+    """wandb.init's timeout in seconds, after checking the W&B variables of ``env`` that wandb
+    would reject only deep in its settings (a dump that names neither)."""
+    mode = env.get("WANDB_MODE") or "online"
+    require(mode in WANDB_MODES, f"WANDB_MODE={mode}", "not a W&B mode; set it to online, "
+            "offline or disabled, or unset it")
+    raw = env.get("WANDB_INIT_TIMEOUT")
+    if not raw:
+        return INIT_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    require(seconds > 0, f"WANDB_INIT_TIMEOUT={raw}", "seconds that wandb.init waits for the "
+            f"W&B server: give a number > 0, or unset it ({INIT_TIMEOUT_S:g} s)")
+    return seconds
+
+
+def one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
 def check_wandb_login() -> None:
     """W&B online needs an API key: without one (and no terminal to ask for it) wandb.init
-    raises a UsageError once the run has started. Offline and disabled need none."""
+    raises a UsageError once the run has started; a malformed one, an AuthenticationError.
+    Offline and disabled need none."""
     if os.environ.get("WANDB_MODE") in ("offline", "disabled", "dryrun"):
         return
     import wandb
@@ -42,8 +71,22 @@ def check_wandb_login() -> None:
         wandb.login(verify=False)
     except wandb.errors.UsageError:
         raise ConfigError("train.wandb=true: no W&B API key on this machine; run `wandb login` "
-                          "(or set WANDB_API_KEY), or set WANDB_MODE=offline to log locally and "
-                          "`wandb sync` later") from None
+                          f"(or set WANDB_API_KEY), {OFFLINE_FIX}") from None
+    except wandb.errors.Error as e:  # e.g. a key of the wrong length
+        where = "WANDB_API_KEY" if os.environ.get("WANDB_API_KEY") else "W&B API key"
+        raise ConfigError(f"{where}: refused by wandb ({one_line(e)}); set WANDB_API_KEY to "
+                          "your key from https://wandb.ai/authorize (or unset it and run "
+                          f"`wandb login --relogin`), {OFFLINE_FIX}") from None
+
+
+def wandb_start_error(e: BaseException, timeout: float) -> str:
+    """One line for a wandb.init that failed (no answer from the server within ``timeout``
+    seconds, or a refusal)."""
+    if any(w in str(e).lower() for w in ("timed out", "deadline exceeded")):
+        return (f"train.wandb=true: no answer from the W&B server within {timeout:g} s "
+                f"({one_line(e)}); check the network (or raise WANDB_INIT_TIMEOUT), "
+                f"{OFFLINE_FIX}")
+    return f"train.wandb=true: W&B did not start the run ({one_line(e)}); {OFFLINE_FIX}"
 
 
 class WandbTracker:
@@ -56,8 +99,13 @@ class WandbTracker:
 
         # The id must be unique per run folder, so that a resume continues the same W&B run.
         run_id = f"{name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
-        self.run = wandb.init(project=project, dir=str(run_dir), config=config, name=name,
-                              id=run_id, resume="allow")
+        timeout = wandb_init_timeout(os.environ)
+        try:
+            self.run = wandb.init(project=project, dir=str(run_dir), config=config, name=name,
+                                  id=run_id, resume="allow",
+                                  settings=wandb.Settings(init_timeout=timeout))
+        except wandb.errors.CommError as e:  # no network, or the server refused the run
+            raise ConnectionError(wandb_start_error(e, timeout)) from None
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log({k: clean_value(v) for k, v in metrics.items()}, step=int(step))
