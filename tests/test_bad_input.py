@@ -486,6 +486,8 @@ OPS_CASES = [  # replan, branch, drops, lab, guard messages
     (["drops", RUN, "--seq-len", "0"], 2, "--seq-len 0: must be >= 1"),
     ([*DROPS, "--batches", "0"], 2, "--batches 0: must be >= 1"),
     ([*DROPS, "--tokens-per-rank", "0"], 2, "--tokens-per-rank 0: must be >= 1"),
+    (["ladder", "plan", "tiny", "--rungs", "2"], 2, "ladder.rungs: 2 sizes x 1 token multiplier(s)"
+     " x 1 seed(s) = 2 runs, and a fit needs at least 3"),
     ([*DROPS, "--seed", "-1"], 2, "--seed -1: must be >= 0"),
     ([*DROPS, "--ranks", "1"], 2, "--ranks 1: must be >= 2"),
     ([*DROPS, "--transport", "bogus"], 2, "--transport bogus: unknown"),

@@ -51,6 +51,9 @@ def test_forecast_refuses_bad_lengths_and_fields(trained, capsys):
                          # waves set by the user and unfit for the typed EP degree
                          (["parallel.waves=3", "--seq-len", "64", "--ranks", "2"],
                           "--ranks 2: parallel.waves"),
+                         (["parallel.waves=1", "--seq-len", "64", "--tokens-per-rank", "96"],
+                          "--tokens-per-rank 96: must be a multiple of every length forecast, "
+                          "64 included"),
                          (["model.d_model=8", "--seq-len", "64"], "only parallel.* fields")):
         rc = main(["drops", str(trained), *argv])
         err = capsys.readouterr().err

@@ -110,7 +110,7 @@ def test_plan_scales_the_learning_rate_with_width():
     target = load_config("tiny", ["model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8",
                                   "model.vocab_size=512", "train.steps=2000"])
     for exp in (0.0, 1.0, 0.5):
-        rungs = plan_ladder(target, LadderRule(widths=(48, 96), rungs=2, lr_exp=exp))
+        rungs = plan_ladder(target, LadderRule(widths=(48, 64, 96), rungs=3, lr_exp=exp))
         for r in rungs:
             want = target.optim.lr * (128 / r.cfg.model.d_model) ** exp
             assert r.cfg.optim.lr == (target.optim.lr if exp == 0 else pytest.approx(want, 1e-6))
@@ -122,7 +122,7 @@ def test_plan_scales_the_learning_rate_with_width():
     assert table[0].split()[-2:] == ["peak", "LR"]
     assert float(table[2].split()[-1]) == pytest.approx(rungs[0].cfg.optim.lr, rel=1e-2)
     with pytest.raises(ConfigError, match="ladder.lr_exp"):
-        plan_ladder(target, LadderRule(widths=(48, 96), rungs=2, lr_exp=-1))
+        plan_ladder(target, LadderRule(widths=(48, 64, 96), rungs=3, lr_exp=-1))
 
 
 def test_plan_errors_name_the_field():
@@ -621,11 +621,12 @@ def test_cli_plan_writes_a_ladder_and_guard_reports(tmp_path, capsys, ladder):
     rc, _, err = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,x"], capsys)
     assert rc == 2 and "comma-separated integers" in err
     rc, out, _ = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,1536", "--rungs", "2",
-                           "--depths", "8,16", "--lr-exp", "1", "--out", str(tmp_path / "lr")],
+                           "--depths", "8,16", "--seeds", "2", "--lr-exp", "1", "--out", str(tmp_path / "lr")],
                           capsys)
     lad_lr = load_ladder(tmp_path / "lr")
     assert rc == 0 and [r.cfg.optim.lr for r in lad_lr.rungs] == pytest.approx(
-        [lad_lr.target.optim.lr * lad_lr.target.model.d_model / d for d in (768, 1536)])
+        [lad_lr.target.optim.lr * lad_lr.target.model.d_model / d
+         for d in (768, 768, 1536, 1536)])
     rc, _, err = run_main(["ladder", "plan", "535b-a23b", "--lr-exp", "-1"], capsys)
     assert rc == 2 and "ladder.lr_exp" in err
     lad, *_ = ladder

@@ -269,3 +269,34 @@ def test_ids_above_the_recorded_largest_are_caught_in_every_batch(data_dir, tmp_
         sampler.batch(0)
     with pytest.raises(DataError, match="heldout/prose.bin: holds id 65535"):
         eval_windows(st, "prose", 16, 64)
+
+
+def test_the_tokenizer_trainer_sees_long_runs_in_pieces(tmp_path, monkeypatch):
+    """A text without whitespace is one pre-token per document, and BPE training time grows
+    much faster than such a word's length (0.2 MB: 17 s; 2 MB: over 5 minutes); the trainer
+    gets runs of at most WORD_CAP characters, and other text whole."""
+    from moelab.data import tokenizer as tk
+
+    assert tk.training_pieces("two words") == ["two words"]
+    text = "ab " + "x" * (2 * tk.WORD_CAP + 5) + " cd"
+    pieces = tk.training_pieces(text)
+    assert "".join(pieces) == text and max(map(len, pieces)) == tk.WORD_CAP
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("y" * (3 * tk.WORD_CAP) + " the end\n")
+    build_user_corpus([tmp_path / "in"], tmp_path / "corpus")
+    seen = [p for batch in tk._text_batches(tmp_path / "corpus") for p in batch]
+    assert seen and max(len(w) for p in seen for w in p.split()) <= tk.WORD_CAP
+
+
+def test_a_signal_ends_native_tokenizer_training_at_once():
+    """Python's handlers wait for native code to return; while the trainer runs, SIGTERM (a
+    real one) ends the process instead of waiting."""
+    code = ("import os, signal, time\n"
+            "from moelab.data.tokenizer import _signals_end_the_process\n"
+            "with _signals_end_the_process():\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(5)\n"
+            "print('survived')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=subprocess_env(PYTHONPATH=str(SRC)), timeout=60)
+    assert proc.returncode == -signal.SIGTERM and "survived" not in proc.stdout

@@ -7,6 +7,10 @@ Byte-level BPE covers every string (any Unicode, code, emoji) with no unknown to
 from __future__ import annotations
 
 import hashlib
+import re
+import signal
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -40,9 +44,40 @@ def doc_batches(docs: Iterable[dict], size: int,
         yield batch
 
 
+# BPE training slows down sharply on huge pre-tokens (a 50 MB text without whitespace is one
+# "word" per document): runs of non-space characters are handed over in pieces of this length.
+# The ByteLevel pre-tokenizer splits at whitespace anyway, so pieces change no other word.
+WORD_CAP = 1000
+_LONG_RUN = re.compile(r"(\S{%d})" % WORD_CAP)
+
+
+def training_pieces(text: str) -> list[str]:
+    """``text`` as the strings the tokenizer trainer sees: whole, unless it holds a run of
+    ``WORD_CAP`` or more non-space characters, which is cut into pieces of that length."""
+    if not _LONG_RUN.search(text):
+        return [text]
+    return [p for p in _LONG_RUN.split(text) if p]
+
+
 def _text_batches(corpus_dir: Path, size: int = 1000) -> Iterator[list[str]]:
     for batch in doc_batches(iter_documents(corpus_dir, "train"), size):
-        yield [d["text"] for d in batch]
+        yield [p for d in batch for p in training_pieces(d["text"])]
+
+
+@contextmanager
+def _signals_end_the_process() -> Iterator[None]:
+    """SIGINT and SIGTERM end the process at once while native code runs for long without
+    returning to Python (whose handlers would wait until it does). Nothing is half-written
+    then: the tokenizer is saved afterwards, atomically, and the kernel drops the locks."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def train_tokenizer(corpus_dir: Path | str, out_path: Path | str,
@@ -62,7 +97,8 @@ def train_tokenizer(corpus_dir: Path | str, out_path: Path | str,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
         show_progress=False,
     )
-    tok.train_from_iterator(_text_batches(Path(corpus_dir)), trainer=trainer)
+    with _signals_end_the_process():
+        tok.train_from_iterator(_text_batches(Path(corpus_dir)), trainer=trainer)
     atomic_write_text(out_path, tok.to_str())
     return tok
 

@@ -28,7 +28,7 @@ from moelab.config import RunConfig
 from moelab.ladder import bands
 from moelab.ladder.folder import Ladder
 from moelab.ladder.observe import EVAL_LOSS, binned, eval_domains, run_records, series
-from moelab.ladder.plan import run_stats
+from moelab.ladder.plan import MIN_RUNS, run_stats
 from moelab.ladder.powerlaw import COMPUTE, BootFit, fit_with_bootstrap, make_law
 from moelab.ladder.run import is_finished
 from moelab.ladder.schedule_law import Curve, RunSchedule
@@ -57,9 +57,9 @@ def finished_rungs(lad: Ladder) -> list[RungData]:
         d = lad.run_dir(r.name)
         if is_finished(d, r.cfg.train.steps):
             out.append(RungData(r.name, r.cfg, r.stats, run_records(d)[0]))
-    if len(out) < 3:
+    if len(out) < MIN_RUNS:
         raise ValueError(f"{lad.root}: {len(out)} of {len(lad.rungs)} rungs finished; the fit "
-                         f"needs at least 3: run `moelab ladder run {lad.root}` first")
+                         f"needs at least {MIN_RUNS}: run `moelab ladder run {lad.root}` first")
     return out
 
 

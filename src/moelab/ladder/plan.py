@@ -50,6 +50,8 @@ from dataclasses import dataclass, field
 from moelab.config import ConfigError, ModelConfig, RunConfig
 from moelab.planner.counts import param_counts, run_tokens, train_flops_per_token
 
+MIN_RUNS = 3  # finished rung runs a ladder fit needs (a plan with fewer could never be fit)
+
 
 @dataclass(frozen=True)
 class LadderRule:
@@ -88,6 +90,10 @@ class LadderRule:
              "token_multipliers", f"give distinct positive multipliers, e.g. 0.5,1; got {tm}")
         need(self.evals >= 2, "evals", "must be >= 2")
         need(self.seeds >= 1, "seeds", "must be >= 1 (replicates of every rung)")
+        runs = self.rungs * len(tm) * self.seeds
+        need(runs >= MIN_RUNS, "rungs", f"{self.rungs} sizes x {len(tm)} token multiplier(s) x "
+             f"{self.seeds} seed(s) = {runs} runs, and a fit needs at least {MIN_RUNS}: add a "
+             "rung, a token multiplier (--token-multipliers) or a seed")
         need(math.isfinite(self.lr_exp) and 0 <= self.lr_exp <= 2, "lr_exp",
              "must be in [0, 2] (0: the target's LR for every rung; 1: LR ~ 1 / width)")
         return self

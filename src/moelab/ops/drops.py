@@ -126,8 +126,8 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
                 f"{L} must be a multiple of the run's context {now}")
     for L in lens:
         require(span % L == 0, "--seq-len", f"{L} must divide the longest length {span}")
-        require(tokens_per_rank % L == 0, "--seq-len",
-                f"{L} must divide the {tokens_per_rank} tokens per rank (--tokens-per-rank)")
+        require(tokens_per_rank % L == 0, f"--tokens-per-rank {tokens_per_rank}",
+                f"must be a multiple of every length forecast, {L} included")
     spans = heldout_spans(cfg, span)
     per_batch = ranks * tokens_per_rank // span
     picked, rest = pick_spans(len(spans), per_batch, batches, seed)
