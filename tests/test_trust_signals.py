@@ -48,13 +48,24 @@ def test_a_few_aliases_still_share_a_value(tmp_path):
     assert c.train.ckpt_every == 20
 
 
-def test_wandb_online_without_a_key_is_one_line_before_any_work(tmp_path, monkeypatch, capsys,
-                                                                 refuse_work):  # noqa: F811
-    pytest.importorskip("wandb")
-    for var in ("WANDB_MODE", "WANDB_API_KEY", "NETRC"):  # the tests' WANDB_MODE=offline too
+@pytest.fixture
+def fresh_wandb(tmp_path, monkeypatch):
+    """A machine where W&B was never set up: no key, no mode (the tests' WANDB_MODE=offline
+    removed), no ~/.netrc, and no wandb state left in this process by an earlier test (an
+    offline run's settings would make wandb.login pass)."""
+    import wandb
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "NETRC"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings
+    monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_online_without_a_key_is_one_line_before_any_work(tmp_path, capsys, fresh_wandb,
+                                                                 refuse_work):  # noqa: F811
     rc, _, err = run_main(["train", "tiny", "train.wandb=true", "--run-dir", str(tmp_path / "r")],
                           capsys)
     assert rc == 2 and "Traceback" not in err, err
@@ -80,7 +91,8 @@ sys.exit(cli.main(sys.argv[1:]))
 
 
 def test_sigterm_during_eval_leaves_no_temporary_folder(tmp_path):
-    pytest.importorskip("lm_eval")
+    import lm_eval  # noqa: F401  (installed with the eval extra; a missing one fails here)
+
     temp = tmp_path / "tmp"
     temp.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", STALLED_EVAL, "eval", str(tmp_path / "run"),
@@ -172,12 +184,8 @@ def test_the_bounds_let_their_largest_value_and_every_host_form_through():
     ({"WANDB_INIT_TIMEOUT": "soon"}, "WANDB_INIT_TIMEOUT=soon: seconds that wandb.init waits"),
 ], ids=["key", "mode", "timeout"])
 def test_bad_wandb_settings_are_one_line_and_no_run_folder(env, line, tmp_path, monkeypatch,
-                                                           capsys, refuse_work):  # noqa: F811
-    pytest.importorskip("wandb")
-    for var in ("WANDB_MODE", "WANDB_API_KEY", "NETRC"):  # the tests' WANDB_MODE=offline too
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb"))
+                                                           capsys, fresh_wandb,
+                                                           refuse_work):  # noqa: F811
     for var, value in env.items():
         monkeypatch.setenv(var, value)
     run = tmp_path / "r"
@@ -190,7 +198,8 @@ def test_bad_wandb_settings_are_one_line_and_no_run_folder(env, line, tmp_path, 
 def test_wandb_init_waits_a_bounded_time_and_says_what_to_do(tmp_path, monkeypatch):
     """No network: wandb.init gives up after its init_timeout (a CommError, here raised by a
     stand-in, as the real one needs a minute without network); that is one line."""
-    wandb = pytest.importorskip("wandb")
+    import wandb
+
     from moelab.train.tracker import INIT_TIMEOUT_S, WandbTracker
 
     asked = {}
