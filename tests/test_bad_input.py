@@ -428,6 +428,8 @@ RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
      "sha256 "),
     (["resume", "{d}/noprov"], 2, "(the run's record: the meta.json of step 30)"),
     (["resume", "{d}/noprovold"], 2, "(the run's record: its tokenizer.json)"),
+    (["branch", "{d}/noprov", "--at", "30", "--cooldown", "1M", "--dry-run"], 2,
+     "(the run's record: the meta.json of step 30)"),
 ]
 
 BIG = "3000000000 is more steps than the jitted step counter holds"

@@ -20,7 +20,7 @@ from moelab.data.prepare import data_identity
 from moelab.ops.record import LINEAGE
 from moelab.ops.schedule import check_end, check_seq_len, steps_for_tokens
 from moelab.run.checkpoint import Checkpointer
-from moelab.run.identity import PROVENANCE, check_data, read_provenance
+from moelab.run.identity import PROVENANCE, check_data, run_data_record
 from moelab.run.lock import LOCK_FILE, run_lock
 from moelab.run.logs import OPS_LOG, JsonlTracker, command_line, log_operation
 from moelab.train.changes import Change, PlanError, apply_change
@@ -70,9 +70,10 @@ def parent_data(parent: Path | str, accept: bool = False) -> dict:
     whose data changed is refused unless ``accept``, and then its record holds the new data
     and ``"changes"`` the accepted changes."""
     cfg = absolute_data(load_run_config(parent))
-    recorded = read_provenance(parent)
+    recorded = run_data_record(parent)  # provenance.json, else the checkpoint's or own tokenizer
     now = data_identity(cfg.data, cfg.model.vocab_size)
     changes = check_data(parent, recorded, now, cfg.data.data_dir, accept)
+    recorded.pop("tokenizer_from", None)  # where the record came from: the parent's, not ours
     return {**recorded, **{f: b for f, (_, b) in changes.items()}, "changes": changes}
 
 
