@@ -394,6 +394,7 @@ RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
      "corpus fingerprint 0000000000000000 recorded"),
     (["resume", "{d}/at30", "train.steps=10"], 2, "train.steps=10: {d}/at30 is at step 30 "
      "already"),
+    (["resume", "{d}/at30", "train.steps=10"], 2, "`moelab replan {d}/at30 --end-steps N`"),
     (["train", "{d}/at30/config.yaml", "model.d_model=64", "--run-dir", "{d}/nocfg"], 2,
      "model.d_model: {d}/nocfg was started with 32, now 64"),
     (["generate", "{d}/othertok"], 2, "{d}/othertok/tokenizer.json: not the tokenizer this run "

@@ -177,8 +177,8 @@ def check_stop_step(saved: RunConfig, cfg: RunConfig, at: int, run_dir: Path) ->
     if steps != saved.train.steps and steps <= at:
         raise ConfigError(f"train.steps={steps}: {run_dir} is at step {at} already, so it would "
                           f"train nothing; give a train.steps above {at} to train on, or, to "
-                          "end a run earlier, `moelab replan RUN --end-steps N` before it gets "
-                          "there")
+                          f"end a run earlier, `moelab replan {run_dir} --end-steps N` before it "
+                          "gets there")
 
 
 def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
