@@ -261,6 +261,8 @@ CASES = [
     (["data", "build", "--vocab", "-5", "--out", "{d}/o3"], 2, "--vocab -5"),
     (["data", "build", "--heldout", "1.5", "--out", "{d}/o4"], 2, "--heldout 1.5"),
     (["data", "build", "--heldout", "-0.1", "--out", "{d}/o5"], 2, "--heldout -0.1"),
+    (["data", "build", "--heldout", "0", "--out", "{d}/o5"], 2,
+     "--heldout 0.0: a fraction of the documents in (0, 1), e.g. 0.02; every domain keeps"),
     (["data", "build", "--tokenizer", "{d}/no.json", "--out", "{d}/o6"], 2,
      "--tokenizer {d}/no.json: not found"),
     (["data", "build", "--tokenizer", "{d}/tok.json", "--out", "{d}/o7"], 2,
@@ -467,6 +469,11 @@ BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
     (["plan", "tiny", "--accelerator", "h100", "model.n_experts=abc"], 2,
      "model.n_experts: expected an integer, got 'abc'"),
     (["train", "tiny", "--run-dir", "{d}/r6", "stray"], 2, "unrecognized arguments: stray"),
+    # ... and after a several-value option's values, not read as one more value
+    (["plan", "tiny", "--cf", "1.5", "model.n_experts=abc"], 2,
+     "model.n_experts: expected an integer, got 'abc'"),
+    (["drops", RUN, "--seq-len", "64", "128", "model.d_model=3"], 2,
+     "'model.d_model=3': only parallel.* fields change a forecast"),
 ]
 
 DROPS = ["drops", RUN, "--seq-len", "64"]

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -235,7 +236,7 @@ def test_a_run_preparing_its_data_takes_the_folder_lock(data_dir, tmp_path, monk
     waiter.join(30)
     assert done and done[0].store_dir.is_dir()
     # a folder this process cannot write is read as it is, without the lock
-    ro = Path(shutil.copytree(data_dir, tmp_path / "ro", ignore=shutil.ignore_patterns(".lock")))
+    ro = Path(shutil.copytree(data_dir, tmp_path / "ro", ignore=shutil.ignore_patterns(".lock", ".readers")))
     for p in (ro, *ro.rglob("*")):
         p.chmod(p.stat().st_mode & ~0o222)
     if os.geteuid() == 0:  # root writes anywhere: the probe is told the folder is read-only
@@ -288,15 +289,74 @@ def test_the_tokenizer_trainer_sees_long_runs_in_pieces(tmp_path, monkeypatch):
     assert seen and max(len(w) for p in seen for w in p.split()) <= tk.WORD_CAP
 
 
-def test_a_signal_ends_native_tokenizer_training_at_once():
-    """Python's handlers wait for native code to return; while the trainer runs, SIGTERM (a
-    real one) ends the process instead of waiting."""
-    code = ("import os, signal, time\n"
-            "from moelab.data.tokenizer import _signals_end_the_process\n"
-            "with _signals_end_the_process():\n"
-            "    os.kill(os.getpid(), signal.SIGTERM)\n"
-            "    time.sleep(5)\n"
-            "print('survived')\n")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=subprocess_env(PYTHONPATH=str(SRC)), timeout=60)
-    assert proc.returncode == -signal.SIGTERM and "survived" not in proc.stdout
+@pytest.mark.parametrize("sig, code, said", [(signal.SIGTERM, 143, "terminated (SIGTERM)"),
+                                              (signal.SIGINT, 130, "aborted")])
+def test_a_signal_during_tokenizer_training_ends_the_build_with_its_message(
+        tmp_path, sig, code, said):
+    """The trainer runs in a worker thread (native code would hold the signal until it
+    returns); the signal ends the build at once, as anywhere else: a message, its exit code,
+    the lock released, no tokenizer written."""
+    src, out = _texts(tmp_path / "src", "fig"), tmp_path / "o"
+    script = ("import sys, time\n"
+              "import moelab.data.tokenizer as t\n"
+              "def slow(_corpus):\n"
+              "    print('TRAINING', file=sys.stderr, flush=True)\n"
+              "    time.sleep(600)\n"
+              "    yield ['x']\n"
+              "t._text_batches = slow\n"
+              "from moelab.cli import main\n"
+              f"sys.exit(main(['data', 'build', {str(src)!r}, '--out', {str(out)!r}, "
+              "'--vocab', '300', '--no-progress']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env(PYTHONPATH=str(SRC)))
+    for line in proc.stderr:
+        if "TRAINING" in line:
+            break
+    proc.send_signal(sig)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == code, rest
+    assert rest.strip().splitlines()[-1] == f"moelab: {said}"
+    assert not (out / "tokenizer-300.json").exists() and not list(out.rglob(".*.tmp"))
+    assert (out / ".lock").read_text() == ""  # released
+
+
+def test_a_build_refuses_the_folder_a_run_trains_on(data_dir, tmp_path, capsys):
+    from contextlib import ExitStack
+
+    from moelab.config import DataConfig
+    from moelab.data.build import READERS, check_no_readers, live_readers
+    from moelab.data.prepare import prepare_data
+
+    src = _texts(tmp_path / "src", "plum")
+    out = tmp_path / "o"
+    assert _build(capsys, str(src), "--out", str(out))[0] == 0
+    tok = sha256_file(out / "tokenizer.json")
+    with ExitStack() as reading:  # what a training run holds for its whole life
+        prepare_data(DataConfig(data_dir=str(out)), 0, verbose=False, hold=reading)
+        assert [h["pid"] for h in live_readers(out)] == [os.getpid()]
+        rc, err = _build(capsys, str(src), "--out", str(out), "--force")
+        assert rc == 2 and f"{out} is the data of a run training now: pid {os.getpid()}" in err
+        assert "wait for it to end" in err and "another --out" in err
+    assert sha256_file(out / "tokenizer.json") == tok  # nothing was touched
+    assert live_readers(out) == [] and not list((out / READERS).iterdir())
+    # the mark of a run killed with -9 (no flock held any more) is not a reader
+    here = socket.gethostname()
+    (out / READERS / "gone.json").write_text(json.dumps({"pid": 2**22 + 7, "host": here}))
+    (out / READERS / "gone2.json").write_text("{}")
+    check_no_readers(out)
+    assert not list((out / READERS).iterdir())
+    # one on another host cannot be told gone: named, with what to do if it is
+    (out / READERS / "far.json").write_text(json.dumps({"pid": 5, "host": "elsewhere"}))
+    with pytest.raises(DataError, match=r"pid 5 on elsewhere .*\(if it is gone, delete .*far"):
+        check_no_readers(out)
+    (out / READERS / "far.json").unlink()
+    # a run's setup holds the mark (train() closes it when the run ends)
+    from helpers import micro_config
+    from moelab.train.setup import setup_run
+
+    with ExitStack() as reading:
+        run, _ = setup_run(micro_config(data_dir), tmp_path / "run", verbose=False, hold=reading)
+        run.trackers.close()
+        run.ckpt.close()
+        assert [h["pid"] for h in live_readers(data_dir)] == [os.getpid()]
+    assert live_readers(data_dir) == []

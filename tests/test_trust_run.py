@@ -150,3 +150,18 @@ def test_without_provenance_a_resume_compares_the_data_with_the_checkpoint_recor
                                           r"record: the meta.json of step 30\)"):
         _setup(cfg, run)
     assert (run / "tokenizer.json").read_bytes() == copy
+
+
+def test_a_finished_run_resumed_says_so_and_adds_nothing(run, capsys):
+    from moelab.train.loop import train
+
+    saved = json.loads((run / "summary.json").read_text())
+    before = (run / "metrics.jsonl").read_bytes()
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    summary = train(recovered_config(run), run, sample_prompt=None)
+    assert summary == {**saved, "run_dir": str(run)}
+    err = capsys.readouterr().err
+    assert f"{run} finished at step 30 already; nothing to train" in err
+    assert "train.steps=N` with N above 30" in err
+    assert (run / "metrics.jsonl").read_bytes() == before  # no second "finished"
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ckpts

@@ -26,7 +26,7 @@ from moelab.ops.cli import register as register_ops
 from moelab.planner.cli import register as register_plan
 from moelab.run.checkpoint import CheckpointError
 from moelab.train.cli import register_config, register_train
-from moelab.util import Terminated, sigterm_raises
+from moelab.util import Terminated, exit_if_abandoned, sigterm_raises
 
 
 def _train_step():
@@ -73,13 +73,43 @@ def place_overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
     return [a for a in extra if not OVERRIDE.match(a)]
 
 
+def _command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:
+    """The (sub)command's parser that ``argv`` selects (``ladder fit`` -> its own)."""
+    for tok in argv:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if not subs:
+            break
+        if tok in subs[0].choices:
+            parser = subs[0].choices[tok]
+    return parser
+
+
+def split_off_overrides(parser: argparse.ArgumentParser, argv: list[str]
+                        ) -> tuple[list[str], list[str]]:
+    """(``argv`` without the overrides that follow a several-value option's values, those
+    overrides): argparse would read ``--seq-len 64 parallel.waves=99`` as two lengths."""
+    multi = [s for a in _command_parser(parser, argv)._actions
+             if a.option_strings and a.nargs in ("+", "*") for s in a.option_strings]
+    kept, pulled, in_multi = [], [], False
+    for tok in argv:
+        if tok.startswith("-"):  # an option (abbreviations too) starts or ends a run of values
+            in_multi = "=" not in tok and any(m.startswith(tok) for m in multi if len(tok) > 2)
+        elif in_multi and OVERRIDE.match(tok):
+            pulled.append(tok)
+            continue
+        kept.append(tok)
+    return kept, pulled
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    extra = place_overrides(args, extra)
+    argv = sys.argv[1:] if argv is None else argv
+    kept, pulled = split_off_overrides(parser, argv)
+    args, extra = parser.parse_known_args(kept)
+    extra = place_overrides(args, [*extra, *pulled])
     if extra:  # what parse_args would refuse
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args.argv = ["moelab", *(sys.argv[1:] if argv is None else argv)]  # recorded by operations
+    args.argv = ["moelab", *argv]  # recorded by operations
     try:
         with sigterm_raises():  # so that cleanup runs on SIGTERM as on Ctrl-C
             return args.fn(args)
@@ -90,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         sigterm = isinstance(e, Terminated)
         print(f"\nmoelab: {str(e) or ('terminated (SIGTERM)' if sigterm else 'aborted')}",
               file=sys.stderr)
+        exit_if_abandoned(143 if sigterm else 130)  # a native worker still runs: end now
         return 143 if sigterm else 130
 
 

@@ -15,7 +15,7 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Any, Iterator
+from typing import IO, Any, Callable, Iterator, TypeVar
 
 
 @contextmanager
@@ -93,6 +93,45 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, old)
 
 
+T = TypeVar("T")
+_abandoned: list[threading.Thread] = []  # native work a signal interrupted
+
+
+def in_worker_thread(fn: Callable[[], T]) -> T:
+    """``fn()`` run in a daemon thread while this one waits in Python: native code that runs
+    for long without returning to Python (the BPE trainer releases the GIL) would otherwise
+    hold Ctrl-C and SIGTERM until it returns. Their handlers now run at once here, so the
+    usual cleanup and message follow; ``exit_if_abandoned`` then ends the process."""
+    out: dict = {}
+
+    def work() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the waiting thread
+            out["error"] = e
+
+    worker = threading.Thread(target=work, name="moelab-native", daemon=True)
+    worker.start()
+    try:
+        worker.join()  # a signal's handler raises here (KeyboardInterrupt, Terminated)
+    except BaseException:
+        _abandoned.append(worker)
+        raise
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def exit_if_abandoned(code: int) -> None:
+    """End the process now with ``code`` if a signal interrupted native work of
+    ``in_worker_thread``: its threads (the worker, and those the library started) may still
+    run, and interpreter shutdown would stop them inside native code, which aborts."""
+    if _abandoned:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def info(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -132,7 +171,7 @@ def holder_record(command: str) -> dict:
             "since": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
-def _recorded_holder(fd: int) -> dict:
+def recorded_holder(fd: int) -> dict:
     """The holder recorded in the lock file ({} if none, or while it is being written)."""
     try:
         return json.loads(os.pread(fd, 4096, 0) or b"{}")
@@ -152,7 +191,7 @@ def take_lock(path: Path | str, record: dict) -> int:
         held = False
     except BlockingIOError:
         pass
-    old = _recorded_holder(fd)
+    old = recorded_holder(fd)
     if held or old.get("host", here) != here:
         os.close(fd)
         raise LockHeld(old)

@@ -5,25 +5,34 @@ whole: one build at a time (the folder's lock), no rebuild from other inputs wit
 A data folder's corpus manifest records what it was built from (``kind``, ``sources`` as
 absolute paths or URLs, ``source_format``, ``text_field``, ``split``, ``heldout_fraction``):
 the request a rebuild is compared with.
+
+Training runs hold a reader file in the folder's ``.readers/`` for their whole life (flocked,
+naming the run): a build refuses a folder that a live run reads, so a run never trains on
+data replaced under it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import itertools
+import os
 import shutil
 import socket
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from moelab.data.corpus import load_manifest, normalize_source
 from moelab.data.errors import DataError
 from moelab.data.tokenizer import load_tokenizer
 from moelab.util import (
     LockHeld,
+    describe_holder,
     holder_record,
     info,
     is_url,
     lock_refusal,
+    recorded_holder,
     release_lock,
     sha256_file,
     take_lock,
@@ -31,6 +40,8 @@ from moelab.util import (
 
 BUILTIN_OUT = "data/builtin"  # the built-in corpus: every default-preset run trains on it
 LOCK_FILE = ".lock"
+READERS = ".readers"  # one flocked file per live run reading the folder
+_reader_ids = itertools.count()  # several runs of one process (in-process ladders)
 OWN_TOKENIZER = "tokenizer.json"  # a data folder's own tokenizer: training uses it
 
 
@@ -187,12 +198,65 @@ def lock_error(out: Path, e: LockHeld) -> DataError:
 @contextmanager
 def data_lock(out: Path, command: str) -> Iterator[None]:
     """Hold ``out``'s lock for the block: a second build into the folder, or a run preparing
-    its data there, fails at once."""
+    its data there, fails at once; so does a build while a run trains on the folder."""
     try:
         fd = take_data_lock(out, command)
     except LockHeld as e:
         raise lock_error(out, e) from None
     try:
+        check_no_readers(out)
         yield
     finally:
         release_lock(fd)
+
+
+def hold_reader(root: Path, command: str) -> Callable[[], None]:
+    """Mark this process as reading ``root`` (a run training on it) until the returned
+    function is called; the kernel drops the mark if the process dies. Taken under the
+    folder's lock, so no build can be between the run's checks and its mark."""
+    folder = root / READERS
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{socket.gethostname()}-{os.getpid()}-{next(_reader_ids)}.json"
+    fd = take_lock(path, holder_record(command))
+
+    def release() -> None:
+        path.unlink(missing_ok=True)
+        os.close(fd)
+    return release
+
+
+def live_readers(out: Path) -> list[dict]:
+    """The runs reading ``out`` now (their lock records); files left by dead runs go."""
+    live = []
+    for path in sorted((out / READERS).glob("*.json")):
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:  # its run just ended
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                live.append(recorded_holder(fd))
+                continue
+            rec = recorded_holder(fd)
+            if rec.get("host", socket.gethostname()) != socket.gethostname():
+                live.append({**rec, "file": str(path)})  # flock cannot tell across hosts
+            else:
+                path.unlink(missing_ok=True)  # its process is gone (killed)
+        finally:
+            os.close(fd)
+    return live
+
+
+def check_no_readers(out: Path) -> None:
+    """A DataError naming the runs that train on ``out`` now, if any: a build would change
+    their data under them."""
+    live = live_readers(out)
+    if not live:
+        return
+    who = "; ".join(describe_holder(h) + (f" (if it is gone, delete {h['file']})"
+                                          if "file" in h else "") for h in live)
+    raise DataError(f"{out} is the data of a run training now: {who}. A build would change its "
+                    "data under it; wait for it to end, or stop it (Ctrl-C saves a checkpoint) "
+                    "and run this again, or build into another --out")

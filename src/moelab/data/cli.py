@@ -24,8 +24,9 @@ def cmd_data_build(args) -> int:
     require(not out.exists() or out.is_dir(), f"--out {out}", "a file is in the way; give a folder")
     require(args.tokenizer or args.vocab >= MIN_VOCAB, f"--vocab {args.vocab}",
             f"must be >= {MIN_VOCAB} (256 byte tokens, <|endoftext|> and at least one merge)")
-    require(0 <= args.heldout < 1, f"--heldout {args.heldout}",
-            "a fraction of the documents in [0, 1), e.g. 0.02")
+    require(0 < args.heldout < 1, f"--heldout {args.heldout}",
+            "a fraction of the documents in (0, 1), e.g. 0.02; every domain keeps held-out "
+            "text (training evaluates on it and refuses a corpus without it)")
     vocab = args.vocab
     if args.tokenizer:
         if not Path(args.tokenizer).exists():
@@ -132,7 +133,9 @@ def register(sub) -> None:
                    "other inputs or options; its tokenizers and token stores are retrained")
     b.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size to train")
     b.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
-    b.add_argument("--heldout", type=float, default=0.02, help="held-out fraction of documents")
+    b.add_argument("--heldout", type=float, default=0.02,
+                   help="held-out fraction of documents, in (0, 1); each domain holds out at "
+                   "least one document (a lone document, its end)")
     b.set_defaults(fn=cmd_data_build)
     v = dsub.add_parser("verify", help="check a data folder's files against their checksums",
                         description="Hash the corpus files and every token array in full and "

@@ -25,7 +25,7 @@ import shlex
 import socket
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -35,6 +35,7 @@ from moelab.data import corpus, store, tokenizer
 from moelab.data.build import (
     BUILTIN_OUT,
     OWN_TOKENIZER,
+    hold_reader,
     is_builtin_folder,
     lock_error,
     take_data_lock,
@@ -110,23 +111,35 @@ def check_builtin_kind(dcfg: DataConfig, m: dict | None = None) -> None:
 
 
 def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,
-                 progress: bool = True, lock: bool = True) -> PreparedData:
+                 progress: bool = True, lock: bool = True,
+                 hold: ExitStack | None = None) -> PreparedData:
     """``progress``: a tokenizing progress bar on stderr (when verbose and a terminal);
-    ``lock``: take the data folder's lock (False: the caller holds it, or only reads)."""
+    ``lock``: take the data folder's lock (False: the caller holds it, or only reads);
+    ``hold``: mark the folder as read by this process until ``hold`` closes (a training run),
+    so `moelab data build` refuses to change it meanwhile."""
     if not lock:
         return _prepare(dcfg, vocab_size, verbose, progress)
-    with _preparation_lock(Path(dcfg.data_dir), info if verbose else (lambda _msg: None)):
-        return _prepare(dcfg, vocab_size, verbose, progress)
+    root = Path(dcfg.data_dir)
+    with _preparation_lock(root, info if verbose else (lambda _msg: None)) as locked:
+        data = _prepare(dcfg, vocab_size, verbose, progress)
+        if hold is not None and locked:  # under the lock: no build slips in between
+            hold.callback(hold_reader(root, _command()))
+        return data
+
+
+def _command() -> str:
+    return shlex.join(["moelab", *sys.argv[1:]])
 
 
 @contextmanager
-def _preparation_lock(root: Path, say) -> Iterator[None]:
-    """Hold ``root``'s lock: a `data build` holding it stops this at once; another run's
-    preparation is waited for. A folder this process cannot write is read without it."""
+def _preparation_lock(root: Path, say) -> Iterator[bool]:
+    """Hold ``root``'s lock (yields True): a `data build` holding it stops this at once;
+    another run's preparation is waited for. A folder this process cannot write is read
+    without it (yields False)."""
     if root.is_dir() and not writable(root):
-        yield
+        yield False
         return
-    command = f"{PREPARING}: {shlex.join(['moelab', *sys.argv[1:]])}"
+    command = f"{PREPARING}: {_command()}"
     waited = False
     while True:
         try:
@@ -140,7 +153,7 @@ def _preparation_lock(root: Path, say) -> Iterator[None]:
                 waited = True
             time.sleep(0.2)
     try:
-        yield
+        yield True
     finally:
         release_lock(fd)
 

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import re
-import signal
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
@@ -18,7 +15,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from moelab.data.corpus import iter_documents, load_manifest
 from moelab.data.errors import DataError
-from moelab.util import atomic_write_text
+from moelab.util import atomic_write_text, in_worker_thread
 
 EOS_TOKEN = "<|endoftext|>"
 # end-of-text tokens of common tokenizers, for tokenizer.json files trained elsewhere
@@ -64,22 +61,6 @@ def _text_batches(corpus_dir: Path, size: int = 1000) -> Iterator[list[str]]:
         yield [p for d in batch for p in training_pieces(d["text"])]
 
 
-@contextmanager
-def _signals_end_the_process() -> Iterator[None]:
-    """SIGINT and SIGTERM end the process at once while native code runs for long without
-    returning to Python (whose handlers would wait until it does). Nothing is half-written
-    then: the tokenizer is saved afterwards, atomically, and the kernel drops the locks."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.signal(s, signal.SIG_DFL) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def train_tokenizer(corpus_dir: Path | str, out_path: Path | str,
                     vocab_size: int = 4096) -> Tokenizer:
     """Train a byte-level BPE on the corpus' train split and save it (atomically) to out_path."""
@@ -97,8 +78,8 @@ def train_tokenizer(corpus_dir: Path | str, out_path: Path | str,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, seen or not
         show_progress=False,
     )
-    with _signals_end_the_process():
-        tok.train_from_iterator(_text_batches(Path(corpus_dir)), trainer=trainer)
+    in_worker_thread(lambda: tok.train_from_iterator(_text_batches(Path(corpus_dir)),
+                                                     trainer=trainer))
     atomic_write_text(out_path, tok.to_str())
     return tok
 

@@ -22,22 +22,27 @@ a non-finite state is never saved (``train.on_nonfinite``: stop, or skip such st
 
 from __future__ import annotations
 
+import json
 import signal
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 
 from moelab.config import RunConfig
+from moelab.data.prepare import with_tokenizer_vocab
 from moelab.data.sampler import heldout_text
 from moelab.parallel.distributed import agree_any, is_main
 from moelab.planner.counts import train_flops_per_token
 from moelab.run.checkpoint import CheckpointError, save_failure
 from moelab.run.lock import run_lock
+from moelab.run.logs import read_metrics
 
 # evaluate is called through this module's name (tests patch it)
 from moelab.train.heldout import evaluate, final_eval_tokens, gzip_bpb, sample_text
+from moelab.train.resume import absolute_data, resolve_run_config, resume_step
 from moelab.train.setup import RunSetup, setup_run
 from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
 from moelab.train.tracker import check_trackers
@@ -108,8 +113,21 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
 
 def _train(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | None,
            accept_data_change: bool, mirror=None) -> dict:
+    with ExitStack() as reading:  # the data folder is marked as read by this run until the end
+        return _train_reading(cfg, run_dir, verbose, sample_prompt, accept_data_change, mirror,
+                              reading)
+
+
+def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | None,
+                   accept_data_change: bool, mirror, reading: ExitStack) -> dict:
+    done = _finished_summary(cfg, run_dir, info if verbose and is_main() else (lambda _m: None))
+    if done is not None:
+        return {**done, "run_dir": mirror.url if mirror is not None else str(run_dir)}
     run, state = setup_run(cfg, run_dir, verbose=verbose, mirror=mirror,
-                           accept_data_change=accept_data_change)
+                           accept_data_change=accept_data_change, hold=reading)
+    if run.restored and run.start >= run.cfg.train.steps:
+        run.say(f"{run.run_dir} is at its last step {run.start}: nothing left to train; running "
+                "the final evaluation it has not recorded")
     progress = _Progress(step=run.start, state=state, eval_pending=run.eval_pending)
     del state  # the loop replaces the state every step: hold no reference to the first one
     t_run = time.time()
@@ -128,6 +146,23 @@ def _train(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | No
     if run.main:
         atomic_write_json(run.run_dir / "summary.json", summary)
     return summary
+
+
+def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
+    """The saved summary of a run that finished at the step it is at, when ``cfg`` (as a
+    resume resolves it) ends there too: a resume then has nothing to do and says so, adding
+    nothing to the run's records. Else None."""
+    at, path = resume_step(run_dir), run_dir / "summary.json"
+    if at is None or not path.is_file():
+        return None
+    _, events = read_metrics(run_dir / "metrics.jsonl")
+    if not any(e["event"] == "finished" and e["step"] == at for e in events):
+        return None
+    if resolve_run_config(with_tokenizer_vocab(absolute_data(cfg)), run_dir).train.steps > at:
+        return None  # trained longer now (a new train.steps, a pending replan)
+    say(f"{run_dir} finished at step {at} already; nothing to train. To train it longer: "
+        f"`moelab resume {run_dir} train.steps=N` with N above {at}")
+    return json.loads(path.read_text())
 
 
 def _record_end(run: RunSetup, kind: str, step: int, e: BaseException) -> None:

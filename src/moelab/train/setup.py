@@ -9,6 +9,7 @@ the data it prepares and then find it built.
 from __future__ import annotations
 
 import functools
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -103,11 +104,12 @@ def init_sharded_state(cfg: RunConfig, shardings) -> dict:
     return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(cfg.train.seed))
 
 
-def _prepare(cfg: RunConfig, main: bool, verbose: bool) -> PreparedData:
+def _prepare(cfg: RunConfig, main: bool, verbose: bool, hold: ExitStack | None) -> PreparedData:
     """The corpus, tokenizer and token store, built once by the main process (under the data
-    folder's lock); the others then find them built."""
+    folder's lock, marking the folder as read by this run until ``hold`` closes); the others
+    then find them built."""
     if main:
-        data = prepare_data(cfg.data, cfg.model.vocab_size, verbose=verbose)
+        data = prepare_data(cfg.data, cfg.model.vocab_size, verbose=verbose, hold=hold)
     barrier("data-prepared")
     if not main:
         data = prepare_data(cfg.data, cfg.model.vocab_size, verbose=False, lock=False)
@@ -198,9 +200,11 @@ def _check_resume_data(cfg: RunConfig, run_dir: Path, recorded: dict, accept: bo
 
 
 def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None,
-              accept_data_change: bool = False) -> tuple[RunSetup, dict]:
+              accept_data_change: bool = False,
+              hold: ExitStack | None = None) -> tuple[RunSetup, dict]:
     """(the run's setup, the train state to start from) for training ``cfg`` in ``run_dir``;
-    ``mirror`` (a remote run's ``moelab.run.remote.Mirror``) uploads each checkpoint.
+    ``mirror`` (a remote run's ``moelab.run.remote.Mirror``) uploads each checkpoint;
+    ``hold``: keeps the data folder marked as read by this run until it closes.
     A resume must find the data the run recorded, unless ``accept_data_change``."""
     run_dir = Path(run_dir)
     cfg = absolute_data(cfg)  # the run's own data, wherever it is resumed from
@@ -218,7 +222,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     if at is not None and compared_fields(recorded) != DATA_FIELDS:
         say(f"{run_dir}: no record of the data it trained on (a run of an older moelab); "
             f"recording the corpus and tokenizer of {cfg.data.data_dir} as its data now")
-    data = _prepare(cfg, main, verbose)
+    data = _prepare(cfg, main, verbose, hold)
     store = TokenStore(data.store_dir, vocab_size=cfg.model.vocab_size)  # ids < vocab
     check_heldout(cfg, store, data.corpus_dir, say)  # evaluation must not vanish at the end
     tok = load_tokenizer(data.tokenizer_path)
