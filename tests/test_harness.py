@@ -247,7 +247,7 @@ def test_an_uncached_dataset_says_how_to_pre_cache_it(trained, tmp_path, capsys,
     assert "dataset 'a/b'" in msg and "(no network?:" in msg and "HF_DATASETS_OFFLINE=1" in msg
 
 
-def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch):
+def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch, no_network):
     assert local_task_names() == sorted(LOCAL_TASKS + ["moelab_local"])
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
