@@ -189,6 +189,9 @@ def where(tmp_path_factory, data_dir):  # noqa: F811
     (d / "dup_section.yaml").write_text("train: {steps: 5}\nmodel: {}\ntrain: {steps: 6}\n")
     (d / "bad.yaml").write_text("train: [steps\n")
     (d / "list.yaml").write_text("- train\n- model\n")
+    (d / "cycle_a.yaml").write_text("base: cycle_b.yaml\n")
+    (d / "cycle_b.yaml").write_text("base: cycle_a.yaml\ntrain: {steps: 5}\n")
+    (d / "nobase.yaml").write_text("base: missing_base.yaml\n")
     (d / "latin1.yaml").write_bytes("train:\n  steps: 5 # caf\xe9\n".encode("latin-1"))
     good = [(n, dd, round(_law(n, dd), 5)) for n, dd in POINTS]
     (d / "good.csv").write_text(_csv(good))
@@ -217,6 +220,9 @@ PLAN8 = ["plan", "tiny", "--devices", "8", "--mfu", "0.2"]
 
 # (argv, expected exit code, phrase the one error line must hold)
 CASES = [
+    # a mistyped command or subcommand names the one meant
+    (["trian", "tiny"], 2, "invalid choice: 'trian'; did you mean 'train'?"),
+    (["ladder", "fti"], 2, "invalid choice: 'fti'; did you mean 'fit'?"),
     # train: the config, its file, the run folder, the data it needs
     (["train", "tiny", "model.top_k=99"], 2, "model.top_k: must be <= n_experts=8"),
     (["train", "tiny", "model.d_modle=3"], 2, "model.d_modle: unknown field"),
@@ -235,6 +241,13 @@ CASES = [
     (["train", "{d}/dup.yaml"], 2, "{d}/dup.yaml: line 3: duplicate key 'steps'"),
     (["train", "{d}/dup_section.yaml"], 2, "{d}/dup_section.yaml: line 3: duplicate key 'train'"),
     (["train", "{d}/bad.yaml"], 2, "{d}/bad.yaml: invalid YAML"),
+    (["train", "{d}/cycle_a.yaml"], 2,
+     "base cycle {d}/cycle_a.yaml -> {d}/cycle_b.yaml -> {d}/cycle_a.yaml; remove one"),
+    (["train", "{d}/nobase.yaml"], 2,
+     "config file {d}/missing_base.yaml (the base of {d}/nobase.yaml): not found"),
+    (["train", "tiny", "train.wandb=maybe"], 2, "train.wandb: expected true or false"),
+    (["train", "tiny", "train.steps=5", "train.steps=6"], 2,
+     "override 'train.steps=6': train.steps is already set by 'train.steps=5'"),
     (["train", "{d}/list.yaml"], 2, "top level must be a mapping"),
     (["train", "{d}/latin1.yaml"], 2, "{d}/latin1.yaml: not UTF-8"),
     (["train", "tiny", "--run-dir", "{d}/afile"], 2, "--run-dir {d}/afile: a file"),
@@ -273,6 +286,8 @@ CASES = [
     (["plan", "tiny", "--tokens", "nan"], 2, "--tokens nan"),
     (["plan", "{d}/empty.yaml"], 2, "{d}/empty.yaml: empty"),
     (["plan", "{d}/dup.yaml"], 2, "duplicate key 'steps'"),
+    (["plan", "{d}/cycle_b.yaml"], 2, "base cycle {d}/cycle_b.yaml -> {d}/cycle_a.yaml -> "),
+    (["plan", "tiny", "model.top_k=1", "model.top_k=2"], 2, "model.top_k is already set"),
     (["plan", "nopreset"], 2, "no such preset or file"),
     (["plan", "tiny", "--devices", "-3"], 2, "--devices"),
     ([*PLAN8[:4], "--mfu", "1.5"], 2, "--mfu 1.5"),
@@ -461,10 +476,10 @@ BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
      "--coordinator bogus.invalid:8476: host 'bogus.invalid' not found"),
     (["train", "tiny", "--run-dir", "memory://runs/x"], 2,
      "--run-dir memory://runs/x: memory:// lives only inside this process"),
-    # overrides after an option join those before it, in order (the last one counts)
+    # overrides after an option join those before it (each field once, wherever it is given)
     (["train", "tiny", "--run-dir", "{d}/r6", "train.steps=3e9"], 2, f"train.steps: {BIG}"),
     (["train", "tiny", "train.steps=5", "--run-dir", "{d}/r6", "train.steps=3e9"], 2,
-     f"train.steps: {BIG}"),
+     "override 'train.steps=3e9': train.steps is already set by 'train.steps=5'"),
     (["resume", RUN, "--accept-data-change", "train.steps=3e9"], 2, f"train.steps: {BIG}"),
     (["plan", "tiny", "--accelerator", "h100", "model.n_experts=abc"], 2,
      "model.n_experts: expected an integer, got 'abc'"),

@@ -65,6 +65,22 @@ def test_no_command_is_a_usage_error(capsys):
     assert rc == 2 and "usage: moelab" in err
 
 
+@pytest.mark.parametrize("argv, prefix, meant", [
+    (["trian"], "moelab: error: argument COMMAND", "train"),
+    (["ladder", "fti"], "moelab ladder: error: argument SUBCOMMAND", "fit"),
+    (["data", "biuld"], "moelab data: error: argument SUBCOMMAND", "build"),
+    (["plan", "tiny", "--attention", "fussed"], "moelab plan: error: argument --attention",
+     "fused"),
+])
+def test_a_mistyped_command_suggests_the_one_meant(argv, prefix, meant, capsys):
+    rc, _, err = run_main(argv, capsys)
+    assert rc == 2
+    assert err.splitlines()[-1].startswith(f"{prefix}: invalid choice: {argv[-1]!r}; did you "
+                                           f"mean {meant!r}? (choose from "), err
+    rc, _, err = run_main(["zzzz"], capsys)  # nothing close: the choices alone
+    assert rc == 2 and "invalid choice: 'zzzz' (choose from 'train'" in err
+
+
 def test_presets_and_plan(capsys):
     rc, out, _ = run_main(["presets"], capsys)
     assert rc == 0 and "tiny" in out.split()

@@ -113,6 +113,80 @@ def test_an_empty_yaml_file_is_refused_and_an_empty_mapping_gives_the_defaults(t
 
 
 # ---------------------------------------------------------------------------------------------
+# base: a YAML file extends a preset or another file
+
+
+def _yaml(path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_yaml_extends_a_preset_field_by_field(tmp_path):
+    mine = _yaml(tmp_path / "mine.yaml", "base: small\nmodel:\n  n_experts: 32\n"
+                 "train: {steps: 50}\n")
+    cfg = load_config(mine)
+    assert cfg == load_config("small", ["model.n_experts=32", "train.steps=50"])
+    assert cfg.model.d_model == load_config("small").model.d_model != ModelConfig().d_model
+
+
+def test_a_base_chain_follows_paths_relative_to_each_file(tmp_path, monkeypatch):
+    _yaml(tmp_path / "lib" / "common.yaml", "base: tiny\ntrain: {steps: 40, seed: 3}\n"
+          "data: {mixture: {prose: 1, code: 1}}\noptim:\n  decays: [{start: 10, end: 20}]\n")
+    mine = _yaml(tmp_path / "exp" / "mine.yaml", "base: ../lib/common.yaml\n"
+                 "train: {steps: 60}\ndata: {mixture: {prose: 1}}\n")
+    monkeypatch.chdir(tmp_path / "lib")  # relative to the file, not to where the command runs
+    cfg = load_config(mine)
+    want = load_config("tiny", ["train.steps=60", "train.seed=3", "data.mixture={prose: 1}",
+                                "optim.decays=[{start: 10, end: 20}]"])
+    assert cfg == want  # sections merge per field; a mixture or a list is replaced whole
+    assert cfg.data.mixture == {"prose": 1.0}
+
+
+@pytest.mark.parametrize("files, start, needle", [
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "base: ./a.yaml\n"}, "a.yaml",
+     "config {d}/a.yaml: base cycle {d}/a.yaml -> {d}/b.yaml -> {d}/a.yaml; remove one"),
+    ({"a.yaml": "base: a.yaml\n"}, "a.yaml", "base cycle {d}/a.yaml -> {d}/a.yaml"),
+    ({"a.yaml": "base: sub/b.yaml\n"}, "a.yaml",
+     "config file {d}/sub/b.yaml (the base of {d}/a.yaml): not found"),
+    ({"a.yaml": "base: smal\n"}, "a.yaml",
+     "config 'smal' (the base of {d}/a.yaml): no such preset or file; presets: "),
+    ({"a.yaml": "base: 3\n"}, "a.yaml",
+     "config {d}/a.yaml: base: expected a preset name or a YAML path (relative to {d}/a.yaml)"),
+    ({"a.yaml": "base: b.yaml\n", "b.yaml": "train: {stpes: 3}\n"}, "a.yaml",
+     "train.stpes: unknown field; did you mean train.steps?"),
+])
+def test_bad_bases_are_clear_errors(files, start, needle, tmp_path):
+    for name, text in files.items():
+        _yaml(tmp_path / name, text)
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path / start))
+    assert needle.format(d=tmp_path) in str(e.value)
+
+
+def test_the_run_folder_records_the_resolved_config(tmp_path, data_dir, monkeypatch):
+    """config.yaml in the run folder is the whole config, with no base left to follow."""
+    from helpers import micro_dict, write_config_yaml
+    from moelab.cli import main
+    from moelab.train import setup
+
+    class Stop(Exception):
+        pass
+
+    def stop(*_a, **_kw):  # after the run folder is written, before any compilation
+        raise Stop
+
+    write_config_yaml(tmp_path / "micro.yaml", micro_dict(data_dir))
+    mine = _yaml(tmp_path / "mine.yaml", "base: micro.yaml\ntrain: {steps: 7}\n")
+    monkeypatch.setattr(setup, "init_sharded_state", stop)
+    with pytest.raises(Stop):
+        main(["train", mine, "--run-dir", str(tmp_path / "run")])
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert "base" not in saved and saved == load_config(mine).to_dict()
+    assert saved["train"]["steps"] == 7 and saved["data"]["data_dir"] == str(data_dir)
+
+
+# ---------------------------------------------------------------------------------------------
 # overrides
 
 
@@ -150,6 +224,44 @@ def test_scientific_notation_float_override():
     string (it wants "3.0e-3"), so the float field must accept a numeric string."""
     cfg = load_config("tiny", ["optim.lr=3e-3"])
     assert cfg.optim.lr == pytest.approx(3e-3)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["train.steps=10", "train.steps=20"],
+     "override 'train.steps=20': train.steps is already set by 'train.steps=10'; give each "
+     "field once"),
+    (["data.mixture={a: 1}", "train.seed=2", "data.mixture.a=3"],
+     "override 'data.mixture.a=3': data.mixture is already set by 'data.mixture={a: 1}'"),
+    (["data.mixture.a=3", "data.mixture={a: 1}"],
+     "override 'data.mixture={a: 1}': data.mixture is already set by 'data.mixture.a=3'"),
+])
+def test_a_field_given_twice_is_an_error_as_in_yaml(overrides, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", overrides)
+    assert str(e.value) == needle or str(e.value).startswith(needle)
+    assert load_config("tiny", ["data.mixture.a=3", "data.mixture.b=1"]).data.mixture == {
+        "a": 3.0, "b": 1.0}  # two keys of one mapping are two fields
+
+
+BOOL_WORDS = [("true", True), ("FALSE", False), ("yes", True), ("No", False), ("on", True),
+              ("OFF", False), ("1", True), ("0", False), ("tRuE", True), ("'yes'", True)]
+
+
+@pytest.mark.parametrize("word, value", BOOL_WORDS)
+def test_booleans_take_the_same_words_in_yaml_and_on_the_command_line(word, value, tmp_path):
+    path = _yaml(tmp_path / "b.yaml", f"train:\n  wandb: {word}\nmodel: {{xsa: {word}}}\n")
+    for cfg in (load_config("tiny", [f"train.wandb={word}", f"model.xsa={word}"]),
+                load_config(path)):
+        assert cfg.train.wandb is value and cfg.model.xsa is value
+
+
+@pytest.mark.parametrize("word", ["maybe", "2", "1.0", "''", "[true]"])
+def test_other_boolean_values_are_refused_alike(word, tmp_path):
+    path = _yaml(tmp_path / "b.yaml", f"train:\n  wandb: {word}\n")
+    for source, overrides in (("tiny", [f"train.wandb={word}"]), (path, [])):
+        with pytest.raises(ConfigError, match=r"^train.wandb: expected true or false \(or "
+                           r"yes/no, on/off, 1/0\), got "):
+            load_config(source, overrides)
 
 
 @pytest.mark.parametrize("item, needle", [
@@ -212,7 +324,7 @@ def test_unknown_section_is_named_without_a_stray_dot():
     ("model.d_model=abc", "model.d_model", "expected an integer, got 'abc'"),
     ("model.d_model=true", "model.d_model", "expected an integer"),
     ("optim.lr=fast", "optim.lr", "expected a number"),
-    ("train.wandb=maybe", "train.wandb", "expected true/false"),
+    ("train.wandb=maybe", "train.wandb", "expected true or false"),
     ("model.router=3", "model.router", "expected a string"),
     ("data.mixture=5", "data.mixture", "expected a mapping"),
     ("data.mixture={a: x}", "data.mixture.a", "expected a number"),

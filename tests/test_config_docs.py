@@ -74,6 +74,7 @@ def test_train_help_lists_the_sections_and_points_to_moelab_config(capsys):
     for section in section_classes():
         assert f"\n  {section} " in out
     assert "moelab config PRESET" in out
+    assert "extends a preset or another file with `base: NAME_OR_PATH`" in " ".join(out.split())
 
 
 # ---------------------------------------------------------------------------------------------

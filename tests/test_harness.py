@@ -163,21 +163,91 @@ def test_generation_options():
         gen_options({"max_gen_toks": 0}, 256, "<e>")
 
 
-def test_evaluation_is_offline_and_restores_the_settings(monkeypatch):
+@pytest.fixture
+def no_network(monkeypatch):
+    """Every connection attempt fails at once: the tests never wait on a network, and behave
+    alike on machines with one or without."""
+    import socket
+
+    def refuse(*_args, **_kw):
+        raise OSError("network blocked by the test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def _hf_offline(monkeypatch, on: bool) -> None:
+    """The offline setting as the environment would give it; datasets and huggingface_hub read
+    it when first imported, so their config modules are set too."""
     import datasets.config
     import huggingface_hub.constants
 
-    from moelab.harness.evaluate import offline
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        if on:
+            monkeypatch.setenv(var, "1")
+        else:
+            monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", on)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_OFFLINE", on)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", on)
 
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)  # imported before: too late
-    with offline():  # for the environment variables alone
-        assert datasets.config.HF_HUB_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE
-        assert os.environ["HF_HUB_OFFLINE"] == "1" and os.environ["HF_DATASETS_OFFLINE"] == "1"
-    assert datasets.config.HF_HUB_OFFLINE is False and "HF_HUB_OFFLINE" not in os.environ
+
+def test_eval_is_offline_only_when_the_environment_says_so(trained, tmp_path, capsys,
+                                                           monkeypatch, no_network):
+    """Online by default (the harness's built-in tasks may download their datasets); moelab's
+    local tasks still run with no network at all."""
+    import datasets.config
+    import huggingface_hub.constants
+    import lm_eval
+
+    _hf_offline(monkeypatch, False)
+    seen = []
+    real = lm_eval.simple_evaluate
+
+    def spy(*args, **kw):
+        seen.append((datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE,
+                     os.environ.get("HF_HUB_OFFLINE"), os.environ.get("HF_DATASETS_OFFLINE")))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", spy)
+    rc, _, err = run_main(["eval", str(trained), "--tasks", "moelab_choice", "--limit", "2",
+                           "--output", str(tmp_path / "r.json")], capsys)
+    assert rc == 0, err
+    assert seen == [(False, False, None, None)]  # not forced offline, and yet no network used
 
 
-def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch):
+HUB_TASK = """task: hub_probe
+dataset_path: moelab-test/not-cached
+output_type: loglikelihood
+test_split: test
+doc_to_text: "{{text}}"
+doc_to_target: " x"
+"""
+
+
+def test_an_uncached_dataset_says_how_to_pre_cache_it(trained, tmp_path, capsys, monkeypatch,
+                                                     no_network):
+    from moelab.harness.evaluate import unreachable_dataset
+
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "hub_probe.yaml").write_text(HUB_TASK)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    _hf_offline(monkeypatch, True)
+    rc, _, err = run_main(["eval", str(trained), "--tasks", "hub_probe", "--include-path",
+                           str(tmp_path / "tasks"), "--output", str(tmp_path / "r.json")], capsys)
+    assert rc == 2, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("moelab: error: --tasks hub_probe: dataset 'moelab-test/not-cached' "
+                           "is not in the Hugging Face cache"), err
+    assert "offline by the environment (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set)" in line
+    assert "`moelab eval ANY_RUN --tasks hub_probe --limit 1` once on a machine with network" \
+        in line and "same HF_HOME" in line and "set HF_DATASETS_OFFLINE=1" in line
+    _hf_offline(monkeypatch, False)  # online, but no network: the same advice
+    msg = str(unreachable_dataset(ConnectionError("Couldn't reach 'a/b' on the Hub (x)"), ["t"]))
+    assert "dataset 'a/b'" in msg and "(no network?:" in msg and "HF_DATASETS_OFFLINE=1" in msg
+
+
+def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch, no_network):
     assert local_task_names() == sorted(LOCAL_TASKS + ["moelab_local"])
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
@@ -222,5 +292,5 @@ def test_eval_unknown_task_says_where_tasks_come_from(trained, capsys, monkeypat
     rc, _, err = run_main(["eval", str(trained), "--tasks", "moelab_choise"], capsys)
     assert rc == 2
     assert "--tasks moelab_choise: unknown task (did you mean moelab_choice" in err
-    assert "moelab_local" in err and "--include-path" in err and "offline" in err
+    assert "moelab_local" in err and "--include-path" in err and "Hugging Face cache" in err
     assert seen == [False, True]  # built-in tasks are searched only for a name not found

@@ -10,6 +10,7 @@ a layer it needs is handed that piece here: ``train --record`` attaches through 
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 import sys
 
@@ -43,9 +44,26 @@ def _load_run(run, step=None):
     return load_run(run, step=step)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, and a "did you mean" for a mistyped choice: a command or a subcommand
+    (``moelab trian``, ``moelab ladder fti``; subparsers are made of their parent's class) or an
+    option's fixed values."""
+
+    def _check_value(self, action, value):
+        choices = action.choices
+        if choices is not None and isinstance(value, str) and value not in choices:
+            close = difflib.get_close_matches(value, [c for c in choices if isinstance(c, str)],
+                                              n=1)
+            if close:
+                raise argparse.ArgumentError(action, f"invalid choice: {value!r}; did you mean "
+                                             f"{close[0]!r}? (choose from "
+                                             f"{', '.join(map(repr, choices))})")
+        super()._check_value(action, value)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moelab", description="Train sparse Mixture-of-Experts "
-                                "language models in the open.")
+    p = Parser(prog="moelab", description="Train sparse Mixture-of-Experts language models in "
+               "the open.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register_train(sub, attach_record=attach_from_train)
     register_config(sub)

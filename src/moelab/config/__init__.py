@@ -1,8 +1,9 @@
 """Run configuration: one small frozen dataclass per component, YAML files and dotted overrides.
 
 A run config is ``RunConfig(model=..., data=..., optim=..., train=...)``. Each component receives
-only its own config. ``load_config`` reads a preset name or a YAML path, applies ``a.b=value``
-overrides and validates everything, raising ``ConfigError`` that names the field and the fix.
+only its own config. ``load_config`` reads a preset name or a YAML path (on top of its
+``base:``, a preset or another file, field by field), applies ``a.b=value`` overrides (each
+field once) and validates everything, raising ``ConfigError`` that names the field and the fix.
 
 Modules: ``errors`` (ConfigError), ``model`` (ModelConfig), ``data`` (DataConfig and its
 operations), ``run`` (OptimConfig, TrainConfig, ParallelConfig, RunConfig) and ``io`` (building

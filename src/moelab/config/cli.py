@@ -14,7 +14,7 @@ from moelab.config.io import preset_names
 
 EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE arguments after the "
                     "config (before or after the options), e.g. `moelab train tiny "
-                    "train.steps=100 model.n_experts=16`.")
+                    "train.steps=100 model.n_experts=16`; each field once.")
 
 
 def config_epilog() -> str:
@@ -22,7 +22,9 @@ def config_epilog() -> str:
     rows = [textwrap.fill(section_doc(cls), 88, initial_indent=f"  {name:<10}",
                           subsequent_indent=" " * 12) for name, cls in section_classes().items()]
     tail = ("`moelab config PRESET [KEY=VALUE ...]` prints every field of the resolved config "
-            "with its value and meaning. " + EPILOG_OVERRIDES)
+            "with its value and meaning. A YAML file extends a preset or another file with "
+            "`base: NAME_OR_PATH` (a path relative to the file): the fields it gives replace "
+            "the base's, section by section. " + EPILOG_OVERRIDES)
     return "\n".join(["config sections (YAML keys; SECTION.FIELD=VALUE on the command line):",
                       *rows, "", textwrap.fill(tail, 88)])
 

@@ -1,5 +1,5 @@
-"""Building a ``RunConfig``: from dicts (typed and checked field by field), YAML files, the
-bundled presets and dotted ``section.field=value`` overrides; saving one; and the field names
+"""Building a ``RunConfig``: from dicts (typed and checked field by field), YAML files (each
+on top of its ``base:``), the bundled presets and dotted ``section.field=value`` overrides; saving one; and the field names
 the layers above share (operation fields, flattened field paths)."""
 
 from __future__ import annotations
@@ -68,11 +68,23 @@ def _number_text(value: Any) -> Any:
     return value
 
 
+# The one set of words a boolean field takes, in a YAML file and on the command line alike, in
+# any case. YAML alone would read yes/on as true but 1 as an integer and tRuE as a string.
+BOOL_WORDS = {"true": True, "yes": True, "on": True, "1": True,
+              "false": False, "no": False, "off": False, "0": False}
+
+
+def _bool(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, (int, str)) and str(value).strip().lower() in BOOL_WORDS:
+        return BOOL_WORDS[str(value).strip().lower()]
+    raise ConfigError(f"{where}: expected true or false (or yes/no, on/off, 1/0), got {value!r}")
+
+
 def _coerce(value: Any, hint: Any, where: str) -> Any:
     if hint is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return _bool(value, where)
     if hint is int:
         value = _number_text(value)
         if (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -196,40 +208,112 @@ def load_yaml(text: str, source: str) -> Any:
         raise ConfigError(f"{source}: invalid YAML: {' '.join(str(e).split())}") from None
 
 
-def _read_yaml(source: str) -> dict[str, Any]:
-    path = Path(source)
-    if path.suffix in (".yaml", ".yml") or path.exists():
+def _config_source(source: str, folder: Path | None) -> tuple[str, str, Path | None]:
+    """(name for messages, identity, the file or None for a preset) of a config named on the
+    command line (``folder`` the current one) or as a ``base:`` (``folder`` the including
+    file's; None inside a preset, whose base is always another preset). A name ending in
+    .yaml/.yml, or an existing path, is a file; anything else a preset."""
+    if folder is not None:
+        path = folder / source
+        if Path(source).suffix in (".yaml", ".yml") or path.exists():
+            return (source if folder == Path() else str(path)), str(path.resolve()), path
+    return source, f"preset {source}", None
+
+
+def _read_one(name: str, path: Path | None, via: str | None) -> dict[str, Any]:
+    """One config file or preset as written (``base`` not yet followed), checked to be a
+    mapping of sections; ``via`` names the file whose base it is."""
+    of = f" (the base of {via})" if via else ""
+    if path is not None:
         if not path.is_file():
-            raise ConfigError(f"config file {source}: not found; give a YAML path or a preset "
+            raise ConfigError(f"config file {name}{of}: not found; give a YAML path or a preset "
                               f"name ({', '.join(preset_names())})")
-        text = decode_utf8(path.read_bytes(), f"config {source}")
+        text = decode_utf8(path.read_bytes(), f"config {name}")
     else:
-        res = resources.files("moelab") / "presets" / f"{source}.yaml"
+        res = resources.files("moelab") / "presets" / f"{name}.yaml"
         if not res.is_file():
-            raise ConfigError(f"config {source!r}: no such preset or file; presets: "
+            raise ConfigError(f"config {name!r}{of}: no such preset or file; presets: "
                               f"{', '.join(preset_names())}")
         text = res.read_text()
-    data = load_yaml(text, f"config {source}")
+    data = load_yaml(text, f"config {name}")
     if data is None:
-        raise ConfigError(f"config {source}: empty; give the sections to change (model, data, "
+        raise ConfigError(f"config {name}: empty; give the sections to change (model, data, "
                           "optim, train), or a preset name")
     if not isinstance(data, dict):
-        raise ConfigError(f"config {source}: top level must be a mapping of sections "
+        raise ConfigError(f"config {name}: top level must be a mapping of sections "
                           "(model, data, optim, train)")
     return data
 
 
+def _merge(base: dict[str, Any], over: dict[str, Any], cls: type = RunConfig) -> dict:
+    """``over`` on top of ``base``, field by field: a section (model, data, ...) merges key by
+    key, so a file that gives one model field keeps the base's others; any other value (a
+    number, a list such as optim.decays, the data.mixture mapping) replaces the base's whole,
+    as a mixture or a schedule is meant as one."""
+    hints = get_type_hints(cls)
+    out = dict(base)
+    for key, value in over.items():
+        hint = hints.get(key)
+        if (dataclasses.is_dataclass(hint) and isinstance(value, dict)
+                and isinstance(out.get(key), dict)):
+            out[key] = _merge(out[key], value, hint)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve(source: str, folder: Path | None, chain: tuple[tuple[str, str], ...] = ()) -> dict:
+    """The config ``source`` with its ``base:`` chain followed: each file's fields on top of
+    its base's (renamed fields migrated in each, so a base may use old names)."""
+    name, identity, path = _config_source(source, folder)
+    chain = (*chain, (name, identity))
+    if identity in [i for _, i in chain[:-1]]:
+        raise ConfigError(f"config {chain[0][0]}: base cycle "
+                          f"{' -> '.join(n for n, _ in chain)}; remove one of these bases")
+    data = migrate(_read_one(name, path, chain[-2][0] if len(chain) > 1 else None))
+    if "base" not in data:
+        return data
+    base = data.pop("base")
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(f"config {name}: base: expected a preset name or a YAML path "
+                          f"(relative to {name}), got {base!r}")
+    return _merge(_resolve(base.strip(), None if path is None else path.parent, chain),
+                        data)
+
+
+def _override_key(item: str) -> list[str]:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected section.field=value, "
+                          "e.g. train.steps=100")
+    parts = item.split("=", 1)[0].strip().split(".")
+    if len(parts) < 2:
+        raise ConfigError(f"override {item!r}: key must be section.field, e.g. model.d_model")
+    return parts
+
+
+def _check_once(overrides: list[str]) -> None:
+    """Each field is set once. A field given twice (or a mapping and a key inside it) is an
+    error rather than "the last one wins": a YAML file may not repeat a key either, and a
+    command line assembled from pieces (a script's defaults, then yours) would otherwise run
+    with a value its author did not see."""
+    seen: list[tuple[list[str], str]] = []
+    for item in overrides:
+        parts = _override_key(item)
+        for other_parts, other in seen:
+            n = min(len(parts), len(other_parts))
+            if parts[:n] == other_parts[:n]:
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:n])} is already set by "
+                                  f"{other!r}; give each field once")
+        seen.append((parts, item))
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``section.field=value`` overrides (values parsed as YAML scalars)."""
+    """Apply ``section.field=value`` overrides (values parsed as YAML scalars), each field
+    at most once."""
+    _check_once(overrides)
     data = json.loads(json.dumps(data))  # deep copy
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r}: expected section.field=value, "
-                              "e.g. train.steps=100")
-        key, raw = item.split("=", 1)
-        parts = key.strip().split(".")
-        if len(parts) < 2:
-            raise ConfigError(f"override {item!r}: key must be section.field, e.g. model.d_model")
+        parts, raw = _override_key(item), item.split("=", 1)[1]
         node = data
         for part in parts[:-1]:
             node = node.setdefault(part, {})
@@ -245,8 +329,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def load_config(source: str = "tiny", overrides: list[str] | None = None) -> RunConfig:
-    """Load a preset name or YAML file, apply dotted overrides, validate."""
-    return config_from_dict(apply_overrides(_read_yaml(source), overrides or []))
+    """Load a preset name or YAML file (its ``base:`` chain followed), apply dotted overrides,
+    validate."""
+    return config_from_dict(apply_overrides(_resolve(source, Path()), overrides or []))
 
 
 def load_run_config(run_dir: Path | str, overrides: list[str] | None = None) -> RunConfig:

@@ -48,11 +48,13 @@ def check_output(run: str, output: str | None) -> None:
 
 def register(sub) -> None:
     e = sub.add_parser("eval", help="score a trained run on lm-evaluation-harness tasks",
-                       description="Run lm-evaluation-harness tasks (offline) on a run's "
-                       "checkpoint: moelab's local tasks (group moelab_local), task YAML "
-                       "folders given with --include-path, or harness built-ins whose data "
-                       "is already cached. Prints the results table and saves the JSON in "
-                       "RUN/eval/. Needs the eval extra: pip install -e '.[eval]'.")
+                       description="Run lm-evaluation-harness tasks on a run's checkpoint: "
+                       "moelab's local tasks (group moelab_local, no network needed), task "
+                       "YAML folders given with --include-path, or harness built-ins (their "
+                       "datasets are downloaded into the Hugging Face cache on first use; "
+                       "with HF_DATASETS_OFFLINE=1 only the cache is read). Prints the "
+                       "results table and saves the JSON in RUN/eval/. Needs the eval extra: "
+                       "pip install -e '.[eval]'.")
     e.add_argument("run", help="run folder (e.g. runs/tiny)")
     e.add_argument("--tasks", required=True, help="comma-separated task or group names, "
                    "e.g. moelab_local or moelab_choice,moelab_heldout")

@@ -35,34 +35,29 @@ def split_tasks(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-OFFLINE_VARS = ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
-
-
-@contextlib.contextmanager
-def offline():
-    """No network while evaluating: datasets and huggingface_hub read the offline variables
-    when first imported (set here before lm_eval imports them) and keep them in their config
-    modules (set here too, for a process that imported them before). Restored afterwards."""
-    saved_env = {k: os.environ.get(k) for k in OFFLINE_VARS}
-    os.environ.update({k: "1" for k in OFFLINE_VARS})
+def is_offline() -> bool:
+    """Whether the environment keeps Hugging Face offline (HF_HUB_OFFLINE or
+    HF_DATASETS_OFFLINE, read by datasets when first imported)."""
     import datasets.config
+
+    return bool(datasets.config.HF_HUB_OFFLINE)
+
+
+def unreachable_dataset(error: ConnectionError, tasks: Sequence[str]) -> ConnectionError:
+    """The error for a task dataset that is neither in the Hugging Face cache nor downloadable
+    (no network, or offline by the environment): which one, and how to pre-cache it."""
     import huggingface_hub.constants
 
-    flags = [(datasets.config, "HF_HUB_OFFLINE"), (datasets.config, "HF_DATASETS_OFFLINE"),
-             (huggingface_hub.constants, "HF_HUB_OFFLINE")]
-    saved = [getattr(m, a) for m, a in flags]
-    for m, a in flags:
-        setattr(m, a, True)
-    try:
-        yield
-    finally:
-        for (m, a), v in zip(flags, saved):
-            setattr(m, a, v)
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    found = re.search(r"reach '([^']+)'", str(error))
+    name = f"dataset {found.group(1)!r}" if found else "a task's dataset"
+    why = ("offline by the environment (HF_HUB_OFFLINE or HF_DATASETS_OFFLINE is set)"
+           if is_offline() else "no network?")
+    return ConnectionError(
+        f"--tasks {','.join(tasks)}: {name} is not in the Hugging Face cache and could not be "
+        f"downloaded ({why}: {error}). To pre-cache it, run `moelab eval ANY_RUN --tasks "
+        f"{','.join(tasks)} --limit 1` once on a machine with network and the same HF_HOME "
+        f"(here {huggingface_hub.constants.HF_HOME}; copy that folder here if it is not "
+        "shared), then set HF_DATASETS_OFFLINE=1 to read only the cache")
 
 
 def git_hash() -> str | None:
@@ -111,12 +106,17 @@ def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None
     from moelab.harness.registry import render_local_tasks, task_manager
     from moelab.run.load import load_run
 
-    with offline(), quiet_git(), tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
+    # Offline only when the environment says so: moelab's local tasks read files beside the
+    # package and need no network; the harness's built-ins download their datasets unless cached.
+    with quiet_git(), tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
         manager = task_manager(tasks, include_paths, render_local_tasks(Path(tmp)))
         run = load_run(run_dir, step=step)  # a folder or a run URL
-        results = simple_evaluate(MoelabLM(run, batch_size=batch_size), tasks=list(tasks),
-                                  num_fewshot=num_fewshot, limit=limit, task_manager=manager,
-                                  log_samples=False)
+        try:
+            results = simple_evaluate(MoelabLM(run, batch_size=batch_size), tasks=list(tasks),
+                                      num_fewshot=num_fewshot, limit=limit,
+                                      task_manager=manager, log_samples=False)
+        except ConnectionError as e:  # datasets: "Couldn't reach 'NAME' on the Hub (...)"
+            raise unreachable_dataset(e, tasks) from None
     results["moelab"] = {"run": str(run_dir), "step": run.step, "tasks": list(tasks)}
     return results
 

@@ -77,6 +77,6 @@ def task_manager(names: Sequence[str], include_paths: Sequence[Path], local_dir:
             + f"{' (did you mean ' + ', '.join(close) + '?)' if close else ''}. Tasks come "
             f"from moelab's local tasks ({', '.join(local_task_names())}), from task YAML "
             "files in folders given with --include-path DIR, and from lm-evaluation-harness's "
-            "built-in tasks (evaluation is offline: their datasets must already be in the "
-            "Hugging Face cache)")
+            "built-in tasks (their datasets are downloaded into the Hugging Face cache on "
+            "first use; offline, they must already be there)")
     return manager
