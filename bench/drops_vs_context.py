@@ -35,8 +35,8 @@ from pathlib import Path
 
 from common import RESULTS, print_table, save
 from moelab.config import ParallelConfig
-from moelab.ops.drops import fit_placements, forecast, pick_spans
-from moelab.ops.routing import at_context, heldout_spans, routed_ids, routing_fn
+from moelab.parallel.forecast import fit_placements, forecast, pick_spans
+from moelab.parallel.routing import at_context, heldout_spans, routed_ids, routing_fn
 from trained_router import RUN_DIR, STEPS, load, trained_run
 
 BRANCH_AT, COOLDOWN_STEPS = 135, 48

@@ -10,7 +10,7 @@ run continues where it stopped; a finished one is reused as it is).
 ``routing_for(run_dir, tokens_BT, layer)`` runs that model on real text and returns one layer's
 routing as the transports see it: the latent inputs z [N, H], expert ids and combine weights
 [N, k] and the layer's expert weights. The forward is the model's own code
-(``moelab.ops.routing.layer_routings``: the model's embedding, attention and mixture branches,
+(``moelab.parallel.routing.layer_routings``: the model's embedding, attention and mixture branches,
 one block at a time) with a hook in the ``experts_fn`` slot that records what reaches the
 routed experts and computes them dropless, so later layers see exactly what a single-device
 forward computes.
@@ -102,8 +102,8 @@ def load(run_dir: Path | str):
 @functools.lru_cache(maxsize=4)
 def _routing_pass(run_dir: str):
     """jit(params, state, tokens_BT) -> per-layer [(z_NH, expert_NK, weight_NK)] for the run's
-    model (``moelab.ops.routing.layer_routings``: the model's own blocks)."""
-    from moelab.ops.routing import layer_routings
+    model (``moelab.parallel.routing.layer_routings``: the model's own blocks)."""
+    from moelab.parallel.routing import layer_routings
 
     cfg, _, _ = load(run_dir)
     return jax.jit(functools.partial(layer_routings, cfg=cfg.model))
@@ -133,7 +133,7 @@ def routing_for(run_dir: Path | str, tokens_BT, layer: int):
 def heldout_batch(run_dir: Path | str, n_seqs: int, seq_len: int, seed: int = 0) -> np.ndarray:
     """``n_seqs`` held-out windows of ``seq_len`` tokens drawn without replacement from all
     domains (shuffled with ``seed``): int32 [n_seqs, seq_len]."""
-    from moelab.ops.routing import heldout_spans
+    from moelab.parallel.routing import heldout_spans
 
     cfg, _, _ = load(str(run_dir))
     blocks = heldout_spans(cfg, seq_len)

@@ -1,5 +1,5 @@
 """``moelab drops``: the drop forecast at longer contexts on the session's trained run; the
-routings it and the benchmarks read (``moelab.ops.routing``)."""
+routings it and the benchmarks read (``moelab.parallel.routing``)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from helpers import ALL_OPTIONS, random_train_state, shared_run
 from moelab.cli import main
 from moelab.config import ModelConfig, RunConfig
 from moelab.model.transformer import forward
-from moelab.ops.routing import layer_routings
+from moelab.parallel.routing import layer_routings
 
 
 @pytest.fixture(scope="module")

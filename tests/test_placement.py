@@ -1,4 +1,4 @@
-"""Expert placement (``moelab.ops.placement``): the swap search, the drops it removes, the
+"""Expert placement (``moelab.parallel.placement``): the swap search, the drops it removes, the
 re-placed model computing the same function, and ``drops --place`` / ``branch --place-experts``
 on the session's trained run."""
 
@@ -14,7 +14,7 @@ from helpers import ALL_OPTIONS, random_train_state, shared_run
 from moelab.cli import main
 from moelab.config import ModelConfig, ParallelConfig, RunConfig
 from moelab.model.transformer import forward
-from moelab.ops import placement as pl
+from moelab.parallel import placement as pl
 from moelab.parallel.transport.simulate import simulate_drops
 
 

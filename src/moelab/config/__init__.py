@@ -10,7 +10,7 @@ operations), ``run`` (OptimConfig, TrainConfig, ParallelConfig, RunConfig) and `
 from dicts, YAML, presets and overrides; saving). Import the names from ``moelab.config``.
 """
 
-from moelab.config.data import ContextStage, DataConfig, DataSegment, MixtureChange
+from moelab.config.data import ContextStage, DataConfig, DataSegment, Fallback, MixtureChange
 from moelab.config.errors import ConfigError
 from moelab.config.io import (
     OPERATION_FIELDS,
@@ -30,6 +30,7 @@ from moelab.config.run import Decay, OptimConfig, ParallelConfig, RunConfig, Tra
 
 __all__ = [
     "ConfigError", "CONV_SITES", "ModelConfig", "MixtureChange", "ContextStage", "DataSegment",
+    "Fallback",
     "DataConfig", "Decay", "OptimConfig", "TrainConfig", "ParallelConfig", "RunConfig",
     "config_from_dict", "preset_names", "apply_overrides", "load_config", "load_run_config",
     "load_yaml", "migrate", "save_config", "OPERATION_FIELDS", "flatten_config", "split_overrides",

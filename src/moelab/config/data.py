@@ -21,14 +21,49 @@ class MixtureChange:
     mixture: dict[str, float]
 
 
+# Capacity fields a gate's fallback may raise (and a stage's ``parallel`` override holds)
+STAGE_CAPACITY = ("receiver_cf", "sender_cf", "capacity_factor")
+GATE_DECISIONS = ("", "switch", "stay")  # "": ungated, or not decided yet
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """One fallback of a drop gate, tried on top of the ones before it: raise capacity
+    factors of the transport, and/or re-fit the expert placement (moelab.parallel.placement)."""
+
+    receiver_cf: float = 0.0
+    sender_cf: float = 0.0
+    capacity_factor: float = 0.0
+    place: bool = False
+
+    def capacity(self) -> dict[str, float]:
+        return {k: getattr(self, k) for k in STAGE_CAPACITY if getattr(self, k)}
+
+
 @dataclass(frozen=True)
 class ContextStage:
     """Sequences of ``seq_len`` tokens from ``step`` on; batch_size 0 keeps the tokens per
-    batch of data.seq_len x data.batch_size (so only the batch shape changes)."""
+    batch of data.seq_len x data.batch_size (so only the batch shape changes).
+
+    A drop gate (``max_drops`` > 0) makes the switch conditional: at ``step`` the run forecasts
+    its drops at ``seq_len`` and switches only if they are at most ``max_drops``, else tries
+    the ``fallbacks`` in order; it writes what it decided (``decision``, and the ``parallel``
+    capacities and ``placement`` a fallback chose) back into the stage (moelab.train.adapt).
+    A stage decided "stay" is kept as the record but trains nothing."""
 
     step: int
     seq_len: int
     batch_size: int = 0
+    max_drops: float = 0.0  # the gate: largest forecast drop fraction to switch at; 0 = no gate
+    fallbacks: list[Fallback] = field(default_factory=list)
+    decision: str = ""  # the gate's decision: switch or stay ("": not gated, or not yet)
+    parallel: dict[str, float] = field(default_factory=dict)  # capacities from step on
+    placement: list[list[int]] = field(default_factory=list)  # slot of each expert, per layer
+
+    @property
+    def pending(self) -> bool:
+        """A gated stage whose decision the run has not taken yet."""
+        return self.max_drops > 0 and not self.decision
 
 
 class DataSegment(NamedTuple):
@@ -72,7 +107,9 @@ class DataConfig:
     seed: int = 0  # seed of the batch sampler
     # run operations: new mixtures and longer contexts from given steps on (see segments())
     mixture_schedule: list[MixtureChange] = field(default_factory=list)
-    context_stages: list[ContextStage] = field(default_factory=list)  # longer contexts
+    # longer contexts: [{step, seq_len, batch_size}], each optionally drop-gated (max_drops,
+    # fallbacks; docs/operations.md)
+    context_stages: list[ContextStage] = field(default_factory=list)
 
     def stage_batch(self, stage: ContextStage) -> int:
         return stage.batch_size or self.seq_len * self.batch_size // stage.seq_len
@@ -80,15 +117,23 @@ class DataConfig:
     def segments(self) -> list[DataSegment]:
         """What the sampler draws, from step 0 on: one segment per change of mixture or context."""
         starts = sorted({0, *(m.step for m in self.mixture_schedule),
-                         *(c.step for c in self.context_stages)})
+                         *(c.step for c in self.stages())})
         out = []
         for s in starts:
-            stage = next((c for c in reversed(self.context_stages) if c.step <= s), None)
+            stage = self.stage_at(s)
             mix = next((m.mixture for m in reversed(self.mixture_schedule) if m.step <= s),
                        self.mixture)
             out.append(DataSegment(s, stage.seq_len if stage else self.seq_len,
                                    self.stage_batch(stage) if stage else self.batch_size, mix))
         return out
+
+    def stages(self) -> list[ContextStage]:
+        """The context stages that train (a gate's "stay" keeps its stage as a record only)."""
+        return [c for c in self.context_stages if c.decision != "stay"]
+
+    def stage_at(self, step: int) -> ContextStage | None:
+        """The context stage training at ``step`` (None: data.seq_len)."""
+        return next((c for c in reversed(self.stages()) if c.step <= step), None)
 
     def segment_at(self, step: int) -> DataSegment:
         return next(g for g in reversed(self.segments()) if g.start <= step)
@@ -129,3 +174,23 @@ class DataConfig:
             require(c.batch_size > 0 or tokens % c.seq_len == 0, f"{q}.seq_len",
                     f"must divide the tokens per batch data.seq_len x data.batch_size={tokens} "
                     "(tokens per batch stay constant), or set the stage's batch_size")
+            _check_gate(c, self.segment_at(c.step - 1).seq_len, q)
+
+
+def _check_gate(c: ContextStage, before: int, q: str) -> None:
+    """A stage's drop gate, its fallbacks and what a decision wrote."""
+    require(0 <= c.max_drops < 1, f"{q}.max_drops", "a fraction of assignments in [0, 1), "
+            "e.g. 0.01 (0 = switch without a gate)")
+    require(c.decision in GATE_DECISIONS, f"{q}.decision", "switch or stay (written by the run)")
+    require(c.max_drops > 0 or not (c.fallbacks or c.decision), f"{q}.max_drops",
+            "fallbacks and a decision belong to a gate: set max_drops too")
+    require(not c.pending or c.seq_len % before == 0, f"{q}.seq_len", f"{c.seq_len} must be a "
+            f"multiple of the context before it, {before}, for the gate's drop forecast")
+    for j, f in enumerate(c.fallbacks):
+        require(bool(f.capacity()) or f.place, f"{q}.fallbacks[{j}]",
+                f"give {', '.join(STAGE_CAPACITY)} and/or place, e.g. {{receiver_cf: 1.5}}")
+        for k, v in f.capacity().items():
+            require(v > 0, f"{q}.fallbacks[{j}].{k}", "must be > 0")
+    for k, v in c.parallel.items():
+        require(k in STAGE_CAPACITY and v > 0, f"{q}.parallel.{k}",
+                f"a stage may set only {', '.join(STAGE_CAPACITY)}, each > 0")

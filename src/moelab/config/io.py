@@ -104,11 +104,12 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping like {{name: weight}}, got {value!r}")
         return {str(k): _coerce(v, float, f"{where}.{k}") for k, v in value.items()}
-    if getattr(hint, "__origin__", None) is list:  # a list of small dataclasses (operations)
+    if getattr(hint, "__origin__", None) is list:  # small dataclasses (operations), or values
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         item = hint.__args__[0]
-        return [_build(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
+        each = _build if dataclasses.is_dataclass(item) else (lambda c, v, w: _coerce(v, c, w))
+        return [each(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
     return value
 
 

@@ -121,9 +121,14 @@ class ParallelConfig:
     # FSDP: parameters and optimizer state split over the "data" axis too; each layer's weights
     # are gathered inside the layer scan, its gradients reduce-scattered back
     fsdp: bool = False
+    # steps between re-fits of the expert placement from the run's own routing of held-out
+    # text (experts, router bias and optimizer moments permuted; docs/operations.md); 0 = never
+    replace_every: int = 0
 
     def validate(self, p: str = "parallel") -> None:
         require(self.devices >= 0, f"{p}.devices", "must be >= 0 (0 = all visible devices)")
+        require(self.replace_every >= 0, f"{p}.replace_every", "must be >= 0 (0 = never)")
+        require_steps(self.replace_every, f"{p}.replace_every")
         require(self.expert >= 1, f"{p}.expert", "must be >= 1")
         require(self.devices == 0 or self.devices % self.expert == 0, f"{p}.expert",
                 f"must divide parallel.devices={self.devices}")
@@ -167,12 +172,29 @@ class RunConfig:
             require(par.devices == 0 or self.data.stage_batch(c) % par.devices == 0,
                     f"data.context_stages[{i}]", f"batch of {self.data.stage_batch(c)} sequences"
                     f" must be divisible by parallel.devices={par.devices}")
+            self._check_gate(c, f"data.context_stages[{i}]")
+        require(par.replace_every == 0 or par.expert > 1, "parallel.replace_every",
+                "expert placement needs expert parallelism: set parallel.expert > 1, or 0 here")
         if self.train.microbatch_tokens:
             for seg in self.data.segments():
                 check_microbatch(self.train.microbatch_tokens, seg.seq_len, seg.batch_size, par.devices)
         require(self.warmup_steps <= self.schedule_steps, "optim.warmup_steps",
                 f"must be <= the schedule length ({self.schedule_steps} steps)")
         return self
+
+    def _check_gate(self, c, q: str) -> None:
+        """What a stage's gate needs from the rest of the config."""
+        require(c.max_drops == 0 or self.parallel.expert > 1, f"{q}.max_drops", "a drop gate "
+                "needs expert parallelism (parallel.expert > 1): nothing drops without it")
+        E, L = self.model.n_experts, self.model.n_layers
+        require(not c.placement or (len(c.placement) == L and all(
+            sorted(row) == list(range(E)) for row in c.placement)), f"{q}.placement",
+                f"must hold {L} rows, each a permutation of the {E} experts (written by the run)")
+
+    def parallel_at(self, step: int) -> ParallelConfig:
+        """The parallel config training at ``step``: a context stage's capacities override."""
+        stage = self.data.stage_at(step)
+        return dataclasses.replace(self.parallel, **stage.parallel) if stage else self.parallel
 
     def with_frozen_schedule(self) -> "RunConfig":
         """The same config with the LR schedule's length and warmup written out explicitly, so

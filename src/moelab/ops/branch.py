@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from moelab.config import load_run_config, save_config
@@ -113,14 +114,47 @@ def check_can_record(parent: Path | str, child: Path) -> None:
                    "make the parent run writable, or branch from a copy of it", append=True)
 
 
+def plan_for_branch(state: dict, at: int, parent_cfg, child_cfg, ranks: int) -> dict:
+    """The placement a branch from the parent's ``state`` at step ``at`` gets for an EP group
+    of ``ranks``: fitted on its routing of held-out text, in units of the branch's context,
+    grouping experts as the branch's transport shares capacity."""
+    from moelab.config.errors import require
+    from moelab.parallel.placement import fit_placement
+    from moelab.parallel.routing import at_context, heldout_spans, routed_ids, routing_fn
+    from moelab.parallel.transport import get
+
+    E = child_cfg.model.n_experts
+    require(ranks >= 2 and E % ranks == 0, "--place-experts",
+            f"{ranks} ranks must be >= 2 and divide model.n_experts={E}")
+    par = replace(child_cfg.parallel, expert=ranks, devices=ranks)
+    group = get(par.transport).group(par, E // ranks)
+    require(group > 1, "--place-experts", f"parallel.transport={par.transport} limits each "
+            "expert on its own: no placement changes its drops")
+    cfg = at_context(parent_cfg, at)
+    unit = child_cfg.data.segment_at(at).seq_len
+    spans = heldout_spans(cfg, max(unit, cfg.data.seq_len))
+    ids = routed_ids(routing_fn(cfg), state["params"], state["model_state"], spans,
+                     cfg.data.seq_len)
+    return {"ranks": ranks, "group": group, "unit": unit, "transport": par.transport,
+            **fit_placement(ids, E, group, unit)}
+
+
+def write_placed(state: dict, meta: dict, at: int, slots_LE, ckpt_dir) -> None:
+    """``state`` with its experts re-placed, saved as the checkpoint of ``at`` in
+    ``ckpt_dir``."""
+    from moelab.parallel.placement import permute_experts
+
+    with Checkpointer(ckpt_dir) as out:
+        out.save(at, permute_experts(state, slots_LE), meta)
+
+
 def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str | None = None,
            floor: float | None = None, mixture: dict | None = None, seq_len: int | None = None,
            place_ranks: int | None = None, reason: str = "", command: str | None = None,
            accept_data_change: bool = False) -> Path:
     """Create the branch folder (it must not exist yet); returns its path. ``place_ranks``:
-    re-place its experts for an EP group of that many ranks (``moelab.ops.placement``).
+    re-place its experts for an EP group of that many ranks (``moelab.parallel.placement``).
     A parent whose data changed is refused unless ``accept_data_change``."""
-    from moelab.ops import placement as pl
     from moelab.run.load import restore_state
     from moelab.train.step import abstract_train_state
 
@@ -134,7 +168,7 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     if place_ranks:  # the parent's state, restored once (finite, as loading a run checks)
         # the whole train state (the optimizer's moments too): routed, then saved re-placed
         _, state, meta = restore_state(parent, parent_cfg, at, abstract_train_state(parent_cfg))
-        placed = pl.plan_for_branch(state, at, parent_cfg, child_cfg, place_ranks)
+        placed = plan_for_branch(state, at, parent_cfg, child_cfg, place_ranks)
     command = command or command_line()
     src = Checkpointer(parent / "checkpoints").step_dir(at)
     tmp = child.with_name(f".{child.name}.tmp")  # the branch appears whole or not at all
@@ -145,7 +179,7 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
         if placed is None:
             shutil.copytree(src, tmp / "checkpoints" / src.name, copy_function=_link_or_copy)
         else:  # new weights: written whole, never linked to the parent's
-            pl.write_placed(state, meta, at, placed["slots"], tmp / "checkpoints")
+            write_placed(state, meta, at, placed["slots"], tmp / "checkpoints")
         if (parent / "tokenizer.json").is_file():
             atomic_write_bytes(tmp / "tokenizer.json", (parent / "tokenizer.json").read_bytes())
         save_config(child_cfg, tmp / "config.yaml")

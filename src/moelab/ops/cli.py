@@ -209,7 +209,8 @@ def cmd_history(args) -> int:
 
 def cmd_drops(args) -> int:
     from moelab.ops import drops
-    from moelab.ops.routing import at_context
+    from moelab.parallel.forecast import forecast
+    from moelab.parallel.routing import at_context
     from moelab.run.load import load_run
 
     drops.check_options(args.seq_len, args.transport, args.ranks, args.tokens_per_rank,
@@ -227,7 +228,7 @@ def cmd_drops(args) -> int:
     per_rank = args.tokens_per_rank or drops.run_tokens_per_rank(cfg)
     pars = drops.transports(cfg, args.transport, ranks, ranks_given=args.ranks is not None,
                             overridden=frozenset(o.split("=")[0] for o in args.overrides))
-    rows = drops.forecast(cfg, loaded.params, loaded.model_state, args.seq_len, pars, ranks,
+    rows = forecast(cfg, loaded.params, loaded.model_state, args.seq_len, pars, ranks,
                           per_rank, args.batches, args.seed, place=args.place)
     print(f"{args.run}: drop forecast at EP {ranks}, {per_rank:,} tokens per rank, routing of "
           f"the step-{loaded.step} model at its context {cfg.data.seq_len} "

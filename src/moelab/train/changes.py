@@ -1,7 +1,8 @@
 """Changes to a run's plan as pure functions of its config.
 
 An operation (`moelab replan`, `moelab branch`) is a ``Change`` applied at a step: a new end
-with a re-timed linear decay to the floor, a new data mixture, a longer context. It only
+with a re-timed linear decay to the floor, a new data mixture, a longer context. A run's own
+decision on a drop-gated context stage (``decide_stage``) is one too. It only
 appends entries that start at that step to ``optim.decays``, ``data.mixture_schedule`` and
 ``data.context_stages``, so the LR and the batches stay pure functions of (step, config) and
 nothing before the step changes. ``check_future_only`` enforces that on every resume, which is
@@ -100,18 +101,62 @@ def apply_change(cfg: RunConfig, at: int, change: Change, *, keep_warmup: bool) 
 # resuming a run whose plan was changed
 
 
+# ---------------------------------------------------------------------------------------------
+# a context stage's drop gate, decided by the run (moelab.train.adapt)
+
+GATE_EVENT = "context_gate"  # the metrics.jsonl event that records a gate's decision
+
+
+def _same_gate(a: ContextStage, b: ContextStage) -> bool:
+    """The same gated stage as planned (what a decision writes aside)."""
+    keys = ("step", "seq_len", "batch_size", "max_drops", "fallbacks")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def decide_stage(cfg: RunConfig, stage: ContextStage, decision: str,
+                 parallel: dict[str, float], placement: list[list[int]]) -> RunConfig:
+    """``cfg`` with the gate of ``stage`` decided: "switch" (with the capacities and placement
+    its fallbacks chose) or "stay" (the stage is kept as a record and trains nothing)."""
+    done = dataclasses.replace(stage, decision=decision, parallel={**stage.parallel, **parallel},
+                               placement=placement)
+    stages = [done if c == stage else c for c in cfg.data.context_stages]
+    return dataclasses.replace(cfg, data=dataclasses.replace(
+        cfg.data, context_stages=stages)).validate()
+
+
+def keep_decisions(saved: list[ContextStage], stages: list[ContextStage]) -> list[ContextStage]:
+    """``stages`` with the decisions the run took on the same gates: a config that restates
+    a gated stage (the YAML it started from) does not undo the decision."""
+    return [next((s for s in saved if s.decision and _same_gate(s, c)), c) if c.pending else c
+            for c in stages]
+
+
+def recorded_decisions(cfg: RunConfig, events: list[dict]) -> RunConfig:
+    """``cfg`` with each pending gate that a ``GATE_EVENT`` in ``events`` decided, decided so:
+    the event is written before the config, so a run stopped between the two resumes to the
+    decision it recorded instead of forecasting again."""
+    for c in [c for c in cfg.data.context_stages if c.pending]:
+        e = next((e for e in reversed(events) if e.get("event") == GATE_EVENT
+                  and e["step"] == c.step and e.get("seq_len") == c.seq_len
+                  and e.get("max_drops") == c.max_drops), None)
+        if e is not None:
+            cfg = decide_stage(cfg, c, e["decision"], e.get("parallel", {}),
+                               e.get("placement", []))
+    return cfg
+
+
 def inherit_operations(saved: RunConfig, cfg: RunConfig) -> RunConfig:
     """A resume whose config does not restate the run's operations keeps them (a preset or YAML
     file knows nothing of a replan). With the re-timed decays comes the end they were timed for
-    (train.steps): to move the end again, replan."""
+    (train.steps): to move the end again, replan. Gates the run decided stay decided."""
     optim, data, train = cfg.optim, cfg.data, cfg.train
     if not optim.decays and saved.optim.decays:
         optim = dataclasses.replace(optim, decays=saved.optim.decays)
         train = dataclasses.replace(train, steps=saved.train.steps)
     if not data.mixture_schedule:
         data = dataclasses.replace(data, mixture_schedule=saved.data.mixture_schedule)
-    if not data.context_stages:
-        data = dataclasses.replace(data, context_stages=saved.data.context_stages)
+    data = dataclasses.replace(data, context_stages=keep_decisions(
+        saved.data.context_stages, data.context_stages or saved.data.context_stages))
     return dataclasses.replace(cfg, optim=optim, data=data, train=train)
 
 

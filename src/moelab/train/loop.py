@@ -39,11 +39,12 @@ from moelab.planner.counts import train_flops_per_token
 from moelab.run.checkpoint import CheckpointError, save_failure
 from moelab.run.lock import run_lock
 from moelab.run.logs import read_metrics
+from moelab.train.adapt import Adapter
 
 # evaluate is called through this module's name (tests patch it)
 from moelab.train.heldout import evaluate, final_eval_tokens, gzip_bpb, sample_text
 from moelab.train.resume import absolute_data, resolve_run_config, resume_step
-from moelab.train.setup import RunSetup, setup_run
+from moelab.train.setup import RunSetup, setup_run, train_step_at
 from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
 from moelab.train.tracker import check_trackers
 from moelab.util import atomic_write_json, info, is_url
@@ -196,12 +197,15 @@ def _run_steps(run: RunSetup, p: _Progress, flag: _StopFlag) -> None:
     evaluation that a stop left undone is done first on resume."""
     cfg, steps = run.cfg, run.cfg.train.steps
     stop = p.eval_pending and not _log_eval(run, p, flag)
+    adapter = Adapter(run)  # drop gates and re-placement (off the clock; they record events)
     while p.step < steps and not stop:
+        p.state = _paused(p, adapter.before_step, p.step, p.state)
         change = run.sampler.change_at(p.step)
         if change:  # new mixture or context; a new shape recompiles: restart the clock
             run.trackers.event("data_stage", p.step, **change)
             p.t_first, p.paused = None, 0.0
-        p.state, m = run.step_fn(p.state, run.put_batch(run.sampler.batch(p.step)))
+        step_fn = train_step_at(run, p.step)
+        p.state, m = step_fn(p.state, run.put_batch(run.sampler.batch(p.step)))
         p.step += 1
         p.unchecked.append((p.step, _check_values(m)))
         stop = agree_any(flag.signal is not None)  # all processes stop at the same step
@@ -222,10 +226,12 @@ def _run_steps(run: RunSetup, p: _Progress, flag: _StopFlag) -> None:
 
 
 def _paused(p: _Progress, fn, *args):
-    """Run evaluation or a save outside the throughput clock."""
+    """Run evaluation, a save or an adaptation outside the throughput clock (before the clock
+    starts, nothing is on it)."""
     t0 = time.time()
     out = fn(*args)
-    p.paused += time.time() - t0
+    if p.t_first is not None:
+        p.paused += time.time() - t0
     return out
 
 

@@ -25,7 +25,7 @@ from moelab.config import (
 from moelab.config.errors import INT32_MAX
 from moelab.run.checkpoint import Checkpointer
 from moelab.run.identity import checkpoint_config
-from moelab.run.logs import log_operation
+from moelab.run.logs import log_operation, read_metrics
 from moelab.train.changes import (
     Change,
     PlanError,
@@ -33,19 +33,20 @@ from moelab.train.changes import (
     check_future_only,
     inherit_operations,
     lr_curve,
+    recorded_decisions,
 )
 
 PENDING = "plan_pending.json"
 
 # Fields that may change when a run is resumed: they change how a step is computed (devices,
-# kernels, micro-steps), not the model, the data or the schedule.
+# kernels, micro-steps, where experts sit), not the model, the data or the schedule.
 RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "train.ckpt_every",
                      "train.keep_ckpts", "train.eval_tokens", "train.peak_flops", "train.wandb",
                      "train.wandb_project", "parallel.devices", "parallel.expert",
                      "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block",
                      "train.microbatch_tokens", "parallel.fsdp", "model.attention_impl",
                      "model.loss_chunk", "train.on_nonfinite", "train.skip_limit",
-                     "train.tensorboard", "train.async_ckpt",
+                     "train.tensorboard", "train.async_ckpt", "parallel.replace_every",
                      # where the data is may change; what it is, is checked by its fingerprints
                      "data.data_dir", "data.tokenizer"}
 
@@ -102,6 +103,7 @@ def resume_config(saved: RunConfig, cfg: RunConfig, run_dir: Path | str) -> RunC
     """The config a resume of ``run_dir`` trains with: the run's operations kept, a pending
     replan applied at the resume step, and no operation allowed to rewrite the past."""
     cfg = inherit_operations(saved, cfg)
+    cfg = recorded_decisions(cfg, read_metrics(Path(run_dir) / "metrics.jsonl")[1])
     at = resume_step(run_dir)
     pending = read_pending(run_dir)
     if pending is not None:

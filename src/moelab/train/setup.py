@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -46,6 +46,7 @@ from moelab.run.identity import (
 )
 from moelab.run.logs import JsonlTracker
 from moelab.run.provenance import provenance
+from moelab.train.adapt import check_adaptive, check_adaptive_heldout
 from moelab.train.heldout import check_heldout
 from moelab.train.peak import measure_peak_flops
 from moelab.train.resume import absolute_data, commit_pending, resolve_run_config, resume_step
@@ -89,8 +90,24 @@ class RunSetup:
     hardware: HardwareMonitor
     counts: dict  # parameter counts: total, active per token
     peak: float  # peak FLOP/s of all devices, the MFU denominator
-    step_fn: Callable
+    step_fn: Callable  # the train step of cfg.parallel (train_step_at: a stage's capacities)
     eval_fn: Callable
+    mesh: Any = None  # the device mesh (None on a single device)
+    state_sh: Any = None  # the train state's shardings on it
+    step_fns: dict = field(default_factory=dict)  # train steps of stages' parallel configs
+
+
+def train_step_at(run: RunSetup, step: int) -> Callable:
+    """The train step of ``step``: a context stage with its own capacities (``parallel``,
+    e.g. chosen by a drop gate) trains with its own compiled step."""
+    par = run.cfg.parallel_at(step)
+    if par == run.cfg.parallel:
+        return run.step_fn
+    if par not in run.step_fns:
+        cfg = replace(run.cfg, parallel=par)
+        run.step_fns[par] = make_train_step(cfg, transport_fns(cfg, run.mesh)[0], run.mesh,
+                                            run.state_sh)
+    return run.step_fns[par]
 
 
 def _quiet(_msg: str) -> None:
@@ -214,6 +231,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     _check_resume_data(cfg, run_dir, recorded, accept_data_change)
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
     cfg = transport.check_config(resolve_run_config(cfg, run_dir))  # before any work
+    check_adaptive(cfg)
     main = is_main()  # with several processes, process 0 alone writes the run folder
     say = info if verbose and main else _quiet
     if at is not None and not (run_dir / "config.yaml").is_file():
@@ -225,6 +243,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     data = _prepare(cfg, main, verbose, hold)
     store = TokenStore(data.store_dir, vocab_size=cfg.model.vocab_size)  # ids < vocab
     check_heldout(cfg, store, data.corpus_dir, say)  # evaluation must not vanish at the end
+    check_adaptive_heldout(cfg, store, len(jax.devices()) if cfg.parallel.devices == 0
+                           else cfg.parallel.devices)  # gates and re-placement route it
     tok = load_tokenizer(data.tokenizer_path)
     now, changes = _checked_data(cfg, run_dir, recorded, store, tok, accept_data_change, say)
     prov = provenance(cfg, now)
@@ -258,5 +278,5 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
                    tok=tok, tok_record=tokenizer_record(tok), sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
                    restored=restored is not None, eval_pending=bool(meta.get("eval_pending")),
                    trackers=trackers, hardware=hardware, counts=counts, peak=peak,
-                   step_fn=step_fn, eval_fn=eval_fn)
+                   step_fn=step_fn, eval_fn=eval_fn, mesh=mesh, state_sh=state_sh)
     return run, state

@@ -48,7 +48,7 @@ class Transport:
     fields: the ``parallel.*`` fields it reads (``moelab plan`` sweeps the capacity ones);
     check: ``check(par, n_local)`` raises ConfigError naming the ``parallel.*`` field to fix;
     group: ``group(par, n_local)``, how many consecutive experts share one capacity limit (a
-      rank's send pool by default): what an expert placement groups (``moelab.ops.placement``);
+      rank's send pool by default): what an expert placement groups (``moelab.parallel.placement``);
     takes_kernel: whether ``run`` also takes ``kernel``, the grouped expert compute (kernel,
       block rows) of its receive buffer; fixed-layout transports compute without one."""
 

@@ -1,6 +1,7 @@
 """A trained run's routing of held-out text: which experts its model picks for each token.
 
-The drop forecast (``moelab.ops.drops``), the expert placement (``moelab.ops.placement``) and
+The drop forecast (``moelab.parallel.forecast``), the expert placement
+(``moelab.parallel.placement``) and
 the transport benchmarks read routings through here, always from the model's own code:
 ``routing_fn`` keeps the expert ids of ``forward_hidden``; ``layer_routings`` runs the model's
 blocks one layer at a time to hand out what reaches each layer's routed experts.
@@ -25,10 +26,32 @@ from moelab.model.layers import rope_tables
 MAX_TOKENS = 8192  # tokens per routing call
 
 
-def routing_fn(cfg: RunConfig):
-    """jit(params, state, tokens [B, T]) -> expert ids [layers, B * T, k] (the model's own
-    forward; only the router's choices are kept)."""
-    return jax.jit(lambda p, s, t: tr.forward_hidden(p, s, t, cfg.model)[1].expert_NK)
+def routing_fn(cfg: RunConfig, mesh=None, experts_fn=None, layer_hook=None):
+    """(params, state, tokens [B, T] on the host) -> expert ids [layers, B * T, k] (the model's
+    own forward; only the router's choices are kept). On a training ``mesh`` (a live run's
+    sharded state), with its dropless ``experts_fn`` and FSDP ``layer_hook`` as evaluation has
+    them: rows are padded to a multiple of the devices and the ids come back replicated, so
+    every process reads the same ones."""
+    def ids(p, s, t):
+        return tr.forward_hidden(p, s, t, cfg.model, experts_fn=experts_fn,
+                                 layer_hook=layer_hook)[1].expert_NK
+
+    if mesh is None:
+        route = jax.jit(ids)
+        return lambda p, s, t: route(p, s, jnp.asarray(t, jnp.int32))
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from moelab.parallel.mesh import shard_batch
+
+    route = jax.jit(ids, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    n_dev = mesh.devices.size
+
+    def on_mesh(p, s, t):
+        B, T = t.shape
+        padded = np.concatenate([t, np.repeat(t[-1:], -B % n_dev, 0)]).astype(np.int32)
+        return route(p, s, shard_batch(padded, mesh))[:, :B * T]
+
+    return on_mesh
 
 
 def route_spans(route, params, state, spans_BS, window: int) -> np.ndarray:
@@ -36,7 +59,7 @@ def route_spans(route, params, state, spans_BS, window: int) -> np.ndarray:
     B, S = spans_BS.shape
     windows = spans_BS.reshape(-1, window)
     per = max(1, MAX_TOKENS // window)
-    parts = [np.asarray(route(params, state, jnp.asarray(windows[i:i + per], jnp.int32)))
+    parts = [np.asarray(route(params, state, windows[i:i + per]))
              for i in range(0, len(windows), per)]
     ids = np.concatenate(parts, axis=1)  # [layers, n_windows * window, k]
     return ids.reshape(ids.shape[0], B, S, ids.shape[-1])
@@ -48,9 +71,11 @@ def routed_ids(route, params, state, spans_BS, window: int) -> np.ndarray:
     return ids.reshape(ids.shape[0], -1, ids.shape[-1])
 
 
-def heldout_spans(cfg: RunConfig, span: int) -> np.ndarray:
-    """Every held-out domain's stream cut into consecutive spans of ``span`` tokens."""
-    store = TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False).store_dir)
+def heldout_spans(cfg: RunConfig, span: int, store: TokenStore | None = None) -> np.ndarray:
+    """Every held-out domain's stream cut into consecutive spans of ``span`` tokens (from
+    ``store``, default: the run's prepared data)."""
+    store = store or TokenStore(prepare_data(cfg.data, cfg.model.vocab_size,
+                                             verbose=False).store_dir)
     spans = [eval_windows(store, d, span, store.n_tokens("heldout", d))[0][:, :-1]
              for d in store.domains("heldout") if store.n_tokens("heldout", d) > span]
     if not spans:

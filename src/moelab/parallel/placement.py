@@ -16,7 +16,9 @@ at once. A local search swaps the pair of experts in different groups that lower
 until no swap does (one M per layer; each layer has its own experts).
 
 ``moelab drops --place`` forecasts with a placement fitted on other held-out text;
-``moelab branch --place-experts`` writes the branch's checkpoint re-placed.
+``moelab branch --place-experts`` writes the branch's checkpoint re-placed; a run with
+``parallel.replace_every`` or a drop gate's ``place`` fallback re-places its own experts while
+it trains (``moelab.train.adapt``).
 """
 
 from __future__ import annotations
@@ -109,51 +111,14 @@ def permute_experts(tree, slots_LE: np.ndarray):
     import jax
     import jax.numpy as jnp
 
-    inv = jnp.asarray(np.argsort(slots_LE, axis=1))
+    inv = jnp.argsort(jnp.asarray(slots_LE), axis=1)  # traceable: a run jits this
 
     def one(path, x):
         key = next((p.key for p in reversed(path) if hasattr(p, "key")), None)
         axis = EXPERT_AXIS.get(key)
-        if axis is None or getattr(x, "ndim", 0) <= axis or x.shape[0] != len(slots_LE):
+        if axis is None or getattr(x, "ndim", 0) <= axis or x.shape[0] != inv.shape[0]:
             return x
         # per layer: x[l] with its experts (axis - 1 of the layer's array) in slot order
         return jax.vmap(lambda x_l, inv_l: jnp.take(x_l, inv_l, axis=axis - 1))(x, inv)
 
     return jax.tree_util.tree_map_with_path(one, tree)
-
-
-# ----------------------------------------------------------------------------- branches
-
-def plan_for_branch(state: dict, at: int, parent_cfg, child_cfg, ranks: int) -> dict:
-    """The placement a branch from the parent's ``state`` at step ``at`` gets for an EP group
-    of ``ranks``: fitted on its routing of held-out text, in units of the branch's context,
-    grouping experts as the branch's transport shares capacity."""
-    from dataclasses import replace
-
-    from moelab.config.errors import require
-    from moelab.ops.routing import at_context, heldout_spans, routed_ids, routing_fn
-    from moelab.parallel.transport import get
-
-    E = child_cfg.model.n_experts
-    require(ranks >= 2 and E % ranks == 0, "--place-experts",
-            f"{ranks} ranks must be >= 2 and divide model.n_experts={E}")
-    par = replace(child_cfg.parallel, expert=ranks, devices=ranks)
-    group = get(par.transport).group(par, E // ranks)
-    require(group > 1, "--place-experts", f"parallel.transport={par.transport} limits each "
-            "expert on its own: no placement changes its drops")
-    cfg = at_context(parent_cfg, at)
-    unit = child_cfg.data.segment_at(at).seq_len
-    spans = heldout_spans(cfg, max(unit, cfg.data.seq_len))
-    ids = routed_ids(routing_fn(cfg), state["params"], state["model_state"], spans,
-                     cfg.data.seq_len)
-    return {"ranks": ranks, "group": group, "unit": unit, "transport": par.transport,
-            **fit_placement(ids, E, group, unit)}
-
-
-def write_placed(state: dict, meta: dict, at: int, slots_LE: np.ndarray, ckpt_dir) -> None:
-    """``state`` with its experts re-placed, saved as the checkpoint of ``at`` in
-    ``ckpt_dir``."""
-    from moelab.run.checkpoint import Checkpointer
-
-    with Checkpointer(ckpt_dir) as out:
-        out.save(at, permute_experts(state, slots_LE), meta)
