@@ -21,7 +21,7 @@ import numpy as np
 from moelab.config import ConfigError
 from moelab.config.errors import require
 from moelab.data.tokenizer import eos_id
-from moelab.util import atomic_write_json
+from moelab.util import atomic_write_json, chmod_as_created
 
 HF_MODELING = Path(__file__).parent / "hf_modeling"
 CODE_FILES = ("configuration_moelab.py", "modeling_moelab.py")
@@ -131,6 +131,7 @@ def write_folder(folder: Path, run, run_dir: Path) -> int:
     parameter count."""
     tensors = hf_tensors(run.params, run.model_state)
     _save_file()(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    chmod_as_created(folder / "model.safetensors")
     eos = eos_id(run.tokenizer)
     atomic_write_json(folder / "config.json", hf_config(run.cfg, eos, run.step))
     atomic_write_json(folder / "generation_config.json",
