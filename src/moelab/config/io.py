@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -176,6 +177,16 @@ class _SafeLoader(yaml.SafeLoader):
                                       " aliases (*name) of a list or mapping; write the values "
                                       "out instead")
         return super().compose_node(parent, index)
+
+    def resolve(self, kind, value, implicit):
+        """YAML 1.1 reads 10:20 as the base-60 number 620; YAML 1.2 has no such numbers, and a
+        config means the text (``train.profile_steps=10:20``)."""
+        if kind is yaml.ScalarNode and implicit[0] and _BASE60.match(value):
+            return yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG
+        return super().resolve(kind, value, implicit)
+
+
+_BASE60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?$")
 
 
 def _unique_mapping(loader: _SafeLoader, node: yaml.MappingNode, deep: bool = False):

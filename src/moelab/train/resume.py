@@ -45,7 +45,7 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block",
                      "train.microbatch_tokens", "parallel.fsdp", "model.attention_impl",
                      "model.loss_chunk", "train.on_nonfinite", "train.skip_limit",
-                     "train.tensorboard", "train.async_ckpt",
+                     "train.tensorboard", "train.async_ckpt", "train.profile_steps",
                      # where the data is may change; what it is, is checked by its fingerprints
                      "data.data_dir", "data.tokenizer"}
 

@@ -47,7 +47,7 @@ from moelab.run.identity import (
 from moelab.run.logs import JsonlTracker
 from moelab.run.provenance import provenance
 from moelab.train.heldout import check_heldout
-from moelab.train.peak import measure_peak_flops
+from moelab.train.peak import Peaks, format_flops, run_peaks
 from moelab.train.resume import absolute_data, commit_pending, resolve_run_config, resume_step
 from moelab.train.step import (
     init_train_state,
@@ -88,7 +88,7 @@ class RunSetup:
     trackers: Trackers
     hardware: HardwareMonitor
     counts: dict  # parameter counts: total, active per token
-    peak: float  # peak FLOP/s of all devices, the MFU denominator
+    peak: Peaks  # the MFU denominators: rated and measured FLOP/s of all devices
     step_fn: Callable
     eval_fn: Callable
 
@@ -147,16 +147,18 @@ def _restore(ckpt: Checkpointer, state: dict, trackers: Trackers) -> tuple[int, 
         raise
 
 
-def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, float]:
-    """(parameter counts, peak FLOP/s of all devices), announced with the FLOPs per token."""
+def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, Peaks]:
+    """(parameter counts, peaks of all devices), announced with the FLOPs per token."""
     counts = param_counts(cfg.model)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
-    n_dev = 1 if mesh is None else mesh.devices.size
-    peak = cfg.train.peak_flops or n_dev * measure_peak_flops(dtype=cfg.model.compute_dtype)
+    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    peak = run_peaks(cfg.train.peak_flops, cfg.model.compute_dtype, devices)
+    measured = ("" if peak.measured is None or peak.rated_is_measured else
+                f"; measured {cfg.model.compute_dtype} matmul {format_flops(peak.measured)}")
     say(f"model: {counts['total'] / 1e6:.2f}M parameters, {counts['active'] / 1e6:.2f}M active "
         f"per token; {tokens_per_step} tokens/step; {flops_per_token / 1e6:.1f} MFLOP/token; "
-        f"peak {peak / 1e9:.0f} GFLOP/s ({cfg.model.compute_dtype} matmul x {n_dev} device(s))")
+        f"MFU against {format_flops(peak.rated)} ({peak.source}){measured}")
     return counts, peak
 
 
