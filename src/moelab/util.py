@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import secrets
+import shlex
 import signal
 import socket
 import sys
@@ -294,6 +295,33 @@ def check_writable(path: Path | str, what: str, fix: str, *, append: bool = Fals
         raise PermissionError(f"{what}: not writable by this user; {fix}")
 
 
+# --- installing what a feature needs ---
+
+
+def moelab_checkout() -> Path | None:
+    """The source checkout this moelab runs from (an editable install, or src/ on the path);
+    None for an installed copy."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "install.sh").is_file() else None
+
+
+def pip_command(args: str) -> str:
+    """``pip ARGS`` run by the Python that runs moelab, so it installs into moelab's own
+    environment whichever ``pip`` comes first on the PATH."""
+    return f"{shlex.quote(sys.executable or 'python3')} -m pip {args}"
+
+
+def extra_command(extra: str) -> str:
+    """How to install moelab's optional ``extra``. moelab is installed from its checkout (no
+    package index has it), so the command names the checkout this moelab runs from."""
+    root = moelab_checkout()
+    if root is None:
+        return (pip_command(f"install -e '.[{extra}]'") + " in the moelab checkout "
+                "(./install.sh there installs every extra, pinned)")
+    return (pip_command("install -e " + shlex.quote(f"{root}[{extra}]"))
+            + f" (or {shlex.quote(str(root / 'install.sh'))}: every extra, pinned)")
+
+
 # --- fsspec URLs (gs://, s3://, memory://, file://): corpora and run folders off this disk ---
 
 _PROTOCOL_PACKAGE = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "s3a": "s3fs", "az": "adlfs",
@@ -311,11 +339,12 @@ def url_fs(url: str):
     try:
         import fsspec
     except ImportError:
-        raise ValueError(f"{url}: remote paths need fsspec: pip install 'moelab[datasets]'") from None
+        raise ValueError(f"{url}: remote paths need fsspec; install the datasets extra: "
+                         f"{extra_command('datasets')}") from None
     protocol = str(url).split("://", 1)[0]
     try:
         return fsspec.core.url_to_fs(str(url))
     except (ImportError, ValueError) as e:
         package = _PROTOCOL_PACKAGE.get(protocol)
-        fix = f"pip install {package}" if package else "use gs://, s3://, file:// or memory://"
+        fix = pip_command(f"install {package}") if package else "use gs://, s3://, file:// or memory://"
         raise ValueError(f"{url}: cannot open {protocol}:// paths ({e}); {fix}") from None

