@@ -104,6 +104,23 @@ def test_a_locked_run_folder_refuses_writers_and_a_dead_holder_is_taken_over(
     assert (run / LOCK_FILE).read_text() == ""  # released at the end
 
 
+def test_a_command_that_writes_nothing_leaves_no_new_run_folder(tmp_path):
+    from moelab.run.lock import run_lock
+
+    new = tmp_path / "runs" / "new"
+    with pytest.raises(ValueError):
+        with run_lock(new):
+            assert (new / LOCK_FILE).is_file()
+            raise ValueError("refused before anything was written")
+    assert not new.exists() and (tmp_path / "runs").is_dir()
+    with run_lock(new):
+        (new / "config.yaml").write_text("x: 1\n")
+    assert (new / LOCK_FILE).read_text() == "" and (new / "config.yaml").is_file()
+    with run_lock(new):  # an existing folder is never removed
+        pass
+    assert sorted(p.name for p in new.iterdir()) == [LOCK_FILE, "config.yaml"]
+
+
 def test_a_lock_naming_another_host_is_refused_with_how_to_remove_it(tmp_path):
     holder = {"pid": 1, "host": "elsewhere", "since": "2025-01-01T00:00:00", "command": "x"}
     (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
