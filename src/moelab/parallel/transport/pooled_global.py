@@ -167,7 +167,9 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
     count_BE = jax.lax.all_gather(count_bE.reshape(b_l, E), axis).reshape(B, E)
     cap = capacity(par.receiver_cf, A, E_l)  # = ceil(cf_r * S * A / E), physical per expert
     cap_l = logical_capacity(par.receiver_cf, count_BE.sum(), E, cap)
-    share_BE, start_BE = plan(count_BE, cap_l, par.budget_group, T // b_l)
+    # a block's count for one expert is bounded by its assignments, not its tokens: a token
+    # may list the same expert more than once
+    share_BE, start_BE = plan(count_BE, cap_l, par.budget_group, A // b_l)
     n_valid_S = count_BE.reshape(S, -1).sum(axis=1)
     sent_SEW, off_SEW = pool_counts(share_BE, start_BE, n_valid_S, S, W, P, par.sender_cf)
 
