@@ -28,6 +28,12 @@ Readers (an eval job, say) may open the same directory concurrently: only ``save
 A reader holds a lease on the checkpoint it reads, and pruning skips leased checkpoints
 (``moelab.run.ckpt_lease``); a reader that finds its checkpoint pruned anyway reads the newest.
 Failures are told apart (gone, damaged, another config's: ``moelab.run.ckpt_failures``).
+
+Why not orbax's ``CheckpointManager``: it has no place for a manifest of a step's files between
+writing and committing it, and prunes without read leases; here one rename commits the state with
+``meta.json`` and the manifest written last, and pruning skips a checkpoint being read. The folders are still ones a
+plain ``ocp.CheckpointManager(ckpt_dir, orbax_manager_options())`` lists and restores (item
+``state``; it does not check the manifest).
 """
 
 from __future__ import annotations
@@ -73,13 +79,14 @@ from moelab.run.ckpt_target import (
 from moelab.util import atomic_write_json, info, sha256_file
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointDamaged", "CheckpointGone",
-           "CheckpointMismatch", "CheckpointWarning", "save_failure"]
+           "CheckpointMismatch", "CheckpointWarning", "orbax_manager_options", "save_failure"]
 
 FORMAT = "moelab-checkpoint/1"
 STATE_DIR = "state"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
-_STEP_RE = re.compile(r"step_(\d+)")
+STEP_PREFIX, STEP_DIGITS = "step", 8  # folder step_00000120: orbax's step_prefix, fixed length
+_STEP_RE = re.compile(rf"{STEP_PREFIX}_(\d+)")
 _TMP_PREFIX = ".tmp-"  # a save in progress / crash leftover
 _TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned or overwritten)
 _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
@@ -91,13 +98,22 @@ class CheckpointWarning(UserWarning):
 
 def step_name(step: int) -> str:
     """The folder name of the checkpoint of ``step``."""
-    return f"step_{step:08d}"
+    return f"{STEP_PREFIX}_{step:0{STEP_DIGITS}d}"
 
 
 def step_of(name: str) -> int | None:
     """The step a checkpoint folder's name stands for; None for any other name."""
     m = _STEP_RE.fullmatch(name)
     return int(m.group(1)) if m and name == step_name(int(m.group(1))) else None
+
+
+def orbax_manager_options() -> ocp.CheckpointManagerOptions:
+    """Options with which a plain ``ocp.CheckpointManager(ckpt_dir, options)`` reads these
+    checkpoints: the step folders' names, and read-only, since saving and pruning here must go
+    through ``Checkpointer`` (manifest, leases). The default options list no steps: they expect
+    folders named by the bare step."""
+    return ocp.CheckpointManagerOptions(step_prefix=STEP_PREFIX,
+                                        step_format_fixed_length=STEP_DIGITS, read_only=True)
 
 
 @contextmanager
