@@ -114,7 +114,7 @@ def test_matches_literal_rule(ep, W, G, B):
     """Values, gradients and both drop counts equal the rule on a skewed routing where both
     the budget and the send pools bind."""
     cf_s, cf_r = 1.0, 1.05
-    cfg = tc("pooled_global", sender_cf=cf_s, receiver_cf=cf_r, waves=W, budget_group=G,
+    cfg = tc("pooled_global", global_sender_cf=cf_s, receiver_cf=cf_r, waves=W, budget_group=G,
              fair_blocks=B)
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=5))
     kept, budget, sender = ref_kept(expert, ep, cf_s, cf_r, W, G, B or ep)
@@ -138,8 +138,8 @@ def test_same_drops_at_every_ep_degree():
     that arrives is dropped."""
     require_devices()
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=6))
-    fixed = tc("pooled_global", sender_cf=4.0, receiver_cf=1.0, fair_blocks=8)
-    per_rank = tc("pooled_global", sender_cf=4.0, receiver_cf=1.0)
+    fixed = tc("pooled_global", global_sender_cf=4.0, receiver_cf=1.0, fair_blocks=8)
+    per_rank = tc("pooled_global", global_sender_cf=4.0, receiver_cf=1.0)
     runs = {ep: (group_run(fixed, ep, expert), group_run(per_rank, ep, expert))
             for ep in (2, 4, 8)}
     (out2, tot2), (_, tot2b) = runs[2]
@@ -178,7 +178,7 @@ def test_repeated_experts_follow_the_rule_as_waterfill_does():
     decide on the same input."""
     ep, cf_r = 4, 1.0
     expert = repeated_routing()
-    cfg = tc("pooled_global", sender_cf=float(E), receiver_cf=cf_r, waves=1,
+    cfg = tc("pooled_global", global_sender_cf=float(E), receiver_cf=cf_r, waves=1,
              budget_group=E // ep)
     kept, budget, sender = ref_kept(expert, ep, float(E), cf_r, 1, E // ep, ep)
     assert kept[:T].all() and budget > 0 and sender == 0
@@ -249,7 +249,7 @@ def test_simulated_drops_equal_the_sharded_run(kind):
     from moelab.parallel.transport.simulate import simulate_drops
 
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=9))[: 4 * T]
-    cfg = tc(kind, sender_cf=1.0, receiver_cf=1.0, capacity_factor=1.0)
+    cfg = tc(kind, sender_cf=1.0, global_sender_cf=1.0, receiver_cf=1.0, capacity_factor=1.0)
     mesh = make_mesh(expert=4, devices=jax.devices()[:4])
     _, stats = jax.jit(make_transport_fn(mesh, cfg))(
         DATA["z"][: 4 * T], expert, DATA["weight"][: 4 * T], DATA["w"])

@@ -139,6 +139,12 @@ def migrate(data: Any) -> Any:
         sec = out.get(section)
         if isinstance(sec, dict) and isinstance(sec.get(name), bool):  # not 1 or 0
             out[section] = {**sec, name: values[sec[name]]}
+    # pooled_global read parallel.sender_cf until it had parallel.global_sender_cf: a config
+    # naming pooled_global that gives sender_cf alone (written before) keeps its meaning
+    par = out.get("parallel")
+    if (isinstance(par, dict) and par.get("transport") == "pooled_global"
+            and "sender_cf" in par and "global_sender_cf" not in par):
+        out["parallel"] = {**par, "global_sender_cf": par["sender_cf"]}
     return out
 
 
