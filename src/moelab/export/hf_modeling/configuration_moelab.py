@@ -38,11 +38,14 @@ CONV_SITES = ("q", "k", "v", "attn", "moe")  # the order of a layer's conv state
 class MoelabConfig(PretrainedConfig):
     model_type = "moelab"
     # moelab's names read too, but top_k: generate would take it for a sampling setting
-    attribute_map = {**{k: v for k, v in STANDARD_NAMES.items() if k != "top_k"},
-                     "num_local_experts": "num_experts", "moe_intermediate_size": "intermediate_size"}
+    attribute_map = {k: v for k, v in STANDARD_NAMES.items() if k != "top_k"} | {
+        "num_local_experts": "num_experts", "moe_intermediate_size": "intermediate_size"}
 
     def __init__(self, max_position_embeddings: int = 2048, output_router_logits: bool = False,
                  **kwargs):
+        for moelab, standard in STANDARD_NAMES.items():  # moelab's names given: the same fields
+            if moelab in kwargs:
+                kwargs[standard] = kwargs.pop(moelab)
         for name, default in MOELAB_FIELDS.items():
             setattr(self, name, kwargs.pop(name, default))
         self.sliding_window = self.sliding_window or None

@@ -99,11 +99,12 @@ class MoelabModel(MoelabPreTrainedModel):
         elif cache is None and not (self.gradient_checkpointing and self.training):
             cache = DynamicCache(config=c)
         T, past = x.shape[1], cache.get_seq_length() if cache is not None else 0
+        pad = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
         valid = None  # the new positions' padding mask, where there is padding
-        if attention_mask is not None and not bool(attention_mask.all()):
-            valid = attention_mask[:, -T:].bool()
-        if position_ids is None and attention_mask is not None:
-            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+        if pad is not None and not bool(pad.all()):
+            valid = pad[:, -T:].bool()
+        if position_ids is None and pad is not None:
+            position_ids = (pad.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         elif position_ids is None:
             position_ids = torch.arange(past, past + T, device=x.device)[None]
         masks = _masks(self, x, attention_mask, cache, position_ids)
@@ -120,13 +121,14 @@ class MoelabModel(MoelabPreTrainedModel):
             probs.append(p)
             router_logits.append(r)
         hidden[-1] = x = self.norm(x)  # as transformers' models: the last one after the norm
-        asked = lambda flag, name: getattr(c, name, False) if flag is None else flag  # noqa: E731
+
+        def kept(values, flag, name):  # as asked: by the argument, else by the config
+            return tuple(values) if (getattr(c, name, False) if flag is None else flag) else None
         return MoeModelOutputWithPast(
             last_hidden_state=x, cache=cache,
-            hidden_states=tuple(hidden) if asked(output_hidden_states, "output_hidden_states")
-            else None,
-            attentions=tuple(probs) if asked(output_attentions, "output_attentions") else None,
-            router_logits=tuple(router_logits) if output_router_logits else None)
+            hidden_states=kept(hidden, output_hidden_states, "output_hidden_states"),
+            attentions=kept(probs, output_attentions, "output_attentions"),
+            router_logits=kept(router_logits, output_router_logits, "output_router_logits"))
 
 
 def balance_loss(router_logits, config: MoelabConfig, attention_mask=None):
