@@ -3,7 +3,7 @@ trust_remote_code) gives moelab's logits, on the tiny preset's shape and on a sm
 every architecture option on; its tokenizer loads with AutoTokenizer; config.json carries
 transformers' standard names; the folder has a model card and the license; bad input exits 2.
 What serving and fine-tuning need (dtypes, padding, the KV cache, sdpa, training features, the
-window past the trained context) is in tests/test_export_serving.py, on the same exports."""
+window past the trained context) is in tests/test_export_serving.py, on exports of the same runs."""
 
 from __future__ import annotations
 
