@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 import threading
@@ -66,6 +65,7 @@ from moelab.run.ckpt_failures import (
     short,
 )
 from moelab.run.ckpt_lease import leased_steps, prunable, reading
+from moelab.run.ckpt_names import orbax_manager_options, step_name, step_of
 from moelab.run.ckpt_target import (
     CheckpointError,
     CheckpointMismatch,
@@ -85,8 +85,6 @@ FORMAT = "moelab-checkpoint/1"
 STATE_DIR = "state"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
-STEP_PREFIX, STEP_DIGITS = "step", 8  # folder step_00000120: orbax's step_prefix, fixed length
-_STEP_RE = re.compile(rf"{STEP_PREFIX}_(\d+)")
 _TMP_PREFIX = ".tmp-"  # a save in progress / crash leftover
 _TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned or overwritten)
 _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
@@ -94,26 +92,6 @@ _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
 
 class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped in favour of an older one."""
-
-
-def step_name(step: int) -> str:
-    """The folder name of the checkpoint of ``step``."""
-    return f"{STEP_PREFIX}_{step:0{STEP_DIGITS}d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step a checkpoint folder's name stands for; None for any other name."""
-    m = _STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m and name == step_name(int(m.group(1))) else None
-
-
-def orbax_manager_options() -> ocp.CheckpointManagerOptions:
-    """Options with which a plain ``ocp.CheckpointManager(ckpt_dir, options)`` reads these
-    checkpoints: the step folders' names, and read-only, since saving and pruning here must go
-    through ``Checkpointer`` (manifest, leases). The default options list no steps: they expect
-    folders named by the bare step."""
-    return ocp.CheckpointManagerOptions(step_prefix=STEP_PREFIX,
-                                        step_format_fixed_length=STEP_DIGITS, read_only=True)
 
 
 @contextmanager
