@@ -91,16 +91,22 @@ def iter_documents(corpus_dir: Path | str, split: str) -> Iterator[dict]:
         raise DataError(f"{path}: not found; build the corpus with `moelab data build`")
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            try:
-                doc = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{path} line {lineno}: not valid JSON ({e}); the corpus is "
-                                f"damaged; {REBUILD}") from None
-            if not (isinstance(doc, dict) and isinstance(doc.get("text"), str)
-                    and isinstance(doc.get("domain"), str)):
-                raise DataError(f"{path} line {lineno}: not a corpus document (an object with "
-                                f"string 'text' and 'domain'); {REBUILD}")
-            yield doc
+            yield parse_line(line, path, lineno)
+
+
+def parse_line(line: str | bytes, path: Path, lineno: int) -> dict:
+    """One line of a corpus file as its document; a DataError naming the line if it is not
+    one."""
+    try:
+        doc = json.loads(line)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise DataError(f"{path} line {lineno}: not valid JSON ({e}); the corpus is "
+                        f"damaged; {REBUILD}") from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("text"), str)
+            and isinstance(doc.get("domain"), str)):
+        raise DataError(f"{path} line {lineno}: not a corpus document (an object with "
+                        f"string 'text' and 'domain'); {REBUILD}")
+    return doc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,6 +143,17 @@ def bounded_docs(docs: Iterable[dict], limit: int = MAX_DOC_CHARS) -> Iterator[d
         for k, part in enumerate(bounded_parts(doc["text"], limit), 1):
             yield {**doc, "id": f"{doc['id']} part {k}", "text": part}
 
+
+
+def head(docs: Iterable[dict], limit: int) -> Iterator[dict]:
+    """The first documents of ``docs`` until their texts hold ``limit`` UTF-8 bytes (the last
+    one may cross it); ``docs`` is read no further."""
+    n = 0
+    for doc in docs:
+        if n >= limit:
+            return
+        n += len(doc["text"].encode("utf-8"))
+        yield doc
 
 
 def is_heldout(doc_id: str, fraction: float) -> bool:
@@ -401,7 +418,8 @@ def check_user_inputs(paths: list[Path | str], fmt: str = "files", text_field: s
 
 def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | str,
                       heldout_fraction: float = 0.02, domain: str | None = None,
-                      fmt: str = "files", text_field: str = "text", split: str = "") -> dict:
+                      fmt: str = "files", text_field: str = "text", split: str = "",
+                      head_bytes: int = 0) -> dict:
     """Build a corpus from your own files and return its manifest.
 
     Inputs are local paths or fsspec URLs (gs://, s3://, memory://, file://), read as ``fmt``:
@@ -419,7 +437,9 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     Bad inputs (empty, binary, non-UTF-8, malformed JSON, missing text) are skipped,
     counted in the manifest and summarised on stderr; if nothing usable remains, DataError
     (a ValueError) is raised. Document ids name their origin ("books/a.txt", "web/x.jsonl
-    line 7", "t.parquet row 3").
+    line 7", "t.parquet row 3"). ``head_bytes`` > 0: only the inputs' first documents, until
+    their texts hold that many UTF-8 bytes (what a streaming run keeps locally; recorded in the
+    manifest as ``head_bytes``); the inputs are read no further.
     """
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     inputs = check_user_inputs(paths, fmt, text_field, split)
@@ -441,9 +461,11 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
 
     # "format" is the manifest's own version (write_corpus): the read mode has its own key
     fields = {"kind": "user", "sources": [normalize_source(p) for p in paths],
-              "source_format": fmt, "text_field": text_field, **({"split": split} if split else {})}
-    manifest = write_corpus(corpus_dir, bounded_docs(all_docs()), heldout_fraction, fields, skips,
-                            what=", ".join(map(str, paths)))
+              "source_format": fmt, "text_field": text_field, **({"split": split} if split else {}),
+              **({"head_bytes": head_bytes} if head_bytes else {})}
+    docs = bounded_docs(all_docs())
+    manifest = write_corpus(corpus_dir, head(docs, head_bytes) if head_bytes else docs,
+                            heldout_fraction, fields, skips, what=", ".join(map(str, paths)))
     if skips:
         info(_skip_summary(skips) + f" (details in {corpus_dir / 'manifest.json'})")
     return manifest
