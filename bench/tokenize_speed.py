@@ -27,6 +27,7 @@ from moelab.data.build import BUILTIN_OUT
 from moelab.data.corpus import write_corpus
 from moelab.data.encode import usable_cores
 from moelab.data.store import build_token_store
+from moelab.data.user_docs import head
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,17 +40,9 @@ def head_corpus(out: Path, mb: float) -> Path:
         full = out / "builtin"
         print(f"building the built-in corpus in {full} ...")
         build_builtin_corpus(full)
-
-    def head():
-        n = 0
-        for doc in iter_documents(full, "train"):
-            if n >= mb * 1e6:
-                return
-            n += len(doc["text"].encode("utf-8"))
-            yield doc
-
     corpus = out / "head"
-    write_corpus(corpus, head(), 0.02, {"kind": "bench"})
+    write_corpus(corpus, head(iter_documents(full, "train"), int(mb * 1e6)), 0.02,
+                 {"kind": "bench"})
     return corpus
 
 

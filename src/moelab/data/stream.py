@@ -40,17 +40,18 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from moelab.config import DataConfig
-from moelab.data.corpus import (
-    bounded_docs,
-    check_user_inputs,
-    is_heldout,
-    iter_documents,
-    load_manifest,
-)
+from moelab.data.corpus import check_user_inputs, is_heldout, iter_documents, load_manifest
 from moelab.data.errors import DataError
 from moelab.data.permutation import permute, round_keys
 from moelab.data.tokenizer import doc_batches, encode_batch, eos_id
-from moelab.data.user_docs import clean_domain, file_docs, folder_name, input_files, unknown_suffix
+from moelab.data.user_docs import (
+    bounded_docs,
+    clean_domain,
+    file_docs,
+    folder_name,
+    input_files,
+    unknown_suffix,
+)
 
 DOC_BATCH = 64  # documents per encode call (at most tokenizer.BATCH_CHARS characters)
 
