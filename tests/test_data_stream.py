@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 from pathlib import Path
 
 import fsspec
@@ -19,6 +20,7 @@ from moelab.data import DataError, decode, encode_batch, eos_id, load_tokenizer
 from moelab.data.corpus import is_heldout, iter_documents, load_manifest
 from moelab.data.prepare import prepare_data
 from moelab.data.stream import StreamSampler
+from moelab.run.checkpoint import Checkpointer
 from moelab.run.identity import checkpoint_meta
 from moelab.run.logs import read_metrics
 from moelab.train.loop import train
@@ -197,28 +199,35 @@ def test_a_head_folder_serves_only_the_stream_it_was_made_for(streamed):
 
 
 def test_training_killed_mid_stream_resumes_to_the_uninterrupted_losses(tmp_path, data_dir):  # noqa: F811
-    """A micro run streaming its source: 4 steps, stopped (as by SIGTERM: a checkpoint), then
-    resumed to 8, equals 8 steps at once, loss for loss; the checkpoint holds the position;
-    the data folder holds the head only, while training read past it. (``data_dir``: the
-    session's compilation cache, shared with the other micro runs.)"""
+    """A micro run streaming its source, 8 steps with a checkpoint every 3; a copy killed
+    after step 5 (its later checkpoints gone) resumes from step 3, mid-block, and trains steps
+    4-8 to the same losses. The data folder holds the head only, while training read past it.
+    (``data_dir``: the session's compilation cache, shared with the other micro runs.)"""
     source, size = write_source("stream-train")
     data = {"data_dir": str(tmp_path / "data"), "source": source, "sampler": "stream",
-            "stream_head_mb": 0.003, "stream_shuffle": 4}
-    cfg = micro_config(tmp_path, data=data, train={"steps": 8, "ckpt_every": 1000})
-    once, twice = tmp_path / "once", tmp_path / "twice"
+            "stream_head_mb": 0.003, "stream_shuffle": 5}
+    cfg = micro_config(tmp_path, data=data, train={"steps": 8, "ckpt_every": 3})
+    once = tmp_path / "once"
     train(cfg, once, verbose=False, sample_prompt=None)
-    stopped = train(micro_config(tmp_path, data=data, train={"steps": 4, "ckpt_every": 1000}),
-                    twice, verbose=False, sample_prompt=None)
-    assert stopped["step"] == 4
-    step, meta = checkpoint_meta(twice, 4)
-    assert meta["data"]["sampler"] == "stream" and meta["data"]["step"] == 4
-    train(cfg, twice, verbose=False, sample_prompt=None)
+    killed = shutil.copytree(once, tmp_path / "killed")
+    ckpt = Checkpointer(killed / "checkpoints")
+    assert ckpt.steps() == [3, 6, 8]
+    for step in (6, 8):  # killed after step 5: what it logged and saved later never was
+        shutil.rmtree(ckpt.step_dir(step))
+    log = killed / "metrics.jsonl"
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()
+                           if json.loads(line)["step"] <= 5))
+    state = checkpoint_meta(killed, 3)[1]["data"]
+    assert (state["sampler"], state["step"], state["taken"]) == ("stream", 3, 2)  # 12 rows
+    train(cfg, killed, verbose=False, sample_prompt=None)
 
     def losses(run):
-        recs, _ = read_metrics(run / "metrics.jsonl")
+        recs, _ = read_metrics(run / "metrics.jsonl")  # the newest record of a step wins
         return {r["step"]: r["train/loss"] for r in recs if "train/loss" in r}
 
-    assert sorted(losses(once)) == list(range(1, 9)) and losses(twice) == losses(once)
+    assert sorted(losses(once)) == list(range(1, 9)) and losses(killed) == losses(once)
+    resumed = [e for e in read_metrics(log)[1] if e["event"] == "resume"]
+    assert [e["step"] for e in resumed] == [3]
     head = load_manifest(tmp_path / "data" / "corpus")
     assert size > 10 * sum(v["bytes"] for v in head["total"].values())  # never the whole source
     at = checkpoint_meta(once)[1]["data"]["end"]

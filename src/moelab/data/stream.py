@@ -161,7 +161,8 @@ class SourceStream:
                 held += len(toks)
             while held > seq_len:
                 window = _first_tokens(pieces, seq_len + 1)
-                held -= _drop(pieces, seq_len)
+                _drop(pieces, seq_len)
+                held -= seq_len
                 yield window, pieces[0][1]
 
 
@@ -176,14 +177,13 @@ def _first_tokens(pieces: deque, n: int) -> np.ndarray:
     return np.concatenate(out)
 
 
-def _drop(pieces: deque, n: int) -> int:
+def _drop(pieces: deque, n: int) -> None:
     """Remove the first ``n`` tokens; the piece cut into starts at its new position."""
     left = n
     while left >= len(pieces[0][0]):
         left -= len(pieces.popleft()[0])
     toks, pos = pieces[0]
     pieces[0] = [toks[left:], replace(pos, token=pos.token + left)]
-    return n
 
 
 @dataclass
