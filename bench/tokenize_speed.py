@@ -7,9 +7,16 @@ Builds the built-in corpus (or reuses data/builtin/corpus when it is there), kee
 ``--mb`` MB of training documents as a corpus of its own, trains a ``--vocab`` BPE on it once,
 then builds the token store with each ``--workers`` count (``build_token_store(workers=N)``:
 1 tokenizes in this process, with the tokenizers library's threads; N > 1 in N spawned
-processes, the pool's start-up included) and keeps the best of ``--repeats``. Every build must
+processes, the pool's start-up included) and keeps the best of ``--repeats``, with the CPU
+time of the build (this process and the pool's workers): on a shared machine the wall time
+depends on what else runs, CPU time per MB much less. Every build must
 give byte-identical arrays (checked: the script fails otherwise). Prints a table and saves
 bench/results/tokenize_speed[-TAG].json.
+
+Measured on 2 cores shared with other work (load 6-9), ``--mb 8 --repeats 3``: 1 worker
+1.27 MB/s (4.0 CPU s), 2 workers 0.83 MB/s (4.8 CPU s); two earlier runs 0.96 vs 0.70 and
+0.87 vs 0.65 MB/s. Stores byte-identical every time. One process's library threads already use
+both cores; a second process adds its start-up and its own tokenizer.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import tempfile
 import time
 from pathlib import Path
@@ -55,14 +63,21 @@ def store_arrays(store: Path) -> dict:
 def measure(corpus: Path, tok, workers: int, repeats: int, out: Path) -> dict:
     mb = json.loads((corpus / "manifest.json").read_text())["total"]
     mb = sum(v["bytes"] for v in mb.values()) / 1e6
-    best = float("inf")
+    best, cpu = float("inf"), float("inf")
     for r in range(repeats):
         store = out / f"store-{workers}-{r}"
-        t0 = time.perf_counter()
+        c0, t0 = cpu_seconds(), time.perf_counter()
         build_token_store(corpus, tok, store, progress=False, workers=workers)
         best = min(best, time.perf_counter() - t0)
+        cpu = min(cpu, cpu_seconds() - c0)
     return {"workers": workers, "text_mb": mb, "seconds": best, "mb_per_s": mb / best,
-            "arrays": store_arrays(store)}
+            "cpu_s": cpu, "mb_per_cpu_s": mb / cpu, "arrays": store_arrays(store)}
+
+
+def cpu_seconds() -> float:
+    """CPU time of this process and its finished children (the pool's workers)."""
+    own, kids = (resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def main() -> None:
@@ -85,6 +100,7 @@ def main() -> None:
         del r["arrays"]
     print_table(rows, [("workers", "workers", "d"), ("text_mb", "text MB", ".1f"),
                        ("seconds", "best s", ".2f"), ("mb_per_s", "MB/s", ".2f"),
+                       ("cpu_s", "CPU s", ".1f"), ("mb_per_cpu_s", "MB/CPU s", ".2f"),
                        ("speedup", f"x {counts[0]} worker(s)", ".2f")])
     print(f"token stores byte-identical across worker counts: {same}")
     name = "tokenize_speed" + (f"-{args.tag}" if args.tag else "")

@@ -140,9 +140,9 @@ def register(sub) -> None:
     b.add_argument("--heldout", type=float, default=0.02,
                    help="held-out fraction of documents, in (0, 1); each domain holds out at "
                    "least one document (a lone document, its end)")
-    b.add_argument("--workers", type=int, help="tokenizer processes (default: the usable cores, "
-                   f"at most {MAX_DEFAULT_WORKERS}; 1 tokenizes in this process); the token "
-                   "store is the same for any number")
+    b.add_argument("--workers", type=int, help="tokenizer processes (default: half the usable "
+                   f"cores, at most {MAX_DEFAULT_WORKERS}; 1 tokenizes in this process); the "
+                   "token store is the same for any number")
     b.set_defaults(fn=cmd_data_build)
     v = dsub.add_parser("verify", help="check a data folder's files against their checksums",
                         description="Hash the corpus files and every token array in full and "
