@@ -27,6 +27,7 @@ from moelab.data.prepare import (
 )
 from moelab.data.sampler import SteppedSampler
 from moelab.data.store import TokenStore
+from moelab.data.stream import StreamSampler
 from moelab.data.tokenizer import load_tokenizer
 from moelab.parallel import transport
 from moelab.parallel.distributed import barrier, is_main
@@ -79,7 +80,7 @@ class RunSetup:
     store: TokenStore
     tok: Any  # the tokenizer
     tok_record: dict  # its hash and size, saved in each checkpoint's meta.json
-    sampler: SteppedSampler
+    sampler: SteppedSampler | StreamSampler  # the stream's position is restored with the state
     ckpt: Checkpointer
     put_batch: Callable  # a host batch onto the device(s), sharded over the mesh if any
     start: int  # the step training starts from: 0, or the restored checkpoint's
@@ -233,7 +234,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     if main:
         _write_run_folder(cfg, run_dir, data, prov)
 
-    sampler = SteppedSampler(store, cfg.data)  # mixture changes and context stages by step
+    # mixture changes and context stages by step
+    sampler = (StreamSampler(cfg.data, tok, data.corpus_dir) if cfg.data.sampler == "stream"
+               else SteppedSampler(store, cfg.data))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts,
                         asynchronous=cfg.train.async_ckpt)
     if mirror is not None:
@@ -248,6 +251,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     if restored is not None:
         start, state, meta = restored
         say(f"resuming {run_dir} from step {start}")
+    sampler.restore(start, meta.get("data"))
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"), **process_identity())
     if changes:  # the run's record of what it trained on from here
