@@ -36,7 +36,7 @@ from moelab.data.prepare import with_tokenizer_vocab
 from moelab.data.sampler import heldout_text
 from moelab.parallel.distributed import agree_any, is_main
 from moelab.planner.counts import train_flops_per_token
-from moelab.run.checkpoint import CheckpointError, save_failure
+from moelab.run.checkpoint import Checkpointer, CheckpointError, save_failure
 from moelab.run.lock import run_lock
 from moelab.run.logs import read_metrics
 
@@ -162,6 +162,11 @@ def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
         return None
     if resolve_run_config(with_tokenizer_vocab(absolute_data(cfg)), run_dir).train.steps > at:
         return None  # trained longer now (a new train.steps, a pending replan)
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    try:
+        ckpt.check_folder(ckpt.step_dir(at), at)
+    except CheckpointError:
+        return None  # damaged: the resume falls back to an older one and trains it again
     say(f"{run_dir} finished at step {at} already; nothing to train. To train it longer: "
         f"`moelab resume {run_dir} train.steps=N` with N above {at}")
     return json.loads(path.read_text())
