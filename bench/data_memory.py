@@ -11,7 +11,7 @@ address space (``--cap-gb``, default 16) keeps a runaway build from taking the m
 Saves bench/results/data_memory[-TAG].json.
 
 Measured (2 shared cores, --mb 50, --vocab 512): before documents were bounded, 9075 MB peak
-(181x the file, 118 s); with texts cut at ``corpus.MAX_DOC_CHARS`` and batches at
+(181x the file, 118 s); with texts cut at ``user_docs.MAX_DOC_CHARS`` and batches at
 ``tokenizer.BATCH_CHARS``, 832 MB (17x, 104 s), of which ~200 MB is the interpreter and
 libraries. ``--no-spaces``: before the tokenizer trainer got long runs in pieces
 (``tokenizer.WORD_CAP``), training alone took 17 s on 0.2 MB and had not finished after 300 s

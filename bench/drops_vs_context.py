@@ -46,8 +46,8 @@ RANKS, PER_RANK = 8, 4096
 def transports(waves: int, global_cf: float = 1.10) -> dict[str, ParallelConfig]:
     mk = lambda **kw: ParallelConfig(expert=RANKS, devices=RANKS, waves=waves, **kw)
     return {"pooled_wave": mk(transport="pooled_wave", sender_cf=1.10, receiver_cf=1.15),
-            "pooled_global": mk(transport="pooled_global", sender_cf=2.0, receiver_cf=global_cf,
-                                budget_group=8),
+            "pooled_global": mk(transport="pooled_global", global_sender_cf=2.0,
+                                receiver_cf=global_cf, budget_group=8),
             "waterfill": mk(transport="waterfill", capacity_factor=1.10),
             "expert_cells": mk(transport="expert_cells", capacity_factor=1.25)}
 

@@ -35,11 +35,24 @@ class Row(dict):
 
 
 def peak(spec: dict, row: Row) -> None:
-    """The best square matmul of the given sizes: the MFU denominator of the other rows."""
+    """The best square matmul of the given sizes: the other rows' share of measured peak."""
     from moelab.train.peak import measure_peak_flops
 
     best = max(measure_peak_flops(n, dtype=spec["dtype"]) for n in spec["sizes"])
     row.save(peak_flops=best, tflops=best / 1e12, dtype=spec["dtype"], sizes=spec["sizes"])
+
+
+def mfu_fields(model_flops_per_s: float, measured: float | None) -> dict:
+    """MFU against this device's rated peak (moelab.train.peak), and the share of the peak
+    row's ``measured`` matmul peak; MFU is None when neither is known."""
+    from moelab.train.peak import device_peaks
+
+    peaks = device_peaks(jax.devices()[:1], measured)
+    if peaks is None:
+        return {"mfu": None}
+    return {"rated_peak_flops": peaks.rated, "peak_source": peaks.source,
+            **{k.removeprefix("throughput/"): v
+               for k, v in peaks.metrics(model_flops_per_s).items()}}
 
 
 def xla_memory(compiled) -> dict:
@@ -85,7 +98,7 @@ def train(spec: dict, row: Row) -> None:
     r = describe(spec["preset"], cfg, step_s, compile_s)
     micro = r["microbatch"] or r["tokens_per_step"]
     row.save(**r, micro_steps=r["tokens_per_step"] // micro,
-             mfu=r["model_flops_per_s"] / spec["peak"] if spec.get("peak") else None)
+             **mfu_fields(r["model_flops_per_s"], spec.get("peak")))
     if spec.get("profile"):  # secondary: a failure here keeps the row's measurements
         try:
             row.save(profile=profile(compiled, state, batches[0], spec)[1])

@@ -1,10 +1,12 @@
-"""Training throughput of the presets next to this machine's measured matmul peak.
+"""Training throughput of the presets, as MFU and as a share of this machine's measured peak.
 
     .venv/bin/python bench/train_throughput.py [--presets tiny small] [--steps 5]
 
-Prints tokens/s, model FLOP/s (6 x active matmul parameters + attention, per trained token)
-and MFU against the best measured dense matmul FLOP/s (the physical limit), and saves the table
-to bench/results/train_throughput.json. Random tokens: throughput does not depend on the text.
+Prints tokens/s, model FLOP/s (6 x active matmul parameters + attention, per trained token),
+MFU against the device's rated peak (moelab.train.peak: the accelerator table, or a nominal
+figure per CPU core) and the share of the best measured dense matmul FLOP/s, and saves the
+table to bench/results/train_throughput.json. Random tokens: throughput does not depend on the
+text.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 from common import print_table, save
 from moelab.config import load_config
 from moelab.planner.counts import param_counts, train_flops_per_token
-from moelab.train.peak import measure_peak_flops
+from moelab.train.peak import device_peaks, format_flops, measure_peak_flops
 from moelab.train.step import init_train_state, make_train_step
 
 
@@ -81,18 +83,23 @@ def main() -> None:
     dtype = args.peak_dtype or ("float32" if cpu else "bfloat16")
     sizes = (1024, 2048, 4096) if cpu else (4096, 8192)
     peak = max(measure_peak_flops(n, dtype=dtype) for n in sizes)
-    print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); measured matmul peak "
-          f"{peak / 1e9:.1f} GFLOP/s (best {dtype} square matmul of sizes {sizes})", flush=True)
+    peaks = device_peaks(jax.devices()[:1], peak, dtype)
+    print(f"backend {jax.default_backend()}, {len(jax.devices())} device(s); MFU against "
+          f"{format_flops(peaks.rated)} ({peaks.source}); measured matmul peak "
+          f"{format_flops(peak)} (best {dtype} square matmul of sizes {sizes})", flush=True)
     rows = []
     for p in args.presets:  # results are saved after each preset, so a cut-off run keeps some
         r = measure(p, args.steps, args.overrides)
-        r["mfu"] = r["model_flops_per_s"] / peak
+        r.update({k.removeprefix("throughput/"): v
+                  for k, v in peaks.metrics(r["model_flops_per_s"]).items()})
         rows.append(r)
-        save(args.name, rows, peak_flops=peak, peak_dtype=dtype, overrides=args.overrides)
+        save(args.name, rows, peak_flops=peak, peak_dtype=dtype, rated_peak_flops=peaks.rated,
+             peak_source=peaks.source, overrides=args.overrides)
     print_table(rows, [("preset", "preset", "s"), ("params_active", "active params", ",d"),
                        ("tokens_per_step", "tokens/step", ",d"), ("step_s", "step s", ".3f"),
                        ("tokens_per_s", "tokens/s", ",.0f"),
                        ("model_flops_per_s", "model FLOP/s", ".3e"), ("mfu", "MFU", ".1%"),
+                       ("share_of_measured_peak", "of measured", ".1%"),
                        ("peak_mem_gib", "peak GiB", ".1f"), ("compile_s", "compile s", ".1f")])
 
 

@@ -1,6 +1,7 @@
 """Expert-parallel transports on a real routing: step time, XLA memory, bytes on the wire, drops.
 
     .venv/bin/python bench/transport.py [--tokens-per-rank 1024] [--layer 2] [--reps 5]
+        [--only pooled_global ...] [--global-sender-cf 1.10 2.0]
 
 Runs on 8 fake CPU devices (EP 8; the script sets XLA_FLAGS itself). The routing is real: the
 router of a small trained MoE (bench/trained_router.py: 64 experts top-8, latent width H =
@@ -31,7 +32,8 @@ latent inputs, the combine weights and the expert weights):
 - drops (sender / receiver / total) summed over all layers of the model on the same tokens.
 
 Table 2: drops of the capacity-limited transports over a capacity-factor sweep on the same
-routing (all layers); pooled_wave uses cf_s = cf_r = cf. Drops depend only on the expert ids,
+routing (all layers); pooled_wave uses cf_s = cf_r = cf, pooled_global its default
+``global_sender_cf``. Table 4: pooled_global's drops over its ``global_sender_cf``. Drops depend only on the expert ids,
 so the sweep runs each transport's drop rule on one device (moelab.parallel.transport.simulate,
 the same counts as the 8 devices give).
 
@@ -199,8 +201,8 @@ def ep_degrees(layers, E: int, G: int, W: int) -> list[dict]:
     out = []
     for ep in (2, 4, 8):
         row = {"ep": ep}
-        for key, tcfg in (("global", ParallelConfig(transport="pooled_global", sender_cf=2.0,
-                                                     receiver_cf=1.10, waves=W, budget_group=G)),
+        for key, tcfg in (("global", ParallelConfig(transport="pooled_global", receiver_cf=1.10,
+                                                     waves=W, budget_group=G)),
                           ("waterfill", ParallelConfig(transport="waterfill",
                                                        capacity_factor=1.10))):
             tot = drops_over_layers(layers, tcfg, E, ep)
@@ -211,6 +213,23 @@ def ep_degrees(layers, E: int, G: int, W: int) -> list[dict]:
                              f"{c['receiver_dropped']})")
         out.append(row)
     return out
+
+
+def global_sender_sweep(layers, E: int, G: int, W: int) -> list[dict]:
+    """pooled_global's drops (all layers, EP 8) over its send-pool factor at cf_r 1.10: the
+    sender drops its transient pools add on top of the budget's receiver drops."""
+    out = []
+    for cf in GLOBAL_SENDER_CFS:
+        tcfg = ParallelConfig(transport="pooled_global", global_sender_cf=cf, receiver_cf=1.10,
+                              waves=W, budget_group=G)
+        tot = drops_over_layers(layers, tcfg, E, 8)
+        n = tot["assignments"]
+        out.append({"global_sender_cf": cf, "sender": tot["sender_dropped"] / n,
+                    "receiver": tot["receiver_dropped"] / n, "drop": tot["dropped"] / n})
+    return out
+
+
+GLOBAL_SENDER_CFS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5)
 
 
 def main() -> None:
@@ -226,6 +245,12 @@ def main() -> None:
                     help="pooled_wave wave counts to time (each must divide E_l = experts / 8)")
     ap.add_argument("--router-steps", type=int, default=STEPS)
     ap.add_argument("--seed", type=int, default=0, help="held-out window draw")
+    ap.add_argument("--global-sender-cf", type=float, nargs="+", default=[1.10, 2.0],
+                    help="pooled_global's parallel.global_sender_cf values to time (with the "
+                    "largest budget group; the default also with budget_group 2)")
+    ap.add_argument("--only", nargs="+", choices=list(transport.TRANSPORTS),
+                    help="time only these transports in Table 1 (pooled_wave is always timed: "
+                    "the ratios are to it)")
     args = ap.parse_args()
     t_start = time.time()
 
@@ -263,12 +288,15 @@ def main() -> None:
                  ParallelConfig(transport="pooled_wave", sender_cf=1.10, receiver_cf=1.15, waves=w))
                 for w in args.waves]
     G = min(8, E // S)  # experts per budget group: fixed, so drops do not depend on EP
+    default_cf = ParallelConfig().global_sender_cf
     configs += [(f"pooled_global W={args.waves[0]} G={g}", f"cf_s {cs:.2f} / cf_r 1.10",
-                 ParallelConfig(transport="pooled_global", sender_cf=cs, receiver_cf=1.10,
+                 ParallelConfig(transport="pooled_global", global_sender_cf=cs, receiver_cf=1.10,
                                 waves=args.waves[0], budget_group=g))
-                for g, cs in ((G, 1.10), (G, 2.0), (2, 2.0))]
+                for g, cs in [(G, cs) for cs in args.global_sender_cf] + [(2, default_cf)]]
     configs += [("waterfill", "cf 1.10", ParallelConfig(transport="waterfill", capacity_factor=1.10)),
                 ("ragged", "dropless", ParallelConfig(transport="ragged"))]
+    if args.only:
+        configs = [c for c in configs if c[2].transport in {"pooled_wave", *args.only}]
 
     rows = []
     for name, caps, tcfg in configs:
@@ -345,7 +373,7 @@ def main() -> None:
         row = {"cf": cf}
         cfgs = {f"pooled_W{w}": ParallelConfig(transport="pooled_wave", sender_cf=cf, receiver_cf=cf,
                                                 waves=w) for w in pooled_w}
-        cfgs["global"] = ParallelConfig(transport="pooled_global", sender_cf=2.0, receiver_cf=cf,
+        cfgs["global"] = ParallelConfig(transport="pooled_global", receiver_cf=cf,
                                         waves=pooled_w[0], budget_group=G)
         cfgs["waterfill"] = ParallelConfig(transport="waterfill", capacity_factor=cf)
         cfgs["expert_cells"] = ParallelConfig(transport="expert_cells", capacity_factor=cf)
@@ -361,8 +389,9 @@ def main() -> None:
         sweep.append(row)
 
     by_ep = ep_degrees(layers, E, G, args.waves[0])
+    by_cf_s = global_sender_sweep(layers, E, G, args.waves[0])
     runtime = time.time() - t_start
-    meta = dict(by_ep=by_ep, router_run=run, router_steps=args.router_steps, ranks=S, n_experts=E, top_k=k,
+    meta = dict(by_ep=by_ep, by_global_sender_cf=by_cf_s, router_run=run, router_steps=args.router_steps, ranks=S, n_experts=E, top_k=k,
                 latent_H=H, expert_I=m.expert_dim, tokens_per_rank=args.tokens_per_rank,
                 dtype=args.dtype, timed_layer=args.layer, n_layers=len(layers),
                 seq_len=L_seq, seed=args.seed, reps=args.reps, sweep=sweep, runtime_s=runtime,
@@ -400,13 +429,19 @@ def main() -> None:
           "cf_s = cf_r = cf, total (sender + receiver) in %)")
     cols = [("cf", "cf", ".2f")]
     cols += [(f"pooled_W{w}_str", f"pooled_wave W={w}", "s") for w in pooled_w]
-    cols += [("global_str", f"pooled_global G={G} cf_s 2.0", "s")]
+    cf_g = ParallelConfig().global_sender_cf  # Tables 2 and 3: pooled_global at its default
+    cols += [("global_str", f"pooled_global G={G} cf_s {cf_g:.2f}", "s")]
     cols += [("waterfill", "waterfill", ".2%"), ("expert_cells", "expert_cells", ".2%")]
     print_table(sweep, cols)
     print()
     print("Table 3: the same batch at EP 2, 4, 8 (one EP group, data = 1; drops over all layers)")
-    print_table(by_ep, [("ep", "EP", "d"), ("global_str", f"pooled_global G={G} cf_s 2.0", "s"),
+    print_table(by_ep, [("ep", "EP", "d"), ("global_str", f"pooled_global G={G} cf_s {cf_g:.2f}", "s"),
                         ("waterfill", "waterfill cf 1.10", ".3%")])
+    print()
+    print(f"Table 4: pooled_global G={G} W={args.waves[0]} cf_r 1.10 over its send-pool factor "
+          "(parallel.global_sender_cf; same routing, all layers)")
+    print_table(by_cf_s, [("global_sender_cf", "cf_s", ".2f"), ("sender", "sender", ".3%"),
+                          ("receiver", "receiver", ".3%"), ("drop", "total", ".3%")])
     print(f"\ntotal runtime {runtime:.0f}s")
 
 

@@ -52,7 +52,8 @@ tok = batch_spec(2)
 args = (global_array(z, tok), global_array(expert, tok), global_array(weight, tok),
         {k: global_array(v, expert_weight_spec(3)) for k, v in w.items()})
 big = float(E)
-cfg = ParallelConfig(transport=kind, capacity_factor=big, sender_cf=big, receiver_cf=big, waves=1)
+cfg = ParallelConfig(transport=kind, capacity_factor=big, sender_cf=big, global_sender_cf=big,
+                     receiver_cf=big, waves=1)
 fn = make_transport_fn(mesh, cfg)
 gz = global_array(g, tok)
 loss = lambda z_, ex, wt_, w_, g_: jnp.sum(fn(z_, ex, wt_, w_)[0] * g_)  # globals as arguments

@@ -26,7 +26,7 @@ from moelab.train.changes import GATE_EVENT, decide_stage, keep_decisions, recor
 from moelab.train.loop import train
 
 EP = {"devices": 4, "expert": 4, "transport": "pooled_global", "waves": 1, "budget_group": 2,
-      "sender_cf": 4.0, "receiver_cf": 4.0}
+      "global_sender_cf": 4.0, "receiver_cf": 4.0}
 TIGHT = {"receiver_cf": 0.6}  # a stage's own capacity: ~40% drops forecast at 64 tokens
 GENEROUS = {"receiver_cf": 4.0}
 

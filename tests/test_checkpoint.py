@@ -16,7 +16,12 @@ import numpy as np
 import optax
 import pytest
 
-from moelab.run.checkpoint import Checkpointer, CheckpointError, CheckpointWarning
+from moelab.run.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    CheckpointWarning,
+    orbax_manager_options,
+)
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -158,6 +163,28 @@ def test_round_trip_exact(tmp_path):
     assert_tree_exact(state2, state)
     assert isinstance(state2["params"]["embed"], jax.Array)
     assert isinstance(state2["np_u32"], jax.Array) and isinstance(state2["rng"], np.ndarray)
+
+
+def test_a_plain_orbax_checkpoint_manager_reads_them(tmp_path):
+    """orbax's own CheckpointManager, with the options docs/operations.md gives, lists the
+    committed steps (not a save in progress) and restores the state moelab restores."""
+    import orbax.checkpoint as ocp
+
+    ck = Checkpointer(tmp_path, keep=2)
+    for s in (1, 2, 3):
+        ck.save(s, make_state(s), META)
+    (tmp_path / ".tmp-step_00000004.1.ab").mkdir()  # a save in progress
+    documented = ocp.CheckpointManagerOptions(step_prefix="step", step_format_fixed_length=8,
+                                              read_only=True)
+    _, want, _ = ck.restore_latest(fresh_target())
+    for options in (documented, orbax_manager_options()):
+        with ocp.CheckpointManager(tmp_path, options=options) as mngr:
+            assert mngr.all_steps() == ck.steps() == [2, 3] and mngr.latest_step() == 3
+            got = mngr.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
+        assert_tree_exact(got["state"]["params"], want["params"])
+        assert_tree_exact(got["state"]["router"], want["router"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmp-step_00000004.1.ab", "step_00000002", "step_00000003"]  # nothing written
 
 
 def test_partial_restore_reads_only_the_named_entries(tmp_path):

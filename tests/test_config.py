@@ -182,7 +182,9 @@ def test_the_run_folder_records_the_resolved_config(tmp_path, data_dir, monkeypa
     with pytest.raises(Stop):
         main(["train", mine, "--run-dir", str(tmp_path / "run")])
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
-    assert "base" not in saved and saved == load_config(mine).to_dict()
+    want = load_config(mine).to_dict()
+    want["data"]["sampler"] = "epoch"  # not given: a new run's, written out
+    assert "base" not in saved and saved == want
     assert saved["train"]["steps"] == 7 and saved["data"]["data_dir"] == str(data_dir)
 
 
@@ -413,3 +415,28 @@ def test_hash_is_independent_of_mixture_order():
     x = load_config("tiny", ["data.mixture={a: 1, b: 2}"])
     y = load_config("tiny", ["data.mixture={b: 2, a: 1}"])
     assert x.hash() == y.hash()
+
+
+def test_pooled_global_has_its_own_sender_factor_and_old_configs_keep_theirs(tmp_path):
+    """pooled_global reads parallel.global_sender_cf, pooled_wave parallel.sender_cf; a config
+    naming pooled_global with sender_cf alone (as written before global_sender_cf existed,
+    run folders included) reads it as global_sender_cf."""
+    from moelab.parallel import transport
+
+    default = config_from_dict({}).parallel
+    old = config_from_dict({"parallel": {"transport": "pooled_global", "sender_cf": 1.5}})
+    assert old.parallel.global_sender_cf == 1.5 != default.global_sender_cf
+    both = config_from_dict({"parallel": {"transport": "pooled_global", "sender_cf": 1.5,
+                                          "global_sender_cf": 1.25}}).parallel
+    assert (both.sender_cf, both.global_sender_cf) == (1.5, 1.25)
+    wave = config_from_dict({"parallel": {"transport": "pooled_wave", "sender_cf": 1.5}}).parallel
+    assert wave.global_sender_cf == default.global_sender_cf
+    save_config(old, tmp_path / "config.yaml")  # saved with both: read back unchanged
+    assert load_config(str(tmp_path / "config.yaml")) == old
+
+    rows = transport.get("pooled_global").rows  # send pools follow global_sender_cf only
+    send = lambda par: rows(par, 1024, 8, 8, 64).send
+    assert send(both) == send(dataclasses.replace(both, sender_cf=3.0)) < send(
+        dataclasses.replace(both, global_sender_cf=3.0))
+    with pytest.raises(ConfigError, match="parallel.global_sender_cf"):
+        transport.get("pooled_global").check(dataclasses.replace(both, global_sender_cf=0.0), 8)

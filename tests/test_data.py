@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,8 @@ from moelab.data import (
 )
 from moelab.data.builtin_docs import gutenberg_books, split_paragraphs
 from moelab.data.corpus import is_heldout
+from moelab.data.encode import line_chunks, pool_size
+from moelab.data.sampler import EpochSampler
 
 UNICODE_TEXT = ("Grüße, naïve café! 你好，世界。 Emoji: 🎉🚀👩‍💻 and ∑ₙ x² ≠ ∞\n\n"
                 "def f(x: int) -> int:\n\treturn x ** 2  # tab-indented\r\n"
@@ -260,6 +264,46 @@ def test_store_missing_incomplete_and_reuse(small, tmp_path):
     assert not list(out.rglob("*.tmp"))
 
 
+def test_store_is_byte_identical_with_worker_processes(small, tmp_path, capsys):
+    """Chunks of whole lines, tokenized by two spawned processes, give the same store as
+    this process; a damaged line is named by its number from inside a worker."""
+    corpus = small["corpus"]
+    data = (corpus / "train.jsonl").read_bytes()
+    chunks = list(line_chunks(corpus / "train.jsonl", 4096))
+    assert len(chunks) > 4 and chunks[0][0] == 0 and chunks[-1][1] == len(data)
+    for (a, b, line), (c, _, nxt) in zip(chunks, chunks[1:]):
+        assert b == c and data[b - 1: b] == b"\n" and nxt == line + data[a:b].count(b"\n")
+    files = [corpus / f"{s}.jsonl" for s in ("train", "heldout")]
+    assert pool_size(2, files, 4096) == 2 and pool_size(2, files) == 1  # small: no pool
+    build_token_store(corpus, small["tok"], tmp_path / "pooled", workers=2, chunk_bytes=4096)
+    assert "2 workers" in capsys.readouterr().err
+    ref = small["root"] / "store"
+    names = sorted(p.relative_to(ref) for p in ref.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(tmp_path / "pooled")
+                           for p in (tmp_path / "pooled").rglob("*") if p.is_file())
+    for name in names:
+        assert (ref / name).read_bytes() == (tmp_path / "pooled" / name).read_bytes(), name
+    damaged = tmp_path / "damaged"
+    shutil.copytree(corpus, damaged)
+    lines = data.split(b"\n")
+    lines[40] = b"{not json"
+    (damaged / "train.jsonl").write_bytes(b"\n".join(lines))
+    with pytest.raises(DataError, match=r"train.jsonl line 41: not valid JSON"):
+        build_token_store(damaged, small["tok"], tmp_path / "bad", workers=2, chunk_bytes=4096)
+
+
+def test_data_build_workers_option(small, tmp_path, capsys):
+    from moelab.cli import main
+
+    src = small["root"] / "src"
+    assert main(["data", "build", str(src), "--out", str(tmp_path / "d"), "--workers", "0"]) == 2
+    assert "--workers 0: tokenizer processes: give 1 or more" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()  # refused before anything is made
+    assert main(["data", "build", str(src), "--out", str(tmp_path / "d"), "--workers", "1",
+                 "--vocab", "300", "--no-progress"]) == 0
+    assert "MB/s, 1 worker)" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------
 # sampler
 
@@ -308,6 +352,85 @@ def test_mixture_weights_are_respected(small):
     state = s.state()
     assert state["seed"] == 0 and state["mixture"] == {"alpha": 3, "num": 1}
     assert state["store"] == store.fingerprint
+
+
+# ---------------------------------------------------------------------------------------------
+# epoch sampler
+
+
+def _windows(sampler, steps) -> list[tuple[str, int]]:
+    """(domain, start) of every row of ``steps``, in order."""
+    out = []
+    for step in steps:
+        dom, start = sampler._draw(step)
+        out += [(sampler._domains[d], int(s)) for d, s in zip(dom, start)]
+    return out
+
+
+def test_epoch_sampler_draws_every_window_once_per_epoch(small):
+    store, L = small["store"], 16
+    s = EpochSampler(store, seq_len=L, batch_size=7, seed=3)
+    every = {(d, k * L) for d in ("alpha", "num")
+             for k in range((store.n_tokens("train", d) - 1) // L)}
+    M = s.epoch_rows
+    assert M == len(every) and M % 7  # epochs end mid-batch
+    rows = _windows(s, range(2 * M // 7 + 1))
+    first, second = rows[:M], rows[M: 2 * M]
+    assert len(set(first)) == M and set(first) == every  # each window exactly once
+    assert set(second) == every and first != second  # the next epoch: another order
+    assert abs(s.epoch(M // 7) - 1) < 7 / M
+    b = s.batch(5)
+    for row, (d, start) in zip(b, _windows(s, [5])):
+        np.testing.assert_array_equal(row, store.tokens("train", d)[start: start + L + 1])
+    assert not np.array_equal(b, EpochSampler(store, seq_len=L, batch_size=7, seed=4).batch(5))
+
+
+def test_epoch_sampler_resumes_mid_epoch_with_the_same_batches(small):
+    run = EpochSampler(small["store"], seq_len=16, batch_size=32, seed=1)
+    assert run.epoch_rows > 32 * 10 and run.epoch_rows % 32  # 10 steps: inside epoch 1
+    full = [run.batch(i) for i in range(run.epoch_rows // 32 + 3)]
+    resumed = EpochSampler(small["store"], seq_len=16, batch_size=32, seed=1)
+    for i in [5, 6, *range(len(full) - 4, len(full))]:  # mid-epoch and across its end
+        np.testing.assert_array_equal(resumed.batch(i), full[i])
+    assert run.state()["sampler"] == "epoch" and run.state()["epoch_rows"] == run.epoch_rows
+
+
+def test_epoch_sampler_with_weights_walks_each_domain_through_its_windows(small):
+    """alpha weighted 3:1 gets 3/4 of each epoch's rows: more than its windows, so each is
+    drawn once or twice; num gets fewer than its windows and goes on where it left off, so
+    its windows do not repeat until all were drawn."""
+    store, L = small["store"], 16
+    s = EpochSampler(store, seq_len=L, batch_size=8, mixture={"alpha": 3, "num": 1})
+    M = s.epoch_rows
+    rows = _windows(s, range(2 * M // 8))
+    first = rows[:M]
+    assert abs(sum(d == "alpha" for d, _ in first) / M - 0.75) < 0.01
+    n = {d: (store.n_tokens("train", d) - 1) // L for d in ("alpha", "num")}
+    alpha = Counter(w for d, w in first if d == "alpha")
+    assert set(alpha) == {i * L for i in range(n["alpha"])} and set(alpha.values()) == {1, 2}
+    num = [w for d, w in rows if d == "num"]  # two epochs: not yet all of num's windows
+    assert n["num"] > len(num) > n["num"] // 2 and len(set(num)) == len(num)
+    assert s.with_mixture(None).epoch_rows == EpochSampler(store, seq_len=L, batch_size=8).epoch_rows
+
+
+def test_epoch_rows_split_over_data_parallel_devices_never_repeat(small):
+    """Every process draws the same global batch and keeps its devices' rows (shard_batch):
+    within an epoch, no window reaches two devices, or one device twice."""
+    import jax
+
+    from moelab.parallel.mesh import make_mesh, shard_batch
+
+    s = EpochSampler(small["store"], seq_len=16, batch_size=8, seed=5)
+    mesh = make_mesh(data=4, expert=2)
+    seen: dict[tuple, int] = {}
+    for step in range(30):
+        ids = np.array([hash(w) % 2**31 for w in _windows(s, [step])], dtype=np.int32)
+        keys = dict(zip(ids.tolist(), _windows(s, [step])))
+        for shard in shard_batch(ids, mesh).addressable_shards:
+            for i in np.asarray(shard.data).tolist():
+                assert keys[i] not in seen, (step, shard.device, keys[i], seen.get(keys[i]))
+                seen[keys[i]] = shard.device.id
+    assert len(seen) == 30 * 8 and len(set(seen.values())) == len(jax.devices())
 
 
 def test_mixture_errors(small):

@@ -1,130 +1,139 @@
 """`moelab export RUN --to hf OUT`: the exported PyTorch model (loaded by transformers with
 trust_remote_code) gives moelab's logits, on the tiny preset's shape and on a small model with
-every architecture option on; its tokenizer loads with AutoTokenizer; bad input exits 2."""
+every architecture option on; its tokenizer loads with AutoTokenizer; config.json carries
+transformers' standard names; the folder has a model card and the license; bad input exits 2.
+What serving and fine-tuning need (dtypes, padding, the KV cache, sdpa, training features, the
+window past the trained context) is in tests/test_export_serving.py, on exports of the same runs."""
 
 from __future__ import annotations
 
+import hashlib
 import json
-from pathlib import Path
+import shutil
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import pytest
 
-from helpers import ALL_OPTIONS, random_train_state
+from export_fixtures import TOL, exports, load, max_diff, module_fixture, moelab_logits, tokenizer
 from moelab.cli import main
-from moelab.config import ModelConfig, config_from_dict, load_config, save_config
+from moelab.config import ModelConfig
 from moelab.data.tokenizer import EOS_TOKEN
-from moelab.model.transformer import forward
-from moelab.run.checkpoint import Checkpointer
 
 try:  # the hf extra, which ./install.sh installs: a missing one fails the tests, never skips
-    import torch
     import transformers
 except ImportError as e:  # pragma: no cover
     raise ImportError(f"{e}: the export tests need the hf extra: pip install -e '.[hf]'") from e
 
-TOL = 1e-4  # float32: logits of order 1 agree to a few 1e-6
+exported = module_fixture(exports)
+# sha256 of the Apache License 2.0 as apache.org publishes it (LICENSE-2.0.txt)
+APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=[EOS_TOKEN], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["The quick brown fox jumps over the lazy dog."] * 20, trainer=trainer)
-    return tok
+def test_logits_match_moelab(exported):
+    for name in ("tiny", "all_options"):
+        ex = exported(name)
+        tokens = np.random.default_rng(0).integers(0, 300, (2, 20)).astype(np.int32)
+        diff = max_diff(ex, load(ex.out), tokens)
+        print(f"{name}: max |logit difference| = {diff:.2e}")
+        assert diff < TOL
 
 
-def _make_run(run: Path, cfg, seed: int = 0) -> dict:
-    """A run folder as training leaves it: config.yaml, tokenizer.json, one checkpoint."""
-    run.mkdir(parents=True)
-    save_config(cfg, run / "config.yaml")
-    (run / "tokenizer.json").write_text(_tokenizer().to_str())
-    state = random_train_state(cfg, seed)
-    with Checkpointer(run / "checkpoints") as ckpt:
-        ckpt.save(7, state, {"step": 7})
-    return state
-
-
-def _export(run: Path, out: Path):
-    assert main(["export", str(run), str(out), "--to", "hf"]) == 0
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        out, trust_remote_code=True, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"], info
-    return model.eval()
-
-
-def _moelab_logits(state: dict, cfg: ModelConfig, tokens) -> np.ndarray:
-    fwd = jax.jit(forward, static_argnums=3)
-    return np.asarray(fwd(state["params"], state["model_state"], jnp.asarray(tokens), cfg)[0])
-
-
-def _max_diff(state: dict, cfg: ModelConfig, model, tokens: np.ndarray) -> float:
-    ref = _moelab_logits(state, cfg, tokens)
-    with torch.no_grad():
-        got = model(torch.from_numpy(tokens).long()).logits.numpy()
-    assert got.shape == ref.shape
-    return float(np.max(np.abs(got - ref)))
-
-
-def _config(name: str):
-    if name == "tiny":
-        return load_config("tiny")
-    model = {"all_options": ALL_OPTIONS,  # and the other router, without the latent width
-             "softmax_router": {**ALL_OPTIONS, "router": "softmax_aux", "latent_dim": 0,
-                                "global_kv_heads": 0, "n_shared": 0}}[name]
-    return config_from_dict({"model": model, "data": {"seq_len": 32}})
-
-
-@pytest.mark.parametrize("name", ["tiny", "all_options"])
-def test_logits_match_moelab(tmp_path, name):
-    cfg = _config(name)
-    state = _make_run(tmp_path / "run", cfg)
-    model = _export(tmp_path / "run", tmp_path / "hf")
-    tokens = np.random.default_rng(0).integers(0, 300, (2, 20)).astype(np.int32)
-    diff = _max_diff(state, cfg.model, model, tokens)
-    print(f"{name}: max |logit difference| = {diff:.2e}")
-    assert diff < TOL
-
-
-def test_generate_and_tokenizer(tmp_path):
+def test_generate_and_tokenizer(exported):
     """Parity with the softmax router too, then AutoTokenizer and greedy `generate`."""
-    cfg = _config("softmax_router")
-    state = _make_run(tmp_path / "run", cfg, seed=1)
-    model = _export(tmp_path / "run", tmp_path / "hf")
+    ex = exported("softmax_router")
+    model = load(ex.out)
     tokens = np.random.default_rng(1).integers(0, 300, (2, 20)).astype(np.int32)
-    diff = _max_diff(state, cfg.model, model, tokens)
+    diff = max_diff(ex, model, tokens)
     print(f"softmax_router: max |logit difference| = {diff:.2e}")
     assert diff < TOL
-    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(ex.out, trust_remote_code=True)
     text = "The lazy fox"
     assert tok.eos_token == EOS_TOKEN and tok.eos_token_id == 0
+    assert tok.pad_token_id == 0 and tok.padding_side == "left"
     ids = tok(text, return_tensors="pt").input_ids
-    assert ids[0].tolist() == _tokenizer().encode(text).ids
+    assert ids[0].tolist() == tokenizer().encode(text).ids
     out = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert out.shape == (1, ids.shape[1] + 3)
-    ref = _moelab_logits(state, cfg.model, ids.numpy().astype(np.int32))
+    ref = moelab_logits(ex, ids.numpy().astype(np.int32))
     assert int(out[0, ids.shape[1]]) == int(np.argmax(ref[0, -1]))  # greedy = moelab's argmax
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config = json.loads((ex.out / "config.json").read_text())
     assert config["model_type"] == "moelab" and config["moelab_step"] == 7
+
+
+def test_config_json_has_the_standard_names(exported):
+    """config.json itself names the shape the way transformers' models do (no moelab-only
+    duplicate), and the loaded config reads moelab's names as aliases."""
+    ex = exported("all_options")
+    config = json.loads((ex.out / "config.json").read_text())
+    m = ex.cfg.model
+    assert {k: config[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                   "num_key_value_heads", "head_dim", "intermediate_size",
+                                   "vocab_size", "num_experts", "num_experts_per_tok",
+                                   "max_position_embeddings", "rms_norm_eps", "rope_theta",
+                                   "partial_rotary_factor", "sliding_window")} == {
+        "hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 16, "vocab_size": 300,
+        "num_experts": 6, "num_experts_per_tok": 2, "max_position_embeddings": 32,
+        "rms_norm_eps": m.norm_eps, "rope_theta": m.rope_theta, "partial_rotary_factor": 0.5,
+        "sliding_window": 4}
+    assert not {"d_model", "n_layers", "n_experts", "top_k", "expert_dim"} & set(config)
+    # layers 2 and 4 are global (global_every 2); all carry short-conv state (hybrid)
+    assert config["layer_types"] == ["hybrid_sliding", "hybrid"] * 2
+    loaded = transformers.AutoConfig.from_pretrained(ex.out, trust_remote_code=True)
+    assert (loaded.d_model, loaded.n_layers, loaded.num_local_experts) == (32, 4, 6)
+    assert loaded.layer_types == config["layer_types"]
+    tiny = json.loads((exported("tiny").out / "config.json").read_text())
+    assert tiny["layer_types"] == ["full_attention"] * 4 and tiny["sliding_window"] is None
 
 
 def test_config_defaults_follow_moelab():
     """The exported config's defaults are ModelConfig's (vocab_size aside, which every export
     writes): a config.json missing a newer field still means what moelab means by it."""
     from moelab.export.hf import RENAMED_FIELDS
-    from moelab.export.hf_modeling.configuration_moelab import MOELAB_FIELDS
+    from moelab.export.hf_modeling.configuration_moelab import MOELAB_FIELDS, STANDARD_NAMES
 
+    assert RENAMED_FIELDS == STANDARD_NAMES
     moelab_name = {v: k for k, v in RENAMED_FIELDS.items()}
     defaults = ModelConfig()
     fields = [k for k in MOELAB_FIELDS if k != "vocab_size"]
-    assert {k: getattr(defaults, moelab_name.get(k, k)) for k in fields} == \
-        {k: MOELAB_FIELDS[k] for k in fields}
+    ours = {k: getattr(defaults, moelab_name.get(k, k)) for k in fields}
+    ours["sliding_window"] = ours["sliding_window"] or None  # transformers' "no window"
+    assert ours == {k: MOELAB_FIELDS[k] for k in fields}
+
+
+def test_model_card_and_license(exported, tmp_path):
+    """README.md says what trained the model (data, steps, held-out bits per byte, harness
+    scores of the exported step, provenance); LICENSE is the Apache-2.0 text."""
+    run = tmp_path / "run"
+    shutil.copytree(exported("softmax_router").out.parent / "run", run)
+    (run / "summary.json").write_text(json.dumps({
+        "step": 7, "eval/prose/loss": 2.5, "eval/prose/bpb": 1.234,
+        "eval/code/loss": 1.5, "eval/code/bpb": 0.875}))
+    (run / "provenance.json").write_text(json.dumps({
+        "git_commit": "abc123", "git_dirty": True, "config_hash": "cfg9",
+        "corpus_fingerprint": "corp1", "data_fingerprint": "data2",
+        "versions": {"moelab": "0.1.0", "jax": "0.10.2"}}))
+    (run / "eval").mkdir()
+    (run / "eval" / "moelab_local-step7.json").write_text(json.dumps({
+        "results": {"moelab_choice": {"alias": "moelab_choice", "acc,none": 0.625,
+                                      "acc_stderr,none": 0.1}},
+        "moelab": {"run": str(run), "step": 7}}))
+    (run / "eval" / "moelab_local-step3.json").write_text(json.dumps({
+        "results": {"moelab_choice": {"acc,none": 0.111}}, "moelab": {"step": 3}}))
+    out = tmp_path / "hf"
+    assert main(["export", str(run), str(out), "--to", "hf"]) == 0
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlicense: apache-2.0\n")
+    for needed in ("step 7 of 600", "7,168 tokens", "moelab's built-in corpus", "corp1",
+                   "| prose | 2.5000 | 1.234 |", "| code | 1.5000 | 0.875 |",
+                   "| moelab_choice | acc | 0.625 |", "`abc123` with uncommitted changes",
+                   "data fingerprint `data2`", "jax 0.10.2", f'path = "{out}"',
+                   "trust_remote_code=True"):
+        assert needed in card, needed
+    assert "0.111" not in card and "stderr" not in card  # another step's scores, error bars
+    assert hashlib.sha256((out / "LICENSE").read_bytes()).hexdigest() == APACHE_2_SHA256
+    (run / "summary.json").write_text("{not json")
+    assert main(["export", str(run), str(tmp_path / "hf2"), "--to", "hf"]) == 2
+    assert not (tmp_path / "hf2").exists()
 
 
 def test_bad_input_exits_2(tmp_path, capsys):

@@ -104,6 +104,23 @@ def test_a_locked_run_folder_refuses_writers_and_a_dead_holder_is_taken_over(
     assert (run / LOCK_FILE).read_text() == ""  # released at the end
 
 
+def test_a_command_that_writes_nothing_leaves_no_new_run_folder(tmp_path):
+    from moelab.run.lock import run_lock
+
+    new = tmp_path / "runs" / "new"
+    with pytest.raises(ValueError):
+        with run_lock(new):
+            assert (new / LOCK_FILE).is_file()
+            raise ValueError("refused before anything was written")
+    assert not new.exists() and (tmp_path / "runs").is_dir()
+    with run_lock(new):
+        (new / "config.yaml").write_text("x: 1\n")
+    assert (new / LOCK_FILE).read_text() == "" and (new / "config.yaml").is_file()
+    with run_lock(new):  # an existing folder is never removed
+        pass
+    assert sorted(p.name for p in new.iterdir()) == [LOCK_FILE, "config.yaml"]
+
+
 def test_a_lock_naming_another_host_is_refused_with_how_to_remove_it(tmp_path):
     holder = {"pid": 1, "host": "elsewhere", "since": "2025-01-01T00:00:00", "command": "x"}
     (tmp_path / LOCK_FILE).write_text(json.dumps(holder))
@@ -162,8 +179,10 @@ def expected_skips(bad: list[bool], limit: int) -> tuple[list[int], int | None]:
 def test_skip_mode_does_not_apply_nonfinite_steps_and_stops_after_too_many_in_a_row(
         data_dir, tmp_path, monkeypatch):  # noqa: F811
     steps = 12
-    cfg = micro_config(data_dir, train={"steps": steps, "ckpt_every": 1, "keep_ckpts": 20,
-                                        "on_nonfinite": "skip", "skip_limit": 2})
+    random = {"sampler": "random"}  # its batches spike alone and twice in a row (checked below)
+    cfg = micro_config(data_dir, data=random, train={"steps": steps, "ckpt_every": 1,
+                                                     "keep_ckpts": 20, "on_nonfinite": "skip",
+                                                     "skip_limit": 2})
     sampler = SteppedSampler(TokenStore(prepare_data(cfg.data, VOCAB, verbose=False).store_dir),
                              cfg.data)
     bad = [int(sampler.batch(i).astype(np.int64).sum()) % SPIKE_MOD == 0 for i in range(steps)]
@@ -184,8 +203,9 @@ def test_skip_mode_does_not_apply_nonfinite_steps_and_stops_after_too_many_in_a_
 
     skipped, stop = expected_skips(bad, 1)
     assert stop is not None
-    strict = micro_config(data_dir, train={"steps": steps, "ckpt_every": 1, "keep_ckpts": 20,
-                                           "on_nonfinite": "skip", "skip_limit": 1})
+    strict = micro_config(data_dir, data=random, train={"steps": steps, "ckpt_every": 1,
+                                                        "keep_ckpts": 20, "on_nonfinite": "skip",
+                                                        "skip_limit": 1})
     with pytest.raises(FloatingPointError, match=rf"2 steps in a row .* at step {stop} "):
         quiet_train(strict, tmp_path / "strict")
     assert Checkpointer(tmp_path / "strict" / "checkpoints").steps() == list(range(1, stop))

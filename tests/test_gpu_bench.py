@@ -21,6 +21,7 @@ sys.path.append(str(ROOT / "bench"))  # after everything else: bench/ holds gene
 
 import gpu_legs
 import gpu_profile as gp
+from moelab.train.peak import CPU_FLOPS_PER_CORE, cpu_cores
 
 
 def driver(args: list[str], out: Path, name: str, poll=None) -> tuple:
@@ -61,7 +62,7 @@ def test_dry_run_measures_each_row_in_its_own_process(tmp_path, name):
                              "--deadline", "500"], tmp_path, name, poll=jsonl)
     assert rc == 0, text
     rows = {r["row"]: r for r in lines(jsonl)}
-    # table order, one line per row: the crash first, then peak (joined for MFU)
+    # table order, one line per row: the crash first, then peak (joined for the share)
     assert [r["row"] for r in lines(jsonl)] == ["crash", "peak", "d1024", "legs-d1024"]
     assert any(0 < n < 4 for n in seen), seen  # lines appear as rows end, not at the end
     assert lines(jsonl) == lines(ROOT / "bench" / "results" / f"{name}.jsonl")
@@ -73,8 +74,12 @@ def test_dry_run_measures_each_row_in_its_own_process(tmp_path, name):
     pids = {r["pid"] for r in rows.values()}
     assert len(pids) == 4 and os.getpid() not in pids
 
-    assert peak["peak_flops"] > 0  # row 1's figure is the MFU denominator of the others
-    assert train["mfu"] == pytest.approx(train["model_flops_per_s"] / peak["peak_flops"])
+    assert peak["peak_flops"] > 0  # row 1's measured figure: the others' share of it
+    # MFU against the rated peak (on the dry run's CPU: the nominal per-core figure)
+    assert train["rated_peak_flops"] == cpu_cores() * CPU_FLOPS_PER_CORE
+    assert train["mfu"] == pytest.approx(train["model_flops_per_s"] / train["rated_peak_flops"])
+    assert train["share_of_measured_peak"] == pytest.approx(
+        train["model_flops_per_s"] / peak["peak_flops"])
     assert train["tokens_per_s"] > 0 and train["xla_memory_gib"]["temp"] > 0
     prof = train["profile"]
     assert prof["source"] == "jax.profiler.ProfileData"  # measured, not the estimate

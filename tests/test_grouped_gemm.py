@@ -168,7 +168,7 @@ def test_gmm_under_an_expert_parallel_transport():
     w = jax.tree.map(lambda a: a[:E], w)  # routing left expert E empty: drop it
     g = jnp.asarray(np.random.default_rng(5).standard_normal((N, 16)), jnp.float32)
     par = ParallelConfig(transport="pooled_global", expert=4, waves=1, budget_group=2,
-                         fair_blocks=4, sender_cf=float(E), receiver_cf=float(E))
+                         fair_blocks=4, global_sender_cf=float(E), receiver_cf=float(E))
     fn = transport.make_transport_fn(make_mesh(expert=4), par, ("gmm", TILE))
 
     def run(f):
@@ -189,7 +189,7 @@ def test_gmm_transport_lowers_to_triton_for_a_gpu(monkeypatch):
     wave's rematerialisation, 3 data and 3 weight gradients."""
     monkeypatch.setattr(experts, "gmm_backend", lambda: gmm_backend(GmmBlocks(interpret=False)))
     par = ParallelConfig(transport="pooled_global", expert=4, waves=1, budget_group=2,
-                         fair_blocks=4, sender_cf=8.0, receiver_cf=8.0)
+                         fair_blocks=4, global_sender_cf=8.0, receiver_cf=8.0)
     fn = transport.make_transport_fn(make_mesh(expert=4), par, ("gmm", 16))
     N, H, E, k = 512, 64, 8, 2
     s = lambda *shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt)

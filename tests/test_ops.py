@@ -29,7 +29,7 @@ from moelab.config import (
     load_run_config,
 )
 from moelab.data.prepare import prepare_data
-from moelab.data.sampler import MixtureSampler, SteppedSampler
+from moelab.data.sampler import EpochSampler, SteppedSampler
 from moelab.data.store import TokenStore
 from moelab.ladder.folder import write_ladder
 from moelab.ladder.plan import LadderRule, plan_ladder
@@ -164,7 +164,7 @@ def test_context_stages_keep_tokens_per_batch_and_the_sampler_is_pure(data_dir):
     assert {rows * (cols - 1) for rows, cols in shapes.values()} == {4 * 32}
     assert [cfg.data.tokens_before(s) for s in (3, 5, 8)] == [384, 640, 1024]
     # each step's batch is what a plain sampler of that stage draws, in any call order
-    plain = MixtureSampler(store, seq_len=64, batch_size=2, seed=cfg.data.seed)
+    plain = EpochSampler(store, seq_len=64, batch_size=2, seed=cfg.data.seed, first_step=3)
     np.testing.assert_array_equal(sampler.batch(4), plain.batch(4))
     np.testing.assert_array_equal(sampler.batch(1), SteppedSampler(store, cfg.data).batch(1))
     assert sampler.change_at(3)["seq_len"] == 64 and sampler.change_at(4) is None

@@ -55,7 +55,7 @@ def test_placement_spreads_topics_and_removes_budget_drops():
         assert sorted(members // 4) == [0, 1, 2, 3], members
     assert got["moment_after"] < 0.05 * got["moment_before"]
     par = ParallelConfig(expert=4, devices=4, waves=1, transport="pooled_global",
-                         sender_cf=2.0, receiver_cf=1.1, budget_group=4)
+                         global_sender_cf=2.0, receiver_cf=1.1, budget_group=4)
     test = topic_routing(seed=7)[0]  # other text than the placement saw
     before = simulate_drops(test, 16, par, 4)
     after = simulate_drops(pl.relabel(test[None], got["slots"])[0], 16, par, 4)

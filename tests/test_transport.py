@@ -58,7 +58,8 @@ def big(kind: str, **kw) -> ParallelConfig:
     """Capacity large enough that nothing can drop (pooled_global: fixed fairness blocks, one
     per rank at EP 8)."""
     cf = float(E)
-    return tc(kind, capacity_factor=cf, sender_cf=cf, receiver_cf=cf, fair_blocks=N_DEV, **kw)
+    return tc(kind, capacity_factor=cf, sender_cf=cf, global_sender_cf=cf, receiver_cf=cf,
+              fair_blocks=N_DEV, **kw)
 
 
 def random_inputs(seed=0, n=N, e=E, k=K, h=H, i=I, dtype=jnp.float32):
@@ -149,7 +150,7 @@ def test_dropless_results_identical_across_ep(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_bit_identical_reruns(kind):
-    cfg = tc(kind, capacity_factor=1.0, sender_cf=1.0, receiver_cf=1.0)
+    cfg = tc(kind, capacity_factor=1.0, sender_cf=1.0, global_sender_cf=1.0, receiver_cf=1.0)
     first = jax.tree.map(np.asarray, run(cfg, 4, DATA))
     again = jax.tree.map(np.asarray, run(cfg, 4, DATA))
     for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(again)):
@@ -294,8 +295,8 @@ def test_receiver_fairness(kind):
     """One expert oversubscribed by unequal sources: kept counts of the sources that were cut
     differ by at most one, and each source keeps a prefix of its rows for that expert."""
     ep, counts = 4, (30, 12, 5, 24)
-    cfg = tc(kind, capacity_factor=1.0, sender_cf=float(E), receiver_cf=3.0,
-             waves=1, budget_group=1)
+    cfg = tc(kind, capacity_factor=1.0, sender_cf=float(E), global_sender_cf=float(E),
+             receiver_cf=3.0, waves=1, budget_group=1)
     expert = oversubscribed_routing(counts)
     _, _, (_, dwt, _) = run(cfg, ep, DATA, expert)
     kept = np.asarray(dwt)[:, 0] != 0  # route 0 is the expert-0 route on the first n tokens

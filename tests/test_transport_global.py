@@ -27,9 +27,13 @@ from test_transport import (
     K,
     N,
     T,
+    assert_close,
+    big,
     check_kept,
+    dense_run,
     make_transport_fn,
     require_devices,
+    run,
     tc,
 )
 
@@ -110,7 +114,7 @@ def test_matches_literal_rule(ep, W, G, B):
     """Values, gradients and both drop counts equal the rule on a skewed routing where both
     the budget and the send pools bind."""
     cf_s, cf_r = 1.0, 1.05
-    cfg = tc("pooled_global", sender_cf=cf_s, receiver_cf=cf_r, waves=W, budget_group=G,
+    cfg = tc("pooled_global", global_sender_cf=cf_s, receiver_cf=cf_r, waves=W, budget_group=G,
              fair_blocks=B)
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=5))
     kept, budget, sender = ref_kept(expert, ep, cf_s, cf_r, W, G, B or ep)
@@ -134,8 +138,8 @@ def test_same_drops_at_every_ep_degree():
     that arrives is dropped."""
     require_devices()
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=6))
-    fixed = tc("pooled_global", sender_cf=4.0, receiver_cf=1.0, fair_blocks=8)
-    per_rank = tc("pooled_global", sender_cf=4.0, receiver_cf=1.0)
+    fixed = tc("pooled_global", global_sender_cf=4.0, receiver_cf=1.0, fair_blocks=8)
+    per_rank = tc("pooled_global", global_sender_cf=4.0, receiver_cf=1.0)
     runs = {ep: (group_run(fixed, ep, expert), group_run(per_rank, ep, expert))
             for ep in (2, 4, 8)}
     (out2, tot2), (_, tot2b) = runs[2]
@@ -143,6 +147,45 @@ def test_same_drops_at_every_ep_degree():
     for (out, tot), (_, totb) in runs.values():
         np.testing.assert_array_equal(out, out2)
         assert tot == tot2 and totb == tot2b == tot2
+
+
+def repeated_routing():
+    """Routes that list the same expert more than once (no moelab router does; the rule must
+    still keep every row it allows): device 0's tokens all list expert 0 three times, so one
+    block holds more rows of expert 0 than it has tokens; every other route is a random expert
+    in 6..23 (repeats allowed), so at EP 4 expert 0's budget group (experts 0-5) holds nothing
+    else."""
+    ex = np.random.default_rng(11).integers(6, E, (N, K))
+    ex[:T] = 0
+    return jnp.asarray(ex, jnp.int32)
+
+
+@pytest.mark.parametrize("kind", ["pooled_global", "waterfill"])
+def test_repeated_experts_with_room_drop_nothing(kind):
+    """A budget larger than the assignments keeps every repeated route: no drops, and values
+    and gradients equal the dense reference (4 fairness blocks per rank at EP 2)."""
+    expert = repeated_routing()
+    out, stats, grads = run(big(kind), 2, DATA, expert)
+    ref_out, ref_grads = dense_run(DATA["z"], expert, DATA["weight"], DATA["w"], DATA["g"])
+    assert drop_totals(stats)["dropped"] == 0
+    assert_close(out, ref_out)
+    assert_close(grads, ref_grads)
+
+
+def test_repeated_experts_follow_the_rule_as_waterfill_does():
+    """Under a budget that binds elsewhere, expert 0 keeps all 3 * T rows of its one block
+    (its group has room), as the literal rule and waterfill (same groups, one block per rank)
+    decide on the same input."""
+    ep, cf_r = 4, 1.0
+    expert = repeated_routing()
+    cfg = tc("pooled_global", global_sender_cf=float(E), receiver_cf=cf_r, waves=1,
+             budget_group=E // ep)
+    kept, budget, sender = ref_kept(expert, ep, float(E), cf_r, 1, E // ep, ep)
+    assert kept[:T].all() and budget > 0 and sender == 0
+    totals = check_kept(cfg, ep, expert, kept)
+    assert (totals["receiver_dropped"], totals["sender_dropped"]) == (budget, 0)
+    _, stats, _ = run(tc("waterfill", capacity_factor=cf_r), ep, DATA, expert)
+    assert drop_totals(stats) == totals
 
 
 def test_budget_group_and_blocks_are_checked():
@@ -206,7 +249,7 @@ def test_simulated_drops_equal_the_sharded_run(kind):
     from moelab.parallel.transport.simulate import simulate_drops
 
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=9))[: 4 * T]
-    cfg = tc(kind, sender_cf=1.0, receiver_cf=1.0, capacity_factor=1.0)
+    cfg = tc(kind, sender_cf=1.0, global_sender_cf=1.0, receiver_cf=1.0, capacity_factor=1.0)
     mesh = make_mesh(expert=4, devices=jax.devices()[:4])
     _, stats = jax.jit(make_transport_fn(mesh, cfg))(
         DATA["z"][: 4 * T], expert, DATA["weight"][: 4 * T], DATA["w"])

@@ -18,9 +18,10 @@ import pytest
 
 from helpers import subprocess_env
 from moelab.data.build import data_lock
-from moelab.data.corpus import MAX_DOC_CHARS, bounded_parts, build_user_corpus, iter_documents
+from moelab.data.corpus import build_user_corpus, iter_documents
 from moelab.data.errors import DataError
 from moelab.data.store import TokenStore
+from moelab.data.user_docs import MAX_DOC_CHARS, bounded_parts
 from moelab.util import sha256_file
 from test_cli import run_main
 

@@ -8,6 +8,8 @@ import fcntl
 import hashlib
 import json
 import os
+import secrets
+import shlex
 import signal
 import socket
 import sys
@@ -24,7 +26,7 @@ def open_atomic(path: Path | str, mode: str = "w") -> Iterator[IO]:
     readers see the old file or the whole new one, never half of it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _create_temp(path)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
@@ -34,6 +36,39 @@ def open_atomic(path: Path | str, mode: str = "w") -> Iterator[IO]:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _create_temp(path: Path) -> tuple[int, str]:
+    """A new, empty file beside ``path`` (descriptor, name), made as ``open()`` makes files:
+    mode 0666 less the umask, and a folder's default ACL applies. ``tempfile.mkstemp`` would
+    make it 0600, and the rename would carry that private mode over to ``path``."""
+    while True:
+        tmp = str(path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:  # a name another writer drew: draw again
+            continue
+
+
+def current_umask() -> int:
+    """This process's umask. Linux reports it in /proc; elsewhere it is set and put back at
+    once (``os.umask`` is the only way to read it there)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def chmod_as_created(path: Path | str) -> None:
+    """Give a file another library wrote privately (safetensors writes 0600) the mode
+    ``open()`` would have given it: 0666 less the umask."""
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
@@ -184,7 +219,7 @@ def take_lock(path: Path | str, record: dict) -> int:
     ``record`` into it; returns the descriptor. The kernel drops an ``flock`` when its process
     exits, even on kill -9, so a file left on this host by a process that is gone is taken
     over. Raises LockHeld if another process holds it or the file names another host."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     here, held = socket.gethostname(), True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -260,6 +295,33 @@ def check_writable(path: Path | str, what: str, fix: str, *, append: bool = Fals
         raise PermissionError(f"{what}: not writable by this user; {fix}")
 
 
+# --- installing what a feature needs ---
+
+
+def moelab_checkout() -> Path | None:
+    """The source checkout this moelab runs from (an editable install, or src/ on the path);
+    None for an installed copy."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "pyproject.toml").is_file() and (root / "install.sh").is_file() else None
+
+
+def pip_command(args: str) -> str:
+    """``pip ARGS`` run by the Python that runs moelab, so it installs into moelab's own
+    environment whichever ``pip`` comes first on the PATH."""
+    return f"{shlex.quote(sys.executable or 'python3')} -m pip {args}"
+
+
+def extra_command(extra: str) -> str:
+    """How to install moelab's optional ``extra``. moelab is installed from its checkout (no
+    package index has it), so the command names the checkout this moelab runs from."""
+    root = moelab_checkout()
+    if root is None:
+        return (pip_command(f"install -e '.[{extra}]'") + " in the moelab checkout "
+                "(./install.sh there installs every extra, pinned)")
+    return (pip_command("install -e " + shlex.quote(f"{root}[{extra}]"))
+            + f" (or {shlex.quote(str(root / 'install.sh'))}: every extra, pinned)")
+
+
 # --- fsspec URLs (gs://, s3://, memory://, file://): corpora and run folders off this disk ---
 
 _PROTOCOL_PACKAGE = {"gs": "gcsfs", "gcs": "gcsfs", "s3": "s3fs", "s3a": "s3fs", "az": "adlfs",
@@ -277,11 +339,12 @@ def url_fs(url: str):
     try:
         import fsspec
     except ImportError:
-        raise ValueError(f"{url}: remote paths need fsspec: pip install 'moelab[datasets]'") from None
+        raise ValueError(f"{url}: remote paths need fsspec; install the datasets extra: "
+                         f"{extra_command('datasets')}") from None
     protocol = str(url).split("://", 1)[0]
     try:
         return fsspec.core.url_to_fs(str(url))
     except (ImportError, ValueError) as e:
         package = _PROTOCOL_PACKAGE.get(protocol)
-        fix = f"pip install {package}" if package else "use gs://, s3://, file:// or memory://"
+        fix = pip_command(f"install {package}") if package else "use gs://, s3://, file:// or memory://"
         raise ValueError(f"{url}: cannot open {protocol}:// paths ({e}); {fix}") from None

@@ -11,6 +11,10 @@ from moelab.config.errors import require, require_seed, require_steps
 # How data.source is read (`moelab data build --format`): moelab's own readers, or Hugging Face
 # `datasets` (a save_to_disk folder; data files through its builders, loaded or streamed)
 DATA_FORMATS = ("files", "hf-disk", "hf-files", "hf-stream")
+# How training batches are drawn (data.sampler): shuffled epochs of windows of the token store,
+# random windows of it (with replacement), or windows tokenized on the fly from data.source
+SAMPLERS = ("epoch", "random", "stream")
+STREAM_FORMATS = ("files", "hf-stream")  # the formats a stream reads without a local copy
 
 
 @dataclass(frozen=True)
@@ -22,7 +26,7 @@ class MixtureChange:
 
 
 # Capacity fields a gate's fallback may raise (and a stage's ``parallel`` override holds)
-STAGE_CAPACITY = ("receiver_cf", "sender_cf", "capacity_factor")
+STAGE_CAPACITY = ("receiver_cf", "sender_cf", "global_sender_cf", "capacity_factor")
 GATE_DECISIONS = ("", "switch", "stay")  # "": ungated, or not decided yet
 
 
@@ -33,6 +37,7 @@ class Fallback:
 
     receiver_cf: float = 0.0
     sender_cf: float = 0.0
+    global_sender_cf: float = 0.0
     capacity_factor: float = 0.0
     place: bool = False
 
@@ -105,11 +110,24 @@ class DataConfig:
     # domain -> weight; empty = proportional to each domain's training tokens
     mixture: dict[str, float] = field(default_factory=dict)
     seed: int = 0  # seed of the batch sampler
+    # how batches are drawn: epoch (every window once per epoch, shuffled), random (windows
+    # drawn with replacement) or stream (data.source tokenized while training; only a bounded
+    # head is kept locally, for the tokenizer and held-out evaluation); "" = epoch for a new
+    # run (a run started before this field existed keeps random)
+    sampler: str = ""
+    stream_head_mb: float = 16.0  # stream: MB of text at the source's start kept locally
+    stream_shuffle: int = 1024  # stream: windows shuffled together (a bounded buffer)
     # run operations: new mixtures and longer contexts from given steps on (see segments())
     mixture_schedule: list[MixtureChange] = field(default_factory=list)
     # longer contexts: [{step, seq_len, batch_size}], each optionally drop-gated (max_drops,
     # fallbacks; docs/operations.md)
     context_stages: list[ContextStage] = field(default_factory=list)
+
+    @property
+    def sampler_kind(self) -> str:
+        """The sampler a new run draws with: data.sampler, "" read as epoch (a resume reads ""
+        in a run's saved config as random: ``moelab.train.resume``)."""
+        return self.sampler or "epoch"
 
     def stage_batch(self, stage: ContextStage) -> int:
         return stage.batch_size or self.seq_len * self.batch_size // stage.seq_len
@@ -156,6 +174,10 @@ class DataConfig:
                 ("files", "text", ""), f"{p}.source", "format, text_field and split say how to "
                 "read data.source, which is empty: set data.source (a file, folder or URL), or "
                 "leave them at their defaults")
+        require(self.sampler in ("", *SAMPLERS), f"{p}.sampler",
+                f"must be one of {', '.join(SAMPLERS)}")
+        if self.sampler == "stream":
+            self._validate_stream(p)
         require(self.seq_len > 0, f"{p}.seq_len", "must be > 0")
         require(self.batch_size > 0, f"{p}.batch_size", "must be > 0")
         require_seed(self.seed, f"{p}.seed")
@@ -175,6 +197,19 @@ class DataConfig:
                     f"must divide the tokens per batch data.seq_len x data.batch_size={tokens} "
                     "(tokens per batch stay constant), or set the stage's batch_size")
             _check_gate(c, self.segment_at(c.step - 1).seq_len, q)
+
+    def _validate_stream(self, p: str) -> None:
+        require(bool(self.source), f"{p}.source", "data.sampler=stream reads data.source while "
+                "training: give a file, folder or URL (the built-in corpus is local: use epoch)")
+        require(self.format in STREAM_FORMATS, f"{p}.format", f"{self.format} reads a local copy "
+                f"of the whole source; data.sampler=stream reads {' or '.join(STREAM_FORMATS)}")
+        require(not self.mixture and not self.mixture_schedule, f"{p}.mixture",
+                "a stream gives the documents in the source's order, so domain weights cannot "
+                "apply; leave data.mixture (and mixture changes) empty, or use data.sampler=epoch")
+        require(self.stream_head_mb > 0, f"{p}.stream_head_mb", "must be > 0 (MB of text kept "
+                "for the tokenizer and held-out evaluation)")
+        require(self.stream_shuffle >= 1, f"{p}.stream_shuffle", "must be >= 1 (1: the stream's "
+                "own order)")
 
 
 def _check_gate(c: ContextStage, before: int, q: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib.util
 
+from moelab.util import extra_command
+
 # Steps and token counts reach jitted code (step counter, LR schedule) as int32: larger values
 # must be refused before any work, naming the option.
 INT32_MAX = 2**31 - 1
@@ -35,6 +37,5 @@ def need_extra(module: str, extra: str, what: str) -> None:
     """Stop, naming the extra to install, when ``what`` needs a package that a plain install
     leaves out (found without importing it)."""
     if importlib.util.find_spec(module) is None:
-        raise ConfigError(f"{what} needs {module}, which is not installed: pip install "
-                          f"'moelab[{extra}]' (in a checkout: pip install -e '.[{extra}]'; "
-                          "./install.sh installs every extra)")
+        raise ConfigError(f"{what} needs {module}, which is not installed; install the "
+                          f"{extra} extra: {extra_command(extra)}")

@@ -8,6 +8,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -139,6 +140,12 @@ def migrate(data: Any) -> Any:
         sec = out.get(section)
         if isinstance(sec, dict) and isinstance(sec.get(name), bool):  # not 1 or 0
             out[section] = {**sec, name: values[sec[name]]}
+    # pooled_global read parallel.sender_cf until it had parallel.global_sender_cf: a config
+    # naming pooled_global that gives sender_cf alone (written before) keeps its meaning
+    par = out.get("parallel")
+    if (isinstance(par, dict) and par.get("transport") == "pooled_global"
+            and "sender_cf" in par and "global_sender_cf" not in par):
+        out["parallel"] = {**par, "global_sender_cf": par["sender_cf"]}
     return out
 
 
@@ -177,6 +184,16 @@ class _SafeLoader(yaml.SafeLoader):
                                       " aliases (*name) of a list or mapping; write the values "
                                       "out instead")
         return super().compose_node(parent, index)
+
+    def resolve(self, kind, value, implicit):
+        """YAML 1.1 reads 10:20 as the base-60 number 620; YAML 1.2 has no such numbers, and a
+        config means the text (``train.profile_steps=10:20``)."""
+        if kind is yaml.ScalarNode and implicit[0] and _BASE60.match(value):
+            return yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG
+        return super().resolve(kind, value, implicit)
+
+
+_BASE60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?$")
 
 
 def _unique_mapping(loader: _SafeLoader, node: yaml.MappingNode, deep: bool = False):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,7 +71,10 @@ class TrainConfig:
     eval_tokens: int = 65_536  # held-out tokens per domain per evaluation
     ckpt_every: int = 200  # steps between checkpoints (and one at the end)
     keep_ckpts: int = 3  # newest checkpoints kept
-    peak_flops: float = 0.0  # for MFU; 0 = measure this machine's matmul peak at start
+    # MFU's denominator, FLOP/s of all devices together (then nothing is measured); 0 = the
+    # rated dense bf16 peak of a known accelerator or 100 GFLOP/s per CPU core, with the
+    # matmul peak measured at start shown beside it
+    peak_flops: float = 0.0
     wandb: bool = False  # also log to W&B (set WANDB_MODE=offline to stay local)
     wandb_project: str = "moelab"  # W&B project name
     tensorboard: bool = False  # also write TensorBoard event files to <run folder>/tensorboard
@@ -84,6 +88,10 @@ class TrainConfig:
     # skip_limit such steps in a row.
     on_nonfinite: str = "stop"
     skip_limit: int = 5  # skipped non-finite steps in a row before the run stops
+    # Steps START:END (END excluded; numbered as the progress line numbers them) traced with
+    # jax.profiler into <run folder>/profile, for TensorBoard's profile plugin and Perfetto.
+    # "" = no trace.
+    profile_steps: str = ""
 
     def validate(self, p: str = "train") -> None:
         require(self.steps > 0, f"{p}.steps", "must be > 0")
@@ -92,13 +100,30 @@ class TrainConfig:
         for name in ("steps", "log_every", "eval_every", "ckpt_every"):
             require_steps(getattr(self, name), f"{p}.{name}")
         require_seed(self.seed, f"{p}.seed")
-        require(self.peak_flops >= 0, f"{p}.peak_flops", "must be >= 0 (0 = measure)")
+        require(self.peak_flops >= 0, f"{p}.peak_flops", "must be >= 0 (0 = the rated peak)")
         require(self.microbatch_tokens >= 0, f"{p}.microbatch_tokens", "must be >= 0 (tokens per micro-step; "
                 "0 = no gradient accumulation)")
         require(self.on_nonfinite in ("stop", "skip"), f"{p}.on_nonfinite",
                 f"{self.on_nonfinite!r} must be stop or skip")
         require(self.skip_limit >= 1, f"{p}.skip_limit", "must be >= 1 (non-finite steps "
                 "skipped in a row before the run stops)")
+        traced = step_range(self.profile_steps, f"{p}.profile_steps")
+        if traced:
+            require(traced[0] <= self.steps, f"{p}.profile_steps", f"{self.profile_steps}: "
+                    f"starts after the run's last step ({p}.steps={self.steps}); trace steps "
+                    "the run trains")
+
+
+def step_range(text: str, where: str) -> tuple[int, int] | None:
+    """(START, END) of ``"START:END"``, or None for ``""``; anything else is a ConfigError
+    naming ``where``."""
+    if text == "":
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", str(text), re.ASCII)
+    start, end = (int(m[1]), int(m[2])) if m else (0, 0)
+    require(1 <= start < end, where, f"{text!r}: give START:END, step numbers from 1 with "
+            "START < END (END excluded), e.g. 10:15 for steps 10 to 14")
+    return start, end
 
 
 @dataclass(frozen=True)
@@ -112,7 +137,11 @@ class ParallelConfig:
     expert: int = 1  # expert-parallel degree (the mesh's "expert" axis); data = devices / expert
     transport: str = "pooled_wave"  # used when expert > 1; EP 1 never drops (dropless ragged)
     capacity_factor: float = 1.25  # expert_cells: rows per (sender, expert); waterfill: per expert
-    sender_cf: float = 1.10  # pooled_*: rows per (sender, destination rank) per wave
+    sender_cf: float = 1.10  # pooled_wave: rows per (sender, destination rank) per wave
+    # pooled_global: rows per (sender, destination rank) per wave; its pools are transient, so
+    # 2.0 is cheap and left no sender drops up to 16x context (docs/transport.md); a config
+    # naming pooled_global that gives sender_cf alone reads it as this (as before this field)
+    global_sender_cf: float = 2.0
     receiver_cf: float = 1.15  # pooled_*: rows per local expert per wave
     waves: int = 3  # pooled_*: sequential waves (pooled_wave: local experts divide into them)
     budget_group: int = 2  # pooled_global: experts sharing one receive budget (fixed, not E_l)

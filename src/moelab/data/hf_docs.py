@@ -86,7 +86,7 @@ def _disk_docs(src: Input, name: str, domain: str | None, field: str, split: str
     yield from _records_docs(ds, label, domain or clean_domain(name), field, skips)
 
 
-def _data_file_docs(f: Input, name: str, domain: str | None, field: str, split: str,
+def data_file_docs(f: Input, name: str, domain: str | None, field: str, split: str,
                     skips: Skips, stream: bool, cache_dir: str) -> Iterator[dict]:
     import datasets
 
@@ -143,5 +143,5 @@ def hf_docs(inputs: list[Input], fmt: str, field: str, split: str, domain: str |
                 yield from _disk_docs(src, name, domain, field, split, skips)
                 continue
             for f, name in input_files([src]):
-                yield from _data_file_docs(f, name, domain, field, split, skips,
+                yield from data_file_docs(f, name, domain, field, split, skips,
                                            fmt == "hf-stream", str(scratch))

@@ -54,16 +54,23 @@ class PreparedData:
 
 
 def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
-    """The corpus of ``data.source`` (the built-in one when empty), or a check that the one
-    there was built from it."""
+    """The corpus of ``data.source`` (the built-in one when empty; only its head for a
+    stream), or a check that the one there was built from it."""
     if (corpus_dir / "manifest.json").exists():
         m = corpus.load_manifest(corpus_dir)  # a damaged one is refused here
         if dcfg.source:
             _check_built_from(dcfg, corpus_dir, m)
         check_builtin_kind(dcfg, m)
+        _check_head(dcfg, corpus_dir, m)
         return
     t = time.time()
-    if dcfg.source:
+    if dcfg.sampler == "stream":
+        say(f"keeping the first {dcfg.stream_head_mb:g} MB of {dcfg.source} in {corpus_dir} "
+            "(the stream's head: tokenizer and held-out evaluation) ...")
+        m = corpus.build_user_corpus([dcfg.source], corpus_dir, fmt=dcfg.format,
+                                     text_field=dcfg.text_field, split=dcfg.split,
+                                     head_bytes=head_bytes(dcfg))
+    elif dcfg.source:
         say(f"building the corpus of {dcfg.source} ({dcfg.format}) in {corpus_dir} ...")
         m = corpus.build_user_corpus([dcfg.source], corpus_dir, fmt=dcfg.format,
                                      text_field=dcfg.text_field, split=dcfg.split)
@@ -71,6 +78,27 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
         say(f"building the built-in corpus in {corpus_dir} ...")
         m = corpus.build_builtin_corpus(corpus_dir)
     say(f"  corpus ready in {time.time() - t:.0f}s ({_describe(m)})")
+
+
+def head_bytes(dcfg: DataConfig) -> int:
+    """The bytes of text a stream keeps locally: ``data.stream_head_mb``."""
+    return max(1, round(dcfg.stream_head_mb * 1e6))
+
+
+def _check_head(dcfg: DataConfig, corpus_dir: Path, m: dict) -> None:
+    """A stream needs the head it asks for (its tokenizer and held-out set come from it); a run
+    drawing from the token store needs the whole corpus, not a stream's head."""
+    kept = m.get("head_bytes", 0)
+    if dcfg.sampler == "stream" and kept != head_bytes(dcfg):
+        have = (f"the first {kept / 1e6:g} MB of the source; set data.stream_head_mb="
+                f"{kept / 1e6:g}" if kept else "a whole corpus, not a stream's head;")
+        raise ConfigError(f"data.stream_head_mb={dcfg.stream_head_mb:g}: {corpus_dir} holds "
+                          f"{have} or set another data.data_dir for this stream")
+    if dcfg.sampler != "stream" and kept:
+        raise ConfigError(f"data.sampler={dcfg.sampler or 'epoch'}: {corpus_dir} holds only the "
+                          f"first {kept / 1e6:g} MB of {', '.join(m.get('sources', []))} (a "
+                          "stream's head); set data.sampler=stream to stream the rest, or build "
+                          "the whole corpus in another data.data_dir")
 
 
 def _check_built_from(dcfg: DataConfig, corpus_dir: Path, m: dict) -> None:
@@ -112,16 +140,18 @@ def check_builtin_kind(dcfg: DataConfig, m: dict | None = None) -> None:
 
 def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,
                  progress: bool = True, lock: bool = True,
-                 hold: ExitStack | None = None) -> PreparedData:
+                 hold: ExitStack | None = None,
+                 workers: int | None = None) -> PreparedData:
     """``progress``: a tokenizing progress bar on stderr (when verbose and a terminal);
     ``lock``: take the data folder's lock (False: the caller holds it, or only reads);
     ``hold``: mark the folder as read by this process until ``hold`` closes (a training run),
-    so `moelab data build` refuses to change it meanwhile."""
+    so `moelab data build` refuses to change it meanwhile; ``workers``: tokenizer processes
+    (None: ``encode.default_workers()``)."""
     if not lock:
-        return _prepare(dcfg, vocab_size, verbose, progress)
+        return _prepare(dcfg, vocab_size, verbose, progress, workers)
     root = Path(dcfg.data_dir)
     with _preparation_lock(root, info if verbose else (lambda _msg: None)) as locked:
-        data = _prepare(dcfg, vocab_size, verbose, progress)
+        data = _prepare(dcfg, vocab_size, verbose, progress, workers)
         if hold is not None and locked:  # under the lock: no build slips in between
             hold.callback(hold_reader(root, _command()))
         return data
@@ -165,7 +195,8 @@ def _waits_for(holder: dict) -> bool:
                           and str(holder.get("command", "")).startswith(PREPARING))
 
 
-def _prepare(dcfg: DataConfig, vocab_size: int, verbose: bool, progress: bool) -> PreparedData:
+def _prepare(dcfg: DataConfig, vocab_size: int, verbose: bool, progress: bool,
+             workers: int | None) -> PreparedData:
     root = Path(dcfg.data_dir)
     corpus_dir = root / "corpus"
     say = info if verbose else (lambda _msg: None)
@@ -187,7 +218,8 @@ def _prepare(dcfg: DataConfig, vocab_size: int, verbose: bool, progress: bool) -
                           f"least {needed}")
     store_dir = root / f"tokens-{sha256_file(tok_path)[:10]}"
     t = time.time()
-    store.ensure_token_store(corpus_dir, tok, store_dir, progress and verbose)  # if stale
+    store.ensure_token_store(corpus_dir, tok, store_dir, progress and verbose,  # if stale
+                             workers)
     if time.time() - t > 1:
         say(f"  token store ready in {store_dir} in {time.time() - t:.0f}s")
     return PreparedData(corpus_dir, tok_path, store_dir)

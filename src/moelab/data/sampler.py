@@ -1,10 +1,19 @@
 """Training batches from a mixture of domains, and fixed held-out evaluation windows.
 
-``MixtureSampler.batch(step)`` is a pure function of (seed, step, mixture, store): it keeps no
-state between calls, so a run resumed at step s sees exactly the batches an uninterrupted run
-would have seen, with nothing to checkpoint. Each row is a random window of seq_len + 1
-contiguous tokens from one domain's packed stream (documents separated by EOS), so windows may
-cross document boundaries, as in GPT-style packing.
+Two samplers read the token store (``data.sampler``); both are pure functions of (seed, step,
+mixture, store): they keep no state between calls, so a run resumed at step s sees exactly the
+batches an uninterrupted run would have seen, with nothing to checkpoint.
+
+- ``EpochSampler`` (``epoch``, the default): each domain's packed stream (documents separated
+  by EOS) is cut into windows of seq_len + 1 tokens at stride seq_len (consecutive windows share
+  one boundary token, so every token is a target once); an epoch is a shuffled permutation of
+  all windows, each seen once. The permutation is computed index by index
+  (``moelab.data.permutation``), so step s's rows need no state and no permutation array.
+- ``MixtureSampler`` (``random``): each row is a window at a random offset of a random domain,
+  drawn with replacement (what runs started before epochs existed keep).
+
+Windows may cross document boundaries, as in GPT-style packing. Tokenizing from the source
+while training (``stream``) is ``moelab.data.stream``.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import numpy as np
 from moelab.config import DataConfig
 from moelab.data.corpus import iter_documents, load_manifest
 from moelab.data.errors import DataError
+from moelab.data.permutation import permute, round_keys
 from moelab.data.store import TokenStore
 
 
@@ -60,14 +70,19 @@ def resolve_mixture(store: TokenStore, split: str, seq_len: int,
 
 
 class MixtureSampler:
-    """Deterministic, resumable batches of token windows drawn from a domain mixture."""
+    """Deterministic, resumable batches of token windows drawn from a domain mixture: random
+    windows, with replacement (``data.sampler: random``)."""
+
+    kind = "random"
 
     def __init__(self, store: TokenStore, split: str = "train", *, seq_len: int,
-                 batch_size: int, mixture: dict[str, float] | None = None, seed: int = 0):
+                 batch_size: int, mixture: dict[str, float] | None = None, seed: int = 0,
+                 first_step: int = 0):
         if seq_len <= 0 or batch_size <= 0:
             raise DataError(f"seq_len={seq_len}, batch_size={batch_size}: both must be > 0")
         self.store, self.split = store, split
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.first_step = first_step  # the step this sampler's segment starts at
         self.mixture = dict(mixture or {})
         self.probs = resolve_mixture(store, split, seq_len, self.mixture)
         self._domains = list(self.probs)
@@ -103,19 +118,86 @@ class MixtureSampler:
         return [self._domains[i] for i in self._draw(step)[0]]
 
     def with_mixture(self, mixture: dict[str, float] | None) -> "MixtureSampler":
-        return MixtureSampler(self.store, self.split, seq_len=self.seq_len,
-                              batch_size=self.batch_size, mixture=mixture, seed=self.seed)
+        return type(self)(self.store, self.split, seq_len=self.seq_len,
+                          batch_size=self.batch_size, mixture=mixture, seed=self.seed,
+                          first_step=self.first_step)
 
     def state(self) -> dict:
         """Everything that determines the batches, for run provenance."""
-        return {"split": self.split, "seq_len": self.seq_len, "batch_size": self.batch_size,
-                "seed": self.seed, "mixture": self.mixture, "probs": self.probs,
-                "store": self.store.fingerprint}
+        return {"sampler": self.kind, "split": self.split, "seq_len": self.seq_len,
+                "batch_size": self.batch_size, "seed": self.seed, "mixture": self.mixture,
+                "probs": self.probs, "store": self.store.fingerprint}
+
+
+class EpochSampler(MixtureSampler):
+    """Shuffled epochs of windows (``data.sampler: epoch``): batch(step) is rows
+    ``(step - first_step) * batch_size ...`` of an endless sequence of epochs.
+
+    Each domain's stream is cut into ``n_d = (tokens - 1) // seq_len`` windows at stride
+    seq_len (the last < seq_len tokens of a stream are never a target). An epoch has
+    ``m_d`` slots per domain, shuffled together: ``m_d = n_d`` with the default mixture
+    (proportional to the data), so an epoch is every window exactly once; with domain weights,
+    the epoch keeps its size (all windows of the weighted domains) and ``m_d`` is the weight's
+    share of it, and each domain walks through its own shuffled epochs of windows (an
+    up-weighted domain repeats sooner, a down-weighted one is seen partly, each continuing
+    where it left off). Every choice is a keyed permutation of (seed, first_step, epoch), so a
+    new segment (mixture or context change) starts epochs of its own.
+    """
+
+    kind = "epoch"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._n_windows = np.array([(len(s) - 1) // self.seq_len for s in self._streams],
+                                   dtype=np.int64)
+        if self.mixture:
+            share = np.round(self._p * self._n_windows.sum()).astype(np.int64)
+            self._slots = np.maximum(1, share)
+        else:
+            self._slots = self._n_windows
+        self._offsets = np.concatenate([[0], np.cumsum(self._slots)])
+        self.epoch_rows = int(self._offsets[-1])  # rows in one epoch
+
+    def _keys(self, *what: int) -> np.ndarray:
+        return round_keys(self.seed, self.first_step, *what)
+
+    def _draw(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(domain index, start offset) of each row: row j of the segment is slot
+        perm_epoch(j % M) of epoch j // M; the slot names a domain and its draw count q, and
+        that draw is window perm(q % n_d) of the domain's epoch q // n_d."""
+        if step < self.first_step:
+            raise DataError(f"step={step}: this sampler's segment starts at step "
+                            f"{self.first_step}")
+        rows = (step - self.first_step) * self.batch_size + np.arange(self.batch_size)
+        epoch, in_epoch = np.divmod(rows, self.epoch_rows)
+        slot = np.empty_like(rows)
+        for e in np.unique(epoch):
+            at = epoch == e
+            slot[at] = permute(in_epoch[at], self.epoch_rows, self._keys(0, int(e)))
+        dom = np.searchsorted(self._offsets, slot, side="right") - 1
+        draws = epoch * self._slots[dom] + slot - self._offsets[dom]  # the domain's draw count
+        dom_epoch, in_dom = np.divmod(draws, self._n_windows[dom])
+        window = np.empty_like(rows)
+        for d, e in set(zip(dom.tolist(), dom_epoch.tolist())):
+            at = (dom == d) & (dom_epoch == e)
+            window[at] = permute(in_dom[at], int(self._n_windows[d]), self._keys(1 + d, e))
+        return dom, window * self.seq_len
+
+    def epoch(self, step: int) -> float:
+        """Epochs completed before ``step`` in this segment (fractional)."""
+        return (step - self.first_step) * self.batch_size / self.epoch_rows
+
+    def state(self) -> dict:
+        return {**super().state(), "first_step": self.first_step, "epoch_rows": self.epoch_rows}
+
+
+SAMPLER_CLASSES = {"epoch": EpochSampler, "random": MixtureSampler}
 
 
 class SteppedSampler:
-    """Training batches that change kind at given steps: one ``MixtureSampler`` per segment of
-    ``DataConfig.segments()`` (a new mixture or context length), each taking over at its start.
+    """Training batches that change kind at given steps: one sampler (``data.sampler``'s kind)
+    per segment of ``DataConfig.segments()`` (a new mixture or context length), each taking
+    over at its start.
 
     Still a pure function of the step: a run resumed on either side of a change, or across it,
     draws exactly what an uninterrupted run draws. Every segment's sampler is built up front, so
@@ -124,8 +206,12 @@ class SteppedSampler:
 
     def __init__(self, store: TokenStore, data: DataConfig, split: str = "train"):
         self.segments = data.segments()
-        self._samplers = [MixtureSampler(store, split, seq_len=g.seq_len, batch_size=g.batch_size,
-                                         mixture=g.mixture or None, seed=data.seed)
+        if data.sampler_kind not in SAMPLER_CLASSES:
+            raise DataError(f"data.sampler={data.sampler}: reads data.source, not a token store "
+                            "(moelab.data.stream.StreamSampler)")
+        cls = SAMPLER_CLASSES[data.sampler_kind]
+        self._samplers = [cls(store, split, seq_len=g.seq_len, batch_size=g.batch_size,
+                              mixture=g.mixture or None, seed=data.seed, first_step=g.start)
                           for g in self.segments]
 
     def at(self, step: int) -> MixtureSampler:
@@ -148,6 +234,10 @@ class SteppedSampler:
     def state(self) -> dict:
         return {"segments": [{"start": g.start, **s.state()}
                              for g, s in zip(self.segments, self._samplers)]}
+
+    def restore(self, step: int, state: dict | None) -> None:
+        """Nothing to restore: every batch is a function of its step (the stream's sampler
+        restores its position here)."""
 
 
 def eval_windows(store: TokenStore, domain: str, seq_len: int,

@@ -31,19 +31,13 @@ from typing import Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-from moelab.data.corpus import SPLITS, iter_documents, load_manifest
+from moelab.data.corpus import SPLITS, load_manifest
+from moelab.data.encode import CHUNK_BYTES, chunk_encoder, default_workers, pool_size
 from moelab.data.errors import DataError, read_json
-from moelab.data.tokenizer import (
-    doc_batches,
-    encode_batch,
-    eos_id,
-    load_tokenizer,
-    tokenizer_sha256,
-)
+from moelab.data.tokenizer import eos_id, load_tokenizer, tokenizer_sha256
 from moelab.util import atomic_write_json, info, open_atomic, sha256_file
 
 FORMAT = 2  # 2: per-array checksums and largest ids
-_BATCH_DOCS = 256  # documents per encode call (at most BATCH_CHARS): every core kept busy
 
 
 def progress_bar(total: int, desc: str, enabled: bool = True):
@@ -75,47 +69,42 @@ def sampled_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _write_split(corpus_dir: Path, tok: Tokenizer, split: str, out_dir: Path,
-                 dtype: np.dtype, bar) -> dict:
-    """Tokenize one split into out_dir/<domain>.bin; returns per-domain counts."""
-    eos = eos_id(tok)
+def _write_split(chunks: Iterator[dict], out_dir: Path, split: str, dtype: np.dtype,
+                 bar) -> dict:
+    """Write one split's tokenized ``chunks`` (``encode.encoded_chunks``) into
+    out_dir/<domain>.bin; returns per-domain counts."""
     stats: dict[str, dict] = {}
     writers, hashes = {}, {}
     # ExitStack: on success every temp file is renamed into place; on error all are dropped
     with ExitStack() as stack:
-        for batch in doc_batches(iter_documents(corpus_dir, split), _BATCH_DOCS):
-            ids = encode_batch(tok, [d["text"] for d in batch])
-            n_bytes = 0
-            for doc, toks in zip(batch, ids):
-                dom = doc["domain"]
+        for parts in chunks:
+            for dom, part in parts.items():
                 if dom not in writers:  # domains may interleave in user corpora
                     writers[dom] = stack.enter_context(open_atomic(out_dir / f"{dom}.bin", "wb"))
                     stats[dom] = {"n_tokens": 0, "n_bytes": 0, "n_docs": 0, "max_id": 0}
                     hashes[dom] = hashlib.sha256()
-                arr = np.asarray(toks + [eos], dtype=dtype)
-                writers[dom].write(arr.tobytes())
-                hashes[dom].update(arr.tobytes())
+                data = part.tokens.tobytes()
+                writers[dom].write(data)
+                hashes[dom].update(data)
                 st = stats[dom]
-                st["max_id"] = max(st["max_id"], int(arr.max()))
-                st["n_tokens"] += arr.size
-                size = len(doc["text"].encode("utf-8"))
-                st["n_bytes"] += size
-                st["n_docs"] += 1
-                n_bytes += size
-            bar.update(n_bytes)
+                st["max_id"] = max(st["max_id"], part.max_id)
+                st["n_tokens"] += part.tokens.size
+                st["n_bytes"] += part.n_bytes
+                st["n_docs"] += part.n_docs
+                bar.update(part.n_bytes)
     return {d: {**stats[d], "file": f"{split}/{d}.bin", "sha256": hashes[d].hexdigest(),
                 "size": stats[d]["n_tokens"] * dtype.itemsize,
                 "sample_sha256": sampled_sha256(out_dir / f"{d}.bin")} for d in sorted(stats)}
 
 
 def build_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str,
-                      store_dir: Path | str, progress: bool = True) -> dict:
+                      store_dir: Path | str, progress: bool = True, workers: int | None = None,
+                      chunk_bytes: int = CHUNK_BYTES) -> dict:
     """Tokenize every split and domain of the corpus into store_dir; returns the index.
 
-    Batches of documents go to the tokenizers library's ``encode_batch`` (Rust threads, one
-    per core), which gives the same ids as encoding each text alone. On the built-in corpus
-    (8 MB, 4096-token BPE, 2 shared cores) it matched a 2-process multiprocessing pool and beat
-    serial encoding; see ``encode_batch`` for the figures and why it is the one used.
+    Chunks of documents go to the tokenizers library's ``encode_batch`` (which gives the same
+    ids as encoding each text alone) in ``workers`` processes (``moelab.data.encode``; None:
+    ``default_workers()``, 1: this process); the store is byte-identical for any number.
     ``progress``: a bar on stderr while tokenizing, when stderr is a terminal.
     """
     corpus_dir, store_dir = Path(corpus_dir), Path(store_dir)
@@ -123,22 +112,30 @@ def build_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str,
     manifest = load_manifest(corpus_dir)
     vocab_size = tok.get_vocab_size()
     dtype = _token_dtype(vocab_size)
-    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "off", "no"):
+    workers = default_workers() if workers is None else workers
+    if workers < 1:
+        raise DataError(f"workers={workers}: must be >= 1 (the tokenizer processes)")
+    if workers == 1 and os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in (
+            "0", "false", "off", "no"):
         info("TOKENIZERS_PARALLELISM is off: tokenizing on one core (unset it to use all)")
     (store_dir / "index.json").unlink(missing_ok=True)  # unfinished until index.json is back
     splits = {}
-    for split in SPLITS:
-        t0 = time.perf_counter()
-        bar = progress_bar(manifest.get("total", {}).get(split, {}).get("bytes", 0),
-                           f"tokenizing {split}", progress)
-        try:
-            splits[split] = _write_split(corpus_dir, tok, split, store_dir / split, dtype, bar)
-        finally:
-            bar.close()
-        n_tok = sum(s["n_tokens"] for s in splits[split].values())
-        n_mb = sum(s["n_bytes"] for s in splits[split].values()) / 1e6
-        info(f"tokenized {split}: {n_tok:,} tokens from {n_mb:.1f} MB in {len(splits[split])} "
-             f"domains ({n_mb / (time.perf_counter() - t0):.2f} MB/s)")
+    files = [corpus_dir / f"{split}.jsonl" for split in SPLITS]
+    workers = pool_size(workers, files, chunk_bytes)
+    with chunk_encoder(tok, dtype, workers, files, chunk_bytes) as encode:
+        for split, path in zip(SPLITS, files):
+            t0 = time.perf_counter()
+            bar = progress_bar(manifest.get("total", {}).get(split, {}).get("bytes", 0),
+                               f"tokenizing {split}", progress)
+            try:
+                splits[split] = _write_split(encode(path), store_dir / split, split, dtype, bar)
+            finally:
+                bar.close()
+            n_tok = sum(s["n_tokens"] for s in splits[split].values())
+            n_mb = sum(s["n_bytes"] for s in splits[split].values()) / 1e6
+            info(f"tokenized {split}: {n_tok:,} tokens from {n_mb:.1f} MB in "
+                 f"{len(splits[split])} domains ({n_mb / (time.perf_counter() - t0):.2f} MB/s, "
+                 f"{workers} worker{'s' * (workers > 1)})")
     for split in SPLITS:  # drop arrays of domains an earlier build had and this one does not
         for old in (store_dir / split).glob("*.bin"):
             if old.stem not in splits[split]:
@@ -157,7 +154,8 @@ def build_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str,
 
 
 def ensure_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str,
-                       store_dir: Path | str, progress: bool = True) -> "TokenStore":
+                       store_dir: Path | str, progress: bool = True,
+                       workers: int | None = None) -> "TokenStore":
     """Open store_dir if it holds this corpus tokenized by this tokenizer, else (re)build it."""
     tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     index_path = Path(store_dir) / "index.json"
@@ -167,7 +165,7 @@ def ensure_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str
                 and index.get("tokenizer_sha256") == tokenizer_sha256(tok)
                 and index.get("corpus_fingerprint") == load_manifest(corpus_dir)["fingerprint"]):
             return TokenStore(store_dir)
-    build_token_store(corpus_dir, tok, store_dir, progress)
+    build_token_store(corpus_dir, tok, store_dir, progress, workers)
     return TokenStore(store_dir)
 
 

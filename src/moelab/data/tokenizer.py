@@ -117,16 +117,11 @@ def tokenizer_sha256(tok: Tokenizer) -> str:
 
 def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text, without any special tokens a post-processor would add; the same
-    ids as encoding each text alone, in parallel over the texts.
-
-    Parallel by the tokenizers library's Rust threads (one per core; TOKENIZERS_PARALLELISM=false
-    makes it serial) rather than a multiprocessing pool: measured on the built-in corpus' first
-    8 MB with its 4096-token BPE on 2 cores (batches of 256 documents), with the machine
-    lightly loaded: serial 3.93 s (2.04 MB/s), Rust threads 3.00 s (2.66 MB/s), a 2-process
-    spawn pool 3.08 s (2.59 MB/s); with the cores busy with other work (load 7, best of 3):
-    serial 9.7 s, Rust threads 8.0 s, pool 10.9 s. The threads are never slower, and need no
-    process start-up, no pickling of texts and id lists, no second copy of the tokenizer, and
-    no care around fork (the library turns its threads off in forked children).
+    ids as encoding each text alone, in parallel over the texts by the tokenizers library's
+    Rust threads (one per core; TOKENIZERS_PARALLELISM=false makes it serial: on 2 lightly
+    loaded cores and 8 MB of the built-in corpus, 2.04 MB/s serial, 2.66 MB/s threaded). Reading and
+    parsing a corpus and turning id lists into arrays stay in one Python process; the token
+    store spreads them over worker processes (``moelab.data.encode``).
     """
     # encode_batch_fast skips the offsets we never use
     return [e.ids for e in tok.encode_batch_fast(list(texts), add_special_tokens=False)]

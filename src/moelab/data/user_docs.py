@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path, PurePosixPath
-from typing import IO, Iterator, Union
+from typing import IO, Iterable, Iterator, Union
 
 from moelab.data.errors import Skips
 from moelab.util import is_url, url_fs
@@ -294,3 +294,50 @@ def file_docs(path: Input, name: str, domain: str, skips: Skips,
     except Exception as e:  # noqa: BLE001 - one bad file must not stop the whole build
         reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0]
         skips.append((name, f"unreadable file ({type(e).__name__}: {reason})"))
+
+
+# ---------------------------------------------------------------------------------------------
+# bounds on what is read
+
+# A document's size bound. The tokenizers' memory grows with the longest text they are handed
+# (a 50 MB single-line file took 150x its size), so longer texts are cut into parts; 1 Mi
+# characters is far beyond any training window, so no context is lost that the model could use.
+MAX_DOC_CHARS = 1 << 20
+
+
+def bounded_parts(text: str, limit: int = MAX_DOC_CHARS) -> Iterator[str]:
+    """``text`` in consecutive parts of at most ``limit`` characters, cut at the last paragraph
+    break, else line break, else space in the second half of each window; else (one giant
+    word) at the limit, a character boundary. Parts of only whitespace are dropped."""
+    start = 0
+    while len(text) - start > limit:
+        end = start + limit
+        cut = next((i + len(sep) for sep in ("\n\n", "\n", " ")
+                    if (i := text.rfind(sep, start + limit // 2, end)) >= 0), end)
+        if text[start:cut].strip():
+            yield text[start:cut]
+        start = cut
+    if text[start:].strip():
+        yield text[start:]
+
+
+def bounded_docs(docs: Iterable[dict], limit: int = MAX_DOC_CHARS) -> Iterator[dict]:
+    """The documents, each longer than ``limit`` characters as its parts ("a.txt part 2")."""
+    for doc in docs:
+        if len(doc["text"]) <= limit:
+            yield doc
+            continue
+        for k, part in enumerate(bounded_parts(doc["text"], limit), 1):
+            yield {**doc, "id": f"{doc['id']} part {k}", "text": part}
+
+
+
+def head(docs: Iterable[dict], limit: int) -> Iterator[dict]:
+    """The first documents of ``docs`` until their texts hold ``limit`` UTF-8 bytes (the last
+    one may cross it); ``docs`` is read no further."""
+    n = 0
+    for doc in docs:
+        if n >= limit:
+            return
+        n += len(doc["text"].encode("utf-8"))
+        yield doc

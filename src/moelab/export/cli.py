@@ -23,9 +23,10 @@ def cmd_export(args) -> int:
 def register(sub) -> None:
     p = sub.add_parser("export", help="export a run's checkpoint for other tools (Hugging Face)",
                        description="Write a run's newest checkpoint (or --step) as a Hugging Face "
-                       "model folder: safetensors weights, config.json, tokenizer files and the "
-                       "PyTorch modeling code (load with trust_remote_code=True). Needs the hf "
-                       "extra: pip install -e '.[hf]'.")
+                       "model folder: safetensors weights, config.json, tokenizer files, the "
+                       "PyTorch modeling code (load with trust_remote_code=True), a model card "
+                       "(README.md) and the Apache-2.0 LICENSE. Needs the hf extra: "
+                       "pip install -e '.[hf]'.")
     p.add_argument("run", help="run folder (e.g. runs/tiny)")
     p.add_argument("out", help="output folder (new or empty)")
     p.add_argument("--to", required=True, help="format: hf (Hugging Face transformers)")

@@ -1,12 +1,15 @@
 """A run's checkpoint as a Hugging Face model folder (``moelab export RUN --to hf OUT``).
 
-OUT holds ``model.safetensors`` (float32), ``config.json`` (model_type ``moelab``, ``auto_map``
-to the bundled code), ``generation_config.json``, the run's ``tokenizer.json`` with
-``tokenizer_config.json`` and ``special_tokens_map.json``, and ``configuration_moelab.py`` +
-``modeling_moelab.py`` (copied from ``hf_modeling/``), so that
+OUT holds ``model.safetensors`` (float32), ``config.json`` (model_type ``moelab``, transformers'
+standard names, ``auto_map`` to the bundled code), ``generation_config.json``, the run's
+``tokenizer.json`` with ``tokenizer_config.json`` and ``special_tokens_map.json`` (a plain
+``PreTrainedTokenizerFast``: no custom code), the PyTorch code copied from ``hf_modeling/``
+(``configuration_moelab.py``, ``layers_moelab.py``, ``modeling_moelab.py``), a model card
+``README.md`` (``card.py``) and the Apache-2.0 ``LICENSE``, so that
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` and
-``AutoTokenizer.from_pretrained(OUT)`` load it. Everything is written to a temporary sibling
-folder that is renamed to OUT at the end: OUT is either complete or absent.
+``AutoTokenizer.from_pretrained(OUT, trust_remote_code=True)`` load it. Everything is written
+to a temporary sibling folder that is renamed to OUT at the end: OUT is either complete or
+absent.
 """
 
 from __future__ import annotations
@@ -21,13 +24,21 @@ import numpy as np
 from moelab.config import ConfigError
 from moelab.config.errors import require
 from moelab.data.tokenizer import eos_id
-from moelab.util import atomic_write_json
+from moelab.export.card import LICENSE, model_card
+from moelab.util import atomic_write_json, atomic_write_text, chmod_as_created, extra_command
 
 HF_MODELING = Path(__file__).parent / "hf_modeling"
-CODE_FILES = ("configuration_moelab.py", "modeling_moelab.py")
+CODE_FILES = ("configuration_moelab.py", "layers_moelab.py", "modeling_moelab.py")
 FORMATS = ("hf",)
-# moelab config field -> its config.json name (transformers reads ``top_k`` as a sampling setting)
-RENAMED_FIELDS = {"top_k": "num_experts_per_tok"}
+# moelab config field -> its config.json name: transformers' standard names (as
+# hf_modeling/configuration_moelab.py's STANDARD_NAMES; ``top_k`` would read as a sampling setting)
+RENAMED_FIELDS = {
+    "d_model": "hidden_size", "n_layers": "num_hidden_layers", "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads", "n_experts": "num_experts",
+    "top_k": "num_experts_per_tok", "expert_dim": "intermediate_size",
+    "norm_eps": "rms_norm_eps", "rope_fraction": "partial_rotary_factor",
+    "aux_loss_coef": "router_aux_loss_coef",
+}
 
 
 def _norm(site: str, path: str) -> dict:
@@ -83,32 +94,46 @@ def hf_tensors(params: dict, model_state: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def layer_types(m) -> list[str]:
+    """transformers' ``layer_types`` of model config ``m``: sliding or full attention, "hybrid"
+    where decoding also carries short-convolution state (as configuration_moelab.py derives)."""
+    hybrid = bool(m.conv_site_set) and m.conv_kernel > 1
+    return [("hybrid_sliding" if w else "hybrid") if hybrid else
+            ("sliding_attention" if w else "full_attention") for w in m.layer_windows()]
+
+
 def hf_config(cfg, eos: int, step: int) -> dict:
-    """config.json: the whole moelab model config under its own names, plus what transformers
-    reads (``cfg`` is the run's RunConfig)."""
+    """config.json: the whole moelab model config, under transformers' standard names where
+    there is one (``RENAMED_FIELDS``), plus what transformers reads (``cfg``: the RunConfig)."""
+    m = cfg.model
+    fields = {RENAMED_FIELDS.get(k, k): v for k, v in dataclasses.asdict(m).items()}
     return {
         "architectures": ["MoelabForCausalLM"],
         "model_type": "moelab",
         "auto_map": {"AutoConfig": "configuration_moelab.MoelabConfig",
                      "AutoModel": "modeling_moelab.MoelabModel",
                      "AutoModelForCausalLM": "modeling_moelab.MoelabForCausalLM"},
-        **{RENAMED_FIELDS.get(k, k): v for k, v in dataclasses.asdict(cfg.model).items()},
+        **fields,
+        "sliding_window": m.sliding_window or None,  # transformers' "no window"
+        "layer_types": layer_types(m),
+        "hidden_act": "silu",
         "max_position_embeddings": cfg.data.seq_len,  # the context it was trained on
-        "bos_token_id": eos, "eos_token_id": eos,  # documents are separated by end-of-text
-        "dtype": "float32", "use_cache": False, "tie_word_embeddings": False,
+        "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,  # end-of-text separates
+        "dtype": "float32", "use_cache": True, "tie_word_embeddings": False,
         "moelab_step": step,
     }
 
 
 def tokenizer_files(tok, seq_len: int) -> dict[str, dict]:
     """tokenizer_config.json and special_tokens_map.json for the run's tokenizer.json, so that
-    AutoTokenizer loads it as a fast tokenizer with its end-of-text token."""
+    AutoTokenizer loads it as a plain fast tokenizer (no custom code) with its end-of-text
+    token, which also pads, on the left as batched generation needs."""
     eos = tok.id_to_token(eos_id(tok))
     return {"tokenizer_config.json": {"tokenizer_class": "PreTrainedTokenizerFast",
-                                      "eos_token": eos, "bos_token": eos,
-                                      "model_max_length": seq_len,
+                                      "eos_token": eos, "bos_token": eos, "pad_token": eos,
+                                      "model_max_length": seq_len, "padding_side": "left",
                                       "clean_up_tokenization_spaces": False},
-            "special_tokens_map.json": {"eos_token": eos, "bos_token": eos}}
+            "special_tokens_map.json": {"eos_token": eos, "bos_token": eos, "pad_token": eos}}
 
 
 def check_out(out: Path) -> None:
@@ -121,25 +146,28 @@ def _save_file():
     try:
         from safetensors.numpy import save_file
     except ImportError:
-        raise ConfigError("--to hf: needs the safetensors package; install the extra: "
-                          "pip install -e '.[hf]'") from None
+        raise ConfigError("--to hf: needs the safetensors package; install the hf extra: "
+                          f"{extra_command('hf')}") from None
     return save_file
 
 
-def write_folder(folder: Path, run, run_dir: Path) -> int:
-    """Every file of the export of ``run`` (loaded from ``run_dir``) into ``folder``; returns the
-    parameter count."""
+def write_folder(folder: Path, run, run_dir: Path, name: str) -> int:
+    """Every file of the export of ``run`` (loaded from ``run_dir``) into ``folder``, whose model
+    card loads it as ``name``; returns the parameter count."""
     tensors = hf_tensors(run.params, run.model_state)
     _save_file()(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    chmod_as_created(folder / "model.safetensors")
     eos = eos_id(run.tokenizer)
     atomic_write_json(folder / "config.json", hf_config(run.cfg, eos, run.step))
     atomic_write_json(folder / "generation_config.json",
-                      {"eos_token_id": eos, "pad_token_id": eos, "use_cache": False})
+                      {"eos_token_id": eos, "pad_token_id": eos, "use_cache": True})
     shutil.copyfile(run_dir / "tokenizer.json", folder / "tokenizer.json")
-    for name, obj in tokenizer_files(run.tokenizer, run.cfg.data.seq_len).items():
-        atomic_write_json(folder / name, obj)
-    for name in CODE_FILES:
-        shutil.copyfile(HF_MODELING / name, folder / name)
+    for file, obj in tokenizer_files(run.tokenizer, run.cfg.data.seq_len).items():
+        atomic_write_json(folder / file, obj)
+    for code in CODE_FILES:
+        shutil.copyfile(HF_MODELING / code, folder / code)
+    atomic_write_text(folder / "README.md", model_card(run, run_dir, name))
+    shutil.copyfile(LICENSE, folder / "LICENSE")
     return sum(t.size for k, t in tensors.items() if not k.endswith("router_bias"))
 
 
@@ -155,7 +183,7 @@ def export_hf(run_dir: Path, out: Path, step: int | None = None) -> tuple[int, i
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        n = write_folder(tmp, run, run_dir)
+        n = write_folder(tmp, run, run_dir, str(out))
         check_out(out)  # still free: nothing appeared there while we wrote
         if out.exists():
             out.rmdir()

@@ -47,7 +47,7 @@ def claim(run_dir: Path) -> bool:
     path = run_dir / LOCK
     for _ in range(2):
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
         except FileExistsError:
             try:
                 pid = int(path.read_text().strip() or 0)

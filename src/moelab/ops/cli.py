@@ -77,6 +77,8 @@ def _check_data(cfg) -> str:
     from moelab.data.sampler import SteppedSampler
     from moelab.data.store import TokenStore
 
+    if cfg.data.sampler == "stream":
+        return "data: streamed from data.source, which fills windows of any length"
     if not (Path(cfg.data.data_dir) / "corpus" / "manifest.json").is_file():
         return f"data: {cfg.data.data_dir} not found here; the mixture is checked at the resume"
     SteppedSampler(TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False)

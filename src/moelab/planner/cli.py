@@ -14,6 +14,7 @@ from moelab.config import ConfigError
 from moelab.config.cli import EPILOG_OVERRIDES
 from moelab.config.errors import require
 from moelab.data.prepare import resolve_config
+from moelab.planner.cluster import ACCELERATORS, accelerator
 from moelab.util import atomic_write_json
 
 
@@ -77,7 +78,6 @@ def check_plan_options(args) -> None:
 
 
 def cmd_plan(args, train_step) -> int:
-    from moelab.planner.cluster import accelerator
     from moelab.planner.memory import Layout, transport_options
     from moelab.planner.report import build_plan, format_plan
 
@@ -122,7 +122,7 @@ def register(sub, train_step) -> None:
     pl.add_argument("--tokens", type=float, default=0.0,
                     help="training tokens (default: train.steps x data.batch_size x seq_len)")
     pl.add_argument("--accelerator", default="gb200",
-                    help="gb200, b200, h200, h100 or custom (with --peak-flops)")
+                    help=f"{', '.join(ACCELERATORS)} or custom (with --peak-flops)")
     pl.add_argument("--peak-flops", type=float, default=0.0,
                     help="dense bf16 FLOP/s per device (overrides the accelerator's)")
     pl.add_argument("--hbm-gib", type=float, default=0.0, help="device memory in GiB")

@@ -3,6 +3,7 @@ FLOPs take at an assumed MFU or a measured throughput."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from moelab.config import ConfigError
@@ -17,13 +18,44 @@ class Accelerator:
     hbm_bytes: float  # device memory
 
 
-# Dense (not 2:4 sparse) bf16 tensor-core peaks and memory per GPU, as NVIDIA lists them.
+# Rated dense (not 2:4 sparse) bf16 peaks and memory per device, as the makers publish them:
+# NVIDIA's H100 SXM / H200 / HGX B200 / GB200 NVL72 datasheets list bf16 "with sparsity"
+# (1,979 TFLOP/s, 4.5 and 5 PFLOP/s), halved here; Google Cloud's TPU pages
+# (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e) list "peak compute per chip (bf16)". On TPU v4
+# and v5p one JAX device is a whole chip (both TensorCores), so per chip is per device.
 ACCELERATORS = {
     "gb200": Accelerator("GB200", 2.5e15, 186e9),
     "b200": Accelerator("B200", 2.25e15, 180e9),
     "h200": Accelerator("H200", 989e12, 141e9),
     "h100": Accelerator("H100", 989e12, 80e9),
+    "tpu-v4": Accelerator("TPU v4", 275e12, 32 * GiB),
+    "tpu-v5e": Accelerator("TPU v5e", 197e12, 16e9),
+    "tpu-v5p": Accelerator("TPU v5p", 459e12, 95e9),
+    "tpu-v6e": Accelerator("TPU v6e", 918e12, 32e9),
 }
+
+# ``device_kind`` as JAX reports it -> ACCELERATORS key; the first pattern found wins. NVIDIA
+# kinds are CUDA's device names ("NVIDIA H100 80GB HBM3", "NVIDIA H200", "NVIDIA GB200"); the
+# PCIe and NVL cards of H100 and H200 have lower peaks and are left unknown. TPU kinds are
+# JAX's ("TPU v5 lite" is v5e, "TPU v5" is v5p, "TPU v6 lite" is v6e).
+DEVICE_KINDS = (
+    (r"^TPU v4$", "tpu-v4"),
+    (r"^TPU v5( lite|e)$", "tpu-v5e"),
+    (r"^TPU v5p?$", "tpu-v5p"),
+    (r"^TPU v6( lite|e)$", "tpu-v6e"),
+    (r"\bGB200\b", "gb200"),
+    (r"\bB200\b", "b200"),
+    (r"\bH200\b(?!.*\b(PCIe|NVL)\b)", "h200"),
+    (r"\bH100\b(?!.*\b(PCIe|NVL)\b)", "h100"),
+)
+
+
+def accelerator_of_kind(device_kind: str) -> Accelerator | None:
+    """The known accelerator a JAX ``device_kind`` names, or None."""
+    for pattern, key in DEVICE_KINDS:
+        if re.search(pattern, device_kind.strip()):
+            return ACCELERATORS[key]
+    return None
 
 
 def accelerator(name: str, peak_flops: float = 0.0, hbm_gib: float = 0.0) -> Accelerator:

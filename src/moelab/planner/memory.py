@@ -232,8 +232,8 @@ def transport_memory(kind: str, *, tokens: int, top_k: int, n_experts: int, rank
     """Bytes of one rank's transport buffers for one MoE layer (the layer being run; with remat
     only one layer's are live). Rows are H = ``width`` wide (the latent width), the expert's
     gate/up/hidden I = ``expert_dim`` wide; ``caps`` are ``parallel.*`` capacity fields
-    (capacity_factor, sender_cf, receiver_cf, waves). Row counts are the transport's own
-    formula (its registry entry's ``rows``, the sizes its code allocates):
+    (capacity_factor, sender_cf, global_sender_cf, receiver_cf, waves). Row counts are the
+    transport's own formula (its registry entry's ``rows``, the sizes its code allocates):
 
     kept: held from dispatch until that layer's backward is done (the dispatch is not repeated
       in the backward);
@@ -252,7 +252,7 @@ def transport_memory(kind: str, *, tokens: int, top_k: int, n_experts: int, rank
             "peak": kept + wave}
 
 
-CAPACITY_FIELDS = ("capacity_factor", "sender_cf", "receiver_cf", "waves")
+CAPACITY_FIELDS = ("capacity_factor", "sender_cf", "global_sender_cf", "receiver_cf", "waves")
 
 
 def transport_options(par: ParallelConfig, sweeps: dict[str, list] | None = None) -> list[dict]:

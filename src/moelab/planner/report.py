@@ -131,5 +131,6 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
 
 
 def _capacity(t: dict) -> str:
-    caps = [f for f in ("capacity_factor", "sender_cf", "receiver_cf") if f in t]
+    caps = [f for f in ("capacity_factor", "sender_cf", "global_sender_cf", "receiver_cf")
+            if f in t]
     return "cf " + "/".join(f"{t[f]:.2f}" for f in caps) if caps else "dropless"

@@ -28,6 +28,12 @@ Readers (an eval job, say) may open the same directory concurrently: only ``save
 A reader holds a lease on the checkpoint it reads, and pruning skips leased checkpoints
 (``moelab.run.ckpt_lease``); a reader that finds its checkpoint pruned anyway reads the newest.
 Failures are told apart (gone, damaged, another config's: ``moelab.run.ckpt_failures``).
+
+Why not orbax's ``CheckpointManager``: it has no place for a manifest of a step's files between
+writing and committing it, and prunes without read leases; here one rename commits the state with
+``meta.json`` and the manifest written last, and pruning skips a checkpoint being read. The folders are still ones a
+plain ``ocp.CheckpointManager(ckpt_dir, orbax_manager_options())`` lists and restores (item
+``state``; it does not check the manifest).
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import sys
 import threading
@@ -60,6 +65,7 @@ from moelab.run.ckpt_failures import (
     short,
 )
 from moelab.run.ckpt_lease import leased_steps, prunable, reading
+from moelab.run.ckpt_names import orbax_manager_options, step_name, step_of
 from moelab.run.ckpt_target import (
     CheckpointError,
     CheckpointMismatch,
@@ -73,13 +79,12 @@ from moelab.run.ckpt_target import (
 from moelab.util import atomic_write_json, info, sha256_file
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointDamaged", "CheckpointGone",
-           "CheckpointMismatch", "CheckpointWarning", "save_failure"]
+           "CheckpointMismatch", "CheckpointWarning", "orbax_manager_options", "save_failure"]
 
 FORMAT = "moelab-checkpoint/1"
 STATE_DIR = "state"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
-_STEP_RE = re.compile(r"step_(\d+)")
 _TMP_PREFIX = ".tmp-"  # a save in progress / crash leftover
 _TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned or overwritten)
 _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
@@ -87,17 +92,6 @@ _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
 
 class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped in favour of an older one."""
-
-
-def step_name(step: int) -> str:
-    """The folder name of the checkpoint of ``step``."""
-    return f"step_{step:08d}"
-
-
-def step_of(name: str) -> int | None:
-    """The step a checkpoint folder's name stands for; None for any other name."""
-    m = _STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m and name == step_name(int(m.group(1))) else None
 
 
 @contextmanager

@@ -91,7 +91,7 @@ def reading(folder: Path, step: int) -> Iterator[None]:
     path: Path | None = folder / f"{LEASE_PREFIX}{int(step)}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     record = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         with os.fdopen(fd, "w") as f:
             json.dump(record, f)
     except OSError:

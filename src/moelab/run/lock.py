@@ -59,9 +59,21 @@ def run_lock(run_dir: Path | str, command: str | None = None, *,
              enabled: bool = True) -> Iterator[None]:
     """Hold the lock of ``run_dir`` for the block (``enabled=False``: a process that does not
     write the folder, e.g. every process but the first of a multi-process run)."""
+    fresh = not Path(run_dir).exists()
     fd = acquire(run_dir, command) if enabled else None
     try:
         yield
     finally:
         if fd is not None:
+            if fresh:  # a command that failed before writing anything leaves no folder
+                _remove_if_only_the_lock(Path(run_dir))
             release(fd)
+
+
+def _remove_if_only_the_lock(run_dir: Path) -> None:
+    try:
+        if [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
+            (run_dir / LOCK_FILE).unlink()
+            run_dir.rmdir()
+    except OSError:  # something appeared meanwhile: the folder is in use, keep it
+        pass

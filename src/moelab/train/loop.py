@@ -36,13 +36,15 @@ from moelab.data.prepare import with_tokenizer_vocab
 from moelab.data.sampler import heldout_text
 from moelab.parallel.distributed import agree_any, is_main
 from moelab.planner.counts import train_flops_per_token
-from moelab.run.checkpoint import CheckpointError, save_failure
+from moelab.run.checkpoint import Checkpointer, CheckpointError, save_failure
 from moelab.run.lock import run_lock
 from moelab.run.logs import read_metrics
 from moelab.train.adapt import Adapter
 
 # evaluate is called through this module's name (tests patch it)
 from moelab.train.heldout import evaluate, final_eval_tokens, gzip_bpb, sample_text
+from moelab.train.peak import Peaks, format_flops
+from moelab.train.profile import StepTracer
 from moelab.train.resume import absolute_data, resolve_run_config, resume_step
 from moelab.train.setup import RunSetup, setup_run, train_step_at
 from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
@@ -161,6 +163,11 @@ def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
         return None
     if resolve_run_config(with_tokenizer_vocab(absolute_data(cfg)), run_dir).train.steps > at:
         return None  # trained longer now (a new train.steps, a pending replan)
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    try:
+        ckpt.check_folder(ckpt.step_dir(at), at)
+    except CheckpointError:
+        return None  # damaged: the resume falls back to an older one and trains it again
     say(f"{run_dir} finished at step {at} already; nothing to train. To train it longer: "
         f"`moelab resume {run_dir} train.steps=N` with N above {at}")
     return json.loads(path.read_text())
@@ -195,6 +202,18 @@ def _run_steps(run: RunSetup, p: _Progress, flag: _StopFlag) -> None:
     """Train from ``p.step`` to the last step, or to the step at which a stop signal arrived;
     checkpoint on the way and at the end (unless nothing was trained since the restore). An
     evaluation that a stop left undone is done first on resume."""
+    tracer = StepTracer(run.cfg.train.profile_steps, run.run_dir, run.say)
+    try:
+        _step_loop(run, p, flag, tracer)
+        tracer.close(p.state)  # a run that ends inside the traced steps: its last ones whole
+    finally:
+        tracer.close()  # after an error: stop the trace, waiting for nothing
+    if p.step > run.start or not run.restored:
+        _save(run, p)
+
+
+def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer) -> None:
+    """The steps from ``p.step`` on, until the last step or a stop signal."""
     cfg, steps = run.cfg, run.cfg.train.steps
     stop = p.eval_pending and not _log_eval(run, p, flag)
     adapter = Adapter(run)  # drop gates and re-placement (off the clock; they record events)
@@ -204,14 +223,16 @@ def _run_steps(run: RunSetup, p: _Progress, flag: _StopFlag) -> None:
         if change:  # new mixture or context; a new shape recompiles: restart the clock
             run.trackers.event("data_stage", p.step, **change)
             p.t_first, p.paused = None, 0.0
+        _paused(p, tracer.before, p.step + 1, p.state)  # writing a trace is off the clock
         step_fn = train_step_at(run, p.step)
         p.state, m = step_fn(p.state, run.put_batch(run.sampler.batch(p.step)))
         p.step += 1
+        _paused(p, tracer.after, p.step, p.state)
         p.unchecked.append((p.step, _check_values(m)))
         stop = agree_any(flag.signal is not None)  # all processes stop at the same step
         if p.t_first is None:  # exclude compilation from throughput
             jax.block_until_ready(m)
-            p.t_first, p.step_first = time.time(), p.step
+            p.t_first, p.step_first, p.paused = time.time(), p.step, 0.0  # pauses before: off
         if p.step % cfg.train.log_every == 0 or p.step == steps or stop:
             _log_metrics(run, p, m)
         p.eval_pending = p.step % cfg.train.eval_every == 0 and p.step < steps
@@ -221,8 +242,6 @@ def _run_steps(run: RunSetup, p: _Progress, flag: _StopFlag) -> None:
             _paused(p, _save, run, p, False)  # written in the background (train.async_ckpt)
     if stop:
         p.stop_signal = flag.signal or "SIGTERM"  # another process received it
-    if p.step > run.start or not run.restored:
-        _save(run, p)
 
 
 def _paused(p: _Progress, fn, *args):
@@ -294,15 +313,23 @@ def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
     rate = ((tokens - cfg.data.tokens_before(p.step_first)) / max(busy, 1e-9) if done else 0.0)
     seq_len = run.sampler.at(step - 1).seq_len  # metrics tagged with the context
     metrics["throughput/tokens_per_s"] = rate
-    metrics["throughput/mfu"] = rate * train_flops_per_token(cfg.model, seq_len) / run.peak
+    metrics.update(run.peak.metrics(rate * train_flops_per_token(cfg.model, seq_len)))
     metrics["train/tokens"] = tokens
     metrics["data/seq_len"] = seq_len
     run.trackers.log(step, {**metrics, **run.hardware.sample()})
     eta = (cfg.data.tokens_before(steps) - tokens) / rate if rate else float("nan")
     run.say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
             f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
-            f"{rate:,.0f} tok/s | MFU {100 * metrics['throughput/mfu']:.1f}% | "
+            f"{rate:,.0f} tok/s | {_mfu_text(metrics, run.peak)} | "
             f"ETA {_fmt_time(eta) if rate else '?'}")
+
+
+def _mfu_text(metrics: dict, peak: Peaks) -> str:
+    """MFU for the progress line, with the share of the measured peak beside it."""
+    text = f"MFU {metrics['throughput/mfu']:.1%}"
+    if peak.measured is not None and not peak.rated_is_measured:
+        text += f" ({metrics['throughput/share_of_measured_peak']:.1%} of measured)"
+    return text
 
 
 def _log_eval(run: RunSetup, p: _Progress, flag: _StopFlag) -> bool:
@@ -329,9 +356,11 @@ def _summary(run: RunSetup, p: _Progress, t_run: float) -> dict:
                "interrupted": p.stop_signal, "config_hash": cfg.hash(),
                "params_total": run.counts["total"], "params_active": run.counts["active"],
                "tokens_trained": cfg.data.tokens_before(p.step),
-               "wall_time_s": time.time() - t_run, "peak_flops": run.peak}
+               "wall_time_s": time.time() - t_run, "peak_flops": run.peak.rated,
+               "peak_source": run.peak.source, "measured_peak_flops": run.peak.measured}
     summary.update({k: p.metrics.get(k) for k in ("train/loss", "throughput/tokens_per_s",
-                                                   "throughput/mfu")})
+                                                   "throughput/mfu",
+                                                   "throughput/share_of_measured_peak")})
     return summary
 
 
@@ -375,7 +404,12 @@ def format_summary(s: dict) -> str:
         lines.append(f"  train loss       {s['train/loss']:.4f} nats/token")
     if s.get("throughput/tokens_per_s"):
         lines.append(f"  throughput       {s['throughput/tokens_per_s']:,.0f} tokens/s, "
-                     f"MFU {100 * s['throughput/mfu']:.1f}% of {s['peak_flops'] / 1e9:.0f} GFLOP/s")
+                     f"MFU {s['throughput/mfu']:.1%} of {format_flops(s['peak_flops'])}"
+                     + (f" ({s['peak_source']})" if s.get("peak_source") else ""))
+        share = s.get("throughput/share_of_measured_peak")
+        if share is not None and s.get("measured_peak_flops") != s["peak_flops"]:
+            lines.append(f"                   {share:.1%} of the matmul peak measured at start "
+                         f"({format_flops(s['measured_peak_flops'])})")
     domains = sorted({k.split("/")[1] for k in s if k.startswith("eval/")})
     for d in domains:
         lines.append(f"  held-out {d:<11} loss {s[f'eval/{d}/loss']:.4f}, "

@@ -1,11 +1,108 @@
-"""Measure this machine's dense matmul peak (FLOP/s): the physical limit MFU is measured against."""
+"""The peaks MFU is measured against.
+
+MFU (model FLOPs utilisation) is model FLOP/s over the devices' *rated* peak, as published
+trainers report it: the dense bf16 figure the maker lists for a known accelerator
+(``planner.cluster.ACCELERATORS``), so the number means the same on every run and compares with
+published ones. A CPU has no such figure that JAX could look up; it gets a fixed nominal figure
+per core (``CPU_FLOPS_PER_CORE``). Beside MFU stands the *share of measured peak*: model FLOP/s
+over a square matmul timed at start on this machine, what the hardware gives here and now.
+"""
 
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+
+from moelab.planner.cluster import accelerator_of_kind
+
+# A CPU core's nominal peak: two 256-bit FMA units x 8 float32 lanes x 2 FLOPs x ~3 GHz, the
+# AVX2 server core XLA's CPU backend vectorises for, rounded (96 -> 100 GFLOP/s). Fixed rather
+# than measured so that MFU depends on tokens/s and core count only: a matmul timed on a busy or
+# throttled machine moved MFU 9.8-18.8% at the same tokens/s, and an average cached per machine
+# would still depend on the load of the runs that made it. The measured share shows the rest.
+CPU_FLOPS_PER_CORE = 100e9
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """A run's MFU denominators, FLOP/s of all its devices together."""
+
+    rated: float  # what MFU is against
+    source: str  # where ``rated`` comes from, in words
+    measured: float | None = None  # the matmul timed at start; None when not measured
+
+    @property
+    def rated_is_measured(self) -> bool:
+        return self.measured is not None and self.rated == self.measured
+
+    def metrics(self, model_flops_per_s: float) -> dict[str, float]:
+        """``throughput/mfu``, and ``throughput/share_of_measured_peak`` when measured."""
+        out = {"throughput/mfu": model_flops_per_s / self.rated}
+        if self.measured:
+            out["throughput/share_of_measured_peak"] = model_flops_per_s / self.measured
+        return out
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def rated_peak(device_kind: str, platform: str, n_devices: int, processes: int = 1,
+               cores: int | None = None) -> tuple[float, str] | None:
+    """(rated FLOP/s of the devices together, its source in words), or None for an
+    accelerator not in the table. CPU devices of one process share its cores, so a CPU run's
+    peak counts cores per process, not devices."""
+    if platform == "cpu":
+        cores = cores or cpu_cores()
+        total = cores * processes
+        return (total * CPU_FLOPS_PER_CORE,
+                f"{total} CPU core(s) x {CPU_FLOPS_PER_CORE / 1e9:.0f} GFLOP/s nominal")
+    acc = accelerator_of_kind(device_kind)
+    if acc is None:
+        return None
+    return n_devices * acc.peak_flops, f"{n_devices} x {acc.name} rated dense bf16"
+
+
+def device_peaks(devices: list, measured: float | None, dtype: str = "bfloat16") -> Peaks | None:
+    """The peaks of ``devices`` (all of them, across processes) with the ``measured`` matmul
+    peak (FLOP/s of them all, or None): the table's rated peak, or for an accelerator the
+    table lacks the measured one, its source saying so (None when there is neither)."""
+    d = devices[0]
+    rated = rated_peak(d.device_kind, d.platform, len(devices),
+                       len({x.process_index for x in devices}))
+    if rated is not None:
+        return Peaks(*rated, measured)
+    if measured is None:
+        return None
+    return Peaks(measured, f"measured {dtype} matmul (no rated peak known for "
+                 f"{d.device_kind!r}; set train.peak_flops to its dense bf16 FLOP/s)", measured)
+
+
+def run_peaks(peak_flops: float, dtype: str, devices: list) -> Peaks:
+    """A training run's peaks. ``peak_flops`` > 0 (``train.peak_flops``) is the rated peak and
+    nothing is measured; otherwise the ``dtype`` matmul is timed on the first device."""
+    if peak_flops > 0:
+        return Peaks(peak_flops, "train.peak_flops")
+    # a CPU matmul already uses every core of its process: its devices do not add up
+    per = (len(devices) if devices[0].platform != "cpu"
+           else len({x.process_index for x in devices}))
+    return device_peaks(devices, per * measure_peak_flops(dtype=dtype), dtype)
+
+
+def format_flops(x: float) -> str:
+    """``x`` FLOP/s with a readable unit: 122 GFLOP/s, 989 TFLOP/s, 2.5 PFLOP/s."""
+    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x / 1e9:.3g} GFLOP/s"
 
 
 def measure_peak_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32") -> float:

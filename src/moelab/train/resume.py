@@ -46,7 +46,8 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "parallel.ragged_impl", "model.remat", "model.moe_impl", "model.moe_block",
                      "train.microbatch_tokens", "parallel.fsdp", "model.attention_impl",
                      "model.loss_chunk", "train.on_nonfinite", "train.skip_limit",
-                     "train.tensorboard", "train.async_ckpt", "parallel.replace_every",
+                     "train.tensorboard", "train.async_ckpt", "train.profile_steps",
+                     "parallel.replace_every",
                      # where the data is may change; what it is, is checked by its fingerprints
                      "data.data_dir", "data.tokenizer"}
 
@@ -128,6 +129,22 @@ def commit_pending(run_dir: Path | str, cfg: RunConfig) -> None:
     (Path(run_dir) / PENDING).unlink()
 
 
+def as_started(cfg: RunConfig) -> RunConfig:
+    """A run's saved config (config.yaml, a checkpoint's meta.json) with data.sampler as the run
+    draws its batches: a config without it ("") is from a run started before epochs existed,
+    which drew random windows and keeps drawing them; a run never changes its data order."""
+    if cfg.data.sampler:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sampler="random"))
+
+
+def with_sampler_of(cfg: RunConfig, saved: RunConfig | None) -> RunConfig:
+    """``cfg`` with data.sampler written out: the given one, else the run's own (``saved``, a
+    resume), else epoch (a new run), so config.yaml records what the run draws."""
+    kind = cfg.data.sampler or (saved.data.sampler if saved is not None else "epoch")
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sampler=kind))
+
+
 def absolute_data(cfg: RunConfig) -> RunConfig:
     """``cfg`` with data.data_dir and data.tokenizer absolute, as config.yaml keeps them from the
     first start on: a resume from another working folder finds the run's own data."""
@@ -159,7 +176,7 @@ def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
     if got is None:
         return
     step, data = got
-    trained = absolute_data(config_from_dict(data))
+    trained = as_started(absolute_data(config_from_dict(data)))
     old, new = flatten_config(trained.to_dict()), flatten_config(saved.to_dict())
     bad = _differing(old, new, RESUMABLE_CHANGES | set(OPERATION_FIELDS))
     if bad:
@@ -188,13 +205,14 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     A folder without checkpoints has trained nothing yet, so any config may (re)start it."""
     at = resume_step(run_dir)
     if at is None:
-        return cfg.with_frozen_schedule()
-    saved = absolute_data(recovered_config(run_dir))
+        return with_sampler_of(cfg, None).with_frozen_schedule()
+    saved = as_started(absolute_data(recovered_config(run_dir)))
     check_config_identity(saved, run_dir)
     if cfg.optim.schedule_steps == 0:  # "follow train.steps" means the length it started with
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
             cfg.optim, schedule_steps=saved.optim.schedule_steps,
             warmup_steps=cfg.optim.warmup_steps or saved.optim.warmup_steps))
+    cfg = with_sampler_of(cfg, saved)  # not given: the run's own
     # operations (replan, branch) are kept, a pending replan applied, the past left as it was
     cfg = resume_config(saved, cfg.with_frozen_schedule(), run_dir)
     check_stop_step(saved, cfg, at, run_dir)

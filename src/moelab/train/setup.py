@@ -27,6 +27,7 @@ from moelab.data.prepare import (
 )
 from moelab.data.sampler import SteppedSampler
 from moelab.data.store import TokenStore
+from moelab.data.stream import StreamSampler
 from moelab.data.tokenizer import load_tokenizer
 from moelab.parallel import transport
 from moelab.parallel.distributed import barrier, is_main
@@ -48,7 +49,7 @@ from moelab.run.logs import JsonlTracker
 from moelab.run.provenance import provenance
 from moelab.train.adapt import check_adaptive, check_adaptive_heldout
 from moelab.train.heldout import check_heldout
-from moelab.train.peak import measure_peak_flops
+from moelab.train.peak import Peaks, format_flops, run_peaks
 from moelab.train.resume import absolute_data, commit_pending, resolve_run_config, resume_step
 from moelab.train.step import (
     init_train_state,
@@ -80,7 +81,7 @@ class RunSetup:
     store: TokenStore
     tok: Any  # the tokenizer
     tok_record: dict  # its hash and size, saved in each checkpoint's meta.json
-    sampler: SteppedSampler
+    sampler: SteppedSampler | StreamSampler  # the stream's position is restored with the state
     ckpt: Checkpointer
     put_batch: Callable  # a host batch onto the device(s), sharded over the mesh if any
     start: int  # the step training starts from: 0, or the restored checkpoint's
@@ -89,7 +90,7 @@ class RunSetup:
     trackers: Trackers
     hardware: HardwareMonitor
     counts: dict  # parameter counts: total, active per token
-    peak: float  # peak FLOP/s of all devices, the MFU denominator
+    peak: Peaks  # the MFU denominators: rated and measured FLOP/s of all devices
     step_fn: Callable  # the train step of cfg.parallel (train_step_at: a stage's capacities)
     eval_fn: Callable
     mesh: Any = None  # the device mesh (None on a single device)
@@ -164,16 +165,18 @@ def _restore(ckpt: Checkpointer, state: dict, trackers: Trackers) -> tuple[int, 
         raise
 
 
-def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, float]:
-    """(parameter counts, peak FLOP/s of all devices), announced with the FLOPs per token."""
+def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, Peaks]:
+    """(parameter counts, peaks of all devices), announced with the FLOPs per token."""
     counts = param_counts(cfg.model)
     tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
     flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
-    n_dev = 1 if mesh is None else mesh.devices.size
-    peak = cfg.train.peak_flops or n_dev * measure_peak_flops(dtype=cfg.model.compute_dtype)
+    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    peak = run_peaks(cfg.train.peak_flops, cfg.model.compute_dtype, devices)
+    measured = ("" if peak.measured is None or peak.rated_is_measured else
+                f"; measured {cfg.model.compute_dtype} matmul {format_flops(peak.measured)}")
     say(f"model: {counts['total'] / 1e6:.2f}M parameters, {counts['active'] / 1e6:.2f}M active "
         f"per token; {tokens_per_step} tokens/step; {flops_per_token / 1e6:.1f} MFLOP/token; "
-        f"peak {peak / 1e9:.0f} GFLOP/s ({cfg.model.compute_dtype} matmul x {n_dev} device(s))")
+        f"MFU against {format_flops(peak.rated)} ({peak.source}){measured}")
     return counts, peak
 
 
@@ -251,7 +254,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     if main:
         _write_run_folder(cfg, run_dir, data, prov)
 
-    sampler = SteppedSampler(store, cfg.data)  # mixture changes and context stages by step
+    # mixture changes and context stages by step
+    sampler = (StreamSampler(cfg.data, tok, data.corpus_dir) if cfg.data.sampler == "stream"
+               else SteppedSampler(store, cfg.data))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts,
                         asynchronous=cfg.train.async_ckpt)
     if mirror is not None:
@@ -266,6 +271,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     if restored is not None:
         start, state, meta = restored
         say(f"resuming {run_dir} from step {start}")
+    sampler.restore(start, meta.get("data"))
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"), **process_identity())
     if changes:  # the run's record of what it trained on from here

@@ -18,7 +18,8 @@ decision, sent in the pooled-wave's fixed per-destination pools and waves.
 Every rank derives every pool's layout from the [B, E] counts, so no expert ids travel in the
 payload and the receiver needs no gate. Drops: ``receiver_dropped`` counts assignments the
 budget refused (decided before sending, never sent; counted at the source),
-``sender_dropped`` the pool overflow. With pools large enough (``parallel.sender_cf``) which
+``sender_dropped`` the pool overflow. With pools large enough (``parallel.global_sender_cf``,
+its own field: pooled_wave's ``sender_cf`` sizes pools that are kept, these are transient) which
 assignments drop is the same at every expert-parallel degree when ``parallel.fair_blocks`` is
 fixed, and how many drop is the same whatever the blocks.
 
@@ -57,7 +58,7 @@ from moelab.parallel.transport.waterfill import expert_keep_E, source_share_SE
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require_parallel(par.sender_cf > 0, "sender_cf", "must be > 0")
+    require_parallel(par.global_sender_cf > 0, "global_sender_cf", "must be > 0")
     require_parallel(par.receiver_cf > 0, "receiver_cf", "must be > 0")
     require_parallel(par.waves >= 1, "waves", "must be >= 1")
     G = par.budget_group
@@ -81,7 +82,7 @@ def rows(par: ParallelConfig, A: int, S: int, E_l: int, H: int) -> BufferRows:
     """Kept for the backward: every wave's bank input and one row per route (the returned
     rows, combined once). Per wave: S pools of P rows sent and returned, one bank."""
     W, bank = par.waves, bank_rows(par, A, E_l)
-    P = capacity(par.sender_cf, A, S * W)
+    P = capacity(par.global_sender_cf, A, S * W)
     return BufferRows(kept=W * bank + A, send=S * P, bank=bank, back=S * P, waves=W)
 
 
@@ -158,7 +159,7 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
     if B % S or T % b_l:
         raise ValueError(f"parallel.fair_blocks={B}: must be a multiple of the {S} ranks, "
                          f"and the {b_l} blocks per rank must divide the {T} tokens of a rank")
-    P = capacity(par.sender_cf, A, S * W)
+    P = capacity(par.global_sender_cf, A, S * W)
     me = jax.lax.axis_index(axis)
 
     expert_A, valid_A = assignment_arrays(expert_TK, valid_TK)
@@ -167,9 +168,12 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
     count_BE = jax.lax.all_gather(count_bE.reshape(b_l, E), axis).reshape(B, E)
     cap = capacity(par.receiver_cf, A, E_l)  # = ceil(cf_r * S * A / E), physical per expert
     cap_l = logical_capacity(par.receiver_cf, count_BE.sum(), E, cap)
-    share_BE, start_BE = plan(count_BE, cap_l, par.budget_group, T // b_l)
+    # a block's count for one expert is bounded by its assignments, not its tokens: a token
+    # may list the same expert more than once
+    share_BE, start_BE = plan(count_BE, cap_l, par.budget_group, A // b_l)
     n_valid_S = count_BE.reshape(S, -1).sum(axis=1)
-    sent_SEW, off_SEW = pool_counts(share_BE, start_BE, n_valid_S, S, W, P, par.sender_cf)
+    sent_SEW, off_SEW = pool_counts(share_BE, start_BE, n_valid_S, S, W, P,
+                                    par.global_sender_cf)
 
     gb_A = me * b_l + block_A  # global block
     accepted_A = valid_A & (r_A < share_BE[gb_A, expert_A])
@@ -207,5 +211,6 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
 
 
 TRANSPORT = Transport("pooled_global", pooled_global, rows,
-                      ("sender_cf", "receiver_cf", "waves", "budget_group", "fair_blocks"), check,
+                      ("global_sender_cf", "receiver_cf", "waves", "budget_group", "fair_blocks"),
+                      check,
                       group=lambda par, n_local: par.budget_group, takes_kernel=True)

@@ -1,0 +1,141 @@
+"""The model card of a Hugging Face export (its README.md), read from the run folder: what the
+model is, what trained it (data, steps, held-out bits per byte, harness scores of the exported
+step), where it came from (the run's provenance), how to load it and its limits. The export's
+LICENSE is the Apache-2.0 text beside this module."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from moelab.config import ConfigError
+from moelab.planner.counts import param_counts
+from moelab.run.identity import read_provenance
+from moelab.util import read_utf8
+
+LICENSE = Path(__file__).parent / "LICENSE-2.0.txt"
+
+HEADER = """---
+license: apache-2.0
+library_name: transformers
+pipeline_tag: text-generation
+tags: [moelab, mixture-of-experts, custom_code]
+---
+"""
+
+USAGE = """```python
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+path = "{path}"
+model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True, dtype=torch.bfloat16)
+tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # pads on the left
+batch = tok(["The ", "Once upon a time"], return_tensors="pt", padding=True)
+out = model.generate(**batch, max_new_tokens=40, do_sample=True, top_p=0.9)
+print(tok.batch_decode(out, skip_special_tokens=True))
+```"""
+
+
+def read_json(path: Path) -> dict | None:
+    """A JSON object from the run folder; None when the file is missing."""
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(read_utf8(path))
+    except ValueError as e:
+        raise ConfigError(f"{path}: not valid JSON ({e}); fix or remove it (the export's model "
+                          "card reads it)") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: not a JSON object; fix or remove it (the export's model "
+                          "card reads it)")
+    return data
+
+
+def _model_lines(m, seq_len: int) -> list[str]:
+    counts = param_counts(m)
+    return [f"- {counts['total']:,} parameters, {counts['active']:,} active per token "
+            "(attention, router, routed and shared experts; no embedding or head)",
+            f"- {m.n_layers} layers, width {m.d_model}, {m.n_heads} query / {m.n_kv_heads} "
+            f"key-value heads of {m.head_dim}; {m.n_experts} routed experts, top-{m.top_k} "
+            f"({m.router} router), {m.n_shared} shared",
+            f"- trained context {seq_len} tokens; vocabulary {m.vocab_size}"]
+
+
+def _training_lines(cfg, step: int, prov: dict) -> list[str]:
+    d = cfg.data
+    source = f"`{d.source}` ({d.format})" if d.source else "moelab's built-in corpus"
+    tok = prov.get("tokenizer_sha256")
+    return [f"- checkpoint: step {step:,} of {cfg.train.steps:,} "
+            f"({cfg.data.tokens_before(step):,} tokens of batches {d.batch_size} x {d.seq_len})",
+            f"- data: {source}" + (f", corpus fingerprint `{prov['corpus_fingerprint']}`"
+                                   if prov.get("corpus_fingerprint") else ""),
+            "- tokenizer: the run's `tokenizer.json`" + (f" (sha256 `{tok}`)" if tok else ""),
+            f"- optimizer: AdamW, peak learning rate {cfg.optim.lr:g}"]
+
+
+def _heldout_lines(summary: dict | None, step: int) -> list[str]:
+    """Held-out loss and bits per byte per domain, from summary.json."""
+    domains = sorted({k.split("/")[1] for k in summary or {} if k.startswith("eval/")
+                      and k.endswith("/bpb")})
+    if not domains:
+        return ["No held-out evaluation recorded (the run's `summary.json` has none)."]
+    at = summary.get("step")
+    lines = [f"From the run's `summary.json` (step {at:,})"
+             + ("" if at == step else f"; this export is step {step:,}") + ":", "",
+             "| domain | loss (nats/token) | bits per byte |", "|---|---|---|"]
+    lines += [f"| {d} | {summary.get(f'eval/{d}/loss', float('nan')):.4f} | "
+              f"{summary[f'eval/{d}/bpb']:.3f} |" for d in domains]
+    return lines
+
+
+def _harness_lines(run_dir: Path, step: int) -> list[str]:
+    """`moelab eval` results (eval/*.json) of the exported step: one row per task metric."""
+    rows = []
+    for path in sorted((run_dir / "eval").glob("*.json")):
+        res = read_json(path) or {}
+        if (res.get("moelab") or {}).get("step") != step:
+            continue
+        for task, metrics in sorted((res.get("results") or {}).items()):
+            rows += [f"| {task} | {name.split(',')[0]} | {value:.4g} |"
+                     for name, value in sorted(metrics.items())
+                     if isinstance(value, (int, float)) and "stderr" not in name]
+    if not rows:
+        return []
+    return ["", f"`moelab eval` of step {step:,} (lm-evaluation-harness):", "",
+            "| task | metric | value |", "|---|---|---|", *rows]
+
+
+def _provenance_lines(prov: dict) -> list[str]:
+    if not prov:
+        return ["- no `provenance.json` in the run folder"]
+    commit = prov.get("git_commit") or "unknown"
+    dirty = " with uncommitted changes" if prov.get("git_dirty") else ""
+    versions = ", ".join(f"{k} {v}" for k, v in (prov.get("versions") or {}).items() if v)
+    return [f"- moelab code: git commit `{commit}`{dirty}",
+            f"- config hash `{prov.get('config_hash')}`; data fingerprint "
+            f"`{prov.get('data_fingerprint')}`",
+            f"- libraries: {versions}"]
+
+
+def model_card(run, run_dir: Path, name: str) -> str:
+    """README.md of the export of ``run`` (a LoadedRun from ``run_dir``), loaded as ``name``."""
+    cfg, step, prov = run.cfg, run.step, read_provenance(run_dir)
+    seq_len = cfg.data.seq_len
+    sections = [
+        HEADER, f"# {Path(run_dir).resolve().name}: a moelab Mixture-of-Experts language model",
+        "", "Trained with moelab and exported by `moelab export --to hf`.",
+        "", "## Model", "", *_model_lines(cfg.model, seq_len),
+        "", "## Training", "", *_training_lines(cfg, step, prov),
+        "", "## Held-out evaluation", "", *_heldout_lines(read_json(run_dir / "summary.json"),
+                                                          step),
+        *_harness_lines(run_dir, step),
+        "", "## Provenance", "", *_provenance_lines(prov),
+        "", "## Use", "", USAGE.format(path=name),
+        "", "## Limits", "",
+        f"- Trained on {seq_len}-token windows. Past them, `generate` keeps the last {seq_len} "
+        "tokens (as `moelab generate`); a plain forward over more tokens runs at positions "
+        "the model never saw.",
+        "- The modeling code runs in transformers (eager or sdpa attention, KV cache, padded "
+        "batches); no other serving engine is tested.",
+        "", "## License", "", "Apache-2.0 (`LICENSE`).", ""]
+    return "\n".join(sections)

@@ -1,0 +1,32 @@
+"""Checkpoint folder names (``step_00000120``) and the orbax options that read them: a plain
+``ocp.CheckpointManager(ckpt_dir, orbax_manager_options())`` lists and restores moelab's
+checkpoints (item ``state``), read-only."""
+
+from __future__ import annotations
+
+import re
+
+import orbax.checkpoint as ocp
+
+STEP_PREFIX, STEP_DIGITS = "step", 8  # folder step_00000120: orbax's step_prefix, fixed length
+_STEP_RE = re.compile(rf"{STEP_PREFIX}_(\d+)")
+
+
+def step_name(step: int) -> str:
+    """The folder name of the checkpoint of ``step``."""
+    return f"{STEP_PREFIX}_{step:0{STEP_DIGITS}d}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a checkpoint folder name stands for (None: not a checkpoint folder)."""
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m and name == step_name(int(m.group(1))) else None
+
+
+def orbax_manager_options() -> ocp.CheckpointManagerOptions:
+    """Options with which a plain ``ocp.CheckpointManager(ckpt_dir, options)`` reads these
+    checkpoints: the step folders' names, and read-only, since saving and pruning must go
+    through ``Checkpointer`` (manifest, leases). The default options list no steps: they expect
+    folders named by the bare step."""
+    return ocp.CheckpointManagerOptions(step_prefix=STEP_PREFIX,
+                                        step_format_fixed_length=STEP_DIGITS, read_only=True)
