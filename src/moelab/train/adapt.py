@@ -207,7 +207,10 @@ class Adapter:
         if run.main:
             save_config(cfg, run.run_dir / "config.yaml")
         run.cfg = cfg
-        run.sampler = SteppedSampler(run.store, cfg.data)
+        if isinstance(run.sampler, SteppedSampler):  # one sampler per segment, rebuilt
+            run.sampler = SteppedSampler(run.store, cfg.data)
+        else:  # the stream keeps its position and reads the new segments
+            run.sampler.segments = cfg.data.segments()
         run.say(f"step {step}: context gate {stage.seq_len}: {fields['reason']}")
 
     # ------------------------------------------------------------------ re-placement
