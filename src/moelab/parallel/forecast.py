@@ -67,6 +67,12 @@ def heldout_batches(cfg: RunConfig, span: int, ranks: int, tokens_per_rank: int,
     return spans, picked, rest, per_batch
 
 
+def fit_spans(picked: np.ndarray, rest: np.ndarray) -> np.ndarray:
+    """The held-out spans a run fits its own placement on beside a forecast's batches
+    (``moelab.train.adapt``): as many as the batches hold, none of theirs."""
+    return rest[:len(picked)]
+
+
 def batch_drops(ids_LBSK: np.ndarray, L: int, variants: dict[str, tuple], n_experts: int,
                 ranks: int, tokens_per_rank: int, seed: int) -> dict[str, dict]:
     """Drop rates at context L per variant ({name: (parallel config, slots [layers, E] or

@@ -35,7 +35,7 @@ import numpy as np
 from moelab.config import ContextStage, RunConfig, save_config
 from moelab.config.errors import require
 from moelab.data.sampler import SteppedSampler
-from moelab.parallel.forecast import batch_drops, heldout_batches
+from moelab.parallel.forecast import batch_drops, fit_spans, heldout_batches
 from moelab.parallel.placement import fit_placement, permute_experts
 from moelab.parallel.routing import at_context, route_spans, routed_ids, routing_fn
 from moelab.parallel.transport import get
@@ -147,8 +147,7 @@ class Adapter:
         route, now = self._route(cfg), cfg.data.seq_len
         args = (state["params"], state["model_state"])
         ids = route_spans(route, *args, spans[picked], now)
-        fit = rest[:len(picked)]  # as much text as the forecast's, disjoint from it
-        return ids, lambda: routed_ids(route, *args, spans[fit], now), tpr
+        return ids, lambda: routed_ids(route, *args, spans[fit_spans(picked, rest)], now), tpr
 
     def _fit(self, fit_ids, par, L: int) -> dict:
         E = self.run.cfg.model.n_experts

@@ -1,0 +1,171 @@
+"""Drops at 16x context with the expert placement kept fresh while the model trains there
+(``parallel.replace_every``), against a placement fitted before the switch and none; and the
+step-time cost of a re-placement.
+
+    .venv/bin/python bench/fresh_placement.py [--every 8 24 48] [--cost-steps 8]
+
+Setup as bench/drops_vs_context.py at 16x: EP 8 simulated on one device, 4,096 tokens per rank,
+pooled_global in budget groups of 8 (cf_s 2.0, cf_r 1.10, W = 4), 4 batches of held-out text;
+the router model of bench/trained_router.py (trained at 256) and its context-extension branch
+to 4,096 (``moelab branch --seq-len 4096`` from step 135, 48 steps), trained here once with a
+checkpoint every 8 steps.
+
+The branch trains on one device, where nothing drops, and a re-placement leaves a dropless
+run's losses unchanged (tests/test_adapt.py): so the placement in force at step t of a run with
+``replace_every=N`` is the one ``moelab.train.adapt`` fits before the last multiple of N at or
+below t, from the checkpoint of that step. It is fitted here with the same functions (held-out
+text beside the forecast's batches, ``fit_spans``, routed at 4,096 and grouped in units of
+4,096); before any multiple, the placement fitted before the switch (the step-135 model at its
+context 256, in units of 4,096, as a gate's ``place`` fallback or ``branch --place-experts``
+fits it). Drops are those of each checkpoint's routing of the forecast batches with the
+placement in force; the row "at the end" is drops_vs_context's "extended" measurement.
+
+Cost: a fresh run of the router model's shape on 8 fake CPU devices (EP 8, pooled_global,
+16 x 256 tokens per step) with ``replace_every=2``: each ``replace_experts`` event's seconds
+against the median time of a step. Saves bench/results/fresh_placement.json.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                           " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from common import RESULTS, print_table, save  # noqa: E402
+from drops_vs_context import BRANCH_AT, COOLDOWN_STEPS, PER_RANK, RANKS, transports  # noqa: E402
+from trained_router import RUN_DIR, STEPS, load, run_overrides, trained_run  # noqa: E402
+
+L = 4096
+NAME = "pooled_global"
+
+
+def extension(tokens_per_step: int) -> Path:
+    """The 4,096 branch of the router run, with a checkpoint every 8 steps (trained once)."""
+    from moelab.cli import main as moelab
+
+    out = Path(f"{RUN_DIR}-ctx{L}-every8")
+    if not (out / "summary.json").exists():
+        if not out.exists() and moelab(
+                ["branch", str(RUN_DIR), "--at", str(BRANCH_AT), "--seq-len", str(L),
+                 "--cooldown", str(COOLDOWN_STEPS * tokens_per_step), "--out", str(out),
+                 "--reason", "fresh_placement: context extension"]):
+            raise SystemExit("branch failed")
+        print(f"training the context-{L} branch ({COOLDOWN_STEPS} steps) ...", flush=True)
+        if moelab(["resume", str(out), "train.ckpt_every=8", "train.keep_ckpts=10"]):
+            raise SystemExit("training the branch failed")
+    return out
+
+
+def routed(run: Path, step: int, spans, window: int, routes: dict):
+    """The routing [layers, n, span, k] of ``spans`` by the model of ``run`` at ``step``, in
+    windows of ``window`` (one compiled routing per window)."""
+    from moelab.parallel.routing import route_spans, routing_fn
+    from moelab.run.load import load_run
+
+    r = load_run(run, step=step)
+    route = routes.setdefault(window, routing_fn(r.cfg))
+    return route_spans(route, r.params, r.model_state, spans, window)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--every", type=int, nargs="+", default=[8, 24, 48])
+    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--cost-steps", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    if any(n % 8 for n in args.every):
+        raise SystemExit("--every: multiples of 8 (the branch's checkpoints)")
+    from moelab.parallel.forecast import batch_drops, fit_spans, heldout_batches
+    from moelab.parallel.placement import fit_placement
+    from moelab.run.checkpoint import Checkpointer
+
+    t0 = time.time()
+    base_run = trained_run(STEPS)
+    cfg, _, _ = load(str(base_run))
+    par = transports(4)[NAME]
+    E = cfg.model.n_experts
+    ext = extension(cfg.data.batch_size * cfg.data.seq_len)
+    steps = [s for s in Checkpointer(ext / "checkpoints").steps() if s > BRANCH_AT]
+    spans, picked, rest, _ = heldout_batches(cfg, L, RANKS, PER_RANK, args.batches, args.seed)
+    fit_at = fit_spans(picked, rest)
+    print(f"{len(picked)} spans of {L} in the forecast batches, {len(fit_at)} beside them to "
+          f"fit on; checkpoints {steps}", flush=True)
+
+    routes: dict = {}
+
+    def fit(run, step, window):
+        ids = routed(run, step, spans[fit_at], window, routes)
+        return fit_placement(ids.reshape(ids.shape[0], -1, ids.shape[-1]), E, 8, L)["slots"]
+
+    placed = {"before": fit(base_run, BRANCH_AT, cfg.data.seq_len)}  # the gate's place fallback
+    policies = {"none": lambda t: None, "fitted before the switch": lambda t: placed["before"]}
+    for n in args.every:
+        def at(t, n=n):
+            k = max([s for s in steps if s % n == 0 and s <= t], default=None)
+            if k is None:
+                return placed["before"]
+            if k not in placed:
+                placed[k] = fit(ext, k, L)
+            return placed[k]
+        policies[f"replace_every={n}"] = at
+    rows = []
+    for t in steps:
+        ids = routed(ext, t, spans[picked], L, routes)
+        variants = {name: (par, pick(t)) for name, pick in policies.items()}
+        d = batch_drops(ids, L, variants, E, RANKS, PER_RANK, args.seed)
+        rows.append({"step": t, **{name: d[name]["drop"] for name in policies}})
+        print(f"  step {t}: " + ", ".join(f"{k} {v['drop']:.2%}" for k, v in d.items()),
+              flush=True)
+    mean = {"step": "mean", **{n: float(np.mean([r[n] for r in rows])) for n in policies}}
+    cost = replacement_cost(args.cost_steps)
+    runtime = time.time() - t0
+    save("fresh_placement", rows + [mean], router_run=str(base_run), extension=str(ext),
+         transport=vars(par), ranks=RANKS, tokens_per_rank=PER_RANK, batches=args.batches,
+         cost=cost, runtime_s=runtime)
+    print(f"\nDrops at {L} (16x) over the extension, {NAME} G=8 cf_r 1.10, EP {RANKS}:")
+    print_table(rows + [mean], [("step", "step", "")] + [(n, n, ".2%") for n in policies])
+    print(f"\nre-placement cost (EP 8 on 8 CPU devices, {cost['tokens_per_step']} tokens/step):"
+          f" {cost['replace_s_median']:.2f} s per re-placement (first, compiling: "
+          f"{cost['replace_s_first']:.1f} s) against {cost['step_s_median']:.2f} s per step"
+          f"\ntotal runtime {runtime:.0f}s")
+
+
+def replacement_cost(n_steps: int) -> dict:
+    """Seconds of each re-placement and of each step in a short EP 8 run with replace_every=2."""
+    from moelab.config import load_config
+    from moelab.run.logs import read_metrics
+    from moelab.train.loop import train
+
+    run = RESULTS / "fresh_placement_cost_run"
+    shutil.rmtree(run, ignore_errors=True)
+    keep = [o for o in run_overrides(n_steps) if not o.startswith("train.log_every")]
+    cfg = load_config("tiny", keep + [
+        "train.log_every=1", "parallel.devices=8", "parallel.expert=8",
+        "parallel.transport=pooled_global", "parallel.budget_group=8", "parallel.waves=4",
+        "parallel.receiver_cf=1.10", "parallel.global_sender_cf=2.0",
+        "parallel.replace_every=2"])
+    train(cfg, run, sample_prompt=None)
+    records, events = read_metrics(run / "metrics.jsonl")
+    times = {r["step"]: r["time"] for r in records if "train/loss" in r}
+    replaced = {e["step"]: e for e in events if e["event"] == "replace_experts"}
+    # a record at step s ends step s - 1 -> s; a re-placement runs before step s (k * 2)
+    plain = [times[s] - times[s - 1] for s in times if s - 1 in times and s - 1 not in replaced
+             and s > 3]
+    secs = [replaced[s]["seconds"] for s in sorted(replaced)]
+    return {"tokens_per_step": cfg.data.batch_size * cfg.data.seq_len,
+            "step_s_median": float(np.median(plain)), "replace_s_first": secs[0],
+            "replace_s_median": float(np.median(secs[1:] or secs)),
+            "events": [replaced[s] for s in sorted(replaced)]}
+
+
+if __name__ == "__main__":
+    main()
