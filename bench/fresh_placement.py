@@ -2,7 +2,7 @@
 (``parallel.replace_every``), against a placement fitted before the switch and none; and the
 step-time cost of a re-placement.
 
-    .venv/bin/python bench/fresh_placement.py [--every 8 24 48] [--cost-steps 8]
+    .venv/bin/python bench/fresh_placement.py [--every 8 24 48] [--cost-steps 8] [--trajectory]
 
 Setup as bench/drops_vs_context.py at 16x: EP 8 simulated on one device, 4,096 tokens per rank,
 pooled_global in budget groups of 8 (cf_s 2.0, cf_r 1.10, W = 4), 4 batches of held-out text;
@@ -17,8 +17,8 @@ below t, from the checkpoint of that step. It is fitted here with the same funct
 text beside the forecast's batches, ``fit_spans``, routed at 4,096 and grouped in units of
 4,096); before any multiple, the placement fitted before the switch (the step-135 model at its
 context 256, in units of 4,096, as a gate's ``place`` fallback or ``branch --place-experts``
-fits it). Drops are those of each checkpoint's routing of the forecast batches with the
-placement in force; the row "at the end" is drops_vs_context's "extended" measurement.
+fits it). Drops are those of the end's routing of the forecast batches with the placement in
+force (drops_vs_context's "extended" measurement), or with --trajectory each checkpoint's.
 
 Cost: a fresh run of the router model's shape on 8 fake CPU devices (EP 8, pooled_global,
 16 x 256 tokens per step) with ``replace_every=2``: each ``replace_experts`` event's seconds
@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--every", type=int, nargs="+", default=[8, 24, 48])
     ap.add_argument("--batches", type=int, default=4)
     ap.add_argument("--cost-steps", type=int, default=8)
+    ap.add_argument("--trajectory", action="store_true", help="measure at every checkpoint of "
+                    "the extension, not only at its end (a routing of 131K tokens each)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     if any(n % 8 for n in args.every):
@@ -118,7 +120,7 @@ def main() -> None:
             return placed[k]
         policies[f"replace_every={n}"] = at
     rows = []
-    for t in steps:
+    for t in (steps if args.trajectory else steps[-1:]):
         ids = routed(ext, t, spans[picked], L, routes)
         variants = {name: (par, pick(t)) for name, pick in policies.items()}
         d = batch_drops(ids, L, variants, E, RANKS, PER_RANK, args.seed)
@@ -126,13 +128,14 @@ def main() -> None:
         print(f"  step {t}: " + ", ".join(f"{k} {v['drop']:.2%}" for k, v in d.items()),
               flush=True)
     mean = {"step": "mean", **{n: float(np.mean([r[n] for r in rows])) for n in policies}}
+    rows += [mean] if len(rows) > 1 else []
     cost = replacement_cost(args.cost_steps)
     runtime = time.time() - t0
-    save("fresh_placement", rows + [mean], router_run=str(base_run), extension=str(ext),
+    save("fresh_placement", rows, router_run=str(base_run), extension=str(ext),
          transport=vars(par), ranks=RANKS, tokens_per_rank=PER_RANK, batches=args.batches,
          cost=cost, runtime_s=runtime)
     print(f"\nDrops at {L} (16x) over the extension, {NAME} G=8 cf_r 1.10, EP {RANKS}:")
-    print_table(rows + [mean], [("step", "step", "")] + [(n, n, ".2%") for n in policies])
+    print_table(rows, [("step", "step", "")] + [(n, n, ".2%") for n in policies])
     print(f"\nre-placement cost (EP 8 on 8 CPU devices, {cost['tokens_per_step']} tokens/step):"
           f" {cost['replace_s_median']:.2f} s per re-placement (first, compiling: "
           f"{cost['replace_s_first']:.1f} s) against {cost['step_s_median']:.2f} s per step"
