@@ -196,7 +196,8 @@ class DataConfig:
             require(c.batch_size > 0 or tokens % c.seq_len == 0, f"{q}.seq_len",
                     f"must divide the tokens per batch data.seq_len x data.batch_size={tokens} "
                     "(tokens per batch stay constant), or set the stage's batch_size")
-            _check_gate(c, self.segment_at(c.step - 1).seq_len, q)
+        for i, c in enumerate(self.context_stages):  # every stage's shape checked first
+            _check_gate(c, self.segment_at(c.step - 1).seq_len, f"{p}.context_stages[{i}]")
 
     def _validate_stream(self, p: str) -> None:
         require(bool(self.source), f"{p}.source", "data.sampler=stream reads data.source while "

@@ -201,7 +201,7 @@ class RunConfig:
             require(par.devices == 0 or self.data.stage_batch(c) % par.devices == 0,
                     f"data.context_stages[{i}]", f"batch of {self.data.stage_batch(c)} sequences"
                     f" must be divisible by parallel.devices={par.devices}")
-            self._check_gate(c, f"data.context_stages[{i}]")
+            self._check_stage_gate(c, f"data.context_stages[{i}]")
         require(par.replace_every == 0 or par.expert > 1, "parallel.replace_every",
                 "expert placement needs expert parallelism: set parallel.expert > 1, or 0 here")
         if self.train.microbatch_tokens:
@@ -211,7 +211,7 @@ class RunConfig:
                 f"must be <= the schedule length ({self.schedule_steps} steps)")
         return self
 
-    def _check_gate(self, c, q: str) -> None:
+    def _check_stage_gate(self, c, q: str) -> None:
         """What a stage's gate needs from the rest of the config."""
         require(c.max_drops == 0 or self.parallel.expert > 1, f"{q}.max_drops", "a drop gate "
                 "needs expert parallelism (parallel.expert > 1): nothing drops without it")

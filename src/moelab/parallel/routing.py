@@ -49,7 +49,7 @@ def routing_fn(cfg: RunConfig, mesh=None, experts_fn=None, layer_hook=None):
     def on_mesh(p, s, t):
         B, T = t.shape
         padded = np.concatenate([t, np.repeat(t[-1:], -B % n_dev, 0)]).astype(np.int32)
-        return route(p, s, shard_batch(padded, mesh))[:, :B * T]
+        return np.asarray(route(p, s, shard_batch(padded, mesh)))[:, :B * T]  # replicated
 
     return on_mesh
 

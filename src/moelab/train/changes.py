@@ -98,10 +98,6 @@ def apply_change(cfg: RunConfig, at: int, change: Change, *, keep_warmup: bool) 
 
 
 # ---------------------------------------------------------------------------------------------
-# resuming a run whose plan was changed
-
-
-# ---------------------------------------------------------------------------------------------
 # a context stage's drop gate, decided by the run (moelab.train.adapt)
 
 GATE_EVENT = "context_gate"  # the metrics.jsonl event that records a gate's decision
@@ -143,6 +139,10 @@ def recorded_decisions(cfg: RunConfig, events: list[dict]) -> RunConfig:
             cfg = decide_stage(cfg, c, e["decision"], e.get("parallel", {}),
                                e.get("placement", []))
     return cfg
+
+
+# ---------------------------------------------------------------------------------------------
+# resuming a run whose plan was changed
 
 
 def inherit_operations(saved: RunConfig, cfg: RunConfig) -> RunConfig:
