@@ -456,7 +456,7 @@ def test_ladder_run_skips_finished_rungs_and_reports_failures(tmp_path, monkeypa
         def poll(self):
             return self.rc
 
-    def fake_start(name, config, run_dir, steps):
+    def fake_start(name, config, run_dir, steps, running):
         from moelab.ladder.run import _Job
 
         started.append(name)
@@ -464,7 +464,8 @@ def test_ladder_run_skips_finished_rungs_and_reports_failures(tmp_path, monkeypa
         ok = name != lad.rungs[2].name
         if ok:
             write_run(run_dir, load_config(str(config)), lambda s: 3.0, np.random.default_rng(0))
-        return _Job(name, run_dir, steps, FakeProc(0 if ok else 1), open(run_dir.parent / f"{name}.log", "wb"))
+        running.append(_Job(name, run_dir, steps, FakeProc(0 if ok else 1),
+                            open(run_dir.parent / f"{name}.log", "wb")))
 
     monkeypatch.setattr("moelab.ladder.run._start", fake_start)
     status = run_ladder(lad, poll_s=0.0, say=lambda m: None)

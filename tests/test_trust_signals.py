@@ -163,6 +163,14 @@ def test_sigterm_to_ladder_run_stops_its_trainer_after_a_checkpoint(tmp_path, da
     finally:
         again.kill()
     assert lines[0].startswith("ladder: starting r0") and "another process" not in "".join(lines)
+    # however early the signal came, no trainer is left running
+    import psutil
+
+    left = [p for p in psutil.process_iter(["cmdline"])
+            if str(rung) in " ".join(p.info["cmdline"] or [])]
+    for p in left:
+        p.kill()
+    assert not [p.info["cmdline"] for p in left] and not (rung / LOCK).exists(), lines
 
 
 def test_the_bounds_let_their_largest_value_and_every_host_form_through():

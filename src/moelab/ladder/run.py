@@ -16,9 +16,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 from moelab.ladder.folder import Ladder
 from moelab.run.logs import read_metrics
@@ -82,13 +85,36 @@ class _Job:
     started: float = 0.0  # time.time() at the start
 
 
-def _start(name: str, config: Path, run_dir: Path, steps: int) -> _Job:
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
+@contextmanager
+def _signals_wait() -> Iterator[None]:
+    """Ctrl-C and SIGTERM wait until the block ends, then land: a rung's folder is never
+    claimed, nor its trainer started, without the trainer being listed to be stopped. (A
+    signal mask would not do: another thread of this process may take the signal.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    old = {s: signal.signal(s, lambda n, _f: got.append(n)) for s in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            signal.raise_signal(got[0])  # handled now, as if it came just after the block
+
+
+def _start(name: str, config: Path, run_dir: Path, steps: int, running: list[_Job]) -> None:
+    """Start a trainer and list it in ``running``."""
     run_dir.mkdir(parents=True, exist_ok=True)
     log = open(run_dir / "train.log", "ab")
     cmd = [sys.executable, "-m", "moelab.cli", "train", str(config), "--run-dir", str(run_dir)]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ))
     (run_dir / LOCK).write_text(str(proc.pid))  # the trainer holds the folder, even if we die
-    return _Job(name, run_dir, steps, proc, log, time.time())
+    running.append(_Job(name, run_dir, steps, proc, log, time.time()))
 
 
 def _tail(path: Path, n: int = 15) -> str:
@@ -207,13 +233,14 @@ def _pool_loop(queue: list, running: list[_Job], jobs: int, status: dict, guard,
             if is_finished(run_dir, steps):  # finished meanwhile (another ladder process)
                 status[name] = "skipped"
                 continue
-            if not claim(run_dir):
-                status[name] = "failed (another process is training it)"
-                say(f"ladder: {name} is being trained by another process ({run_dir / LOCK}); "
-                    "skipped: run this command again when it is done")
-                continue
-            say(f"ladder: starting {name} ({steps} steps) -> {run_dir}/train.log")
-            running.append(_start(name, config, run_dir, steps))
+            with _signals_wait():
+                if not claim(run_dir):
+                    status[name] = "failed (another process is training it)"
+                    say(f"ladder: {name} is being trained by another process "
+                        f"({run_dir / LOCK}); skipped: run this command again when it is done")
+                    continue
+                say(f"ladder: starting {name} ({steps} steps) -> {run_dir}/train.log")
+                _start(name, config, run_dir, steps, running)
         if not running:
             break
         time.sleep(poll_s)
