@@ -165,3 +165,14 @@ def test_a_finished_run_resumed_says_so_and_adds_nothing(run, capsys):
     assert "train.steps=N` with N above 30" in err
     assert (run / "metrics.jsonl").read_bytes() == before  # no second "finished"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ckpts
+
+
+@pytest.mark.parametrize("text, what", [("{not json", "not valid JSON"),
+                                        ("[1, 2]", "not a JSON object"),
+                                        (b"\xff\xfe{}", "not valid JSON")])
+def test_a_damaged_provenance_names_the_file_and_the_fix(tmp_path, text, what):
+    path = tmp_path / "provenance.json"
+    assert read_provenance(tmp_path) == {}  # none yet
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ConfigError, match=rf"provenance.json: {what}.*restore it from a copy"):
+        read_provenance(tmp_path)

@@ -85,6 +85,22 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def read_json_object(path: Path | str, fix: str,
+                     error: type[Exception] = ValueError) -> dict | None:
+    """The JSON object in ``path``, None when the file is missing; ``error`` naming the file
+    and ``fix`` when it is not valid JSON (or not UTF-8) or not an object."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(read_utf8(path))
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+        raise error(f"{path}: not valid JSON ({e}); {fix}") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: not a JSON object; {fix}")
+    return data
+
+
 def sha256_file(path: Path | str, chunk: int = 1 << 20) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

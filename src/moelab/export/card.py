@@ -5,13 +5,12 @@ LICENSE is the Apache-2.0 text beside this module."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from moelab.config import ConfigError
 from moelab.planner.counts import param_counts
 from moelab.run.identity import read_provenance
-from moelab.util import read_utf8
+from moelab.util import read_json_object
 
 LICENSE = Path(__file__).parent / "LICENSE-2.0.txt"
 
@@ -38,17 +37,8 @@ print(tok.batch_decode(out, skip_special_tokens=True))
 
 def read_json(path: Path) -> dict | None:
     """A JSON object from the run folder; None when the file is missing."""
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(read_utf8(path))
-    except ValueError as e:
-        raise ConfigError(f"{path}: not valid JSON ({e}); fix or remove it (the export's model "
-                          "card reads it)") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: not a JSON object; fix or remove it (the export's model "
-                          "card reads it)")
-    return data
+    return read_json_object(path, "fix or remove it (the export's model card reads it)",
+                            ConfigError)
 
 
 def _model_lines(m, seq_len: int) -> list[str]:

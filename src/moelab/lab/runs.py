@@ -9,7 +9,6 @@ crashed when it is not (killed, out of memory), unknown when it ran on another h
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 from collections import Counter
@@ -20,7 +19,7 @@ from moelab.config import load_yaml, migrate
 from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.observe import series as derived_series
 from moelab.run.logs import read_metrics
-from moelab.util import pid_alive, read_utf8
+from moelab.util import pid_alive, read_json_object, read_utf8
 
 USABLE = ("finished", "running")  # statuses whose metrics verdicts may rest on
 _TERMINAL = ("finished", "diverged", "failed", "aborted", "interrupted")  # by precedence
@@ -107,15 +106,7 @@ def run_status(events: list[dict], summary: dict | None) -> tuple[str, str | Non
 
 
 def _read_json(path: Path) -> dict | None:
-    if not path.exists():
-        return None
-    try:
-        data = json.loads(read_utf8(path))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); fix or remove the file") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: not a JSON object; fix or remove the file")
-    return data
+    return read_json_object(path, "fix or remove the file")
 
 
 def _read_config(path: Path) -> dict | None:

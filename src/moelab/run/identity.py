@@ -25,6 +25,7 @@ from moelab.data.errors import DataError
 from moelab.data.prepare import vocab_needed
 from moelab.data.tokenizer import load_tokenizer, tokenizer_sha256
 from moelab.run.checkpoint import META_FILE, Checkpointer
+from moelab.util import read_json_object
 
 PROVENANCE = "provenance.json"
 # what names a run's data; a record from before these fields has only the store's fingerprint
@@ -34,18 +35,9 @@ ACCEPT = "--accept-data-change"
 
 def read_provenance(run_dir: Path | str) -> dict:
     """The run's ``provenance.json`` ({} when there is none yet)."""
-    path = Path(run_dir) / PROVENANCE
-    if not path.is_file():
-        return {}
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, OSError) as e:
-        raise ConfigError(f"{path}: unreadable ({e}); restore it from a copy, or delete it to "
-                          "record the run's data anew at its next start") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: not a JSON object; restore it from a copy, or delete it to "
-                          "record the run's data anew at its next start")
-    return data
+    return read_json_object(Path(run_dir) / PROVENANCE, "restore it from a copy, or delete "
+                            "it to record the run's data anew at its next start",
+                            ConfigError) or {}
 
 
 def tokenizer_record(tok) -> dict:
