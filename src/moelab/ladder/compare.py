@@ -160,7 +160,9 @@ def side_report(s: Side, bf: BootFit, level: float) -> dict:
     return {"source": str(s.source), "runs": int(len(s.C)),
             "compute_range": [float(s.C.min()), float(s.C.max())],
             "law": "L(C) = E + A C^-alpha", "coefficients": bf.fit.coefficients(),
-            "intervals": bf.intervals(level)}
+            "intervals": bf.intervals(level),
+            "warnings": [f"degenerate fit: {w}; the multiplier leans on a law the runs do not "
+                         "pin down (add widths)" for w in bf.fit.degenerate(s.loss)]}
 
 
 def compare(path_a, path_b, computes=(), n_boot: int = 200, level: float = 0.9,
@@ -195,6 +197,7 @@ def format_compare(rep: dict) -> str:
         lines.append(f"{key} = {s['source']}: {s['runs']} runs, fitted C {s['compute_range'][0]:.3g}"
                      f" to {s['compute_range'][1]:.3g}: L(C) = {c['E']:.4g} + {c['A']:.4g} "
                      f"C^-{c['alpha']:.4g}")
+        lines += [f"  warning: {w}" for w in s["warnings"]]
     lines.append(f"compute multiplier of A over B (C_B / C, L_B(C_B) = L_A(C); > 1: A needs less "
                  f"compute), central {rep['level']:.0%} band:")
     for title, rows in (("at", rep["at"]), ("how it moves with compute", rep["trend"])):

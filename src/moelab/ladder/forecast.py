@@ -232,13 +232,11 @@ def posterior(G: np.ndarray, d: np.ndarray, se: np.ndarray, prior: np.ndarray
     return mu, cov
 
 
-def combined_forecast(sf: SoFar, pred: dict, laws: dict[str, ScheduleFit]) -> dict:
-    """The Bayesian fit of the module doc: the ladder's law as the prior, the run as the data."""
-    level = pred.get("level", 0.9)
-    z = z_of(level)
-    final = pred["final"][EVAL_LOSS]
-    sd0 = math.log(final["hi"] / final["lo"]) / (2 * z)
-    rows, dev, se = [], [], []
+def deviations(sf: SoFar, pred: dict, laws: dict[str, ScheduleFit]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(G [n, 5], d [n], noise sd [n]): the run's log deviations from the ladder's curves (the
+    training loss binned), and each point's row of components (module doc)."""
+    rows, dev, se = [np.empty((0, 5))], [np.empty(0)], [np.empty(0)]
     for key, (steps, vals) in (("train/loss", sf.train), (EVAL_LOSS, sf.held_out)):
         if key not in laws or not len(steps):
             continue
@@ -249,27 +247,30 @@ def combined_forecast(sf: SoFar, pred: dict, laws: dict[str, ScheduleFit]) -> di
         else:
             at, d, e = bin_stats(steps, d, sf.steps, n_bins(), MIN_PROGRESS, MIN_BIN)
             e = np.maximum(e, 1e-6)
-        if not len(at):
-            continue
-        g = deviation_basis(laws[key], sf.run, at - lag, int(m["step"][0]) - lag,
-                            sf.steps - lag)
-        gap = np.full((len(at), 1), float(key == EVAL_LOSS))
-        rows.append(np.hstack([g, gap]))
+        g = deviation_basis(laws[key], sf.run, at - lag, m["step"][0] - lag, sf.steps - lag)
+        rows.append(np.hstack([g, np.full((len(at), 1), float(key == EVAL_LOSS))]))  # the gap
         dev.append(d)
         se.append(e)
-    end = np.append(deviation_basis(laws[EVAL_LOSS], sf.run, [sf.steps], int(
-        pred["metrics"][EVAL_LOSS]["step"][0]), sf.steps)[0], 1.0)
-    active = end != 0  # a component without effect on the final loss (k at constant LR)
+    return np.vstack(rows), np.concatenate(dev), np.concatenate(se)
+
+
+def combined_forecast(sf: SoFar, pred: dict, laws: dict[str, ScheduleFit]) -> dict:
+    """The Bayesian fit of the module doc: the ladder's law as the prior, the run as the data."""
+    z = z_of(pred.get("level", 0.9))
+    final = pred["final"][EVAL_LOSS]
+    sd0 = math.log(final["hi"] / final["lo"]) / (2 * z)
+    # a component without effect on the final loss (k at constant LR) is left out
+    end = deviation_basis(laws[EVAL_LOSS], sf.run, [sf.steps],
+                          pred["metrics"][EVAL_LOSS]["step"][0], sf.steps)[0]
+    active = np.append(end, 1.0) != 0
     prior = np.diag(np.full(active.sum(), sd0 ** 2 / active.sum()))
-    if rows:
-        mu, cov = posterior(np.vstack(rows)[:, active], np.concatenate(dev), np.concatenate(se),
-                            prior)
-    else:
-        mu, cov = np.zeros(active.sum()), prior
+    G, d, se = deviations(sf, pred, laws)
+    mu, cov = (posterior(G[:, active], d, se, prior) if len(d)
+               else (np.zeros(active.sum()), prior))
     mean, sd = float(mu.sum()), float(math.sqrt(cov.sum()))
     mid = final["mid"] * math.exp(mean)
     return {"predicted": mid, "lo": mid * math.exp(-z * sd), "hi": mid * math.exp(z * sd),
-            "points": int(sum(len(d) for d in dev))}
+            "points": int(len(d))}
 
 
 def forecast(records: list[dict], cfg: RunConfig, pred: dict, upto: int | None = None,
