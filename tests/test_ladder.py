@@ -277,9 +277,11 @@ def micro_target(data_dir: str = "unused") -> object:
 
 
 def write_run(run_dir: Path, cfg, loss_fn, rng, grad_norm_fn=None, noise=0.01,
-              finished=True) -> None:
+              finished=True, eval_fn=None) -> None:
     """A run folder as training writes it: metrics.jsonl (train/eval/grad norm/drops) and
-    summary.json, with train/loss = loss_fn(step) * (1 + noise) and eval at eval steps."""
+    summary.json, with train/loss = loss_fn(step) * (1 + noise) and eval/loss = eval_fn(step)
+    (default loss_fn) at eval steps."""
+    eval_fn = eval_fn or loss_fn
     run_dir.mkdir(parents=True, exist_ok=True)
     steps = cfg.train.steps
     tr = JsonlTracker(run_dir / "metrics.jsonl")
@@ -293,7 +295,7 @@ def write_run(run_dir: Path, cfg, loss_fn, rng, grad_norm_fn=None, noise=0.01,
                        "train/grad_norm": float(gn(s) * (1 + 0.05 * rng.normal())),
                        "moe/drop_fraction": 0.0})
         if s in evals:
-            tr.log(s, {f"eval/{d}/loss": float(loss_fn(s) + off) for d, off in DOMAINS.items()})
+            tr.log(s, {f"eval/{d}/loss": float(eval_fn(s) + off) for d, off in DOMAINS.items()})
     if finished:
         tr.event("finished", steps)
     tr.close()

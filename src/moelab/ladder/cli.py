@@ -12,7 +12,9 @@ from moelab.config.errors import require
 EPILOG = ("Typical use: `moelab ladder plan TARGET --out runs/ladder`, `moelab ladder run "
           "runs/ladder`, `moelab ladder fit runs/ladder`, then train the target (`moelab ladder "
           "run runs/ladder --target --guard`) or guard any run: `moelab ladder guard RUN "
-          "--prediction runs/ladder/prediction.json`.")
+          "--prediction runs/ladder/prediction.json`; `moelab ladder forecast RUN --ladder "
+          "runs/ladder` forecasts its final loss, `moelab ladder compare A B` the compute "
+          "multiplier of one ladder over another.")
 
 
 def _list_of(kind, what: str, example: str):
@@ -138,6 +140,38 @@ def cmd_fit(args) -> int:
     return 0
 
 
+def cmd_forecast(args) -> int:
+    from moelab.ladder.fit import final_value
+    from moelab.ladder.forecast import forecast, format_forecast, load_inputs
+    from moelab.ladder.observe import EVAL_LOSS
+
+    require(args.boot >= 20, f"--boot {args.boot}", "must be >= 20 resamples (the run's curve "
+            "alone gets its band from them; the default is 100)")
+    records, cfg, pred, path = load_inputs(args.run, args.ladder)
+    res = forecast(records, cfg, pred, n_boot=args.boot, seed=args.seed)
+    res["prediction"] = str(path)
+    res["observed"] = final_value(records, EVAL_LOSS, cfg.train.steps)
+    print(json.dumps(res) if args.json else format_forecast(args.run, res, res["observed"]))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from moelab.ladder.compare import compare, default_plot_path, format_compare, plot_compare
+
+    check_fit_options(args)
+    for c in args.compute or []:
+        require(math.isfinite(c) and c > 0, f"--compute {c:g}", "training FLOPs, > 0, e.g. 1e18")
+    rep, sides = compare(args.ladder_a, args.ladder_b, args.compute or (), n_boot=args.boot,
+                         level=args.level, seed=args.seed)
+    if not args.no_plots:
+        out = args.plot or default_plot_path(args.ladder_a, args.ladder_b)
+        rep["plot"] = str(plot_compare(rep, sides, out))
+    print(json.dumps(rep) if args.json else format_compare(rep))
+    if "plot" in rep and not args.json:
+        print(f"plot: {rep['plot']}")
+    return 0
+
+
 def check_guard_options(args) -> None:
     require(math.isfinite(args.loss_tol) and args.loss_tol >= 0, f"--loss-tol {args.loss_tol:g}",
             "a relative tolerance >= 0, e.g. 0.02")
@@ -150,6 +184,7 @@ def check_guard_options(args) -> None:
 
 
 def cmd_guard(args) -> int:
+    from moelab.ladder.forecast import live_forecast
     from moelab.ladder.guard import (
         GuardRules,
         band_summary,
@@ -167,8 +202,13 @@ def cmd_guard(args) -> int:
                 "make it with `moelab ladder fit LADDER` or pass --prediction FILE")
     rules = GuardRules(loss_tol=args.loss_tol, grad_norm_max=args.grad_norm_max,
                        patience=args.patience, window=args.window)
+
+    def forecast_now(run_dir):  # the live view: the final loss forecast at each new evaluation
+        return live_forecast(run_dir, pred_path) if pred_path.exists() else None
+
     if args.follow:
-        new = follow(args.run, args.prediction, rules, interval_s=args.interval)
+        new = follow(args.run, args.prediction, rules, interval_s=args.interval,
+                     on_eval=forecast_now)
     else:
         new = guard_run(args.run, args.prediction, rules)
     from moelab.ladder.observe import run_records
@@ -180,17 +220,21 @@ def cmd_guard(args) -> int:
           f"{band_summary(records, pred, pred_path)}")
     for a in alerts:
         print("  " + format_alert(a))
+    if pred is not None:
+        print(forecast_now(args.run))
     return 3 if alerts and args.strict else 0
 
 
 def register(subparsers) -> None:
     """Add `moelab ladder ...` to the main parser's subcommands."""
-    lp = subparsers.add_parser("ladder", help="scaling ladder: plan, run, fit, guard",
+    lp = subparsers.add_parser("ladder", help="scaling ladder: plan, run, fit, guard, "
+                               "forecast, compare",
                                description="Plan small rungs from a target, train them, fit "
-                               "scaling laws, predict the target and guard its live run.",
+                               "scaling laws, predict the target, guard its live run and "
+                               "forecast its final loss; compare two ladders' compute.",
                                epilog=EPILOG)
     sub = lp.add_subparsers(dest="ladder_command", required=True, metavar="SUBCOMMAND")
-    for add in (_add_plan, _add_run, _add_fit, _add_guard):
+    for add in (_add_plan, _add_run, _add_fit, _add_guard, _add_forecast, _add_compare):
         add(sub)
 
 
@@ -244,6 +288,17 @@ def _add_run(sub) -> None:
     r.set_defaults(fn=cmd_run)
 
 
+def _add_fit_options(p, boot_help: str = "bootstrap resamples (default %(default)s)",
+                     boot: int = 200, level: bool = True) -> None:
+    """--json, --boot, --level and --seed, as the fitting commands take them."""
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--boot", type=int, default=boot, help=boot_help)
+    if level:
+        p.add_argument("--level", type=float, default=0.9,
+                       help="central interval of the bands (default 0.9)")
+    p.add_argument("--seed", type=int, default=0)
+
+
 def _add_fit(sub) -> None:
     f = sub.add_parser("fit", help="fit scaling laws to the rungs (or to a CSV of runs) and "
                        "predict", description="Candidate laws (Chinchilla, tied exponents, "
@@ -258,11 +313,7 @@ def _add_fit(sub) -> None:
     f.add_argument("--points", help="CSV of external runs: columns N, D, loss[, C]")
     f.add_argument("--predict", action="append", metavar="N=...,D=...",
                    help="with --points: predict the loss here (repeatable)")
-    f.add_argument("--json", action="store_true", help="print one JSON object")
-    f.add_argument("--boot", type=int, default=200, help="bootstrap resamples (default 200)")
-    f.add_argument("--level", type=float, default=0.9,
-                   help="central interval of the bands (default 0.9)")
-    f.add_argument("--seed", type=int, default=0)
+    _add_fit_options(f)
     f.add_argument("--target-run", help="also write prediction.json into this run folder")
     f.add_argument("--predict-run", action="append", metavar="RUN",
                    help="with LADDER: also predict this run folder's final held-out loss from "
@@ -297,3 +348,38 @@ def _add_guard(sub) -> None:
                    help="trailing median window (logged points)")
     g.add_argument("--strict", action="store_true", help="exit 3 when the log holds alerts")
     g.set_defaults(fn=cmd_guard)
+
+
+def _add_forecast(sub) -> None:
+    f = sub.add_parser("forecast", help="forecast a run's final held-out loss from the ladder "
+                       "and its curve so far",
+                       description="Predict RUN's final held-out loss with a band that narrows "
+                       "as the run advances: a Bayesian fit of its training and held-out loss so "
+                       "far whose prior is the ladder's law (schedule included), next to the "
+                       "ladder alone and the run's curve alone.")
+    f.add_argument("run", help="run folder (metrics.jsonl, config.yaml), live or finished")
+    f.add_argument("--ladder", help="ladder folder or prediction.json (default: "
+                   "RUN/prediction.json)")
+    _add_fit_options(f, "bootstrap resamples of the run's curve alone (default %(default)s)",
+                     boot=100, level=False)
+    f.set_defaults(fn=cmd_forecast)
+
+
+def _add_compare(sub) -> None:
+    c = sub.add_parser("compare", help="compute multiplier of one ladder over another",
+                       description="Fit L(C) = E + A C^-alpha to each ladder's final held-out "
+                       "losses and report, at each compute C, the compute B needs to reach the "
+                       "loss A reaches with C, over C (the efficiency leverage of an MoE A over "
+                       "its dense twin B), with a bootstrap band, how it moves with compute, "
+                       "and a plot of both laws. Multipliers outside the fitted compute are "
+                       "flagged as extrapolations.")
+    c.add_argument("ladder_a", help="ladder folder, or a CSV of runs (N, D, loss[, C])")
+    c.add_argument("ladder_b", help="the ladder to compare against, same kinds")
+    c.add_argument("--compute", type=float, action="append", metavar="C",
+                   help="training FLOPs to report at (repeatable; default: the ladders' "
+                   "targets, or the largest fitted budget)")
+    _add_fit_options(c)
+    c.add_argument("--plot", help="PNG to write (default: LADDER_A/plots/compare_<B>.png, or "
+                   "beside a CSV A)")
+    c.add_argument("--no-plots", action="store_true")
+    c.set_defaults(fn=cmd_compare)

@@ -29,7 +29,7 @@ from moelab.ladder import bands
 from moelab.ladder.folder import Ladder
 from moelab.ladder.observe import EVAL_LOSS, binned, eval_domains, run_records, series
 from moelab.ladder.plan import MIN_RUNS, run_stats
-from moelab.ladder.powerlaw import COMPUTE, BootFit, fit_with_bootstrap, make_law
+from moelab.ladder.powerlaw import BootFit, fit_compute_law
 from moelab.ladder.run import is_finished
 from moelab.ladder.schedule_law import Curve, RunSchedule
 from moelab.ladder.trajectory import CurveFit, fit_curves
@@ -93,7 +93,8 @@ class LadderFit:
     holdout: dict  # each predictor refitted without the largest model's rungs, predicting it
 
 
-def _finals(rungs: list[RungData]) -> np.ndarray:
+def rung_finals(rungs: list[RungData]) -> np.ndarray:
+    """Each rung's final held-out loss."""
     finals = [final_value(r.records, EVAL_LOSS, r.cfg.train.steps) for r in rungs]
     if any(v is None for v in finals):
         raise ValueError("a rung has no final held-out evaluation; re-run it with "
@@ -102,13 +103,11 @@ def _finals(rungs: list[RungData]) -> np.ndarray:
 
 
 def _compute_laws(rungs: list[RungData], e_fixed: float, n_boot: int, seed: int) -> dict:
-    flops = np.array([[r.stats["flops"]] for r in rungs])
-    finals = _finals(rungs)
+    flops = [r.stats["flops"] for r in rungs]
+    finals = rung_finals(rungs)
     e_fixed = min(e_fixed, 0.999 * finals.min())
-    return {"E_fitted": fit_with_bootstrap(make_law(COMPUTE, flops), flops, finals,
-                                           n_boot=n_boot, seed=seed),
-            "E_fixed": fit_with_bootstrap(make_law(COMPUTE, flops, fixed_E=e_fixed), flops,
-                                          finals, n_boot=n_boot, seed=seed)}
+    return {"E_fitted": fit_compute_law(flops, finals, n_boot, seed),
+            "E_fixed": fit_compute_law(flops, finals, n_boot, seed, e_fixed)}
 
 
 def chosen_law(rungs: list[RungData], key: str = EVAL_LOSS, level: float = LEVEL,
@@ -139,7 +138,7 @@ def holdout_check(rungs: list[RungData], level: float = LEVEL) -> dict:
     # with seed replicates, the truth is their mean (rungs of the same shape and FLOPs)
     same = [r for r in rungs if r.stats["params_active"] == n_top
             and r.stats["flops"] == test.stats["flops"]]
-    observed = float(np.mean(_finals(same)))
+    observed = float(np.mean(rung_finals(same)))
     cf = chosen_law(train, EVAL_LOSS, level, 0, 0)
     p = final_loss(cf, test.cfg, level)
     out = {"chosen law": p["mid"]}

@@ -198,13 +198,22 @@ def guard_run(run_dir: Path | str, prediction: Path | str | None = None,
 
 
 def follow(run_dir: Path | str, prediction: Path | str | None = None,
-           rules: GuardRules = GuardRules(), interval_s: float = 30.0, say=info) -> list[dict]:
-    """Guard a live run until its log says it finished (or was interrupted)."""
+           rules: GuardRules = GuardRules(), interval_s: float = 30.0, say=info,
+           on_eval=None) -> list[dict]:
+    """Guard a live run until its log says it finished (or was interrupted); whenever a new
+    held-out evaluation is logged, say what ``on_eval(run_dir)`` returns, if anything (the
+    CLI's forecast of the final loss)."""
     run_dir = Path(run_dir)
-    alerts = []
+    alerts, evals_seen = [], 0
     while True:
         alerts += guard_run(run_dir, prediction, rules, say)
-        _, events = run_records(run_dir)
+        records, events = run_records(run_dir)
+        evals = len(series(records, EVAL_LOSS)[0])
+        if on_eval is not None and evals > evals_seen:
+            line = on_eval(run_dir)
+            if line:
+                say(f"{run_dir.name}: {line}")
+            evals_seen = evals
         life = [e["event"] for e in events if e.get("event") in LIFECYCLE]
         if life and life[-1] in ("finished", "interrupted", "diverged"):
             return alerts

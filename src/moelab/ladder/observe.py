@@ -54,14 +54,24 @@ def binned(steps: np.ndarray, values: np.ndarray, total: int, bins: int,
            start: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """Means of ``values`` over equal stretches of the run (start*total, total]; each bin sits
     at the mean of its steps, rounded (the law is evaluated there). Empty bins are dropped."""
+    at, mean, _ = bin_stats(steps, values, total, bins, start, min_count=1)
+    return at, mean
+
+
+def bin_stats(steps: np.ndarray, values: np.ndarray, total: int, bins: int, start: float = 0.0,
+              min_count: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step, mean, standard error of the mean) of the bins of ``binned`` that hold at least
+    ``min_count`` values (the error is nan with one value)."""
     edges = np.linspace(start * total, total, bins + 1)
-    at, mean = [], []
+    at, mean, se = [], [], []
     for lo, hi in zip(edges[:-1], edges[1:]):
         m = (steps > lo) & (steps <= hi)
-        if m.any():
+        if m.sum() >= min_count:
             at.append(int(round(steps[m].mean())))
             mean.append(float(values[m].mean()))
-    return np.array(at, int), np.array(mean, float)
+            se.append(float(values[m].std(ddof=1) / math.sqrt(m.sum())) if m.sum() > 1
+                      else math.nan)
+    return np.array(at, int), np.array(mean, float), np.array(se, float)
 
 
 def rolling_median(values: np.ndarray, window: int) -> np.ndarray:

@@ -19,22 +19,36 @@ from pathlib import Path
 import numpy as np
 
 from moelab.ladder.choose import choose, make_data, summary
-from moelab.ladder.powerlaw import COMPUTE, fit_with_bootstrap, make_law
+from moelab.ladder.powerlaw import fit_compute_law
 from moelab.util import decode_utf8
 
 REQUIRED = ("N", "D", "loss")
 
 
 def read_points(path: Path | str) -> dict[str, np.ndarray]:
+    """The runs of a CSV (``read_runs``), enough and spread enough to fit L(N, D)."""
+    points = read_runs(path)
+    n = len(points["loss"])
+    if n < 6:
+        raise ValueError(f"--points {path}: {n} rows; L(N, D) has 5 parameters, give at least "
+                         "6 runs")
+    check_spread(points, f"--points {path}")
+    return points
+
+
+def read_runs(path: Path | str, source: str = "--points") -> dict[str, np.ndarray]:
+    """Columns N, D, loss (and C, where given) of a CSV, every value a positive number; errors
+    name the file after ``source`` (the option that gave it)."""
     path = Path(path)
+    where = f"{source} {path}".strip()
     if not path.is_file():
-        raise FileNotFoundError(f"--points {path}: not found")
-    with io.StringIO(decode_utf8(path.read_bytes(), f"--points {path}"), newline="") as f:
+        raise FileNotFoundError(f"{where}: not found")
+    with io.StringIO(decode_utf8(path.read_bytes(), where), newline="") as f:
         reader = csv.DictReader(f)
         cols = [c.strip() for c in reader.fieldnames or []]
         missing = [c for c in REQUIRED if c not in cols]
         if missing:
-            raise ValueError(f"--points {path}: missing column(s) {', '.join(missing)}; the CSV "
+            raise ValueError(f"{where}: missing column(s) {', '.join(missing)}; the CSV "
                              f"needs a header with N, D, loss (optional C); found {cols}")
         names = [c for c in (*REQUIRED, "C") if c in cols]
         rows = []
@@ -43,20 +57,15 @@ def read_points(path: Path | str) -> dict[str, np.ndarray]:
             try:
                 vals = [float(row[c]) for c in names]
             except (TypeError, ValueError):
-                raise ValueError(f"--points {path}: line {i}: every value of "
+                raise ValueError(f"{where}: line {i}: every value of "
                                  f"{', '.join(names)} must be a number, got "
                                  f"{[row.get(c) for c in names]}") from None
             if not all(math.isfinite(v) and v > 0 for v in vals):
-                raise ValueError(f"--points {path}: line {i}: values must be positive, got "
+                raise ValueError(f"{where}: line {i}: values must be positive, got "
                                  f"{dict(zip(names, vals))}")
             rows.append(vals)
-    if len(rows) < 6:
-        raise ValueError(f"--points {path}: {len(rows)} rows; L(N, D) has 5 parameters, give at "
-                         "least 6 runs")
-    arr = np.array(rows)
-    points = {c: arr[:, j] for j, c in enumerate(names)}
-    check_spread(points, f"--points {path}")
-    return points
+    arr = np.array(rows).reshape(-1, len(names))
+    return {c: arr[:, j] for j, c in enumerate(names)}
 
 
 def check_spread(points: dict[str, np.ndarray], source: str) -> None:
@@ -72,6 +81,12 @@ def check_spread(points: dict[str, np.ndarray], source: str) -> None:
 
 def frontier(C: np.ndarray, loss: np.ndarray, rel: float = 0.02) -> tuple[np.ndarray, np.ndarray]:
     """The lowest loss of each compute budget (budgets within ``rel`` of each other are one)."""
+    best = frontier_index(C, loss, rel)
+    return C[best], loss[best]
+
+
+def frontier_index(C: np.ndarray, loss: np.ndarray, rel: float = 0.02) -> np.ndarray:
+    """Index of the lowest loss of each compute budget, budgets in increasing order."""
     order = np.argsort(C)
     groups: list[list[int]] = []
     for i in order:
@@ -79,8 +94,7 @@ def frontier(C: np.ndarray, loss: np.ndarray, rel: float = 0.02) -> tuple[np.nda
             groups[-1].append(i)
         else:
             groups.append([i])
-    best = [g[int(np.argmin(loss[g]))] for g in groups]
-    return C[best], loss[best]
+    return np.array([g[int(np.argmin(loss[g]))] for g in groups], int)
 
 
 def parse_predict(text: str) -> tuple[float, float]:
@@ -121,8 +135,7 @@ def fit_points(points: dict[str, np.ndarray], predict: list[tuple[float, float]]
     if "C" in points:
         C, best = frontier(points["C"], points["loss"])
         if len(C) >= 4:
-            cf = fit_with_bootstrap(make_law(COMPUTE, C[:, None]), C[:, None], best,
-                                    n_boot=n_boot, seed=seed)
+            cf = fit_compute_law(C, best, n_boot, seed)
             out["compute_law"] = {"law": "L(C) = E + A C^-alpha (best loss per budget)",
                                   "n_budgets": int(len(C)), **cf.fit.coefficients()}
     preds = []

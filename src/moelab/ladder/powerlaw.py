@@ -9,9 +9,11 @@ one grid of starting points serves every scale; coefficients are reported in the
   [(Nc/N)^(aN/aD) + Dc/D]^aD with an irreducible term; gamma = 1 is Chinchilla;
 * ``compute``: L = E + A c^-alpha, the loss against training FLOPs alone.
 
-E is fitted, or fixed (``fixed_E``). With ``anneal`` an L(N, D) form gets the LR-annealing term
-- k S2, k >= 0, from a third feature column S2 (moelab.ladder.schedule_law; D is then the
-LR-weighted tokens S1): at constant LR S2 = 0 and the law is the plain L(N, D).
+E is fitted, or fixed (``fixed_E``). With ``anneal`` a law gets the LR-annealing term - k S2,
+k >= 0, from one more feature column S2 (moelab.ladder.schedule_law; D is then the LR-weighted
+tokens S1): at constant LR S2 = 0 and the law is the plain L(N, D). The one-feature form with the
+annealing term is one run's loss curve, L(s) = E + A S1(s)^-alpha - k S2(s) (N fixed: its term is
+part of E).
 
 A fit minimises sum_i rho(sqrt(w_i) (log L_hat_i - log L_i)), rho one of: squares (``lsq``,
 least squares in log loss), Huber with delta 1e-3 (``huber``, Chinchilla's approach 3) or a soft
@@ -85,7 +87,7 @@ class Law:
         """(log x, log z, S2) of feature rows X; z and S2 are 0 where the law has none."""
         X = np.asarray(X, float)
         lz = np.log(X[:, 1] / self.x0[1]) if len(self.x0) > 1 else np.zeros(len(X))
-        s2 = X[:, 2] if self.anneal else np.zeros(len(X))
+        s2 = X[:, len(self.x0)] if self.anneal else np.zeros(len(X))  # the column after them
         return np.log(X[:, 0] / self.x0[0]), lz, s2
 
     def _E(self, p: dict) -> np.ndarray:
@@ -161,8 +163,6 @@ def make_law(form: str, X: np.ndarray, anneal: bool = False,
     """A ``form`` law normalised to the data X (columns N, D[, S2], or C for ``compute``)."""
     if form not in PARAMS:
         raise ValueError(f"law form {form!r}: expected one of {', '.join(PARAMS)}")
-    if anneal and form == COMPUTE:
-        raise ValueError("the annealing term goes with an L(N, D) form, not with L(C)")
     X = np.asarray(X, float)
     k = 1 if form == COMPUTE else 2
     names = "C" if form == COMPUTE else "N and D"
@@ -338,3 +338,12 @@ def fit_with_bootstrap(law: Law, X, y, groups=None, n_boot: int = 200, seed: int
                        loss: str = "huber") -> BootFit:
     """Multi-start fit on all points, then ``n_boot`` bootstrap refits (``bootstrap``)."""
     return bootstrap(fit_law(law, X, y, loss), X, y, groups, n_boot, seed)
+
+
+def fit_compute_law(C, loss, n_boot: int = 200, seed: int = 0,
+                    fixed_E: float | None = None) -> BootFit:
+    """L(C) = E + A C^-alpha to losses at training FLOPs ``C`` (E fitted, or ``fixed_E``), Huber
+    on log residuals, with ``n_boot`` bootstrap refits over the points."""
+    X = np.asarray(C, float).reshape(-1, 1)
+    return fit_with_bootstrap(make_law(COMPUTE, X, fixed_E=fixed_E), X, loss, n_boot=n_boot,
+                              seed=seed)

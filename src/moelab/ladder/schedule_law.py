@@ -17,6 +17,10 @@ Warmup, linear decay, a re-timed decay, a cooldown branch: each only changes r, 
 parameters predicts them all. The lag tau is chosen from a grid: the tau whose robust fit of
 this (Chinchilla) form fits best (moelab.ladder.powerlaw, Huber on log residuals). Every form
 of moelab.ladder.powerlaw takes the same - k S2 term (moelab.ladder.trajectory).
+
+Along one run N is fixed and its term joins E: L(s) = E' + A S1(s)^-alpha - k S2(s), the
+one-feature form with the annealing term (``fit_run_law``; moelab.ladder.forecast fits it to a
+run's own curve, and to the ladder's predicted curve of that run).
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ import numpy as np
 
 from moelab.config import RunConfig
 from moelab.ladder.plan import active_params
-from moelab.ladder.powerlaw import LawFit, fit_law, make_law
+from moelab.ladder.powerlaw import COMPUTE, LawFit, fit_law, make_law
 
 TAUS = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0)  # annealing lag candidates, in steps
+# evaluations per refinement of a one-run fit: a short stretch of a curve leaves E', A and alpha
+# trading off along a flat valley, where more evaluations buy time, not a better forecast
+RUN_NFEV = 200
 
 
 @dataclass(frozen=True)
@@ -104,7 +111,7 @@ def stack_curves(curves: list[Curve], tau: float) -> tuple[np.ndarray, np.ndarra
 
 @dataclass(frozen=True)
 class ScheduleFit:
-    """The law in Chinchilla's form at its best lag tau."""
+    """The law at its best lag tau: Chinchilla's form across runs, or one run's curve."""
 
     fit: LawFit
     tau: float
@@ -112,9 +119,19 @@ class ScheduleFit:
     def coefficients(self) -> dict:
         return {**self.fit.coefficients(), "tau": self.tau}
 
+    def features(self, run: RunSchedule, at: np.ndarray) -> np.ndarray:
+        X = run.features(at, self.tau)
+        return X[:, 1:] if self.fit.law.form == COMPUTE else X  # one run's law: S1, S2
+
     def predict(self, run: RunSchedule, at: np.ndarray) -> dict:
         """mid after ``at`` steps of ``run``."""
-        return {"mid": self.fit.predict(run.features(at, self.tau))}
+        return {"mid": self.fit.predict(self.features(run, at))}
+
+
+def best_tau(fit_at, taus=TAUS) -> ScheduleFit:
+    """``fit_at(tau)`` (a LawFit) for each lag; the one with the lowest objective."""
+    fits = [ScheduleFit(fit_at(tau), tau) for tau in taus]
+    return min(fits, key=lambda f: f.fit.objective)
 
 
 def fit_schedule_law(curves: list[Curve], taus=TAUS) -> ScheduleFit:
@@ -123,10 +140,19 @@ def fit_schedule_law(curves: list[Curve], taus=TAUS) -> ScheduleFit:
     if len(curves) < 2:
         raise ValueError(f"{len(curves)} run(s): the schedule law needs runs of at least two "
                          "sizes")
-    best = None
-    for tau in taus:
+
+    def fit_at(tau):
         X, y, _ = stack_curves(curves, tau)
-        fit = fit_law(make_law("chinchilla", X, anneal=True), X, y, "huber")
-        if best is None or fit.objective < best.fit.objective:
-            best = ScheduleFit(fit, tau)
-    return best
+        return fit_law(make_law("chinchilla", X, anneal=True), X, y, "huber")
+    return best_tau(fit_at, taus)
+
+
+def fit_run_law(run: RunSchedule, at: np.ndarray, loss: np.ndarray, weights=None,
+                taus=TAUS, max_nfev: int = RUN_NFEV) -> ScheduleFit:
+    """One run's curve, L(s) = E' + A S1(s)^-alpha - k S2(s), least squares in log loss
+    (``weights`` per point), at the lag tau that fits best."""
+    def fit_at(tau):
+        X = run.features(at, tau)[:, 1:]
+        return fit_law(make_law(COMPUTE, X, anneal=True), X, loss, "lsq", weights,
+                       max_nfev=max_nfev)
+    return best_tau(fit_at, taus)

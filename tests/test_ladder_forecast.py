@@ -1,0 +1,245 @@
+"""The ladder's forecast of a live run's final loss, and the compute multiplier of one ladder over
+another: both on runs written from known laws (no training), so each test knows its truth.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moelab.config.io import save_config
+from moelab.ladder.fit import LOSS_KEYS, MIN_PROGRESS, prediction_steps
+from moelab.ladder.folder import write_ladder
+from moelab.ladder.forecast import evaluate, load_inputs
+from moelab.ladder.observe import EVAL_LOSS
+from moelab.ladder.plan import LadderRule, plan_ladder, run_stats
+from moelab.ladder.schedule_law import RunSchedule
+from moelab.util import atomic_write_json
+from test_cli import run_main
+from test_ladder import SCHED_TRUTH, law_value, micro_target, write_run
+
+GAP = 1.03  # held-out loss / training loss of the synthetic runs (another mixture of text)
+LADDER_LAW = {**SCHED_TRUTH, "E": SCHED_TRUTH["E"] + 0.1}  # the ladder ~1% high at the end
+
+
+def synthetic_prediction(cfg, law: dict, half_width: float = 0.02) -> dict:
+    """prediction.json as `moelab ladder fit` writes it, from a known law, with a band of
+    +-``half_width`` (log units)."""
+    run = RunSchedule.from_config(cfg)
+    steps = cfg.train.steps
+    at = prediction_steps(steps)
+    at = at[at >= MIN_PROGRESS * steps]
+    metrics = {}
+    for key, lag in LOSS_KEYS.items():
+        mid = law_value(run, np.clip(at - lag, 1, steps), law) * (GAP if key == EVAL_LOSS else 1)
+        metrics[key] = {"step": at.tolist(), "mid": mid.tolist(),
+                        "lo": (mid * math.exp(-half_width)).tolist(),
+                        "hi": (mid * math.exp(half_width)).tolist()}
+    stats = run_stats(cfg)
+    return {"source": "synthetic", "level": 0.9, "steps": steps,
+            "target": {k: stats[k] for k in ("params_active", "tokens", "flops")},
+            "metrics": metrics,
+            "final": {k: {q: m[q][-1] for q in ("lo", "mid", "hi")} for k, m in metrics.items()}}
+
+
+def write_synthetic_run(run_dir: Path, cfg, noise: float, seed: int = 0) -> float:
+    """A finished run of ``cfg`` following SCHED_TRUTH (training loss with per-batch noise,
+    held-out loss GAP above it), with its config.yaml; returns the true final held-out loss."""
+    run = RunSchedule.from_config(cfg)
+    steps = cfg.train.steps
+
+    def truth(s):
+        return law_value(run, [min(max(s, 1), steps)])[0]
+    write_run(run_dir, cfg, truth, np.random.default_rng(seed), noise=noise,
+              eval_fn=lambda s: GAP * truth(s))
+    save_config(cfg, run_dir / "config.yaml")
+    return GAP * truth(steps)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return micro_target()
+
+
+def by_method(rows: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(r["method"], []).append(r)
+    return out
+
+
+def test_forecast_narrows_as_the_run_advances_and_beats_both_baselines(tmp_path, target):
+    """The ladder ~1% high with a +-2% band; the run's training loss 3% noisy per batch."""
+    truth = write_synthetic_run(tmp_path / "run", target, noise=0.03)
+    pred = synthetic_prediction(target, LADDER_LAW)
+    atomic_write_json(tmp_path / "run" / "prediction.json", pred)
+    records, cfg, pred, _ = load_inputs(tmp_path / "run")
+    rows = by_method(evaluate(records, cfg, pred, n_boot=20))
+    comb, lad, curve = rows["combined"], rows["ladder"], rows["curve"]
+    assert [r["fraction"] for r in comb] == [0.1, 0.2, 0.3, 0.5]
+    assert all(r["observed"] == pytest.approx(truth, rel=1e-6) for r in comb)
+    # with nothing seen after the first 10% the forecast is the ladder's, band and all
+    assert comb[0]["predicted"] == pytest.approx(lad[0]["predicted"], rel=1e-9)
+    assert comb[0]["half_width"] == pytest.approx(lad[0]["half_width"], rel=1e-6)
+    widths = [r["half_width"] for r in comb]
+    assert all(a > b for a, b in zip(widths, widths[1:])), widths
+    assert all(r["covered"] for r in comb)
+    assert lad[0]["rel_error"] > 0.007  # the ladder's own miss, which the run corrects
+    for c, ld, cv in zip(comb[2:], lad[2:], curve[2:]):  # 30%, 50%
+        assert abs(c["rel_error"]) < abs(ld["rel_error"]) / 2
+        assert abs(c["rel_error"]) <= abs(cv["rel_error"])
+    # the run's curve alone: nothing to fit at 10% and 20%, then wide but honest bands
+    assert curve[0]["predicted"] is None and curve[1]["predicted"] is None
+    assert curve[2]["covered"] and curve[3]["covered"]
+
+
+def test_the_runs_curve_alone_extrapolates_a_quiet_run(tmp_path, target):
+    """0.3% noise, 80% seen: the one-run law extrapolates through the rest of the LR decay."""
+    truth = write_synthetic_run(tmp_path / "run", target, noise=0.003, seed=2)
+    pred = synthetic_prediction(target, LADDER_LAW)
+    atomic_write_json(tmp_path / "pred.json", pred)
+    records, cfg, pred, _ = load_inputs(tmp_path / "run", tmp_path / "pred.json")
+    rows = by_method(evaluate(records, cfg, pred, fractions=(0.8,), n_boot=20))
+    (curve,), (comb,) = rows["curve"], rows["combined"]
+    assert curve["covered"] and abs(curve["predicted"] / truth - 1) < 0.005
+    assert comb["covered"] and abs(comb["predicted"] / truth - 1) < 0.005
+
+
+def test_forecast_cli_on_a_live_run_and_the_guards_view(tmp_path, target, capsys):
+    run_dir = tmp_path / "run"
+    write_synthetic_run(run_dir, target, noise=0.03, seed=1)
+    lad = tmp_path / "lad"
+    atomic_write_json(lad / "prediction.json", synthetic_prediction(target, LADDER_LAW))
+    # following the run, the guard says the forecast as each evaluation arrives (here all at
+    # once: the run has finished)
+    rc, _, err = run_main(["ladder", "guard", str(run_dir), "--prediction",
+                           str(lad / "prediction.json"), "--follow", "--interval", "0.01"], capsys)
+    assert rc == 0 and "run: forecast of the final held-out loss:" in err and "100% of the run" in err
+    log = run_dir / "metrics.jsonl"  # cut the log at 40% of the run: a live run
+    cut = 0.4 * target.train.steps
+    log.write_text("".join(line + "\n" for line in log.read_text().splitlines()
+                           if json.loads(line).get("step", 0) <= cut))
+    rc, out, err = run_main(["ladder", "forecast", str(run_dir), "--ladder", str(lad), "--json",
+                             "--boot", "20"], capsys)
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["step"] == cut and res["observed"] is None
+    comb = res["forecasts"]["combined"]
+    assert comb["lo"] < comb["predicted"] < comb["hi"]
+    assert set(res["forecasts"]) == {"combined", "ladder", "curve"}
+    rc, out, _ = run_main(["ladder", "forecast", str(run_dir), "--ladder",
+                           str(lad / "prediction.json"), "--boot", "20"], capsys)
+    assert rc == 0 and "combined (ladder + run)" in out and "(40%)" in out
+    rc, out, _ = run_main(["ladder", "guard", str(run_dir), "--prediction",
+                           str(lad / "prediction.json")], capsys)
+    assert rc == 0 and "forecast of the final held-out loss:" in out and "40% of the run" in out
+
+
+def test_forecast_errors_name_the_file_and_the_fix(tmp_path, target, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = run_main(["ladder", "forecast", str(empty)], capsys)
+    assert rc == 2 and f"{empty / 'metrics.jsonl'}: not found" in err and "moelab train" in err
+    run_dir = tmp_path / "run"
+    write_synthetic_run(run_dir, target, noise=0.01)
+    rc, _, err = run_main(["ladder", "forecast", str(run_dir)], capsys)  # no prediction there
+    assert rc == 2 and "prediction.json: not found" in err and "--ladder" in err
+    rule = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 2))
+    lad = write_ladder(tmp_path / "lad", "micro", target, rule, plan_ladder(target, rule))
+    rc, _, err = run_main(["ladder", "forecast", str(run_dir), "--ladder", str(lad.root)], capsys)
+    assert rc == 2 and "the ladder has no fit yet" in err and "moelab ladder fit" in err
+    other = synthetic_prediction(micro_target(), LADDER_LAW)
+    other["steps"] = 2 * target.train.steps
+    atomic_write_json(tmp_path / "other.json", other)
+    rc, _, err = run_main(["ladder", "forecast", str(run_dir), "--ladder",
+                           str(tmp_path / "other.json")], capsys)
+    assert rc == 2 and "predicts another run" in err and "steps 2400 there, 1200 here" in err
+    (run_dir / "config.yaml").unlink()
+    rc, _, err = run_main(["ladder", "forecast", str(run_dir), "--ladder",
+                           str(tmp_path / "other.json")], capsys)
+    assert rc == 2 and "config.yaml: not found" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# the compute multiplier
+
+
+def write_runs_csv(path: Path, mult: float, alpha: float = 0.15, a: float = 200.0,
+                   seed: int = 0, budgets=np.geomspace(1e15, 1e17, 5)) -> Path:
+    """Two seeds per budget of L(C) = 2 + a (C / mult)^-alpha, 0.3% noise: with a and alpha as
+    they are, a ladder that needs ``mult`` times the compute of mult = 1 for any loss."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for c in budgets:
+        for _ in range(2):
+            n = math.sqrt(c / 120)  # 20 tokens per parameter, C = 6 N D
+            loss = (2 + a * (c / mult) ** -alpha) * math.exp(0.003 * rng.normal())
+            rows.append(f"{n:.6g},{20 * n:.6g},{loss:.6g},{c:.6g}")
+    path.write_text("N,D,loss,C\n" + "\n".join(rows) + "\n")
+    return path
+
+
+def test_compare_recovers_a_known_multiplier_and_flags_extrapolation(tmp_path, capsys):
+    moe = write_runs_csv(tmp_path / "moe.csv", mult=1.0)
+    dense = write_runs_csv(tmp_path / "dense.csv", mult=3.0, seed=1)
+    rc, out, err = run_main(["ladder", "compare", str(moe), str(dense), "--compute", "1e16",
+                             "--compute", "1e18", "--boot", "60", "--json"], capsys)
+    assert rc == 0, err
+    rep = json.loads(out)
+    inside, beyond = rep["at"]
+    for r in (inside, beyond):
+        assert r["lo"] <= 3.0 <= r["hi"], r
+    assert inside["multiplier"] == pytest.approx(3.0, rel=0.1)
+    assert inside["hi"] - inside["lo"] < beyond["hi"] - beyond["lo"]  # extrapolating costs
+    assert inside["extrapolated"] is None and beyond["extrapolated"].startswith("A at 1e+18")
+    assert rep["A"]["compute_range"] == pytest.approx([1e15, 1e17])
+    assert Path(rep["plot"]) == tmp_path / "moe_vs_dense.png" and Path(rep["plot"]).stat().st_size
+    assert rep["A"]["runs"] == 10  # both seeds of every budget
+    # a dense law of a smaller exponent, 3x at 1e16: the multiplier grows with compute
+    a_b = 200 * 1e16 ** -0.15 * 3e16 ** 0.12
+    flat = write_runs_csv(tmp_path / "flat.csv", mult=1.0, alpha=0.12, a=a_b, seed=2)
+    rc, out, _ = run_main(["ladder", "compare", str(moe), str(flat), "--boot", "20",
+                           "--no-plots"], capsys)
+    assert rc == 0 and "how it moves with compute" in out
+    rc, out, _ = run_main(["ladder", "compare", str(moe), str(flat), "--compute", "1e16",
+                           "--boot", "20", "--no-plots", "--json"], capsys)
+    rep = json.loads(out)
+    assert rep["at"][0]["lo"] <= 3.0 <= rep["at"][0]["hi"]
+    trend = [r["multiplier"] for r in rep["trend"]]
+    assert all(a < b for a, b in zip(trend, trend[1:])) and trend[-1] > 1.5 * trend[0], trend
+
+
+def write_rung_runs(root: Path, cfg, law: dict):
+    """A 4-rung ladder of ``cfg`` with every rung 'trained' from ``law``."""
+    rule = LadderRule(rungs=4, widths=(16, 32, 48, 64), depths=(2, 2, 3, 3))
+    lad = write_ladder(root, "micro", cfg, rule, plan_ladder(cfg, rule))
+    for r in lad.rungs:
+        run = RunSchedule.from_config(r.cfg)
+        write_run(lad.run_dir(r.name), r.cfg, lambda s, run=run: law_value(run, [max(s, 1)], law)[0],
+                  np.random.default_rng(0))
+    return lad
+
+
+def test_compare_ladder_folders_and_refuse_mismatched_inputs(tmp_path, target, capsys):
+    a = write_rung_runs(tmp_path / "a", target, SCHED_TRUTH)
+    b = write_rung_runs(tmp_path / "b", target, {**SCHED_TRUTH, "A": 2 * SCHED_TRUTH["A"]})
+    rc, out, err = run_main(["ladder", "compare", str(a.root), str(b.root), "--boot", "20",
+                             "--json"], capsys)
+    assert rc == 0, err
+    rep = json.loads(out)
+    (at,) = rep["at"]  # the targets' compute, one target config
+    assert at["compute"] == pytest.approx(run_stats(target)["flops"])
+    assert at["multiplier"] > 1 and at["extrapolated"]  # b is worse; the target is beyond
+    assert Path(rep["plot"]) == a.root / "plots" / "compare_b.png"
+    c = write_rung_runs(tmp_path / "c", micro_target("other-data"), SCHED_TRUTH)
+    rc, _, err = run_main(["ladder", "compare", str(a.root), str(c.root)], capsys)
+    assert rc == 2 and "data.data_dir is 'unused' in one and 'other-data'" in err
+    rc, _, err = run_main(["ladder", "compare", str(a.root), str(tmp_path / "nope")], capsys)
+    assert rc == 2 and "nope: not found" in err and "ladder folder" in err
+    few = write_runs_csv(tmp_path / "few.csv", 1.0, budgets=[1e15, 1e16])
+    rc, _, err = run_main(["ladder", "compare", str(few), str(a.root)], capsys)
+    assert rc == 2 and "2 compute budget(s); L(C) needs 4 or more runs at 3" in err
