@@ -37,10 +37,11 @@ RUN_DIR = RESULTS / "router_run"
 STEPS = 180
 
 
-def run_overrides(steps: int = STEPS, experts: int = 64) -> list[str]:
-    """The ``tiny`` preset with the reference's routed-path shape scaled to d_model 128."""
+def run_overrides(steps: int = STEPS, experts: int = 64, seed: int = 0) -> list[str]:
+    """The ``tiny`` preset with the reference's routed-path shape scaled to d_model 128;
+    ``seed`` sets the initialisation and the batch order (another router)."""
     d_model = 128
-    return [
+    return [f"train.seed={seed}", f"data.seed={seed}",
         f"model.d_model={d_model}",
         f"model.n_experts={experts}", "model.top_k=8",
         f"model.latent_dim={d_model // 2}", f"model.expert_dim={d_model // 2}",
@@ -65,15 +66,23 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return s.get("step", 0) >= steps and not s.get("interrupted")
 
 
-def trained_run(steps: int = STEPS, run_dir: Path | str | None = None, experts: int = 64) -> Path:
-    """The run folder of the trained router model, training (or resuming) it if needed.
-    64 experts is the default model; another count gets its own folder (router_run_e<N>)."""
+def router_dir(experts: int = 64, seed: int = 0) -> Path:
+    """The default model's folder is router_run; another expert count or seed gets its own
+    (router_run_e<N>, router_run_s<SEED>)."""
+    return Path(f"{RUN_DIR}" + (f"_e{experts}" if experts != 64 else "")
+                + (f"_s{seed}" if seed else ""))
+
+
+def trained_run(steps: int = STEPS, run_dir: Path | str | None = None, experts: int = 64,
+                seed: int = 0) -> Path:
+    """The run folder of the trained router model (``router_dir``), training (or resuming) it
+    if needed."""
     from moelab.config import load_config
     from moelab.train.loop import format_summary, train
     from moelab.train.resume import resolve_run_config
 
-    run_dir = Path(run_dir or (RUN_DIR if experts == 64 else f"{RUN_DIR}_e{experts}"))
-    cfg = load_config("tiny", run_overrides(steps, experts))
+    run_dir = Path(run_dir or router_dir(experts, seed))
+    cfg = load_config("tiny", run_overrides(steps, experts, seed))
     resolve_run_config(cfg, run_dir)  # a folder trained with another config: ConfigError
     if _finished(run_dir, steps):
         return run_dir
@@ -148,8 +157,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="train (or reuse) the benchmarks' router model")
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
     args = ap.parse_args()
-    run = trained_run(args.steps, experts=args.experts)
+    run = trained_run(args.steps, experts=args.experts, seed=args.seed)
     cfg, _, state = load(str(run))
     toks = heldout_batch(run, 8, cfg.data.seq_len)
     for layer, (z, e, w, _) in enumerate(routing_all(run, toks)):

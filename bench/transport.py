@@ -150,20 +150,48 @@ def bank_rows(tcfg: ParallelConfig, A: int, S: int, E: int, H: int) -> int:
     return transport.get(tcfg.transport).rows(tcfg, A, S, E // S, H).bank
 
 
-def time_interleaved(rows: list[dict], args_t, reps: int) -> None:
-    """Step time of every compiled program, timed in turns (rep 1 of each, then rep 2, ...)
-    so that a change in the machine's load hits every transport alike; median per program."""
-    times = {id(r): [] for r in rows}
+def time_interleaved(rows: list[dict], args_by_seed: dict, reps: int) -> None:
+    """Step time of every compiled program on every router's routing, timed in turns (rep 1 of
+    each program and router, then rep 2, ...) so that a change in the machine's load hits every
+    transport alike. Per router: the median of its reps; per transport: the median over
+    routers and the spread (lowest and highest router median), also of the ratio to
+    pooled_wave's time on the same router."""
+    times = {(id(r), s): [] for r in rows for s in args_by_seed}
     for _ in range(reps):
-        for r in rows:
-            t = time.perf_counter()
-            jax.block_until_ready(r["compiled"](*args_t))
-            times[id(r)].append(time.perf_counter() - t)
+        for s, args_t in args_by_seed.items():
+            for r in rows:
+                t = time.perf_counter()
+                jax.block_until_ready(r["compiled"](*args_t))
+                times[id(r), s].append(time.perf_counter() - t)
+    ref = next(r for r in rows if r["kind"] == "pooled_wave")
+    for r in rows:
+        per = {s: 1e3 * statistics.median(times[id(r), s]) for s in args_by_seed}
+        ratio = {s: per[s] / (1e3 * statistics.median(times[id(ref), s])) for s in per}
+        r["by_seed"] = {s: {**r["by_seed"].get(s, {}), "step_ms": per[s],
+                            "step_ms_all": [1e3 * t for t in times[id(r), s]],
+                            "step_vs_pooled": ratio[s]} for s in per}
+        r.update(spread("step_ms", per.values()), **spread("step_vs_pooled", ratio.values()))
     for r in rows:
         r.pop("compiled")
-        r["step_ms"] = 1e3 * statistics.median(times[id(r)])
-        r["step_ms_all"] = [1e3 * t for t in times[id(r)]]
-        print(f"  {r['transport']:<24} {r['step_ms']:8.1f} ms", flush=True)
+        print(f"  {r['transport']:<24} {r['step_ms']:8.1f} ms  ({r['step_vs_pooled']:.2f}x "
+              f"pooled_wave, {r['step_vs_pooled_lo']:.2f}-{r['step_vs_pooled_hi']:.2f})",
+              flush=True)
+
+
+def spread(key: str, values) -> dict:
+    """{key: median, key_lo: lowest, key_hi: highest} over routers."""
+    v = list(values)
+    return {key: statistics.median(v), f"{key}_lo": min(v), f"{key}_hi": max(v)}
+
+
+def with_spread(rows: list[dict], key: str, fmt: str) -> None:
+    """Adds ``key_str``: "median (lo-hi)" for a table cell (the median alone for one router)."""
+    for r in rows:
+        if r.get(key) is None:
+            continue
+        lo, hi = r.get(f"{key}_lo", r[key]), r.get(f"{key}_hi", r[key])
+        r[f"{key}_str"] = format(r[key], fmt) + (
+            "" if lo == hi else f" ({format(lo, fmt)}-{format(hi, fmt)})")
 
 
 def design_memory(tcfg: ParallelConfig, T: int, k: int, E: int, S: int, H: int, I: int,
@@ -208,9 +236,6 @@ def ep_degrees(layers, E: int, G: int, W: int) -> list[dict]:
             tot = drops_over_layers(layers, tcfg, E, ep)
             row[key] = tot["dropped"] / tot["assignments"]
             row[f"{key}_counts"] = dict(tot)
-        c = row["global_counts"]
-        row["global_str"] = (f"{row['global']:.3%} ({c['sender_dropped']} + "
-                             f"{c['receiver_dropped']})")
         out.append(row)
     return out
 
@@ -232,11 +257,52 @@ def global_sender_sweep(layers, E: int, G: int, W: int) -> list[dict]:
 GLOBAL_SENDER_CFS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5)
 
 
+def merge_seeds(per_seed: dict, keys: tuple[str, ...]) -> list[dict]:
+    """Rows of per-router tables (``{seed: [row, ...]}``, the same rows in the same order)
+    merged: each of ``keys`` becomes the median over routers with its spread; every router's
+    row is kept under "by_seed"."""
+    seeds = list(per_seed)
+    out = []
+    for i, row in enumerate(per_seed[seeds[0]]):
+        merged = {k: v for k, v in row.items() if k not in keys}
+        for k in keys:
+            merged.update(spread(k, (per_seed[s][i][k] for s in seeds)))
+        merged["by_seed"] = {s: per_seed[s][i] for s in seeds}
+        out.append(merged)
+    return out
+
+
+def drop_row(totals: Counter) -> dict:
+    n = totals["assignments"]
+    return {"sender_drop": totals["sender_dropped"] / n,
+            "receiver_drop": totals["receiver_dropped"] / n, "drop": totals["dropped"] / n}
+
+
+def cf_sweep(layers, E: int, S: int, G: int, pooled_w: list[int]) -> list[dict]:
+    """Drops (all layers) of the capacity-limited transports over one capacity factor."""
+    sweep = []
+    for cf in (1.0, 1.05, 1.10, 1.25, 1.5):
+        row = {"cf": cf}
+        cfgs = {f"pooled_W{w}": ParallelConfig(transport="pooled_wave", sender_cf=cf,
+                                                receiver_cf=cf, waves=w) for w in pooled_w}
+        cfgs["global"] = ParallelConfig(transport="pooled_global", receiver_cf=cf,
+                                        waves=pooled_w[0], budget_group=G)
+        cfgs["waterfill"] = ParallelConfig(transport="waterfill", capacity_factor=cf)
+        cfgs["expert_cells"] = ParallelConfig(transport="expert_cells", capacity_factor=cf)
+        for key, tcfg in cfgs.items():
+            d = drop_row(drops_over_layers(layers, tcfg, E, S))
+            row[key], row[f"{key}_sender"] = d["drop"], d["sender_drop"]
+            row[f"{key}_receiver"] = d["receiver_drop"]
+        sweep.append(row)
+    return sweep
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens-per-rank", type=int, default=1024)
     ap.add_argument("--layer", type=int, default=2, help="layer whose routing/weights are timed")
-    ap.add_argument("--reps", type=int, default=5, help="timed calls per transport (median)")
+    ap.add_argument("--reps", type=int, default=5,
+                    help="timed calls per transport and router (median)")
     ap.add_argument("--dtype", default="float32", help="activation/expert-weight dtype "
                     "(the trained model computes in float32; bfloat16 halves the payload)")
     ap.add_argument("--experts", type=int, default=64, help="routed experts of the router model "
@@ -244,6 +310,9 @@ def main() -> None:
     ap.add_argument("--waves", type=int, nargs="+", default=[4, 2, 1],
                     help="pooled_wave wave counts to time (each must divide E_l = experts / 8)")
     ap.add_argument("--router-steps", type=int, default=STEPS)
+    ap.add_argument("--router-seeds", type=int, nargs="+", default=[0, 1, 2],
+                    help="router models (initialisation and batch order; each trained once): "
+                    "tables give the median over them and the spread")
     ap.add_argument("--seed", type=int, default=0, help="held-out window draw")
     ap.add_argument("--global-sender-cf", type=float, nargs="+", default=[1.10, 2.0],
                     help="pooled_global's parallel.global_sender_cf values to time (with the "
@@ -257,31 +326,34 @@ def main() -> None:
     S = 8
     if len(jax.devices()) < S:
         raise SystemExit(f"needs {S} devices, found {len(jax.devices())}")
-    run = str(trained_run(args.router_steps, experts=args.experts))
-    cfg, _, _ = load(run)
+    seeds = list(dict.fromkeys(args.router_seeds))
+    runs = {s: str(trained_run(args.router_steps, experts=args.experts, seed=s)) for s in seeds}
+    cfg, _, _ = load(runs[seeds[0]])
     m = cfg.model
     L_seq = cfg.data.seq_len
     n_tok = S * args.tokens_per_rank
     if n_tok % L_seq:
         raise SystemExit(f"{n_tok} tokens is not a whole number of {L_seq}-token windows")
-    tokens = heldout_batch(run, n_tok // L_seq, L_seq, seed=args.seed)
-    layers = routing_all(run, tokens)
+    # the same held-out windows for every router: only the router differs
+    tokens = heldout_batch(runs[seeds[0]], n_tok // L_seq, L_seq, seed=args.seed)
+    layers = {s: routing_all(run, tokens) for s, run in runs.items()}
+    n_layers = len(layers[seeds[0]])
     dt = jnp.dtype(args.dtype)
     E, k, H = m.n_experts, m.top_k, m.routed_width
     mesh = make_mesh(expert=S)
     print(f"backend {jax.default_backend()}, {len(jax.devices())} devices; EP {S}, {E} experts "
           f"top-{k}, H = {H} (latent), I = {m.expert_dim}, {args.tokens_per_rank} tokens/rank "
           f"({n_tok // L_seq} held-out windows of {L_seq}); {args.dtype}; timed layer "
-          f"{args.layer}, drops over all {len(layers)} layers", flush=True)
+          f"{args.layer}, drops over all {n_layers} layers; routers {seeds}", flush=True)
 
     def inputs(layer):
-        z, e, w, ew = layers[layer]
+        z, e, w, ew = layer
         return (shard_batch(z.astype(dt), mesh), shard_batch(e, mesh), shard_batch(w, mesh),
                 shard_expert_weights(jax.tree.map(lambda a: a.astype(dt), ew), mesh))
 
-    per_layer = [inputs(i) for i in range(len(layers))]
+    per_layer = {s: [inputs(lay) for lay in layers[s]] for s in seeds}
+    timed = {s: per_layer[s][args.layer] for s in seeds}
     g = shard_batch(jax.random.normal(jax.random.PRNGKey(1), (n_tok, H), jnp.float32), mesh)
-    offrank = offrank_rows(layers[args.layer][1], S, E)  # [S] assignments leaving each rank
 
     configs = [("expert_cells", "cf 1.25", ParallelConfig(transport="expert_cells", capacity_factor=1.25))]
     configs += [(f"pooled_wave W={w}", "cf_s 1.10 / cf_r 1.15",
@@ -308,19 +380,11 @@ def main() -> None:
             return jnp.sum(out.astype(jnp.float32) * g), stats
 
         step = jax.value_and_grad(loss, argnums=(0, 2, 3), has_aux=True)
-        args_t = per_layer[args.layer]
+        args_t = timed[seeds[0]]  # every router's inputs have the same shapes: one program
         compiled = jax.jit(step).lower(*args_t).compile()
         compile_s = time.time() - t0
         colls = collectives(jax.make_jaxpr(step)(*args_t).jaxpr, dict(mesh.shape))
         jax.block_until_ready(compiled(*args_t))  # warm-up
-        totals = Counter()
-        by_layer = []
-        for i, a in enumerate(per_layer):
-            (_, stats), _ = compiled(*a)
-            d = drop_totals(stats)
-            by_layer.append(d)
-            totals.update(d)
-        n = totals["assignments"]
         counts = Counter(c for c, _, _, _ in colls)
         a2a = [b for c, b, _, _ in colls if "all_to_all" in c]
         row = {"transport": name, "capacity": caps, "kind": tcfg.transport, "waves": tcfg.waves
@@ -333,69 +397,67 @@ def main() -> None:
                "payload_mib": sum(b for c, b, _, n in colls if n > 1) / MiB,
                "largest_a2a_mib": max(a2a) / MiB if a2a else None,
                "wire_mib": wire_bytes(colls) / MiB,
-               "sender_drop": totals["sender_dropped"] / n,
-               "receiver_drop": totals["receiver_dropped"] / n,
-               "drop": totals["dropped"] / n, "drops_by_layer": by_layer,
-               "compile_s": compile_s}
+               "compile_s": compile_s, "by_seed": {}}
         # the bank's input rows and their gate/up activations (H + 2I per row)
         row["bank_rows"] = bank_rows(tcfg, args.tokens_per_rank * k, S, E, H)
         row["bank_mib"] = row["bank_rows"] * (H + 2 * m.expert_dim) * dt.itemsize / MiB
-        design = design_memory(tcfg, args.tokens_per_rank, k, E, S, H, m.expert_dim, dt.itemsize)
-        row.update(design)
-        if tcfg.transport in ("ragged", "waterfill"):
-            # A native ragged_all_to_all moves only real rows: dispatch + return forward, their
-            # transposes backward (4 x H wide), ids forward (int32), counts (all_gather).
-            lay = by_layer[args.layer]
-            kept = 1 - lay["dropped"] / lay["assignments"]  # waterfill: accepted share (est.)
-            rows_off = offrank.mean() * kept
-            count_bytes = 4 * (S if tcfg.transport == "ragged" else E) * (S - 1)
-            row["native_wire_mib"] = (rows_off * (4 * H * dt.itemsize + 4) + count_bytes) / MiB
+        row.update(design_memory(tcfg, args.tokens_per_rank, k, E, S, H, m.expert_dim,
+                                 dt.itemsize))
+        for s in seeds:  # drops: the compiled program on every layer of every router
+            by_layer = [drop_totals(compiled(*a)[0][1]) for a in per_layer[s]]
+            one = drop_row(sum(map(Counter, by_layer), Counter()))
+            one["drops_by_layer"] = by_layer
+            if tcfg.transport in ("ragged", "waterfill"):
+                # A native ragged_all_to_all moves only real rows: dispatch + return forward,
+                # their transposes backward (4 x H wide), ids forward (int32), counts.
+                lay = by_layer[args.layer]
+                kept = 1 - lay["dropped"] / lay["assignments"]  # waterfill: accepted (est.)
+                rows_off = offrank_rows(layers[s][args.layer][1], S, E).mean() * kept
+                count_bytes = 4 * (S if tcfg.transport == "ragged" else E) * (S - 1)
+                one["native_wire_mib"] = (rows_off * (4 * H * dt.itemsize + 4)
+                                          + count_bytes) / MiB
+            row["by_seed"][s] = one
+        for key in ("sender_drop", "receiver_drop", "drop", "native_wire_mib"):
+            if key in row["by_seed"][seeds[0]]:
+                row.update(spread(key, (row["by_seed"][s][key] for s in seeds)))
         rows.append(row)
         print(f"  {name:<24} temp {row.get('temp_mib', -1):7.2f} MiB  wire "
-              f"{row['wire_mib']:6.2f} MiB/rank  drops {row['drop']:.2%}  "
-              f"(compile {compile_s:.0f}s)", flush=True)
-    time_interleaved(rows, per_layer[args.layer], args.reps)
+              f"{row['wire_mib']:6.2f} MiB/rank  drops {row['drop']:.2%} "
+              f"({row['drop_lo']:.2%}-{row['drop_hi']:.2%})  (compile {compile_s:.0f}s)",
+              flush=True)
+    print(f"timing: {args.reps} interleaved rounds over {len(rows)} programs x "
+          f"{len(seeds)} routers ...", flush=True)
+    time_interleaved(rows, timed, args.reps)
 
     ref = next(r for r in rows if r["kind"] == "pooled_wave")
     for r in rows:
-        r["step_vs_pooled"] = r["step_ms"] / ref["step_ms"]
         r["memory_vs_pooled"] = r["transport_design_mib"] / ref["transport_design_mib"]
+        r["temp_vs_pooled"] = (r["temp_mib"] / ref["temp_mib"]
+                               if r.get("temp_mib") and ref.get("temp_mib") else None)
     w1 = next((r["temp_mib"] for r in rows if r["waves"] == 1), None)
     for r in rows:
         if r["waves"] and w1:
             r["w1_temp_over_this"] = w1 / r["temp_mib"] if r.get("temp_mib") else None
 
-    # ---------------------------------------------------------------- capacity-factor sweep
-    print("capacity-factor sweep (forward only, all layers) ...", flush=True)
+    print("capacity-factor sweep and EP degrees (drop rules, all layers) ...", flush=True)
     pooled_w = [w for w in args.waves if w != 1][:1] + [1]
-    sweep = []
-    for cf in (1.0, 1.05, 1.10, 1.25, 1.5):
-        row = {"cf": cf}
-        cfgs = {f"pooled_W{w}": ParallelConfig(transport="pooled_wave", sender_cf=cf, receiver_cf=cf,
-                                                waves=w) for w in pooled_w}
-        cfgs["global"] = ParallelConfig(transport="pooled_global", receiver_cf=cf,
-                                        waves=pooled_w[0], budget_group=G)
-        cfgs["waterfill"] = ParallelConfig(transport="waterfill", capacity_factor=cf)
-        cfgs["expert_cells"] = ParallelConfig(transport="expert_cells", capacity_factor=cf)
-        for key, tcfg in cfgs.items():
-            tot = drops_over_layers(layers, tcfg, E, S)
-            n = tot["assignments"]
-            row[key] = tot["dropped"] / n
-            row[f"{key}_sender"] = tot["sender_dropped"] / n
-            row[f"{key}_receiver"] = tot["receiver_dropped"] / n
-            if key.startswith("pooled") or key == "global":
-                row[f"{key}_str"] = (f"{row[key]:.2%} ({100 * row[key + '_sender']:.2f} + "
-                                     f"{100 * row[key + '_receiver']:.2f})")
-        sweep.append(row)
-
-    by_ep = ep_degrees(layers, E, G, args.waves[0])
-    by_cf_s = global_sender_sweep(layers, E, G, args.waves[0])
+    sweep_keys = tuple(f"{key}{part}" for key in [*(f"pooled_W{w}" for w in pooled_w), "global",
+                                                   "waterfill", "expert_cells"]
+                       for part in ("", "_sender", "_receiver"))
+    sweep = merge_seeds({s: cf_sweep(layers[s], E, S, G, pooled_w) for s in seeds}, sweep_keys)
+    by_ep = merge_seeds({s: ep_degrees(layers[s], E, G, args.waves[0]) for s in seeds},
+                        ("global", "waterfill"))
+    by_cf_s = merge_seeds({s: global_sender_sweep(layers[s], E, G, args.waves[0])
+                           for s in seeds}, ("sender", "receiver", "drop"))
     runtime = time.time() - t_start
-    meta = dict(by_ep=by_ep, by_global_sender_cf=by_cf_s, router_run=run, router_steps=args.router_steps, ranks=S, n_experts=E, top_k=k,
-                latent_H=H, expert_I=m.expert_dim, tokens_per_rank=args.tokens_per_rank,
-                dtype=args.dtype, timed_layer=args.layer, n_layers=len(layers),
+    meta = dict(by_ep=by_ep, by_global_sender_cf=by_cf_s, router_runs=runs,
+                router_seeds=seeds, router_steps=args.router_steps, ranks=S, n_experts=E,
+                top_k=k, latent_H=H, expert_I=m.expert_dim, tokens_per_rank=args.tokens_per_rank,
+                dtype=args.dtype, timed_layer=args.layer, n_layers=n_layers,
                 seq_len=L_seq, seed=args.seed, reps=args.reps, sweep=sweep, runtime_s=runtime,
-                notes=["8 fake CPU devices share the host's cores: step times are compute, "
+                notes=["medians over the router seeds; *_lo / *_hi: the lowest and highest "
+                       "router (their own rows under by_seed)",
+                       "8 fake CPU devices share the host's cores: step times are compute, "
                        "not interconnect",
                        "memory_analysis is per device (SPMD program)",
                        "ragged/waterfill wire bytes from the jaxpr are the CPU all_to_all "
@@ -406,12 +468,16 @@ def main() -> None:
                        "~1): its buffer assignment does not serialise the waves the way the "
                        "design assumes; bank_mib is the design's per-wave figure"])
     save("transport" if args.experts == 64 else f"transport_e{args.experts}", rows, **meta)
+    for key, fmt in (("step_ms", ".1f"), ("step_vs_pooled", ".2f"), ("drop", ".2%"),
+                     ("sender_drop", ".2%"), ("receiver_drop", ".2%")):
+        with_spread(rows, key, fmt)
     print()
     print(f"Table 1: one MoE layer, forward + backward, EP {S}, {E} experts top-{k}, H {H}, "
           f"{args.tokens_per_rank} tokens/rank, {args.dtype}; memory and wire per rank; "
-          f"drops over {len(layers)} layers")
+          f"drops over {n_layers} layers; median over routers {seeds} (lowest-highest)")
     print_table(rows, [("transport", "transport", "s"), ("capacity", "capacity", "s"),
-                       ("step_ms", "step ms", ".1f"), ("temp_mib", "temp MiB", ".2f"),
+                       ("step_ms_str", "step ms", "s"), ("temp_mib", "temp MiB", ".2f"),
+                       ("temp_vs_pooled", "temp / pooled_wave", ".2f"),
                        ("argument_mib", "arg MiB", ".2f"), ("output_mib", "out MiB", ".2f"),
                        ("w1_temp_over_this", "W=1 temp / this", ".2f"),
                        ("bank_mib", "bank MiB (design)", ".2f"),
@@ -420,28 +486,35 @@ def main() -> None:
                        ("payload_design_mib", "payload MiB", ".2f"),
                        ("bank_design_mib", "bank+acts MiB", ".2f"),
                        ("memory_vs_pooled", "memory / pooled_wave", ".2f"),
-                       ("step_vs_pooled", "step / pooled_wave", ".2f"),
+                       ("step_vs_pooled_str", "step / pooled_wave", "s"),
                        ("native_wire_mib", "native est. MiB", ".2f"),
-                       ("sender_drop", "sender", ".2%"), ("receiver_drop", "receiver", ".2%"),
-                       ("drop", "total drop", ".2%")])
+                       ("sender_drop_str", "sender", "s"), ("receiver_drop_str", "receiver", "s"),
+                       ("drop_str", "total drop", "s")])
     print()
-    print(f"Table 2: drops vs capacity factor (same routing, {len(layers)} layers; pooled_wave "
-          "cf_s = cf_r = cf, total (sender + receiver) in %)")
+    for key in sweep_keys[::3]:
+        with_spread(sweep, key, ".2%")
+    print(f"Table 2: drops vs capacity factor (same text, {n_layers} layers; pooled_wave "
+          "cf_s = cf_r = cf; total (sender + receiver), median over routers (lowest-highest))")
     cols = [("cf", "cf", ".2f")]
     cols += [(f"pooled_W{w}_str", f"pooled_wave W={w}", "s") for w in pooled_w]
     cf_g = ParallelConfig().global_sender_cf  # Tables 2 and 3: pooled_global at its default
     cols += [("global_str", f"pooled_global G={G} cf_s {cf_g:.2f}", "s")]
-    cols += [("waterfill", "waterfill", ".2%"), ("expert_cells", "expert_cells", ".2%")]
+    cols += [("waterfill_str", "waterfill", "s"), ("expert_cells_str", "expert_cells", "s")]
     print_table(sweep, cols)
     print()
+    for key in ("global", "waterfill"):
+        with_spread(by_ep, key, ".3%")
     print("Table 3: the same batch at EP 2, 4, 8 (one EP group, data = 1; drops over all layers)")
-    print_table(by_ep, [("ep", "EP", "d"), ("global_str", f"pooled_global G={G} cf_s {cf_g:.2f}", "s"),
-                        ("waterfill", "waterfill cf 1.10", ".3%")])
+    print_table(by_ep, [("ep", "EP", "d"),
+                        ("global_str", f"pooled_global G={G} cf_s {cf_g:.2f}", "s"),
+                        ("waterfill_str", "waterfill cf 1.10", "s")])
     print()
+    for key in ("sender", "receiver", "drop"):
+        with_spread(by_cf_s, key, ".3%")
     print(f"Table 4: pooled_global G={G} W={args.waves[0]} cf_r 1.10 over its send-pool factor "
-          "(parallel.global_sender_cf; same routing, all layers)")
-    print_table(by_cf_s, [("global_sender_cf", "cf_s", ".2f"), ("sender", "sender", ".3%"),
-                          ("receiver", "receiver", ".3%"), ("drop", "total", ".3%")])
+          "(parallel.global_sender_cf; same text, all layers)")
+    print_table(by_cf_s, [("global_sender_cf", "cf_s", ".2f"), ("sender_str", "sender", "s"),
+                          ("receiver_str", "receiver", "s"), ("drop_str", "total", "s")])
     print(f"\ntotal runtime {runtime:.0f}s")
 
 

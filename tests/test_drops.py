@@ -70,6 +70,41 @@ def test_the_readme_example_runs_on_a_run_trained_without_expert_parallelism(tra
     assert "parallel.waves 3 -> 1 for 1 local expert(s)" in out and "drop forecast at EP 4" in out
 
 
+def test_place_from_fits_the_placement_on_an_earlier_checkpoint(trained, tmp_path, capsys):
+    """``--place --place-from STEP``: the placed column is the forecast with the placement
+    fitted on the routing of the checkpoint at STEP (the router's drift included), computed
+    here again with the library; a step that is not an earlier checkpoint, the option without
+    --place, and a re-placement in between are refused."""
+    from moelab.ops.cli import load_run_for_drops
+    from moelab.parallel.forecast import forecast
+
+    argv = ["drops", str(trained), "parallel.waves=1", "--seq-len", "64", "--ranks", "2",
+            "--transport", "pooled_global", "--tokens-per-rank", "128", "--batches", "1"]
+    out = tmp_path / "drops.json"
+    assert main([*argv, "--place", "--place-from", "20", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    cfg, now, pars = load_run_for_drops(trained, ["parallel.waves=1"], ["pooled_global"], 2)
+    old = load_run_for_drops(trained, [], None, 2, step=20)[1]
+    again = forecast(cfg, now.params, now.model_state, [64], pars, 2, 128, 1, 0, place=True,
+                     fit_model=(old.params, old.model_state))
+    assert [r["pooled_global placed"] for r in rows] == [r["pooled_global placed"]
+                                                         for r in again]
+    capsys.readouterr()
+    for extra, phrase in ((["--place", "--place-from", "25"], "--place-from 25: must be a "
+                           "checkpoint of the run before step 30; it has 10, 20, 30"),
+                          (["--place", "--place-from", "30"], "--place-from 30: must be"),
+                          (["--place-from", "20"], "--place-from 20: belongs to --place")):
+        assert main([*argv, *extra]) == 2
+        assert phrase in capsys.readouterr().err
+    moved = tmp_path / "moved"
+    (moved / "checkpoints").mkdir(parents=True)
+    (moved / "metrics.jsonl").write_text(json.dumps(
+        {"event": "replace_experts", "step": 25, "moved": 3, "time": 0.0}) + "\n")
+    with pytest.raises(Exception, match="re-placed its experts at step 25"):
+        from moelab.ops.drops import check_place_from
+        check_place_from(moved, cfg, 20, 30, [10, 20, 30])
+
+
 def test_layer_routings_run_the_models_own_blocks():
     """The layer-by-layer pass the transport benchmarks read routes as the model's forward
     does with every model option on (GatedNorm, short convolutions, embed_norm, global

@@ -84,6 +84,24 @@ def transports(cfg: RunConfig, names: list[str] | None, ranks: int, *, ranks_giv
     return out
 
 
+def check_place_from(run_dir: Path, cfg: RunConfig, old: int, new: int, steps: list[int]) -> None:
+    """``--place-from OLD``: a checkpoint before the forecasting one (``new``), whose experts
+    sit where they sit at ``new`` (no re-placement in between: the routing's expert ids of
+    the two models must name the same experts)."""
+    from moelab.run.logs import read_metrics
+
+    require(old in steps and old < new, f"--place-from {old}", "must be a checkpoint of the "
+            f"run before step {new}; it has {', '.join(map(str, steps))}")
+    moved = [c.step for c in cfg.data.context_stages if c.placement and old < c.step <= new]
+    path = Path(run_dir) / "metrics.jsonl"
+    if path.is_file():
+        moved += [e["step"] for e in read_metrics(path)[1] if e.get("event") == "replace_experts"
+                  and e.get("moved") and old < e["step"] <= new]
+    require(not moved, f"--place-from {old}", f"the run re-placed its experts at step "
+            f"{min(moved) if moved else 0}, after it: the two models number their experts "
+            "differently; give a checkpoint from that step on")
+
+
 def format_rows(rows: list[dict], names: list[str]) -> str:
     head = f"{'seq len':>8} {'x now':>6} {'seqs/rank':>9}" + "".join(
         f" {n + ' (sender + receiver)':>36}" for n in names)

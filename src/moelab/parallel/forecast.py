@@ -95,13 +95,17 @@ def batch_drops(ids_LBSK: np.ndarray, L: int, variants: dict[str, tuple], n_expe
 def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str, ParallelConfig],
              ranks: int, tokens_per_rank: int, batches: int = 4, seed: int = 0,
              span: int | None = None, placed: dict[int, dict[str, np.ndarray]] | None = None,
-             place: bool = False) -> list[dict]:
+             place: bool = False, fit_model: tuple | None = None) -> list[dict]:
     """One row per context length (and the run's own): drop rates per transport, summed over
     layers and batches. Held-out text is drawn in spans of ``span`` tokens (default: the
     longest length), so calls with the same span and seed see the same tokens. ``placed``
     ({length: {name: slots [layers, E]}}) adds a "NAME placed" column per transport re-placed
     at that length; ``place`` fits one placement per transport, used at every length, on the
-    held-out spans the batches do not use, at the longest length."""
+    held-out spans the batches do not use, at the longest length, routed by ``fit_model``
+    ((params, model state) of an earlier checkpoint with the same expert order; default: the
+    forecasting model). An earlier model's placement meets the router it will serve, which
+    has drifted since it was fitted: a same-router fit cannot see that drift, which is what
+    a placement leaves to drop (bench/placed_forecast.py)."""
     now = cfg.data.seq_len
     lens = sorted(set([now, *seq_lens]))
     span = span or max(lens)
@@ -117,7 +121,7 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
     if place:
         require(len(rest) * span >= 2 * max(lens), "--place", "no held-out text is left "
                 "beside the forecast's batches to fit the placement on: lower --batches")
-        fit_ids = routed_ids(route, params, state, spans[rest], now)
+        fit_ids = routed_ids(route, *(fit_model or (params, state)), spans[rest], now)
         fitted = {n: p["slots"] for n, p in fit_placements(
             fit_ids, cfg.model.n_experts, pars, ranks, max(lens)).items()}
         placed = {L: fitted for L in lens}
