@@ -1,5 +1,8 @@
 """FSDP on 8 fake CPU devices: parameters and optimizer state split over "data" (with expert
-parallelism over "expert"), the update equal to the replicated run's."""
+parallelism over "expert"), the update equal to the replicated run's.
+
+Compiling dominates: the initial state is made once (its init compiles as long as a train step)
+and every run starts from a copy of it."""
 
 from __future__ import annotations
 
@@ -28,13 +31,27 @@ def config(ep: int, fsdp: bool) -> RunConfig:
                                              fsdp=fsdp)).validate()
 
 
-def train_steps(cfg: RunConfig):
+def require_devices():
     if len(jax.devices()) < 8:
         pytest.fail("needs 8 devices: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
                     "before importing jax (tests/conftest.py does this)")
+
+
+@pytest.fixture(scope="module")
+def initial():
+    """The initial train state (the replicated run's init), on the host."""
+    require_devices()
+    cfg = config(1, fsdp=False)
+    return jax.device_get(init_sharded_state(cfg, train_state_shardings(
+        cfg, mesh_from_config(cfg.parallel))))
+
+
+def train_steps(cfg: RunConfig, initial):
+    """(state, metrics per step) after STEPS steps from ``initial``, placed in the run's
+    shardings."""
     mesh = mesh_from_config(cfg.parallel)
     sh = train_state_shardings(cfg, mesh)
-    state = init_sharded_state(cfg, sh)
+    state = jax.device_put(initial, sh)
     step = make_train_step(cfg, transport_fns(cfg, mesh)[0], mesh, sh)
     metrics = []
     for i in range(STEPS):
@@ -45,9 +62,9 @@ def train_steps(cfg: RunConfig):
 
 
 @pytest.mark.parametrize("ep", [1, 4])
-def test_fsdp_update_equals_replicated(ep):
-    ref_state, ref_m = train_steps(config(ep, fsdp=False))
-    state, m = train_steps(config(ep, fsdp=True))
+def test_fsdp_update_equals_replicated(ep, initial):
+    ref_state, ref_m = train_steps(config(ep, fsdp=False), initial)
+    state, m = train_steps(config(ep, fsdp=True), initial)
     n_data = 8 // ep
     wq = state["params"]["blocks"]["wq"]  # [L, D, H*Q]: D split over data
     assert wq.sharding.spec == P(None, "data", None)

@@ -16,7 +16,6 @@ from moelab.config import ModelConfig, ParallelConfig, RunConfig
 from moelab.config.run import DataConfig, OptimConfig, TrainConfig
 from moelab.parallel.mesh import mesh_from_config, shard_batch
 from moelab.planner.flop_audit import dot_flops
-from moelab.train.setup import init_sharded_state
 from moelab.train.step import init_train_state, make_train_step, train_state_shardings
 
 # ------------------------------------------------------------------ the bf16 train step
@@ -83,17 +82,25 @@ def _train_config(devices: int, fsdp: bool) -> RunConfig:
                      parallel=par).validate()
 
 
-@pytest.mark.parametrize("fsdp", [False, True])  # with FSDP the head is split over data too
-def test_sharded_train_step_equals_unsharded(fsdp):
-    """Chunks of 2 positions x 16 rows: each chunk's rows are split over the 8 devices."""
+@pytest.fixture(scope="module")
+def unsharded():
+    """(batch, initial state on the host, state and metrics after one unsharded step), made
+    once (each init or step compiles for seconds): both sharded runs start from that state
+    and compare with that step."""
     batch = np.asarray(jax.random.randint(jax.random.PRNGKey(3), (16, 7), 0, 64))
-    ref_cfg = _train_config(1, False)
-    ref_state, ref_m = make_train_step(ref_cfg)(init_train_state(ref_cfg, jax.random.PRNGKey(
-        ref_cfg.train.seed)), jnp.asarray(batch))
+    cfg = _train_config(1, False)
+    initial = jax.device_get(init_train_state(cfg, jax.random.PRNGKey(cfg.train.seed)))
+    return batch, initial, *make_train_step(cfg)(jax.device_put(initial), jnp.asarray(batch))
+
+
+@pytest.mark.parametrize("fsdp", [False, True])  # with FSDP the head is split over data too
+def test_sharded_train_step_equals_unsharded(fsdp, unsharded):
+    """Chunks of 2 positions x 16 rows: each chunk's rows are split over the 8 devices."""
+    batch, initial, ref_state, ref_m = unsharded
     cfg = _train_config(8, fsdp)
     mesh = mesh_from_config(cfg.parallel)
     sh = train_state_shardings(cfg, mesh)
-    state, m = make_train_step(cfg, None, mesh, sh)(init_sharded_state(cfg, sh),
+    state, m = make_train_step(cfg, None, mesh, sh)(jax.device_put(initial, sh),
                                                     shard_batch(batch, mesh))
     for k in ("train/loss", "train/z_loss", "train/grad_norm"):
         np.testing.assert_allclose(m[k], ref_m[k], rtol=2e-6)
