@@ -16,7 +16,9 @@ d_model / 2, sigmoid-bias router), each trained from scratch on 8 fake CPU devic
   (``max_drops``, default 1%) with the fallbacks ``place`` (a placement fitted for the new
   length), then ``receiver_cf`` 1.25, then 1.5; ``parallel.replace_every=8``.
 
-The table gives, per stage, the mean drops (sender + receiver) over its steps, and for
+The table gives, per stage, the mean drops (sender + receiver) over its steps and over its last
+four (the router settled at the new length; the first stage's mean includes the untrained
+router's first steps), and for
 pooled_global the gate's decision with its forecasts (``context_gate`` events) and the
 re-placements (``replace_experts`` events). The runs are resumable and reused when finished.
 Saves bench/results/context_plan.json.
@@ -37,6 +39,7 @@ from common import RESULTS, print_table, save  # noqa: E402
 from trained_router import run_overrides  # noqa: E402
 
 RANKS, PER_RANK = 8, 4096
+LATE = 4  # a stage's last steps: its drops once the router has settled at the new length
 LENGTHS = (256, 512, 2048, 4096)
 FALLBACKS = [{"place": True}, {"receiver_cf": 1.25}, {"receiver_cf": 1.5}]
 TRANSPORTS = {
@@ -87,7 +90,8 @@ def stage_rows(run, starts: list[int], steps: int) -> list[dict]:
                      "trained_seq_len": got[-1].get("data/seq_len") if got else None,
                      "drop": mean("moe/drop_fraction"), "sender": mean("moe/sender_drop_fraction"),
                      "receiver": mean("moe/receiver_drop_fraction"),
-                     "drop_last": got[-1]["moe/drop_fraction"] if got else None})
+                     "drop_late": (statistics.mean(r["moe/drop_fraction"] for r in got[-LATE:])
+                                   if got else None)})
     return rows, events
 
 
@@ -124,7 +128,7 @@ def main() -> None:
         print_table(rows, [("seq_len", "seq len", "d"), ("steps", "steps", "d"),
                            ("trained_seq_len", "trained at", "d"), ("drop", "drops", ".2%"),
                            ("sender", "sender", ".2%"), ("receiver", "receiver", ".2%"),
-                           ("drop_last", "last step", ".2%"), ("decision", "decision", "s")])
+                           ("drop_late", f"last {LATE}", ".2%"), ("decision", "decision", "s")])
         for g in gates:
             print(f"  gate at step {g['step']} ({g['seq_len']}): {g['reason']}")
         for p in places:
@@ -132,11 +136,12 @@ def main() -> None:
                   f"forecast {p['drop_before']:.2%} -> {p['drop_after']:.2%}, "
                   f"{p['seconds']:.1f}s")
     table = [{"seq_len": L, **{f"{n}_{k}": o["rows"][i][k] for n, o in out.items()
-                               for k in ("drop", "decision", "trained_seq_len")}}
+                               for k in ("drop", "drop_late", "decision", "trained_seq_len")}}
              for i, L in enumerate(LENGTHS)]
     print("\nDrops per stage (mean over the stage's steps):")
     print_table(table, [("seq_len", "seq len", "d")] + [
-        c for n in out for c in ((f"{n}_drop", n, ".2%"), (f"{n}_decision", "decision", "s"),
+        c for n in out for c in ((f"{n}_drop", n, ".2%"), (f"{n}_drop_late", f"last {LATE}", ".2%"),
+                                 (f"{n}_decision", "decision", "s"),
                                  (f"{n}_trained_seq_len", "trained at", "d"))])
     save("context_plan", table, runs=out, ranks=RANKS, tokens_per_rank=PER_RANK,
          lengths=list(LENGTHS), stage_starts=starts, steps=steps, max_drops=args.max_drops,
