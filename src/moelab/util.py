@@ -164,7 +164,11 @@ def in_worker_thread(fn: Callable[[], T]) -> T:
     worker = threading.Thread(target=work, name="moelab-native", daemon=True)
     worker.start()
     try:
-        worker.join()  # a signal's handler raises here (KeyboardInterrupt, Terminated)
+        # A signal's handler raises here (KeyboardInterrupt, Terminated). Short joins: the
+        # kernel may deliver the signal to the worker thread, which does not wake a join
+        # blocked in C, so the handler would wait for the worker to end.
+        while worker.is_alive():
+            worker.join(0.1)
     except BaseException:
         _abandoned.append(worker)
         raise
