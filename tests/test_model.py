@@ -172,16 +172,18 @@ def test_full_model_loss_grads_and_bf16():
     p = tr.init_params(cfg, jax.random.PRNGKey(0))
     s = tr.init_state(cfg)
     toks = jax.random.randint(jax.random.PRNGKey(1), (2, 9), 0, 64)
-    loss, stats = tr.lm_loss(p, s, toks, cfg)
+    # jitted: one program each compiles faster than the model's ops one by one
+    (loss, stats), g = jax.jit(jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, cfg),
+                                                  has_aux=True))(p)
     assert abs(float(stats["ce"]) - np.log(64)) < 0.5  # near-uniform at init
-    g = jax.grad(lambda p: tr.lm_loss(p, s, toks, cfg)[0])(p)
     assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree_util.tree_leaves(g))
     b16 = dataclasses.replace(cfg, compute_dtype="bfloat16")
-    loss16, _ = tr.lm_loss(p, s, toks, b16)
+    loss16, _ = jax.jit(lambda p: tr.lm_loss(p, s, toks, b16))(p)
     assert abs(float(loss16) - float(loss)) < 2e-2 * abs(float(loss))
     # a causal model: changing a future token leaves earlier logits unchanged
-    l1, _ = tr.forward(p, s, toks[:, :-1], cfg)
-    l2, _ = tr.forward(p, s, toks[:, :-1].at[:, -1].set((toks[:, -2] + 1) % 64), cfg)
+    forward = jax.jit(lambda p, t: tr.forward(p, s, t, cfg))
+    l1, _ = forward(p, toks[:, :-1])
+    l2, _ = forward(p, toks[:, :-1].at[:, -1].set((toks[:, -2] + 1) % 64))
     np.testing.assert_allclose(l1[:, :-1], l2[:, :-1], rtol=1e-5, atol=1e-5)
 
 
