@@ -88,7 +88,7 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
 def read_json_object(path: Path | str, fix: str,
                      error: type[Exception] = ValueError) -> dict | None:
     """The JSON object in ``path``, None when the file is missing; ``error`` naming the file
-    and ``fix`` when it is not valid JSON (or not UTF-8) or not an object."""
+    and ``fix`` when it cannot be read, is not valid JSON (or not UTF-8) or not an object."""
     path = Path(path)
     if not path.is_file():
         return None
@@ -96,6 +96,8 @@ def read_json_object(path: Path | str, fix: str,
         data = json.loads(read_utf8(path))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         raise error(f"{path}: not valid JSON ({e}); {fix}") from None
+    except OSError as e:  # a permission or I/O error
+        raise error(f"{path}: unreadable ({e}); {fix}") from None
     if not isinstance(data, dict):
         raise error(f"{path}: not a JSON object; {fix}")
     return data
