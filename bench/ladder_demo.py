@@ -19,7 +19,9 @@ for all) gave the earliest tables. `moelab ladder plan` derives the rungs by a d
 (``--design``; a, the default: 4 widths at 0.5x and 1x the target's tokens per parameter, 8
 rungs at 51% of the target's FLOPs; b: widths 48, 64 and 80 at 0.5x, 1x and 2x, 9 rungs at 52%;
 c: a's 4 widths at 1x and 2.5x, 8 rungs at 120%, the largest reaching the target's tokens; d:
-the same widths at the target's 4 layers, at 0.5x and 2x, 8 rungs at 150%),
+the same widths at the target's 4 layers, at 0.5x and 2x, 8 rungs at 150%; e: widths 32, 48
+and 64 at 4 layers, 0.5x, 2x and 6x where a run costs at most 4%, 5 rungs at 9.9%; f: widths
+16 and 32 at 4 layers, 1x, 3x and 9x where a run costs at most 1.2%, 4 rungs at 1.3%),
 `moelab ladder run` trains them, `moelab ladder fit` predicts the target before it trains and
 reports its own holdout (refitted without the largest model, predicting it), then the target
 trains under `--guard`. ``--seed`` sets train.seed of every run; ``--rung-seeds R`` trains every
@@ -29,7 +31,7 @@ target's config with 3x the learning rate for 30% of the run, guarded against th
 prediction. Every stage is resumable: run the script again and finished runs are reused.
 
 Saves bench/results/TAG.json, TAG_prediction.json and TAG.png (a copy of
-LADDER/plots/ladder.png), TAG = ladder_demo[_b|_c|_d][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>]
+LADDER/plots/ladder.png), TAG = ladder_demo[_b|...|_f][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>]
 (P: the warmup in % where not 10, E: the LR exponent where not 1, S: the target's steps where not 2,000;
 also the ladder folder under runs/), and ladder_points.json and ladder_points.csv.
 """
@@ -87,7 +89,14 @@ DESIGNS = {"a": ["--top-share", "0.25", "--spacing", "2.5", "--token-multipliers
            "b": ["--widths", "48,64,80", "--rungs", "3", "--token-multipliers", "0.5,1,2"],
            "c": ["--widths", "48,64,80,96", "--rungs", "4", "--token-multipliers", "1,2.5"],
            "d": ["--widths", "48,64,80,96", "--depths", "4,4,4,4", "--rungs", "4",
-                 "--token-multipliers", "0.5,2"]}
+                 "--token-multipliers", "0.5,2"],
+           # e (9.9%) and f (1.3%): the economical designs. Narrow widths train long, wide ones
+           # short (--max-run-share), so N and D both spread at a tenth and a hundredth of the
+           # target's compute (examples/lab/0009, 0010).
+           "e": ["--widths", "32,48,64", "--depths", "4,4,4", "--rungs", "3",
+                 "--token-multipliers", "0.5,2,6", "--max-run-share", "0.04"],
+           "f": ["--widths", "16,32", "--depths", "4,4", "--rungs", "2",
+                 "--token-multipliers", "1,3,9", "--max-run-share", "0.012"]}
 PLAN = ["--depth-exp", "0.5", "--evals", "5"]
 # 10% warmup: at the reference's 1% the rungs warm up over 1-8 steps, fewer than Adam's
 # second-moment horizon (1 / (1 - b2) = 20 steps), and the early full-LR steps leave seed
@@ -376,7 +385,7 @@ def main() -> None:
     ap.add_argument("--rung-seeds", type=int, default=1, help="replicates of every rung "
                     "(`ladder plan --seeds`; folder and results gain _r<N>)")
     ap.add_argument("--dir", help="the ladder folder (default runs/TAG, TAG = ladder_demo"
-                    "[_b|_c|_d][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>])")
+                    "[_b|_c|_d|_e|_f][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>])")
     args = ap.parse_args()
     if not 0 < args.warmup <= 0.5:
         ap.error(f"--warmup {args.warmup}: a fraction of the target's steps in (0, 0.5]")

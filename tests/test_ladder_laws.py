@@ -5,6 +5,7 @@ moelab.ladder.choose, moelab.ladder.plan, bench/data/scaling)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 from pathlib import Path
 
@@ -97,6 +98,22 @@ def test_plan_spreads_tokens_per_parameter_when_asked():
     assert half.stats["tokens"] / full.stats["tokens"] == pytest.approx(0.5, rel=0.05)
     with pytest.raises(ConfigError, match="ladder.token_multipliers"):
         plan_ladder(target, LadderRule(rungs=3, widths=(16, 32, 48), token_multipliers=(1, 1)))
+
+
+def test_plan_leaves_out_runs_over_the_cost_cap():
+    target = micro_target()
+    grid = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 2),
+                      token_multipliers=(0.5, 2.0, 6.0))
+    full = {r.name: r.stats["share"] for r in plan_ladder(target, grid)}
+    cap = sorted(full.values())[5]  # keeps the six cheapest of the nine runs
+    kept = {r.name: r.stats["share"]
+            for r in plan_ladder(target, dataclasses.replace(grid, max_run_share=cap))}
+    assert kept == {n: s for n, s in full.items() if s <= cap} and len(kept) == 6
+    assert "d16-L2-t6" in kept and "d48-L2-t6" not in kept  # narrow long, wide short
+    with pytest.raises(ConfigError, match="ladder.max_run_share"):  # too few runs left
+        plan_ladder(target, dataclasses.replace(grid, max_run_share=min(full.values())))
+    with pytest.raises(ConfigError, match="ladder.max_run_share"):
+        plan_ladder(target, dataclasses.replace(grid, max_run_share=0))
 
 
 def test_benchmark_data_sets_are_cited_and_split_by_budget():

@@ -44,7 +44,7 @@ def cmd_plan(args) -> int:
                       depth_exp=args.depth_exp, widths=args.widths or (),
                       depths=args.depths or (), batch_size=args.batch_size, evals=args.evals,
                       token_multipliers=args.token_multipliers or (1.0,), seeds=args.seeds,
-                      lr_exp=args.lr_exp)
+                      lr_exp=args.lr_exp, max_run_share=args.max_run_share)
     rungs = plan_ladder(target, rule)
     print(format_ladder_plan(Path(source).stem, target, rungs))
     if args.out:
@@ -263,6 +263,10 @@ def _add_plan(sub) -> None:
                    help="train every width once per multiplier of the target's tokens per "
                    "parameter, e.g. 0.5,1: N and D then move apart, so the fit can identify "
                    "both exponents (default: 1)")
+    p.add_argument("--max-run-share", type=float, default=1.0, metavar="S",
+                   help="leave out the (width, multiplier) runs that would cost more than S of "
+                   "the target's FLOPs, e.g. 0.04: narrow widths train long, wide ones short, "
+                   "so N and D spread at low cost (default 1: every run)")
     p.add_argument("--seeds", type=int, default=1,
                    help="train every rung this many times with different seeds (train.seed + "
                    "1000 r; rung names gain -s<r>): the fit sees their spread instead of one "

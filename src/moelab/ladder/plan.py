@@ -15,6 +15,9 @@ The rule (after the reference ladder, docs/reference.md#the-scaling-ladder):
   ``token_multipliers`` (e.g. 0.5, 1) every width is trained once per multiplier of those
   tokens, so N and D move apart and both exponents of L(N, D) can be identified (with one
   multiplier they move together and the fit cannot tell the N term from the D term);
+  ``max_run_share`` drops the (width, multiplier) runs that would cost more than that share of
+  the target's FLOPs, so one grid trains the narrow widths long and the wide ones short: N and D
+  both spread at a fraction of the cost of the full grid;
   "active parameters" are counted as the reference counts them: attention, router, top-k
   routed experts, latent projections and shared experts, without the embedding and the LM head
   (``moelab.planner.counts.param_counts(...)["active"]``). This N is also the N of the scaling
@@ -63,6 +66,7 @@ class LadderRule:
     widths: tuple[int, ...] = ()  # explicit d_model per rung (skips the search)
     depths: tuple[int, ...] = ()  # explicit n_layers per rung
     token_multipliers: tuple[float, ...] = (1.0,)  # tokens per parameter, x the target's
+    max_run_share: float = 1.0  # runs costing more than this share of the target are left out
     batch_size: int = 0  # 0 = the target's batch size
     evals: int = 8  # held-out evaluations per rung (for the trajectory fit)
     min_steps: int = 20
@@ -88,6 +92,8 @@ class LadderRule:
         tm = self.token_multipliers
         need(len(tm) >= 1 and all(m > 0 for m in tm) and len(set(tm)) == len(tm),
              "token_multipliers", f"give distinct positive multipliers, e.g. 0.5,1; got {tm}")
+        need(0 < self.max_run_share <= 1, "max_run_share",
+             f"must be a share of the target's FLOPs in (0, 1], got {self.max_run_share:g}")
         need(self.evals >= 2, "evals", "must be >= 2")
         need(self.seeds >= 1, "seeds", "must be >= 1 (replicates of every rung)")
         runs = self.rungs * len(tm) * self.seeds
@@ -246,11 +252,19 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
         stats = run_stats(cfg)
         stats["share"] = stats["flops"] / c_target
         stats["token_multiplier"] = m
+        if stats["share"] > rule.max_run_share:
+            continue
         base = f"d{d}-L{n_layers}" + ("" if m == 1 else f"-t{m:g}")
         for r in range(rule.seeds):  # seed replicates: the fit averages their noise
             seed = target.train.seed + SEED_STRIDE * r
             rep = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
             rungs.append(Rung(replicate_name(base, r), rep, {**stats, "replicate": r}))
+    left = {r.stats["params_active"] for r in rungs}
+    if len(rungs) < MIN_RUNS or len(left) < 2:
+        raise ConfigError(
+            f"ladder.max_run_share: {rule.max_run_share:g} of the target's FLOPs leaves "
+            f"{len(rungs)} run(s) of {len(left)} width(s), and a fit needs at least {MIN_RUNS} "
+            "runs of 2 widths: raise it, or add smaller widths or token multipliers")
     if len({r.name for r in rungs}) < len(rungs):
         raise ConfigError("ladder.widths: two rungs have the same shape; give distinct widths")
     return sorted(rungs, key=lambda r: (r.stats["flops"], r.stats["replicate"]))
