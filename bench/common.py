@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from moelab.util import atomic_write_bytes, atomic_write_json  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 RESULTS.mkdir(exist_ok=True)  # git-ignored, so a fresh clone has none; every script writes here
 
@@ -47,9 +48,21 @@ def save(name: str, rows: list[dict], device_info: bool = True, **extra) -> Path
         import jax
 
         head.update(backend=jax.default_backend(), devices=[str(d) for d in jax.devices()][:8])
-    atomic_write_json(out, {**head, **extra, "rows": rows})
+    atomic_write_json(out, _repo_relative({**head, **extra, "rows": rows}))
     print(f"saved {out}")
     return out
+
+
+def _repo_relative(obj):
+    """Paths inside the checkout saved relative to it: a result file names no machine's
+    folders, so it can be published as it is."""
+    if isinstance(obj, str):
+        return obj.replace(f"{REPO}/", "")
+    if isinstance(obj, dict):
+        return {k: _repo_relative(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_repo_relative(v) for v in obj]
+    return obj
 
 
 def append_jsonl(path: Path, record: dict) -> None:
