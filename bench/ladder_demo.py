@@ -413,11 +413,16 @@ def main() -> None:
         print(f"plot: {RESULTS / (tag + '.png')}")
 
 
-if __name__ == "__main__":
+def run_script(main, script: str, kept: str) -> None:
+    """Run ``main``; a failed moelab command ends the script with its own message (it says what
+    to fix) and no traceback on top of it."""
     try:
         main()
     except subprocess.CalledProcessError as e:
-        # the moelab command's own message says what to fix; no traceback on top of it
         sys.stderr.write(e.stderr or "")
-        sys.exit(f"ladder_demo: `moelab {' '.join(e.cmd[3:5])}` failed (exit {e.returncode}); "
-                 "finished stages are kept: fix and rerun to resume")
+        sys.exit(f"{script}: `moelab {' '.join(e.cmd[3:5])}` failed (exit {e.returncode}); "
+                 f"{kept}: fix and rerun to resume")
+
+
+if __name__ == "__main__":
+    run_script(main, "ladder_demo", "finished stages are kept")
