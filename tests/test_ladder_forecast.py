@@ -14,7 +14,14 @@ import pytest
 from moelab.config.io import save_config
 from moelab.ladder.fit import LOSS_KEYS, MIN_PROGRESS, prediction_steps
 from moelab.ladder.folder import write_ladder
-from moelab.ladder.forecast import evaluate, load_inputs
+from moelab.ladder.forecast import (
+    deviations,
+    evaluate,
+    ladder_laws,
+    load_inputs,
+    prior_scale,
+    so_far,
+)
 from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.plan import LadderRule, plan_ladder, run_stats
 from moelab.ladder.schedule_law import RunSchedule
@@ -95,6 +102,28 @@ def test_forecast_narrows_as_the_run_advances_and_beats_both_baselines(tmp_path,
     # the run's curve alone: nothing to fit at 10% and 20%, then wide but honest bands
     assert curve[0]["predicted"] is None and curve[1]["predicted"] is None
     assert curve[2]["covered"] and curve[3]["covered"]
+
+
+def test_a_ladder_far_off_widens_the_prior_and_the_band_stays_honest(tmp_path, target):
+    """The ladder ~10% high with a +-2% band: the run contradicts it by 5x its band, so the
+    prior widens (type-II ML) and the run's curve takes over; a ladder within its band keeps
+    its prior as it is."""
+    truth = write_synthetic_run(tmp_path / "run", target, noise=0.01, seed=3)
+    far = {**SCHED_TRUTH, "E": SCHED_TRUTH["E"] + 1.0}
+    atomic_write_json(tmp_path / "far.json", synthetic_prediction(target, far))
+    records, cfg, pred, _ = load_inputs(tmp_path / "run", tmp_path / "far.json")
+    assert pred["final"][EVAL_LOSS]["mid"] / truth - 1 > 0.08
+    comb = by_method(evaluate(records, cfg, pred, fractions=(0.3, 0.5), n_boot=20))["combined"]
+    assert all(r["covered"] for r in comb)
+    assert abs(comb[-1]["rel_error"]) < 0.03  # from the ladder's 10%
+    # the prior's scale itself: 1 where the run agrees with the ladder, large where it does not
+    run = RunSchedule.from_config(cfg)
+    laws = ladder_laws(pred, run)
+    sf = so_far(records, cfg, cfg.train.steps // 2)
+    G, d, se = deviations(sf, pred, laws)
+    prior = np.eye(G.shape[1]) * 0.02 ** 2 / G.shape[1]
+    assert prior_scale(G, d, se, prior) >= 4  # ~7% off against a 2% band: ~(7 / 2)^2
+    assert prior_scale(G, np.zeros_like(d), se, prior) == 1.0
 
 
 def test_the_runs_curve_alone_extrapolates_a_quiet_run(tmp_path, target):

@@ -20,8 +20,11 @@ with a central band at the prediction's level (90% by default):
   final log loss, shared by both metrics. Prior: u_j ~ N(0, sd0^2 / K), sd0 the ladder's final
   band in log units (its half-width / z), K the components: with nothing seen the forecast is
   the ladder's, band and all. Data: the training loss's deviations, binned (noise: each bin's
-  standard error), and each evaluation's (noise: EVAL_NOISE); if the residuals scatter more than
-  that noise (reduced chi-square above 1), all noise is scaled up by it. The posterior is
+  standard error), and each evaluation's (noise: EVAL_NOISE); if the run departs from the ladder
+  by more than the ladder's band allows, the prior is widened by the factor that makes what was
+  seen most likely (``prior_scale``, type-II maximum likelihood, never below 1); if the
+  residuals scatter more than the noise (reduced chi-square above 1), all noise is scaled up by
+  it. The posterior is
   closed-form; the forecast is the ladder's final times exp(sum_j u_j), band +- z posterior sd.
   A posterior only narrows as points are added (at a given noise), so the band narrows as the
   run advances; a component the run has not yet shown (the annealing, before the LR decays)
@@ -55,6 +58,7 @@ METHODS = ("combined", "ladder", "curve")
 LABELS = {"combined": "combined (ladder + run)", "ladder": "ladder alone",
           "curve": "run's curve alone"}
 FRACTIONS = (0.1, 0.2, 0.3, 0.5)  # where ``evaluate`` cuts a finished run
+PRIOR_SCALE_MAX = 2048.0  # widest prior: sd up to 45x the ladder's (a ladder off by its band x 45)
 
 
 # ------------------------------------------------------------------------------ the inputs
@@ -216,10 +220,27 @@ def deviation_basis(law: ScheduleFit, run: RunSchedule, at: np.ndarray, pivot: i
     return g[:-2] / scale
 
 
+def prior_scale(G: np.ndarray, d: np.ndarray, se: np.ndarray, prior: np.ndarray) -> float:
+    """The factor (>= 1, powers of 2 up to PRIOR_SCALE_MAX) on the prior covariance that makes
+    the deviations seen most likely (type-II maximum likelihood, d ~ N(0, s G P G' + noise)):
+    where the run contradicts the ladder by more than its band allows, the prior widens, the
+    data take over and the band says so. Never below 1: the data cannot make the ladder surer
+    than its own band."""
+    best, best_ll = 1.0, -np.inf
+    for s in 2.0 ** np.arange(int(math.log2(PRIOR_SCALE_MAX)) + 1):
+        cov = s * (G @ prior @ G.T) + np.diag(se ** 2)
+        ll = -0.5 * (np.linalg.slogdet(cov)[1] + d @ np.linalg.solve(cov, d))
+        if ll > best_ll:
+            best, best_ll = float(s), ll
+    return best
+
+
 def posterior(G: np.ndarray, d: np.ndarray, se: np.ndarray, prior: np.ndarray
               ) -> tuple[np.ndarray, np.ndarray]:
-    """Mean and covariance of u in d = G u + noise (sd ``se``), u ~ N(0, prior covariance);
-    the noise scaled up by the residuals' reduced chi-square when that is above 1."""
+    """Mean and covariance of u in d = G u + noise (sd ``se``), u ~ N(0, prior covariance
+    widened by ``prior_scale``); the noise scaled up by the residuals' reduced chi-square when
+    that is above 1."""
+    prior = prior * prior_scale(G, d, se, prior)
     w = 1 / se ** 2
     prec0 = np.linalg.inv(prior)
     for _ in range(2):
