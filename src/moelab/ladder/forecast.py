@@ -26,8 +26,9 @@ with a central band at the prediction's level (90% by default):
   residuals scatter more than the noise (reduced chi-square above 1), all noise is scaled up by
   it. The posterior is
   closed-form; the forecast is the ladder's final times exp(sum_j u_j), band +- z posterior sd.
-  A posterior only narrows as points are added (at a given noise), so the band narrows as the
-  run advances; a component the run has not yet shown (the annealing, before the LR decays)
+  A posterior only narrows as points are added (at a given prior and noise), so the band
+  narrows as the run advances, except when the prior widens (a ladder shown to be off by more
+  than its band: the band widens once, then narrows again); a component the run has not yet shown (the annealing, before the LR decays)
   keeps its prior share of the band.
 
 Points before MIN_PROGRESS of the run (warmup and the first transient) are left out, as the
