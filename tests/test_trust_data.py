@@ -298,7 +298,10 @@ def test_a_signal_during_tokenizer_training_ends_the_build_with_its_message(
     returns); the signal ends the build at once, as anywhere else: a message, its exit code,
     the lock released, no tokenizer written."""
     src, out = _texts(tmp_path / "src", "fig"), tmp_path / "o"
-    script = ("import sys, time\n"
+    script = ("import signal, sys, time\n"
+              # a process started in the background inherits SIGINT ignored; a terminal's
+              # Ctrl-C reaches Python's own handler, as here
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
               "import moelab.data.tokenizer as t\n"
               "def slow(_corpus):\n"
               "    print('TRAINING', file=sys.stderr, flush=True)\n"
