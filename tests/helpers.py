@@ -102,6 +102,16 @@ def _enable_compilation_cache(path: Path) -> None:
     _CACHE["jax_cache"] = path
 
 
+def child_xla_flags(devices: int) -> str:
+    """The suite's XLA_FLAGS (tests/conftest.py) with ``devices`` fake CPU devices, for a child
+    process that is one of several (each owning its own devices)."""
+    import os
+
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+
+
 def subprocess_env(**extra: str) -> dict:
     """os.environ for a `moelab` child process, sharing the session's compilation cache."""
     import os

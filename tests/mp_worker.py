@@ -12,7 +12,8 @@ costs more than a transport.
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+# 4 fake devices: the test passes the suite's flags with that count (alone: the count only)
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

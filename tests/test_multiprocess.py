@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import child_xla_flags
+
 WORKER = Path(__file__).with_name("mp_worker.py")
 
 
@@ -27,7 +29,7 @@ KINDS = ("pooled_wave", "pooled_global", "ragged")
 def outputs() -> list[tuple[int, str]]:
     """Each process's (exit status, output) of one run of every transport."""
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": child_xla_flags(4)}
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", port, ",".join(KINDS)],

@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import micro_config
+from helpers import child_xla_flags, micro_config
 from moelab.config import save_config
 from moelab.run.logs import read_metrics
 from moelab.train.loop import train
@@ -87,8 +87,7 @@ def test_two_processes_follow_single_device(tmp_path, data_dir, reference):
     save_config(cfg, cfg_path)
     run_dir = tmp_path / "mp"
     port = str(free_port())
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env = {**os.environ, "XLA_FLAGS": child_xla_flags(4)}
     env["JAX_PLATFORMS"] = "cpu"
     src = str(Path(__file__).resolve().parents[1] / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")

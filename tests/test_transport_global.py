@@ -147,8 +147,8 @@ def group_mesh(ep):
 
 def test_same_drops_at_every_ep_degree():
     """Over the same batch, EP 2, 4 and 8 drop the same assignments (fixed fairness blocks:
-    the outputs are bit-identical) or at least as many (one block per rank), and nothing
-    that arrives is dropped."""
+    the outputs are equal up to float rounding, a dropped row would move them by ~0.1) or at
+    least as many (one block per rank), and nothing that arrives is dropped."""
     require_devices()
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=6))
     fixed = tc("pooled_global", global_sender_cf=4.0, receiver_cf=1.0, fair_blocks=8)
@@ -158,7 +158,7 @@ def test_same_drops_at_every_ep_degree():
     (out2, tot2), tot2b = runs[2]
     assert tot2["receiver_dropped"] > 0 and tot2["sender_dropped"] == 0
     for (out, tot), totb in runs.values():
-        np.testing.assert_array_equal(out, out2)
+        np.testing.assert_allclose(out, out2, rtol=1e-5, atol=1e-6)
         assert tot == tot2 and totb == tot2b == tot2
 
 
