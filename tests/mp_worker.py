@@ -12,7 +12,7 @@ costs more than a transport.
 import os
 import sys
 
-# 4 fake devices: the test passes the suite's flags with that count (alone: the count only)
+# 4 fake devices: test_multiprocess passes the suite's flags with that count; by hand, the count
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 os.environ["JAX_PLATFORMS"] = "cpu"
 

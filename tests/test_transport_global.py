@@ -147,8 +147,9 @@ def group_mesh(ep):
 
 def test_same_drops_at_every_ep_degree():
     """Over the same batch, EP 2, 4 and 8 drop the same assignments (fixed fairness blocks:
-    the outputs are equal up to float rounding, a dropped row would move them by ~0.1) or at
-    least as many (one block per rank), and nothing that arrives is dropped."""
+    the outputs are equal up to float rounding; one route dropped more moves its token's output
+    by 0.03 or more on this batch) or at least as many (one block per rank), and nothing that
+    arrives is dropped."""
     require_devices()
     expert = jnp.asarray(skewed_routing(N_DEV, T, E, K, seed=6))
     fixed = tc("pooled_global", global_sender_cf=4.0, receiver_cf=1.0, fair_blocks=8)

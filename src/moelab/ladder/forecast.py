@@ -28,8 +28,8 @@ with a central band at the prediction's level (90% by default):
   closed-form; the forecast is the ladder's final times exp(sum_j u_j), band +- z posterior sd.
   A posterior only narrows as points are added (at a given prior and noise), so the band
   narrows as the run advances, except when the prior widens (a ladder shown to be off by more
-  than its band: the band widens once, then narrows again); a component the run has not yet shown (the annealing, before the LR decays)
-  keeps its prior share of the band.
+  than its band: the band widens once, then narrows again); a component the run has not yet
+  shown (the annealing, before the LR decays) keeps its prior share of the band.
 
 Points before MIN_PROGRESS of the run (warmup and the first transient) are left out, as the
 ladder's fit leaves them out. ``evaluate`` replays a finished run cut at fractions of its steps
