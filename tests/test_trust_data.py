@@ -142,26 +142,49 @@ def test_long_texts_become_bounded_documents(tmp_path):
     assert docs[0]["id"].startswith("in/one_line.txt part ")
 
 
+def _stalled_build(patch: str, marker: str, *argv: str) -> subprocess.Popen:
+    """`moelab data build ARGV` in a child process that ``patch`` (Python source run first)
+    stalls: returned once the patch has printed ``marker`` on stderr, so that a signal
+    lands at a known moment, not at a guessed one."""
+    script = ("import signal, sys, time\n"
+              # a process started in the background inherits SIGINT ignored; a terminal's
+              # Ctrl-C reaches Python's own handler, as here
+              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              f"{patch}"
+              "from moelab.cli import main\n"
+              f"sys.exit(main(['data', 'build', *{list(argv)!r}, '--no-progress']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
+                            env=subprocess_env(PYTHONPATH=str(SRC)))
+    said = []
+    for line in proc.stderr:
+        said.append(line)
+        if marker in line:
+            return proc
+    raise AssertionError(f"the build ended ({proc.wait()}) before {marker}: {''.join(said)}")
+
+
 def test_sigterm_during_data_build_leaves_no_temp_files(tmp_path):
-    src = tmp_path / "in"
-    src.mkdir()
-    line = "some words to read and write again " * 600 + "\n"
-    for i in range(500):  # ~10 MB: the corpus pass runs for a while
-        (src / f"f{i:04d}.txt").write_text(line)
-    out = tmp_path / "o"
-    proc = subprocess.Popen([sys.executable, "-m", "moelab.cli", "data", "build", str(src),
-                             "--out", str(out), "--no-progress"], stderr=subprocess.PIPE,
-                            text=True, env=subprocess_env(PYTHONPATH=str(SRC)))
-    deadline = time.time() + 60
-    while not list(out.rglob(".*.tmp")) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.01)
-    assert list(out.rglob(".*.tmp")), "the build never wrote a temp file"
+    """SIGTERM while the corpus is being written: the build ends with its message and exit
+    code, and no temp file or half corpus is left."""
+    src, out = _texts(tmp_path / "src", "kiwi"), tmp_path / "o"
+    proc = _stalled_build("import moelab.data.corpus as c\n"
+                          "real = c._first_pass\n"
+                          "def stalled(docs):\n"
+                          "    for i, doc in enumerate(docs):\n"
+                          "        if i == 1:\n"
+                          "            print('WRITING', file=sys.stderr, flush=True)\n"
+                          "            time.sleep(120)  # unhandled signal: the test fails\n"
+                          "        yield doc\n"
+                          "c._first_pass = lambda docs, *a: real(stalled(docs), *a)\n",
+                          "WRITING", str(src), "--out", str(out))
+    assert list(out.rglob(".*.tmp")), "the corpus pass writes through a temp file"
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode != 0 and "Traceback" not in err
-    assert proc.returncode == 143 and err.strip().splitlines() == ["moelab: terminated (SIGTERM)"]
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 143, rest
+    assert rest.strip().splitlines() == ["moelab: terminated (SIGTERM)"]
     assert not list(out.rglob(".*.tmp")) and not list(out.rglob(".hf-cache.*"))
     assert not (out / "corpus" / "manifest.json").exists()
+    assert (out / ".lock").read_text() == ""  # released
 
 
 def test_your_files_never_go_to_the_builtin_folder_nor_train_a_default_run(tmp_path, capsys,
@@ -298,24 +321,13 @@ def test_a_signal_during_tokenizer_training_ends_the_build_with_its_message(
     returns); the signal ends the build at once, as anywhere else: a message, its exit code,
     the lock released, no tokenizer written."""
     src, out = _texts(tmp_path / "src", "fig"), tmp_path / "o"
-    script = ("import signal, sys, time\n"
-              # a process started in the background inherits SIGINT ignored; a terminal's
-              # Ctrl-C reaches Python's own handler, as here
-              "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              "import moelab.data.tokenizer as t\n"
-              "def slow(_corpus):\n"
-              "    print('TRAINING', file=sys.stderr, flush=True)\n"
-              "    time.sleep(600)\n"
-              "    yield ['x']\n"
-              "t._text_batches = slow\n"
-              "from moelab.cli import main\n"
-              f"sys.exit(main(['data', 'build', {str(src)!r}, '--out', {str(out)!r}, "
-              "'--vocab', '300', '--no-progress']))\n")
-    proc = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True,
-                            env=subprocess_env(PYTHONPATH=str(SRC)))
-    for line in proc.stderr:
-        if "TRAINING" in line:
-            break
+    proc = _stalled_build("import moelab.data.tokenizer as t\n"
+                          "def slow(_corpus):\n"
+                          "    print('TRAINING', file=sys.stderr, flush=True)\n"
+                          "    time.sleep(120)  # unhandled signal: the test fails\n"
+                          "    yield ['x']\n"
+                          "t._text_batches = slow\n",
+                          "TRAINING", str(src), "--out", str(out), "--vocab", "300")
     proc.send_signal(sig)
     rest = proc.stderr.read()
     assert proc.wait(timeout=120) == code, rest
