@@ -30,12 +30,11 @@ def test_a_yaml_alias_bomb_is_refused_fast_and_small(tmp_path):
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(laughs(8))  # the 8 lines that took 33.8 s and 4.8 GB
     tracemalloc.start()
-    t0 = time.perf_counter()
     with pytest.raises(ConfigError, match=f"config {bomb}: line 3: more than 10 aliases"):
         load_config(str(bomb))
-    seconds, peak = time.perf_counter() - t0, tracemalloc.get_traced_memory()[1]
+    peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert seconds < 1 and peak < 10e6, (seconds, peak)
+    assert peak < 10e6, peak  # refused before expanding: the expansion itself took 4.8 GB
 
 
 def test_a_few_aliases_still_share_a_value(tmp_path):
