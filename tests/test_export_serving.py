@@ -173,8 +173,8 @@ def test_fine_tuning_outputs(exported):
     assert abs(float(out.loss) - (ce + coef * aux)) < TOL
 
 
-def test_gradient_checkpointing_embeds_and_hidden_states(exported):
-    """Gradient checkpointing recomputes each block and leaves the gradients as they were;
+def test_activation_checkpointing_embeds_and_hidden_states(exported):
+    """Activation checkpointing recomputes each block and leaves the gradients as they were;
     inputs_embeds give input_ids' logits and generation; hidden states are the embeddings,
     each block's output and the final normed one; the quantile router's aux_loss is None."""
     model = load(exported("all_options").out)
@@ -182,8 +182,8 @@ def test_gradient_checkpointing_embeds_and_hidden_states(exported):
 
     def grads(checkpointing: bool):
         model.train().zero_grad()
-        (model.gradient_checkpointing_enable if checkpointing
-         else model.gradient_checkpointing_disable)()
+        (model.activation_checkpointing_enable if checkpointing
+         else model.activation_checkpointing_disable)()
         calls = []
         hook = model.model.layers[0].self_attn.register_forward_hook(lambda *a: calls.append(1))
         model(ids, labels=ids).loss.backward()
@@ -193,7 +193,7 @@ def test_gradient_checkpointing_embeds_and_hidden_states(exported):
     (plain, n_plain), (ckpt, n_ckpt) = grads(False), grads(True)
     assert (n_plain, n_ckpt) == (1, 2)  # the backward ran the block again
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(plain, ckpt))
-    model.gradient_checkpointing_disable()
+    model.activation_checkpointing_disable()
     model.eval()
     with torch.no_grad():
         out = model(ids, output_hidden_states=True, output_router_logits=True)
