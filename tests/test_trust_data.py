@@ -243,6 +243,7 @@ def test_a_run_preparing_its_data_takes_the_folder_lock(data_dir, tmp_path, monk
     from moelab.data.prepare import PREPARING, prepare_data
 
     data = DataConfig(data_dir=str(data_dir))
+
     def never(_seconds):
         raise AssertionError("the preparation waited for a build")
 
