@@ -102,14 +102,18 @@ def _enable_compilation_cache(path: Path) -> None:
     _CACHE["jax_cache"] = path
 
 
-def child_xla_flags(devices: int) -> str:
-    """The suite's XLA_FLAGS (tests/conftest.py) with ``devices`` fake CPU devices, for a child
-    process that is one of several (each owning its own devices)."""
+def multiprocess_env(devices: int) -> dict:
+    """os.environ for one of several JAX processes on this machine, each owning ``devices``
+    fake CPU devices: the suite's XLA_FLAGS (tests/conftest.py) with that count, the CPU
+    backend, and this checkout's src/ first on PYTHONPATH."""
     import os
 
     kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
             if not f.startswith("--xla_force_host_platform_device_count")]
-    return " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"]),
+            "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 def subprocess_env(**extra: str) -> dict:

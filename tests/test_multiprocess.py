@@ -3,7 +3,6 @@ runtime (jax.distributed + gloo collectives), matching the dense reference. One 
 processes checks every transport (starting them costs more than a transport); each test reads
 its transport's verdict."""
 
-import os
 import socket
 import subprocess
 import sys
@@ -11,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import child_xla_flags
+from helpers import multiprocess_env
 
 WORKER = Path(__file__).with_name("mp_worker.py")
 
@@ -29,9 +28,7 @@ KINDS = ("pooled_wave", "pooled_global", "ragged")
 def outputs() -> list[tuple[int, str]]:
     """Each process's (exit status, output) of one run of every transport."""
     port = str(free_port())
-    env = {**os.environ, "XLA_FLAGS": child_xla_flags(4)}
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env = multiprocess_env(4)
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), "2", port, ",".join(KINDS)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for i in range(2)]

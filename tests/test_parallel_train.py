@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import child_xla_flags, micro_config
+from helpers import micro_config, multiprocess_env
 from moelab.config import save_config
 from moelab.run.logs import read_metrics
 from moelab.train.loop import train
@@ -87,10 +85,7 @@ def test_two_processes_follow_single_device(tmp_path, data_dir, reference):
     save_config(cfg, cfg_path)
     run_dir = tmp_path / "mp"
     port = str(free_port())
-    env = {**os.environ, "XLA_FLAGS": child_xla_flags(4)}
-    env["JAX_PLATFORMS"] = "cpu"
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    env = multiprocess_env(4)
     procs = [subprocess.Popen(
         [sys.executable, "-m", "moelab.cli", "train", str(cfg_path), "--run-dir", str(run_dir),
          "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
