@@ -69,13 +69,20 @@ class Row:
     note: str = ""
 
 
+def over(defaults: list[str], changes: list[str]) -> list[str]:
+    """``defaults`` less the fields that ``changes`` set, then ``changes``: a config takes each
+    field once (moelab.config), so a row's own value replaces the shared one."""
+    changed = {c.split("=", 1)[0].strip() for c in changes}
+    return [d for d in defaults if d.split("=", 1)[0].strip() not in changed] + changes
+
+
 def train_row(name: str, preset: str, overrides: list[str], expect_s: float, steps: int = 5,
               profile: bool = False, dry_overrides: list[str] | None = None,
               xla_flags: str = "", **kw) -> Row:
-    spec = {"kind": "train", "preset": preset, "overrides": BATCH + FAST + overrides,
+    spec = {"kind": "train", "preset": preset, "overrides": over(BATCH + FAST, overrides),
             "steps": steps, "profile": profile, "mem_bw": HBM_BW, "xla_flags": xla_flags}
     dry = {**spec, "preset": "tiny", "steps": 2, "mem_bw": CPU_BW, "xla_flags": "",
-           "overrides": TINY + (overrides if dry_overrides is None else dry_overrides)}
+           "overrides": over(TINY, overrides if dry_overrides is None else dry_overrides)}
     return Row(name, expect_s, spec, dry, 30 if profile else 20, **kw)
 
 

@@ -106,6 +106,23 @@ def train(spec: dict, row: Row) -> None:
             row.save(profile_error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+def lowered_for_cuda(spec: dict) -> str:
+    """A training row's step lowered for CUDA as StableHLO text, at the row's own shapes and on
+    any machine: traced with a GPU's choices (``planner.flop_audit.traced_as_gpu``: cuDNN
+    attention, the expert kernel's GPU form), nothing compiled or allocated. What a CPU can
+    check of a row before a GPU runs it; tests/test_gpu_bench.py does, for every row."""
+    from moelab.config import load_config
+    from moelab.planner.flop_audit import traced_as_gpu
+    from moelab.train.step import init_train_state, make_train_step
+
+    cfg = load_config(spec["preset"], spec["overrides"])
+    with traced_as_gpu():
+        state = jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
+        batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), "int32")
+        return make_train_step(cfg).trace(state, batch).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+
 def legs(spec: dict, row: Row) -> None:
     """Every expert kernel of gpu_legs.LEGS, leg by leg, at one expert shape."""
     import numpy as np

@@ -126,6 +126,21 @@ def test_bad_options_fail_before_any_row(tmp_path, name, args, message):
     assert not (tmp_path / f"{name}.jsonl").exists()
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_every_row_passes_the_drivers_checks(dry_run):
+    """Every row, those run only when named included, loads its config in the real table and in
+    the dry run's: a row's own setting replaces the shared one (the config takes each field
+    once), so e.g. ``model.loss_chunk=0`` or ``data.batch_size=1024`` are not refused."""
+    import gpu_mfu
+
+    rows = gpu_mfu.all_rows()
+    for argv in ([], ["--rows", *rows]):
+        args = gpu_mfu.parse_args(argv + (["--dry-run"] if dry_run else []), rows)
+        assert args.deadline > 0
+    spec = rows["d1024-no-chunked-loss"].spec["overrides"]
+    assert [o for o in spec if o.startswith("model.loss_chunk=")] == ["model.loss_chunk=0"]
+
+
 # ----------------------------------------------------------------------------- profile parts
 
 HLO = """HloModule jit_step_fn, is_scheduled=true
@@ -230,3 +245,27 @@ def test_a_wrong_expert_kernel_fails_its_check(monkeypatch):
     rows = {r["leg"]: r for r in gpu_legs.run_impl("off", x, w, dy, counts, budget_s=0.0)}
     assert rows["fwd"]["status"] == "WRONG" and rows["fwd"]["max_rel_err"] > 0.05
     assert rows["dgrad"]["status"] == rows["wgrad"]["status"] == "ok"
+
+
+def test_every_gpu_training_row_lowers_for_cuda(monkeypatch):
+    """Each training row of the real table (not the dry run's), at its own shapes, traced with
+    a GPU's choices and lowered for CUDA here: the custom calls it asks of a GPU are there
+    (cuDNN attention unless the row asks for chunked; Triton kernels exactly in the gmm row).
+    A row that fails this would fail on the GPU before its first step. Only the Hopper
+    kernels' row cannot: it reads the GPU's SM count while tracing."""
+    import gpu_mfu
+    import gpu_rows
+    from moelab.config.model import RAGGED_FUSION_FLAG
+
+    rows = [r for r in gpu_mfu.all_rows().values() if r.spec["kind"] == "train"]
+    assert [r.name for r in rows if r.gpu_only] == ["d1024-mgpu"]
+    flags = os.environ.get("XLA_FLAGS", "")
+    for row in (r for r in rows if not r.gpu_only):
+        # the row's own flags, as its process starts with them (read when tracing)
+        monkeypatch.setenv("XLA_FLAGS", f"{flags} {row.spec['xla_flags']}".strip())
+        hlo = gpu_rows.lowered_for_cuda(row.spec)
+        chunked = "model.attention_impl=chunked" in row.spec["overrides"]
+        assert ("__cudnn$fmha" in hlo) != chunked, row.name
+        assert ("__gpu$xla.gpu.triton" in hlo) == (row.name == "d1024-gmm"), row.name
+        if RAGGED_FUSION_FLAG in row.spec["xla_flags"]:
+            assert "ragged_dot" in hlo, row.name
