@@ -318,10 +318,11 @@ def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
     metrics["data/seq_len"] = seq_len
     run.trackers.log(step, {**metrics, **run.hardware.sample()})
     eta = (cfg.data.tokens_before(steps) - tokens) / rate if rate else float("nan")
+    # the clock (re)starts after a compile (start, resume, a new context length): no rate yet
+    speed = (f"{rate:,.0f} tok/s | {_mfu_text(metrics, run.peak)} | ETA {_fmt_time(eta)}"
+             if rate else "timing starts at the next step")
     run.say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
-            f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
-            f"{rate:,.0f} tok/s | {_mfu_text(metrics, run.peak)} | "
-            f"ETA {_fmt_time(eta) if rate else '?'}")
+            f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | {speed}")
 
 
 def _mfu_text(metrics: dict, peak: Peaks) -> str:
