@@ -19,10 +19,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import print_table, save
+from common import count, print_table, save
 from moelab.config import load_config
 from moelab.train import loop
 from moelab.train.setup import setup_run
+
+LOG_EVERY = 10
 
 
 class _NoSignal:
@@ -54,15 +56,20 @@ def time_loop(overrides: list[str]) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--batch", type=int, default=2, help="sequences per step (small: 32)")
-    ap.add_argument("--every", type=int, default=50, help="steps between checkpoints")
-    ap.add_argument("--vocab", type=int, default=4096,
+    ap.add_argument("--steps", type=count, default=100)
+    ap.add_argument("--batch", type=count, default=2, help="sequences per step (small: 32)")
+    ap.add_argument("--every", type=count, default=50, help="steps between checkpoints")
+    ap.add_argument("--vocab", type=count, default=4096,
                     help="model.vocab_size (4096: the built-in corpus's tokenizer that "
                     "`moelab train` without a preset trains)")
     args = ap.parse_args()
-    base = [f"train.steps={args.steps}", f"data.batch_size={args.batch}", "train.log_every=10",
-            f"train.eval_every={10 * args.steps}", "train.peak_flops=1e11",
+    if args.steps < 2 * LOG_EVERY:  # the loop's clock runs from the first logged step to the last
+        ap.error(f"--steps: at least {2 * LOG_EVERY} (steps are logged every {LOG_EVERY}), got "
+                 f"{args.steps}")
+    if args.every >= args.steps:
+        ap.error(f"--every: a save inside the run, 1 to {args.steps - 1} steps, got {args.every}")
+    base = [f"train.steps={args.steps}", f"data.batch_size={args.batch}",
+            f"train.log_every={LOG_EVERY}", f"train.eval_every={10 * args.steps}", "train.peak_flops=1e11",
             f"model.vocab_size={args.vocab}", f"optim.schedule_steps={args.steps}"]
     variants = {"none": [f"train.ckpt_every={10 * args.steps}"],
                 "sync": [f"train.ckpt_every={args.every}", "train.async_ckpt=false"],

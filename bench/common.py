@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -16,6 +17,14 @@ from moelab.util import atomic_write_bytes, atomic_write_json  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
 RESULTS.mkdir(exist_ok=True)  # git-ignored, so a fresh clone has none; every script writes here
+
+
+def count(text: str) -> int:
+    """argparse type of a count (steps, batches, tokens, repeats): a whole number >= 1."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text}")
+    return n
 
 
 def copy_result(src: Path, name: str) -> Path:

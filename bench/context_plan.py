@@ -35,7 +35,7 @@ import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-from common import RESULTS, print_table, save  # noqa: E402
+from common import RESULTS, count, print_table, save  # noqa: E402
 from trained_router import run_overrides  # noqa: E402
 
 RANKS, PER_RANK = 8, 4096
@@ -97,8 +97,8 @@ def stage_rows(run, starts: list[int], steps: int) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--base-steps", type=int, default=40, help="steps at 256 before the stages")
-    ap.add_argument("--stage-steps", type=int, default=12, help="steps at each longer length")
+    ap.add_argument("--base-steps", type=count, default=40, help="steps at 256 before the stages")
+    ap.add_argument("--stage-steps", type=count, default=12, help="steps at each longer length")
     ap.add_argument("--max-drops", type=float, default=0.01, help="pooled_global's gate")
     ap.add_argument("--only", nargs="+", choices=list(TRANSPORTS), default=list(TRANSPORTS))
     args = ap.parse_args()

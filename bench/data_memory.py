@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import print_table, save
+from common import count, print_table, save
 
 WORDS = ("the of and to in is was that for it with as his on be at by had not are but from or "
          "have an they which one you were her all she there would their we him been has when who "
@@ -81,7 +81,7 @@ def run_build(src: Path, text: Path, out: Path, vocab: int, cap_gb: float) -> di
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=50.0)
-    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--vocab", type=count, default=512)
     p.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"))
     p.add_argument("--tag", default="")
     p.add_argument("--cap-gb", type=float, default=16.0)

@@ -33,7 +33,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import RESULTS, print_table, save
+from common import RESULTS, count, print_table, save
 from moelab.config import ParallelConfig
 from moelab.parallel.forecast import fit_placements, forecast, pick_spans
 from moelab.parallel.routing import at_context, heldout_spans, routed_ids, routing_fn
@@ -93,9 +93,9 @@ def rates(rows: list[dict], L: int, names) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 4096])
-    ap.add_argument("--batches", type=int, default=4, help="batches of 8 x 4096 held-out tokens")
-    ap.add_argument("--waves", type=int, default=4)
+    ap.add_argument("--lengths", type=count, nargs="+", default=[256, 512, 1024, 4096])
+    ap.add_argument("--batches", type=count, default=4, help="batches of 8 x 4096 held-out tokens")
+    ap.add_argument("--waves", type=count, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--global-cf", type=float, default=1.10,
                     help="pooled_global's receiver cf (another value saves "

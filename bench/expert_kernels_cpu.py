@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import print_table, save
+from common import count, print_table, save
 from moelab.config import load_config
 from moelab.model import experts
 
@@ -123,7 +123,7 @@ def measure(preset: str, reps: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=count, default=10)
     args = ap.parse_args()
     rows = [r for preset in args.presets for r in measure(preset, args.reps)]
     print_table(rows, [("preset", "preset", "s"), ("wgrad_sum", "weight-grad sum", "s"),

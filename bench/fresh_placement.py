@@ -33,13 +33,14 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from common import RESULTS, print_table, save  # noqa: E402
+from common import RESULTS, count, print_table, save  # noqa: E402
 from drops_vs_context import BRANCH_AT, COOLDOWN_STEPS, PER_RANK, RANKS, transports  # noqa: E402
 from trained_router import RUN_DIR, STEPS, load, run_overrides, trained_run  # noqa: E402
 
@@ -77,15 +78,19 @@ def routed(run: Path, step: int, spans, window: int, routes: dict):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--every", type=int, nargs="+", default=[8, 24, 48])
-    ap.add_argument("--batches", type=int, default=4)
-    ap.add_argument("--cost-steps", type=int, default=8)
+    ap.add_argument("--every", type=count, nargs="+", default=[8, 24, 48])
+    ap.add_argument("--batches", type=count, default=4)
+    ap.add_argument("--cost-steps", type=count, default=8)
     ap.add_argument("--trajectory", action="store_true", help="measure at every checkpoint of "
                     "the extension, not only at its end (a routing of 131K tokens each)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if any(n % 8 for n in args.every):
-        raise SystemExit("--every: multiples of 8 (the branch's checkpoints)")
+    if any(n <= 0 or n % 8 for n in args.every):
+        ap.error(f"--every: positive multiples of 8 (the branch's checkpoints), got {args.every}")
+    if args.cost_steps < 4:  # re-placements before steps 2 and 4, and a plain step to compare
+        ap.error(f"--cost-steps: at least 4, got {args.cost_steps}")
+    if args.batches < 1:
+        ap.error(f"--batches: at least 1, got {args.batches}")
     from moelab.parallel.forecast import batch_drops, fit_spans, heldout_batches
     from moelab.parallel.placement import fit_placement
     from moelab.run.checkpoint import Checkpointer
@@ -150,15 +155,21 @@ def replacement_cost(n_steps: int) -> dict:
 
     run = RESULTS / "fresh_placement_cost_run"
     shutil.rmtree(run, ignore_errors=True)
-    keep = [o for o in run_overrides(n_steps) if not o.startswith("train.log_every")]
+    # every step logged; no save before the end (a save inside a timed step would count as the
+    # step's time)
+    keep = [o for o in run_overrides(n_steps)
+            if not o.startswith(("train.log_every", "train.ckpt_every"))]
     cfg = load_config("tiny", keep + [
-        "train.log_every=1", "parallel.devices=8", "parallel.expert=8",
-        "parallel.transport=pooled_global", "parallel.budget_group=8", "parallel.waves=4",
+        "train.log_every=1", f"train.ckpt_every={n_steps}", "parallel.devices=8",
+        "parallel.expert=8", "parallel.transport=pooled_global", "parallel.budget_group=8", "parallel.waves=4",
         "parallel.receiver_cf=1.10", "parallel.global_sender_cf=2.0",
         "parallel.replace_every=2"])
     train(cfg, run, sample_prompt=None)
-    records, events = read_metrics(run / "metrics.jsonl")
-    times = {r["step"]: r["time"] for r in records if "train/loss" in r}
+    # each step's own record: read_metrics merges the final evaluation's into the last step's,
+    # its time included
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    times = {r["step"]: r["time"] for r in lines if "train/loss" in r}
+    events = read_metrics(run / "metrics.jsonl")[1]
     replaced = {e["step"]: e for e in events if e["event"] == "replace_experts"}
     # a record at step s ends step s - 1 -> s; a re-placement runs before step s (k * 2)
     plain = [times[s] - times[s - 1] for s in times if s - 1 in times and s - 1 not in replaced

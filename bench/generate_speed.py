@@ -18,7 +18,7 @@ import time
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import print_table, save
+from common import count, print_table, save
 from moelab.config import load_config  # noqa: E402
 from moelab.generate import make_sampler  # noqa: E402
 from moelab.model import transformer as tr  # noqa: E402
@@ -49,8 +49,8 @@ def measure(preset: str, n_prompt: int, n_new: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--presets", default="tiny,small", help="comma list of presets")
-    ap.add_argument("--prompt", type=int, default=64, help="prompt tokens")
-    ap.add_argument("--new", type=int, default=128, help="new tokens generated")
+    ap.add_argument("--prompt", type=count, default=64, help="prompt tokens")
+    ap.add_argument("--new", type=count, default=128, help="new tokens generated")
     args = ap.parse_args()
     if args.prompt < 1 or args.new < 1:
         raise SystemExit("--prompt and --new must be >= 1")

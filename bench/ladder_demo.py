@@ -53,7 +53,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from common import RESULTS, copy_result, print_table, save
+from common import RESULTS, copy_result, count, print_table, save
 from moelab.config import config_from_dict
 from moelab.ladder.fit import final_value
 from moelab.ladder.folder import load_ladder
@@ -382,7 +382,7 @@ def main() -> None:
                     "one LR; here default %(default)s)")
     ap.add_argument("--steps", type=int, default=TARGET_STEPS, help="the target's steps, >= 100 "
                     "(default %(default)s; the rungs keep its tokens per parameter)")
-    ap.add_argument("--rung-seeds", type=int, default=1, help="replicates of every rung "
+    ap.add_argument("--rung-seeds", type=count, default=1, help="replicates of every rung "
                     "(`ladder plan --seeds`; folder and results gain _r<N>)")
     ap.add_argument("--dir", help="the ladder folder (default runs/TAG, TAG = ladder_demo"
                     "[_b|_c|_d|_e|_f][_wu<P>][_lr<E>][_s<S>][_seed<N>][_r<R>])")

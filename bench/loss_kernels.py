@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from common import print_table, save  # noqa: E402  (also puts src/ on sys.path)
+from common import count, print_table, save  # noqa: E402  (also puts src/ on sys.path)
 from moelab.model.loss import _chunks, chunked_token_loss, head_logits, logit_sums  # noqa: E402
 from moelab.planner.flop_audit import dot_flops  # noqa: E402
 
@@ -129,12 +129,12 @@ def measure(name, loss, dtype, chunk, args, repeat: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--rows", type=int, default=4, help="sequences (the batch axis)")
-    ap.add_argument("--d-model", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=32768)
-    ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tokens", type=count, default=8192)
+    ap.add_argument("--rows", type=count, default=4, help="sequences (the batch axis)")
+    ap.add_argument("--d-model", type=count, default=512)
+    ap.add_argument("--vocab", type=count, default=32768)
+    ap.add_argument("--chunk", type=count, default=2048)
+    ap.add_argument("--repeat", type=count, default=3)
     a = ap.parse_args()
     kx, kh, kt = jax.random.split(jax.random.PRNGKey(0), 3)
     T = a.tokens // a.rows

@@ -17,8 +17,8 @@ import time
 
 import jax
 
-from common import print_table, save
-from moelab.config import load_config
+from common import count, print_table, save
+from moelab.config import ConfigError, load_config
 from moelab.train.step import init_train_state, make_train_step
 
 
@@ -47,12 +47,19 @@ def measure(preset: str, micro: int, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--micro", type=int, nargs="+", default=[8192, 4096, 2048, 1024],
+    ap.add_argument("--steps", type=count, default=3)
+    ap.add_argument("--micro", type=count, nargs="+", default=[8192, 4096, 2048, 1024],
                     help="tokens per micro-step (each must divide the batch's tokens)")
     args = ap.parse_args()
+    try:
+        load_config(args.preset)
+    except ConfigError as e:
+        ap.error(f"--preset: {e}")
     for m in args.micro:  # validate every row before the first compile
-        load_config(args.preset, [f"train.microbatch_tokens={m}"])
+        try:
+            load_config(args.preset, [f"train.microbatch_tokens={m}"])
+        except ConfigError as e:
+            ap.error(f"--micro {m}: {e}")
     rows = []
     for m in args.micro:
         rows.append(measure(args.preset, m, args.steps))

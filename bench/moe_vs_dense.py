@@ -28,7 +28,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import RESULTS, print_table, save
+from common import RESULTS, count, print_table, save
 from ladder_demo import TARGET_STEPS, WARMUP, moelab, run_script, target_overrides
 from moelab.config import load_config
 
@@ -49,7 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", default="32,48,64", help="rung widths, at least 3 (default "
                     "%(default)s: multiples of the head dimension 16)")
-    ap.add_argument("--seeds", type=int, default=2, help="seeds per rung (default %(default)s)")
+    ap.add_argument("--seeds", type=count, default=2, help="seeds per rung (default %(default)s)")
     ap.add_argument("--dir", default="runs/moe_vs_dense", help="where the two ladders go")
     args = ap.parse_args()
     if len(args.widths.split(",")) < 3:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from common import print_table, save
+from common import count, print_table, save
 from drops_vs_context import BRANCH_AT, PER_RANK, RANKS, extended_run, transports
 from moelab.parallel.forecast import batch_drops, fit_placements, fit_spans, heldout_batches
 from moelab.parallel.routing import at_context, route_spans, routed_ids, routing_fn
@@ -40,9 +40,9 @@ PLACED = ("pooled_global", "pooled_wave")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 4096])
-    ap.add_argument("--stale-from", type=int, default=90, help="checkpoint of the aged fit")
-    ap.add_argument("--batches", type=int, default=4)
+    ap.add_argument("--lengths", type=count, nargs="+", default=[512, 1024, 4096])
+    ap.add_argument("--stale-from", type=count, default=90, help="checkpoint of the aged fit")
+    ap.add_argument("--batches", type=count, default=4)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     t0 = time.time()

@@ -27,7 +27,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import print_table, save  # noqa: E402  (also puts src/ on sys.path)
+from common import count, print_table, save  # noqa: E402  (also puts src/ on sys.path)
 from moelab.model import transformer as tr  # noqa: E402
 from moelab.model.layers import rope_tables  # noqa: E402
 from moelab.model.router import quantile_bias  # noqa: E402
@@ -90,7 +90,7 @@ def compare(ref, got, bias_E, k: int, bins: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seqs", type=int, default=16, help="held-out windows of seq_len tokens")
+    ap.add_argument("--seqs", type=count, default=16, help="held-out windows of seq_len tokens")
     args = ap.parse_args()
     run = trained_run()
     cfg, trained, state = load(str(run))

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import print_table, save
+from common import count, print_table, save
 from moelab.data import build_builtin_corpus, iter_documents, train_tokenizer
 from moelab.data.build import BUILTIN_OUT
 from moelab.data.corpus import write_corpus
@@ -84,8 +84,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=float, default=8.0, help="MB of the built-in corpus to tokenize")
     p.add_argument("--workers", default="1,2", help="comma-separated worker counts")
-    p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--repeats", type=count, default=2)
+    p.add_argument("--vocab", type=count, default=4096)
     p.add_argument("--tag", default="")
     args = p.parse_args()
     counts = [int(w) for w in args.workers.split(",")]

@@ -16,7 +16,7 @@ import time
 
 import jax
 
-from common import print_table, save
+from common import count, print_table, save
 from moelab.config import load_config
 from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.train.peak import device_peaks, format_flops, measure_peak_flops
@@ -73,7 +73,7 @@ def measure(preset: str, steps: int, overrides: list[str]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per preset (after compile)")
+    ap.add_argument("--steps", type=count, default=5, help="timed steps per preset (after compile)")
     ap.add_argument("--peak-dtype", default=None,
                     help="dtype of the peak matmul (default: float32 on CPU, bfloat16 elsewhere)")
     ap.add_argument("--name", default="train_throughput", help="results file name")

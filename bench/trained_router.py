@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import RESULTS  # noqa: E402  (also puts src/ on sys.path)
+from common import RESULTS, count  # noqa: E402  (also puts src/ on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_DIR = RESULTS / "router_run"
@@ -155,8 +155,8 @@ def main() -> None:
     import argparse
 
     ap = argparse.ArgumentParser(description="train (or reuse) the benchmarks' router model")
-    ap.add_argument("--steps", type=int, default=STEPS)
-    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--steps", type=count, default=STEPS)
+    ap.add_argument("--experts", type=count, default=64)
     ap.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
     args = ap.parse_args()
     run = trained_run(args.steps, experts=args.experts, seed=args.seed)

@@ -61,7 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.extend import core as jcore  # noqa: E402
 
-from common import print_table, save  # noqa: E402
+from common import count, print_table, save  # noqa: E402
 from moelab.config import ParallelConfig  # noqa: E402
 from moelab.model.experts import drop_totals  # noqa: E402
 from moelab.parallel import transport  # noqa: E402
@@ -299,17 +299,17 @@ def cf_sweep(layers, E: int, S: int, G: int, pooled_w: list[int]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens-per-rank", type=int, default=1024)
+    ap.add_argument("--tokens-per-rank", type=count, default=1024)
     ap.add_argument("--layer", type=int, default=2, help="layer whose routing/weights are timed")
-    ap.add_argument("--reps", type=int, default=5,
+    ap.add_argument("--reps", type=count, default=5,
                     help="timed calls per transport and router (median)")
     ap.add_argument("--dtype", default="float32", help="activation/expert-weight dtype "
                     "(the trained model computes in float32; bfloat16 halves the payload)")
-    ap.add_argument("--experts", type=int, default=64, help="routed experts of the router model "
+    ap.add_argument("--experts", type=count, default=64, help="routed experts of the router model "
                     "(64; 48 gives E_l = 6 per rank, the reference's split)")
-    ap.add_argument("--waves", type=int, nargs="+", default=[4, 2, 1],
+    ap.add_argument("--waves", type=count, nargs="+", default=[4, 2, 1],
                     help="pooled_wave wave counts to time (each must divide E_l = experts / 8)")
-    ap.add_argument("--router-steps", type=int, default=STEPS)
+    ap.add_argument("--router-steps", type=count, default=STEPS)
     ap.add_argument("--router-seeds", type=int, nargs="+", default=[0, 1, 2],
                     help="router models (initialisation and batch order; each trained once): "
                     "tables give the median over them and the spread")

@@ -32,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from common import print_table, save  # noqa: E402
+from common import count, print_table, save  # noqa: E402
 from moelab.config import ParallelConfig  # noqa: E402
 from moelab.parallel import transport  # noqa: E402
 from moelab.parallel.mesh import batch_spec, expert_weight_spec, make_mesh  # noqa: E402
@@ -129,8 +129,8 @@ def breakdown(name: str, tcfg: ParallelConfig, kernel, tokens_per_rank: int, top
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens-per-rank", type=int, default=1024)
-    ap.add_argument("--top", type=int, default=12, help="shapes listed per transport")
+    ap.add_argument("--tokens-per-rank", type=count, default=1024)
+    ap.add_argument("--top", type=count, default=12, help="shapes listed per transport")
     args = ap.parse_args()
     try:
         rows = [breakdown(name, tcfg, kernel, args.tokens_per_rank, args.top)
