@@ -63,14 +63,15 @@ def main() -> None:
                     help="model.vocab_size (4096: the built-in corpus's tokenizer that "
                     "`moelab train` without a preset trains)")
     args = ap.parse_args()
-    if args.steps < 2 * LOG_EVERY:  # the loop's clock runs from the first logged step to the last
+    if args.steps < 2 * LOG_EVERY:  # the loop is timed from the first logged step to the last
         ap.error(f"--steps: at least {2 * LOG_EVERY} (steps are logged every {LOG_EVERY}), got "
                  f"{args.steps}")
-    if args.every >= args.steps:
-        ap.error(f"--every: a save inside the run, 1 to {args.steps - 1} steps, got {args.every}")
+    if not LOG_EVERY <= args.every < args.steps:  # every save inside the timed loop
+        ap.error(f"--every: {LOG_EVERY} to {args.steps - 1} steps, got {args.every}")
     base = [f"train.steps={args.steps}", f"data.batch_size={args.batch}",
-            f"train.log_every={LOG_EVERY}", f"train.eval_every={10 * args.steps}", "train.peak_flops=1e11",
-            f"model.vocab_size={args.vocab}", f"optim.schedule_steps={args.steps}"]
+            f"train.log_every={LOG_EVERY}", f"train.eval_every={10 * args.steps}",
+            "train.peak_flops=1e11", f"model.vocab_size={args.vocab}",
+            f"optim.schedule_steps={args.steps}"]
     variants = {"none": [f"train.ckpt_every={10 * args.steps}"],
                 "sync": [f"train.ckpt_every={args.every}", "train.async_ckpt=false"],
                 "async": [f"train.ckpt_every={args.every}", "train.async_ckpt=true"]}

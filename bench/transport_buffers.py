@@ -18,7 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-DUMP = tempfile.mkdtemp(prefix="xla-dump-")
+# XLA reads its flags once, so they are set on import; it creates the folder when it first
+# dumps, and main() removes it (importing alone leaves nothing behind)
+DUMP = os.path.join(tempfile.gettempdir(), f"xla-dump-transport-buffers-{os.getpid()}")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_"
                            f"count=8 --xla_dump_to={DUMP} --xla_dump_hlo_as_text "
                            "--xla_dump_hlo_module_re=.*loss.*").strip()
@@ -108,8 +110,7 @@ def peak_buffers(values: dict, ranges: dict) -> tuple[int, list[tuple[str, int]]
 
 
 def breakdown(name: str, tcfg: ParallelConfig, kernel, tokens_per_rank: int, top: int) -> dict:
-    for p in Path(DUMP).iterdir():
-        p.unlink() if p.is_file() else shutil.rmtree(p)
+    shutil.rmtree(DUMP, ignore_errors=True)  # the previous transport's dumps
     temp = compile_step(tcfg, kernel, tokens_per_rank).memory_analysis().temp_size_in_bytes
     read = lambda suffix: next(Path(DUMP).glob(f"*{suffix}")).read_text()
     live, bufs = peak_buffers(temp_values(read("buffer-assignment.txt")), live_ranges(

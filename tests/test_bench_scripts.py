@@ -28,7 +28,9 @@ def test_every_script_is_listed():
 
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_script_imports_and_answers_help(name, capsys, monkeypatch):
-    env = dict(os.environ)  # some scripts add XLA flags for their own processes when imported
+    # some scripts add XLA flags for their own processes, or bench/ first on sys.path, when
+    # imported: both are put back
+    env, path = dict(os.environ), list(sys.path)
     try:
         module = importlib.import_module(name)
         monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
@@ -37,6 +39,7 @@ def test_script_imports_and_answers_help(name, capsys, monkeypatch):
     finally:
         os.environ.clear()
         os.environ.update(env)
+        sys.path[:] = path
     assert e.value.code == 0
     assert "usage:" in capsys.readouterr().out
 

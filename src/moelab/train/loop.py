@@ -318,9 +318,10 @@ def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
     metrics["data/seq_len"] = seq_len
     run.trackers.log(step, {**metrics, **run.hardware.sample()})
     eta = (cfg.data.tokens_before(steps) - tokens) / rate if rate else float("nan")
-    # the clock (re)starts after a compile (start, resume, a new context length): no rate yet
+    # the clock (re)starts after the first step of a start, a resume or a data stage (a new
+    # shape compiles): no rate until a later step is logged
     speed = (f"{rate:,.0f} tok/s | {_mfu_text(metrics, run.peak)} | ETA {_fmt_time(eta)}"
-             if rate else "timing starts at the next step")
+             if rate else "no rate yet (clock restarted)")
     run.say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
             f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | {speed}")
 
