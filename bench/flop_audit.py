@@ -40,7 +40,7 @@ from moelab.model.experts import resolve_impl
 from moelab.model.layers import resolve_attention
 from moelab.planner import flop_audit as fa
 from moelab.planner.counts import train_flops_per_token
-from moelab.train.step import init_train_state, make_train_step
+from moelab.train.step import abstract_train_state, make_train_step
 
 TARGETS = {"none": 1.05, "full": 1.40}  # executed / model FLOPs, per remat policy
 
@@ -77,7 +77,7 @@ def load(args) -> dict:
 def trace(cfg, name: str):
     """The train step's closed jaxpr on abstract state and batch."""
     with backend(name):
-        state = jax.eval_shape(lambda k: init_train_state(cfg, k), jax.random.PRNGKey(0))
+        state = abstract_train_state(cfg)
         batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
         return jax.make_jaxpr(make_train_step(cfg))(state, batch)
 

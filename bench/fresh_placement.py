@@ -148,7 +148,6 @@ def main() -> None:
 def replacement_cost(n_steps: int) -> dict:
     """Seconds of each re-placement and of each step in a short EP 8 run with replace_every=2."""
     from moelab.config import load_config
-    from moelab.run.logs import read_metrics
     from moelab.train.loop import train
 
     run = RESULTS / "fresh_placement_cost_run"
@@ -163,12 +162,11 @@ def replacement_cost(n_steps: int) -> dict:
         "parallel.waves=4", "parallel.receiver_cf=1.10", "parallel.global_sender_cf=2.0",
         "parallel.replace_every=2"])
     train(cfg, run, sample_prompt=None)
-    # each step's own record: read_metrics merges the final evaluation's into the last step's,
-    # its time included
+    # each step's own record, read line by line: read_metrics merges the final evaluation's
+    # record into the last step's, its time included
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     times = {r["step"]: r["time"] for r in lines if "train/loss" in r}
-    events = read_metrics(run / "metrics.jsonl")[1]
-    replaced = {e["step"]: e for e in events if e["event"] == "replace_experts"}
+    replaced = {r["step"]: r for r in lines if r.get("event") == "replace_experts"}
     # a record at step s ends step s - 1 -> s; a re-placement runs before step s (k * 2)
     plain = [times[s] - times[s - 1] for s in times if s - 1 in times and s - 1 not in replaced
              and s > 3]

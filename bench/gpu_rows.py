@@ -113,11 +113,11 @@ def lowered_for_cuda(spec: dict) -> str:
     check of a row before a GPU runs it; tests/test_gpu_bench.py does, for every row."""
     from moelab.config import load_config
     from moelab.planner.flop_audit import traced_as_gpu
-    from moelab.train.step import init_train_state, make_train_step
+    from moelab.train.step import abstract_train_state, make_train_step
 
     cfg = load_config(spec["preset"], spec["overrides"])
     with traced_as_gpu():
-        state = jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
+        state = abstract_train_state(cfg)
         batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), "int32")
         return make_train_step(cfg).trace(state, batch).lower(
             lowering_platforms=("cuda",)).as_text()

@@ -15,7 +15,7 @@ from jax.experimental import pallas as pl
 from moelab.config import load_config
 from moelab.planner import counts
 from moelab.planner import flop_audit as fa
-from moelab.train.step import init_train_state, make_train_step
+from moelab.train.step import abstract_train_state, make_train_step
 
 F32 = jnp.float32
 
@@ -156,7 +156,7 @@ def audit(overrides: list[str], gpu: bool = False):
     """(per-component rows, attributed matmuls, planner FLOPs) of tiny's train step."""
     cfg = load_config("tiny", ["data.batch_size=3", "data.seq_len=64", *overrides])
     with fa.traced_as_gpu() if gpu else contextlib.nullcontext():
-        state = jax.eval_shape(lambda k: init_train_state(cfg, k), jax.random.PRNGKey(0))
+        state = abstract_train_state(cfg)
         batch = spec(3, 65, dtype=jnp.int32)
         dots = fa.attribute(fa.dot_flops(jax.make_jaxpr(make_train_step(cfg))(state, batch)),
                             cfg.model)

@@ -208,7 +208,7 @@ def compile_train_step(cfg: RunConfig, mesh):
     """The real train step of ``cfg`` on ``mesh`` (its transport, FSDP and shardings), lowered
     and compiled on abstract shapes: nothing is allocated. For comparing memory with the
     planner (``moelab plan --xla``)."""
-    shapes = jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
+    shapes = abstract_train_state(cfg)
     sh = state_shardings(mesh, shapes, cfg.model, cfg.parallel.fsdp)
     state = jax.tree.map(lambda s, x: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=x),
                          shapes, sh)
