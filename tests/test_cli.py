@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +79,7 @@ def test_a_mistyped_command_suggests_the_one_meant(argv, prefix, meant, capsys):
     assert err.splitlines()[-1].startswith(f"{prefix}: invalid choice: {argv[-1]!r}; did you "
                                            f"mean {meant!r}? (choose from "), err
     rc, _, err = run_main(["zzzz"], capsys)  # nothing close: the choices alone
-    assert rc == 2 and "invalid choice: 'zzzz' (choose from 'train'" in err
+    assert rc == 2 and re.search(r"invalid choice: 'zzzz' \(choose from '?train'?, ", err)  # 3.12+: no quotes
 
 
 def test_presets_and_plan(capsys):

@@ -83,12 +83,14 @@ OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")  # section.field=value
 
 
 def place_overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
-    """Overrides given after an option (``train CFG --run-dir R train.steps=5``) join the
-    command's ``overrides`` list, after those before it; returns what is left unrecognized."""
+    """Words given after an option (``train CFG --run-dir R train.steps=5``) join the command's
+    ``overrides`` list, after those before it, where the config checks them (a stray word is
+    named there, wherever it stands, as Python 3.12+'s argparse already places it); returns
+    what is left unrecognized (options)."""
     if not hasattr(args, "overrides"):
         return extra
-    args.overrides = [*args.overrides, *(a for a in extra if OVERRIDE.match(a))]
-    return [a for a in extra if not OVERRIDE.match(a)]
+    args.overrides = [*args.overrides, *(a for a in extra if not a.startswith("-"))]
+    return [a for a in extra if a.startswith("-")]
 
 
 def _command_parser(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.ArgumentParser:

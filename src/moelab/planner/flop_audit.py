@@ -239,12 +239,21 @@ def _key(values: list) -> tuple:
                                          np.asarray(x).tobytes()) for x in values)
 
 
+def _scan_split(p: dict) -> tuple[int, int]:
+    """(constants, carries) among a scan's inputs: named counts up to JAX 0.10, the groups of a
+    flat tree (``ft_in``: constants, carries, scanned inputs) from 0.11."""
+    if "num_consts" in p:
+        return p["num_consts"], p["num_carry"]
+    consts, carry, _ = p["ft_in"].unpack()
+    return len(list(consts)), len(list(carry))
+
+
 def _scan(eqn, ins: list, ctx: _Ctx) -> tuple[list[Dot], list]:
     """length x the body; step by step (each distinct known input walked once) when a known
     input (a layer's window or kind) may pick a branch inside."""
     p = eqn.params
     body, consts = p["jaxpr"].jaxpr, [_small(c) for c in p["jaxpr"].consts]
-    L, nc, nk = p["length"], p["num_consts"], p["num_carry"]
+    L, (nc, nk) = p["length"], _scan_split(p)
     if not (L <= UNROLL_LIMIT and any(x is not None for x in ins[nc:]) and _has_branches(body)):
         known = consts + ins[:nc] + [None] * (len(ins) - nc)
         return _walk(body, known, ctx.enter(eqn, trips=L))[0], [None] * len(eqn.outvars)
@@ -427,13 +436,23 @@ def fp32_matmuls(dots: list[Dot]) -> list[dict]:
 @contextlib.contextmanager
 def traced_as_gpu():
     """Trace moelab as a GPU runs it: ``jax.default_backend()`` (which picks cuDNN attention
-    and the Hopper expert kernels) and cuDNN's version check answer as on a GPU (cuDNN 9.10).
-    For tracing only: nothing compiles or runs. On a GPU it changes nothing."""
+    and the Hopper expert kernels) and cuDNN's version check answer as on a GPU (cuDNN 9.10),
+    and, from JAX 0.11, the Triton lowering's device query answers as an H200 does (it reads the
+    compute capability while lowering, and fails on a machine without a GPU). For tracing and
+    lowering only: nothing compiles or runs. On a GPU it changes nothing."""
     if jax.default_backend() == "gpu":
         yield
         return
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    with mock.patch.object(jax, "default_backend", lambda: "gpu"), \
-            mock.patch.object(cudnn, "check_cudnn_version", lambda: 91000):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(jax, "default_backend", lambda: "gpu"))
+        stack.enter_context(mock.patch.object(cudnn, "check_cudnn_version", lambda: 91000))
+        try:
+            from jax._src.pallas.triton import gpu_info  # JAX >= 0.11
+        except ImportError:
+            gpu_info = None
+        if gpu_info is not None:
+            h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+            stack.enter_context(mock.patch.object(gpu_info, "get_gpu_info", lambda: h200))
         yield
