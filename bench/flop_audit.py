@@ -9,7 +9,7 @@ per component and remat policy, traced on abstract inputs (nothing runs; a CPU i
 The step is ``moelab.train.step.make_train_step(cfg)`` on one device (no mesh, no transport),
 traced with ``jax.make_jaxpr`` on ``jax.eval_shape``'d state; ``moelab.planner.flop_audit``
 walks the jaxpr (loop trip counts, cond branches, Pallas grids) and names each matmul's
-component. ``--backend gpu`` traces the choices a GPU makes (``planner.flop_audit.
+component. ``--backend gpu`` traces the choices a GPU makes (``planner.as_gpu.
 traced_as_gpu``): ``attention_impl=auto`` is cuDNN's fused attention when it fits (bfloat16,
 head_dim a multiple of 8 up to 128), ``moe_impl=auto`` the blocks kernel. ``mgpu`` (the Hopper
 kernels) traces only on a GPU. Model FLOPs: ``planner.counts.train_flops_per_token`` x tokens per
@@ -39,6 +39,7 @@ from moelab.config import ConfigError, load_config
 from moelab.model.experts import resolve_impl
 from moelab.model.layers import resolve_attention
 from moelab.planner import flop_audit as fa
+from moelab.planner.as_gpu import traced_as_gpu
 from moelab.planner.counts import train_flops_per_token
 from moelab.train.step import abstract_train_state, make_train_step
 
@@ -46,7 +47,7 @@ TARGETS = {"none": 1.05, "full": 1.40}  # executed / model FLOPs, per remat poli
 
 
 def backend(name: str):
-    return fa.traced_as_gpu() if name == "gpu" else contextlib.nullcontext()
+    return traced_as_gpu() if name == "gpu" else contextlib.nullcontext()
 
 
 def check(cfg, name: str) -> dict:

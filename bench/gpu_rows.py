@@ -108,11 +108,11 @@ def train(spec: dict, row: Row) -> None:
 
 def lowered_for_cuda(spec: dict) -> str:
     """A training row's step lowered for CUDA as StableHLO text, at the row's own shapes and on
-    any machine: traced with a GPU's choices (``planner.flop_audit.traced_as_gpu``: cuDNN
+    any machine: traced with a GPU's choices (``planner.as_gpu.traced_as_gpu``: cuDNN
     attention, the expert kernel's GPU form), nothing compiled or allocated. What a CPU can
     check of a row before a GPU runs it; tests/test_gpu_bench.py does, for every row."""
     from moelab.config import load_config
-    from moelab.planner.flop_audit import traced_as_gpu
+    from moelab.planner.as_gpu import traced_as_gpu
     from moelab.train.step import abstract_train_state, make_train_step
 
     cfg = load_config(spec["preset"], spec["overrides"])

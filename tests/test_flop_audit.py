@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 from moelab.config import load_config
 from moelab.planner import counts
 from moelab.planner import flop_audit as fa
+from moelab.planner.as_gpu import traced_as_gpu
 from moelab.train.step import abstract_train_state, make_train_step
 
 F32 = jnp.float32
@@ -142,7 +143,7 @@ def test_fused_attention_is_one_primitive_with_nominal_flops():
         return jnp.sum(out.astype(F32))
 
     bf = jnp.bfloat16
-    with fa.traced_as_gpu():
+    with traced_as_gpu():
         closed = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(
             spec(B, T, N, H, dtype=bf), spec(B, T, K, H, dtype=bf), spec(B, T, K, H, dtype=bf))
     per_product = 2 * B * N * H * (w * (w + 1) // 2 + (T - w) * w)
@@ -155,7 +156,7 @@ def test_fused_attention_is_one_primitive_with_nominal_flops():
 def audit(overrides: list[str], gpu: bool = False):
     """(per-component rows, attributed matmuls, planner FLOPs) of tiny's train step."""
     cfg = load_config("tiny", ["data.batch_size=3", "data.seq_len=64", *overrides])
-    with fa.traced_as_gpu() if gpu else contextlib.nullcontext():
+    with traced_as_gpu() if gpu else contextlib.nullcontext():
         state = abstract_train_state(cfg)
         batch = spec(3, 65, dtype=jnp.int32)
         dots = fa.attribute(fa.dot_flops(jax.make_jaxpr(make_train_step(cfg))(state, batch)),

@@ -23,7 +23,7 @@ from moelab.model.grouped_gemm import (
 from moelab.model.grouped_matmul import grouped_matmul, grouped_swiglu_rows
 from moelab.parallel import transport
 from moelab.parallel.mesh import make_mesh
-from moelab.planner.flop_audit import traced_as_gpu
+from moelab.planner.as_gpu import traced_as_gpu
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

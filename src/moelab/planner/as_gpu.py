@@ -1,0 +1,35 @@
+"""Tracing moelab on a machine without a GPU as a GPU would run it: what a CPU can check of the
+GPU path before a GPU runs it (the FLOP audit's GPU form, the CUDA lowering of the benchmark's
+rows and of the Triton kernels)."""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import jax
+
+
+@contextlib.contextmanager
+def traced_as_gpu():
+    """Trace moelab as a GPU runs it: ``jax.default_backend()`` (which picks cuDNN attention
+    and the Hopper expert kernels) and cuDNN's version check answer as on a GPU (cuDNN 9.10),
+    and, from JAX 0.11, the Triton lowering's device query answers as an H200 does (it reads the
+    compute capability while lowering, and fails on a machine without a GPU). For tracing and
+    lowering only: nothing compiles or runs. On a GPU it changes nothing."""
+    if jax.default_backend() == "gpu":
+        yield
+        return
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(jax, "default_backend", lambda: "gpu"))
+        stack.enter_context(mock.patch.object(cudnn, "check_cudnn_version", lambda: 91000))
+        try:
+            from jax._src.pallas.triton import gpu_info  # JAX >= 0.11
+        except ImportError:
+            gpu_info = None
+        if gpu_info is not None:
+            h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
+            stack.enter_context(mock.patch.object(gpu_info, "get_gpu_info", lambda: h200))
+        yield
