@@ -12,7 +12,7 @@ walks the jaxpr (loop trip counts, cond branches, Pallas grids) and names each m
 component. ``--backend gpu`` traces the choices a GPU makes (``planner.as_gpu.
 traced_as_gpu``): ``attention_impl=auto`` is cuDNN's fused attention when it fits (bfloat16,
 head_dim a multiple of 8 up to 128), ``moe_impl=auto`` the blocks kernel. ``mgpu`` (the Hopper
-kernels) traces only on a GPU. Model FLOPs: ``planner.counts.train_flops_per_token`` x tokens per
+kernels) is refused: its matmuls are Mosaic GPU wgmma, which the walk does not count. Model FLOPs: ``planner.counts.train_flops_per_token`` x tokens per
 step, split by component. Short convs run as elementwise multiply-adds, not matmuls: their
 executed column is 0.
 
@@ -57,10 +57,10 @@ def check(cfg, name: str) -> dict:
             attention, experts = resolve_attention(cfg.model), resolve_impl(cfg.model)
         except ValueError as e:  # ConfigError included: both name the option
             raise ConfigError(f"{e} (--backend {name})") from None
-    if experts == "mgpu" and jax.default_backend() != "gpu":
-        raise ConfigError("model.moe_impl: 'mgpu' (the Hopper kernels) reads the GPU's SM count "
-                          "while tracing, so it is audited on a GPU only; use blocks or ragged "
-                          "here")
+    if experts == "mgpu":  # on a GPU too: the walk would report 0 expert FLOPs, and pass
+        raise ConfigError("model.moe_impl: 'mgpu' (the Hopper kernels) cannot be audited: their "
+                          "matmuls are Mosaic GPU wgmma in loops over the group sizes, which the "
+                          "walk does not count; audit blocks, gmm or ragged")
     return {"attention": attention, "experts": experts}
 
 

@@ -10,9 +10,10 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.experimental import pallas as pl
 
-from moelab.config import load_config
+from moelab.config import ConfigError, load_config
 from moelab.planner import counts
 from moelab.planner import flop_audit as fa
 from moelab.planner.as_gpu import traced_as_gpu
@@ -203,12 +204,7 @@ def test_d1024_meets_the_targets():
     """bench/flop_audit.py on the d1024 rung as a GPU runs it (bf16, seq 4096, 65,536 tokens per
     step, chunked loss): executed matmul FLOPs <= 1.05x the model's without remat and <= 1.40x
     with full remat, and no float32 matmul but the router's (kept so on purpose)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
-    import flop_audit as bench
-
+    bench = bench_flop_audit()
     args = bench.parse(["d1024", "data.seq_len=4096", "data.batch_size=16",
                         "model.compute_dtype=bfloat16", "model.loss_chunk=8192",
                         "--remat", "none", "full"])
@@ -219,3 +215,26 @@ def test_d1024_meets_the_targets():
         assert v["ratio_pass"] and v["ratio"] <= bench.TARGETS[policy], (policy, v["ratio"])
         assert v["fp32_pass"], res["fp32"]
         assert {g["component"] for g in res["fp32"]} == {"router"}
+
+
+def test_the_hopper_kernels_are_refused_not_counted_as_zero():
+    """moe_impl=mgpu traces as a GPU (planner.as_gpu), but its matmuls are Mosaic GPU wgmma that
+    the walk does not see: counted, its experts would be 0 FLOPs and the step pass at ~0.8x. The
+    audit refuses it, naming the option, on any backend."""
+    bench = bench_flop_audit()
+    args = bench.parse(["d1024", "model.moe_impl=mgpu", "model.compute_dtype=bfloat16"])
+    with traced_as_gpu(), pytest.raises(ConfigError, match="model.moe_impl: 'mgpu'"):
+        bench.load(args)  # as on a GPU machine
+    with pytest.raises(ConfigError, match="model.moe_impl"):
+        bench.load(bench.parse(["tiny", "model.moe_impl=mgpu", "--backend", "cpu"]))
+
+
+def bench_flop_audit():
+    """bench/flop_audit.py as a module."""
+    import sys
+    from pathlib import Path
+
+    sys.path.append(str(Path(__file__).resolve().parents[1] / "bench"))
+    import flop_audit
+
+    return flop_audit

@@ -251,9 +251,9 @@ def test_a_wrong_expert_kernel_fails_its_check(monkeypatch):
 def test_every_gpu_training_row_lowers_for_cuda(monkeypatch):
     """Each training row of the real table (not the dry run's), at its own shapes, traced with
     a GPU's choices and lowered for CUDA here: the custom calls it asks of a GPU are there
-    (cuDNN attention unless the row asks for chunked; Triton kernels exactly in the gmm row).
-    A row that fails this would fail on the GPU before its first step. Only the Hopper
-    kernels' row cannot: it reads the GPU's SM count while tracing."""
+    (cuDNN attention unless the row asks for chunked; Triton kernels exactly in the gmm row,
+    Mosaic GPU kernels exactly in the mgpu row, the one row the dry run cannot run). A row that
+    fails this would fail on the GPU before its first step."""
     import gpu_mfu
     import gpu_rows
     from moelab.config.model import RAGGED_FUSION_FLAG
@@ -261,12 +261,13 @@ def test_every_gpu_training_row_lowers_for_cuda(monkeypatch):
     rows = [r for r in gpu_mfu.all_rows().values() if r.spec["kind"] == "train"]
     assert [r.name for r in rows if r.gpu_only] == ["d1024-mgpu"]
     flags = os.environ.get("XLA_FLAGS", "")
-    for row in (r for r in rows if not r.gpu_only):
+    for row in rows:
         # the row's own flags, as its process starts with them (read when tracing)
         monkeypatch.setenv("XLA_FLAGS", f"{flags} {row.spec['xla_flags']}".strip())
         hlo = gpu_rows.lowered_for_cuda(row.spec)
         chunked = "model.attention_impl=chunked" in row.spec["overrides"]
         assert ("__cudnn$fmha" in hlo) != chunked, row.name
         assert ("__gpu$xla.gpu.triton" in hlo) == (row.name == "d1024-gmm"), row.name
+        assert ("@mosaic_gpu" in hlo) == (row.name == "d1024-mgpu"), row.name
         if RAGGED_FUSION_FLAG in row.spec["xla_flags"]:
             assert "ragged_dot" in hlo, row.name

@@ -32,4 +32,28 @@ def traced_as_gpu():
         if gpu_info is not None:
             h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
             stack.enter_context(mock.patch.object(gpu_info, "get_gpu_info", lambda: h200))
+        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as hopper_wgrad
+
+        stack.enter_context(mock.patch.object(hopper_wgrad, "jax", _WithH200Devices()))
         yield
+
+
+class _WithH200Devices:
+    """``jax`` as JAX's Hopper weight-gradient kernel sees it: ``jax.devices()[0].core_count``
+    (read while tracing, to size its grid; a CPU device has none) is an H200's 132 SMs."""
+
+    def __getattr__(self, name):
+        return getattr(jax, name)
+
+    def devices(self, *args):
+        return [_H200(d) for d in jax.devices(*args)]
+
+
+class _H200:
+    core_count = 132
+
+    def __init__(self, device):
+        self._device = device
+
+    def __getattr__(self, name):
+        return getattr(self._device, name)
