@@ -12,13 +12,14 @@ walks the jaxpr (loop trip counts, cond branches, Pallas grids) and names each m
 component. ``--backend gpu`` traces the choices a GPU makes (``planner.as_gpu.
 traced_as_gpu``): ``attention_impl=auto`` is cuDNN's fused attention when it fits (bfloat16,
 head_dim a multiple of 8 up to 128), ``moe_impl=auto`` the blocks kernel. ``mgpu`` (the Hopper
-kernels) is refused: its matmuls are Mosaic GPU wgmma, which the walk does not count. Model FLOPs: ``planner.counts.train_flops_per_token`` x tokens per
-step, split by component. Short convs run as elementwise multiply-adds, not matmuls: their
-executed column is 0.
+kernels) is refused: its matmuls are Mosaic GPU wgmma, which the walk does not count. Model
+FLOPs: ``planner.counts.train_flops_per_token`` x tokens per step, split by component. Short
+convs run as elementwise multiply-adds, not matmuls: their executed column is 0.
 
 Targets (printed, never fatal; tests/test_flop_audit.py asserts them for d1024): remat none <=
 1.05x the model FLOPs, remat full <= 1.40x, and no float32 matmul in a bfloat16 config but the
-router's, float32 by design (float32 x bfloat16 counts: XLA converts the bfloat16 side up). Results: bench/results/NAME.json (and $OUT/NAME.json when $OUT is set).
+router's, float32 by design (float32 x bfloat16 counts: XLA converts the bfloat16 side up).
+Results: bench/results/NAME.json (and $OUT/NAME.json when $OUT is set).
 """
 
 from __future__ import annotations

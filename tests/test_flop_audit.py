@@ -225,8 +225,10 @@ def test_the_hopper_kernels_are_refused_not_counted_as_zero():
     args = bench.parse(["d1024", "model.moe_impl=mgpu", "model.compute_dtype=bfloat16"])
     with traced_as_gpu(), pytest.raises(ConfigError, match="model.moe_impl: 'mgpu'"):
         bench.load(args)  # as on a GPU machine
-    with pytest.raises(ConfigError, match="model.moe_impl"):
-        bench.load(bench.parse(["tiny", "model.moe_impl=mgpu", "--backend", "cpu"]))
+    cpu = bench.parse(["d1024", "model.moe_impl=mgpu", "model.compute_dtype=bfloat16",
+                       "--backend", "cpu"])
+    with pytest.raises(ConfigError, match="needs an NVIDIA Hopper GPU"):  # the CPU path's kernel
+        bench.load(cpu)
 
 
 def bench_flop_audit():

@@ -85,8 +85,8 @@ OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+=")  # section.field=value
 def place_overrides(args: argparse.Namespace, extra: list[str]) -> list[str]:
     """Words given after an option (``train CFG --run-dir R train.steps=5``) join the command's
     ``overrides`` list, after those before it, where the config checks them (a stray word is
-    named there, wherever it stands, as Python 3.12+'s argparse already places it); returns
-    what is left unrecognized (options)."""
+    named there wherever it stands, as newer Pythons' argparse, 3.13's for one, already places
+    it); returns what is left unrecognized (options)."""
     if not hasattr(args, "overrides"):
         return extra
     args.overrides = [*args.overrides, *(a for a in extra if not a.startswith("-"))]

@@ -13,10 +13,11 @@ import jax
 @contextlib.contextmanager
 def traced_as_gpu():
     """Trace moelab as a GPU runs it: ``jax.default_backend()`` (which picks cuDNN attention
-    and the Hopper expert kernels) and cuDNN's version check answer as on a GPU (cuDNN 9.10),
-    and, from JAX 0.11, the Triton lowering's device query answers as an H200 does (it reads the
-    compute capability while lowering, and fails on a machine without a GPU). For tracing and
-    lowering only: nothing compiles or runs. On a GPU it changes nothing."""
+    and allows the Hopper expert kernels) and cuDNN's version check answer as on a GPU (cuDNN
+    9.10); the device queries made while lowering answer as an H200's: from JAX 0.11, the Triton
+    lowering's (compute capability 9.0; it fails on a machine without a GPU), and the Hopper
+    weight-gradient kernel's SM count. For tracing and lowering only: nothing compiles or runs.
+    On a GPU it changes nothing."""
     if jax.default_backend() == "gpu":
         yield
         return
@@ -32,9 +33,12 @@ def traced_as_gpu():
         if gpu_info is not None:
             h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
             stack.enter_context(mock.patch.object(gpu_info, "get_gpu_info", lambda: h200))
-        from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as hopper_wgrad
-
-        stack.enter_context(mock.patch.object(hopper_wgrad, "jax", _WithH200Devices()))
+        try:  # JAX's example kernels, not its API: the mgpu path alone needs them
+            from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as hopper_wgrad
+        except ImportError:
+            hopper_wgrad = None
+        if hopper_wgrad is not None:
+            stack.enter_context(mock.patch.object(hopper_wgrad, "jax", _WithH200Devices()))
         yield
 
 
@@ -45,8 +49,8 @@ class _WithH200Devices:
     def __getattr__(self, name):
         return getattr(jax, name)
 
-    def devices(self, *args):
-        return [_H200(d) for d in jax.devices(*args)]
+    def devices(self, *args, **kwargs):
+        return [_H200(d) for d in jax.devices(*args, **kwargs)]
 
 
 class _H200:
