@@ -29,15 +29,15 @@ def traced_as_gpu():
         try:
             from jax._src.pallas.triton import gpu_info  # JAX >= 0.11
         except ImportError:
-            gpu_info = None
-        if gpu_info is not None:
+            pass
+        else:
             h200 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H200)
             stack.enter_context(mock.patch.object(gpu_info, "get_gpu_info", lambda: h200))
         try:  # JAX's example kernels, not its API: the mgpu path alone needs them
             from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu as hopper_wgrad
         except ImportError:
-            hopper_wgrad = None
-        if hopper_wgrad is not None:
+            pass
+        else:
             stack.enter_context(mock.patch.object(hopper_wgrad, "jax", _WithH200Devices()))
         yield
 
