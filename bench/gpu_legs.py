@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from moelab.model.expert_legs import expert_legs
+from moelab.model.grouped_gemm import GmmBlocks
 
 BLOCK = 128  # rows per block of the blocks kernel (model.moe_block's default)
 TOLERANCE = 2e-2  # max |error| / max |reference| of a bf16 result with float32 accumulation
@@ -69,17 +70,19 @@ class Legs:
     autodiff: bool = False  # the gradient legs also take the primal input (for jax.vjp)
 
 
-def model_legs(impl: str, gpu_only: bool = False) -> Callable[[], Legs]:
+def model_legs(impl: str, gpu_only: bool = False, block: int = BLOCK,
+               blocks: GmmBlocks = GmmBlocks()) -> Callable[[], Legs]:
     """A grouped kernel of the model (``model.expert_legs``: the legs its custom VJPs run), in
-    its own layout: ``blocks`` and ``gmm`` pad each group to whole blocks of ``BLOCK`` rows."""
+    its own layout: ``blocks`` and ``gmm`` pad each group to whole blocks of ``block`` rows;
+    ``blocks``: the gmm kernels' block sizes."""
     def build() -> Legs:
-        legs = expert_legs(impl, BLOCK)
+        legs = expert_legs(impl, block, blocks)
         to_layout = jax.jit(legs.layout)
 
         def layout(x, w, dy, counts):
             c = np.asarray(counts)
             (xl, groups), (dyl, _) = (to_layout(a, jnp.asarray(c, jnp.int32)) for a in (x, dy))
-            size = -(-c // BLOCK) * BLOCK if impl in PADDED else c  # rows each group occupies
+            size = -(-c // block) * block if impl in PADDED else c  # rows each group occupies
             spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(size) - size,
                                                                          c))]
             return xl, w, dyl, groups, spans
@@ -101,6 +104,45 @@ LEGS: dict[str, Callable[[], Legs]] = {  # built on use: mgpu imports Mosaic GPU
     "mgpu": model_legs("mgpu", gpu_only=True),
     "dense": lambda: Legs(*autodiff_legs(masked_forward), autodiff=True),
 }
+
+
+# The gmm kernel with other tiles: "gmm[num_warps=8,tile=64]" sets GmmBlocks fields (the
+# gmm kernels' block sizes, warps and pipeline stages) and ``tile``, the row tile (the layout's
+# block, ``model.moe_block``); bench/gpu_mfu.py's tile sweep names its variants so.
+TUNABLE = tuple(f.name for f in fields(GmmBlocks) if f.name != "interpret") + ("tile",)
+
+
+def gmm_variant(name: str) -> tuple[int, GmmBlocks]:
+    """(row tile, block sizes) of a variant name ``gmm[field=int,...]``."""
+    inner = name.removeprefix("gmm[").removesuffix("]")
+    if not name.startswith("gmm[") or not name.endswith("]") or not inner:
+        raise ValueError(f"expert kernel {name!r}: a gmm variant is gmm[field=int,...], "
+                         f"fields: {', '.join(TUNABLE)}")
+    given = {}
+    for item in inner.split(","):
+        key, _, value = (t.strip() for t in item.partition("="))
+        if key not in TUNABLE:
+            raise ValueError(f"expert kernel {name!r}: unknown field {key!r}; fields: "
+                             f"{', '.join(TUNABLE)}")
+        n = int(value) if value.isdigit() else 0
+        least = {"num_stages": 1, "num_warps": 1}.get(key, 16)  # Triton's dot: 16 at least
+        if n < least or (key != "num_stages" and n & (n - 1)):
+            raise ValueError(f"expert kernel {name!r}: {key}={value!r} must be a whole number "
+                             f">= {least}" + ("" if key == "num_stages" else ", a power of two "
+                                              "(Triton's tiles and warp counts are)"))
+        given[key] = n
+    tile = given.pop("tile", BLOCK)
+    return tile, GmmBlocks(**given)
+
+
+def legs_of(name: str) -> Legs:
+    """The legs of a ``LEGS`` entry or of a gmm variant (``gmm_variant``)."""
+    if name in LEGS:
+        return LEGS[name]()
+    if name.startswith("gmm["):
+        tile, blocks = gmm_variant(name)
+        return model_legs("gmm", block=tile, blocks=blocks)()
+    raise ValueError(f"expert kernel {name!r}: not one of {', '.join(LEGS)}, nor gmm[...]")
 
 
 def problem(rows: int, K: int, N: int, G: int, seed: int = 0):
@@ -164,7 +206,7 @@ def max_error(leg: str, out, x, w, dy, spans: list, seed: int = 0) -> float:
 def run_impl(name: str, x, w, dy, counts, budget_s: float = 0.5) -> list[dict]:
     """One table entry's three legs: ms, effective TFLOP/s (2 x rows x K x N per leg),
     compile seconds, checked error; about ``budget_s`` of timed calls per leg."""
-    legs = LEGS[name]()
+    legs = legs_of(name)
     if legs.gpu_only and jax.default_backend() != "gpu":
         return [{"impl": name, "leg": "all", "status": "needs a GPU"}]
     xl, wl, dyl, aux, spans = legs.layout(x, w, dy, counts)

@@ -12,12 +12,14 @@ Rows, most important first (``--help`` lists them with their expected seconds):
    tokens per step (bf16, cuDNN attention, chunked loss): tokens/s, MFU, peak memory, compile
    time, XLA's memory analysis, one profiled step by kernel category (bench/gpu_profile.py);
 3. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
-   shape for every expert kernel, next to a dense matmul of the same FLOPs (bench/gpu_legs.py);
+   shape (``expert_shape``: 524,288 rows of 512 into 512, 384 experts) for every expert
+   kernel, next to a dense matmul of the same FLOPs (bench/gpu_legs.py);
 4. ``d1024-gmm``: the same with the Pallas grouped GEMM (``model.moe_impl=gmm``);
 5. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling;
 6. ``d768``; then ablations while time is left, one fast path changed at a time. Rows known to
-   need more than the GPU's memory or minutes of their own run only when named.
+   need more than the GPU's memory or minutes of their own run only when named, as does
+   ``gmm-tiles-d1024``, the gmm kernel's tile sweep (``GMM_TILES``) that sets its defaults.
 
 The driver never imports JAX: each row runs in its own process (bench/gpu_rows.py) with its
 own XLA_PYTHON_CLIENT_MEM_FRACTION, so no process holds the memory the next one needs, and a
@@ -86,9 +88,12 @@ def train_row(name: str, preset: str, overrides: list[str], expect_s: float, ste
     return Row(name, expect_s, spec, dry, 30 if profile else 20, **kw)
 
 
-def legs_row(name: str, shape: list[int], expect_s: float, **kw) -> Row:
-    # every bench/gpu_legs.py entry; XLA's grouped GEMM for ragged_fusion needs its flag
-    spec = {"kind": "legs", "shape": shape, "budget_s": 0.5, "xla_flags": RAGGED_FUSION_FLAG}
+def legs_row(name: str, shape: list[int], expect_s: float, impls: list[str] | None = None,
+             **kw) -> Row:
+    # every bench/gpu_legs.py entry unless ``impls`` names some (gmm variants too); XLA's
+    # grouped GEMM for ragged_fusion needs its flag
+    spec = {"kind": "legs", "shape": shape, "budget_s": 0.5, "xla_flags": RAGGED_FUSION_FLAG,
+            "impls": impls}
     dry = {**spec, "shape": [2048, 32, 64, 16], "budget_s": 0.02, "xla_flags": ""}
     return Row(name, expect_s, spec, dry, 12, **kw)
 
@@ -102,12 +107,30 @@ def dense_overrides(preset: str) -> list[str]:
             "model.combine_sum=1.0"]
 
 
+# The gmm kernel's tile sweep at the d1024 expert shape, next to the dense ceiling: block sizes,
+# warps and pipeline depth one or two at a time from the defaults (GmmBlocks), and the row tile
+# (model.moe_block); bench/gpu_legs.gmm_variant reads the names. What picks GmmBlocks' defaults.
+GMM_TILES = ["ceiling", "gmm", "gmm[num_warps=8]", "gmm[num_stages=4]", "gmm[block_k=128]",
+             "gmm[block_n=256,num_warps=8]", "gmm[tile=64]", "gmm[tile=256,num_warps=8]",
+             "gmm[wgrad_k=64,wgrad_n=64]", "gmm[wgrad_n=256,num_warps=8]"]
+
+
+def expert_shape(preset: str) -> list[int]:
+    """[rows, K, N, groups] of the preset's routed experts at the training rows' batch: one
+    row per token and route, the routed (latent) width into the expert width, one group per
+    expert (d1024: 65,536 tokens x top-8 = 524,288 rows, 512 -> 512, 384 experts)."""
+    c = load_config(preset, BATCH)
+    m = c.model
+    return [c.data.seq_len * c.data.batch_size * m.top_k, m.routed_width, m.expert_dim,
+            m.n_experts]
+
+
 def all_rows() -> dict[str, Row]:
     peak = {"kind": "peak", "sizes": [4096, 8192], "dtype": "bfloat16"}
     rows = [
         Row("peak", 30, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
         train_row("d1024", "d1024", [], 150, profile=True),
-        legs_row("legs-d1024", [262144, 512, 1024, 384], 90),
+        legs_row("legs-d1024", expert_shape("d1024"), 90),
         train_row("d1024-gmm", "d1024", ["model.moe_impl=gmm"], 150, dry_overrides=BF16_GMM),
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 120,
                   dry_overrides=dense_overrides("tiny")),
@@ -119,12 +142,14 @@ def all_rows() -> dict[str, Row]:
         train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 150, gpu_only=True),
         train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 130,
                   dry_overrides=["train.microbatch_tokens=64"]),
-        legs_row("legs-d768", [262144, 384, 768, 384], 80),
+        legs_row("legs-d768", expert_shape("d768"), 80),
         train_row("d1024-ragged", "d1024", ["model.moe_impl=ragged"], 200, ask_only=True,
                   note="XLA's ragged_dot is masked dense matmuls on GPU: >141 GiB"),
         train_row("d1024-no-chunked-loss", "d1024", ["model.loss_chunk=0"], 140, ask_only=True,
                   note="float32 logits of 65,536 tokens: >141 GiB with Adam state",
                   dry_overrides=["model.loss_chunk=0"]),
+        legs_row("gmm-tiles-d1024", expert_shape("d1024"), 150, impls=GMM_TILES, ask_only=True,
+                 note="the gmm kernel's tiles, warps and stages, one change at a time"),
         train_row("d1024-preset-batch", "d1024", ["data.batch_size=1024",
                                                   "train.microbatch_tokens=65536"], 330,
                   steps=1, ask_only=True, note="the preset's 4M-token batch, 64 micro-steps",

@@ -8,12 +8,14 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -246,6 +248,77 @@ def test_a_wrong_expert_kernel_fails_its_check(monkeypatch):
     rows = {r["leg"]: r for r in gpu_legs.run_impl("off", x, w, dy, counts, budget_s=0.0)}
     assert rows["fwd"]["status"] == "WRONG" and rows["fwd"]["max_rel_err"] > 0.05
     assert rows["dgrad"]["status"] == rows["wgrad"]["status"] == "ok"
+
+
+def test_the_legs_rows_run_the_presets_expert_shapes():
+    """One row per token and route, the routed width into the expert width, a group per expert,
+    at the training rows' 65,536 tokens: the shape the training rows' experts run."""
+    import gpu_mfu
+    from moelab.config import load_config
+
+    rows = gpu_mfu.all_rows()
+    for preset in ("d768", "d1024"):
+        m = load_config(preset).model
+        shape = [65536 * m.top_k, m.routed_width, m.expert_dim, m.n_experts]
+        assert rows[f"legs-{preset}"].spec["shape"] == shape, preset
+    assert rows["legs-d1024"].spec["shape"] == [524288, 512, 512, 384]
+    assert rows["gmm-tiles-d1024"].spec["shape"] == rows["legs-d1024"].spec["shape"]
+
+
+@pytest.mark.parametrize("bad,message", [
+    ("gmm[]", "a gmm variant is gmm[field=int,...]"),
+    ("gmm[warps=8]", "unknown field 'warps'; fields: block_n"),
+    ("gmm[block_n=96]", "block_n='96' must be a whole number >= 16, a power of two"),
+    ("gmm[tile=8]", "tile='8' must be a whole number >= 16"),
+    ("gmm[num_stages=0]", "num_stages='0' must be a whole number >= 1"),
+    ("gmm[num_warps=x]", "num_warps='x' must be a whole number"),
+    ("gmm-fast", "not one of ceiling, blocks, gmm"),
+])
+def test_a_bad_expert_kernel_name_says_what_is_wrong(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        gpu_legs.legs_of(bad)
+
+
+def test_the_gmm_tile_sweep_runs_each_variant_and_lowers_each_for_cuda():
+    """The sweep's variants (gpu_mfu.GMM_TILES) read as the GmmBlocks and row tile they name; a
+    row tile and block sizes off the defaults compute the right legs (interpret mode, checked
+    against the host reference); and every variant's three kernels lower for CUDA at the d1024
+    expert shape: Triton accepts each tile shape (whether it fits shared memory, only the GPU
+    row can tell)."""
+    import dataclasses
+
+    import gpu_mfu
+    from moelab.model.grouped_gemm import GmmBlocks, GroupTiles, gmm_backend
+    from moelab.planner.as_gpu import traced_as_gpu
+
+    assert gpu_legs.gmm_variant("gmm[tile=256,num_warps=8]") == (256, GmmBlocks(num_warps=8))
+    variants = [n for n in gpu_mfu.GMM_TILES if n.startswith("gmm[")]
+    assert len(set(map(gpu_legs.gmm_variant, variants))) == len(variants) >= 8
+    assert (gpu_legs.BLOCK, GmmBlocks()) not in map(gpu_legs.gmm_variant, variants)
+
+    x, w, dy, counts = gpu_legs.problem(1024, 32, 64, 8)
+    for name in ("gmm[tile=16,block_k=16]", "gmm[tile=64,block_n=16,wgrad_k=16,wgrad_n=32]"):
+        rows = gpu_legs.run_impl(name, x, w, dy, counts, budget_s=0.0)
+        assert [r["status"] for r in rows] == ["ok"] * 3, rows
+
+    _, K, N, G = gpu_mfu.expert_shape("d1024")
+    T = 8  # row tiles: the grid's length, not its shape
+    tiles = GroupTiles(*(jax.ShapeDtypeStruct((n,), "int32") for n in (T, T, G, G)))
+    kernels = [(tile, gmm_backend(dataclasses.replace(blocks, interpret=False)))
+               for tile, blocks in map(gpu_legs.gmm_variant, variants)]
+
+    def legs(w, tiles, *xs):
+        out = []
+        for (_, (fwd, dgrad, wgrad)), x in zip(kernels, xs):
+            y = fwd(x, w, tiles)
+            out += [y, dgrad(y, w, tiles), wgrad(x, y, tiles)]
+        return out
+
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, "bfloat16")
+    with traced_as_gpu():
+        hlo = jax.jit(legs).trace(bf16(G, K, N), tiles, *(bf16(T * t, K) for t, _ in kernels)
+                                  ).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 3 * len(variants)
 
 
 def test_every_gpu_training_row_lowers_for_cuda(monkeypatch):
