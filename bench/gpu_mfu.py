@@ -135,6 +135,9 @@ def all_rows() -> dict[str, Row]:
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 120,
                   dry_overrides=dense_overrides("tiny")),
         train_row("d768", "d768", [], 110),
+        # the preset's remat=full recomputes every block (1.26x the model FLOPs in
+        # bench/flop_audit.py); dots keeps the matmul outputs (1.16x) and fits: ~91 GiB planned
+        train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 150),
         train_row("d1024-ragged-fusion", "d1024", ["model.moe_impl=ragged_fusion"], 150,
                   xla_flags=RAGGED_FUSION_FLAG,
                   dry_overrides=["model.compute_dtype=bfloat16", "model.moe_impl=ragged_fusion"]),
