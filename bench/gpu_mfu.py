@@ -14,10 +14,11 @@ Rows, most important first (``--help`` lists them with their expected seconds):
 3. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
    shape (``expert_shape``: 524,288 rows of 512 into 512, 384 experts) for every expert
    kernel, next to a dense matmul of the same FLOPs (bench/gpu_legs.py);
-4. ``d1024-gmm``: the same with the Pallas grouped GEMM (``model.moe_impl=gmm``);
-5. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
+4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling;
-6. ``d768``; then ablations while time is left, one fast path changed at a time. Rows known to
+5. ``d768``;
+6. ablations while time is left, one fast path changed at a time, first ``d1024-gmm`` (the
+   Pallas grouped GEMM, ``model.moe_impl=gmm``) and ``d1024-remat-dots``. Rows known to
    need more than the GPU's memory or minutes of their own run only when named, as does
    ``gmm-tiles-d1024``, the gmm kernel's tile sweep (``GMM_TILES``) that sets its defaults.
 
@@ -131,10 +132,10 @@ def all_rows() -> dict[str, Row]:
         Row("peak", 30, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
         train_row("d1024", "d1024", [], 150, profile=True),
         legs_row("legs-d1024", expert_shape("d1024"), 90),
-        train_row("d1024-gmm", "d1024", ["model.moe_impl=gmm"], 150, dry_overrides=BF16_GMM),
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 120,
                   dry_overrides=dense_overrides("tiny")),
         train_row("d768", "d768", [], 110),
+        train_row("d1024-gmm", "d1024", ["model.moe_impl=gmm"], 150, dry_overrides=BF16_GMM),
         # the preset's remat=full recomputes every block (1.26x the model FLOPs in
         # bench/flop_audit.py); dots keeps the matmul outputs (1.16x) and fits: ~91 GiB planned
         train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 150),

@@ -146,18 +146,22 @@ class Hlo:
         inner = [i for c in ins.calls for i in self.comps.get(c, [])]
         return inner + [j for i in inner for j in self.body(i)]
 
-    def executed(self) -> dict[str, int]:
+    def executed(self) -> dict[str, float]:
         """Instruction name -> times it runs per call of the module: computations reached from
-        the entry through loops (times their known trip counts), calls and branches."""
-        times: dict[str, int] = {}
+        the entry through loops (times their known trip counts) and calls; a conditional runs
+        one of its branches, which the HLO does not say, so each counts 1 / branches (the
+        layers' global / sliding-window attention: their mean, not their sum)."""
+        times: dict[str, float] = {}
 
-        def walk(comp: str, n: int) -> None:
+        def walk(comp: str, n: float) -> None:
             for ins in self.comps.get(comp, []):
                 times[ins.name] = times.get(ins.name, 0) + n
                 if ins.opcode in ("while", "call", "conditional", "async-start"):
                     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
+                    per = (int(trip.group(1)) if trip and ins.opcode == "while" else
+                           1 / len(ins.calls) if ins.opcode == "conditional" else 1)
                     for c in ins.calls:
-                        walk(c, n * (int(trip.group(1)) if trip and ins.opcode == "while" else 1))
+                        walk(c, n * per)
 
         walk(self.entry, 1)
         return times
@@ -192,7 +196,8 @@ def _is_matmul(ins: Instr) -> bool:
 
 
 def _is_move(ins: Instr) -> bool:
-    return ins.opcode in MOVE_OPS or "topk" in _target(ins)
+    # XLA's GPU sort and top-k are custom calls too (CUB's radix sort: __cub$DeviceRadixSort)
+    return ins.opcode in MOVE_OPS or any(k in _target(ins) for k in ("topk", "sort"))
 
 
 def _expert_file(path: str) -> bool:

@@ -81,9 +81,27 @@ def profile(compiled, state, batch, spec: dict) -> tuple:
         jax.block_until_ready(metrics)
         step_ms = 1e3 * (time.perf_counter() - t)
         jax.profiler.stop_trace()
-        out = gpu_profile.summary(compiled.as_text(), trace_dir, spec.get("peak") or 1e12,
+        out = gpu_profile.summary(compiled.as_text(), trace_dir, roofline_peak(spec),
                                   spec["mem_bw"])
     return state, {"step_ms": step_ms, **out}
+
+
+def roofline_peak(spec: dict) -> float:
+    """FLOP/s of the profile's roofline: the peak row's measured figure, else the device's
+    rated peak (a failed peak row must not scale the estimate a thousandfold)."""
+    from moelab.train.peak import device_peaks
+
+    peaks = device_peaks(jax.devices()[:1], spec.get("peak"))
+    return spec.get("peak") or (peaks.rated if peaks else 1e12)
+
+
+def secondary(row: Row, key: str, measure) -> None:
+    """``row[key] = measure()``, or ``row[key + "_error"]`` if it raises: analyses and the
+    profile must not cost a row the figures it already has (or is about to time)."""
+    try:
+        row.save(**{key: measure()})
+    except Exception as e:  # noqa: BLE001
+        row.save(**{f"{key}_error": f"{type(e).__name__}: {str(e)[:300]}"})
 
 
 def train(spec: dict, row: Row) -> None:
@@ -93,17 +111,16 @@ def train(spec: dict, row: Row) -> None:
 
     cfg = load_config(spec["preset"], spec["overrides"])
     compiled, state, batches, compile_s = compile_step(cfg)
-    row.save(compile_s=compile_s, xla_memory_gib=xla_memory(compiled), xla_cost=xla_cost(compiled))
+    row.save(compile_s=compile_s)
+    secondary(row, "xla_memory_gib", lambda: xla_memory(compiled))
+    secondary(row, "xla_cost", lambda: xla_cost(compiled))
     state, step_s = time_steps(compiled, state, batches, spec["steps"])
     r = describe(spec["preset"], cfg, step_s, compile_s)
     micro = r["microbatch"] or r["tokens_per_step"]
     row.save(**r, micro_steps=r["tokens_per_step"] // micro,
              **mfu_fields(r["model_flops_per_s"], spec.get("peak")))
-    if spec.get("profile"):  # secondary: a failure here keeps the row's measurements
-        try:
-            row.save(profile=profile(compiled, state, batches[0], spec)[1])
-        except Exception as e:  # noqa: BLE001
-            row.save(profile_error=f"{type(e).__name__}: {str(e)[:300]}")
+    if spec.get("profile"):
+        secondary(row, "profile", lambda: profile(compiled, state, batches[0], spec)[1])
 
 
 def lowered_for_cuda(spec: dict) -> str:

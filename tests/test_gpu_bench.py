@@ -189,9 +189,22 @@ StackFrames
   ROOT %t = (s32[], bf16[8,4]{1,0}) tuple(%i, %adam)
 }
 
+%wide (b: bf16[8,4]) -> bf16[8,16] {
+  %b = bf16[8,4]{1,0} parameter(0)
+  %v = bf16[4,16]{1,0} constant({...})
+  ROOT %dot.2 = bf16[8,16]{1,0} dot(%b, %v), lhs_contracting_dims={1}, rhs_contracting_dims={0}, metadata={op_name="w" stack_frame_id=2}
+}
+
+%narrow (c: bf16[8,4]) -> bf16[8,16] {
+  %c = bf16[8,4]{1,0} parameter(0)
+  ROOT %pad.1 = bf16[8,16]{1,0} pad(%c, %c), padding=0_0x0_12
+}
+
 ENTRY %main (a: bf16[8,4]) -> bf16[8,4] {
   %a = bf16[8,4]{1,0} parameter(0)
   %loop = (s32[], bf16[8,4]{1,0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
+  %cub = (s32[8]{0}, u8[64]{0}) custom-call(%a), custom_call_target="__cub$DeviceRadixSort"
+  %pick = bf16[8,16]{1,0} conditional(%k, %a, %a), branch_computations={%wide, %narrow}
   ROOT %out = bf16[8,4]{1,0} add(%a, %a)
 }
 """
@@ -199,12 +212,16 @@ ENTRY %main (a: bf16[8,4]) -> bf16[8,4] {
 
 def test_hlo_instructions_get_their_category_from_op_and_python_stack():
     h = gp.Hlo(HLO)
-    cat = {n: gp.category(h, h.ins[n]) for n in ("gemm_fusion", "attn", "sort.2", "adam", "out")}
+    names = ("gemm_fusion", "attn", "sort.2", "cub", "adam", "out")
+    cat = {n: gp.category(h, h.ins[n]) for n in names}
     assert cat == {"gemm_fusion": gp.GROUPED, "attn": gp.ATTENTION, "sort.2": gp.MOVES,
-                   "adam": gp.OPTIMIZER, "out": gp.ELEMENTWISE}
+                   "cub": gp.MOVES, "adam": gp.OPTIMIZER, "out": gp.ELEMENTWISE}
     assert h.stack(h.ins["dot.1"])[0] == ("/x/moelab/model/experts.py", "swiglu_bank")
+    # a loop's body runs its trip count; a conditional's two branches half a time each
+    times = h.executed()
+    assert [times[n] for n in ("gemm_fusion", "dot.2", "pad.1", "out")] == [12, 0.5, 0.5, 1]
     est = gp.estimated(h, peak_flops=1e12, mem_bw=1e9)
-    assert est[gp.GROUPED]["tflop"] == pytest.approx(12 * 2 * 8 * 16 * 4 / 1e12)  # x trips
+    assert est[gp.GROUPED]["tflop"] == pytest.approx((12 + 0.5) * 2 * 8 * 16 * 4 / 1e12)
 
 
 def test_trace_events_map_to_hlo_ops_from_either_reader(tmp_path):
@@ -247,6 +264,26 @@ def test_a_wrong_expert_kernel_fails_its_check(monkeypatch):
     x, w, dy, counts = gpu_legs.problem(512, 16, 32, 8)
     rows = {r["leg"]: r for r in gpu_legs.run_impl("off", x, w, dy, counts, budget_s=0.0)}
     assert rows["fwd"]["status"] == "WRONG" and rows["fwd"]["max_rel_err"] > 0.05
+    assert rows["dgrad"]["status"] == rows["wgrad"]["status"] == "ok"
+
+
+def test_a_kernel_wrong_for_one_group_fails_its_check(monkeypatch):
+    """A group outside the five checked closely (here one of 16) is still checked: a kernel
+    off by 10% on that group's rows alone is caught."""
+    import jax.numpy as jnp
+
+    from moelab.model.grouped_matmul import reference_backend
+
+    fwd, dgrad, wgrad = reference_backend()
+    x, w, dy, counts = gpu_legs.problem(512, 16, 32, 16)
+    spans = gpu_legs.sorted_rows(x, w, dy, counts)[4]
+    start, n, g = next(s for s in spans if s[1] and s not in gpu_legs._sample(spans, 0))
+    rows = jnp.arange(x.shape[0])
+    off = jnp.where((rows >= start) & (rows < start + n), 1.1, 1.0)[:, None]
+    monkeypatch.setitem(gpu_legs.LEGS, "off", lambda: gpu_legs.Legs(
+        lambda x, w, c: (fwd(x, w, c) * off).astype(x.dtype), dgrad, wgrad))
+    rows = {r["leg"]: r for r in gpu_legs.run_impl("off", x, w, dy, counts, budget_s=0.0)}
+    assert rows["fwd"]["status"] == "WRONG" and rows["fwd"]["max_rel_err"] > 0.05, (g, rows)
     assert rows["dgrad"]["status"] == rows["wgrad"]["status"] == "ok"
 
 

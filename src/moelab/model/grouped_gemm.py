@@ -42,7 +42,7 @@ from jax.experimental.pallas import triton as pltriton
 @dataclass(frozen=True)
 class GmmBlocks:
     """Block sizes of the ``gmm`` kernels; defaults chosen for an H200 at the d1024 expert shape
-    (K = 512, N = 1024, bf16 in, fp32 accumulate); bench/gpu_mfu.py measures them. The row
+    (524,288 rows, K = N = 512, 384 groups; bf16 in, fp32 accumulate); bench/gpu_mfu.py measures them. The row
     tile is the layout's block (``model.moe_block``). Each block is used as the largest power
     of two not above it, or its dimension, that divides the dimension."""
 
