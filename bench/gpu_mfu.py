@@ -135,7 +135,8 @@ def all_rows() -> dict[str, Row]:
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 120,
                   dry_overrides=dense_overrides("tiny")),
         train_row("d768", "d768", [], 110),
-        train_row("d1024-gmm", "d1024", ["model.moe_impl=gmm"], 150, dry_overrides=BF16_GMM),
+        train_row("d1024-gmm", "d1024", ["model.moe_impl=gmm"], 150, profile=True,
+                  dry_overrides=BF16_GMM),
         # the preset's remat=full recomputes every block (1.26x the model FLOPs in
         # bench/flop_audit.py); dots keeps the matmul outputs (1.16x) and fits: ~91 GiB planned
         train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 150),
