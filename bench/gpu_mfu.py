@@ -26,7 +26,9 @@ The driver never imports JAX: each row runs in its own process (bench/gpu_rows.p
 own XLA_PYTHON_CLIENT_MEM_FRACTION, so no process holds the memory the next one needs, and a
 crash or out-of-memory fails that row only. Before a row starts it must fit the deadline by
 its expected seconds, else it is recorded as "skipped: deadline"; each child is killed at its
-own limit or at the deadline, whichever comes first, keeping the partial result it saved.
+own limit or at the deadline, whichever comes first, keeping the partial result it saved. A
+training row whose expert kernel failed in a legs row of the same run is skipped, its time left
+to the rows after it.
 Every row is appended to bench/results/gpu_mfu.jsonl as it ends (and to $OUT/gpu_mfu.jsonl
 when $OUT is set, with the table as gpu_mfu.json and each row's log under gpu_mfu_logs/).
 """
@@ -70,6 +72,20 @@ class Row:
     ask_only: bool = False  # runs only when named: too big for the GPU or the default budget
     gpu_only: bool = False  # has no CPU form: a dry run records it as skipped
     note: str = ""
+    kernel: str = ""  # the expert kernel it trains with: skipped if a legs row saw it fail
+
+
+def failed_kernel(row: Row, records: list[dict]) -> str:
+    """Why ``row`` need not run: its expert kernel failed (an error, out of memory, a wrong
+    result) in a legs row of this run, so its training step would fail or mean nothing; ""
+    when the kernel passed there, or no legs row ran it."""
+    for rec in records:
+        bad = [leg for leg in rec.get("legs", []) if leg.get("impl") == row.kernel
+               and leg.get("status") not in ("ok", "needs a GPU")]
+        if row.kernel and bad:
+            return (f"skipped: {row.kernel} failed in {rec['row']} ({bad[0]['leg']}: "
+                    f"{bad[0]['status'][:80]})")
+    return ""
 
 
 def over(defaults: list[str], changes: list[str]) -> list[str]:
@@ -136,15 +152,16 @@ def all_rows() -> dict[str, Row]:
                   dry_overrides=dense_overrides("tiny")),
         train_row("d768", "d768", [], 110),
         train_row("d1024-gmm", "d1024", ["model.moe_impl=gmm"], 150, profile=True,
-                  dry_overrides=BF16_GMM),
+                  dry_overrides=BF16_GMM, kernel="gmm"),
         # the preset's remat=full recomputes every block (1.26x the model FLOPs in
         # bench/flop_audit.py); dots keeps the matmul outputs (1.16x) and fits: ~91 GiB planned
         train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 150),
         train_row("d1024-ragged-fusion", "d1024", ["model.moe_impl=ragged_fusion"], 150,
-                  xla_flags=RAGGED_FUSION_FLAG,
+                  xla_flags=RAGGED_FUSION_FLAG, kernel="ragged_fusion",
                   dry_overrides=["model.compute_dtype=bfloat16", "model.moe_impl=ragged_fusion"]),
         train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 140),
-        train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 150, gpu_only=True),
+        train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 150, gpu_only=True,
+                  kernel="mgpu"),
         train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 130,
                   dry_overrides=["train.microbatch_tokens=64"]),
         legs_row("legs-d768", expert_shape("d768"), 80),
@@ -342,6 +359,8 @@ def run(args: argparse.Namespace, rows: list[Row]) -> tuple[list[dict], float | 
                "expect_s": expect}
         if args.dry_run and row.gpu_only:
             rec["status"] = "skipped: needs a GPU"
+        elif failed_kernel(row, records):
+            rec["status"] = failed_kernel(row, records)
         elif expect > left:
             rec["status"] = f"skipped: deadline (needs {expect:.0f} s, {max(left, 0):.0f} s left)"
         else:

@@ -128,6 +128,33 @@ def test_bad_options_fail_before_any_row(tmp_path, name, args, message):
     assert not (tmp_path / f"{name}.jsonl").exists()
 
 
+def test_a_kernel_that_failed_its_legs_does_not_train(tmp_path, monkeypatch):
+    """The gmm kernel fails a leg in legs-d1024: d1024-gmm is skipped, saying why, and the
+    rows that do not train with it (d768 here) still run."""
+    import gpu_mfu
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(gpu_mfu, "RESULTS", tmp_path)
+    legs = [{"impl": "blocks", "leg": "fwd", "status": "ok"},
+            {"impl": "mgpu", "leg": "all", "status": "needs a GPU"},
+            {"impl": "gmm", "leg": "wgrad", "status": "XlaRuntimeError: RESOURCE_EXHAUSTED"}]
+    ran = []
+
+    def child(spec, timeout, env, log):
+        ran.append(spec["name"])
+        return "ok", ({"legs": legs} if spec["kind"] == "legs" else {"peak_flops": 1.0})
+
+    monkeypatch.setattr(gpu_mfu, "run_child", child)
+    rows = gpu_mfu.all_rows()
+    args = gpu_mfu.parse_args(["--rows", "legs-d1024", "d768", "d1024-gmm", "d1024-mgpu",
+                               "--name", "kernels"], rows)
+    records = {r["row"]: r for r in gpu_mfu.run(args, gpu_mfu.select(args, rows))[0]}
+    assert ran == ["peak", "legs-d1024", "d768", "d1024-mgpu"]
+    assert records["d1024-gmm"]["status"] == ("skipped: gmm failed in legs-d1024 (wgrad: "
+                                              "XlaRuntimeError: RESOURCE_EXHAUSTED)")
+    assert gpu_mfu.failed_kernel(rows["d1024-mgpu"], list(records.values())) == ""
+
+
 @pytest.mark.parametrize("dry_run", [False, True])
 def test_every_row_passes_the_drivers_checks(dry_run, monkeypatch):
     """Every row, those run only when named included, loads its config in the real table and in
