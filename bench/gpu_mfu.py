@@ -79,10 +79,12 @@ def failed_kernel(row: Row, records: list[dict]) -> str:
     """Why ``row`` need not run: its expert kernel failed (an error, out of memory, a wrong
     result) in a legs row of this run, so its training step would fail or mean nothing; ""
     when the kernel passed there, or no legs row ran it."""
+    if not row.kernel:
+        return ""
     for rec in records:
         bad = [leg for leg in rec.get("legs", []) if leg.get("impl") == row.kernel
                and leg.get("status") not in ("ok", "needs a GPU")]
-        if row.kernel and bad:
+        if bad:
             return (f"skipped: {row.kernel} failed in {rec['row']} ({bad[0]['leg']}: "
                     f"{bad[0]['status'][:80]})")
     return ""
@@ -359,8 +361,8 @@ def run(args: argparse.Namespace, rows: list[Row]) -> tuple[list[dict], float | 
                "expect_s": expect}
         if args.dry_run and row.gpu_only:
             rec["status"] = "skipped: needs a GPU"
-        elif failed_kernel(row, records):
-            rec["status"] = failed_kernel(row, records)
+        elif why := failed_kernel(row, records):
+            rec["status"] = why
         elif expect > left:
             rec["status"] = f"skipped: deadline (needs {expect:.0f} s, {max(left, 0):.0f} s left)"
         else:

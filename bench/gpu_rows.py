@@ -91,8 +91,10 @@ def roofline_peak(spec: dict) -> float:
     rated peak (a failed peak row must not scale the estimate a thousandfold)."""
     from moelab.train.peak import device_peaks
 
-    peaks = device_peaks(jax.devices()[:1], spec.get("peak"))
-    return spec.get("peak") or (peaks.rated if peaks else 1e12)
+    if spec.get("peak"):
+        return spec["peak"]
+    peaks = device_peaks(jax.devices()[:1], None)
+    return peaks.rated if peaks else 1e12
 
 
 def secondary(row: Row, key: str, measure) -> None:

@@ -42,9 +42,10 @@ from jax.experimental.pallas import triton as pltriton
 @dataclass(frozen=True)
 class GmmBlocks:
     """Block sizes of the ``gmm`` kernels; defaults chosen for an H200 at the d1024 expert shape
-    (524,288 rows, K = N = 512, 384 groups; bf16 in, fp32 accumulate); bench/gpu_mfu.py measures them. The row
-    tile is the layout's block (``model.moe_block``). Each block is used as the largest power
-    of two not above it, or its dimension, that divides the dimension."""
+    (524,288 rows, K = N = 512, 384 groups; bf16 in, fp32 accumulate); bench/gpu_mfu.py
+    measures them (``--rows gmm-tiles-d1024``). The row tile is the layout's block
+    (``model.moe_block``). Each block is used as the largest power of two not above it, or its
+    dimension, that divides the dimension."""
 
     block_n: int = 128  # output columns per program (forward, data gradient)
     block_k: int = 64  # contraction step (forward, data gradient); rows per weight-gradient step
