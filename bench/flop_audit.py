@@ -11,7 +11,7 @@ traced with ``jax.make_jaxpr`` on ``jax.eval_shape``'d state; ``moelab.planner.f
 walks the jaxpr (loop trip counts, cond branches, Pallas grids) and names each matmul's
 component. ``--backend gpu`` traces the choices a GPU makes (``planner.as_gpu.
 traced_as_gpu``): ``attention_impl=auto`` is cuDNN's fused attention when it fits (bfloat16,
-head_dim a multiple of 8 up to 128), ``moe_impl=auto`` the blocks kernel. ``mgpu`` (the Hopper
+head_dim a multiple of 8 up to 128), ``moe_impl=auto`` the gmm kernel. ``mgpu`` (the Hopper
 kernels) is refused: its matmuls are Mosaic GPU wgmma, which the walk does not count. Model
 FLOPs: ``planner.counts.train_flops_per_token`` x tokens per step, split by component. Short
 convs run as elementwise multiply-adds, not matmuls: their executed column is 0.

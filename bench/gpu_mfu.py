@@ -9,17 +9,18 @@ Rows, most important first (``--help`` lists them with their expected seconds):
 1. ``peak``: the bf16 matmul peak measured here; the other rows report MFU against the
    GPU's rated dense bf16 peak (moelab.train.peak) and their share of this measured one;
 2. ``d1024``: the d1024 rung as moelab runs it by default at seq 4096, 16 sequences = 65,536
-   tokens per step (bf16, cuDNN attention, chunked loss): tokens/s, MFU, peak memory, compile
-   time, XLA's memory analysis, one profiled step by kernel category (bench/gpu_profile.py);
+   tokens per step (bf16, cuDNN attention, the gmm expert kernel, chunked loss): tokens/s,
+   MFU, peak memory, compile time, XLA's memory analysis, one profiled step by kernel
+   category (bench/gpu_profile.py);
 3. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
    shape (``expert_shape``: 524,288 rows of 512 into 512, 384 experts) for every expert
    kernel, next to a dense matmul of the same FLOPs (bench/gpu_legs.py);
 4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling;
-5. ``d768``;
-6. ablations while time is left, one fast path changed at a time, first ``d1024-gmm`` (the
-   Pallas grouped GEMM, ``model.moe_impl=gmm``) and ``d1024-remat-dots``. Rows known to
-   need more than the GPU's memory or minutes of their own run only when named, as does
+5. ``d768`` (profiled too);
+6. ablations while time is left, one fast path changed at a time, first ``d1024-remat-dots``.
+   Rows known to need more than the GPU's memory or minutes of their own run only when named
+   (``d1024-blocks``: the blocks kernel was still compiling after 375 s on the H200), as does
    ``gmm-tiles-d1024``, the gmm kernel's tile sweep (``GMM_TILES``) that sets its defaults.
 
 The driver never imports JAX: each row runs in its own process (bench/gpu_rows.py) with its
@@ -56,7 +57,6 @@ HERE = Path(__file__).resolve().parent
 BATCH = ["data.seq_len=4096", "data.batch_size=16"]  # 65,536 tokens per step
 FAST = ["model.compute_dtype=bfloat16", "model.attention_impl=auto", "model.loss_chunk=8192"]
 TINY = ["data.seq_len=64", "data.batch_size=2", "model.n_layers=2", "model.loss_chunk=64"]
-BF16_GMM = ["model.compute_dtype=bfloat16", "model.moe_impl=gmm"]  # gmm's CPU form: interpreted
 HBM_BW, CPU_BW = 4.8e12, 2e10  # bytes/s for the profile's roofline estimate (H200; a CPU)
 END_RESERVE_S = 8  # kept after the last child for the summary and a kill's grace
 LIMIT_FACTOR = 2.5  # a child may run this many times its expected seconds
@@ -104,13 +104,29 @@ def train_row(name: str, preset: str, overrides: list[str], expect_s: float, ste
             "steps": steps, "profile": profile, "mem_bw": HBM_BW, "xla_flags": xla_flags}
     dry = {**spec, "preset": "tiny", "steps": 2, "mem_bw": CPU_BW, "xla_flags": "",
            "overrides": over(TINY, overrides if dry_overrides is None else dry_overrides)}
-    return Row(name, expect_s, spec, dry, 30 if profile else 20, **kw)
+    return Row(name, expect_s, spec, dry, 30 if profile else 20, kernel=gpu_kernel(overrides),
+               **kw)
 
 
-def legs_row(name: str, shape: list[int], expect_s: float, impls: list[str] | None = None,
-             **kw) -> Row:
-    # every bench/gpu_legs.py entry unless ``impls`` names some (gmm variants too); XLA's
-    # grouped GEMM for ragged_fusion needs its flag
+def gpu_kernel(overrides: list[str]) -> str:
+    """The expert kernel a training row runs on the GPU: the one it names, else gmm (what
+    ``model.moe_impl=auto`` is there, model/experts.resolve_impl); "" for the dense model,
+    whose one expert is not the legs rows' masked dense reference."""
+    named = [o.split("=", 1)[1].strip() for o in overrides if o.startswith("model.moe_impl=")]
+    impl = named[-1] if named else "auto"
+    return {"auto": "gmm", "dense": ""}.get(impl, impl)
+
+
+# bench/gpu_legs.LEGS but blocks, in its order: on the H200 (JAX 0.11.2) blocks' weight
+# gradient did not finish in 140 s, and a hung kernel holds its row to the row's limit;
+# ``legs-blocks-d1024`` runs it when named
+LEGS_DEFAULT = ["ceiling", "gmm", "dense", "ragged_fusion", "mgpu"]
+
+
+def legs_row(name: str, shape: list[int], expect_s: float,
+             impls: list[str] = LEGS_DEFAULT, **kw) -> Row:
+    # bench/gpu_legs.py entries and gmm variants by name; XLA's grouped GEMM for
+    # ragged_fusion needs its flag
     spec = {"kind": "legs", "shape": shape, "budget_s": 0.5, "xla_flags": RAGGED_FUSION_FLAG,
             "impls": impls}
     dry = {**spec, "shape": [2048, 32, 64, 16], "budget_s": 0.02, "xla_flags": ""}
@@ -129,9 +145,9 @@ def dense_overrides(preset: str) -> list[str]:
 # The gmm kernel's tile sweep at the d1024 expert shape, next to the dense ceiling: block sizes,
 # warps and pipeline depth one or two at a time from the defaults (GmmBlocks), and the row tile
 # (model.moe_block); bench/gpu_legs.gmm_variant reads the names. What picks GmmBlocks' defaults.
-GMM_TILES = ["ceiling", "gmm", "gmm[num_warps=8]", "gmm[num_stages=4]", "gmm[block_k=128]",
-             "gmm[block_n=256,num_warps=8]", "gmm[tile=64]", "gmm[tile=256,num_warps=8]",
-             "gmm[wgrad_k=64,wgrad_n=64]", "gmm[wgrad_n=256,num_warps=8]"]
+GMM_TILES = ["ceiling", "gmm", "gmm[wgrad_n=128,wgrad_warps=4]", "gmm[num_stages=2]",
+             "gmm[block_n=64]", "gmm[block_n=256,num_warps=8]", "gmm[block_k=32]",
+             "gmm[wgrad_k=256,wgrad_n=128]", "gmm[wgrad_k=64,wgrad_n=512]", "gmm[tile=64]"]
 
 
 def expert_shape(preset: str) -> list[int]:
@@ -147,31 +163,35 @@ def expert_shape(preset: str) -> list[int]:
 def all_rows() -> dict[str, Row]:
     peak = {"kind": "peak", "sizes": [4096, 8192], "dtype": "bfloat16"}
     rows = [
-        Row("peak", 30, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
-        train_row("d1024", "d1024", [], 150, profile=True),
-        legs_row("legs-d1024", expert_shape("d1024"), 90),
-        train_row("dense-d1024", "d1024", dense_overrides("d1024"), 120,
+        Row("peak", 20, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
+        # the GPU's default expert kernel is gmm (model/experts.resolve_impl)
+        train_row("d1024", "d1024", [], 60, profile=True),
+        legs_row("legs-d1024", expert_shape("d1024"), 60),
+        train_row("dense-d1024", "d1024", dense_overrides("d1024"), 50,
                   dry_overrides=dense_overrides("tiny")),
-        train_row("d768", "d768", [], 110),
-        train_row("d1024-gmm", "d1024", ["model.moe_impl=gmm"], 150, profile=True,
-                  dry_overrides=BF16_GMM, kernel="gmm"),
+        train_row("d768", "d768", [], 60, profile=True),
         # the preset's remat=full recomputes every block (1.26x the model FLOPs in
         # bench/flop_audit.py); dots keeps the matmul outputs (1.16x) and fits: ~91 GiB planned
-        train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 150),
-        train_row("d1024-ragged-fusion", "d1024", ["model.moe_impl=ragged_fusion"], 150,
-                  xla_flags=RAGGED_FUSION_FLAG, kernel="ragged_fusion",
-                  dry_overrides=["model.compute_dtype=bfloat16", "model.moe_impl=ragged_fusion"]),
-        train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 140),
-        train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 150, gpu_only=True,
-                  kernel="mgpu"),
-        train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 130,
+        train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 60),
+        train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 70),
+        train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 60,
                   dry_overrides=["train.microbatch_tokens=64"]),
-        legs_row("legs-d768", expert_shape("d768"), 80),
+        legs_row("legs-d768", expert_shape("d768"), 50),
+        train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 120, gpu_only=True),
+        train_row("d1024-blocks", "d1024", ["model.moe_impl=blocks"], 400, ask_only=True,
+                  dry_overrides=["model.moe_impl=blocks"],
+                  note="H200, JAX 0.11.2: still compiling after 375 s (2026-12-04)"),
+        train_row("d1024-ragged-fusion", "d1024", ["model.moe_impl=ragged_fusion"], 60,
+                  xla_flags=RAGGED_FUSION_FLAG, ask_only=True,
+                  dry_overrides=["model.compute_dtype=bfloat16", "model.moe_impl=ragged_fusion"],
+                  note="H200, JAX 0.11.2: XLA's autotuner asked for 192 GiB (2026-12-04)"),
         train_row("d1024-ragged", "d1024", ["model.moe_impl=ragged"], 200, ask_only=True,
                   note="XLA's ragged_dot is masked dense matmuls on GPU: >141 GiB"),
         train_row("d1024-no-chunked-loss", "d1024", ["model.loss_chunk=0"], 140, ask_only=True,
                   note="float32 logits of 65,536 tokens: >141 GiB with Adam state",
                   dry_overrides=["model.loss_chunk=0"]),
+        legs_row("legs-blocks-d1024", expert_shape("d1024"), 200, ["ceiling", "blocks"],
+                 ask_only=True, note="blocks' weight gradient: not done in 140 s (H200)"),
         legs_row("gmm-tiles-d1024", expert_shape("d1024"), 150, impls=GMM_TILES, ask_only=True,
                  note="the gmm kernel's tiles, warps and stages, one change at a time"),
         train_row("d1024-preset-batch", "d1024", ["data.batch_size=1024",
@@ -248,7 +268,7 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace,
 def select(args: argparse.Namespace, known: dict[str, Row]) -> list[Row]:
     """The rows to run, in table order (the order of importance)."""
     if args.experts:
-        return [r for r in known.values() if r.name.startswith("legs-")]
+        return [r for r in known.values() if r.name.startswith("legs-") and not r.ask_only]
     if not args.rows:
         return [r for r in known.values() if not r.ask_only and r.name != "crash"]
     names = set(args.rows)

@@ -81,7 +81,8 @@ def _instr(comp: str, name: str, rest: str) -> Instr | None:
         return None
     close = _close(tail, m.end() - 1)
     attrs = tail[close:]
-    calls = re.findall(r"(?:calls|to_apply|body|condition)=%?([\w.\-]+)", attrs)
+    calls = re.findall(r"(?:calls|to_apply|body|condition|true_computation|false_computation)"
+                       r"=%?([\w.\-]+)", attrs)
     for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", attrs):
         calls += re.findall(r"%?([\w.\-]+)", group)
     return Instr(name, comp, m.group(1), shape,
@@ -159,7 +160,7 @@ class Hlo:
                 if ins.opcode in ("while", "call", "conditional", "async-start"):
                     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
                     per = (int(trip.group(1)) if trip and ins.opcode == "while" else
-                           1 / len(ins.calls) if ins.opcode == "conditional" else 1)
+                           1 / max(1, len(ins.calls)) if ins.opcode == "conditional" else 1)
                     for c in ins.calls:
                         walk(c, n * per)
 

@@ -209,9 +209,15 @@ def test_d1024_meets_the_targets():
                         "model.compute_dtype=bfloat16", "model.loss_chunk=8192",
                         "--remat", "none", "full"])
     for policy, (cfg, kernels) in bench.load(args).items():
-        assert kernels == {"attention": "cudnn", "experts": "blocks"}, kernels
+        assert kernels == {"attention": "cudnn", "experts": "gmm"}, kernels
         res = bench.audit(cfg, args.backend)
         v = bench.verdicts(policy, cfg, res)
+        # the gmm kernels' FLOPs as declared (their loops over a group's rows have no trip
+        # count while tracing): every routed row once per matmul and leg, plus the padding
+        # to whole tiles (<= 384 x 127 rows on 524,288), x 4/3 where remat recomputes them
+        routed = next(r for r in res["rows"] if r["component"] == "routed experts")
+        low = {"none": 1.0, "full": 4 / 3}[policy]
+        assert low <= routed["ratio"] <= low * 1.1, (policy, routed)
         assert v["ratio_pass"] and v["ratio"] <= bench.TARGETS[policy], (policy, v["ratio"])
         assert v["fp32_pass"], res["fp32"]
         assert {g["component"] for g in res["fp32"]} == {"router"}

@@ -94,8 +94,11 @@ def test_dry_run_measures_each_row_in_its_own_process(tmp_path, name):
     status = {(r["impl"], r["leg"]): r for r in legs["legs"]}
     assert status[("mgpu", "all")]["status"] == "needs a GPU"
     checked = [r for k, r in status.items() if k[0] != "mgpu"]
-    # every entry but the GPU-only one, three legs each
-    assert len(checked) == 3 * (len(gpu_legs.LEGS) - 1), checked
+    # every entry but the GPU-only one and blocks (named in its own row), three legs each
+    import gpu_mfu
+
+    assert gpu_mfu.LEGS_DEFAULT == [n for n in gpu_legs.LEGS if n != "blocks"]
+    assert len(checked) == 3 * (len(gpu_mfu.LEGS_DEFAULT) - 1), checked
     assert all(r["status"] == "ok" for r in checked), checked
     assert all(r["max_rel_err"] <= 2e-2 for r in checked)
 
@@ -129,8 +132,9 @@ def test_bad_options_fail_before_any_row(tmp_path, name, args, message):
 
 
 def test_a_kernel_that_failed_its_legs_does_not_train(tmp_path, monkeypatch):
-    """The gmm kernel fails a leg in legs-d1024: d1024-gmm is skipped, saying why, and the
-    rows that do not train with it (d768 here) still run."""
+    """The gmm kernel fails a leg in legs-d1024: the rows that train with it (d768, whose
+    ``auto`` is gmm on a GPU; d1024 runs before the legs) are skipped, saying why, and the
+    rows that do not (the dense model, mgpu) still run."""
     import gpu_mfu
 
     monkeypatch.setenv("OUT", str(tmp_path))
@@ -146,13 +150,16 @@ def test_a_kernel_that_failed_its_legs_does_not_train(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_mfu, "run_child", child)
     rows = gpu_mfu.all_rows()
-    args = gpu_mfu.parse_args(["--rows", "legs-d1024", "d768", "d1024-gmm", "d1024-mgpu",
+    args = gpu_mfu.parse_args(["--rows", "legs-d1024", "dense-d1024", "d768", "d1024-mgpu",
                                "--name", "kernels"], rows)
     records = {r["row"]: r for r in gpu_mfu.run(args, gpu_mfu.select(args, rows))[0]}
-    assert ran == ["peak", "legs-d1024", "d768", "d1024-mgpu"]
-    assert records["d1024-gmm"]["status"] == ("skipped: gmm failed in legs-d1024 (wgrad: "
-                                              "XlaRuntimeError: RESOURCE_EXHAUSTED)")
+    assert ran == ["peak", "legs-d1024", "dense-d1024", "d1024-mgpu"]
+    assert records["d768"]["status"] == ("skipped: gmm failed in legs-d1024 (wgrad: "
+                                         "XlaRuntimeError: RESOURCE_EXHAUSTED)")
     assert gpu_mfu.failed_kernel(rows["d1024-mgpu"], list(records.values())) == ""
+    kernels = {r.name: r.kernel for r in rows.values() if r.spec["kind"] == "train"}
+    assert kernels["d1024"] == kernels["d1024-remat-dots"] == "gmm"
+    assert (kernels["dense-d1024"], kernels["d1024-blocks"]) == ("", "blocks")
 
 
 @pytest.mark.parametrize("dry_run", [False, True])
@@ -227,11 +234,22 @@ StackFrames
   ROOT %pad.1 = bf16[8,16]{1,0} pad(%c, %c), padding=0_0x0_12
 }
 
+%wide2 (b2: bf16[8,4]) -> bf16[8,16] {
+  %b2 = bf16[8,4]{1,0} parameter(0)
+  ROOT %pad.2 = bf16[8,16]{1,0} pad(%b2, %b2), padding=0_0x0_12
+}
+
+%narrow2 (c2: bf16[8,4]) -> bf16[8,16] {
+  %c2 = bf16[8,4]{1,0} parameter(0)
+  ROOT %pad.3 = bf16[8,16]{1,0} pad(%c2, %c2), padding=0_0x0_12
+}
+
 ENTRY %main (a: bf16[8,4]) -> bf16[8,4] {
   %a = bf16[8,4]{1,0} parameter(0)
   %loop = (s32[], bf16[8,4]{1,0}) while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"12"}}
   %cub = (s32[8]{0}, u8[64]{0}) custom-call(%a), custom_call_target="__cub$DeviceRadixSort"
   %pick = bf16[8,16]{1,0} conditional(%k, %a, %a), branch_computations={%wide, %narrow}
+  %pick2 = bf16[8,16]{1,0} conditional(%p, %a, %a), true_computation=%wide2, false_computation=%narrow2
   ROOT %out = bf16[8,4]{1,0} add(%a, %a)
 }
 """
@@ -244,9 +262,11 @@ def test_hlo_instructions_get_their_category_from_op_and_python_stack():
     assert cat == {"gemm_fusion": gp.GROUPED, "attn": gp.ATTENTION, "sort.2": gp.MOVES,
                    "cub": gp.MOVES, "adam": gp.OPTIMIZER, "out": gp.ELEMENTWISE}
     assert h.stack(h.ins["dot.1"])[0] == ("/x/moelab/model/experts.py", "swiglu_bank")
-    # a loop's body runs its trip count; a conditional's two branches half a time each
+    # a loop's body runs its trip count; a conditional's two branches half a time each, in
+    # either form XLA prints (an index's branch_computations, a predicate's true/false ones)
     times = h.executed()
-    assert [times[n] for n in ("gemm_fusion", "dot.2", "pad.1", "out")] == [12, 0.5, 0.5, 1]
+    assert [times[n] for n in ("gemm_fusion", "dot.2", "pad.1", "pad.2", "pad.3", "out")] == [
+        12, 0.5, 0.5, 0.5, 0.5, 1]
     est = gp.estimated(h, peak_flops=1e12, mem_bw=1e9)
     assert est[gp.GROUPED]["tflop"] == pytest.approx((12 + 0.5) * 2 * 8 * 16 * 4 / 1e12)
 
@@ -336,7 +356,7 @@ def test_the_legs_rows_run_the_presets_expert_shapes():
     ("gmm[tile=8]", "tile='8' must be a whole number >= 16"),
     ("gmm[num_stages=0]", "num_stages='0' must be a whole number >= 1"),
     ("gmm[num_warps=x]", "num_warps='x' must be a whole number"),
-    ("gmm-fast", "not one of ceiling, blocks, gmm"),
+    ("gmm-fast", "not one of ceiling, gmm, dense"),
 ])
 def test_a_bad_expert_kernel_name_says_what_is_wrong(bad, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -388,8 +408,8 @@ def test_the_gmm_tile_sweep_runs_each_variant_and_lowers_each_for_cuda():
 def test_every_gpu_training_row_lowers_for_cuda(monkeypatch):
     """Each training row of the real table (not the dry run's), at its own shapes, traced with
     a GPU's choices and lowered for CUDA here: the custom calls it asks of a GPU are there
-    (cuDNN attention unless the row asks for chunked; Triton kernels exactly in the gmm row,
-    Mosaic GPU kernels exactly in the mgpu row, the one row the dry run cannot run). A row that
+    (cuDNN attention unless the row asks for chunked; Triton kernels exactly in the rows that
+    train with gmm, the GPU's default, Mosaic GPU kernels exactly in the mgpu row, the one row the dry run cannot run). A row that
     fails this would fail on the GPU before its first step."""
     import gpu_mfu
     import gpu_rows
@@ -404,7 +424,7 @@ def test_every_gpu_training_row_lowers_for_cuda(monkeypatch):
         hlo = gpu_rows.lowered_for_cuda(row.spec)
         chunked = "model.attention_impl=chunked" in row.spec["overrides"]
         assert ("__cudnn$fmha" in hlo) != chunked, row.name
-        assert ("__gpu$xla.gpu.triton" in hlo) == (row.name == "d1024-gmm"), row.name
+        assert ("__gpu$xla.gpu.triton" in hlo) == (row.kernel == "gmm"), row.name
         assert ("@mosaic_gpu" in hlo) == (row.name == "d1024-mgpu"), row.name
         if RAGGED_FUSION_FLAG in row.spec["xla_flags"]:
             assert "ragged_dot" in hlo, row.name

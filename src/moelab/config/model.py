@@ -53,8 +53,8 @@ class ModelConfig:
     bias_update_rate: float = 1e-3  # sigmoid_bias: step size of the balancing bias
     combine_sum: float = 0.0  # sigmoid routers: rescale the k weights to sum to this; 0 = raw
     qb_bins: int = 10_000  # quantile router: histogram bins of the balancing quantile
-    # "auto" | "blocks" | "gmm" (grouped GEMM; GPU) | "ragged" | "ragged_fusion" (XLA's, GPU)
-    # | "mgpu" (Hopper GPUs) | "dense" (the slow reference)
+    # "auto" (gmm on a GPU when it fits, else blocks) | "blocks" | "gmm" (grouped GEMM; GPU)
+    # | "ragged" | "ragged_fusion" (XLA's, GPU) | "mgpu" (Hopper GPUs) | "dense" (the reference)
     moe_impl: str = "auto"
     moe_block: int = 128  # rows per block of the sorted-blocks MoE kernel
     # head / loss / numerics
@@ -97,6 +97,21 @@ class ModelConfig:
     def conv_site_set(self) -> frozenset[str]:
         return frozenset(s.strip() for s in self.conv_sites.split(",") if s.strip())
 
+    def gmm_unfit(self) -> tuple[str, str] | None:
+        """(field, why) when the ``gmm`` kernel cannot take this config, else None: its Triton
+        tiles (model/grouped_gemm.py) need bf16, a power-of-two row tile and widths in 16s.
+        ``moe_impl=gmm`` must fit; ``auto`` picks gmm on a GPU only when it does."""
+        if self.compute_dtype != "bfloat16":
+            return "moe_impl", ("gmm needs model.compute_dtype=bfloat16 (its tiles are sized "
+                                "for bf16)")
+        if self.moe_block < 16 or self.moe_block & (self.moe_block - 1):
+            return "moe_block", (f"gmm uses it as the kernel's row tile: {self.moe_block} must "
+                                 "be a power of two >= 16 (e.g. 128)")
+        if self.routed_width % 16 or self.expert_dim % 16:
+            return "moe_impl", (f"gmm needs the routed width ({self.routed_width}) and expert_dim "
+                                f"({self.expert_dim}) to be multiples of 16 (Triton's dot tiles)")
+        return None
+
     def validate(self, p: str = "model") -> None:
         require(self.vocab_size >= 0, f"{p}.vocab_size", "must be >= 0 (0 = the tokenizer's)")
         for name in ("d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
@@ -137,15 +152,8 @@ class ModelConfig:
         require(self.moe_impl != "ragged_fusion" or self.compute_dtype == "bfloat16",
                 f"{p}.moe_impl", "ragged_fusion needs model.compute_dtype=bfloat16 (XLA fuses "
                 "only 16-bit ragged dots; others expand to E times the work)")
-        if self.moe_impl == "gmm":  # the Triton kernels' tiles (model/grouped_gemm.py)
-            require(self.compute_dtype == "bfloat16", f"{p}.moe_impl",
-                    "gmm needs model.compute_dtype=bfloat16 (its tiles are sized for bf16)")
-            require(self.moe_block >= 16 and self.moe_block & (self.moe_block - 1) == 0,
-                    f"{p}.moe_block", f"gmm uses it as the kernel's row tile: {self.moe_block} "
-                    "must be a power of two >= 16 (e.g. 128)")
-            require(self.routed_width % 16 == 0 and self.expert_dim % 16 == 0,
-                    f"{p}.moe_impl", f"gmm needs the routed width ({self.routed_width}) and "
-                    f"expert_dim ({self.expert_dim}) to be multiples of 16 (Triton's dot tiles)")
+        if self.moe_impl == "gmm" and (unfit := self.gmm_unfit()):
+            require(False, f"{p}.{unfit[0]}", unfit[1])
         if self.moe_impl == "mgpu":  # the Hopper kernels' tiles (model/grouped_matmul.py)
             require(self.compute_dtype == "bfloat16", f"{p}.moe_impl",
                     "mgpu needs model.compute_dtype=bfloat16")

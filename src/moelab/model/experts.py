@@ -12,7 +12,8 @@ Data movement uses gathers whose custom VJPs are gathers too (``gather_rows``,
 ``combine_rows``): XLA would transpose a plain gather into a scatter-add, slow and
 memory-hungry (docs/transport.md, "Backward").
 
-Kernels (``ModelConfig.moe_impl``; ``resolve_impl`` says why ``auto`` is ``blocks``):
+Kernels (``ModelConfig.moe_impl``; ``resolve_impl`` says why ``auto`` is ``gmm`` on a GPU and
+``blocks`` elsewhere):
 - ``blocks``: static shapes, padding waste below ``groups * block`` rows, plain dense matmuls
   on a per-block copy of each block's expert weights.
 - ``gmm``: the same padded layout, a Pallas grouped GEMM (``moelab.model.grouped_gemm``) that
@@ -62,14 +63,17 @@ def _ragged_fusion_on() -> bool:
 
 
 def resolve_impl(cfg: ModelConfig) -> str:
-    """``auto`` is ``blocks`` on every backend: ``gmm`` (moelab's grouped GEMM), ``mgpu`` (JAX's
-    Hopper kernels) and ``ragged_fusion`` (XLA's) are chosen by name until bench/gpu_mfu.py
-    measures one faster than blocks on a GPU; none has been yet. Measured on one H200 with JAX
-    0.11 (bench/reference/h200_*.json): XLA lowers a plain ``ragged_dot`` to masked dense
-    matmuls there, so ``ragged`` did E times the expert work (small preset: 6.1% MFU vs 7.4% for
-    blocks) and ran out of memory on the d768 rung (205 GiB asked) where blocks used 34.5 GiB.
-    On CPU ``gmm`` runs its kernels in Pallas interpret mode (slow, correct) and
-    ``ragged_fusion`` is ``ragged`` (the fusion is a GPU pass)."""
+    """``auto`` is ``gmm`` on a GPU when the config fits its tiles (``ModelConfig.gmm_unfit``),
+    else ``blocks``. Measured on one H200 with JAX 0.11.2 (bench/gpu_mfu.py, 2026-12-04,
+    bench/reference/h200_2026-12-04.json), at the d1024 expert shape: gmm ran its forward at
+    454 TFLOP/s, blocks at 124 (a dense matmul of the same FLOPs: 676); blocks' weight gradient
+    did not finish within 140 s, and the d1024 step with blocks was still compiling after 375 s,
+    where gmm's compiled in 17 s and trained at 114,929 tokens/s. ``mgpu`` (JAX's Hopper
+    kernels) and ``ragged_fusion`` (XLA's; its autotuner asked for 192 GiB at d1024) are chosen
+    by name. A plain ``ragged_dot`` is masked dense matmuls on that GPU, E times the expert work
+    (bench/reference/h200_*.json). On CPU ``auto`` is ``blocks``: ``gmm`` runs its kernels there
+    in Pallas interpret mode (slow, correct) and ``ragged_fusion`` is ``ragged`` (the fusion is
+    a GPU pass)."""
     backend = jax.default_backend()
     if cfg.moe_impl == "mgpu" and backend != "gpu":
         raise ValueError(f"model.moe_impl='mgpu' needs an NVIDIA Hopper GPU (JAX backend here: "
@@ -79,7 +83,9 @@ def resolve_impl(cfg: ModelConfig) -> str:
                          "is set when the process starts: run with XLA_FLAGS="
                          f"{RAGGED_FUSION_FLAG} (without it XLA expands ragged_dot to E times "
                          "the work), or use blocks / gmm")
-    return "blocks" if cfg.moe_impl == "auto" else cfg.moe_impl
+    if cfg.moe_impl != "auto":
+        return cfg.moe_impl
+    return "gmm" if backend == "gpu" and cfg.gmm_unfit() is None else "blocks"
 
 
 def grouped_kernel(cfg: ModelConfig) -> tuple[str, int]:

@@ -5,7 +5,8 @@ XLA's cost analysis counts a loop body once; this walk multiplies every matmul b
 counts around it: ``scan`` its ``length``; ``while`` a counted loop's trips (``i < n``,
 ``i += c``, start and bound known while tracing, as ``fori_loop`` with traced bounds writes it),
 else its body once, noted; ``cond`` the branch a known index picks, else the costliest (noted);
-``pallas_call`` the kernel body times its grid. Anything else holding a jaxpr (``jit``,
+``pallas_call`` the kernel body times its grid, or the FLOPs its cost estimate declares where
+it gives one (a data-dependent loop inside). Anything else holding a jaxpr (``jit``,
 ``checkpoint``, custom VJP / JVP calls) is entered once. Small values known while tracing
 (literals, constants, the layer scan's per-layer kind) are folded on the way, so a ``cond`` on
 a layer's kind in the layer scan takes that layer's branch.
@@ -49,6 +50,7 @@ class Dot:
     out_shape: tuple[int, ...]
     scope: tuple[str, ...]  # name stack, outermost first, transform wrappers dropped
     notes: tuple[str, ...] = ()  # loops whose trip count is unknown, conds read as their max
+    in_kernel: bool = False  # in a Pallas kernel's body: its shapes are blocks, not parameters
     component: str = ""  # set by ``attribute``
 
     @property
@@ -316,13 +318,24 @@ def _cond(eqn, ins: list, ctx: _Ctx) -> tuple[list[Dot], list]:
 
 
 def _pallas(eqn, ins: list, ctx: _Ctx) -> tuple[list[Dot], list]:
-    """A Pallas kernel: its body (at block shapes) once per grid point."""
+    """A Pallas kernel: its body (at block shapes) once per grid point. A kernel that declares
+    its FLOPs (``pl.CostEstimate``) counts as declared, its body's matmuls scaled to that
+    total: a loop over a data-dependent length (the gmm weight gradient's walk over each
+    group's rows) has no trip count while tracing."""
     grid, body = tuple(eqn.params["grid_mapping"].grid), eqn.params["jaxpr"]
     known = all(isinstance(g, int) for g in grid)
     note = None if known else f"pallas_call grid {grid}: dynamic, body counted once"
     inner = ctx.enter(eqn, trips=math.prod(grid) if known else 1, note=note)
     unknown = [None] * (len(body.constvars) + len(body.invars))
-    return _walk(body, unknown, inner)[0], [None] * len(eqn.outvars)
+    dots = _walk(body, unknown, inner)[0]
+    dots = [replace(d, in_kernel=True) for d in dots]
+    declared = getattr(eqn.params.get("cost_estimate"), "flops", 0)
+    walked = sum(d.total for d in dots)
+    if declared and walked:
+        scale, notes = declared * ctx.trips / walked, ctx.notes + (
+            f"pallas_call {eqn.params.get('name', '')}: FLOPs as its cost estimate declares",)
+        dots = [replace(d, trips=d.trips * scale, notes=notes) for d in dots]
+    return dots, [None] * len(eqn.outvars)
 
 
 # ============================================================================ moelab's components
@@ -356,12 +369,14 @@ def shape_components(cfg: ModelConfig) -> dict[tuple[int, ...], set[str]]:
 def component_of(dot: Dot, shapes: dict) -> str:
     """A matmul's component: fused attention is the attention core; else its innermost named
     scope, refined by a parameter's shape as its right operand (x @ W, and dx = g @ W^T) or its
-    output (dW); outside every scope, the one component whose parameter shape it has ("other"
-    for none, "ambiguous: ..." for several). An activation with a parameter's shape (tokens =
-    a weight dimension) can mislead the refinement."""
+    output (dW), but not in a Pallas kernel (block shapes); outside every scope, the one
+    component whose parameter shape it has ("other" for none, "ambiguous: ..." for several). An
+    activation with a parameter's shape (tokens = a weight dimension) can mislead the
+    refinement."""
     if dot.kind.startswith("attention"):
         return CORE
-    matched = set().union(*(shapes.get(s, set()) for s in (*dot.shapes[1:], dot.out_shape)))
+    matched = set() if dot.in_kernel else set().union(
+        *(shapes.get(s, set()) for s in (*dot.shapes[1:], dot.out_shape)))
     scope = next((s for s in reversed(dot.scope) if s in SCOPES), None)
     if scope is not None:
         default, others = SCOPES[scope]
