@@ -14,7 +14,8 @@ Rows, most important first (``--help`` lists them with their expected seconds):
    category (bench/gpu_profile.py);
 3. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
    shape (``expert_shape``: 524,288 rows of 512 into 512, 384 experts) for every expert
-   kernel, next to a dense matmul of the same FLOPs (bench/gpu_legs.py);
+   kernel but blocks (``LEGS_DEFAULT``), next to a dense matmul of the same FLOPs
+   (bench/gpu_legs.py);
 4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling;
 5. ``d768`` (profiled too);
@@ -57,6 +58,8 @@ HERE = Path(__file__).resolve().parent
 BATCH = ["data.seq_len=4096", "data.batch_size=16"]  # 65,536 tokens per step
 FAST = ["model.compute_dtype=bfloat16", "model.attention_impl=auto", "model.loss_chunk=8192"]
 TINY = ["data.seq_len=64", "data.batch_size=2", "model.n_layers=2", "model.loss_chunk=64"]
+# the GPU's default expert kernel, gmm, in its CPU form (interpreted): d768's dry run trains it
+BF16_GMM = ["model.compute_dtype=bfloat16", "model.moe_impl=gmm"]
 HBM_BW, CPU_BW = 4.8e12, 2e10  # bytes/s for the profile's roofline estimate (H200; a CPU)
 END_RESERVE_S = 8  # kept after the last child for the summary and a kill's grace
 LIMIT_FACTOR = 2.5  # a child may run this many times its expected seconds
@@ -120,15 +123,15 @@ def gpu_kernel(overrides: list[str]) -> str:
 # bench/gpu_legs.LEGS but blocks, in its order: on the H200 (JAX 0.11.2) blocks' weight
 # gradient did not finish in 140 s, and a hung kernel holds its row to the row's limit;
 # ``legs-blocks-d1024`` runs it when named
-LEGS_DEFAULT = ["ceiling", "gmm", "dense", "ragged_fusion", "mgpu"]
+LEGS_DEFAULT = ("ceiling", "gmm", "dense", "ragged_fusion", "mgpu")
 
 
 def legs_row(name: str, shape: list[int], expect_s: float,
-             impls: list[str] = LEGS_DEFAULT, **kw) -> Row:
+             impls: tuple[str, ...] = LEGS_DEFAULT, **kw) -> Row:
     # bench/gpu_legs.py entries and gmm variants by name; XLA's grouped GEMM for
     # ragged_fusion needs its flag
     spec = {"kind": "legs", "shape": shape, "budget_s": 0.5, "xla_flags": RAGGED_FUSION_FLAG,
-            "impls": impls}
+            "impls": list(impls)}
     dry = {**spec, "shape": [2048, 32, 64, 16], "budget_s": 0.02, "xla_flags": ""}
     return Row(name, expect_s, spec, dry, 12, **kw)
 
@@ -145,9 +148,9 @@ def dense_overrides(preset: str) -> list[str]:
 # The gmm kernel's tile sweep at the d1024 expert shape, next to the dense ceiling: block sizes,
 # warps and pipeline depth one or two at a time from the defaults (GmmBlocks), and the row tile
 # (model.moe_block); bench/gpu_legs.gmm_variant reads the names. What picks GmmBlocks' defaults.
-GMM_TILES = ["ceiling", "gmm", "gmm[wgrad_n=128,wgrad_warps=4]", "gmm[num_stages=2]",
+GMM_TILES = ("ceiling", "gmm", "gmm[wgrad_n=128,wgrad_warps=4]", "gmm[num_stages=2]",
              "gmm[block_n=64]", "gmm[block_n=256,num_warps=8]", "gmm[block_k=32]",
-             "gmm[wgrad_k=256,wgrad_n=128]", "gmm[wgrad_k=64,wgrad_n=512]", "gmm[tile=64]"]
+             "gmm[wgrad_k=256,wgrad_n=128]", "gmm[wgrad_k=64,wgrad_n=512]", "gmm[tile=64]")
 
 
 def expert_shape(preset: str) -> list[int]:
@@ -169,7 +172,7 @@ def all_rows() -> dict[str, Row]:
         legs_row("legs-d1024", expert_shape("d1024"), 60),
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 50,
                   dry_overrides=dense_overrides("tiny")),
-        train_row("d768", "d768", [], 60, profile=True),
+        train_row("d768", "d768", [], 60, profile=True, dry_overrides=BF16_GMM),
         # the preset's remat=full recomputes every block (1.26x the model FLOPs in
         # bench/flop_audit.py); dots keeps the matmul outputs (1.16x) and fits: ~91 GiB planned
         train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 60),
@@ -190,7 +193,7 @@ def all_rows() -> dict[str, Row]:
         train_row("d1024-no-chunked-loss", "d1024", ["model.loss_chunk=0"], 140, ask_only=True,
                   note="float32 logits of 65,536 tokens: >141 GiB with Adam state",
                   dry_overrides=["model.loss_chunk=0"]),
-        legs_row("legs-blocks-d1024", expert_shape("d1024"), 200, ["ceiling", "blocks"],
+        legs_row("legs-blocks-d1024", expert_shape("d1024"), 200, ("ceiling", "blocks"),
                  ask_only=True, note="blocks' weight gradient: not done in 140 s (H200)"),
         legs_row("gmm-tiles-d1024", expert_shape("d1024"), 150, impls=GMM_TILES, ask_only=True,
                  note="the gmm kernel's tiles, warps and stages, one change at a time"),

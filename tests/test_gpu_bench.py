@@ -97,7 +97,7 @@ def test_dry_run_measures_each_row_in_its_own_process(tmp_path, name):
     # every entry but the GPU-only one and blocks (named in its own row), three legs each
     import gpu_mfu
 
-    assert gpu_mfu.LEGS_DEFAULT == [n for n in gpu_legs.LEGS if n != "blocks"]
+    assert list(gpu_mfu.LEGS_DEFAULT) == [n for n in gpu_legs.LEGS if n != "blocks"]
     assert len(checked) == 3 * (len(gpu_mfu.LEGS_DEFAULT) - 1), checked
     assert all(r["status"] == "ok" for r in checked), checked
     assert all(r["max_rel_err"] <= 2e-2 for r in checked)

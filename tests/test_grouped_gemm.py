@@ -225,16 +225,25 @@ def test_gmm_reference_equals_the_kernels():
 
 def test_impls_on_cpu_and_their_checks(monkeypatch):
     """gmm runs on CPU (interpreted) and ragged_fusion is ragged there; ``auto`` is blocks on
-    CPU and gmm on a GPU where gmm takes the config (else blocks); on a GPU, ragged_fusion
-    refuses to run without XLA's fusion flag, naming it."""
+    CPU and gmm on an NVIDIA GPU of compute capability 9.0 or more where gmm takes the config
+    (else blocks); on a GPU, ragged_fusion refuses to run without XLA's fusion flag, naming
+    it."""
     assert experts.resolve_impl(ModelConfig(moe_impl="gmm")) == "gmm"
     bf16 = ModelConfig(compute_dtype="bfloat16")
     assert experts.resolve_impl(bf16) == "blocks"
     with traced_as_gpu():
+        assert experts.cuda_capability() == 9.0  # as an H200
         assert experts.resolve_impl(bf16) == "gmm"
         assert experts.grouped_kernel(bf16) == ("gmm", 128)
         for unfit in (ModelConfig(), replace(bf16, moe_block=96), replace(bf16, expert_dim=200)):
             assert unfit.gmm_unfit() is not None and experts.resolve_impl(unfit) == "blocks"
+    assert experts.cuda_capability() == 0.0  # a CPU device
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for cc, impl in (("8.9", "blocks"), ("9.0", "gmm"), ("10.0", "gmm"), ("gfx90a", "blocks")):
+        device = type("Device", (), {"compute_capability": cc})()
+        monkeypatch.setattr(jax, "devices", lambda *a, d=device: [d])
+        assert experts.resolve_impl(bf16) == impl, cc
+    monkeypatch.undo()
     assert experts.grouped_kernel(ModelConfig(moe_impl="ragged_fusion", moe_block=64)) == (
         "ragged_fusion", 64)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

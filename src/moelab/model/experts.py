@@ -62,13 +62,28 @@ def _ragged_fusion_on() -> bool:
                for t in os.environ.get("XLA_FLAGS", "").split())
 
 
+# gmm's tiles are sized and measured on Hopper (an H200): its weight-gradient tile keeps about
+# 100-150 KB of shared memory in flight, over what sm_86/sm_89 cards have; elsewhere by name
+GMM_AUTO_CAPABILITY = 9.0
+
+
+def cuda_capability() -> float:
+    """The first device's CUDA compute capability (9.0 on an H100 / H200); 0 for any other
+    device (CPU, TPU, ROCm, which names its architectures instead)."""
+    try:
+        return float(getattr(jax.devices()[0], "compute_capability", "") or 0)
+    except ValueError:
+        return 0.0
+
+
 def resolve_impl(cfg: ModelConfig) -> str:
-    """``auto`` is ``gmm`` on a GPU when the config fits its tiles (``ModelConfig.gmm_unfit``),
-    else ``blocks``. Measured on one H200 with JAX 0.11.2 (bench/gpu_mfu.py, 2026-12-04,
-    bench/reference/h200_2026-12-04.json), at the d1024 expert shape: gmm ran its forward at
-    454 TFLOP/s, blocks at 124 (a dense matmul of the same FLOPs: 676); blocks' weight gradient
-    did not finish within 140 s, and the d1024 step with blocks was still compiling after 375 s,
-    where gmm's compiled in 17 s and trained at 114,929 tokens/s. ``mgpu`` (JAX's Hopper
+    """``auto`` is ``gmm`` on an NVIDIA Hopper GPU or newer when the config fits its tiles
+    (``ModelConfig.gmm_unfit``), else ``blocks``. Measured on one H200 with JAX 0.11.2
+    (bench/gpu_mfu.py, 2026-12-04, bench/reference/h200_2026-12-04.json), at the d1024 expert
+    shape: gmm ran its forward at 454 TFLOP/s, blocks at 124 (a dense matmul of the same FLOPs:
+    676); blocks' weight gradient did not finish within 140 s, and the d1024 step with blocks
+    was still compiling after 375 s, where gmm's (its weight gradient then on 128 x 128 tiles,
+    4 warps) compiled in 17 s and trained at 114,929 tokens/s. ``mgpu`` (JAX's Hopper
     kernels) and ``ragged_fusion`` (XLA's; its autotuner asked for 192 GiB at d1024) are chosen
     by name. A plain ``ragged_dot`` is masked dense matmuls on that GPU, E times the expert work
     (bench/reference/h200_*.json). On CPU ``auto`` is ``blocks``: ``gmm`` runs its kernels there
@@ -85,7 +100,8 @@ def resolve_impl(cfg: ModelConfig) -> str:
                          "the work), or use blocks / gmm")
     if cfg.moe_impl != "auto":
         return cfg.moe_impl
-    return "gmm" if backend == "gpu" and cfg.gmm_unfit() is None else "blocks"
+    hopper = backend == "gpu" and cuda_capability() >= GMM_AUTO_CAPABILITY
+    return "gmm" if hopper and cfg.gmm_unfit() is None else "blocks"
 
 
 def grouped_kernel(cfg: ModelConfig) -> tuple[str, int]:

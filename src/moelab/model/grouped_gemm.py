@@ -97,8 +97,9 @@ def _params(blocks: GmmBlocks, num_warps: int | None = None):
 
 def _cost(M: int, K: int, N: int, G: int, itemsize: int) -> pl.CostEstimate:
     """A kernel's work as if every one of its M rows were used (the static bound; unused tiles
-    trail and cost nothing): XLA's scheduling and the FLOP audit read it, the audit because the
-    weight gradient's walk over each group's rows has a data-dependent length."""
+    trail and cost nothing), for the FLOP audit (moelab.planner.flop_audit): the weight
+    gradient's walk over each group's rows has a length known only at run time. (Pallas'
+    Triton lowering does not pass it on to XLA.)"""
     return pl.CostEstimate(flops=2 * M * K * N, transcendentals=0,
                            bytes_accessed=itemsize * (M * K + M * N + G * K * N))
 

@@ -14,17 +14,20 @@ import jax
 def traced_as_gpu():
     """Trace moelab as a GPU runs it: ``jax.default_backend()`` (which picks cuDNN attention
     and allows the Hopper expert kernels) and cuDNN's version check answer as on a GPU (cuDNN
-    9.10); the device queries made while lowering answer as an H200's: from JAX 0.11, the Triton
-    lowering's (compute capability 9.0; it fails on a machine without a GPU), and the Hopper
-    weight-gradient kernel's SM count. For tracing and lowering only: nothing compiles or runs.
+    9.10); the device queries answer as an H200's: moelab's (compute capability 9.0, which
+    makes ``moe_impl=auto`` the gmm kernel), from JAX 0.11 the Triton lowering's (the same; it
+    fails on a machine without a GPU), and the Hopper weight-gradient kernel's SM count. For tracing and lowering only: nothing compiles or runs.
     On a GPU it changes nothing."""
     if jax.default_backend() == "gpu":
         yield
         return
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
+    from moelab.model import experts
+
     with contextlib.ExitStack() as stack:
         stack.enter_context(mock.patch.object(jax, "default_backend", lambda: "gpu"))
+        stack.enter_context(mock.patch.object(experts, "cuda_capability", lambda: 9.0))
         stack.enter_context(mock.patch.object(cudnn, "check_cudnn_version", lambda: 91000))
         try:
             from jax._src.pallas.triton import gpu_info  # JAX >= 0.11
