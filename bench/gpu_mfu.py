@@ -174,7 +174,8 @@ def all_rows() -> dict[str, Row]:
                   dry_overrides=dense_overrides("tiny")),
         train_row("d768", "d768", [], 60, profile=True, dry_overrides=BF16_GMM),
         # the preset's remat=full recomputes every block (1.26x the model FLOPs in
-        # bench/flop_audit.py); dots keeps the matmul outputs (1.16x) and fits: ~91 GiB planned
+        # bench/flop_audit.py); dots keeps the matmul outputs (1.16x): `moelab plan d1024 ...
+        # --attention fused --accelerator h200` plans 80.3 GiB (none: 146.6, over the GPU)
         train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 60),
         train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 70),
         train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 60,

@@ -44,7 +44,7 @@ from moelab.config import ModelConfig
 from moelab.config.model import RAGGED_FUSION_FLAG
 from moelab.model.grouped_gemm import gmm_backend, group_tiles
 from moelab.model.grouped_matmul import grouped_swiglu_rows, mgpu_backend
-from moelab.model.layers import swiglu
+from moelab.model.layers import silu_mul, swiglu
 
 UNPADDED = ("ragged", "ragged_fusion", "mgpu")  # kernels that take any group sizes
 GROUPED = UNPADDED + ("blocks", "gmm")
@@ -258,7 +258,7 @@ def swiglu_bank(x_ERH, w):
     """SwiGLU on a bank of rows per expert ([E, R, H], batched einsums; zero rows give zero)."""
     g = jnp.einsum("erh,ehi->eri", x_ERH, w["w_gate"])
     u = jnp.einsum("erh,ehi->eri", x_ERH, w["w_up"])
-    return jnp.einsum("eri,eih->erh", jax.nn.silu(g) * u, w["w_down"])
+    return jnp.einsum("eri,eih->erh", silu_mul(g, u), w["w_down"])
 
 
 class GroupLayout(NamedTuple):
@@ -348,7 +348,7 @@ def sorted_swiglu(xs_MH, layout: GroupLayout, w):
         c = layout.counts_G
         g = jax.lax.ragged_dot(xs_MH, w["w_gate"], c)
         u = jax.lax.ragged_dot(xs_MH, w["w_up"], c)
-        return jax.lax.ragged_dot((jax.nn.silu(g) * u).astype(xs_MH.dtype), w["w_down"], c)
+        return jax.lax.ragged_dot(silu_mul(g, u).astype(xs_MH.dtype), w["w_down"], c)
     n_blocks = layout.block_group.shape[0]
     wb = {k: block_weights(v, layout.block_group) for k, v in w.items()}
     return swiglu_bank(xs_MH.reshape(n_blocks, -1, xs_MH.shape[-1]), wb).reshape(xs_MH.shape)

@@ -18,12 +18,89 @@ from moelab.config import ConfigError, ModelConfig
 
 
 def rms_norm(x, scale=None, eps: float = 1e-5):
-    """RMSNorm computed in float32; ``scale=None`` is the weightless variant (used on q and k)."""
+    """RMSNorm computed in float32; ``scale=None`` is the weightless variant (used on q and k).
+    Its custom VJP keeps x (in its own dtype) and one float32 1/rms per row for the backward,
+    where autodiff of the float32 formula keeps x and the normalised x as float32 [..., D]
+    arrays: at d1024's 65,536 tokens per step, about 0.7 GiB per layer less without remat."""
+    if scale is None:
+        return _rms_norm_plain(x, eps)
+    return _rms_norm_scaled(x, scale, eps)
+
+
+def _rms(x, eps: float):
+    """(x in float32, 1 / rms per row [..., 1] float32)."""
     x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    if scale is not None:
-        y = y * scale.astype(jnp.float32)
-    return y.astype(x.dtype)
+    return x32, jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def _rms_dx(x, r, dn):
+    """dx from d(normalised x) ``dn`` (float32): r (dn - n mean(dn n)), n = x r."""
+    n = x.astype(jnp.float32) * r
+    return (r * (dn - n * jnp.mean(dn * n, axis=-1, keepdims=True))).astype(x.dtype), n
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _rms_norm_plain(x, eps: float):
+    return _rms_norm_plain_fwd(x, eps)[0]
+
+
+def _rms_norm_plain_fwd(x, eps):
+    x32, r = _rms(x, eps)
+    return (x32 * r).astype(x.dtype), (x, r)
+
+
+def _rms_norm_plain_bwd(eps, res, dy):
+    x, r = res
+    return (_rms_dx(x, r, dy.astype(jnp.float32))[0],)
+
+
+_rms_norm_plain.defvjp(_rms_norm_plain_fwd, _rms_norm_plain_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rms_norm_scaled(x, scale, eps: float):
+    return _rms_norm_scaled_fwd(x, scale, eps)[0]
+
+
+def _rms_norm_scaled_fwd(x, scale, eps):
+    x32, r = _rms(x, eps)
+    return (x32 * r * scale.astype(jnp.float32)).astype(x.dtype), (x, r, scale)
+
+
+def _rms_norm_scaled_bwd(eps, res, dy):
+    x, r, scale = res
+    dy32 = dy.astype(jnp.float32)
+    dx, n = _rms_dx(x, r, dy32 * scale.astype(jnp.float32))
+    dscale = jnp.sum((dy32 * n).reshape(-1, n.shape[-1]), axis=0)
+    return dx, dscale.astype(scale.dtype)
+
+
+_rms_norm_scaled.defvjp(_rms_norm_scaled_fwd, _rms_norm_scaled_bwd)
+
+
+@jax.custom_vjp
+def silu_mul(g, u):
+    """silu(g) * u, SwiGLU's gate, in the inputs' dtype. Its custom VJP keeps only g and u
+    (which the backward's products need anyway) and recomputes the sigmoid, where autodiff of
+    ``jax.nn.silu(g) * u`` keeps sigmoid(g), silu(g) and more: at d1024 each is a
+    [rows, expert_dim] array per routed matmul."""
+    return jax.nn.silu(g) * u
+
+
+def _silu_mul_fwd(g, u):
+    return silu_mul(g, u), (g, u)
+
+
+def silu_mul_grads(g, u, dh):
+    """(dg, du) of silu(g) * u for the cotangent ``dh``, computed in float32 and returned in
+    g's and u's dtypes."""
+    g32, u32, dh32 = (a.astype(jnp.float32) for a in (g, u, dh))
+    s = jax.nn.sigmoid(g32)
+    dg = dh32 * u32 * s * (1.0 + g32 * (1.0 - s))
+    return dg.astype(g.dtype), (dh32 * g32 * s).astype(u.dtype)
+
+
+silu_mul.defvjp(_silu_mul_fwd, lambda res, dh: silu_mul_grads(*res, dh))
 
 
 @jax.named_scope("gated_norm")  # names its matmuls for planner.flop_audit
@@ -256,4 +333,4 @@ def attention(p: dict, x_BTD, cfg: ModelConfig, window, cos, sin, is_global=Fals
 @jax.named_scope("swiglu")  # names its matmuls for planner.flop_audit
 def swiglu(x_ND, w_gate_DF, w_up_DF, w_down_FD):
     """SwiGLU feed-forward: down(silu(x gate) * (x up))."""
-    return (jax.nn.silu(x_ND @ w_gate_DF) * (x_ND @ w_up_DF)) @ w_down_FD
+    return silu_mul(x_ND @ w_gate_DF, x_ND @ w_up_DF) @ w_down_FD

@@ -3,6 +3,7 @@ FLOPs take at an assumed MFU or a measured throughput."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
@@ -16,6 +17,7 @@ class Accelerator:
     name: str
     peak_flops: float  # dense bf16 FLOP/s per device
     hbm_bytes: float  # device memory
+    cuda_capability: float = 0.0  # NVIDIA's compute capability (0: not an NVIDIA GPU)
 
 
 # Rated dense (not 2:4 sparse) bf16 peaks and memory per device, as the makers publish them:
@@ -24,10 +26,10 @@ class Accelerator:
 # (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e) list "peak compute per chip (bf16)". On TPU v4
 # and v5p one JAX device is a whole chip (both TensorCores), so per chip is per device.
 ACCELERATORS = {
-    "gb200": Accelerator("GB200", 2.5e15, 186e9),
-    "b200": Accelerator("B200", 2.25e15, 180e9),
-    "h200": Accelerator("H200", 989e12, 141e9),
-    "h100": Accelerator("H100", 989e12, 80e9),
+    "gb200": Accelerator("GB200", 2.5e15, 186e9, 10.0),
+    "b200": Accelerator("B200", 2.25e15, 180e9, 10.0),
+    "h200": Accelerator("H200", 989e12, 141e9, 9.0),
+    "h100": Accelerator("H100", 989e12, 80e9, 9.0),
     "tpu-v4": Accelerator("TPU v4", 275e12, 32 * GiB),
     "tpu-v5e": Accelerator("TPU v5e", 197e12, 16e9),
     "tpu-v5p": Accelerator("TPU v5p", 459e12, 95e9),
@@ -70,8 +72,8 @@ def accelerator(name: str, peak_flops: float = 0.0, hbm_gib: float = 0.0) -> Acc
         raise ConfigError(f"--accelerator {name}: unknown; use one of "
                           f"{', '.join(ACCELERATORS)} or custom with --peak-flops")
     acc = ACCELERATORS[key]
-    return Accelerator(acc.name, peak_flops or acc.peak_flops,
-                       hbm_gib * GiB if hbm_gib else acc.hbm_bytes)
+    return dataclasses.replace(acc, peak_flops=peak_flops or acc.peak_flops,
+                               hbm_bytes=hbm_gib * GiB if hbm_gib else acc.hbm_bytes)
 
 
 def cluster_estimate(flops_per_token: float, tokens: float, acc: Accelerator, devices: int,

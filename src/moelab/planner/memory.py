@@ -10,9 +10,11 @@ activations, and an expert-parallel transport's buffers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +22,9 @@ from jax.extend import core as jcore
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from moelab.config.model import REMAT_POLICIES
+from moelab.model import layers
 from moelab.model import transformer as tr
-from moelab.model.experts import DropCounts
+from moelab.model.experts import GMM_AUTO_CAPABILITY, DropCounts
 from moelab.model.layers import causal_attend, rope_tables
 from moelab.model.loss import chunked_token_loss
 from moelab.parallel import transport
@@ -126,35 +129,22 @@ _passthrough.defvjp(lambda z, w: (_passthrough(z, w), None),
 KERNELS = ("fused", "materialized")
 
 
-def kernel_residuals(cfg: ModelConfig, batch: int, seq_len: int) -> dict[str, int]:
-    """What a fused kernel would save instead of this code's residuals, per device:
-
-    attention (per layer): this code materialises every query chunk's scores and probabilities;
-      a fused (flash / cuDNN) kernel keeps only its inputs and output, which the layer saves
-      anyway, plus a float32 log-sum-exp per head and query;
-    loss: autodiff of float32 logits keeps the logits [B, T, V]; this code's head + loss (a
-      custom VJP, moelab.model.loss) forms its gradient in the forward and keeps dx (the size
-      of the final hidden state), dW [D, V] in float32 and a float32 loss per token.
-    Values: bytes the materialised form saves beyond the fused one (>= 0).
-    """
+def materialized_loss_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+    """What autodiff of float32 logits keeps beyond this code's head + loss, per device: the
+    logits [B, T, V]; the head + loss (a custom VJP, moelab.model.loss) forms its gradient in
+    the forward and keeps dx (the size of the final hidden state), dW [D, V] in float32 and a
+    float32 loss per token (>= 0)."""
     dt = jnp.dtype(cfg.compute_dtype)
-    B, T, K, Q = batch, seq_len, cfg.n_kv_heads, cfg.head_dim
-    G = cfg.n_heads // K
-    q = jax.ShapeDtypeStruct((B, T, K, G, Q), dt)
-    kv = jax.ShapeDtypeStruct((B, T, K, Q), dt)
-    attn = residual_bytes(lambda q, k, v: causal_attend(q, k, v, 0), q, kv, kv)
-    x = jax.ShapeDtypeStruct((B, T, cfg.d_model), dt)
+    x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), dt)
     head = jax.ShapeDtypeStruct((cfg.d_model, cfg.vocab_size), jnp.float32)
-    targets = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    targets = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
 
     def loss(x, w, t):
         logits = jnp.einsum("btd,dv->btv", x, w.astype(dt), preferred_element_type=jnp.float32)
         return tr.token_loss(logits, t)[0]
 
     own = residual_bytes(lambda x, w, t: chunked_token_loss(x, w, t)[0], x, head, targets)
-    return {"attention": max(0, attn - 4 * B * T * cfg.n_heads),
-            "loss": max(0, residual_bytes(loss, x, head, targets)
-                        - (own - head_gradient_bytes(cfg)))}
+    return max(0, residual_bytes(loss, x, head, targets) - (own - head_gradient_bytes(cfg)))
 
 
 def head_gradient_bytes(cfg: ModelConfig) -> int:
@@ -170,9 +160,21 @@ def _recomputed(fn, remat: str, *args) -> int:
     return max(0, residual_bytes(fn, *args) - residual_bytes(tr.remat_block(fn, remat), *args))
 
 
+def planned_experts(cfg: ModelConfig, cuda_capability: float = 0.0) -> str:
+    """The expert kernel whose residuals the plan measures: ``gmm`` where the config names it
+    (or ``mgpu``, whose grouped SwiGLU keeps the same), or where ``auto`` picks it on the
+    planned GPU (``model.experts.resolve_impl``'s rule); else ``blocks``, the portable form
+    (ragged keeps about gmm's rows; blocks also keeps each block's weight copy without remat,
+    so for it the plan errs high)."""
+    if cfg.moe_impl == "mgpu":  # the same grouped SwiGLU VJP as gmm; mgpu traces only on a GPU
+        return "gmm" if cfg.gmm_unfit() is None else "blocks"
+    auto_gmm = cfg.moe_impl == "auto" and cuda_capability >= GMM_AUTO_CAPABILITY
+    return "gmm" if (cfg.moe_impl == "gmm" or auto_gmm) and cfg.gmm_unfit() is None else "blocks"
+
+
 def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts: bool = True,
                       remat: str | None = None, attention: str = "materialized",
-                      loss: str = "materialized") -> dict[str, int]:
+                      loss: str = "materialized", experts: str = "blocks") -> dict[str, int]:
     """Activation bytes of one device's forward + backward at [batch, seq_len] under the block
     remat policy ``remat`` (model.remat: none, full or dots; default the config's).
 
@@ -182,11 +184,12 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     branches' residuals less what the policy saved of them (the backward runs the MoE branch,
     frees it, then the attention branch); peak = saved + layer. ``local_experts=False`` leaves
     the routed experts out (an expert-parallel transport owns them; see transport_memory).
-    ``attention``/``loss``: "materialized" (this code's plain paths) or "fused" (see
-    kernel_residuals); measured on the plain paths (``loss_chunk=0``), then the fused kernels'
-    savings taken off (the attention scores are batched matmuls: saved only without remat). The loss measures as fused (its residuals are
-    dx, dW and a loss per token, see kernel_residuals); "materialized" adds the float32 logits
-    [B, T, V] that autodiff of the plain logits would keep.
+    ``attention``/``loss``: "materialized" (this code's plain paths) or "fused". Fused
+    attention is measured in place, the attention core standing in as a fused kernel keeps it
+    (``_fused_attention_core``). The loss measures as fused (its residuals are dx, dW and a
+    loss per token, see materialized_loss_bytes); "materialized" adds the float32 logits [B, T, V]
+    that autodiff of the plain logits would keep. ``experts``: the expert kernel traced
+    (``planned_experts``).
     """
     for name, value in (("attention", attention), ("loss", loss)):
         if value not in KERNELS:
@@ -194,37 +197,63 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     remat = cfg.remat if remat is None else remat
     if remat not in REMAT_POLICIES:
         raise ConfigError(f"remat {remat!r}: use one of {', '.join(REMAT_POLICIES)}")
-    # the portable paths (any backend): fused kernels' savings are modelled by the options
-    m = dataclasses.replace(cfg, remat=remat, loss_chunk=0, moe_impl="blocks",
+    # the portable paths (any backend): fused kernels' savings are modelled by the options;
+    # the experts' kernel as ``planned_experts`` says (gmm traces in Pallas interpret form)
+    m = dataclasses.replace(cfg, remat=remat, loss_chunk=0, moe_impl=experts,
                             attention_impl="chunked")
     dt = jnp.dtype(m.compute_dtype)
     experts_fn = None if local_experts else _stub_experts
     params = param_tree(m)
     state = jax.eval_shape(lambda: tr.init_state(m))
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
-    saved = residual_bytes(
-        lambda p, s, t: tr.lm_loss(p, s, t, m, experts_fn=experts_fn)[0], params, state, tokens)
-    saved -= head_gradient_bytes(m)
-    fused = kernel_residuals(m, batch, seq_len)
-    if loss == "materialized":
-        saved += fused["loss"]
-    attn_cut = fused["attention"] if attention == "fused" else 0
-    out = {"saved": saved, "layer": 0, "attention_layer": 0, "moe_layer": 0}
-    if remat == "none":
-        out["saved"] -= m.n_layers * attn_cut
-    else:
-        p1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], dt), params["blocks"])
-        x = jax.ShapeDtypeStruct((batch, seq_len, m.d_model), dt)
-        cos, sin = rope_tables(jnp.arange(seq_len), int(m.head_dim * m.rope_fraction),
-                               m.rope_theta)
-        bias = jnp.zeros((m.n_experts,), jnp.float32)
-        attn = _recomputed(lambda x, p: tr.attention_branch(p, x, m, 0, cos, sin, False),
-                           remat, x, p1) - attn_cut
-        moe = _recomputed(lambda x, p: tr.mixture_branch(p, x, bias, m, None, experts_fn)[0],
-                          remat, x, p1)
-        out.update(layer=max(attn, moe), attention_layer=attn, moe_layer=moe)
+    with _fused_attention_core() if attention == "fused" else contextlib.nullcontext():
+        saved = residual_bytes(lambda p, s, t: tr.lm_loss(p, s, t, m, experts_fn=experts_fn)[0],
+                               params, state, tokens)
+        saved -= head_gradient_bytes(m)
+        if loss == "materialized":
+            saved += materialized_loss_bytes(m, batch, seq_len)
+        out = {"saved": saved, "layer": 0, "attention_layer": 0, "moe_layer": 0}
+        if remat != "none":
+            p1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], dt), params["blocks"])
+            x = jax.ShapeDtypeStruct((batch, seq_len, m.d_model), dt)
+            cos, sin = rope_tables(jnp.arange(seq_len), int(m.head_dim * m.rope_fraction),
+                                   m.rope_theta)
+            bias = jnp.zeros((m.n_experts,), jnp.float32)
+            attn = _recomputed(lambda x, p: tr.attention_branch(p, x, m, 0, cos, sin, False),
+                               remat, x, p1)
+            moe = _recomputed(lambda x, p: tr.mixture_branch(p, x, bias, m, None, experts_fn)[0],
+                              remat, x, p1)
+            out.update(layer=max(attn, moe), attention_layer=attn, moe_layer=moe)
     out["peak"] = out["saved"] + out["layer"]
     return out
+
+
+@contextlib.contextmanager
+def _fused_attention_core():
+    """The model's attention core as a fused kernel keeps it for the backward: its inputs,
+    output and a float32 log-sum-exp per query and head (``_fused_like``), measured in place
+    (inside the layer scan, under each remat policy), not as a stand-alone difference."""
+    with mock.patch.object(layers, "causal_attend", _fused_like):
+        yield
+
+
+@jax.custom_vjp
+def _fused_like(q_BTKGQ, k_BTKQ, v_BTKQ, window):
+    return causal_attend(q_BTKGQ, k_BTKQ, v_BTKQ, window)
+
+
+def _fused_like_fwd(q, k, v, window):
+    out = causal_attend(q, k, v, window)
+    lse = jnp.sum(q.astype(jnp.float32), axis=-1)  # [B, T, K, G]: a log-sum-exp's shape
+    return out, (q, k, v, out, lse)
+
+
+def _fused_like_bwd(res, g):  # planning traces the forward only; zeros keep the VJP whole
+    q, k, v, _, _ = res
+    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None
+
+
+_fused_like.defvjp(_fused_like_fwd, _fused_like_bwd)
 
 
 def transport_memory(kind: str, *, tokens: int, top_k: int, n_experts: int, ranks: int,
@@ -280,7 +309,7 @@ def with_transport(acts: dict, t: dict, n_layers: int, remat: str) -> float:
 
 def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None = None,
                   hbm_bytes: float = 0.0, attention: str = "materialized",
-                  loss: str = "materialized") -> dict:
+                  loss: str = "materialized", experts: str = "blocks") -> dict:
     """Per-device memory of ``cfg`` trained on ``layout``: weights, gradients, optimizer state,
     activations under each remat policy, and, with expert parallelism, one row per transport
     (``transports``: transport_memory keyword arguments) with the device total under the
@@ -296,7 +325,8 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
     if seqs < cfg.data.batch_size:  # accumulation keeps a running gradient sum beside the step's
         state["gradient_sum"] = state["gradients"]
     acts = {r: activation_memory(m, batch, cfg.data.seq_len, local, remat=r,
-                                 attention=attention, loss=loss) for r in REMAT_POLICIES}
+                                 attention=attention, loss=loss, experts=experts)
+            for r in REMAT_POLICIES}
     fixed = sum(v for k, v in state.items() if k not in ("params_per_device", "host"))
     rows = []
     for t in (transports or []) if not local else []:
@@ -310,4 +340,5 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
     return {"layout": dataclasses.asdict(layout), "tokens_per_device": tokens,
             "sequences_per_device": batch, "state": state, "activations": acts,
             "remat": m.remat, "fixed": fixed, "base_total": fixed + acts[m.remat]["peak"],
-            "transports": rows, "hbm_bytes": hbm_bytes, "attention": attention, "loss": loss}
+            "transports": rows, "hbm_bytes": hbm_bytes, "attention": attention, "loss": loss,
+            "experts": experts}

@@ -9,7 +9,7 @@ from moelab.config import RunConfig
 from moelab.parallel import transport
 from moelab.planner.cluster import Accelerator, GiB, cluster_estimate
 from moelab.planner.counts import flops_report, param_breakdown, param_counts, run_tokens
-from moelab.planner.memory import Layout, memory_report
+from moelab.planner.memory import Layout, memory_report, planned_experts
 
 
 def build_plan(cfg: RunConfig, *, tokens: float = 0.0, acc: Accelerator | None = None,
@@ -32,7 +32,9 @@ def build_plan(cfg: RunConfig, *, tokens: float = 0.0, acc: Accelerator | None =
     if layout is not None:
         out["memory"] = memory_report(cfg, layout, transports,
                                       acc.hbm_bytes if acc is not None else 0.0,
-                                      attention=attention, loss=loss)
+                                      attention=attention, loss=loss,
+                                      experts=planned_experts(m, acc.cuda_capability if acc
+                                                              else 0.0))
     return out
 
 
@@ -92,7 +94,8 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
     out = [f"  memory per device: {lay['devices']} devices, expert-parallel {lay['ep']}, "
            f"FSDP {lay['fsdp']}; {mem['sequences_per_device']} sequences = "
            f"{mem['tokens_per_device']:,} tokens per device; {wdt} compute; attention "
-           f"{mem['attention']}, loss {mem['loss']}",
+           f"{mem['attention']}, loss {mem['loss']}"
+           + (f", experts {mem['experts']}" if lay["ep"] == 1 else ""),
            f"    {'parameters per device':<30}{st['params_per_device']:>14,.0f}  "
            "(routed / ep + the rest / fsdp)",
            row("master weights (fp32)", None if "master" in host else st["master_weights"],

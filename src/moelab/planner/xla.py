@@ -12,7 +12,13 @@ import jax.numpy as jnp
 
 from moelab.config import ConfigError, RunConfig
 from moelab.planner.counts import ROUTED, param_leaves
-from moelab.planner.memory import CAPACITY_FIELDS, Layout, memory_report, transport_memory
+from moelab.planner.memory import (
+    CAPACITY_FIELDS,
+    Layout,
+    memory_report,
+    planned_experts,
+    transport_memory,
+)
 
 
 def scaled_config(cfg: RunConfig, d_model: int = 256, seq_len: int = 256, batch: int = 4,
@@ -60,7 +66,7 @@ def compare_with_xla(cfg: RunConfig, init_state_fn: Callable, make_step_fn: Call
     state = jax.eval_shape(lambda: init_state_fn(cfg, jax.random.PRNGKey(0)))
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
     xla = xla_memory(make_step_fn(cfg).lower(state, batch).compile())
-    rep = memory_report(cfg, layout)
+    rep = memory_report(cfg, layout, experts=planned_experts(cfg.model))  # the kernel run here
     inputs = 4 * math.prod(batch.shape) + 4 * cfg.model.n_layers * cfg.model.n_experts
     estimate = rep["base_total"] + inputs
     acts = rep["activations"][cfg.model.remat]
