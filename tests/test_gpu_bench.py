@@ -409,8 +409,9 @@ def test_every_gpu_training_row_lowers_for_cuda(monkeypatch):
     """Each training row of the real table (not the dry run's), at its own shapes, traced with
     a GPU's choices and lowered for CUDA here: the custom calls it asks of a GPU are there
     (cuDNN attention unless the row asks for chunked; Triton kernels exactly in the rows that
-    train with gmm, the GPU's default, Mosaic GPU kernels exactly in the mgpu row, the one row the dry run cannot run). A row that
-    fails this would fail on the GPU before its first step."""
+    train with gmm, the GPU's default, Mosaic GPU kernels exactly in the mgpu row, the one row
+    the dry run cannot run). A row that fails this would fail on the GPU before its first
+    step."""
     import gpu_mfu
     import gpu_rows
     from moelab.config.model import RAGGED_FUSION_FLAG

@@ -76,6 +76,13 @@ def cuda_capability() -> float:
         return 0.0
 
 
+def auto_impl(cfg: ModelConfig, capability: float) -> str:
+    """What ``moe_impl=auto`` runs on a device of this CUDA compute capability (0: no NVIDIA
+    GPU): gmm from ``GMM_AUTO_CAPABILITY`` on where the config fits its tiles, else blocks."""
+    fits = capability >= GMM_AUTO_CAPABILITY and cfg.gmm_unfit() is None
+    return "gmm" if fits else "blocks"
+
+
 def resolve_impl(cfg: ModelConfig) -> str:
     """``auto`` is ``gmm`` on an NVIDIA Hopper GPU or newer when the config fits its tiles
     (``ModelConfig.gmm_unfit``), else ``blocks``. Measured on one H200 with JAX 0.11.2
@@ -100,8 +107,7 @@ def resolve_impl(cfg: ModelConfig) -> str:
                          "the work), or use blocks / gmm")
     if cfg.moe_impl != "auto":
         return cfg.moe_impl
-    hopper = backend == "gpu" and cuda_capability() >= GMM_AUTO_CAPABILITY
-    return "gmm" if hopper and cfg.gmm_unfit() is None else "blocks"
+    return auto_impl(cfg, cuda_capability() if backend == "gpu" else 0.0)
 
 
 def grouped_kernel(cfg: ModelConfig) -> tuple[str, int]:

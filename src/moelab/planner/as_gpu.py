@@ -16,8 +16,8 @@ def traced_as_gpu():
     and allows the Hopper expert kernels) and cuDNN's version check answer as on a GPU (cuDNN
     9.10); the device queries answer as an H200's: moelab's (compute capability 9.0, which
     makes ``moe_impl=auto`` the gmm kernel), from JAX 0.11 the Triton lowering's (the same; it
-    fails on a machine without a GPU), and the Hopper weight-gradient kernel's SM count. For tracing and lowering only: nothing compiles or runs.
-    On a GPU it changes nothing."""
+    fails on a machine without a GPU), and the Hopper weight-gradient kernel's SM count. For
+    tracing and lowering only: nothing compiles or runs. On a GPU it changes nothing."""
     if jax.default_backend() == "gpu":
         yield
         return

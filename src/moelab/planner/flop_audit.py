@@ -328,14 +328,14 @@ def _pallas(eqn, ins: list, ctx: _Ctx) -> tuple[list[Dot], list]:
     inner = ctx.enter(eqn, trips=math.prod(grid) if known else 1, note=note)
     unknown = [None] * (len(body.constvars) + len(body.invars))
     dots = _walk(body, unknown, inner)[0]
-    dots = [replace(d, in_kernel=True) for d in dots]
     declared = getattr(eqn.params.get("cost_estimate"), "flops", 0)
     walked = sum(d.total for d in dots)
-    if declared and walked:
-        scale, notes = declared * ctx.trips / walked, ctx.notes + (
-            f"pallas_call {eqn.params.get('name', '')}: FLOPs as its cost estimate declares",)
-        dots = [replace(d, trips=d.trips * scale, notes=notes) for d in dots]
-    return dots, [None] * len(eqn.outvars)
+    if not (declared and walked):
+        return [replace(d, in_kernel=True) for d in dots], [None] * len(eqn.outvars)
+    scale, notes = declared * ctx.trips / walked, ctx.notes + (
+        f"pallas_call {eqn.params.get('name', '')}: FLOPs as its cost estimate declares",)
+    return ([replace(d, in_kernel=True, trips=d.trips * scale, notes=notes) for d in dots],
+            [None] * len(eqn.outvars))
 
 
 # ============================================================================ moelab's components

@@ -24,7 +24,7 @@ from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from moelab.config.model import REMAT_POLICIES
 from moelab.model import layers
 from moelab.model import transformer as tr
-from moelab.model.experts import GMM_AUTO_CAPABILITY, DropCounts
+from moelab.model.experts import DropCounts, auto_impl
 from moelab.model.layers import causal_attend, rope_tables
 from moelab.model.loss import chunked_token_loss
 from moelab.parallel import transport
@@ -166,10 +166,11 @@ def planned_experts(cfg: ModelConfig, cuda_capability: float = 0.0) -> str:
     planned GPU (``model.experts.resolve_impl``'s rule); else ``blocks``, the portable form
     (ragged keeps about gmm's rows; blocks also keeps each block's weight copy without remat,
     so for it the plan errs high)."""
-    if cfg.moe_impl == "mgpu":  # the same grouped SwiGLU VJP as gmm; mgpu traces only on a GPU
-        return "gmm" if cfg.gmm_unfit() is None else "blocks"
-    auto_gmm = cfg.moe_impl == "auto" and cuda_capability >= GMM_AUTO_CAPABILITY
-    return "gmm" if (cfg.moe_impl == "gmm" or auto_gmm) and cfg.gmm_unfit() is None else "blocks"
+    if cfg.moe_impl == "auto":
+        return auto_impl(cfg, cuda_capability)
+    # mgpu: the same grouped SwiGLU VJP as gmm, and it traces only on a GPU
+    named = cfg.moe_impl in ("gmm", "mgpu") and cfg.gmm_unfit() is None
+    return "gmm" if named else "blocks"
 
 
 def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts: bool = True,
@@ -187,8 +188,8 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     ``attention``/``loss``: "materialized" (this code's plain paths) or "fused". Fused
     attention is measured in place, the attention core standing in as a fused kernel keeps it
     (``_fused_attention_core``). The loss measures as fused (its residuals are dx, dW and a
-    loss per token, see materialized_loss_bytes); "materialized" adds the float32 logits [B, T, V]
-    that autodiff of the plain logits would keep. ``experts``: the expert kernel traced
+    loss per token, see materialized_loss_bytes); "materialized" adds the float32 logits
+    [B, T, V] that autodiff of the plain logits would keep. ``experts``: the expert kernel traced
     (``planned_experts``).
     """
     for name, value in (("attention", attention), ("loss", loss)):
