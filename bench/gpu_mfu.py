@@ -31,8 +31,11 @@ its expected seconds, else it is recorded as "skipped: deadline"; each child is 
 own limit or at the deadline, whichever comes first, keeping the partial result it saved. A
 training row whose expert kernel failed in a legs row of the same run is skipped, its time left
 to the rows after it.
-Every row is appended to bench/results/gpu_mfu.jsonl as it ends (and to $OUT/gpu_mfu.jsonl
-when $OUT is set, with the table as gpu_mfu.json and each row's log under gpu_mfu_logs/).
+Every row is appended to bench/results/gpu_mfu.jsonl as it ends, its log kept in
+bench/results/gpu_mfu_logs/ and a profiled row's raw material (the compiled HLO text and the
+trace's kernels, summed by name) in ROW_profile.json.gz there. With $OUT set the same go to
+$OUT, the logs in one file (gpu_mfu_logs.txt) and the table as gpu_mfu.json: few files, as a
+machine that hands back a handful of files wants.
 """
 
 from __future__ import annotations
@@ -166,17 +169,20 @@ def expert_shape(preset: str) -> list[int]:
 def all_rows() -> dict[str, Row]:
     peak = {"kind": "peak", "sizes": [4096, 8192], "dtype": "bfloat16"}
     rows = [
-        Row("peak", 20, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
+        Row("peak", 15, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
         # the GPU's default expert kernel is gmm (model/experts.resolve_impl)
-        train_row("d1024", "d1024", [], 60, profile=True),
+        train_row("d1024", "d1024", [], 45, profile=True),
         legs_row("legs-d1024", expert_shape("d1024"), 60),
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 50,
                   dry_overrides=dense_overrides("tiny")),
-        train_row("d768", "d768", [], 60, profile=True, dry_overrides=BF16_GMM),
+        train_row("d768", "d768", [], 40, profile=True, dry_overrides=BF16_GMM),
         # the preset's remat=full recomputes every block (1.26x the model FLOPs in
-        # bench/flop_audit.py); dots keeps the matmul outputs (1.16x): `moelab plan d1024 ...
-        # --attention fused --accelerator h200` plans 80.3 GiB (none: 146.6, over the GPU)
-        train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 60),
+        # bench/flop_audit.py); dots keeps the unbatched matmul outputs and the route (1.16x):
+        # `moelab plan d1024 ... --attention fused --accelerator h200` plans 80.4 GiB (full
+        # 66.1, none 146.6: over the GPU)
+        train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 50, profile=True),
+        train_row("d768-remat-dots", "d768", ["model.remat=dots"], 40,
+                  dry_overrides=[*BF16_GMM, "model.remat=dots"]),
         train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 70),
         train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 60,
                   dry_overrides=["train.microbatch_tokens=64"]),
@@ -357,14 +363,22 @@ class Results:
             self.paths.append(self.out / f"{name}.jsonl")
         for p in self.paths:  # a file per run
             p.unlink(missing_ok=True)
+        for old in self.logs.glob("*_profile.json.gz"):
+            old.unlink()
+        if self.out:
+            (self.out / f"{self.logs.name}.txt").unlink(missing_ok=True)
 
     def append(self, record: dict) -> None:
         for p in self.paths:
             append_jsonl(p, record)
-        log = self.logs / f"{record['row']}.log"
-        if self.out and log.exists():
-            (self.out / log.parent.name).mkdir(exist_ok=True)
-            shutil.copy(log, self.out / log.parent.name / log.name)
+        if not self.out:
+            return
+        log, dump = (self.logs / f"{record['row']}{end}" for end in (".log", "_profile.json.gz"))
+        if log.exists():
+            with open(self.out / f"{self.logs.name}.txt", "a") as f:
+                f.write(f"===== {log.name}\n{log.read_text(errors='replace')}\n")
+        if dump.exists():
+            shutil.copy(dump, self.out / dump.name)
 
     def export(self, path: Path) -> None:
         if self.out:
@@ -378,7 +392,8 @@ def run(args: argparse.Namespace, rows: list[Row]) -> tuple[list[dict], float | 
     env, results, peak = child_env(args), Results(args.name), None
     records = []
     for row in rows:
-        spec = {**(row.dry if args.dry_run else row.spec), "name": row.name, "peak": peak}
+        spec = {**(row.dry if args.dry_run else row.spec), "name": row.name, "peak": peak,
+                "dump": str(results.logs / f"{row.name}_profile.json.gz")}
         expect = row.dry_expect_s if args.dry_run else row.expect_s
         left = deadline - time.monotonic() - END_RESERVE_S
         rec = {"row": row.name, "started_s": round(time.monotonic() - start, 1),
@@ -425,7 +440,10 @@ def summarize(records: list[dict]) -> None:
         if "profile" in r:
             p = r["profile"]
             print(f"{r['row']}: one step {p['step_ms']:.0f} ms, kernels {p['busy_ms']:.0f} ms "
-                  f"({p['source']})")
+                  f"(by kernel name {p.get('by_name_ms', 0):.0f}; not placed "
+                  f"{p.get('unattributed_ms', 0):.0f} ms; {p['source']})")
+            for k in p.get("top_unattributed", [])[:5]:
+                print(f"  not placed: {k['ms']:8.1f} ms  {k['kernel']}")
             cats = sorted(({"category": c, **v, **{f"est_{k}": x for k, x in
                                                     p.get("estimate", {}).get(c, {}).items()}}
                            for c, v in p["by_category"].items()), key=lambda c: -c["ms"])

@@ -318,27 +318,58 @@ def _op_of(name: str, stats: dict) -> tuple[str, str]:
     return op, module
 
 
-def op_times(events, hlo: Hlo) -> tuple[dict[str, float], float]:
-    """(ns per HLO instruction of this module, ns of device events with no instruction).
-    Device planes when they hold kernels (GPU: only their stream lines, when named so), else
+# Library kernels carry no HLO instruction of their own once XLA launches them from a command
+# buffer (a CUDA graph: a layer scan's body), so their names say what they are: cuBLAS
+# (sm90_xmma_gemm_*, nvjet_*), cuDNN's fused attention, CUB's sorts, the Pallas expert kernels.
+KERNEL_NAMES = ((ATTENTION, ("fmha", "flash", "sdpa", "attention")),
+                (GROUPED, ("gmm", "ragged", "grouped")),
+                (MATMUL, ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "wgmma")),
+                (MOVES, ("sort", "cub::", "gather", "scatter", "topk")))
+
+
+def _kernel_id(name: str) -> str:
+    """An instruction's or kernel's name as XLA's emitter spells kernels ('.' and '-' as '_')."""
+    return re.sub(r"[^\w]", "_", name)
+
+
+def kernel_category(name: str) -> str | None:
+    low = name.lower()
+    return next((c for c, keys in KERNEL_NAMES if any(k in low for k in keys)), None)
+
+
+@dataclass
+class Times:
+    """Device time of one traced step: per HLO instruction of this module, per category for
+    kernels known only by name, and per name for what neither places."""
+    ops: dict[str, float]
+    named: dict[str, float]
+    unknown: dict[str, float]
+
+
+def op_times(events, hlo: Hlo) -> Times:
+    """Device planes when they hold kernels (GPU: only their stream lines, when named so), else
     the host's thunk events (CPU); loops and calls are left out (their bodies' events
-    already count)."""
+    already count). A device event with no instruction in its annotation is placed by its
+    kernel name: an instruction's name as a kernel spells it, else a library kernel's name."""
     rows = [(p, ln, n, ns, s) for p, ln, n, ns, s in events if ln not in DERIVED_LINES]
     device = [r for r in rows if r[0].startswith("/device:") and "CPU" not in r[0]]
     streams = [r for r in device if r[1].startswith("Stream")]
     device = streams or device
-    ops: dict[str, float] = defaultdict(float)
-    unknown = 0.0
+    kernels = {_kernel_id(n): n for n in hlo.ins}
+    t = Times(defaultdict(float), defaultdict(float), defaultdict(float))
     for _, _, name, ns, stats in device or rows:
         op, module = _op_of(name, stats)
-        ins = hlo.ins.get(op)
-        if module and module != hlo.module or (not device and ins is None):
+        if module and module != hlo.module or (not device and op not in hlo.ins):
             continue
-        if ins is None:
-            unknown += ns
-        elif ins.opcode not in STRUCTURAL:
-            ops[op] += ns
-    return ops, unknown
+        op = op if op in hlo.ins else kernels.get(_kernel_id(name), "")
+        if op:
+            if hlo.ins[op].opcode not in STRUCTURAL:
+                t.ops[op] += ns
+        elif cat := kernel_category(name):
+            t.named[cat] += ns
+        else:
+            t.unknown[name] += ns
+    return t
 
 
 def measured(hlo: Hlo, trace_dir: str) -> dict | None:
@@ -348,26 +379,49 @@ def measured(hlo: Hlo, trace_dir: str) -> dict | None:
     for source, pattern, read in readers:
         for path in glob.glob(os.path.join(trace_dir, "**", pattern), recursive=True):
             try:
-                ops, unknown = op_times(read(path), hlo)
+                times = op_times(read(path), hlo)
             except Exception as e:  # noqa: BLE001 - an unreadable trace: try the next reader
                 print(f"profile: {source} could not read {path}: {e}", flush=True)
                 continue
-            if ops:
-                return _by_category(hlo, ops, unknown, source)
+            if times.ops or times.named:
+                return _by_category(hlo, times, source)
     return None
 
 
-def _by_category(hlo: Hlo, ops: dict[str, float], unknown: float, source: str) -> dict:
-    cat = {c: 0.0 for c in CATEGORIES}
-    for op, ns in ops.items():
+def _by_category(hlo: Hlo, t: Times, source: str) -> dict:
+    cat = {c: t.named.get(c, 0.0) / 1e6 for c in CATEGORIES}
+    for op, ns in t.ops.items():
         cat[category(hlo, hlo.ins[op])] += ns / 1e6
     busy = sum(cat.values())
-    top = sorted(ops.items(), key=lambda kv: -kv[1])[:12]
-    return {"source": source, "busy_ms": busy, "unattributed_ms": unknown / 1e6,
+    top = sorted(t.ops.items(), key=lambda kv: -kv[1])[:12]
+    return {"source": source, "busy_ms": busy, "unattributed_ms": sum(t.unknown.values()) / 1e6,
+            "by_name_ms": sum(t.named.values()) / 1e6,
             "by_category": {c: {"ms": ms, "share": ms / busy if busy else 0.0}
                             for c, ms in cat.items()},
             "top_ops": [{"op": op, "category": category(hlo, hlo.ins[op]), "ms": ns / 1e6}
-                        for op, ns in top]}
+                        for op, ns in top],
+            "top_unattributed": [{"kernel": n[:120], "ms": ns / 1e6} for n, ns in
+                                 sorted(t.unknown.items(), key=lambda kv: -kv[1])[:12]]}
+
+
+def dump(hlo_text: str, trace_dir: str, path: str) -> None:
+    """The raw material of a profile, for reading again elsewhere: the compiled HLO text and the
+    trace's events summed per (plane, line, name, hlo_op) with the stat names they carry."""
+    events: dict[tuple, list] = {}
+    for path_ in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
+        for plane, line, name, ns, stats in _events_profile_data(path_):
+            if plane.startswith("/host:") and not stats.get("hlo_op"):
+                continue  # the Python side's own events: many, and not kernels
+            key = (plane, line, name, str(stats.get("hlo_op", "")))
+            e = events.setdefault(key, [0, 0.0, sorted(stats)])
+            e[0] += 1
+            e[1] += ns
+    rows = [{"plane": k[0], "line": k[1], "name": k[2], "hlo_op": k[3], "count": n, "ns": ns,
+             "stats": keys} for k, (n, ns, keys) in events.items()]
+    tmp = f"{path}.tmp"
+    with gzip.open(tmp, "wt") as f:
+        json.dump({"hlo": hlo_text, "events": rows}, f)
+    os.replace(tmp, path)
 
 
 def summary(hlo_text: str, trace_dir: str | None, peak_flops: float, mem_bw: float) -> dict:

@@ -333,3 +333,47 @@ def test_every_option_on_trains_and_loss_falls(data_dir, tmp_path):  # noqa: F81
     loss = [r["train/loss"] for r in recs if "train/loss" in r]
     assert len(loss) == 40
     assert np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.5
+
+
+def test_map_kv_reads_the_heads_of_kv_head_map_values_and_gradients():
+    cfg = load_config("535b-a23b").model  # 12 stored KV heads, global layers read the first 6
+    k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 5, 12, 4)) for i in (0, 1))
+    for is_global in (jnp.bool_(True), jnp.bool_(False)):
+        ref = lambda k, v: (jnp.take(k, layers.kv_head_map(cfg, is_global), axis=2),  # noqa: E731
+                            jnp.take(v, layers.kv_head_map(cfg, is_global), axis=2))
+        got = lambda k, v: layers.map_kv(k, v, cfg, is_global)  # noqa: E731
+        jax.tree.map(np.testing.assert_array_equal, got(k, v), ref(k, v))
+        loss = lambda f: lambda k, v: sum(jnp.sum(a * jnp.arange(12.0)[:, None])  # noqa: E731
+                                          for a in f(k, v))
+        jax.tree.map(np.testing.assert_array_equal, jax.grad(loss(got), (0, 1))(k, v),
+                     jax.grad(loss(ref), (0, 1))(k, v))
+
+
+def test_global_layers_leave_q_and_k_unrotated():
+    """Without global_rope a global layer's q and k are the plain (normed) projections: the
+    identity rotation, bit for bit."""
+    cfg = ModelConfig(**{**BASE, "global_rope": False})
+    p = _attn_params(cfg)
+    x = jax.random.normal(jax.random.PRNGKey(3), (1, 6, 16))
+    cos, sin = layers.rope_tables(jnp.arange(6), int(cfg.head_dim * cfg.rope_fraction),
+                                  cfg.rope_theta)
+    q, k, _ = layers.project_qkv(p, x, cfg, cos, sin, jnp.bool_(True))
+    q0, k0, _ = layers.project_qkv(p, x, cfg, jnp.ones_like(cos), jnp.zeros_like(sin),
+                                   jnp.bool_(False))
+    q_rot, _, _ = layers.project_qkv(p, x, cfg, cos, sin, jnp.bool_(False))
+    np.testing.assert_array_equal(q, q0)
+    np.testing.assert_array_equal(k, k0)
+    assert not np.allclose(q, q_rot)
+
+
+def test_router_top_k_is_lax_top_k_ties_included():
+    x = jax.random.normal(jax.random.PRNGKey(0), (64, 24))
+    x = x.at[:, 5].set(x[:, 9]).at[3].set(1.0)  # ties: between columns, and a whole row
+    for k in (1, 3, 9):
+        vals, idx = router.top_k(x, k)
+        ref_vals, ref_idx = jax.lax.top_k(x, k)
+        np.testing.assert_array_equal(idx, ref_idx)
+        np.testing.assert_array_equal(vals, ref_vals)
+    g = jax.grad(lambda x: jnp.sum(router.top_k(x, 3)[0] * jnp.arange(3.0)))(x)
+    g_ref = jax.grad(lambda x: jnp.sum(jax.lax.top_k(x, 3)[0] * jnp.arange(3.0)))(x)
+    np.testing.assert_array_equal(g, g_ref)

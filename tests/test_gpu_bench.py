@@ -104,7 +104,14 @@ def test_dry_run_measures_each_row_in_its_own_process(tmp_path, name):
 
     summary = json.loads((tmp_path / f"{name}.json").read_text())
     assert summary["parent_imported_jax"] is False and len(summary["rows"]) == 4
-    assert (tmp_path / f"{name}_logs" / "d1024.log").exists()
+    # $OUT gets few files: the logs in one, a profiled row's raw material in its own
+    logs = (tmp_path / f"{name}_logs.txt").read_text()
+    assert all(f"===== {r}.log" in logs for r in rows)
+    with gzip.open(tmp_path / "d1024_profile.json.gz", "rt") as f:
+        raw = json.load(f)
+    assert raw["hlo"].startswith("HloModule") and raw["events"]
+    assert gp.op_times([(e["plane"], e["line"], e["name"], e["ns"], {"hlo_op": e["hlo_op"]})
+                        for e in raw["events"]], gp.Hlo(raw["hlo"])).ops  # readable again
     assert text.rstrip().splitlines()[-1].split()[0] == "legs-d1024"  # the table comes last
 
 
@@ -285,8 +292,26 @@ def test_trace_events_map_to_hlo_ops_from_either_reader(tmp_path):
         (dev, "XLA Ops", "gemm_fusion", 5e6, {"hlo_op": "gemm_fusion"}),  # derived: not again
         ("/host:CPU", "python", "adam", 7e6, {"hlo_op": "adam"}),
     ]
-    ops, unknown = gp.op_times(events, h)
-    assert ops == {"gemm_fusion": 5e6, "attn": 2e6} and unknown == 1e6
+    t = gp.op_times(events, h)
+    assert t.ops == {"gemm_fusion": 5e6, "attn": 2e6} and t.unknown == {"memcpy": 1e6}
+    assert not t.named
+
+    # launched from a command buffer, kernels lose their annotation: an instruction's kernel
+    # is found by its spelling, a library kernel by its name, the rest is reported by name
+    graph = [(dev, "Stream #2", "gemm_fusion", 4e6, {}),
+             (dev, "Stream #2", "sort_2", 3e6, {}),
+             (dev, "Stream #2", "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NTN", 6e6, {}),
+             (dev, "Stream #2", "cudnn_generated_fort_native_sdpa_sm90_flash_bprop", 2e6, {}),
+             (dev, "Stream #2", "gmm_wgrad", 8e6, {}),
+             (dev, "Stream #2", "redzone_checker", 1e6, {})]
+    t = gp.op_times(graph, h)
+    assert t.ops == {"gemm_fusion": 4e6, "sort.2": 3e6}
+    assert t.named == {gp.MATMUL: 6e6, gp.ATTENTION: 2e6, gp.GROUPED: 8e6}
+    assert t.unknown == {"redzone_checker": 1e6}
+    out = gp._by_category(h, t, "test")
+    assert out["by_category"][gp.GROUPED]["ms"] == pytest.approx(12.0)  # 4 by op, 8 by name
+    assert out["busy_ms"] == pytest.approx(23.0) and out["unattributed_ms"] == pytest.approx(1)
+    assert out["top_unattributed"] == [{"kernel": "redzone_checker", "ms": 1.0}]
 
     trace = {"traceEvents": [
         {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": dev}},

@@ -18,6 +18,8 @@ from moelab.model.expert_legs import expert_legs
 from moelab.model.grouped_gemm import (
     GmmBlocks,
     gmm_backend,
+    gmm_sum2,
+    gmm_swiglu_backend,
     group_tiles,
     reference_rows,
     reference_wgrad,
@@ -139,14 +141,15 @@ def test_gmm_routed_experts_bf16_within_tolerance():
 @pytest.mark.parametrize("H,I,tile", [(512, 1024, 128), (48, 80, 16)])
 def test_gmm_lowers_to_triton_for_a_gpu(H, I, tile):
     """On this CPU-only machine, the SwiGLU's forward and backward in bf16 (the d1024 expert
-    shape; widths that are multiples of 16 but not powers of two) lower for CUDA to nine Triton
-    kernels (3 matrices x forward, data gradient, weight gradient) and no XLA dot: every
+    shape; widths that are multiples of 16 but not powers of two) lower for CUDA to eight Triton
+    kernels (3 matrices x forward, data gradient, weight gradient; one kernel for the gate's and
+    up's data gradients) and no XLA dot: every
     primitive and tile shape the kernels use has a Triton lowering (which also refuses tiles
     that are not powers of two). Compiling them needs a GPU (bench/gpu_mfu.py)."""
     T, G = 24, 8
     spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
     w = {"w_gate": spec(G, H, I), "w_up": spec(G, H, I), "w_down": spec(G, I, H)}
-    backend = gmm_backend(GmmBlocks(interpret=False))
+    backend = gmm_swiglu_backend(GmmBlocks(interpret=False))
 
     def step(x, w, counts):
         tiles = group_tiles(counts, T, tile)
@@ -156,7 +159,7 @@ def test_gmm_lowers_to_triton_for_a_gpu(H, I, tile):
     with traced_as_gpu():  # from JAX 0.11, Triton's lowering asks the GPU for its capability
         hlo = jax.jit(step).trace(spec(T * tile, H), w, jax.ShapeDtypeStruct((G,), jnp.int32)
                                   ).lower(lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("__gpu$xla.gpu.triton") == 9
+    assert hlo.count("__gpu$xla.gpu.triton") == 8  # the gate's and up's data gradients: one
     assert "stablehlo.dot_general" not in hlo
 
 
@@ -190,8 +193,10 @@ def test_gmm_under_an_expert_parallel_transport():
 def test_gmm_transport_lowers_to_triton_for_a_gpu(monkeypatch):
     """The GPU path inside ``jax.shard_map`` (bf16, pooled_global at EP 4, forward and
     backward) lowers for CUDA with the kernels as Triton calls: 3 forward, 3 recomputed by the
-    wave's rematerialisation, 3 data and 3 weight gradients."""
-    monkeypatch.setattr(experts, "gmm_backend", lambda: gmm_backend(GmmBlocks(interpret=False)))
+    wave's rematerialisation, 2 data gradients (the gate's and up's in one) and 3 weight
+    gradients."""
+    monkeypatch.setattr(experts, "gmm_swiglu_backend",
+                        lambda: gmm_swiglu_backend(GmmBlocks(interpret=False)))
     par = ParallelConfig(transport="pooled_global", expert=4, waves=1, budget_group=2,
                          fair_blocks=4, global_sender_cf=8.0, receiver_cf=8.0)
     fn = transport.make_transport_fn(make_mesh(expert=4), par, ("gmm", 16))
@@ -206,7 +211,7 @@ def test_gmm_transport_lowers_to_triton_for_a_gpu(monkeypatch):
     with traced_as_gpu():
         hlo = jax.jit(grads).trace(s(N, H), s(N, k, dt=jnp.int32), s(N, k, dt=jnp.float32),
                                    w).lower(lowering_platforms=("cuda",)).as_text()
-    assert hlo.count("__gpu$xla.gpu.triton") == 12
+    assert hlo.count("__gpu$xla.gpu.triton") == 11
 
 
 def test_gmm_reference_equals_the_kernels():
@@ -277,3 +282,29 @@ def test_config_checks_of_the_grouped_gemms(overrides, field, match):
     with pytest.raises(ConfigError, match=match) as e:
         ModelConfig(**{**ok, **overrides}).validate()
     assert field in str(e.value)
+
+
+@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
+def test_gmm_sum2_is_two_data_gradients_in_one_accumulator(counts):
+    """``gmm_sum2`` (interpret mode, several blocks per tile) equals the per-row reference of
+    a @ wa[g]^T + b @ wb[g]^T put in the layout, padding rows zeros; and the grouped SwiGLU
+    with it (gmm's backend) has the gradients of the one without it."""
+    x, dy, w, c, group = sorted_rows(counts, K=16, N=32)
+    _, dy2, w2, _, _ = sorted_rows(counts, K=16, N=32, seed=1)
+    legs = expert_legs("gmm", block=TILE, blocks=SMALL)
+    (a, tiles), (b, _) = legs.layout(dy, c), legs.layout(dy2, c)
+    want = per_row(x, dy, w, group)[1] + per_row(x, dy2, w2, group)[1]
+    np.testing.assert_allclose(gmm_sum2(a, w, b, w2, tiles, SMALL),
+                               legs.layout(jnp.asarray(want, jnp.float32), c)[0], atol=1e-4)
+
+    rng = np.random.default_rng(3)
+    G, H, I = len(counts), 16, 32
+    ws = {k: jnp.asarray(rng.standard_normal(s), jnp.float32)
+          for k, s in (("w_gate", (G, H, I)), ("w_up", (G, H, I)), ("w_down", (G, I, H)))}
+    xs = legs.layout(x, c)[0]
+    loss = lambda backend: lambda xs, ws: jnp.sum(jnp.sin(
+        grouped_swiglu_rows(xs, ws, tiles, backend)))
+    got = jax.grad(loss(gmm_swiglu_backend(SMALL)), (0, 1))(xs, ws)
+    ref = jax.grad(loss(gmm_backend(SMALL)), (0, 1))(xs, ws)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 
 from moelab.config import ConfigError, config_from_dict, load_config, migrate
 from moelab.config.model import REMAT_POLICIES, ModelConfig
@@ -80,3 +81,38 @@ def test_policies_cost_their_recompute_and_run_the_head_three_times(loss_chunk):
         assert flops[(r, 128)] - flops[(r, 64)] == 3 * one_pass, r
     none, dots, full = (flops[(r, 64)] for r in ("none", "dots", "full"))
     assert none < dots < full
+
+
+def count_prims(jaxpr, names: set[str]) -> dict[str, int]:
+    """How many equations of each primitive in ``names`` a jaxpr holds, sub-jaxprs included
+    (a scan body once: the count per layer)."""
+    out = dict.fromkeys(names, 0)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            out[eqn.primitive.name] += 1
+        for sub in jcore.jaxprs_in_params(eqn.params):
+            for k, n in count_prims(sub, names).items():
+                out[k] += n
+    return out
+
+
+def test_dots_keeps_the_route_and_recomputes_the_kernels():
+    """Under "dots" a block's backward reruns its expert kernels (gmm: Pallas, interpreted
+    here) as under "full", but not its route: the router's top-(k+1) argmax rounds run once,
+    as without remat."""
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", moe_impl="gmm", moe_block=16,
+                              router="quantile")
+    p = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.PRNGKey(0)))
+    s = jax.eval_shape(lambda: tr.init_state(cfg))
+    toks = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
+
+    def counts(remat):
+        c = dataclasses.replace(cfg, remat=remat)
+        f = jax.grad(lambda p, toks: tr.lm_loss(p, s, toks, c)[0])
+        return count_prims(jax.make_jaxpr(f)(p, toks).jaxpr, {"pallas_call", "argmax"})
+
+    none, dots, full = counts("none"), counts("dots"), counts("full")
+    assert none["pallas_call"] == 8  # 3 forward; 5 backward (the input's data gradient: one)
+    assert dots["pallas_call"] == full["pallas_call"] == 11  # the forward's 3 again
+    assert dots["argmax"] == none["argmax"]
+    assert full["argmax"] == none["argmax"] + cfg.top_k + 1

@@ -64,7 +64,7 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     compute_dtype: str = "float32"  # "float32" | "bfloat16"; master weights stay float32
     # "none" | "full" (recompute each block in the backward) | "dots" (keep its unbatched matmul
-    # outputs, recompute the rest: attention core, routed experts, elementwise ops)
+    # outputs and the route, recompute the rest: attention core, routed experts, elementwise ops)
     remat: str = "none"
 
     @property

@@ -42,7 +42,7 @@ import numpy as np
 
 from moelab.config import ModelConfig
 from moelab.config.model import RAGGED_FUSION_FLAG
-from moelab.model.grouped_gemm import gmm_backend, group_tiles
+from moelab.model.grouped_gemm import gmm_swiglu_backend, group_tiles, routing_saved
 from moelab.model.grouped_matmul import grouped_swiglu_rows, mgpu_backend
 from moelab.model.layers import silu_mul, swiglu
 
@@ -303,8 +303,9 @@ def counts_layout(group_R, rank_R, counts_G, kernel: str = "blocks", block: int 
         pos, n_slots = tiles.first_tile[g] * block + rank_R, n_blocks * block
         block_group = tiles.tile_group
     dst_R = jnp.where(group_R < n_groups, pos, n_slots).astype(jnp.int32)
-    return GroupLayout(dst_R, invert(dst_R, n_slots), counts_G.astype(jnp.int32), block_group,
-                       kernel)
+    saved = routing_saved((dst_R, invert(dst_R, n_slots), counts_G.astype(jnp.int32),
+                           block_group))
+    return GroupLayout(*saved, kernel)
 
 
 @jax.custom_vjp
@@ -346,7 +347,7 @@ def sorted_swiglu(xs_MH, layout: GroupLayout, w):
     if layout.kernel == "gmm":
         n_blocks = layout.block_group.shape[0]
         tiles = group_tiles(layout.counts_G, n_blocks, xs_MH.shape[0] // n_blocks)
-        return grouped_swiglu_rows(xs_MH, w, tiles, gmm_backend())
+        return grouped_swiglu_rows(xs_MH, w, tiles, gmm_swiglu_backend())
     if layout.kernel == "mgpu":  # empty rows (zeros, sorted last) join the last group: output 0
         c = layout.counts_G.at[-1].add(xs_MH.shape[0] - jnp.sum(layout.counts_G))
         return grouped_swiglu_rows(xs_MH, w, c, mgpu_backend())

@@ -35,6 +35,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
@@ -74,7 +75,13 @@ def group_tiles(counts_G, n_tiles: int, tile_rows: int) -> GroupTiles:
     t = jnp.arange(n_tiles, dtype=jnp.int32)
     group = jnp.minimum(jnp.searchsorted(end, t, side="right"), G - 1).astype(jnp.int32)
     used = (t < end[-1]).astype(jnp.int32)
-    return GroupTiles(group, used, (end - count).astype(jnp.int32), count)
+    return GroupTiles(*routing_saved((group, used, (end - count).astype(jnp.int32), count)))
+
+
+def routing_saved(arrays):
+    """``arrays`` (None passes) marked "routing": what remat "dots" keeps of a route's layout
+    (model.transformer.REMAT_SAVES), small, where rebuilding it takes sorts and scatters."""
+    return jax.tree.map(lambda a: checkpoint_name(a, "routing"), arrays)
 
 
 def _fit(block: int, dim: int) -> int:
@@ -146,10 +153,18 @@ def reference_wgrad(x_MK, dy_MN, tiles: GroupTiles):
     return jax.ops.segment_sum(g_T, seg, G, indices_are_sorted=True).astype(x_MK.dtype)
 
 
-def _rows_kernel(group_ref, used_ref, x_ref, w_ref, o_ref, *, n_col, block_k, transpose_w):
+# A rows kernel sums the products of ``pairs`` (x, w) operand pairs in one float32
+# accumulator: 1 for a grouped matmul, 2 for the SwiGLU's input data gradient
+# dx = dg @ w_gate^T + du @ w_up^T (``gmm_sum2``). On an H200 at d1024 (JAX 0.11.2) that kernel
+# took 1.27 ms a layer against 2 x 0.61 for two kernels, whose bf16 results then needed a float32
+# sum. Forming the gate's product or its gradients inside these kernels (a prologue or epilogue
+# with exp) made each kernel 2.5-3x slower there (1.48-1.64 ms against 0.51-0.61): XLA's
+# elementwise passes between the kernels are cheaper.
+def _rows_kernel(group_ref, used_ref, *refs, n_col, block_k, transpose_w, pairs):
+    xs, ws, o_ref = refs[:pairs], refs[pairs:2 * pairs], refs[2 * pairs]
     t, n = pl.program_id(0) // n_col, pl.program_id(0) % n_col
     bm, bn = o_ref.shape
-    steps = x_ref.shape[1] // block_k
+    steps = xs[0].shape[1] // block_k
 
     @pl.when(used_ref[t] == 0)
     def _():  # padding past the last group's tiles: zeros, no matmul
@@ -160,15 +175,49 @@ def _rows_kernel(group_ref, used_ref, x_ref, w_ref, o_ref, *, n_col, block_k, tr
         g = group_ref[t]
 
         def body(i, acc):
-            x = x_ref[:, pl.ds(i * block_k, block_k)]
-            if transpose_w:  # w[g] is [out, contraction]: its [bn, block_k] block, transposed
-                w = w_ref[g, pl.ds(n * bn, bn), pl.ds(i * block_k, block_k)]
-                return acc + pltriton.dot(x, w, trans_b=True)
-            w = w_ref[g, pl.ds(i * block_k, block_k), pl.ds(n * bn, bn)]
-            return acc + pltriton.dot(x, w)
+            for x_ref, w_ref in zip(xs, ws):
+                x = x_ref[:, pl.ds(i * block_k, block_k)]
+                if transpose_w:  # w[g] is [out, contraction]: its [bn, block_k] block, transposed
+                    w = w_ref[g, pl.ds(n * bn, bn), pl.ds(i * block_k, block_k)]
+                    acc = acc + pltriton.dot(x, w, trans_b=True)
+                else:
+                    w = w_ref[g, pl.ds(i * block_k, block_k), pl.ds(n * bn, bn)]
+                    acc = acc + pltriton.dot(x, w)
+            return acc
 
         acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bm, bn), jnp.float32))
         o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _rows_call(xs, ws, tiles: GroupTiles, blocks: GmmBlocks, transpose_w: bool):
+    """sum_i xs[i] @ ws[i][tile's group] (transposed with ``transpose_w``) per used tile."""
+    M, K = xs[0].shape
+    T = tiles.tile_group.shape[0]
+    if M % T:
+        raise ValueError(f"gmm: {M} rows are not whole tiles of the {T}-tile layout")
+    wK, N = ws[0].shape[2:0:-1] if transpose_w else ws[0].shape[1:]
+    if wK != K:
+        raise ValueError(f"gmm: x has K={K} columns but the weights contract over {wK}")
+    if _interpret_here(blocks, *xs, *ws, *tiles) == "reference":
+        y = sum(reference_rows(x, w, tiles, transpose_w).astype(jnp.float32)
+                for x, w in zip(xs, ws))
+        return y.astype(xs[0].dtype)
+    tm, bn, bk = M // T, _fit(blocks.block_n, N), _fit(blocks.block_k, K)
+    n_col = N // bn
+    kernel = functools.partial(_rows_kernel, n_col=n_col, block_k=bk, transpose_w=transpose_w,
+                               pairs=len(xs))
+    args, mat = _matched(tiles.tile_group, tiles.tile_used, *xs, *ws)
+    return pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((M, N), xs[0].dtype, manual_axis_type=mat),
+        grid=(T * n_col,),
+        in_specs=[pl.no_block_spec, pl.no_block_spec,
+                  *[pl.BlockSpec((tm, K), lambda p: (p // n_col, 0))] * len(xs),
+                  *[pl.no_block_spec] * len(ws)],
+        out_specs=pl.BlockSpec((tm, bn), lambda p: (p // n_col, p % n_col)),
+        compiler_params=_params(blocks), interpret=_interpret(blocks),
+        name="gmm" if len(xs) == 1 else "gmm_sum2",
+        cost_estimate=_cost(M, K * len(xs), N, ws[0].shape[0], xs[0].dtype.itemsize),
+    )(*args)
 
 
 def gmm(x_MK, w_GKN, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks(),
@@ -176,28 +225,13 @@ def gmm(x_MK, w_GKN, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks(),
     """y[tile rows] = x[tile rows] @ w[tile's group] for every used tile, zeros elsewhere
     ([M, K] -> [M, N], M = tiles x tile rows). ``transpose_w``: w is [G, N, K] and each tile
     uses w[g]^T (the data gradient of a [G, N, K] weight's forward)."""
-    M, K = x_MK.shape
-    T = tiles.tile_group.shape[0]
-    if M % T:
-        raise ValueError(f"gmm: {M} rows are not whole tiles of the {T}-tile layout")
-    wK, N = w_GKN.shape[2:0:-1] if transpose_w else w_GKN.shape[1:]
-    if wK != K:
-        raise ValueError(f"gmm: x has K={K} columns but the weights contract over {wK}")
-    if _interpret_here(blocks, x_MK, w_GKN, *tiles) == "reference":
-        return reference_rows(x_MK, w_GKN, tiles, transpose_w)
-    tm, bn, bk = M // T, _fit(blocks.block_n, N), _fit(blocks.block_k, K)
-    n_col = N // bn
-    kernel = functools.partial(_rows_kernel, n_col=n_col, block_k=bk, transpose_w=transpose_w)
-    args, mat = _matched(tiles.tile_group, tiles.tile_used, x_MK, w_GKN)
-    return pl.pallas_call(
-        kernel, out_shape=jax.ShapeDtypeStruct((M, N), x_MK.dtype, manual_axis_type=mat),
-        grid=(T * n_col,),
-        in_specs=[pl.no_block_spec, pl.no_block_spec,
-                  pl.BlockSpec((tm, K), lambda p: (p // n_col, 0)), pl.no_block_spec],
-        out_specs=pl.BlockSpec((tm, bn), lambda p: (p // n_col, p % n_col)),
-        compiler_params=_params(blocks), interpret=_interpret(blocks), name="gmm",
-        cost_estimate=_cost(M, K, N, w_GKN.shape[0], x_MK.dtype.itemsize),
-    )(*args)
+    return _rows_call([x_MK], [w_GKN], tiles, blocks, transpose_w)
+
+
+def gmm_sum2(a_MK, wa_GNK, b_MK, wb_GNK, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks()):
+    """a @ wa[g]^T + b @ wb[g]^T per used tile, one float32 accumulator for both: the
+    SwiGLU's input data gradient dx = dg @ w_gate^T + du @ w_up^T in one kernel."""
+    return _rows_call([a_MK, b_MK], [wa_GNK, wb_GNK], tiles, blocks, transpose_w=True)
 
 
 def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref, *, n_k, n_n, tile_rows,
@@ -253,3 +287,11 @@ def gmm_backend(blocks: GmmBlocks = GmmBlocks()):
     dgrad = lambda g, w, tiles: gmm(g, w, tiles, blocks, transpose_w=True)
     wgrad = lambda x, g, tiles: tgmm(x, g, tiles, blocks)
     return fwd, dgrad, wgrad
+
+
+@functools.lru_cache(maxsize=None)
+def gmm_swiglu_backend(blocks: GmmBlocks = GmmBlocks()):
+    """``gmm_backend`` and, fourth, ``gmm_sum2`` for the grouped SwiGLU's input data gradient
+    (``grouped_matmul.summed_dgrad``): eight kernel calls per layer where there were nine."""
+    return (*gmm_backend(blocks),
+            lambda a, wa, b, wb, tiles: gmm_sum2(a, wa, b, wb, tiles, blocks))

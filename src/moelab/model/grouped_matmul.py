@@ -94,6 +94,17 @@ def _gm_bwd(backend, res, g_RN):
 grouped_matmul.defvjp(_gm_fwd, _gm_bwd)
 
 
+def summed_dgrad(backend, a, wa, b, wb, groups):
+    """a @ wa[g]^T + b @ wb[g]^T: the backend's own kernel for the sum when it has one (its
+    fourth function, ``gmm``'s one-accumulator ``gmm_sum2``), else two data gradients summed in
+    float32."""
+    if len(backend) > 3:
+        return backend[3](a, wa, b, wb, groups)
+    dgrad = backend[1]
+    return (dgrad(a, wa, groups).astype(jnp.float32)
+            + dgrad(b, wb, groups).astype(jnp.float32)).astype(a.dtype)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def grouped_swiglu_rows(xs_RH, w: dict, groups, backend):
     """SwiGLU of rows sorted by group with each group's weights: three grouped matmuls, one
@@ -112,14 +123,13 @@ def _gs_fwd(xs_RH, w, groups, backend):
 
 
 def _gs_bwd(backend, res, dy_RH):
-    _, dgrad, wgrad = backend
+    dgrad, wgrad = backend[1:3]
     xs, g, u, w, groups = res
     dt = xs.dtype
     dy = dy_RH.astype(dt)
     dh = dgrad(dy, w["w_down"], groups)
     dg, du = (a.astype(dt) for a in silu_mul_grads(g, u, dh))
-    dx = (dgrad(dg, w["w_gate"], groups).astype(jnp.float32)
-          + dgrad(du, w["w_up"], groups).astype(jnp.float32)).astype(dt)
+    dx = summed_dgrad(backend, dg, w["w_gate"], du, w["w_up"], groups).astype(dt)
     dw = {"w_gate": wgrad(xs, dg, groups), "w_up": wgrad(xs, du, groups),
           "w_down": wgrad(silu_mul(g, u).astype(dt), dy, groups)}
     return dx, {k: dw[k].astype(w[k].dtype) for k in w}, None

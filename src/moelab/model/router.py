@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from moelab.config import ModelConfig
 
@@ -38,6 +39,21 @@ class Routing(NamedTuple):
     qb_bias: jax.Array | None = None  # quantile router: the balancing bias for the next step [E]
 
 
+def top_k(x_NE, k: int):
+    """``jax.lax.top_k`` over the last axis (the same values and indices, ties to the lower
+    index) as k rounds of max, argmax and mask: XLA's GPU backend has a top-k kernel only for
+    rows of >= 1024 entries and sorts whole rows otherwise. On an H200, 65,536 rows of 384,
+    k = 9: 0.35 ms against the sort's 1.05 ms. Rows need k finite entries (logits have E)."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, x_NE.shape, x_NE.ndim - 1)
+    left, idx = jax.lax.stop_gradient(x_NE), []
+    for _ in range(k):
+        idx.append(jnp.argmax(left, axis=-1).astype(jnp.int32))
+        left = jnp.where(iota == idx[-1][..., None], -jnp.inf, left)
+    idx = jnp.stack(idx, axis=-1)
+    # each value's gradient goes to its own entry, as top_k's (a max would split it over ties)
+    return jnp.take_along_axis(x_NE, idx, axis=-1), idx
+
+
 def route(logits_NE, bias_E, cfg: ModelConfig, valid_N=None) -> Routing:
     """Route N tokens given router logits [N, E] (float32) and the balancing bias [E]."""
     logits = logits_NE.astype(jnp.float32)
@@ -46,12 +62,13 @@ def route(logits_NE, bias_E, cfg: ModelConfig, valid_N=None) -> Routing:
     valid = jnp.ones((N,), jnp.float32) if valid_N is None else valid_N.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     if cfg.router == "softmax_aux":
-        top_p, expert = jax.lax.top_k(probs, k)
+        expert = checkpoint_name(top_k(probs, k)[1], "routing")
+        top_p = jnp.take_along_axis(probs, expert, axis=-1)
         weight = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     else:
         biased = logits + jax.lax.stop_gradient(bias_E)[None, :]
-        top, expert = jax.lax.top_k(biased, k + 1 if cfg.router == "quantile" else k)
-        expert = expert[:, :k]
+        top, expert = top_k(biased, k + 1 if cfg.router == "quantile" else k)
+        expert = checkpoint_name(expert[:, :k], "routing")  # remat "dots": no second top-k
         weight = jax.nn.sigmoid(jnp.take_along_axis(logits, expert, axis=-1))
         if cfg.combine_sum > 0:
             weight = weight * (cfg.combine_sum / jnp.sum(weight, axis=-1, keepdims=True))
