@@ -34,8 +34,8 @@ to the rows after it.
 Every row is appended to bench/results/gpu_mfu.jsonl as it ends, its log kept in
 bench/results/gpu_mfu_logs/ and a profiled row's raw material (the compiled HLO text and the
 trace's kernels, summed by name) in ROW_profile.json.gz there. With $OUT set the same go to
-$OUT, the logs in one file (gpu_mfu_logs.txt) and the table as gpu_mfu.json: few files, as a
-machine that hands back a handful of files wants.
+$OUT, the logs in one file (gpu_mfu_logs.txt) and the table as gpu_mfu.json, so that a run
+leaves few files to fetch from a remote machine.
 """
 
 from __future__ import annotations
@@ -367,6 +367,8 @@ class Results:
             old.unlink()
         if self.out:
             (self.out / f"{self.logs.name}.txt").unlink(missing_ok=True)
+            for old in self.out.glob("*_profile.json.gz"):
+                old.unlink()
 
     def append(self, record: dict) -> None:
         for p in self.paths:

@@ -3,16 +3,18 @@
 Categories: attention, grouped GEMM (the routed experts' matmuls), other matmuls, sort/gather/
 scatter, elementwise/other, optimizer.
 
-Every kernel (GPU) or thunk (CPU) that XLA runs carries the name of the HLO instruction it
-executes (``hlo_op``). The compiled step's optimized HLO text says what each instruction is
+A kernel (GPU) or thunk (CPU) that XLA launches on its own carries the name of the HLO
+instruction it executes (``hlo_op``); a kernel launched from a command buffer (a CUDA graph: a
+layer scan's body on a GPU) carries none, and is placed by its name (``op_times``). The
+compiled step's optimized HLO text says what each instruction is
 (opcode, fused body, custom-call target) and, in its metadata, the Python stack that produced
 it, so an instruction's category comes from what it computes and which moelab or optax
 function it came from (``category``). Two views of one step:
 
 - measured (``measured``): jax.profiler traces one step; its events are read with
   ``jax.profiler.ProfileData`` (part of jaxlib: no protobuf or TensorBoard package needed), else
-  from the perfetto trace JSON; durations are summed per category. XLA runs command buffers
-  (CUDA graphs) op by op while a profiler is active, so every kernel keeps its ``hlo_op``.
+  from the perfetto trace JSON; durations are summed per category, and what no instruction or
+  kernel name places is reported by name.
 - estimated (``estimated``): each executed instruction's FLOPs (dots, from the HLO shapes) and
   bytes (operands and result) times the trip counts of the loops around it, and its roofline
   time at the given matmul peak and memory bandwidth. Always computed; it is the whole answer
@@ -320,9 +322,12 @@ def _op_of(name: str, stats: dict) -> tuple[str, str]:
 
 # Library kernels carry no HLO instruction of their own once XLA launches them from a command
 # buffer (a CUDA graph: a layer scan's body), so their names say what they are: cuBLAS
-# (sm90_xmma_gemm_*, nvjet_*), cuDNN's fused attention, CUB's sorts, the Pallas expert kernels.
+# (sm90_xmma_gemm_*, nvjet_*), cuDNN's fused attention, CUB's sorts, the Pallas expert kernels
+# (gmm*). By name alone every cuBLAS matmul is an "other matmul": the batched ones of chunked
+# attention and of the blocks and ragged expert kernels too (the rows that train gmm with
+# cuDNN attention are placed right).
 KERNEL_NAMES = ((ATTENTION, ("fmha", "flash", "sdpa", "attention")),
-                (GROUPED, ("gmm", "ragged", "grouped")),
+                (GROUPED, ("gmm", "grouped")),
                 (MATMUL, ("gemm", "xmma", "nvjet", "cutlass", "cublas", "matmul", "wgmma")),
                 (MOVES, ("sort", "cub::", "gather", "scatter", "topk")))
 
@@ -406,18 +411,19 @@ def _by_category(hlo: Hlo, t: Times, source: str) -> dict:
 
 def dump(hlo_text: str, trace_dir: str, path: str) -> None:
     """The raw material of a profile, for reading again elsewhere: the compiled HLO text and the
-    trace's events summed per (plane, line, name, hlo_op) with the stat names they carry."""
+    trace's events summed per (plane, line, name, hlo_op, hlo_module) with the stat names
+    they carry."""
     events: dict[tuple, list] = {}
     for path_ in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
         for plane, line, name, ns, stats in _events_profile_data(path_):
             if plane.startswith("/host:") and not stats.get("hlo_op"):
                 continue  # the Python side's own events: many, and not kernels
-            key = (plane, line, name, str(stats.get("hlo_op", "")))
+            key = (plane, line, name, *map(str, _op_of(name, stats)))
             e = events.setdefault(key, [0, 0.0, sorted(stats)])
             e[0] += 1
             e[1] += ns
-    rows = [{"plane": k[0], "line": k[1], "name": k[2], "hlo_op": k[3], "count": n, "ns": ns,
-             "stats": keys} for k, (n, ns, keys) in events.items()]
+    rows = [{"plane": k[0], "line": k[1], "name": k[2], "hlo_op": k[3], "hlo_module": k[4],
+             "count": n, "ns": ns, "stats": keys} for k, (n, ns, keys) in events.items()]
     tmp = f"{path}.tmp"
     with gzip.open(tmp, "wt") as f:
         json.dump({"hlo": hlo_text, "events": rows}, f)

@@ -347,26 +347,32 @@ def test_map_kv_reads_the_heads_of_kv_head_map_values_and_gradients():
                                           for a in f(k, v))
         jax.tree.map(np.testing.assert_array_equal, jax.grad(loss(got), (0, 1))(k, v),
                      jax.grad(loss(ref), (0, 1))(k, v))
+        traced = jax.jit(lambda k, v, g: layers.map_kv(k, v, cfg, g))(k, v, is_global)
+        jax.tree.map(np.testing.assert_array_equal, traced, ref(k, v))  # inside the layer scan
 
 
 def test_global_layers_leave_q_and_k_unrotated():
-    """Without global_rope a global layer's q and k are the plain (normed) projections: the
-    identity rotation, bit for bit."""
+    """Without global_rope a global layer's q and k are those of the same layer with no rotary
+    dimensions at all, bit for bit; local layers rotate."""
     cfg = ModelConfig(**{**BASE, "global_rope": False})
+    plain = ModelConfig(**{**BASE, "global_rope": False, "rope_fraction": 0.0})
     p = _attn_params(cfg)
     x = jax.random.normal(jax.random.PRNGKey(3), (1, 6, 16))
     cos, sin = layers.rope_tables(jnp.arange(6), int(cfg.head_dim * cfg.rope_fraction),
                                   cfg.rope_theta)
     q, k, _ = layers.project_qkv(p, x, cfg, cos, sin, jnp.bool_(True))
-    q0, k0, _ = layers.project_qkv(p, x, cfg, jnp.ones_like(cos), jnp.zeros_like(sin),
-                                   jnp.bool_(False))
+    q0, k0, _ = layers.project_qkv(p, x, plain, cos, sin, jnp.bool_(False))
     q_rot, _, _ = layers.project_qkv(p, x, cfg, cos, sin, jnp.bool_(False))
     np.testing.assert_array_equal(q, q0)
     np.testing.assert_array_equal(k, k0)
     assert not np.allclose(q, q_rot)
 
 
-def test_router_top_k_is_lax_top_k_ties_included():
+def test_router_top_k_is_lax_top_k_ties_included(monkeypatch):
+    """On a GPU, rows narrower than 1024 take k argmax rounds (XLA sorts them otherwise): the
+    same values, indices (ties to the lower index) and gradients as ``jax.lax.top_k``, which
+    wider rows and other backends use."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     x = jax.random.normal(jax.random.PRNGKey(0), (64, 24))
     x = x.at[:, 5].set(x[:, 9]).at[3].set(1.0)  # ties: between columns, and a whole row
     for k in (1, 3, 9):
@@ -377,3 +383,9 @@ def test_router_top_k_is_lax_top_k_ties_included():
     g = jax.grad(lambda x: jnp.sum(router.top_k(x, 3)[0] * jnp.arange(3.0)))(x)
     g_ref = jax.grad(lambda x: jnp.sum(jax.lax.top_k(x, 3)[0] * jnp.arange(3.0)))(x)
     np.testing.assert_array_equal(g, g_ref)
+    prims = lambda x: {e.primitive.name for e in jax.make_jaxpr(  # noqa: E731
+        lambda x: router.top_k(x, 3))(x).jaxpr.eqns}
+    assert "argmax" in prims(x) and "top_k" not in prims(x)
+    assert "top_k" in prims(jnp.zeros((4, 1024)))
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert "top_k" in prims(x)

@@ -104,14 +104,15 @@ def test_dry_run_measures_each_row_in_its_own_process(tmp_path, name):
 
     summary = json.loads((tmp_path / f"{name}.json").read_text())
     assert summary["parent_imported_jax"] is False and len(summary["rows"]) == 4
-    # $OUT gets few files: the logs in one, a profiled row's raw material in its own
+    # $OUT holds few files: the logs in one, a profiled row's raw material in its own
     logs = (tmp_path / f"{name}_logs.txt").read_text()
     assert all(f"===== {r}.log" in logs for r in rows)
     with gzip.open(tmp_path / "d1024_profile.json.gz", "rt") as f:
         raw = json.load(f)
     assert raw["hlo"].startswith("HloModule") and raw["events"]
-    assert gp.op_times([(e["plane"], e["line"], e["name"], e["ns"], {"hlo_op": e["hlo_op"]})
-                        for e in raw["events"]], gp.Hlo(raw["hlo"])).ops  # readable again
+    again = [(e["plane"], e["line"], e["name"], e["ns"],
+              {"hlo_op": e["hlo_op"], "hlo_module": e["hlo_module"]}) for e in raw["events"]]
+    assert gp.op_times(again, gp.Hlo(raw["hlo"])).ops  # readable again
     assert text.rstrip().splitlines()[-1].split()[0] == "legs-d1024"  # the table comes last
 
 

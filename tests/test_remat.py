@@ -96,12 +96,16 @@ def count_prims(jaxpr, names: set[str]) -> dict[str, int]:
     return out
 
 
-def test_dots_keeps_the_route_and_recomputes_the_kernels():
+ROUTE_PRIMS = {"top_k", "argmax", "sort", "cumsum", "scatter", "scatter-add"}
+
+
+@pytest.mark.parametrize("router", ["quantile", "softmax_aux"])
+def test_dots_keeps_the_route_and_recomputes_the_kernels(router):
     """Under "dots" a block's backward reruns its expert kernels (gmm: Pallas, interpreted
-    here) as under "full", but not its route: the router's top-(k+1) argmax rounds run once,
-    as without remat."""
+    here) as under "full", but not its route: the router's top-k and the layout's sort,
+    scatters and cumulative sums run as often as without remat."""
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", moe_impl="gmm", moe_block=16,
-                              router="quantile")
+                              router=router)
     p = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.PRNGKey(0)))
     s = jax.eval_shape(lambda: tr.init_state(cfg))
     toks = jax.ShapeDtypeStruct((B, T + 1), jnp.int32)
@@ -109,10 +113,11 @@ def test_dots_keeps_the_route_and_recomputes_the_kernels():
     def counts(remat):
         c = dataclasses.replace(cfg, remat=remat)
         f = jax.grad(lambda p, toks: tr.lm_loss(p, s, toks, c)[0])
-        return count_prims(jax.make_jaxpr(f)(p, toks).jaxpr, {"pallas_call", "argmax"})
+        return count_prims(jax.make_jaxpr(f)(p, toks).jaxpr, {"pallas_call", *ROUTE_PRIMS})
 
     none, dots, full = counts("none"), counts("dots"), counts("full")
     assert none["pallas_call"] == 8  # 3 forward; 5 backward (the input's data gradient: one)
     assert dots["pallas_call"] == full["pallas_call"] == 11  # the forward's 3 again
-    assert dots["argmax"] == none["argmax"]
-    assert full["argmax"] == none["argmax"] + cfg.top_k + 1
+    route = lambda c: {k: c[k] for k in ROUTE_PRIMS}  # noqa: E731
+    assert route(dots) == route(none)
+    assert full["top_k"] == none["top_k"] + 1 and full["cumsum"] > none["cumsum"]

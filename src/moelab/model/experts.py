@@ -342,7 +342,7 @@ def sorted_swiglu(xs_MH, layout: GroupLayout, w):
 
     ``blocks``: one batched einsum over blocks with each block's expert weights
     (``block_weights``). ``gmm``: the grouped GEMM over the same blocks, with the blocks' tile
-    metadata computed once here for its nine kernel calls. ``ragged``, ``ragged_fusion``:
+    metadata computed once here for its eight kernel calls. ``ragged``, ``ragged_fusion``:
     ``jax.lax.ragged_dot`` over the group counts."""
     if layout.kernel == "gmm":
         n_blocks = layout.block_group.shape[0]

@@ -11,6 +11,8 @@ arrays: each tile's group and whether it is used, each group's first tile and ti
   share a row tile run together and read it from L2. A program loads its tile's group id and
   indexes the weight array with it (``w_ref[g, k-block, n-block]``): no per-tile weight copy,
   no search over groups. An unused tile writes zeros and does no matmul.
+- ``gmm_sum2``: ``gmm``'s data gradient for two (x, w) pairs summed in one float32
+  accumulator (the SwiGLU's input gradient dg @ w_gate^T + du @ w_up^T).
 - ``tgmm`` (weight gradient dw[g] = sum over g's tiles of x_tile^T @ dy_tile): a 1-D grid over
   (group, K block, N block); each program walks its group's consecutive rows from the group's
   first tile for ``count * tile`` rows, accumulating in float32. A group with no rows runs no
@@ -156,8 +158,10 @@ def reference_wgrad(x_MK, dy_MN, tiles: GroupTiles):
 # A rows kernel sums the products of ``pairs`` (x, w) operand pairs in one float32
 # accumulator: 1 for a grouped matmul, 2 for the SwiGLU's input data gradient
 # dx = dg @ w_gate^T + du @ w_up^T (``gmm_sum2``). On an H200 at d1024 (JAX 0.11.2) that kernel
-# took 1.27 ms a layer against 2 x 0.61 for two kernels, whose bf16 results then needed a float32
-# sum. Forming the gate's product or its gradients inside these kernels (a prologue or epilogue
+# took 1.27 ms a layer against 2 x 0.61 for two kernels, whose bf16 results then need a float32
+# sum (an elementwise pass over three [rows, width] arrays, about 0.4 ms at memory speed; not
+# measured apart): about even in time, and one rounding to bf16 instead of three. Forming the
+# gate's product or its gradients inside these kernels (a prologue or epilogue
 # with exp) made each kernel 2.5-3x slower there (1.48-1.64 ms against 0.51-0.61): XLA's
 # elementwise passes between the kernels are cheaper.
 def _rows_kernel(group_ref, used_ref, *refs, n_col, block_k, transpose_w, pairs):

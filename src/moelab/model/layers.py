@@ -243,7 +243,8 @@ def attend(q_BTKGQ, k_BTKQ, v_BTKQ, window, is_global, cfg: ModelConfig):
 def kv_head_map(cfg: ModelConfig, is_global):
     """Which stored KV head each of the n_kv_heads slots reads. Local layers: slot j -> head j.
     Global layers with ``global_kv_heads`` = Kg < K: slot j -> head j // (K/Kg), so the query
-    heads of Kg consecutive groups share one of the first Kg heads (plain GQA with Kg heads)."""
+    heads of Kg consecutive groups share one of the first Kg heads (plain GQA with Kg heads).
+    ``map_kv`` applies it as a select between the two static maps."""
     K, Kg = cfg.n_kv_heads, cfg.kv_heads_global
     local = jnp.arange(K)
     return jnp.where(is_global, local // (K // Kg), local)
