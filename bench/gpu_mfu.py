@@ -19,10 +19,11 @@ Rows, most important first (``--help`` lists them with their expected seconds):
 4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling;
 5. ``d768`` (profiled too);
-6. ablations while time is left, one fast path changed at a time, first ``d1024-remat-dots``.
-   Rows known to need more than the GPU's memory or minutes of their own run only when named
-   (``d1024-blocks``: the blocks kernel was still compiling after 375 s on the H200), as does
-   ``gmm-tiles-d1024``, the gmm kernel's tile sweep (``GMM_TILES``) that sets its defaults.
+6. ablations while time is left, one fast path changed at a time: remat ``dots``, then twice
+   the tokens per step. Rows known to need more than the GPU's memory or minutes of their own
+   run only when named (``d1024-blocks``: the blocks kernel was still compiling after 375 s on
+   the H200), as do ``gmm-tiles-d1024``, the gmm kernel's tile sweep (``GMM_TILES``) that
+   sets its defaults, and ablations already measured (their notes give the figures).
 
 The driver never imports JAX: each row runs in its own process (bench/gpu_rows.py) with its
 own XLA_PYTHON_CLIENT_MEM_FRACTION, so no process holds the memory the next one needs, and a
@@ -183,11 +184,21 @@ def all_rows() -> dict[str, Row]:
         train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 50, profile=True),
         train_row("d768-remat-dots", "d768", ["model.remat=dots"], 40,
                   dry_overrides=[*BF16_GMM, "model.remat=dots"]),
-        train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 70),
-        train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 60,
-                  dry_overrides=["train.microbatch_tokens=64"]),
+        # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers,
+        # the weight casts: ~45 ms of d1024's 557 in the profile) weigh half as much; full remat
+        # plans 72.7 GiB for d1024
+        train_row("d1024-batch128k", "d1024", ["data.batch_size=32"], 60,
+                  dry_overrides=["data.batch_size=4"]),
+        train_row("d768-batch128k", "d768", ["data.batch_size=32"], 50,
+                  dry_overrides=[*BF16_GMM, "data.batch_size=4"]),
         legs_row("legs-d768", expert_shape("d768"), 50),
-        train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 120, gpu_only=True),
+        train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 70,
+                  ask_only=True, note="H200, JAX 0.11.2: 63,457 tokens/s, 13.1% MFU (2026-12-04)"),
+        train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 60,
+                  dry_overrides=["train.microbatch_tokens=64"], ask_only=True,
+                  note="H200, JAX 0.11.2: 100,506 tokens/s, 20.8% MFU (2026-12-04)"),
+        train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 120, gpu_only=True,
+                  ask_only=True, note="its legs: 91 / 92 / 504 TFLOP/s (H200, 2026-12-04)"),
         train_row("d1024-blocks", "d1024", ["model.moe_impl=blocks"], 400, ask_only=True,
                   dry_overrides=["model.moe_impl=blocks"],
                   note="H200, JAX 0.11.2: still compiling after 375 s (2026-12-04)"),
