@@ -19,8 +19,8 @@ Rows, most important first (``--help`` lists them with their expected seconds):
 4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling;
 5. ``d768`` (profiled too);
-6. ablations while time is left, one fast path changed at a time: remat ``dots``, then twice
-   the tokens per step. Rows known to need more than the GPU's memory or minutes of their own
+6. ablations while time is left, one fast path changed at a time: remat ``dots``, twice the
+   tokens per step, the layer scan unrolled. Rows known to need more than the GPU's memory or minutes of their own
    run only when named (``d1024-blocks``: the blocks kernel was still compiling after 375 s on
    the H200), as do ``gmm-tiles-d1024``, the gmm kernel's tile sweep (``GMM_TILES``) that
    sets its defaults, and ablations already measured (their notes give the figures).
@@ -189,6 +189,11 @@ def all_rows() -> dict[str, Row]:
         # plans 72.7 GiB for d1024
         train_row("d1024-batch128k", "d1024", ["data.batch_size=32"], 60,
                   dry_overrides=["data.batch_size=4"]),
+        # the layer scan unrolled: XLA sees each layer's buffers, no stacking of the weights'
+        # slices and gradients (the profile's dynamic-update-slice, zero fill and memcpy:
+        # ~25 ms of d1024's step), at a longer compile
+        train_row("d1024-unroll", "d1024", ["model.scan_unroll=12"], 90,
+                  dry_overrides=["model.scan_unroll=2"]),
         train_row("d768-batch128k", "d768", ["data.batch_size=32"], 50,
                   dry_overrides=[*BF16_GMM, "data.batch_size=4"]),
         legs_row("legs-d768", expert_shape("d768"), 50),

@@ -59,6 +59,28 @@ def test_dots_computes_the_loss_and_gradients_of_none():
                  dots_grad, grad)
 
 
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_an_unrolled_layer_scan_computes_the_same_step(remat):
+    """model.scan_unroll changes how the layer scan compiles, not what it computes."""
+    cfg = dataclasses.replace(CFG, remat=remat)
+    p = tr.init_params(cfg, jax.random.PRNGKey(0))
+    s = tr.init_state(cfg)
+    toks = jax.random.randint(jax.random.PRNGKey(1), (B, T + 1), 0, cfg.vocab_size)
+
+    def loss_and_grad(unroll):
+        c = dataclasses.replace(cfg, scan_unroll=unroll)
+        return jax.jit(jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, c)[0]))(p)
+
+    (loss, grad), (unrolled, unrolled_grad) = loss_and_grad(1), loss_and_grad(cfg.n_layers)
+    np.testing.assert_allclose(unrolled, loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+                 unrolled_grad, grad)
+    loops = {u: jax.jit(lambda p, u=u: tr.lm_loss(p, s, toks, dataclasses.replace(
+        cfg, scan_unroll=u))[0]).lower(p).as_text().count("stablehlo.while")
+        for u in (1, cfg.n_layers)}
+    assert loops[cfg.n_layers] == loops[1] - 1  # the layer loop is gone, the others stay
+
+
 def grad_flops(cfg: ModelConfig) -> int:
     """Matmul FLOPs of the loss's value and gradient (traced, not run)."""
     p = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.PRNGKey(0)))

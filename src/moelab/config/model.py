@@ -66,6 +66,9 @@ class ModelConfig:
     # "none" | "full" (recompute each block in the backward) | "dots" (keep its unbatched matmul
     # outputs and the route, recompute the rest: attention core, routed experts, elementwise ops)
     remat: str = "none"
+    # layers per iteration of the layer scan (jax.lax.scan's unroll): 1 keeps one compiled block;
+    # n_layers unrolls it whole (longer compiles; XLA then sees every layer's buffers)
+    scan_unroll: int = 1
 
     @property
     def routed_width(self) -> int:
@@ -165,6 +168,9 @@ class ModelConfig:
                 "must be 'float32' or 'bfloat16'")
         require(self.remat in REMAT_POLICIES, f"{p}.remat",
                 f"must be one of {', '.join(REMAT_POLICIES)} (got {self.remat!r})")
+        require(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1,
+                f"{p}.scan_unroll", f"must be an integer >= 1 (got {self.scan_unroll!r}; 1 = "
+                f"no unrolling, n_layers = {self.n_layers} unrolls the layer scan whole)")
         require(self.attention_impl in ("auto", "chunked", "xla", "cudnn"), f"{p}.attention_impl",
                 "must be one of auto, chunked, xla, cudnn")
         require(self.attention_impl != "cudnn" or (self.compute_dtype == "bfloat16" and

@@ -241,7 +241,8 @@ def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, ex
 
     # only the block scan: the chunked loss checkpoints the head itself (model.loss)
     x, routing = jax.lax.scan(remat_block(block, cfg.remat), x,
-                              (params["blocks"], state["router_bias"], windows, is_global))
+                              (params["blocks"], state["router_bias"], windows, is_global),
+                              unroll=min(cfg.scan_unroll, cfg.n_layers))
     return final_norm(params, x, cfg), routing
 
 
