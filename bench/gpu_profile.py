@@ -95,6 +95,7 @@ class Hlo:
     """The instructions of an optimized HLO module's text, with their Python stacks."""
 
     def __init__(self, text: str):
+        self.text = text
         m = re.match(r"HloModule ([\w.\-]+)", text)
         self.module = m.group(1) if m else ""
         self.ins: dict[str, Instr] = {}
@@ -377,17 +378,26 @@ def op_times(events, hlo: Hlo) -> Times:
     return t
 
 
-def measured(hlo: Hlo, trace_dir: str) -> dict | None:
-    """The traced step by category, or None when no trace file could be read."""
+def measured(hlo: Hlo, trace_dir: str, dump_to: str | None = None) -> dict | None:
+    """The traced step by category, or None when no trace file could be read; with
+    ``dump_to``, the first readable trace's events are also written there (``dump``), placed
+    or not."""
     readers = [("jax.profiler.ProfileData", "*.xplane.pb", _events_profile_data),
                ("perfetto trace JSON", "*trace.json.gz", _events_perfetto)]
     for source, pattern, read in readers:
         for path in glob.glob(os.path.join(trace_dir, "**", pattern), recursive=True):
             try:
-                times = op_times(read(path), hlo)
+                events = list(read(path))
             except Exception as e:  # noqa: BLE001 - an unreadable trace: try the next reader
                 print(f"profile: {source} could not read {path}: {e}", flush=True)
                 continue
+            if dump_to:
+                try:  # raw material only: never at the cost of the summary
+                    dump(hlo.text, events, dump_to)
+                except Exception as e:  # noqa: BLE001
+                    print(f"profile: could not write {dump_to}: {e}", flush=True)
+                dump_to = None
+            times = op_times(events, hlo)
             if times.ops or times.named:
                 return _by_category(hlo, times, source)
     return None
@@ -409,31 +419,32 @@ def _by_category(hlo: Hlo, t: Times, source: str) -> dict:
                                  sorted(t.unknown.items(), key=lambda kv: -kv[1])[:12]]}
 
 
-def dump(hlo_text: str, trace_dir: str, path: str) -> None:
+def dump(hlo_text: str, events, path: str) -> None:
     """The raw material of a profile, for reading again elsewhere: the compiled HLO text and the
-    trace's events summed per (plane, line, name, hlo_op, hlo_module) with the stat names
-    they carry."""
-    events: dict[tuple, list] = {}
-    for path_ in glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True):
-        for plane, line, name, ns, stats in _events_profile_data(path_):
-            if plane.startswith("/host:") and not stats.get("hlo_op"):
-                continue  # the Python side's own events: many, and not kernels
-            key = (plane, line, name, *map(str, _op_of(name, stats)))
-            e = events.setdefault(key, [0, 0.0, sorted(stats)])
-            e[0] += 1
-            e[1] += ns
+    trace's events (as ``op_times`` takes them) summed per (plane, line, name, hlo_op,
+    hlo_module) with the stat names they carry."""
+    summed: dict[tuple, list] = {}
+    for plane, line, name, ns, stats in events:
+        if plane.startswith("/host:") and not stats.get("hlo_op"):
+            continue  # the Python side's own events: many, and not kernels
+        key = (plane, line, name, *map(str, _op_of(name, stats)))
+        e = summed.setdefault(key, [0, 0.0, sorted(stats)])
+        e[0] += 1
+        e[1] += ns
     rows = [{"plane": k[0], "line": k[1], "name": k[2], "hlo_op": k[3], "hlo_module": k[4],
-             "count": n, "ns": ns, "stats": keys} for k, (n, ns, keys) in events.items()]
+             "count": n, "ns": ns, "stats": keys} for k, (n, ns, keys) in summed.items()]
     tmp = f"{path}.tmp"
     with gzip.open(tmp, "wt") as f:
         json.dump({"hlo": hlo_text, "events": rows}, f)
     os.replace(tmp, path)
 
 
-def summary(hlo_text: str, trace_dir: str | None, peak_flops: float, mem_bw: float) -> dict:
-    """Measured breakdown when the trace is readable, the estimate always."""
+def summary(hlo_text: str, trace_dir: str | None, peak_flops: float, mem_bw: float,
+            dump_to: str | None = None) -> dict:
+    """Measured breakdown when the trace is readable, the estimate always; ``dump_to``: where
+    ``measured`` writes the trace's raw material."""
     hlo = Hlo(hlo_text)
-    out = measured(hlo, trace_dir) if trace_dir else None
+    out = measured(hlo, trace_dir, dump_to) if trace_dir else None
     est = estimated(hlo, peak_flops, mem_bw)
     if out is None:
         total = sum(c["ms"] for c in est.values())

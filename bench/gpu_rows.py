@@ -81,13 +81,8 @@ def profile(compiled, state, batch, spec: dict) -> tuple:
         jax.block_until_ready(metrics)
         step_ms = 1e3 * (time.perf_counter() - t)
         jax.profiler.stop_trace()
-        hlo = compiled.as_text()
-        if spec.get("dump"):
-            try:  # raw material only: never at the cost of the summary
-                gpu_profile.dump(hlo, trace_dir, spec["dump"])
-            except Exception as e:  # noqa: BLE001
-                print(f"profile: could not write {spec['dump']}: {e}", flush=True)
-        out = gpu_profile.summary(hlo, trace_dir, roofline_peak(spec), spec["mem_bw"])
+        out = gpu_profile.summary(compiled.as_text(), trace_dir, roofline_peak(spec),
+                                  spec["mem_bw"], spec.get("dump"))
     return state, {"step_ms": step_ms, **out}
 
 

@@ -41,40 +41,36 @@ def test_unknown_remat_names_the_field_and_the_choices(value):
         load_config("tiny", [f"model.remat='{value}'"])
 
 
-def test_dots_computes_the_loss_and_gradients_of_none():
-    """A policy only changes what the backward recomputes (full: as before this option)."""
-    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
-                      head_dim=8, expert_dim=8, shared_dim=8, n_experts=4)
+def assert_same_step(cfg: ModelConfig, a: dict, b: dict):
+    """The loss and gradients of one step equal under ``cfg`` changed by ``a`` and by ``b``;
+    (params, state, tokens) of that step."""
     p = tr.init_params(cfg, jax.random.PRNGKey(0))
     s = tr.init_state(cfg)
     toks = jax.random.randint(jax.random.PRNGKey(1), (B, T + 1), 0, cfg.vocab_size)
 
-    def loss_and_grad(remat):
-        c = dataclasses.replace(cfg, remat=remat)
+    def loss_and_grad(changes):
+        c = dataclasses.replace(cfg, **changes)
         return jax.jit(jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, c)[0]))(p)
 
-    (loss, grad), (dots, dots_grad) = loss_and_grad("none"), loss_and_grad("dots")
-    np.testing.assert_allclose(dots, loss, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 dots_grad, grad)
+    (loss, grad), (loss_b, grad_b) = loss_and_grad(a), loss_and_grad(b)
+    np.testing.assert_allclose(loss_b, loss, rtol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
+                 grad_b, grad)
+    return p, s, toks
+
+
+def test_dots_computes_the_loss_and_gradients_of_none():
+    """A policy only changes what the backward recomputes (full: as before this option)."""
+    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
+                      head_dim=8, expert_dim=8, shared_dim=8, n_experts=4)
+    assert_same_step(cfg, {"remat": "none"}, {"remat": "dots"})
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_an_unrolled_layer_scan_computes_the_same_step(remat):
     """model.scan_unroll changes how the layer scan compiles, not what it computes."""
     cfg = dataclasses.replace(CFG, remat=remat)
-    p = tr.init_params(cfg, jax.random.PRNGKey(0))
-    s = tr.init_state(cfg)
-    toks = jax.random.randint(jax.random.PRNGKey(1), (B, T + 1), 0, cfg.vocab_size)
-
-    def loss_and_grad(unroll):
-        c = dataclasses.replace(cfg, scan_unroll=unroll)
-        return jax.jit(jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, c)[0]))(p)
-
-    (loss, grad), (unrolled, unrolled_grad) = loss_and_grad(1), loss_and_grad(cfg.n_layers)
-    np.testing.assert_allclose(unrolled, loss, rtol=1e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-                 unrolled_grad, grad)
+    p, s, toks = assert_same_step(cfg, {"scan_unroll": 1}, {"scan_unroll": cfg.n_layers})
     loops = {u: jax.jit(lambda p, u=u: tr.lm_loss(p, s, toks, dataclasses.replace(
         cfg, scan_unroll=u))[0]).lower(p).as_text().count("stablehlo.while")
         for u in (1, cfg.n_layers)}
