@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from common import print_table, save
 from moelab.config import ConfigError, load_config
+from moelab.config.model import REMAT_POLICIES
 from moelab.model.experts import resolve_impl
 from moelab.model.layers import resolve_attention
 from moelab.planner import flop_audit as fa
@@ -161,7 +162,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("config", help="preset name or YAML file; then KEY=VALUE overrides")
     ap.add_argument("--remat", nargs="+", default=["none", "full"],
-                    choices=["none", "full", "dots"], help="remat policies (default: none full)")
+                    choices=list(REMAT_POLICIES), help="remat policies (default: none full)")
     ap.add_argument("--backend", choices=["gpu", "cpu"], default="gpu",
                     help="trace the path a GPU runs (default) or the one a CPU runs")
     ap.add_argument("--name", default="flop_audit", help="results file name")

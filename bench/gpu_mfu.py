@@ -12,18 +12,20 @@ Rows, most important first (``--help`` lists them with their expected seconds):
    tokens per step (bf16, cuDNN attention, the gmm expert kernel, chunked loss): tokens/s,
    MFU, peak memory, compile time, XLA's memory analysis, one profiled step by kernel
    category (bench/gpu_profile.py);
-3. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
+3. the remat policies that recompute less where they fit: ``d1024-remat-experts`` (only the
+   routed experts recomputed) and ``d768-remat-none`` (nothing), both profiled;
+4. ablations, one fast path changed at a time: the layer scan unrolled, twice the tokens per
+   step, d768 as the preset runs it (profiled), remat ``dots``;
+5. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
+   expert_dim, no routing sparsity): the practical ceiling;
+6. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
    shape (``expert_shape``: 524,288 rows of 512 into 512, 384 experts) for every expert
    kernel but blocks (``LEGS_DEFAULT``), next to a dense matmul of the same FLOPs
-   (bench/gpu_legs.py);
-4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
-   expert_dim, no routing sparsity): the practical ceiling;
-5. ``d768`` (profiled too);
-6. ablations while time is left, one fast path changed at a time: remat ``dots``, twice the
-   tokens per step, the layer scan unrolled. Rows known to need more than the GPU's memory or minutes of their own
-   run only when named (``d1024-blocks``: the blocks kernel was still compiling after 375 s on
-   the H200), as do ``gmm-tiles-d1024``, the gmm kernel's tile sweep (``GMM_TILES``) that
-   sets its defaults, and ablations already measured (their notes give the figures).
+   (bench/gpu_legs.py); then d768's rows.
+Rows known to need more than the GPU's memory or minutes of their own run only when named
+(``d1024-blocks``: the blocks kernel was still compiling after 375 s on the H200), as do
+``gmm-tiles-d1024``, the gmm kernel's tile sweep (``GMM_TILES``) that sets its defaults, and
+ablations already measured (their notes give the figures).
 
 The driver never imports JAX: each row runs in its own process (bench/gpu_rows.py) with its
 own XLA_PYTHON_CLIENT_MEM_FRACTION, so no process holds the memory the next one needs, and a
@@ -173,30 +175,42 @@ def all_rows() -> dict[str, Row]:
         Row("peak", 15, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
         # the GPU's default expert kernel is gmm (model/experts.resolve_impl)
         train_row("d1024", "d1024", [], 45, profile=True),
-        legs_row("legs-d1024", expert_shape("d1024"), 60),
-        train_row("dense-d1024", "d1024", dense_overrides("d1024"), 50,
-                  dry_overrides=dense_overrides("tiny")),
-        train_row("d768", "d768", [], 40, profile=True, dry_overrides=BF16_GMM),
         # the preset's remat=full recomputes every block (1.26x the model FLOPs in
-        # bench/flop_audit.py); dots keeps the unbatched matmul outputs and the route (1.16x):
-        # `moelab plan d1024 ... --attention fused --accelerator h200` plans 80.4 GiB (full
-        # 66.1, none 146.6: over the GPU)
-        train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 50, profile=True),
-        train_row("d768-remat-dots", "d768", ["model.remat=dots"], 40,
-                  dry_overrides=[*BF16_GMM, "model.remat=dots"]),
-        # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers,
-        # the weight casts: ~45 ms of d1024's 557 in the profile) weigh half as much; full remat
-        # plans 72.7 GiB for d1024
-        train_row("d1024-batch128k", "d1024", ["data.batch_size=32"], 60,
-                  dry_overrides=["data.batch_size=4"]),
+        # bench/flop_audit.py); "experts" recomputes the routed experts alone (1.12x), "dots"
+        # the batched matmuls, kernels and elementwise ops (1.16x); none 1.04x. `moelab plan
+        # d1024 ... --attention fused --accelerator h200` plans experts 104.8 GiB, dots 79.6,
+        # full 65.3, none 128.2 (the children's 0.92 of 139 GiB: too close to run by default);
+        # d768 plans none at 57.8 GiB
+        train_row("d1024-remat-experts", "d1024", ["model.remat=experts"], 50, profile=True),
+        train_row("d768-remat-none", "d768", ["model.remat=none"], 40, profile=True,
+                  dry_overrides=[*BF16_GMM, "model.remat=none"]),
         # the layer scan unrolled: XLA sees each layer's buffers, no stacking of the weights'
         # slices and gradients (the profile's dynamic-update-slice, zero fill and memcpy:
         # ~25 ms of d1024's step), at a longer compile
         train_row("d1024-unroll", "d1024", ["model.scan_unroll=12"], 90,
                   dry_overrides=["model.scan_unroll=2"]),
+        train_row("d768-remat-experts", "d768", ["model.remat=experts"], 40,
+                  dry_overrides=[*BF16_GMM, "model.remat=experts"]),
+        # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers,
+        # the weight casts: ~45 ms of d1024's 557 in the profile) weigh half as much; full remat
+        # plans 72.7 GiB for d1024
+        train_row("d1024-batch128k", "d1024", ["data.batch_size=32"], 60,
+                  dry_overrides=["data.batch_size=4"]),
+        train_row("d768", "d768", [], 40, profile=True, dry_overrides=BF16_GMM),
+        train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 50, profile=True),
+        train_row("dense-d1024", "d1024", dense_overrides("d1024"), 50,
+                  dry_overrides=dense_overrides("tiny")),
+        legs_row("legs-d1024", expert_shape("d1024"), 60),
         train_row("d768-batch128k", "d768", ["data.batch_size=32"], 50,
                   dry_overrides=[*BF16_GMM, "data.batch_size=4"]),
+        train_row("d768-none-batch128k", "d768", ["model.remat=none", "data.batch_size=32"],
+                  50, dry_overrides=[*BF16_GMM, "model.remat=none", "data.batch_size=4"]),
         legs_row("legs-d768", expert_shape("d768"), 50),
+        train_row("d768-remat-dots", "d768", ["model.remat=dots"], 40, ask_only=True,
+                  dry_overrides=[*BF16_GMM, "model.remat=dots"],
+                  note="H200, JAX 0.11.2: 213,831 tokens/s, 23.8% MFU (2026-12-04)"),
+        train_row("d1024-remat-none", "d1024", ["model.remat=none"], 50, ask_only=True,
+                  note="plans 128.2 GiB: run with --mem-fraction 0.97"),
         train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 70,
                   ask_only=True, note="H200, JAX 0.11.2: 63,457 tokens/s, 13.1% MFU (2026-12-04)"),
         train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 60,

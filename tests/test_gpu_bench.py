@@ -140,9 +140,9 @@ def test_bad_options_fail_before_any_row(tmp_path, name, args, message):
 
 
 def test_a_kernel_that_failed_its_legs_does_not_train(tmp_path, monkeypatch):
-    """The gmm kernel fails a leg in legs-d1024: the rows that train with it (d768, whose
-    ``auto`` is gmm on a GPU; d1024 runs before the legs) are skipped, saying why, and the
-    rows that do not (the dense model, mgpu) still run."""
+    """The gmm kernel fails a leg in legs-d1024: the rows after it that train with it
+    (d768-batch128k, whose ``auto`` is gmm on a GPU; d1024 runs before the legs) are skipped,
+    saying why, and the rows that do not (mgpu) still run."""
     import gpu_mfu
 
     monkeypatch.setenv("OUT", str(tmp_path))
@@ -158,12 +158,12 @@ def test_a_kernel_that_failed_its_legs_does_not_train(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gpu_mfu, "run_child", child)
     rows = gpu_mfu.all_rows()
-    args = gpu_mfu.parse_args(["--rows", "legs-d1024", "dense-d1024", "d768", "d1024-mgpu",
-                               "--name", "kernels"], rows)
+    args = gpu_mfu.parse_args(["--rows", "legs-d1024", "dense-d1024", "d768-batch128k",
+                               "d1024-mgpu", "--name", "kernels"], rows)
     records = {r["row"]: r for r in gpu_mfu.run(args, gpu_mfu.select(args, rows))[0]}
-    assert ran == ["peak", "legs-d1024", "dense-d1024", "d1024-mgpu"]
-    assert records["d768"]["status"] == ("skipped: gmm failed in legs-d1024 (wgrad: "
-                                         "XlaRuntimeError: RESOURCE_EXHAUSTED)")
+    assert ran == ["peak", "dense-d1024", "legs-d1024", "d1024-mgpu"]
+    assert records["d768-batch128k"]["status"] == ("skipped: gmm failed in legs-d1024 (wgrad: "
+                                                   "XlaRuntimeError: RESOURCE_EXHAUSTED)")
     assert gpu_mfu.failed_kernel(rows["d1024-mgpu"], list(records.values())) == ""
     kernels = {r.name: r.kernel for r in rows.values() if r.spec["kind"] == "train"}
     assert kernels["d1024"] == kernels["d1024-remat-dots"] == "gmm"

@@ -1,6 +1,6 @@
-"""model.remat, the block scan's checkpoint policy (none, dots, full): older configs' true/false
-load as full/none; dots computes the loss and gradients of none; more recompute costs more
-matmul FLOPs; the chunked loss recomputes the head once, under any policy. (Memory per policy
+"""model.remat, the block scan's checkpoint policy (none, experts, dots, full): older configs'
+true/false load as full/none; every policy computes the loss and gradients of none; more
+recompute costs more matmul FLOPs; the chunked loss recomputes the head once, under any policy. (Memory per policy
 against XLA: tests/test_plan.py.)"""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def test_old_bool_remat_loads_as_a_policy(tmp_path):
 
 @pytest.mark.parametrize("value", ["partial", "True"])
 def test_unknown_remat_names_the_field_and_the_choices(value):
-    with pytest.raises(ConfigError, match=r"model\.remat: must be one of none, dots, full"):
+    with pytest.raises(ConfigError, match=r"model\.remat: must be one of none, experts, dots, full"):
         load_config("tiny", [f"model.remat='{value}'"])
 
 
@@ -59,11 +59,12 @@ def assert_same_step(cfg: ModelConfig, a: dict, b: dict):
     return p, s, toks
 
 
-def test_dots_computes_the_loss_and_gradients_of_none():
+@pytest.mark.parametrize("remat", ["experts", "dots"])
+def test_a_policy_computes_the_loss_and_gradients_of_none(remat):
     """A policy only changes what the backward recomputes (full: as before this option)."""
     cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
                       head_dim=8, expert_dim=8, shared_dim=8, n_experts=4)
-    assert_same_step(cfg, {"remat": "none"}, {"remat": "dots"})
+    assert_same_step(cfg, {"remat": "none"}, {"remat": remat})
 
 
 @pytest.mark.parametrize("remat", ["none", "full"])
@@ -97,8 +98,8 @@ def test_policies_cost_their_recompute_and_run_the_head_three_times(loss_chunk):
     one_pass = 2 * B * T * CFG.d_model * 64  # one head matmul over 64 more vocabulary entries
     for r in REMAT_POLICIES:
         assert flops[(r, 128)] - flops[(r, 64)] == 3 * one_pass, r
-    none, dots, full = (flops[(r, 64)] for r in ("none", "dots", "full"))
-    assert none < dots < full
+    none, experts, dots, full = (flops[(r, 64)] for r in ("none", "experts", "dots", "full"))
+    assert none < experts < dots < full
 
 
 def count_prims(jaxpr, names: set[str]) -> dict[str, int]:
@@ -118,10 +119,10 @@ ROUTE_PRIMS = {"top_k", "argmax", "sort", "cumsum", "scatter", "scatter-add"}
 
 
 @pytest.mark.parametrize("router", ["quantile", "softmax_aux"])
-def test_dots_keeps_the_route_and_recomputes_the_kernels(router):
-    """Under "dots" a block's backward reruns its expert kernels (gmm: Pallas, interpreted
-    here) as under "full", but not its route: the router's top-k and the layout's sort,
-    scatters and cumulative sums run as often as without remat."""
+def test_dots_and_experts_keep_the_route_and_recompute_the_kernels(router):
+    """Under "dots" and "experts" a block's backward reruns its expert kernels (gmm: Pallas,
+    interpreted here) as under "full", but not its route: the router's top-k and the layout's
+    sort, scatters and cumulative sums run as often as without remat."""
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", moe_impl="gmm", moe_block=16,
                               router=router)
     p = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.PRNGKey(0)))
@@ -134,8 +135,10 @@ def test_dots_keeps_the_route_and_recomputes_the_kernels(router):
         return count_prims(jax.make_jaxpr(f)(p, toks).jaxpr, {"pallas_call", *ROUTE_PRIMS})
 
     none, dots, full = counts("none"), counts("dots"), counts("full")
+    experts = counts("experts")
     assert none["pallas_call"] == 8  # 3 forward; 5 backward (the input's data gradient: one)
-    assert dots["pallas_call"] == full["pallas_call"] == 11  # the forward's 3 again
+    # the forward's 3 again
+    assert experts["pallas_call"] == dots["pallas_call"] == full["pallas_call"] == 11
     route = lambda c: {k: c[k] for k in ROUTE_PRIMS}  # noqa: E731
-    assert route(dots) == route(none)
+    assert route(experts) == route(dots) == route(none)
     assert full["top_k"] == none["top_k"] + 1 and full["cumsum"] > none["cumsum"]

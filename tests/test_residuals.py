@@ -1,5 +1,7 @@
 """What the backward keeps: RMSNorm, SwiGLU's gate and the grouped SwiGLU keep their inputs and
-little else (custom VJPs), with the gradients of the plain formulas."""
+little else (custom VJPs); the short convolution, XSA, the router's float32 logits and the
+shared SwiGLU's down projection keep their inputs only (``recompute_inside``); all with the
+gradients of the plain formulas."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import pytest
 
 from moelab.config import load_config
 from moelab.model.grouped_matmul import grouped_swiglu_rows, reference_backend
-from moelab.model.layers import rms_norm, silu_mul
+from moelab.model.layers import causal_conv, exclusive, gated_down, rms_norm, silu_mul, swiglu
+from moelab.model.moe import router_logits
 from moelab.planner.cluster import accelerator
 from moelab.planner.memory import (
     Layout,
@@ -65,6 +68,35 @@ def test_what_the_backward_keeps():
     kept = residual_bytes(lambda x, w: grouped_swiglu_rows(x, w, counts, reference_backend()),
                           x, w)
     assert kept == 2 * R * I * 2 + counts.nbytes  # gate and up (bf16), the group sizes
+
+
+def test_elementwise_steps_keep_only_their_inputs():
+    """Autodiff of the plain forms keeps the conv's K shifted copies, XSA's and the router's
+    float32 copies, and the SwiGLU's product; recomputed inside, nothing beyond the inputs
+    (the shared SwiGLU: its gate and up projections, the down projection's inputs)."""
+    S, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
+    cases = {"conv": (causal_conv, S((2, 16, 32), bf), S((4, 32), f32)),
+             "xsa": (exclusive, S((2, 16, 2, 3, 8), bf), S((2, 16, 2, 8), bf)),
+             "router": (router_logits, S((64, 32), bf), S((32, 8), f32)),
+             "down": (gated_down, S((64, 16), bf), S((64, 16), bf), S((16, 32), bf))}
+    for name, (fn, *args) in cases.items():
+        assert residual_bytes(fn, *args) == 0, name
+        assert residual_bytes(fn.__wrapped__, *args) > 0, name  # the plain form keeps copies
+    x, w_in, w_down = S((64, 32), bf), S((32, 16), bf), S((16, 32), bf)
+    assert residual_bytes(swiglu, x, w_in, w_in, w_down) == 2 * 64 * 16 * 2
+
+
+def test_recomputed_steps_have_the_plain_gradients():
+    k = jax.random.split(jax.random.PRNGKey(3), 6)
+    x, w = jax.random.normal(k[0], (2, 16, 8)), jax.random.normal(k[1], (4, 8))
+    o, v = jax.random.normal(k[2], (2, 16, 2, 3, 8)), jax.random.normal(k[3], (2, 16, 2, 8))
+    g, u, wd = (jax.random.normal(k[4], (16, 8)), jax.random.normal(k[5], (16, 8)),
+                jax.random.normal(k[0], (8, 4)))
+    for fn, args in ((causal_conv, (x, w)), (exclusive, (o, v)), (router_logits, (x[0], w.T)),
+                     (gated_down, (g, u, wd))):
+        np.testing.assert_allclose(fn(*args), fn.__wrapped__(*args), rtol=1e-6)
+        for a, b in zip(grads(fn, *args), grads(fn.__wrapped__, *args)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("capability,dtype,impl,want", [

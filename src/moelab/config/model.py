@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from moelab.config.errors import require
 
 CONV_SITES = ("q", "k", "v", "attn", "moe")  # projections, attention-branch / MoE-branch output
-REMAT_POLICIES = ("none", "dots", "full")  # what a block keeps for the backward (model.remat)
+REMAT_POLICIES = ("none", "experts", "dots", "full")  # what a block keeps for the backward
 MOE_IMPLS = ("auto", "blocks", "gmm", "ragged", "ragged_fusion", "mgpu", "dense")
 # what moe_impl=ragged_fusion needs in XLA_FLAGS on a GPU (here, so launchers read it without JAX)
 RAGGED_FUSION_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
@@ -63,8 +63,10 @@ class ModelConfig:
     init_std: float = 0.0  # 0 = 0.5 / sqrt(d_model), as in the reference
     norm_eps: float = 1e-5  # RMSNorm epsilon
     compute_dtype: str = "float32"  # "float32" | "bfloat16"; master weights stay float32
-    # "none" | "full" (recompute each block in the backward) | "dots" (keep its unbatched matmul
-    # outputs and the route, recompute the rest: attention core, routed experts, elementwise ops)
+    # "none" | "experts" (keep everything but the routed experts' sorted rows, which the
+    # backward recomputes from the route: gather and expert forward) | "dots" (keep the block's
+    # unbatched matmul outputs and the route, recompute the rest: attention core, routed
+    # experts, elementwise ops) | "full" (recompute each block in the backward)
     remat: str = "none"
     # layers per iteration of the layer scan (jax.lax.scan's unroll): 1 keeps one compiled block;
     # n_layers unrolls it whole (longer compiles; XLA then sees every layer's buffers)

@@ -15,8 +15,31 @@ import jax.numpy as jnp
 
 from moelab.config import ModelConfig
 from moelab.model.experts import DropCounts, routed_experts
-from moelab.model.layers import rms_norm, swiglu
+from moelab.model.layers import recompute_inside, rms_norm, swiglu
 from moelab.model.router import Routing, route
+
+
+@recompute_inside
+def router_logits(x_ND, w_DE):
+    """The router's logits in float32: bf16 router weights change ~1% of tokens' top-k experts
+    and move quantile margins ~10 histogram bins (bench/router_precision.py) for <1% of the
+    FLOPs. The backward keeps x in its own dtype and casts it again (``recompute_inside``)."""
+    return jnp.dot(x_ND.astype(jnp.float32), w_DE.astype(jnp.float32))
+
+
+def _local_experts(cfg: ModelConfig):
+    """The single-device routed experts; under model.remat="experts" they keep for the
+    backward only their inputs and the route's layout ("routing": small, and rebuilding it
+    takes a sort and scatters): the backward gathers the sorted rows and runs the experts'
+    forward again, where "none" keeps the rows, the gate and up projections and the output
+    (4 x 560 MiB per layer at d1024's 65,536 tokens per step) and the other policies recompute
+    the whole block. An expert-parallel ``experts_fn`` keeps what its transport keeps."""
+    fn = lambda z, e, w, ew: routed_experts(z, e, w, ew, cfg)  # noqa: E731
+    if cfg.remat != "experts":
+        return fn
+    # prevent_cse=False: inside the layer scan (see layers.recompute_inside)
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names("routing"),
+                          prevent_cse=False)
 
 
 @jax.named_scope("moe")  # names its matmuls for planner.flop_audit
@@ -27,9 +50,7 @@ def moe_branch(p: dict, x_ND, bias_E, cfg: ModelConfig, valid_N=None, experts_fn
     replaces the single-device routed-expert compute: expert-parallel transports plug in here
     and report int32 assignment/drop counts (per device), which land summed in ``Routing.drops``.
     """
-    # float32: bf16 router weights change ~1% of tokens' top-k experts and move quantile
-    # margins ~10 histogram bins (bench/router_precision.py) for <1% of the FLOPs
-    logits = jnp.dot(x_ND.astype(jnp.float32), p["router"].astype(jnp.float32))
+    logits = router_logits(x_ND, p["router"])
     r: Routing = route(logits, bias_E, cfg, valid_N)
     weight = r.weight_NK
     if valid_N is not None:  # padding tokens produce no valid assignment
@@ -42,7 +63,7 @@ def moe_branch(p: dict, x_ND, bias_E, cfg: ModelConfig, valid_N=None, experts_fn
     if valid_N is not None:
         valid_NK = valid_NK & valid_N[:, None].astype(bool)
     if experts_fn is None:
-        routed = routed_experts(z, r.expert_NK, weight, ew, cfg)
+        routed = _local_experts(cfg)(z, r.expert_NK, weight, ew)
         counts = DropCounts.of(jnp.sum(valid_NK, dtype=jnp.int32))
     else:
         routed, per_device = experts_fn(z, r.expert_NK, weight, ew, valid_NK)

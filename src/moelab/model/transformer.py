@@ -20,7 +20,8 @@ from moelab.model.moe import moe_branch
 from moelab.model.router import update_bias
 
 # model.remat -> the jax.checkpoint policy of the block scan: what each block saves beyond its
-# input. "dots" saves the matmuls without batch dimensions (projections, router, latent, shared
+# input. "none" and "experts" put no checkpoint around the block ("experts" puts one around the
+# routed experts alone, model.moe.moe_branch). "dots" saves the matmuls without batch dimensions (projections, router, latent, shared
 # experts) and the route (``checkpoint_name`` "routing": the chosen experts and their sorted
 # layout, small, where rebuilding them takes a top-k and scatters); the batched matmuls
 # (attention scores, expert blocks), the kernels (gmm, cuDNN attention) and the rest are
@@ -34,8 +35,10 @@ REMAT_SAVES = {"full": None, "dots": jax.checkpoint_policies.save_from_both_poli
 
 
 def remat_block(block, remat: str):
-    """``block`` under model.remat's checkpoint policy ("none": as it is)."""
-    return block if remat == "none" else jax.checkpoint(block, policy=REMAT_SAVES[remat])
+    """``block`` under model.remat's checkpoint policy ("none", "experts": as it is)."""
+    if remat not in REMAT_SAVES:
+        return block
+    return jax.checkpoint(block, policy=REMAT_SAVES[remat])
 
 
 class Param(NamedTuple):

@@ -154,10 +154,13 @@ def head_gradient_bytes(cfg: ModelConfig) -> int:
     return 4 * cfg.d_model * cfg.vocab_size
 
 
-def _recomputed(fn, remat: str, *args) -> int:
-    """Bytes of ``fn``'s residuals that a block's backward recomputes under ``remat``: all of
-    them, less what the policy saves (counted once per layer in the whole loss's residuals)."""
-    return max(0, residual_bytes(fn, *args) - residual_bytes(tr.remat_block(fn, remat), *args))
+def _recomputed(branch, m: ModelConfig, *args) -> int:
+    """Bytes of a block branch's residuals that its backward recomputes under ``m.remat``
+    (``branch(cfg)``: the branch's function of (x, params)): all of them without remat, less
+    what the policy saves (counted once per layer in the whole loss's residuals); for
+    "experts", the routed experts' own."""
+    plain = residual_bytes(branch(dataclasses.replace(m, remat="none")), *args)
+    return max(0, plain - residual_bytes(tr.remat_block(branch(m), m.remat), *args))
 
 
 def planned_experts(cfg: ModelConfig, cuda_capability: float = 0.0) -> str:
@@ -177,13 +180,14 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
                       remat: str | None = None, attention: str = "materialized",
                       loss: str = "materialized", experts: str = "blocks") -> dict[str, int]:
     """Activation bytes of one device's forward + backward at [batch, seq_len] under the block
-    remat policy ``remat`` (model.remat: none, full or dots; default the config's).
+    remat policy ``remat`` (model.remat: none, experts, dots or full; default the config's).
 
-    saved: what the whole loss keeps for the backward: every layer's residuals (none); each
-    layer's input (full); each layer's input and unbatched matmul outputs (dots); plus the head.
-    layer: what one layer's backward recomputes on top (full, dots): the larger of its two
-    branches' residuals less what the policy saved of them (the backward runs the MoE branch,
-    frees it, then the attention branch); peak = saved + layer. ``local_experts=False`` leaves
+    saved: what the whole loss keeps for the backward: every layer's residuals (none); all but
+    the routed experts' (experts); each layer's input and unbatched matmul outputs (dots); each
+    layer's input (full); plus the head. layer: what one layer's backward recomputes on top
+    (experts, dots, full): the larger of its two branches' residuals less what the policy saved
+    of them (the backward runs the MoE branch, frees it, then the attention branch); peak =
+    saved + layer. ``local_experts=False`` leaves
     the routed experts out (an expert-parallel transport owns them; see transport_memory).
     ``attention``/``loss``: "materialized" (this code's plain paths) or "fused". Fused
     attention is measured in place, the attention core standing in as a fused kernel keeps it
@@ -220,10 +224,10 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
             cos, sin = rope_tables(jnp.arange(seq_len), int(m.head_dim * m.rope_fraction),
                                    m.rope_theta)
             bias = jnp.zeros((m.n_experts,), jnp.float32)
-            attn = _recomputed(lambda x, p: tr.attention_branch(p, x, m, 0, cos, sin, False),
-                               remat, x, p1)
-            moe = _recomputed(lambda x, p: tr.mixture_branch(p, x, bias, m, None, experts_fn)[0],
-                              remat, x, p1)
+            attn = _recomputed(lambda c: lambda x, p: tr.attention_branch(p, x, c, 0, cos, sin,
+                                                                        False), m, x, p1)
+            moe = _recomputed(lambda c: lambda x, p: tr.mixture_branch(p, x, bias, c, None,
+                                                                     experts_fn)[0], m, x, p1)
             out.update(layer=max(attn, moe), attention_layer=attn, moe_layer=moe)
     out["peak"] = out["saved"] + out["layer"]
     return out
