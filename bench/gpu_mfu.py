@@ -14,8 +14,9 @@ Rows, most important first (``--help`` lists them with their expected seconds):
    category (bench/gpu_profile.py);
 3. the remat policies that recompute less where they fit: ``d1024-remat-experts`` (only the
    routed experts recomputed) and ``d768-remat-none`` (nothing), both profiled;
-4. ablations, one fast path changed at a time: the layer scan unrolled, twice the tokens per
-   step, d768 as the preset runs it (profiled), remat ``dots``;
+4. ablations, one fast path changed at a time: d768's layer scan unrolled, d768 with remat
+   ``experts``, twice the tokens per step, d768 as the preset runs it (profiled), remat
+   ``dots``;
 5. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling;
 6. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
@@ -179,16 +180,17 @@ def all_rows() -> dict[str, Row]:
         # bench/flop_audit.py); "experts" recomputes the routed experts alone (1.12x), "dots"
         # the batched matmuls, kernels and elementwise ops (1.16x); none 1.04x. `moelab plan
         # d1024 ... --attention fused --accelerator h200` plans experts 104.8 GiB, dots 79.6,
-        # full 65.3, none 128.2 (the children's 0.92 of 139 GiB: too close to run by default);
-        # d768 plans none at 57.8 GiB
+        # full 65.3, none 128.2 (too close to the children's 0.92 of the GPU's memory to run by
+        # default); d768 plans none at 57.8 GiB
         train_row("d1024-remat-experts", "d1024", ["model.remat=experts"], 50, profile=True),
         train_row("d768-remat-none", "d768", ["model.remat=none"], 40, profile=True,
                   dry_overrides=[*BF16_GMM, "model.remat=none"]),
         # the layer scan unrolled: XLA sees each layer's buffers, no stacking of the weights'
         # slices and gradients (the profile's dynamic-update-slice, zero fill and memcpy:
-        # ~25 ms of d1024's step), at a longer compile
-        train_row("d1024-unroll", "d1024", ["model.scan_unroll=12"], 90,
-                  dry_overrides=["model.scan_unroll=2"]),
+        # ~25 ms of d1024's step), at a longer compile. Without remat: unrolled, XLA runs the
+        # layers' recomputes together and a policy keeps as much as none (bench/remat_memory.py)
+        train_row("d768-none-unroll", "d768", ["model.remat=none", "model.scan_unroll=8"], 70,
+                  dry_overrides=[*BF16_GMM, "model.remat=none", "model.scan_unroll=2"]),
         train_row("d768-remat-experts", "d768", ["model.remat=experts"], 40,
                   dry_overrides=[*BF16_GMM, "model.remat=experts"]),
         # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers,

@@ -141,8 +141,9 @@ def test_bad_options_fail_before_any_row(tmp_path, name, args, message):
 
 def test_a_kernel_that_failed_its_legs_does_not_train(tmp_path, monkeypatch):
     """The gmm kernel fails a leg in legs-d1024: the rows after it that train with it
-    (d768-batch128k, whose ``auto`` is gmm on a GPU; d1024 runs before the legs) are skipped,
-    saying why, and the rows that do not (mgpu) still run."""
+    (d768-batch128k, whose ``auto`` is gmm on a GPU) are skipped, saying why, and the rows that
+    do not (mgpu) still run. The training rows before the legs (d1024 and its ablations) run
+    whatever the legs will show: they come first by importance."""
     import gpu_mfu
 
     monkeypatch.setenv("OUT", str(tmp_path))

@@ -26,7 +26,13 @@ from moelab.planner.counts import (
     run_tokens,
     train_flops_per_token,
 )
-from moelab.planner.memory import Layout, activation_memory, memory_report, residual_bytes
+from moelab.planner.memory import (
+    Layout,
+    activation_memory,
+    memory_report,
+    residual_bytes,
+    with_transport,
+)
 from moelab.planner.xla import (
     compare_sharded_with_xla,
     compare_transport_with_xla,
@@ -198,6 +204,12 @@ def test_reference_memory_cells_do_not_fit_pooled_waves_do(reference_memory):
     # dots keeps more than full (the matmul outputs) and recomputes less in a layer's backward
     assert acts["none"]["peak"] >= acts["dots"]["peak"] > acts["full"]["peak"]
     assert acts["dots"]["layer"] < acts["full"]["layer"]
+    # experts checkpoints the single-device experts only: with a transport (EP 64 here) it
+    # keeps what none keeps, and so does the device total with each transport
+    assert acts["experts"] == acts["none"]
+    by_remat = {r: {(t["kind"], t.get("capacity_factor"), t["waves"]): with_transport(
+        acts[r], t, 48, r) for t in mem["transports"]} for r in ("none", "experts")}
+    assert by_remat["experts"] == by_remat["none"]
 
 
 def test_fused_kernels_drop_the_score_and_logit_buffers():

@@ -67,6 +67,15 @@ def test_a_policy_computes_the_loss_and_gradients_of_none(remat):
     assert_same_step(cfg, {"remat": "none"}, {"remat": remat})
 
 
+def test_experts_computes_the_step_of_none_on_the_gpu_path():
+    """bf16 with the gmm kernel (interpreted here), short convs at every site, XSA, a latent
+    width and global layers: the recomputed experts and the steps that keep only their inputs
+    (layers.recompute_inside) give the loss and gradients of none."""
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", moe_impl="gmm", moe_block=16,
+                              xsa=True, conv_sites="q,k,v,attn,moe")
+    assert_same_step(cfg, {"remat": "none"}, {"remat": "experts"})
+
+
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_an_unrolled_layer_scan_computes_the_same_step(remat):
     """model.scan_unroll changes how the layer scan compiles, not what it computes."""

@@ -64,12 +64,15 @@ class ModelConfig:
     norm_eps: float = 1e-5  # RMSNorm epsilon
     compute_dtype: str = "float32"  # "float32" | "bfloat16"; master weights stay float32
     # "none" | "experts" (keep everything but the routed experts' sorted rows, which the
-    # backward recomputes from the route: gather and expert forward) | "dots" (keep the block's
-    # unbatched matmul outputs and the route, recompute the rest: attention core, routed
-    # experts, elementwise ops) | "full" (recompute each block in the backward)
+    # backward recomputes from the route: gather and expert forward; with expert parallelism
+    # the transport keeps its rows, as under none) | "dots" (keep the block's unbatched matmul
+    # outputs and the route, recompute the rest: attention core, routed experts, elementwise
+    # ops) | "full" (recompute each block in the backward)
     remat: str = "none"
     # layers per iteration of the layer scan (jax.lax.scan's unroll): 1 keeps one compiled block;
-    # n_layers unrolls it whole (longer compiles; XLA then sees every layer's buffers)
+    # n_layers unrolls it whole (longer compiles; XLA then sees every layer's buffers). With a
+    # remat policy keep 1: XLA:CPU runs an iteration's recomputes together, so unrolling u
+    # layers holds u layers' residuals (whole: as much as none; docs/plan.md)
     scan_unroll: int = 1
 
     @property

@@ -306,8 +306,9 @@ def transport_options(par: ParallelConfig, sweeps: dict[str, list] | None = None
 def with_transport(acts: dict, t: dict, n_layers: int, remat: str) -> float:
     """Activation peak with a transport's buffers: under full or dots remat one layer's are live,
     during its MoE branch (the block's recompute repeats the dispatch, a collective no policy
-    saves); under none every layer keeps its ``kept`` rows and one wave is live."""
-    if remat != "none":
+    saves); under none, and experts (whose checkpoint is around the single-device experts only:
+    a transport is not recomputed), every layer keeps its ``kept`` rows and one wave is live."""
+    if remat not in ("none", "experts"):
         return acts["saved"] + max(acts["attention_layer"], acts["moe_layer"] + t["peak"])
     return acts["saved"] + n_layers * t["kept"] + t["wave"]
 

@@ -114,7 +114,7 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
         out.append(row("(host memory per device)", st["host"]))
     for remat, a in acts.items():
         note = (f"saved {a['saved'] / GiB:.2f} + one layer {a['layer'] / GiB:.2f}"
-                if remat != "none" else "every layer's residuals")
+                if a["layer"] else "every layer's residuals")
         mark = "; the config's setting" if remat == mem["remat"] else ""
         out.append(row(f"activations, remat {remat}", a["peak"], note + mark))
     out.append(row("sum (before transport buffers)", mem["base_total"]))
