@@ -41,6 +41,11 @@ def test_unknown_remat_names_the_field_and_the_choices(value):
         load_config("tiny", [f"model.remat='{value}'"])
 
 
+def test_the_block_checkpoint_refuses_an_unknown_policy():
+    with pytest.raises(ConfigError, match=r"model\.remat: must be one of none, experts"):
+        tr.remat_block(lambda x, p: (x, p), "partial")
+
+
 def assert_same_step(cfg: ModelConfig, a: dict, b: dict):
     """The loss and gradients of one step equal under ``cfg`` changed by ``a`` and by ``b``;
     (params, state, tokens) of that step."""

@@ -12,7 +12,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moelab.config import ModelConfig
+from moelab.config import ConfigError, ModelConfig
+from moelab.config.model import REMAT_POLICIES
 from moelab.model.axes import EXPERT
 from moelab.model.layers import attention, gated_norm, rms_norm, rope_tables, site_conv
 from moelab.model.loss import chunked_token_loss, head_logits, logit_sums, valid_weights
@@ -38,7 +39,10 @@ def remat_block(block, remat: str):
     """``block`` under model.remat's checkpoint policy ("none", "experts": as it is)."""
     if remat in ("none", "experts"):
         return block
-    return jax.checkpoint(block, policy=REMAT_SAVES[remat])  # KeyError: not a policy
+    if remat not in REMAT_SAVES:
+        raise ConfigError(f"model.remat: must be one of {', '.join(REMAT_POLICIES)} "
+                          f"(got {remat!r})")
+    return jax.checkpoint(block, policy=REMAT_SAVES[remat])
 
 
 class Param(NamedTuple):
