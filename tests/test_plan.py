@@ -27,12 +27,14 @@ from moelab.planner.counts import (
     train_flops_per_token,
 )
 from moelab.planner.memory import (
+    PLAN_FILL,
     Layout,
     activation_memory,
     memory_report,
     residual_bytes,
     with_transport,
 )
+from moelab.planner.report import build_plan, format_plan
 from moelab.planner.xla import (
     compare_sharded_with_xla,
     compare_transport_with_xla,
@@ -275,6 +277,26 @@ def test_model_estimate_within_15pc_of_xla(xla_by_remat, remat):
     r = xla_by_remat[remat]
     assert abs(r["ratio"] - 1) < 0.15, (r["estimate"], r["xla"])
     assert abs(r["activation_ratio"] - 1) < 0.15, (r["activations"], r["xla_activations"])
+
+
+def test_the_plan_names_the_least_recompute_that_fits():
+    """With a device's memory known, the plan names the first policy of none, experts, dots,
+    full whose total fits 90% of it (XLA's workspace takes the rest), or says none does."""
+    cfg = load_config("tiny", ["model.compute_dtype=bfloat16"])
+    mem = memory_report(cfg, Layout())
+    total = {r: mem["fixed"] + a["peak"] for r, a in mem["activations"].items()}
+    assert total["none"] > total["experts"] > total["dots"] > total["full"]
+    for between, want in (((total["none"] + total["experts"]) / 2, "experts"),
+                          ((total["dots"] + total["full"]) / 2, "full"),
+                          (2 * total["none"], "none"), (total["full"] / 2, None)):
+        hbm = between / PLAN_FILL
+        got = memory_report(cfg, Layout(), hbm_bytes=hbm)
+        assert got["least_recompute"] == want, (between, want)
+        line = next(x for x in format_plan("tiny", {**build_plan(cfg, layout=Layout()),
+                                                     "memory": got}).splitlines()
+                    if "least recompute" in x)
+        assert (f"model.remat={want}" if want else "no policy (full needs") in line, line
+    assert memory_report(cfg, Layout())["least_recompute"] is None  # no device memory known
 
 
 def test_remat_policies_order_as_xla_measures(xla_by_remat):

@@ -347,4 +347,19 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
             "sequences_per_device": batch, "state": state, "activations": acts,
             "remat": m.remat, "fixed": fixed, "base_total": fixed + acts[m.remat]["peak"],
             "transports": rows, "hbm_bytes": hbm_bytes, "attention": attention, "loss": loss,
-            "experts": experts}
+            "experts": experts, "least_recompute": least_recompute(acts, fixed, hbm_bytes)}
+
+
+# the share of a device's memory a plan may fill: XLA's workspace and fragmentation take the
+# rest (the planner ran 7-11% under XLA:CPU without remat; docs/plan.md)
+PLAN_FILL = 0.9
+
+
+def least_recompute(acts: dict, fixed: float, hbm_bytes: float) -> str | None:
+    """The remat policy that recomputes least (REMAT_POLICIES' order) whose device total
+    (before transport buffers) fits ``PLAN_FILL`` of ``hbm_bytes``; None when none fits or no
+    memory is known."""
+    if not hbm_bytes:
+        return None
+    return next((r for r in REMAT_POLICIES if fixed + acts[r]["peak"] <= PLAN_FILL * hbm_bytes),
+                None)

@@ -9,7 +9,7 @@ from moelab.config import RunConfig
 from moelab.parallel import transport
 from moelab.planner.cluster import Accelerator, GiB, cluster_estimate
 from moelab.planner.counts import flops_report, param_breakdown, param_counts, run_tokens
-from moelab.planner.memory import Layout, memory_report, planned_experts
+from moelab.planner.memory import PLAN_FILL, Layout, memory_report, planned_experts
 
 
 def build_plan(cfg: RunConfig, *, tokens: float = 0.0, acc: Accelerator | None = None,
@@ -118,6 +118,14 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
         mark = "; the config's setting" if remat == mem["remat"] else ""
         out.append(row(f"activations, remat {remat}", a["peak"], note + mark))
     out.append(row("sum (before transport buffers)", mem["base_total"]))
+    if mem["hbm_bytes"]:
+        best, fill = mem["least_recompute"], PLAN_FILL * mem["hbm_bytes"]
+        out.append(f"    least recompute that fits {PLAN_FILL:.0%} of "
+                   f"{mem['hbm_bytes'] / GiB:.1f} GiB: "
+                   + (f"model.remat={best} ({(mem['fixed'] + acts[best]['peak']) / GiB:.2f} "
+                      "GiB before transport buffers)" if best else
+                      f"no policy (full needs "
+                      f"{(mem['fixed'] + acts['full']['peak']) / GiB:.2f} GiB of {fill / GiB:.1f})"))
     if mem["transports"]:
         hbm = mem["hbm_bytes"]
         out += ["", f"    transport buffers of one MoE layer per rank ({wdt} rows of the "
