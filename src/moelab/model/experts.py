@@ -42,9 +42,10 @@ import numpy as np
 
 from moelab.config import ModelConfig
 from moelab.config.model import RAGGED_FUSION_FLAG
-from moelab.model.grouped_gemm import gmm_swiglu_backend, group_tiles, routing_saved
+from moelab.model.grouped_gemm import gmm_swiglu_backend, group_tiles
 from moelab.model.grouped_matmul import grouped_swiglu_rows, mgpu_backend
 from moelab.model.layers import silu_mul, swiglu
+from moelab.model.router import routing_saved
 
 UNPADDED = ("ragged", "ragged_fusion", "mgpu")  # kernels that take any group sizes
 GROUPED = UNPADDED + ("blocks", "gmm")

@@ -37,9 +37,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from moelab.model.router import routing_saved
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,6 @@ def group_tiles(counts_G, n_tiles: int, tile_rows: int) -> GroupTiles:
     group = jnp.minimum(jnp.searchsorted(end, t, side="right"), G - 1).astype(jnp.int32)
     used = (t < end[-1]).astype(jnp.int32)
     return GroupTiles(*routing_saved((group, used, (end - count).astype(jnp.int32), count)))
-
-
-def routing_saved(arrays):
-    """``arrays`` (None passes) marked "routing": what remat "dots" keeps of a route's layout
-    (model.transformer.REMAT_SAVES), small, where rebuilding it takes sorts and scatters."""
-    return jax.tree.map(lambda a: checkpoint_name(a, "routing"), arrays)
 
 
 def _fit(block: int, dim: int) -> int:

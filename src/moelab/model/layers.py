@@ -78,16 +78,16 @@ def _rms_norm_scaled_bwd(eps, res, dy):
 _rms_norm_scaled.defvjp(_rms_norm_scaled_fwd, _rms_norm_scaled_bwd)
 
 
-def recompute_inside(fn):
-    """``fn`` keeping only its inputs for the backward, which recomputes the rest: for cheap
-    elementwise steps whose autodiff keeps several arrays the size of an input (shifted
-    copies, float32 copies of bf16 inputs). The backward's fusions read the input once instead
-    of the copies; at d1024's 65,536 tokens per step the short convolutions, XSA, the router's
-    float32 input and the shared SwiGLU's product keep about 1.5 GiB per layer less without
-    remat. ``prevent_cse=False``: the blocks run inside the layer scan, where the recompute
-    cannot be merged back into the forward (jax.checkpoint's documentation)."""
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable,
-                          prevent_cse=False)
+def recompute_inside(fn, keep=jax.checkpoint_policies.nothing_saveable):
+    """``fn`` keeping only its inputs (and what the checkpoint policy ``keep`` saves) for the
+    backward, which recomputes the rest: for cheap elementwise steps whose autodiff keeps
+    several arrays the size of an input (shifted copies, float32 copies of bf16 inputs). The
+    backward's fusions read the input once instead of the copies; at d1024's 65,536 tokens per
+    step the short convolutions, XSA, the router's float32 input and the shared SwiGLU's
+    product keep about 1.5 GiB per layer less without remat. ``prevent_cse=False``: the blocks
+    run inside the layer scan, where the recompute cannot be merged back into the forward
+    (jax.checkpoint's documentation)."""
+    return jax.checkpoint(fn, policy=keep, prevent_cse=False)
 
 
 @jax.custom_vjp

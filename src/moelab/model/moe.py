@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from moelab.config import ModelConfig
 from moelab.model.experts import DropCounts, routed_experts
 from moelab.model.layers import recompute_inside, rms_norm, swiglu
-from moelab.model.router import Routing, route
+from moelab.model.router import KEEP_ROUTE, Routing, route
 
 
 @recompute_inside
@@ -29,17 +29,12 @@ def router_logits(x_ND, w_DE):
 
 def _local_experts(cfg: ModelConfig):
     """The single-device routed experts; under model.remat="experts" they keep for the
-    backward only their inputs and the route's layout ("routing": small, and rebuilding it
-    takes a sort and scatters): the backward gathers the sorted rows and runs the experts'
+    backward only their inputs and the route's layout (``KEEP_ROUTE``): the backward gathers the sorted rows and runs the experts'
     forward again, where "none" keeps the rows, the gate and up projections and the output
     (4 x 560 MiB per layer at d1024's 65,536 tokens per step) and the other policies recompute
     the whole block. An expert-parallel ``experts_fn`` keeps what its transport keeps."""
     fn = lambda z, e, w, ew: routed_experts(z, e, w, ew, cfg)  # noqa: E731
-    if cfg.remat != "experts":
-        return fn
-    # prevent_cse=False: inside the layer scan (see layers.recompute_inside)
-    return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names("routing"),
-                          prevent_cse=False)
+    return recompute_inside(fn, keep=KEEP_ROUTE) if cfg.remat == "experts" else fn
 
 
 @jax.named_scope("moe")  # names its matmuls for planner.flop_audit

@@ -39,6 +39,17 @@ class Routing(NamedTuple):
     qb_bias: jax.Array | None = None  # quantile router: the balancing bias for the next step [E]
 
 
+# A route's chosen experts, their sorted layout and its tile metadata, marked for remat: small,
+# where rebuilding them takes a top-k, sorts and scatters. KEEP_ROUTE is the checkpoint policy
+# that keeps them (model.remat "dots" and "experts").
+KEEP_ROUTE = jax.checkpoint_policies.save_only_these_names("routing")
+
+
+def routing_saved(arrays):
+    """``arrays`` (a pytree; None passes) marked as a route's, for ``KEEP_ROUTE``."""
+    return jax.tree.map(lambda a: checkpoint_name(a, "routing"), arrays)
+
+
 def top_k(x_NE, k: int):
     """``jax.lax.top_k`` over the last axis; on a GPU, for rows narrower than 1024, as k rounds
     of argmax and mask: XLA's GPU backend has a top-k kernel only for rows of >= 1024 entries
@@ -66,13 +77,13 @@ def route(logits_NE, bias_E, cfg: ModelConfig, valid_N=None) -> Routing:
     valid = jnp.ones((N,), jnp.float32) if valid_N is None else valid_N.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     if cfg.router == "softmax_aux":
-        expert = checkpoint_name(top_k(probs, k)[1], "routing")
+        expert = routing_saved(top_k(probs, k)[1])
         top_p = jnp.take_along_axis(probs, expert, axis=-1)
         weight = top_p / jnp.sum(top_p, axis=-1, keepdims=True)
     else:
         biased = logits + jax.lax.stop_gradient(bias_E)[None, :]
         top, expert = top_k(biased, k + 1 if cfg.router == "quantile" else k)
-        expert = checkpoint_name(expert[:, :k], "routing")  # remat "dots": no second top-k
+        expert = routing_saved(expert[:, :k])  # KEEP_ROUTE: no second top-k
         weight = jax.nn.sigmoid(jnp.take_along_axis(logits, expert, axis=-1))
         if cfg.combine_sum > 0:
             weight = weight * (cfg.combine_sum / jnp.sum(weight, axis=-1, keepdims=True))

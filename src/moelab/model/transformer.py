@@ -18,31 +18,30 @@ from moelab.model.axes import EXPERT
 from moelab.model.layers import attention, gated_norm, rms_norm, rope_tables, site_conv
 from moelab.model.loss import chunked_token_loss, head_logits, logit_sums, valid_weights
 from moelab.model.moe import moe_branch
-from moelab.model.router import update_bias
+from moelab.model.router import KEEP_ROUTE, update_bias
 
 # model.remat -> the jax.checkpoint policy of the block scan: what each block saves beyond its
-# input. "none" and "experts" put no checkpoint around the block ("experts" puts one around the
-# routed experts alone, model.moe.moe_branch). "dots" saves the matmuls without batch dimensions (projections, router, latent, shared
-# experts) and the route (``checkpoint_name`` "routing": the chosen experts and their sorted
-# layout, small, where rebuilding them takes a top-k and scatters); the batched matmuls
+# input; the policies not here ("none", "experts") put no checkpoint around the block
+# ("experts" puts one around the routed experts alone, model.moe._local_experts). "dots" saves
+# the matmuls without batch dimensions (projections, router, latent, shared experts) and the
+# route (model.router.KEEP_ROUTE: the chosen experts and their sorted layout); the batched matmuls
 # (attention scores, expert blocks), the kernels (gmm, cuDNN attention) and the rest are
 # recomputed. Saving the kernels' outputs too was measured on an H200 (d1024, JAX 0.11.2):
 # 118,562 tokens/s at 116 GiB, where this policy (with the code of then) gave 118,185 at 82 GiB
 # and full remat 117,129: XLA copies each layer's saved operands of custom calls in and out of
 # the scan's stacked buffers (64 ms of device-to-device copies a step).
 REMAT_SAVES = {"full": None, "dots": jax.checkpoint_policies.save_from_both_policies(
-    jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    jax.checkpoint_policies.save_only_these_names("routing"))}
+    jax.checkpoint_policies.dots_with_no_batch_dims_saveable, KEEP_ROUTE)}
 
 
 def remat_block(block, remat: str):
     """``block`` under model.remat's checkpoint policy ("none", "experts": as it is)."""
-    if remat in ("none", "experts"):
-        return block
-    if remat not in REMAT_SAVES:
+    if remat in REMAT_SAVES:
+        return jax.checkpoint(block, policy=REMAT_SAVES[remat])
+    if remat not in REMAT_POLICIES:
         raise ConfigError(f"model.remat: must be one of {', '.join(REMAT_POLICIES)} "
                           f"(got {remat!r})")
-    return jax.checkpoint(block, policy=REMAT_SAVES[remat])
+    return block
 
 
 class Param(NamedTuple):

@@ -308,7 +308,7 @@ def with_transport(acts: dict, t: dict, n_layers: int, remat: str) -> float:
     during its MoE branch (the block's recompute repeats the dispatch, a collective no policy
     saves); under none, and experts (whose checkpoint is around the single-device experts only:
     a transport is not recomputed), every layer keeps its ``kept`` rows and one wave is live."""
-    if remat not in ("none", "experts"):
+    if remat in tr.REMAT_SAVES:  # the block is checkpointed: its recompute repeats the dispatch
         return acts["saved"] + max(acts["attention_layer"], acts["moe_layer"] + t["peak"])
     return acts["saved"] + n_layers * t["kept"] + t["wave"]
 
