@@ -1,5 +1,6 @@
-"""XLA's compiled temporary memory of the loss's gradient under each remat policy, with the layer
-scan rolled (``model.scan_unroll=1``) and unrolled: what a policy saves, and whether unrolling
+"""XLA's temporary memory of the loss's gradient per remat policy, layer scan rolled and unrolled.
+
+What a policy saves, and whether unrolling the layer scan (``model.scan_unroll`` above 1)
 keeps it.
 
     .venv/bin/python bench/remat_memory.py [--preset tiny] [--layers 4] [--unroll 1 2 4]
