@@ -195,7 +195,8 @@ def mixture_branch(pc: dict, x_BTD, bias_E, cfg: ModelConfig, valid_N=None, expe
 
 
 def layer_params(p: dict, dt) -> dict:
-    """One layer's parameters in the compute dtype; the router stays float32."""
+    """One layer's parameters (or all layers' stacked) in the compute dtype; the router stays
+    float32."""
     pc = _cast({k: v for k, v in p.items() if k != "router"}, dt)
     pc["router"] = p["router"]
     return pc
@@ -238,16 +239,21 @@ def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, ex
     is_global = jnp.asarray(cfg.layer_is_global(), bool)
 
     def block(x_BTD, layer):
-        p, bias, window, glob = layer
-        pc = layer_params(p, dt)
+        pc, bias, window, glob = layer
         if layer_hook is not None:
             pc = layer_hook(pc)
         x_BTD = attention_branch(pc, x_BTD, cfg, window, cos, sin, glob)
         return mixture_branch(pc, x_BTD, bias, cfg, valid_N, experts_fn)
 
-    # only the block scan: the chunked loss checkpoints the head itself (model.loss)
+    # The stacked weights are cast to the compute dtype once, before the scan: each pass over
+    # a layer (forward, recompute, backward) then slices the compute-dtype copy instead of
+    # slicing the float32 one and casting it again, and the gradients are stacked in that
+    # dtype (a layer's cotangent has it either way: autodiff gives a cast's input the cast's
+    # cotangent dtype, so the values are the same). Only the block scan: the chunked loss
+    # checkpoints the head itself (model.loss).
     x, routing = jax.lax.scan(remat_block(block, cfg.remat), x,
-                              (params["blocks"], state["router_bias"], windows, is_global),
+                              (layer_params(params["blocks"], dt), state["router_bias"], windows,
+                               is_global),
                               unroll=min(cfg.scan_unroll, cfg.n_layers))
     return final_norm(params, x, cfg), routing
 
