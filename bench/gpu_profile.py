@@ -60,6 +60,7 @@ class Instr:
     operands: list[str]
     attrs: str
     calls: list[str] = field(default_factory=list)
+    args: str = ""  # the text between the opcode's parentheses (a parameter's index)
 
 
 # ----------------------------------------------------------------------------- HLO text
@@ -87,8 +88,9 @@ def _instr(comp: str, name: str, rest: str) -> Instr | None:
                        r"=%?([\w.\-]+)", attrs)
     for group in re.findall(r"(?:branch_computations|called_computations)=\{([^}]*)\}", attrs):
         calls += re.findall(r"%?([\w.\-]+)", group)
-    return Instr(name, comp, m.group(1), shape,
-                 re.findall(r"%([\w.\-]+)", tail[m.end():close - 1]), attrs, calls)
+    args = tail[m.end():close - 1]
+    return Instr(name, comp, m.group(1), shape, re.findall(r"%([\w.\-]+)", args), attrs, calls,
+                 args)
 
 
 class Hlo:
@@ -264,21 +266,75 @@ def _dot_flops(hlo: Hlo, ins: Instr) -> float:
     return 2.0 * n * k
 
 
-def estimated(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict:
-    """Per category: TFLOP and GB per step and the roofline ms (max of compute and memory
-    time), summed over executed instructions."""
-    cat = {c: {"tflop": 0.0, "gb": 0.0, "ms": 0.0} for c in CATEGORIES}
+SLICING = ("dynamic-slice", "slice", "gather")  # read only the part of operand 0 they return
+
+
+def _fused_parameters(hlo: Hlo, ins: Instr) -> dict[int, Instr]:
+    """A fusion's parameter instructions by their index (the operand each one stands for)."""
+    comp = ins.calls[0] if ins.calls else ""
+    return {int(p.args): p for p in hlo.comps.get(comp, [])
+            if p.opcode == "parameter" and p.args.strip().isdigit()}
+
+
+def moved_bytes(hlo: Hlo, ins: Instr) -> int:
+    """Bytes an instruction reads and writes in HBM: its operands and result, except that an
+    operand a fusion only slices (dynamic-slice, slice, gather) is read for the parts taken,
+    and a buffer updated in place (a dynamic-update-slice of an operand: a scan's stacking)
+    costs the update written, not the whole buffer read and written."""
+    if ins.opcode.endswith("-done"):
+        return 0  # an async op's end: its start moved the data
+    if ins.opcode == "fusion-start" and hlo.comps.get(ins.calls[0] if ins.calls else ""):
+        # an async fusion (XLA:GPU runs a loop's slicing this way): the fusion it starts
+        ins = Instr(ins.name, ins.comp, "fusion", hlo.comps[ins.calls[0]][-1].shape,
+                    ins.operands, ins.attrs, ins.calls)
+    operands = [hlo.ins[o] for o in ins.operands if o in hlo.ins]
+    read = {i: _bytes(o.shape) for i, o in enumerate(operands)}
+    written = _bytes(ins.shape)
+    if ins.opcode == "dynamic-update-slice" and len(operands) > 1:  # in place
+        return 2 * _bytes(operands[1].shape) + sum(read[i] for i in read if i > 1)
+    if ins.opcode in SLICING and operands:
+        return 2 * written + sum(read[i] for i in read if i > 0)
+    if ins.opcode != "fusion":
+        return written + sum(read.values())
+    body = [i for c in ins.calls for i in hlo.comps.get(c, [])]
+    users: dict[str, list[tuple[Instr, int]]] = defaultdict(list)
+    for b in body:
+        for k, o in enumerate(b.operands):
+            users[o].append((b, k))
+    for i, p in _fused_parameters(hlo, ins).items():
+        uses = users.get(p.name, [])
+        if i not in read or not uses:
+            continue
+        if all(u.opcode in SLICING and k == 0 for u, k in uses):
+            read[i] = sum(_bytes(u.shape) for u, _ in uses)
+        elif all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in uses):
+            read[i] = 0  # updated in place: only the update is written
+            written -= _bytes(p.shape) - sum(_bytes(hlo.ins[u.operands[1]].shape)
+                                             for u, _ in uses if u.operands[1] in hlo.ins)
+    return max(written, 0) + sum(read.values())
+
+
+def estimated_ops(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict[str, dict]:
+    """Per executed instruction: category, runs, TFLOP, GB and roofline ms (max of compute and
+    memory time) per step."""
+    ops: dict[str, dict] = {}
     for name, n in hlo.executed().items():
         ins = hlo.ins[name]
         if ins.opcode in STRUCTURAL:
             continue
         flops = sum(_dot_flops(hlo, o) for o in [ins, *hlo.body(ins)] if _is_matmul(o))
-        moved = _bytes(ins.shape) + sum(_bytes(hlo.ins[o].shape) for o in ins.operands
-                                        if o in hlo.ins)
-        c = cat[category(hlo, ins)]
-        c["tflop"] += n * flops / 1e12
-        c["gb"] += n * moved / 1e9
-        c["ms"] += n * 1e3 * max(flops / peak_flops, moved / mem_bw)
+        moved = moved_bytes(hlo, ins)
+        ops[name] = {"category": category(hlo, ins), "runs": n, "tflop": n * flops / 1e12,
+                     "gb": n * moved / 1e9, "ms": n * 1e3 * max(flops / peak_flops, moved / mem_bw)}
+    return ops
+
+
+def estimated(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict:
+    """Per category: TFLOP and GB per step and the roofline ms, summed over instructions."""
+    cat = {c: {"tflop": 0.0, "gb": 0.0, "ms": 0.0} for c in CATEGORIES}
+    for k in estimated_ops(hlo, peak_flops, mem_bw).values():
+        for key in ("tflop", "gb", "ms"):
+            cat[k["category"]][key] += k[key]
     return cat
 
 

@@ -280,6 +280,64 @@ def test_hlo_instructions_get_their_category_from_op_and_python_stack():
     assert est[gp.GROUPED]["tflop"] == pytest.approx((12 + 0.5) * 2 * 8 * 16 * 4 / 1e12)
 
 
+MOVES_HLO = """HloModule moves
+
+%fused_dus (p0: f32[12,64,64], p1: f32[64,64], p2: s32[]) -> f32[12,64,64] {
+  %p0 = f32[12,64,64]{2,1,0} parameter(0)
+  %p1 = f32[64,64]{1,0} parameter(1)
+  %b = f32[1,64,64]{2,1,0} bitcast(%p1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[12,64,64]{2,1,0} dynamic-update-slice(%p0, %b, %p2, %z, %z)
+}
+
+%fused_ds (q0: f32[12,64,64], q1: s32[]) -> f32[1,64,64] {
+  %q0 = f32[12,64,64]{2,1,0} parameter(0)
+  %q1 = s32[] parameter(1)
+  %y = s32[] constant(0)
+  ROOT %ds = f32[1,64,64]{2,1,0} dynamic-slice(%q0, %q1, %y, %y), dynamic_slice_sizes={1,64,64}
+}
+
+%fused_scale (r0: f32[12,64,64], r1: s32[]) -> f32[1,64,64] {
+  %r0 = f32[12,64,64]{2,1,0} parameter(0)
+  %r1 = s32[] parameter(1)
+  %x = s32[] constant(0)
+  %sl = f32[1,64,64]{2,1,0} dynamic-slice(%r0, %r1, %x, %x), dynamic_slice_sizes={1,64,64}
+  %whole = f32[12,64,64]{2,1,0} multiply(%r0, %r0)
+  ROOT %both = f32[1,64,64]{2,1,0} slice(%whole), slice={[0:1], [0:64], [0:64]}
+}
+
+ENTRY %main (a: f32[12,64,64], u: f32[64,64], i: s32[]) -> f32[12,64,64] {
+  %a = f32[12,64,64]{2,1,0} parameter(0)
+  %u = f32[64,64]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %upd = f32[12,64,64]{2,1,0} fusion(%a, %u, %i), kind=kLoop, calls=%fused_dus
+  %take = f32[1,64,64]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%fused_ds
+  %start = ((f32[12,64,64]{2,1,0}, s32[]), f32[1,64,64]{2,1,0}, u32[]) fusion-start(%a, %i), kind=kLoop, calls=%fused_ds
+  %done = f32[1,64,64]{2,1,0} fusion-done(%start)
+  %mixed = f32[1,64,64]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%fused_scale
+  ROOT %out = f32[12,64,64]{2,1,0} add(%a, %a)
+}
+"""
+
+
+def test_moved_bytes_count_what_a_kernel_reads_and_writes():
+    """A scan's stacking (a dynamic-update-slice in place) moves its update, not the whole
+    stack; a fused slice reads the part it takes; an async fusion counts once, at its start;
+    an operand also read whole counts whole."""
+    h = gp.Hlo(MOVES_HLO)
+    stack, layer = 12 * 64 * 64 * 4, 64 * 64 * 4
+    moved = {n: gp.moved_bytes(h, h.ins[n]) for n in ("upd", "take", "start", "done", "mixed",
+                                                      "out")}
+    assert moved == {"upd": layer + 4 + layer,  # the update read, then written in place
+                     "take": layer + 4 + layer, "start": layer + 4 + layer, "done": 0,
+                     "mixed": stack + 4 + layer, "out": 3 * stack}
+    ops = gp.estimated_ops(h, peak_flops=1e12, mem_bw=1e9)
+    assert ops["upd"]["ms"] == pytest.approx(1e3 * moved["upd"] / 1e9)
+    est = gp.estimated(h, peak_flops=1e12, mem_bw=1e9)
+    assert sum(c["gb"] for c in est.values()) == pytest.approx(sum(moved.values()) / 1e9)
+
+
 def test_trace_events_map_to_hlo_ops_from_either_reader(tmp_path):
     """Kernel events name their HLO op in an annotation (GPU) or a stat (CPU); the device plane
     wins over host events; other modules' kernels are left out."""

@@ -1,0 +1,264 @@
+"""A GPU's compile of the benchmark's training rows on a machine without one: memory and kernels.
+
+    python3 -m venv .venv-cuda && .venv-cuda/bin/pip install -c constraints.txt -e ".[cuda]"
+    .venv-cuda/bin/python bench/gpu_compile.py                     # gpu_mfu.py's default rows
+    .venv-cuda/bin/python bench/gpu_compile.py d1024 d1024-remat-experts --set model.remat=dots
+    .venv/bin/python bench/gpu_compile.py --dry-run                # CPU, tiny shapes, no plugin
+
+XLA compiles each row's training step for an H200 without one (deviceless ahead-of-time
+compilation: JAX's CUDA plugin, the ``cuda`` extra, and a target description of the GPU; no
+driver, no device). What comes back is what the GPU itself would compile, and three things
+follow from it:
+
+- memory: XLA:GPU's own buffer assignment (arguments + temporaries), the figure a GPU run
+  reports; whether it fits the benchmark's share of the GPU (``--mem-fraction``), and how many
+  instructions XLA had to recompute to fit (its memory-pressure remat: ``.remat`` clones);
+- kernels: the roofline time of every executed instruction (its dots' FLOPs at the matmul peak,
+  or the bytes it moves at the memory bandwidth; bench/gpu_profile.estimated), by category and
+  the heaviest ones by name, the names a GPU profile of the same code shows;
+- the row's model FLOPs and executed dot FLOPs.
+
+The roofline is a lower bound per kernel, not a step time: cuDNN attention and the Pallas
+expert kernels count by their bytes alone, and no kernel reaches the roofline. Against the one
+profiled H200 step of the same code (d1024 at 7393837), the estimate was 335 ms of 530 ms of
+kernels: elementwise 114 of 150, other matmuls 131 of 149, optimizer 23 of 27; attention 6 of
+51, grouped GEMM 41 of 83, sort 20 of 70 (README, Scaling out). So compare estimates of one row
+against another, a change against the code before it, not against a target. The memory is
+exact: 68.60 GiB at that commit, as the GPU measured.
+
+Results: bench/results/gpu_compile.json (``--name``), each row's optimized HLO with ``--hlo``.
+A dry run compiles the rows' tiny CPU forms (gpu_mfu.py's) for this machine's CPU through the
+same code: what CI checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+
+# before JAX is imported: the CPU is the only platform that runs (the CUDA plugin compiles
+# for the target description, and must not look for a GPU or its driver)
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import gpu_mfu  # noqa: E402
+import gpu_profile as gp  # noqa: E402
+from common import RESULTS, print_table, save  # noqa: E402 - puts src/ on the path
+from moelab.config import load_config  # noqa: E402
+
+CUDA_INSTALL = ('python3 -m venv .venv-cuda && .venv-cuda/bin/pip install -c constraints.txt '
+                '-e ".[cuda]"')
+
+# XLA's description of the target GPU (stream_executor GpuTargetConfigProto, text form): what
+# its compiler asks a device for. H200 SXM: 132 SMs of Hopper (9.0), 141 GB HBM3e (the
+# 150,754,820,096 bytes CUDA reports) at 4.8 TB/s, 50 MiB L2; cuDNN 9.8 and CUDA 12.8 as in the
+# GPU image's JAX build.
+TARGETS = {"h200": """
+gpu_device_info {
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: 4800000000000
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: 150754820096
+  shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 minor: 0 }
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+dnn_version_info { major: 9 minor: 8 }
+runtime_version { major: 12 minor: 8 }
+device_description_str: "NVIDIA H200"
+"""}
+# the roofline: the bf16 matmul peak measured on an H200 (gpu_mfu.py's peak row, 788-791
+# TFLOP/s; rated 989: planner.cluster's table, what MFU is against) and the HBM bandwidth
+TARGET_PEAK = {"h200": (790e12, 4.8e12)}
+CPU_PEAK = (1e11, gpu_mfu.CPU_BW)
+
+
+def parse_args(argv: list[str] | None, rows: dict) -> argparse.Namespace:
+    train = [n for n, r in rows.items() if r.spec.get("kind") == "train" and not r.gpu_only]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="rows (bench/gpu_mfu.py's training rows): "
+                                 + ", ".join(train))
+    ap.add_argument("rows", nargs="*", metavar="ROW", help="rows to compile (default: the "
+                    "training rows gpu_mfu.py runs by default)")
+    ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides applied to every row, after the row's own")
+    ap.add_argument("--target", choices=sorted(TARGETS), default="h200", help="the GPU")
+    ap.add_argument("--mem-fraction", type=float, default=0.92, help="the share of the GPU's "
+                    "memory a row may use, as gpu_mfu.py gives its children (default 0.92)")
+    ap.add_argument("--top", type=int, default=12, help="heaviest kernels listed per row")
+    ap.add_argument("--hlo", action="store_true", help="also save each row's optimized HLO "
+                    "text (bench/results/NAME_hlo/ROW.txt)")
+    ap.add_argument("--dry-run", action="store_true", help="the rows' tiny CPU forms, compiled "
+                    "for this CPU (no CUDA plugin needed)")
+    ap.add_argument("--name", help="results name (default gpu_compile, gpu_compile_dry with "
+                    "--dry-run)")
+    args = ap.parse_args(argv)
+    bad = [r for r in args.rows if r not in train]
+    if bad:
+        ap.error(f"unknown training row {bad[0]!r}; rows: {', '.join(train)}")
+    if not 0 < args.mem_fraction <= 1:
+        ap.error(f"--mem-fraction: must be in (0, 1], got {args.mem_fraction}")
+    if args.top < 0:
+        ap.error(f"--top: must be >= 0, got {args.top}")
+    args.name = args.name or ("gpu_compile_dry" if args.dry_run else "gpu_compile")
+    if not re.fullmatch(r"[\w.-]+", args.name):
+        ap.error(f"--name: letters, digits, '_', '.', '-' only, got {args.name!r}")
+    args.rows = args.rows or [n for n in train if not rows[n].ask_only]
+    for name in args.rows:
+        spec = rows[name].dry if args.dry_run else rows[name].spec
+        try:
+            load_config(spec["preset"], spec["overrides"] + args.set)
+        except Exception as e:  # noqa: BLE001 - ConfigError and friends
+            ap.error(f"row {name}{' with --set' if args.set else ''}: {e}")
+    flags = {rows[n].spec.get("xla_flags", "") for n in args.rows} - {""}
+    if flags and not args.dry_run:
+        if len(flags) > 1 or len(args.rows) > 1:
+            ap.error("rows with XLA flags of their own compile one at a time: "
+                     + ", ".join(n for n in args.rows if rows[n].spec.get("xla_flags")))
+        os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), *flags]))
+    return args
+
+
+def gpu_device(target: str):
+    """The target GPU as a device of a deviceless topology (nothing is allocated on it)."""
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        sys.exit(f"bench/gpu_compile.py compiles for a GPU with JAX's CUDA plugin, which this "
+                 f"Python lacks (no GPU is needed): {CUDA_INSTALL}, then run it with "
+                 f".venv-cuda/bin/python; or --dry-run, the CPU forms on this machine")
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(platform="cuda", target_config=TARGETS[target],
+                                        topology="1x1x1")
+    return topo.devices[0]
+
+
+def compiled_step(cfg, device, as_gpu: bool):
+    """The row's jitted training step compiled for ``device``, traced as a GPU traces it
+    (planner.as_gpu) when ``as_gpu``."""
+    import contextlib
+
+    import jax
+    import jax.numpy as jnp
+
+    from moelab.planner.as_gpu import traced_as_gpu
+    from moelab.train.step import abstract_train_state, make_train_step
+
+    on = jax.sharding.SingleDeviceSharding(device)
+    with traced_as_gpu() if as_gpu else contextlib.nullcontext():
+        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on),
+                             abstract_train_state(cfg))
+        batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
+                                     sharding=on)
+        platform = "cuda" if as_gpu else "cpu"
+        return make_train_step(cfg).trace(state, batch).lower(
+            lowering_platforms=(platform,)).compile()
+
+
+def analyse(compiled, cfg, peak: tuple[float, float], rated: float, capacity: float,
+            top: int) -> dict:
+    """Memory, XLA's remat clones, model and dot FLOPs, the roofline by category, the MFU a
+    step at its roofline would reach (an upper bound) and the heaviest kernels of one compiled
+    step."""
+    from moelab.planner.counts import train_flops_per_token
+
+    m = compiled.memory_analysis()
+    args_b, temp = m.argument_size_in_bytes, m.temp_size_in_bytes
+    total = args_b + m.output_size_in_bytes - m.alias_size_in_bytes + temp
+    hlo = gp.Hlo(compiled.as_text())
+    ops = gp.estimated_ops(hlo, *peak)
+    cats = gp.estimated(hlo, *peak)
+    tokens = cfg.data.batch_size * cfg.data.seq_len
+    model = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
+    roofline_s = sum(c["ms"] for c in cats.values()) / 1e3
+    heavy = sorted(ops.items(), key=lambda kv: -kv[1]["ms"])[:top]
+    return {"memory_gib": total / 2**30, "arguments_gib": args_b / 2**30,
+            "temp_gib": temp / 2**30, "fits": total <= capacity,
+            "xla_remat_clones": sum(1 for n in hlo.ins if re.search(r"\.remat\d*$", n)),
+            "model_tflop": model / 1e12, "dot_tflop": sum(c["tflop"] for c in cats.values()),
+            "roofline_ms": 1e3 * roofline_s,
+            "roofline_mfu": model / roofline_s / rated if roofline_s else None,
+            "by_category": cats,
+            "heaviest": [{"op": k, **v, "shape": hlo.ins[k].shape[:80]} for k, v in heavy]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    rows = gpu_mfu.all_rows()
+    args = parse_args(argv, rows)
+    device = None
+    if args.dry_run:
+        import jax
+
+        device, peak, capacity = jax.devices("cpu")[0], CPU_PEAK, float("inf")
+        rated = CPU_PEAK[0]
+    else:
+        from moelab.planner.cluster import ACCELERATORS
+
+        device, peak = gpu_device(args.target), TARGET_PEAK[args.target]
+        rated = ACCELERATORS[args.target].peak_flops
+        capacity = args.mem_fraction * int(re.search(
+            r"device_memory_size: (\d+)", TARGETS[args.target]).group(1))
+    print(f"{len(args.rows)} row(s) compiled for "
+          + ("this CPU (dry run)" if args.dry_run else f"an {args.target.upper()}, deviceless")
+          + (f", with {' '.join(args.set)}" if args.set else ""), flush=True)
+    hlo_dir = RESULTS / f"{args.name}_hlo"
+    records = []
+    for name in args.rows:
+        spec = rows[name].dry if args.dry_run else rows[name].spec
+        overrides = spec["overrides"] + args.set
+        cfg = load_config(spec["preset"], overrides)
+        t = time.perf_counter()
+        compiled = compiled_step(cfg, device, as_gpu=not args.dry_run)
+        rec = {"row": name, "preset": spec["preset"], "overrides": overrides,
+               "compile_s": time.perf_counter() - t,
+               **analyse(compiled, cfg, peak, rated, capacity, args.top)}
+        if args.hlo:
+            from moelab.util import atomic_write_text
+
+            hlo_dir.mkdir(exist_ok=True)
+            atomic_write_text(hlo_dir / f"{name}.txt", compiled.as_text())
+        records.append(rec)
+        print(f"{name}: {rec['memory_gib']:.2f} GiB ({'fits' if rec['fits'] else 'does NOT fit'}"
+              f" {args.mem_fraction:.0%}), roofline {rec['roofline_ms']:.1f} ms, compiled in "
+              f"{rec['compile_s']:.0f} s", flush=True)
+    out = save(args.name, records, target=None if args.dry_run else args.target,
+               mem_fraction=args.mem_fraction, dry_run=args.dry_run)
+    print()
+    report(records, args.top)
+    print(f"\nsaved {out}" + (f", HLO in {hlo_dir}" if args.hlo else ""))
+
+
+def report(records: list[dict], top: int) -> None:
+    """The heaviest kernels of each row, then one line per row: memory and the roofline."""
+    for r in records if top else []:
+        print(f"{r['row']}: heaviest kernels (roofline ms per step)")
+        print_table(r["heaviest"], [("ms", "ms", ".2f"), ("runs", "runs", ".0f"),
+                                    ("category", "category", "s"), ("op", "op", "s"),
+                                    ("shape", "shape", ".60s")])
+        print()
+    table = [{**r, **{c: r["by_category"][c]["ms"] for c in gp.CATEGORIES}} for r in records]
+    print_table(table, [("row", "row", "s"), ("memory_gib", "GiB", ".2f"), ("fits", "fits", ""),
+                        ("xla_remat_clones", "XLA remat", "d"),
+                        ("model_tflop", "model TFLOP", ".1f"), ("dot_tflop", "dot TFLOP", ".1f"),
+                        *[(c, c[:14], ".1f") for c in gp.CATEGORIES],
+                        ("roofline_ms", "roofline ms", ".1f"),
+                        ("roofline_mfu", "roofline MFU", ".1%")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""bench/gpu_compile.py: the GPU's compile of the benchmark rows on a machine without one. CI
+has no CUDA plugin, so it checks the dry run (the same code compiling the rows' tiny CPU
+forms for this CPU), the options and the message a machine without the plugin gets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "bench"))  # after everything else: bench/ holds generic names
+
+
+@pytest.fixture
+def gpu_compile(monkeypatch):
+    """The module, imported with this process's JAX_PLATFORMS restored afterwards (it sets
+    the variable for the JAX it runs under)."""
+    monkeypatch.setenv("JAX_PLATFORMS", os.environ.get("JAX_PLATFORMS", "cpu"))
+    import gpu_compile
+
+    return gpu_compile
+
+
+def test_the_dry_run_compiles_each_row_and_reports_its_kernels(tmp_path):
+    name = f"test_gpu_compile_{os.getpid()}"
+    out = ROOT / "bench" / "results" / f"{name}.json"
+    try:
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_compile.py"), "--dry-run",
+                            "d1024", "d768-remat-none", "--top", "3", "--name", name],
+                           capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+        assert p.returncode == 0, p.stdout + p.stderr
+        rows = json.loads(out.read_text())["rows"]
+    finally:
+        out.unlink(missing_ok=True)
+    assert [r["row"] for r in rows] == ["d1024", "d768-remat-none"]
+    assert "model.remat=none" in rows[1]["overrides"]
+    for r in rows:
+        assert r["memory_gib"] > r["arguments_gib"] > 0 and r["fits"] is True
+        cats = r["by_category"]
+        assert r["roofline_ms"] == pytest.approx(sum(c["ms"] for c in cats.values()))
+        assert r["dot_tflop"] == pytest.approx(sum(c["tflop"] for c in cats.values()))
+        assert r["dot_tflop"] >= r["model_tflop"] > 0  # a step runs at least its model's dots
+        heavy = [k["ms"] for k in r["heaviest"]]
+        assert len(heavy) == 3 and heavy == sorted(heavy, reverse=True) and heavy[0] > 0
+        assert 0 < r["roofline_mfu"]
+    assert "roofline MFU" in p.stdout and "d768-remat-none" in p.stdout
+
+
+def test_without_the_cuda_plugin_it_says_how_to_install_it(gpu_compile, monkeypatch):
+    monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)  # import fails
+    with pytest.raises(SystemExit) as e:
+        gpu_compile.gpu_device("h200")
+    assert gpu_compile.CUDA_INSTALL in str(e.value) and "--dry-run" in str(e.value)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["peak"], "unknown training row 'peak'"),
+    (["d1024", "--set", "model.nope=1"], "row d1024 with --set"),
+    (["--mem-fraction", "0"], "--mem-fraction: must be in (0, 1]"),
+    (["--top", "-1"], "--top: must be >= 0"),
+    (["d1024-ragged-fusion", "d1024"], "rows with XLA flags of their own compile one at a time"),
+])
+def test_bad_options_fail_before_anything_compiles(gpu_compile, capsys, args, message):
+    with pytest.raises(SystemExit) as e:
+        gpu_compile.main(args)
+    assert e.value.code == 2 and message in capsys.readouterr().err
