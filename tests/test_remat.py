@@ -133,10 +133,11 @@ ROUTE_PRIMS = {"top_k", "argmax", "sort", "cumsum", "scatter", "scatter-add"}
 
 
 @pytest.mark.parametrize("router", ["quantile", "softmax_aux"])
-def test_dots_and_experts_keep_the_route_and_recompute_the_kernels(router):
-    """Under "dots" and "experts" a block's backward reruns its expert kernels (gmm: Pallas,
-    interpreted here) as under "full", but not its route: the router's top-k and the layout's
-    sort, scatters and cumulative sums run as often as without remat."""
+def test_every_policy_keeps_the_route_and_recomputes_the_kernels(router, monkeypatch):
+    """Under "experts", "dots" and "full" a block's backward reruns its expert kernels (gmm:
+    Pallas, interpreted here), but not its route: the router's top-k and the layout's sort,
+    scatters and cumulative sums run as often as without remat (a checkpoint that saves
+    nothing would run them again)."""
     cfg = dataclasses.replace(CFG, compute_dtype="bfloat16", moe_impl="gmm", moe_block=16,
                               router=router)
     p = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.PRNGKey(0)))
@@ -154,5 +155,7 @@ def test_dots_and_experts_keep_the_route_and_recompute_the_kernels(router):
     # the forward's 3 again
     assert experts["pallas_call"] == dots["pallas_call"] == full["pallas_call"] == 11
     route = lambda c: {k: c[k] for k in ROUTE_PRIMS}  # noqa: E731
-    assert route(experts) == route(dots) == route(none)
-    assert full["top_k"] == none["top_k"] + 1 and full["cumsum"] > none["cumsum"]
+    assert route(experts) == route(dots) == route(full) == route(none)
+    monkeypatch.setitem(tr.REMAT_SAVES, "full", None)  # jax.checkpoint's default: nothing
+    nothing = counts("full")
+    assert nothing["top_k"] == none["top_k"] + 1 and nothing["cumsum"] > none["cumsum"]

@@ -67,7 +67,7 @@ class ModelConfig:
     # backward recomputes from the route: gather and expert forward; with expert parallelism
     # the transport keeps its rows, as under none) | "dots" (keep the block's unbatched matmul
     # outputs and the route, recompute the rest: attention core, routed experts, elementwise
-    # ops) | "full" (recompute each block in the backward)
+    # ops) | "full" (keep each block's input and route, recompute the rest in the backward)
     remat: str = "none"
     # layers per iteration of the layer scan (jax.lax.scan's unroll): 1 keeps one compiled block;
     # n_layers unrolls it whole (longer compiles; XLA then sees every layer's buffers). With a

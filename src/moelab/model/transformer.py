@@ -30,7 +30,9 @@ from moelab.model.router import KEEP_ROUTE, update_bias
 # 118,562 tokens/s at 116 GiB, where this policy (with the code of then) gave 118,185 at 82 GiB
 # and full remat 117,129: XLA copies each layer's saved operands of custom calls in and out of
 # the scan's stacked buffers (64 ms of device-to-device copies a step).
-REMAT_SAVES = {"full": None, "dots": jax.checkpoint_policies.save_from_both_policies(
+# "full" keeps the route alone (a few MiB a layer): the backward's recompute of a block then
+# runs no top-k, sort or scatter of its own.
+REMAT_SAVES = {"full": KEEP_ROUTE, "dots": jax.checkpoint_policies.save_from_both_policies(
     jax.checkpoint_policies.dots_with_no_batch_dims_saveable, KEEP_ROUTE)}
 
 

@@ -212,7 +212,11 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
                             attention_impl="chunked")
     dt = jnp.dtype(m.compute_dtype)
     experts_fn = None if local_experts else _stub_experts
+    # the block weights as the layer scan takes them, already in the compute dtype: their cast
+    # (made once before the scan) is the compute-weight copy, which state_memory counts
     params = param_tree(m)
+    params = {**params, "blocks": jax.eval_shape(lambda b: tr.layer_params(b, dt),
+                                                 params["blocks"])}
     state = jax.eval_shape(lambda: tr.init_state(m))
     tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
     with _fused_attention_core() if attention == "fused" else contextlib.nullcontext():
