@@ -12,17 +12,17 @@ Rows, most important first (``--help`` lists them with their expected seconds):
    tokens per step (bf16, cuDNN attention, the gmm expert kernel, chunked loss): tokens/s,
    MFU, peak memory, compile time, XLA's memory analysis, one profiled step by kernel
    category (bench/gpu_profile.py);
-3. the remat policies that recompute less where they fit: ``d1024-remat-experts`` (only the
-   routed experts recomputed) and ``d768-remat-none`` (nothing), both profiled;
-4. ablations, one fast path changed at a time: d768's layer scan unrolled, d768 with remat
-   ``experts``, twice the tokens per step, d768 as the preset runs it (profiled), remat
-   ``dots``;
-5. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
-   expert_dim, no routing sparsity): the practical ceiling;
-6. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
+3. the layer scan unrolled without remat, where bench/gpu_compile.py finds the lowest
+   roofline that fits: ``d1024-none-unroll`` and ``d768-none-unroll``, both profiled;
+4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
+   expert_dim, no routing sparsity): the practical ceiling; then d768 as the preset runs it
+   (profiled);
+5. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
    shape (``expert_shape``: 524,288 rows of 512 into 512, 384 experts) for every expert
    kernel but blocks (``LEGS_DEFAULT``), next to a dense matmul of the same FLOPs
-   (bench/gpu_legs.py); then d768's rows.
+   (bench/gpu_legs.py);
+6. ablations while time is left, one change at a time: remat ``experts`` and ``none`` with
+   the layers scanned, twice the tokens per step, remat ``dots``; then d768's legs.
 Rows known to need more than the GPU's memory or minutes of their own run only when named
 (``d1024-blocks``: the blocks kernel was still compiling after 375 s on the H200), as do
 ``gmm-tiles-d1024``, the gmm kernel's tile sweep (``GMM_TILES``) that sets its defaults, and
@@ -176,33 +176,37 @@ def all_rows() -> dict[str, Row]:
         Row("peak", 15, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
         # the GPU's default expert kernel is gmm (model/experts.resolve_impl)
         train_row("d1024", "d1024", [], 45, profile=True),
-        # the preset's remat=full recomputes every block (1.26x the model FLOPs in
-        # bench/flop_audit.py); "experts" recomputes the routed experts alone (1.12x), "dots"
-        # the batched matmuls, kernels and elementwise ops (1.16x); none 1.04x. `moelab plan
-        # d1024 ... --attention fused --accelerator h200` plans experts 104.8 GiB, dots 79.6,
-        # full 65.3, none 128.2 (too close to the children's 0.92 of the GPU's memory to run by
-        # default); d768 plans none at 57.8 GiB
-        train_row("d1024-remat-experts", "d1024", ["model.remat=experts"], 50, profile=True),
-        train_row("d768-remat-none", "d768", ["model.remat=none"], 40, profile=True,
-                  dry_overrides=[*BF16_GMM, "model.remat=none"]),
-        # the layer scan unrolled: XLA sees each layer's buffers, no stacking of the weights'
-        # slices and gradients (the profile's dynamic-update-slice, zero fill and memcpy:
-        # ~25 ms of d1024's step), at a longer compile. Without remat: unrolled, XLA runs the
-        # layers' recomputes together and a policy keeps as much as none (bench/remat_memory.py)
-        train_row("d768-none-unroll", "d768", ["model.remat=none", "model.scan_unroll=8"], 70,
+        # Order by bench/gpu_compile.py (XLA:GPU's compile of each row for an H200 without one,
+        # JAX 0.11.2, 2026-12-04: memory, and the roofline of every kernel in ms): the preset's
+        # full remat (d1024: 67.9 GiB, roofline 325 ms) is no slower by the roofline than
+        # "experts" (102.0 GiB, 328) or "dots" (82.0 GiB, 322): what a block no longer
+        # recomputes, the layer scan spends copying each layer's saved residuals into and out
+        # of its stacked buffers. Unrolled whole, without remat, there are no such buffers:
+        # d1024 111.6 GiB, roofline 266 ms; d768 59.7 GiB, 154 ms against 186 as its preset
+        # runs. Remat none scanned: d1024 125.3 GiB, where XLA recomputes the LM head's logits
+        # itself to fit (438 ms); d768 59.2 GiB, 189 ms.
+        train_row("d1024-none-unroll", "d1024", ["model.remat=none", "model.scan_unroll=12"],
+                  90, profile=True,
                   dry_overrides=[*BF16_GMM, "model.remat=none", "model.scan_unroll=2"]),
-        train_row("d768-remat-experts", "d768", ["model.remat=experts"], 40,
-                  dry_overrides=[*BF16_GMM, "model.remat=experts"]),
-        # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers,
-        # the weight casts: ~45 ms of d1024's 557 in the profile) weigh half as much; full remat
-        # plans 72.7 GiB for d1024
-        train_row("d1024-batch128k", "d1024", ["data.batch_size=32"], 60,
-                  dry_overrides=["data.batch_size=4"]),
-        train_row("d768", "d768", [], 40, profile=True, dry_overrides=BF16_GMM),
-        train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 50, profile=True),
+        train_row("d768-none-unroll", "d768", ["model.remat=none", "model.scan_unroll=8"], 70,
+                  profile=True,
+                  dry_overrides=[*BF16_GMM, "model.remat=none", "model.scan_unroll=2"]),
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 50,
                   dry_overrides=dense_overrides("tiny")),
+        train_row("d768", "d768", [], 40, profile=True, dry_overrides=BF16_GMM),
         legs_row("legs-d1024", expert_shape("d1024"), 60),
+        # the remat policies scanned: "experts" recomputes the routed experts alone (1.12x the
+        # model FLOPs in bench/flop_audit.py, full 1.26x, none 1.04x)
+        train_row("d1024-remat-experts", "d1024", ["model.remat=experts"], 50),
+        train_row("d768-remat-none", "d768", ["model.remat=none"], 40,
+                  dry_overrides=[*BF16_GMM, "model.remat=none"]),
+        # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers)
+        # weigh half as much; 76.0 GiB for d1024 with full remat
+        train_row("d1024-batch128k", "d1024", ["data.batch_size=32"], 60,
+                  dry_overrides=["data.batch_size=4"]),
+        train_row("d768-remat-experts", "d768", ["model.remat=experts"], 40,
+                  dry_overrides=[*BF16_GMM, "model.remat=experts"]),
+        train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 50),
         train_row("d768-batch128k", "d768", ["data.batch_size=32"], 50,
                   dry_overrides=[*BF16_GMM, "data.batch_size=4"]),
         train_row("d768-none-batch128k", "d768", ["model.remat=none", "data.batch_size=32"],
@@ -212,7 +216,7 @@ def all_rows() -> dict[str, Row]:
                   dry_overrides=[*BF16_GMM, "model.remat=dots"],
                   note="H200, JAX 0.11.2: 213,831 tokens/s, 23.8% MFU (2026-12-04)"),
         train_row("d1024-remat-none", "d1024", ["model.remat=none"], 50, ask_only=True,
-                  note="plans 128.2 GiB: run with --mem-fraction 0.97"),
+                  note="XLA:GPU: 125.3 GiB, the LM head's logits recomputed to fit"),
         train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 70,
                   ask_only=True, note="H200, JAX 0.11.2: 63,457 tokens/s, 13.1% MFU (2026-12-04)"),
         train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 60,

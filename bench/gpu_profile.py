@@ -314,6 +314,42 @@ def moved_bytes(hlo: Hlo, ins: Instr) -> int:
     return max(written, 0) + sum(read.values())
 
 
+def _attention_flops(hlo: Hlo, ins: Instr) -> float:
+    """A cuDNN fused attention call's FLOPs: its two batched matmuls (4 B H T S D) over the
+    part of [T, S] its mask keeps (causal: (T + 1) / 2T of a square; a sliding window of w:
+    (w(w+1)/2 + (T - w) w) / TS); the backward runs 2.5 times the forward's (five matmuls of
+    that size, the scores recomputed)."""
+    m = re.search(r'"intermediate_tensor_shape":\s*\{[^{}]*?"dimensions":\s*\[([^\]]*)\]',
+                  ins.attrs)
+    q = hlo.ins.get(ins.operands[0]) if ins.operands else None
+    if not m or q is None or not _arrays(q.shape):
+        return 0.0
+    b, h, t, s = (int(d) for d in re.findall(r"\d+", m.group(1)))
+    d = _arrays(q.shape)[0][1][-1]
+    w = re.search(r'"sliding_window_length":\s*"?(\d+)', ins.attrs)
+    w = min(int(w.group(1)), s) if w else 0
+    mask = re.search(r'"mask_type":\s*"(\w+)"', ins.attrs)
+    if w:
+        kept = (w * (w + 1) / 2 + (t - w) * w) / (t * s)
+    elif mask and "CAUSAL" in mask.group(1):
+        kept = (t + 1) / (2 * t)
+    else:
+        kept = 1.0
+    return 4.0 * b * h * t * s * d * kept * (2.5 if "backward" in _target(ins) else 1.0)
+
+
+def _grouped_flops(hlo: Hlo, ins: Instr) -> float:
+    """A grouped-GEMM kernel's FLOPs (a Pallas call of the routed experts): 2 x rows x K x N
+    for every [groups, K, N] array it reads or writes (the weights, or a weight gradient),
+    rows being the leading size of its widest [rows, width] array."""
+    arrays = [a for o in ins.operands if o in hlo.ins for a in _arrays(hlo.ins[o].shape)]
+    arrays += _arrays(ins.shape)
+    rows = max((dims[0] for t, dims in arrays if len(dims) == 2 and t in ("bf16", "f32", "f16")),
+               default=0)
+    return float(sum(2 * rows * dims[1] * dims[2] for t, dims in arrays
+                     if len(dims) == 3 and t in ("bf16", "f32", "f16")))
+
+
 def estimated_ops(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict[str, dict]:
     """Per executed instruction: category, runs, TFLOP, GB and roofline ms (max of compute and
     memory time) per step."""
@@ -322,9 +358,15 @@ def estimated_ops(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict[str, dict]
         ins = hlo.ins[name]
         if ins.opcode in STRUCTURAL:
             continue
-        flops = sum(_dot_flops(hlo, o) for o in [ins, *hlo.body(ins)] if _is_matmul(o))
+        cat = category(hlo, ins)
+        if ins.opcode == "custom-call" and cat == ATTENTION:
+            flops = _attention_flops(hlo, ins)
+        elif ins.opcode == "custom-call" and cat == GROUPED:
+            flops = _grouped_flops(hlo, ins)
+        else:
+            flops = sum(_dot_flops(hlo, o) for o in [ins, *hlo.body(ins)] if _is_matmul(o))
         moved = moved_bytes(hlo, ins)
-        ops[name] = {"category": category(hlo, ins), "runs": n, "tflop": n * flops / 1e12,
+        ops[name] = {"category": cat, "runs": n, "tflop": n * flops / 1e12,
                      "gb": n * moved / 1e9, "ms": n * 1e3 * max(flops / peak_flops, moved / mem_bw)}
     return ops
 

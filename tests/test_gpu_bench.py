@@ -338,6 +338,37 @@ def test_moved_bytes_count_what_a_kernel_reads_and_writes():
     assert sum(c["gb"] for c in est.values()) == pytest.approx(sum(moved.values()) / 1e9)
 
 
+KERNELS_HLO = """HloModule kernels
+
+ENTRY %main (q: bf16[2,64,4,32], k: bf16[2,64,1,32], m: s32[8], x: bf16[256,16], w: bf16[8,16,32], dy: bf16[256,32]) -> bf16[256,32] {
+  %q = bf16[2,64,4,32]{3,2,1,0} parameter(0)
+  %k = bf16[2,64,1,32]{3,2,1,0} parameter(1)
+  %m = s32[8]{0} parameter(2)
+  %x = bf16[256,16]{1,0} parameter(3)
+  %w = bf16[8,16,32]{2,1,0} parameter(4)
+  %dy = bf16[256,32]{1,0} parameter(5)
+  %fwd = (bf16[2,4,64,32]{3,1,2,0}, f32[2,4,64]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config": {"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "64", "64"], "tuple_shapes": []}, "mask_type": "CAUSAL", "sliding_window_length": 0}}
+  %bwd = (bf16[2,64,4,32]{3,2,1,0}, bf16[2,64,1,32]{3,2,1,0}, bf16[2,64,1,32]{3,2,1,0}, u8[0]{0}) custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config={"cudnn_fmha_backend_config": {"intermediate_tensor_shape": {"element_type": "BF16", "dimensions": ["2", "4", "64", "64"], "tuple_shapes": []}, "mask_type": "CAUSAL", "sliding_window_length": 16}}
+  %gmm = bf16[256,32]{1,0} custom-call(%m, %x, %w), custom_call_target="__gpu$xla.gpu.triton"
+  %wgrad = bf16[8,16,32]{2,1,0} custom-call(%m, %x, %dy), custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %out = bf16[256,32]{1,0} add(%gmm, %dy)
+}
+"""
+
+
+def test_kernel_flops_of_fused_attention_and_grouped_gemms():
+    """cuDNN attention: 4 B H T S D over what the mask keeps (causal: (T+1)/2T; a window of
+    w: (w(w+1)/2 + (T-w)w)/TS), the backward 2.5 times; a grouped GEMM: 2 rows K N per
+    [groups, K, N] array, whether it reads the weights or writes their gradient."""
+    h = gp.Hlo(KERNELS_HLO)
+    full = 4 * 2 * 4 * 64 * 64 * 32
+    assert gp._attention_flops(h, h.ins["fwd"]) == pytest.approx(full * 65 / 128)
+    window = (16 * 17 / 2 + 48 * 16) / (64 * 64)
+    assert gp._attention_flops(h, h.ins["bwd"]) == pytest.approx(2.5 * full * window)
+    assert gp._grouped_flops(h, h.ins["gmm"]) == gp._grouped_flops(h, h.ins["wgrad"]) == \
+        2 * 256 * 16 * 32
+
+
 def test_trace_events_map_to_hlo_ops_from_either_reader(tmp_path):
     """Kernel events name their HLO op in an annotation (GPU) or a stat (CPU); the device plane
     wins over host events; other modules' kernels are left out."""

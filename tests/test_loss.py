@@ -199,3 +199,37 @@ def test_sharded_masked_loss_equals_unsharded():
     got = jax.jit(f)(rows(x), head, rows(targets), rows(valid))
     assert got[1][0].sharding.spec == batch_spec(3)
     _close(got, jax.jit(f)(x, head, targets, valid), 1e-6)
+
+
+def test_one_pass_logsumexp_matches_jax_on_hard_rows():
+    """The loss's one-pass log-sum-exp (max and sum of exponentials in one reduction) against
+    jax.nn.logsumexp: wide-ranging rows, a row with one finite entry, a row of -inf, huge
+    equal maxima."""
+    from moelab.model.loss import _logsumexp
+
+    x = jax.random.normal(jax.random.PRNGKey(3), (6, 517), jnp.float32) * 40.0
+    x = x.at[1].set(-jnp.inf).at[1, 200].set(7.5).at[2].set(-jnp.inf)
+    x = x.at[3, :3].set(3e38)
+    got, want = _logsumexp(x), jax.nn.logsumexp(x, axis=-1)
+    assert got[2] == -jnp.inf and want[2] == -jnp.inf
+    finite = jnp.isfinite(want)
+    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6)
+    assert float(got[1]) == 7.5
+
+
+@pytest.mark.parametrize("chunk", [0, 9])
+def test_the_gpu_form_of_the_loss_equals_plain(chunk, monkeypatch):
+    """Traced as on a GPU, each chunk's log-sum-exp is the one-pass reduction (a reduce of two
+    operands), with the values and gradients of the plain loss."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    args = _inputs(jnp.float32, True)
+    f = lambda *a: chunked_token_loss(*a, chunk, Z)  # noqa: E731 - not _jitted's cached one
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: f(*a)[0], (0, 1)))(*args)
+    reduces = [e for e in jaxpr.eqns if e.primitive.name == "scan"
+               for e in e.params["jaxpr"].jaxpr.eqns if e.primitive.name == "reduce"]
+    assert reduces and all(len(e.invars) == 4 for e in reduces)  # two operands, two inits
+    (_, got), g = jax.jit(jax.value_and_grad(lambda *a: (f(*a)[0], f(*a)[1:]), (0, 1),
+                                             has_aux=True))(*args)
+    want, g_plain = _losses_and_grads(_plain, *args)
+    _close(got, want, 1e-6)
+    _close(g, g_plain, 1e-6)
