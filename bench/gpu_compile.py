@@ -13,16 +13,16 @@ follow from it:
 - memory: XLA:GPU's own buffer assignment (arguments + temporaries), the figure a GPU run
   reports; whether it fits the benchmark's share of the GPU (``--mem-fraction``), and how many
   instructions XLA had to recompute to fit (its memory-pressure remat: ``.remat`` clones);
-- kernels: the roofline time of every executed instruction (its dots' FLOPs at the matmul peak,
-  or the bytes it moves at the memory bandwidth; bench/gpu_profile.estimated), by category and
-  the heaviest ones by name, the names a GPU profile of the same code shows;
+- kernels: the roofline time of every executed instruction (its FLOPs at the matmul peak: dots,
+  cuDNN attention and the grouped GEMMs from their shapes; or the bytes it moves at the memory
+  bandwidth; bench/gpu_profile.estimated), by category and the heaviest ones by name, the
+  names a GPU profile of the same code shows;
 - the row's model FLOPs and executed dot FLOPs.
 
-The roofline is a lower bound per kernel, not a step time: cuDNN attention and the Pallas
-expert kernels count by their bytes alone, and no kernel reaches the roofline. Against the one
-profiled H200 step of the same code (d1024 at 7393837), the estimate was 335 ms of 530 ms of
-kernels: elementwise 114 of 150, other matmuls 131 of 149, optimizer 23 of 27; attention 6 of
-51, grouped GEMM 41 of 83, sort 20 of 70 (README, Scaling out). So compare estimates of one row
+The roofline is a lower bound per kernel, not a step time: no kernel reaches it. Against the
+one profiled H200 step of the same code (d1024 at 7393837), the estimate was 378 ms of 530 ms of
+kernels: other matmuls 131 of 149, elementwise 114 of 150, grouped GEMM 55 of 83, attention 36
+of 51, optimizer 23 of 27, sort 20 of 70 (README, Scaling out). So compare estimates of one row
 against another, a change against the code before it, not against a target. The memory is
 exact: 68.60 GiB at that commit, as the GPU measured.
 

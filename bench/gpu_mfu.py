@@ -177,14 +177,14 @@ def all_rows() -> dict[str, Row]:
         # the GPU's default expert kernel is gmm (model/experts.resolve_impl)
         train_row("d1024", "d1024", [], 45, profile=True),
         # Order by bench/gpu_compile.py (XLA:GPU's compile of each row for an H200 without one,
-        # JAX 0.11.2, 2026-12-04: memory, and the roofline of every kernel in ms): the preset's
-        # full remat (d1024: 67.9 GiB, roofline 325 ms) is no slower by the roofline than
-        # "experts" (102.0 GiB, 328) or "dots" (82.0 GiB, 322): what a block no longer
-        # recomputes, the layer scan spends copying each layer's saved residuals into and out
-        # of its stacked buffers. Unrolled whole, without remat, there are no such buffers:
-        # d1024 111.6 GiB, roofline 266 ms; d768 59.7 GiB, 154 ms against 186 as its preset
-        # runs. Remat none scanned: d1024 125.3 GiB, where XLA recomputes the LM head's logits
-        # itself to fit (438 ms); d768 59.2 GiB, 189 ms.
+        # JAX 0.11.2, 2026-12-04: memory, and the roofline of every kernel): the preset's full
+        # remat (d1024: 68.0 GiB, roofline 363 ms) is within 1% of "experts" (102.0 GiB, 359)
+        # and "dots" (82.0 GiB, 360): what a block no longer recomputes, the layer scan spends
+        # copying each layer's saved residuals into and out of its stacked buffers. Unrolled
+        # whole, without remat, there are no such buffers: d1024 111.6 GiB, roofline 299 ms;
+        # d768 59.7 GiB, 159 ms against 193 as its preset runs. Remat none scanned: d1024
+        # 125.3 GiB, where XLA recomputes the LM head's logits itself to fit (444 ms); d768
+        # 59.2 GiB, 195 ms.
         train_row("d1024-none-unroll", "d1024", ["model.remat=none", "model.scan_unroll=12"],
                   90, profile=True,
                   dry_overrides=[*BF16_GMM, "model.remat=none", "model.scan_unroll=2"]),
@@ -201,7 +201,7 @@ def all_rows() -> dict[str, Row]:
         train_row("d768-remat-none", "d768", ["model.remat=none"], 40,
                   dry_overrides=[*BF16_GMM, "model.remat=none"]),
         # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers)
-        # weigh half as much; 76.0 GiB for d1024 with full remat
+        # weigh half as much; 76.2 GiB for d1024 with full remat
         train_row("d1024-batch128k", "d1024", ["data.batch_size=32"], 60,
                   dry_overrides=["data.batch_size=4"]),
         train_row("d768-remat-experts", "d768", ["model.remat=experts"], 40,
