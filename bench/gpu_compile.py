@@ -26,7 +26,8 @@ of 51, optimizer 23 of 27, sort 20 of 70 (README, Scaling out). So compare estim
 against another, a change against the code before it, not against a target. The memory is
 exact: 68.60 GiB at that commit, as the GPU measured.
 
-Results: bench/results/gpu_compile.json (``--name``), each row's optimized HLO with ``--hlo``.
+Results: bench/results/gpu_compile.json (``--name``), rewritten as each row ends, and each row's
+optimized HLO with ``--hlo``.
 A dry run compiles the rows' tiny CPU forms (gpu_mfu.py's) for this machine's CPU through the
 same code: what CI checks.
 """
@@ -200,10 +201,9 @@ def analyse(compiled, cfg, peak: tuple[float, float], rated: float, capacity: fl
 def main(argv: list[str] | None = None) -> None:
     rows = gpu_mfu.all_rows()
     args = parse_args(argv, rows)
-    device = None
-    if args.dry_run:
-        import jax
+    import jax
 
+    if args.dry_run:
         device, peak, capacity = jax.devices("cpu")[0], CPU_PEAK, float("inf")
         rated = CPU_PEAK[0]
     else:
@@ -233,11 +233,14 @@ def main(argv: list[str] | None = None) -> None:
             hlo_dir.mkdir(exist_ok=True)
             atomic_write_text(hlo_dir / f"{name}.txt", compiled.as_text())
         records.append(rec)
-        print(f"{name}: {rec['memory_gib']:.2f} GiB ({'fits' if rec['fits'] else 'does NOT fit'}"
-              f" {args.mem_fraction:.0%}), roofline {rec['roofline_ms']:.1f} ms, compiled in "
-              f"{rec['compile_s']:.0f} s", flush=True)
-    out = save(args.name, records, target=None if args.dry_run else args.target,
-               mem_fraction=args.mem_fraction, dry_run=args.dry_run)
+        # saved as each row ends: an interrupted run keeps the rows it compiled
+        out = save(args.name, records, device_info=False, jax_version=jax.__version__,
+                   target="cpu (dry run)" if args.dry_run else args.target,
+                   mem_fraction=args.mem_fraction)
+        fit = "" if args.dry_run else (f" ({'fits' if rec['fits'] else 'does NOT fit'} "
+                                       f"{args.mem_fraction:.0%} of the GPU)")
+        print(f"{name}: {rec['memory_gib']:.2f} GiB{fit}, roofline {rec['roofline_ms']:.1f} ms, "
+              f"compiled in {rec['compile_s']:.0f} s", flush=True)
     print()
     report(records, args.top)
     print(f"\nsaved {out}" + (f", HLO in {hlo_dir}" if args.hlo else ""))
@@ -261,4 +264,7 @@ def report(records: list[dict], top: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit("interrupted: the rows compiled before it are saved in bench/results")
