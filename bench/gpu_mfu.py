@@ -178,12 +178,12 @@ def all_rows() -> dict[str, Row]:
         train_row("d1024", "d1024", [], 45, profile=True),
         # Order by bench/gpu_compile.py (XLA:GPU's compile of each row for an H200 without one,
         # JAX 0.11.2, 2026-12-04: memory, and the roofline of every kernel): the preset's full
-        # remat (d1024: 68.0 GiB, roofline 363 ms) is within 1% of "experts" (102.0 GiB, 359)
-        # and "dots" (82.0 GiB, 360): what a block no longer recomputes, the layer scan spends
+        # remat (d1024: 68.0 GiB, roofline 362 ms) is within 1% of "experts" (102.0 GiB, 359)
+        # and "dots" (82.0 GiB, 358): what a block no longer recomputes, the layer scan spends
         # copying each layer's saved residuals into and out of its stacked buffers. Unrolled
         # whole, without remat, there are no such buffers: d1024 111.6 GiB, roofline 299 ms;
-        # d768 59.7 GiB, 159 ms against 193 as its preset runs. Remat none scanned: d1024
-        # 125.3 GiB, where XLA recomputes the LM head's logits itself to fit (444 ms); d768
+        # d768 59.7 GiB, 158 ms against 193 as its preset runs. Remat none scanned: d1024
+        # 125.3 GiB, where XLA recomputes the LM head's logits itself to fit (441 ms); d768
         # 59.2 GiB, 195 ms.
         train_row("d1024-none-unroll", "d1024", ["model.remat=none", "model.scan_unroll=12"],
                   90, profile=True,

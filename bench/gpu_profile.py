@@ -15,8 +15,10 @@ function it came from (``category``). Two views of one step:
   ``jax.profiler.ProfileData`` (part of jaxlib: no protobuf or TensorBoard package needed), else
   from the perfetto trace JSON; durations are summed per category, and what no instruction or
   kernel name places is reported by name.
-- estimated (``estimated``): each executed instruction's FLOPs (dots, from the HLO shapes) and
-  bytes (operands and result) times the trip counts of the loops around it, and its roofline
+- estimated (``estimated``): each executed instruction's FLOPs (dots, cuDNN attention and the
+  grouped GEMMs, from the HLO shapes) and bytes (``moved_bytes``: operands and result, less
+  what slices skip and in-place updates leave) times the trip counts of the loops around it,
+  and its roofline
   time at the given matmul peak and memory bandwidth. Always computed; it is the whole answer
   when no trace can be read (``summary`` says which source it used).
 """
@@ -278,9 +280,9 @@ def _fused_parameters(hlo: Hlo, ins: Instr) -> dict[int, Instr]:
 
 def moved_bytes(hlo: Hlo, ins: Instr) -> int:
     """Bytes an instruction reads and writes in HBM: its operands and result, except that an
-    operand a fusion only slices (dynamic-slice, slice, gather) is read for the parts taken,
-    and a buffer updated in place (a dynamic-update-slice of an operand: a scan's stacking)
-    costs the update written, not the whole buffer read and written."""
+    operand a fusion only slices (dynamic-slice, slice, gather) is read for the parts taken
+    (at most all of it), and a buffer updated in place (``_in_place``: a scan's stacking) costs
+    the updates written, not the whole buffer read and written."""
     if ins.opcode.endswith("-done"):
         return 0  # an async op's end: its start moved the data
     if ins.opcode == "fusion-start" and hlo.comps.get(ins.calls[0] if ins.calls else ""):
@@ -301,17 +303,38 @@ def moved_bytes(hlo: Hlo, ins: Instr) -> int:
     for b in body:
         for k, o in enumerate(b.operands):
             users[o].append((b, k))
+    root = body[-1] if body else None  # HLO text prints a computation's ROOT last
+    outputs = set(root.operands if root is not None and root.opcode == "tuple" else
+                  [root.name] if root is not None else [])
     for i, p in _fused_parameters(hlo, ins).items():
         uses = users.get(p.name, [])
         if i not in read or not uses:
             continue
         if all(u.opcode in SLICING and k == 0 for u, k in uses):
-            read[i] = sum(_bytes(u.shape) for u, _ in uses)
-        elif all(u.opcode == "dynamic-update-slice" and k == 0 for u, k in uses):
-            read[i] = 0  # updated in place: only the update is written
-            written -= _bytes(p.shape) - sum(_bytes(hlo.ins[u.operands[1]].shape)
-                                             for u, _ in uses if u.operands[1] in hlo.ins)
-    return max(written, 0) + sum(read.values())
+            read[i] = min(read[i], sum(_bytes(u.shape) for u, _ in uses))
+        elif updates := _in_place(hlo, p, users, outputs):
+            read[i] = 0  # updated in place: only the updates are written
+            written -= _bytes(p.shape) - updates
+    return written + sum(read.values())
+
+
+def _in_place(hlo: Hlo, p: Instr, users: dict, outputs: set[str]) -> int:
+    """Bytes of the updates when a fusion's parameter ``p`` is a buffer updated in place: a
+    chain of single uses, dynamic-update-slices of it (and bitcasts), ending in a fusion
+    output; else 0 (the buffer counts as read whole)."""
+    node, updates = p.name, 0
+    while True:
+        uses = users.get(node, [])
+        if updates and node in outputs and all(u.opcode == "tuple" for u, _ in uses):
+            return updates
+        if len(uses) != 1:
+            return 0
+        (u, k), = uses
+        if u.opcode == "dynamic-update-slice" and k == 0 and u.operands[1] in hlo.ins:
+            updates += _bytes(hlo.ins[u.operands[1]].shape)
+        elif u.opcode != "bitcast":
+            return 0
+        node = u.name
 
 
 def _attention_flops(hlo: Hlo, ins: Instr) -> float:
@@ -341,7 +364,7 @@ def _attention_flops(hlo: Hlo, ins: Instr) -> float:
 def _grouped_flops(hlo: Hlo, ins: Instr) -> float:
     """A grouped-GEMM kernel's FLOPs (a Pallas call of the routed experts): 2 x rows x K x N
     for every [groups, K, N] array it reads or writes (the weights, or a weight gradient),
-    rows being the leading size of its widest [rows, width] array."""
+    rows being the largest leading size among its 2-D float arrays."""
     arrays = [a for o in ins.operands if o in hlo.ins for a in _arrays(hlo.ins[o].shape)]
     arrays += _arrays(ins.shape)
     rows = max((dims[0] for t, dims in arrays if len(dims) == 2 and t in ("bf16", "f32", "f16")),

@@ -307,6 +307,25 @@ MOVES_HLO = """HloModule moves
   ROOT %both = f32[1,64,64]{2,1,0} slice(%whole), slice={[0:1], [0:64], [0:64]}
 }
 
+%fused_dus_reduce (s0: f32[12,64,64], s1: f32[1,64,64], s2: s32[]) -> f32[] {
+  %s0 = f32[12,64,64]{2,1,0} parameter(0)
+  %s1 = f32[1,64,64]{2,1,0} parameter(1)
+  %s2 = s32[] parameter(2)
+  %w = s32[] constant(0)
+  %d = f32[12,64,64]{2,1,0} dynamic-update-slice(%s0, %s1, %s2, %w, %w)
+  %c = f32[] constant(0)
+  ROOT %r = f32[] reduce(%d, %c), dimensions={0,1,2}, to_apply=%sum
+}
+
+%fused_dus_twice (t0: f32[12,64,64], t1: f32[1,64,64], t2: s32[]) -> f32[12,64,64] {
+  %t0 = f32[12,64,64]{2,1,0} parameter(0)
+  %t1 = f32[1,64,64]{2,1,0} parameter(1)
+  %t2 = s32[] parameter(2)
+  %v = s32[] constant(0)
+  %d1 = f32[12,64,64]{2,1,0} dynamic-update-slice(%t0, %t1, %t2, %v, %v)
+  ROOT %d2 = f32[12,64,64]{2,1,0} dynamic-update-slice(%d1, %t1, %v, %v, %v)
+}
+
 ENTRY %main (a: f32[12,64,64], u: f32[64,64], i: s32[]) -> f32[12,64,64] {
   %a = f32[12,64,64]{2,1,0} parameter(0)
   %u = f32[64,64]{1,0} parameter(1)
@@ -316,22 +335,28 @@ ENTRY %main (a: f32[12,64,64], u: f32[64,64], i: s32[]) -> f32[12,64,64] {
   %start = ((f32[12,64,64]{2,1,0}, s32[]), f32[1,64,64]{2,1,0}, u32[]) fusion-start(%a, %i), kind=kLoop, calls=%fused_ds
   %done = f32[1,64,64]{2,1,0} fusion-done(%start)
   %mixed = f32[1,64,64]{2,1,0} fusion(%a, %i), kind=kLoop, calls=%fused_scale
+  %red = f32[] fusion(%a, %take, %i), kind=kInput, calls=%fused_dus_reduce
+  %twice = f32[12,64,64]{2,1,0} fusion(%a, %take, %i), kind=kLoop, calls=%fused_dus_twice
   ROOT %out = f32[12,64,64]{2,1,0} add(%a, %a)
 }
 """
 
 
 def test_moved_bytes_count_what_a_kernel_reads_and_writes():
-    """A scan's stacking (a dynamic-update-slice in place) moves its update, not the whole
-    stack; a fused slice reads the part it takes; an async fusion counts once, at its start;
+    """A scan's stacking (dynamic-update-slices in place, ending in the output) moves its
+    updates, not the whole stack (an update whose result is read again is not in place); a
+    fused slice reads the part it takes; an async fusion counts once, at its start;
     an operand also read whole counts whole."""
     h = gp.Hlo(MOVES_HLO)
     stack, layer = 12 * 64 * 64 * 4, 64 * 64 * 4
     moved = {n: gp.moved_bytes(h, h.ins[n]) for n in ("upd", "take", "start", "done", "mixed",
-                                                      "out")}
+                                                      "red", "twice", "out")}
     assert moved == {"upd": layer + 4 + layer,  # the update read, then written in place
                      "take": layer + 4 + layer, "start": layer + 4 + layer, "done": 0,
-                     "mixed": stack + 4 + layer, "out": 3 * stack}
+                     "mixed": stack + 4 + layer,
+                     "red": stack + layer + 4 + 4,  # updated, then read whole: not in place
+                     "twice": 2 * layer + layer + 4,  # two updates in place, one operand read
+                     "out": 3 * stack}
     ops = gp.estimated_ops(h, peak_flops=1e12, mem_bw=1e9)
     assert ops["upd"]["ms"] == pytest.approx(1e3 * moved["upd"] / 1e9)
     est = gp.estimated(h, peak_flops=1e12, mem_bw=1e9)

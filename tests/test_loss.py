@@ -204,14 +204,18 @@ def test_sharded_masked_loss_equals_unsharded():
 def test_one_pass_logsumexp_matches_jax_on_hard_rows():
     """The loss's one-pass log-sum-exp (max and sum of exponentials in one reduction) against
     jax.nn.logsumexp: wide-ranging rows, a row with one finite entry, a row of -inf, huge
-    equal maxima."""
+    equal maxima, +inf entries, a nan, a row of equal entries."""
     from moelab.model.loss import _logsumexp
 
-    x = jax.random.normal(jax.random.PRNGKey(3), (6, 517), jnp.float32) * 40.0
+    x = jax.random.normal(jax.random.PRNGKey(3), (9, 517), jnp.float32) * 40.0
     x = x.at[1].set(-jnp.inf).at[1, 200].set(7.5).at[2].set(-jnp.inf)
     x = x.at[3, :3].set(3e38)
+    x = x.at[4, 5].set(jnp.inf).at[5, 7:9].set(jnp.inf).at[6, 11].set(jnp.nan)
+    x = x.at[7].set(-jnp.inf).at[7, 0].set(jnp.inf)  # -inf and +inf only
+    x = x.at[8].set(0.25)  # all equal: log(517) + 0.25
     got, want = _logsumexp(x), jax.nn.logsumexp(x, axis=-1)
     assert got[2] == -jnp.inf and want[2] == -jnp.inf
+    assert [float(got[i]) for i in (4, 5, 7)] == [float("inf")] * 3 and jnp.isnan(got[6])
     finite = jnp.isfinite(want)
     np.testing.assert_allclose(got[finite], want[finite], rtol=1e-6)
     assert float(got[1]) == 7.5

@@ -71,7 +71,7 @@ class ModelConfig:
     remat: str = "none"
     # layers per iteration of the layer scan (jax.lax.scan's unroll): 1 keeps one compiled block;
     # n_layers unrolls it whole (longer compiles; no stacked buffers of saved residuals: with
-    # remat none the fastest form where it fits, bench/gpu_compile.py). With a remat policy keep
+    # remat none the lowest roofline where it fits, bench/gpu_compile.py). With a remat policy keep
     # 1: XLA:CPU runs an iteration's recomputes together, so unrolling u layers holds u layers'
     # residuals, and unrolled whole "experts" is merged into none (docs/plan.md)
     scan_unroll: int = 1

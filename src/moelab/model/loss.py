@@ -85,11 +85,13 @@ def _logsumexp(logits):
     custom VJP forms its own gradient."""
     def merge(a, b):
         (ma, sa), (mb, sb) = a, b
-        m = jnp.maximum(ma, mb)
-        # the side holding the max scales by 1; where both are -inf (the reduction's initial
-        # value, before any entry) exp(-inf - -inf) would be nan
-        return m, (sa * jnp.where(ma == m, 1.0, jnp.exp(ma - m))
-                   + sb * jnp.where(mb == m, 1.0, jnp.exp(mb - m)))
+        m, lo = jnp.maximum(ma, mb), jnp.minimum(ma, mb)
+        a_high = ma >= mb
+        # one exp per merge: the lower side's sum is rescaled to the higher max; equal maxima
+        # (both -inf included: the reduction's initial value, where exp(-inf - -inf) would be
+        # nan) add as they are; a nan max stays nan
+        scale = jnp.where(lo == m, 1.0, jnp.exp(lo - m))
+        return m, jnp.where(a_high, sa, sb) + jnp.where(a_high, sb, sa) * scale
 
     m, s = jax.lax.reduce((logits, jnp.ones_like(logits)),
                           (jnp.float32(-jnp.inf), jnp.float32(0.0)), merge, (logits.ndim - 1,))

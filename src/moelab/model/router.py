@@ -41,7 +41,7 @@ class Routing(NamedTuple):
 
 # A route's chosen experts, their sorted layout and its tile metadata, marked for remat: small,
 # where rebuilding them takes a top-k, sorts and scatters. KEEP_ROUTE is the checkpoint policy
-# that keeps them (model.remat "dots" and "experts").
+# that keeps them (model.remat "experts", "dots" and "full").
 KEEP_ROUTE = jax.checkpoint_policies.save_only_these_names("routing")
 
 

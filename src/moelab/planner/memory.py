@@ -91,7 +91,9 @@ def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
     # gradients on the device: 4 bytes a parameter, float32; with a narrower compute dtype the
     # stacked block weights are cast once before the layer scan and their gradients come back
     # in that dtype, the copy and the gradient together the same 4 bytes (XLA:GPU's analysis of
-    # d1024's step: 67.9 GiB with the copy, 68.2 without; bench/gpu_compile.py)
+    # d1024's step: 67.9 GiB with the copy, 68.2 without; bench/gpu_compile.py). With
+    # train.microbatch_tokens the float32 sum of the micro-steps' gradients comes on top
+    # (gradient_sum in memory_report)
     out = {"params_per_device": per_dev,
            "master_weights": 0.0 if on_host else 4 * per_dev,
            "compute_weights": wbytes * per_dev if on_host else 0.0,
@@ -187,8 +189,8 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     remat policy ``remat`` (model.remat: none, experts, dots or full; default the config's).
 
     saved: what the whole loss keeps for the backward: every layer's residuals (none); all but
-    the routed experts' (experts); each layer's input and unbatched matmul outputs (dots); each
-    layer's input (full); plus the head. layer: what one layer's backward recomputes on top
+    the routed experts' (experts); each layer's input, unbatched matmul outputs and route (dots);
+    each layer's input and route (full); plus the head. layer: what one layer's backward recomputes on top
     (experts, dots, full): the larger of its two branches' residuals less what the policy saved
     of them (the backward runs the MoE branch, frees it, then the attention branch); peak =
     saved + layer. ``local_experts=False`` leaves
@@ -213,7 +215,8 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     dt = jnp.dtype(m.compute_dtype)
     experts_fn = None if local_experts else _stub_experts
     # the block weights as the layer scan takes them, already in the compute dtype: their cast
-    # (made once before the scan) is the compute-weight copy, which state_memory counts
+    # (made once before the scan) is the compute-weight copy, which state_memory's gradient
+    # bytes cover (see there), not an activation
     params = param_tree(m)
     params = {**params, "blocks": jax.eval_shape(lambda b: tr.layer_params(b, dt),
                                                  params["blocks"])}
