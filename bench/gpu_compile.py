@@ -46,6 +46,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import gpu_mfu  # noqa: E402
 import gpu_profile as gp  # noqa: E402
+import gpu_rows  # noqa: E402
 from common import RESULTS, print_table, save  # noqa: E402 - puts src/ on the path
 from moelab.config import load_config  # noqa: E402
 
@@ -149,28 +150,6 @@ def gpu_device(target: str):
     return topo.devices[0]
 
 
-def compiled_step(cfg, device, as_gpu: bool):
-    """The row's jitted training step compiled for ``device``, traced as a GPU traces it
-    (planner.as_gpu) when ``as_gpu``."""
-    import contextlib
-
-    import jax
-    import jax.numpy as jnp
-
-    from moelab.planner.as_gpu import traced_as_gpu
-    from moelab.train.step import abstract_train_state, make_train_step
-
-    on = jax.sharding.SingleDeviceSharding(device)
-    with traced_as_gpu() if as_gpu else contextlib.nullcontext():
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on),
-                             abstract_train_state(cfg))
-        batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32,
-                                     sharding=on)
-        platform = "cuda" if as_gpu else "cpu"
-        return make_train_step(cfg).trace(state, batch).lower(
-            lowering_platforms=(platform,)).compile()
-
-
 def analyse(compiled, cfg, peak: tuple[float, float], rated: float, capacity: float,
             top: int) -> dict:
     """Memory, XLA's remat clones, model and dot FLOPs, the roofline by category, the MFU a
@@ -178,18 +157,16 @@ def analyse(compiled, cfg, peak: tuple[float, float], rated: float, capacity: fl
     step."""
     from moelab.planner.counts import train_flops_per_token
 
-    m = compiled.memory_analysis()
-    args_b, temp = m.argument_size_in_bytes, m.temp_size_in_bytes
-    total = args_b + m.output_size_in_bytes - m.alias_size_in_bytes + temp
+    mem = gpu_rows.xla_memory(compiled)
     hlo = gp.Hlo(compiled.as_text())
     ops = gp.estimated_ops(hlo, *peak)
-    cats = gp.estimated(hlo, *peak)
+    cats = gp.by_category(ops)
     tokens = cfg.data.batch_size * cfg.data.seq_len
     model = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
     roofline_s = sum(c["ms"] for c in cats.values()) / 1e3
     heavy = sorted(ops.items(), key=lambda kv: -kv[1]["ms"])[:top]
-    return {"memory_gib": total / 2**30, "arguments_gib": args_b / 2**30,
-            "temp_gib": temp / 2**30, "fits": total <= capacity,
+    return {"memory_gib": mem["total"], "arguments_gib": mem["argument"],
+            "temp_gib": mem["temp"], "fits": mem["total"] * 2**30 <= capacity,
             "xla_remat_clones": sum(1 for n in hlo.ins if re.search(r"\.remat\d*$", n)),
             "model_tflop": model / 1e12, "dot_tflop": sum(c["tflop"] for c in cats.values()),
             "roofline_ms": 1e3 * roofline_s,
@@ -223,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides = spec["overrides"] + args.set
         cfg = load_config(spec["preset"], overrides)
         t = time.perf_counter()
-        compiled = compiled_step(cfg, device, as_gpu=not args.dry_run)
+        compiled = gpu_rows.lowered_step(cfg, "cpu" if args.dry_run else "cuda",
+                                         jax.sharding.SingleDeviceSharding(device)).compile()
         rec = {"row": name, "preset": spec["preset"], "overrides": overrides,
                "compile_s": time.perf_counter() - t,
                **analyse(compiled, cfg, peak, rated, capacity, args.top)}

@@ -18,9 +18,8 @@ function it came from (``category``). Two views of one step:
 - estimated (``estimated``): each executed instruction's FLOPs (dots, cuDNN attention and the
   grouped GEMMs, from the HLO shapes) and bytes (``moved_bytes``: operands and result, less
   what slices skip and in-place updates leave) times the trip counts of the loops around it,
-  and its roofline
-  time at the given matmul peak and memory bandwidth. Always computed; it is the whole answer
-  when no trace can be read (``summary`` says which source it used).
+  and its roofline time at the given matmul peak and memory bandwidth. Always computed; it is
+  the whole answer when no trace can be read (``summary`` says which source it used).
 """
 
 from __future__ import annotations
@@ -394,13 +393,18 @@ def estimated_ops(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict[str, dict]
     return ops
 
 
-def estimated(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict:
-    """Per category: TFLOP and GB per step and the roofline ms, summed over instructions."""
+def by_category(ops: dict[str, dict]) -> dict:
+    """``estimated_ops``' instructions summed per category: TFLOP, GB and roofline ms."""
     cat = {c: {"tflop": 0.0, "gb": 0.0, "ms": 0.0} for c in CATEGORIES}
-    for k in estimated_ops(hlo, peak_flops, mem_bw).values():
+    for k in ops.values():
         for key in ("tflop", "gb", "ms"):
             cat[k["category"]][key] += k[key]
     return cat
+
+
+def estimated(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict:
+    """Per category: TFLOP and GB per step and the roofline ms, summed over instructions."""
+    return by_category(estimated_ops(hlo, peak_flops, mem_bw))
 
 
 # ----------------------------------------------------------------------------- trace

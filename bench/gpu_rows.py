@@ -125,21 +125,30 @@ def train(spec: dict, row: Row) -> None:
         secondary(row, "profile", lambda: profile(compiled, state, batches[0], spec)[1])
 
 
-def lowered_for_cuda(spec: dict) -> str:
-    """A training row's step lowered for CUDA as StableHLO text, at the row's own shapes and on
-    any machine: traced with a GPU's choices (``planner.as_gpu.traced_as_gpu``: cuDNN
-    attention, the expert kernel's GPU form), nothing compiled or allocated. What a CPU can
-    check of a row before a GPU runs it; tests/test_gpu_bench.py does, for every row."""
-    from moelab.config import load_config
+def lowered_step(cfg, platform: str = "cuda", sharding=None):
+    """A config's training step lowered for ``platform`` at its own shapes, nothing allocated;
+    for "cuda" traced with a GPU's choices on any machine (``planner.as_gpu.traced_as_gpu``:
+    cuDNN attention, the expert kernel's GPU form). ``sharding``: where the state and batch
+    live (bench/gpu_compile.py: a deviceless GPU's), else the default device."""
+    import contextlib
+
     from moelab.planner.as_gpu import traced_as_gpu
     from moelab.train.step import abstract_train_state, make_train_step
 
-    cfg = load_config(spec["preset"], spec["overrides"])
-    with traced_as_gpu():
-        state = abstract_train_state(cfg)
-        batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), "int32")
-        return make_train_step(cfg).trace(state, batch).lower(
-            lowering_platforms=("cuda",)).as_text()
+    on = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
+    with traced_as_gpu() if platform == "cuda" else contextlib.nullcontext():
+        state = jax.tree.map(on, abstract_train_state(cfg))
+        batch = on(jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), "int32"))
+        return make_train_step(cfg).trace(state, batch).lower(lowering_platforms=(platform,))
+
+
+def lowered_for_cuda(spec: dict) -> str:
+    """A training row's step lowered for CUDA as StableHLO text (``lowered_step``), nothing
+    compiled: what a CPU can check of a row before a GPU runs it; tests/test_gpu_bench.py does,
+    for every row."""
+    from moelab.config import load_config
+
+    return lowered_step(load_config(spec["preset"], spec["overrides"])).as_text()
 
 
 def legs(spec: dict, row: Row) -> None:

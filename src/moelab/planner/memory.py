@@ -190,11 +190,11 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
 
     saved: what the whole loss keeps for the backward: every layer's residuals (none); all but
     the routed experts' (experts); each layer's input, unbatched matmul outputs and route (dots);
-    each layer's input and route (full); plus the head. layer: what one layer's backward recomputes on top
-    (experts, dots, full): the larger of its two branches' residuals less what the policy saved
-    of them (the backward runs the MoE branch, frees it, then the attention branch); peak =
-    saved + layer. ``local_experts=False`` leaves
-    the routed experts out (an expert-parallel transport owns them; see transport_memory).
+    each layer's input and route (full); plus the head. layer: what one layer's backward
+    recomputes on top (experts, dots, full): the larger of its two branches' residuals less
+    what the policy saved of them (the backward runs the MoE branch, frees it, then the
+    attention branch); peak = saved + layer. ``local_experts=False`` leaves the routed experts
+    out (an expert-parallel transport owns them; see transport_memory).
     ``attention``/``loss``: "materialized" (this code's plain paths) or "fused". Fused
     attention is measured in place, the attention core standing in as a fused kernel keeps it
     (``_fused_attention_core``). The loss measures as fused (its residuals are dx, dW and a
