@@ -13,14 +13,15 @@ Rows, most important first (``--help`` lists them with their expected seconds):
    MFU, peak memory, compile time, XLA's memory analysis, one profiled step by kernel
    category (bench/gpu_profile.py);
 3. the layer scan unrolled without remat, where bench/gpu_compile.py finds the lowest
-   roofline that fits: ``d1024-none-unroll`` and ``d768-none-unroll``, both profiled;
+   roofline that fits: ``d1024-none-unroll-bf16m`` (AdamW's moments in bfloat16 too, profiled),
+   ``d1024-none-unroll`` and ``d768-none-unroll`` (profiled);
 4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling; then d768 as the preset runs it
    (profiled);
 5. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
    shape (``expert_shape``: 524,288 rows of 512 into 512, 384 experts) for every expert
    kernel but blocks (``LEGS_DEFAULT``), next to a dense matmul of the same FLOPs
-   (bench/gpu_legs.py);
+   (bench/gpu_legs.py); then ``d768-none-unroll-bf16m``;
 6. ablations while time is left, one change at a time: remat ``experts`` and ``none`` with
    the layers scanned, twice the tokens per step, remat ``dots``; then d768's legs.
 Rows known to need more than the GPU's memory or minutes of their own run only when named
@@ -67,6 +68,12 @@ FAST = ["model.compute_dtype=bfloat16", "model.attention_impl=auto", "model.loss
 TINY = ["data.seq_len=64", "data.batch_size=2", "model.n_layers=2", "model.loss_chunk=64"]
 # the GPU's default expert kernel, gmm, in its CPU form (interpreted): d768's dry run trains it
 BF16_GMM = ["model.compute_dtype=bfloat16", "model.moe_impl=gmm"]
+# the layer scan unrolled whole, no remat (bench/gpu_compile.py: the lowest roofline that fits);
+# in the dry run's 2-layer tiny model, unrolled by 2
+UNROLLED_NONE = {"d1024": ["model.remat=none", "model.scan_unroll=12"],
+                 "d768": ["model.remat=none", "model.scan_unroll=8"]}
+DRY_UNROLLED_NONE = [*BF16_GMM, "model.remat=none", "model.scan_unroll=2"]
+BF16_MOMENTS = "optim.moment_dtype=bfloat16"
 HBM_BW, CPU_BW = 4.8e12, 2e10  # bytes/s for the profile's roofline estimate (H200; a CPU)
 END_RESERVE_S = 8  # kept after the last child for the summary and a kill's grace
 LIMIT_FACTOR = 2.5  # a child may run this many times its expected seconds
@@ -185,16 +192,21 @@ def all_rows() -> dict[str, Row]:
         # d768 59.7 GiB, 158 ms against 193 as its preset runs. Remat none scanned: d1024
         # 125.3 GiB, where XLA recomputes the LM head's logits itself to fit (441 ms); d768
         # 59.2 GiB, 195 ms.
-        train_row("d1024-none-unroll", "d1024", ["model.remat=none", "model.scan_unroll=12"],
-                  90, profile=True,
-                  dry_overrides=[*BF16_GMM, "model.remat=none", "model.scan_unroll=2"]),
-        train_row("d768-none-unroll", "d768", ["model.remat=none", "model.scan_unroll=8"], 70,
-                  profile=True,
-                  dry_overrides=[*BF16_GMM, "model.remat=none", "model.scan_unroll=2"]),
+        # ... and with AdamW's moments in bfloat16 (optim.moment_dtype; experiments/0001): 14.8
+        # GiB less, so XLA recomputes nothing to fit (it recomputed 54 fusions with float32
+        # moments), and 6.7 ms less optimizer traffic: roofline 278 ms, the lowest of any row
+        train_row("d1024-none-unroll-bf16m", "d1024", [*UNROLLED_NONE["d1024"], BF16_MOMENTS],
+                  90, profile=True, dry_overrides=[*DRY_UNROLLED_NONE, BF16_MOMENTS]),
+        train_row("d1024-none-unroll", "d1024", UNROLLED_NONE["d1024"], 60,
+                  dry_overrides=DRY_UNROLLED_NONE),
+        train_row("d768-none-unroll", "d768", UNROLLED_NONE["d768"], 70, profile=True,
+                  dry_overrides=DRY_UNROLLED_NONE),
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 50,
                   dry_overrides=dense_overrides("tiny")),
         train_row("d768", "d768", [], 40, profile=True, dry_overrides=BF16_GMM),
         legs_row("legs-d1024", expert_shape("d1024"), 60),
+        train_row("d768-none-unroll-bf16m", "d768", [*UNROLLED_NONE["d768"], BF16_MOMENTS], 60,
+                  dry_overrides=[*DRY_UNROLLED_NONE, BF16_MOMENTS]),
         # the remat policies scanned: "experts" recomputes the routed experts alone (1.12x the
         # model FLOPs in bench/flop_audit.py, full 1.26x, none 1.04x)
         train_row("d1024-remat-experts", "d1024", ["model.remat=experts"], 50),

@@ -147,6 +147,45 @@ def test_optimizer_uses_the_schedule():
     np.testing.assert_allclose(moved, want, rtol=1e-4)
 
 
+def test_bf16_moments_are_stored_in_bf16_and_updated_in_fp32():
+    """optim.moment_dtype=bfloat16: AdamW's moments are kept in bfloat16 (the step counter
+    stays an integer); each update is computed in float32 from them, so the first step equals
+    the float32 optimizer's exactly and later ones stay within bfloat16's rounding of it."""
+    f32 = make_optimizer(OptimConfig(lr=1e-2), 2, 50)
+    bf16 = make_optimizer(OptimConfig(lr=1e-2, moment_dtype="bfloat16"), 2, 50)
+    params = {"head": jnp.ones((8, 16)), "blocks": {"attn_norm": jnp.ones((2, 8))}}
+    s32, s16 = f32.init(params), bf16.init(params)
+    leaves = jax.tree.leaves(s16)
+    assert {a.dtype for a in leaves if jnp.issubdtype(a.dtype, jnp.floating)} == {jnp.dtype(jnp.bfloat16)}
+    assert {a.dtype for a in leaves if not jnp.issubdtype(a.dtype, jnp.floating)} == {jnp.dtype(jnp.int32)}
+    p32 = p16 = params
+    for i, key in enumerate(jax.random.split(jax.random.PRNGKey(0), 20)):
+        g = jax.tree.map(lambda a, k=key: jax.random.normal(k, a.shape), params)
+        u32, s32 = f32.update(g, s32, p32)
+        u16, s16 = bf16.update(g, s16, p16)
+        if i == 0:
+            for a, b in zip(jax.tree.leaves(u32), jax.tree.leaves(u16)):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        p32, p16 = optax.apply_updates(p32, u32), optax.apply_updates(p16, u16)
+    assert {a.dtype for a in jax.tree.leaves(s16) if a.ndim} == {jnp.dtype(jnp.bfloat16)}
+    moved = np.abs(np.asarray(p32["head"]) - 1.0)  # 20 steps of up to lr each
+    gap = np.abs(np.asarray(p32["head"]) - np.asarray(p16["head"]))
+    # rounded (not float32 under another name), within 3% of the distance travelled
+    assert moved.mean() > 0.02 and 0 < gap.max() < 0.03 * moved.mean(), (moved.mean(), gap.max())
+
+
+@pytest.mark.parametrize("field,value,named", [("optim.moment_dtype", "float16", "moment_dtype"),
+                                               ("optim.b2", 0.999, "optim.b2"),
+                                               ("optim.b1", 0.995, "optim.b1")])
+def test_bf16_moments_refuse_what_they_cannot_track(field, value, named):
+    """bfloat16 moments need decays of at most 0.99: above, rounding swallows the decay."""
+    over = {"moment_dtype": "bfloat16", field.split(".")[1]: value}
+    with pytest.raises(ConfigError, match=named):
+        OptimConfig(**over).validate()
+    if field != "optim.moment_dtype":  # the same decay is fine with float32 moments
+        OptimConfig(**{**over, "moment_dtype": "float32"}).validate()
+
+
 def test_decay_mask_excludes_norms_and_embedding():
     cfg = micro_config(Path("/nonexistent"), model={"latent_dim": 16})  # adds lat_norm too
     params = jax.eval_shape(lambda: tr.init_params(cfg.model, jax.random.PRNGKey(0)))

@@ -25,6 +25,12 @@ class Decay:
     floor: float = 0.05
 
 
+# The largest AdamW decay allowed with bfloat16 moments. Neighbouring bfloat16 values are 2^-8
+# to 2^-7 apart (relative), so rounding to nearest swallows a change of up to 0.2-0.4%; a
+# moment shrinks by 1 - b each step, which at 0.99 is 1%, clear of that
+BF16_MAX_DECAY = 0.99
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     """The optimizer: AdamW and its LR schedule (warmup, linear decay to a floor)."""
@@ -38,6 +44,9 @@ class OptimConfig:
     b2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW epsilon
     clip_norm: float = 0.0  # 0 = no clipping (the reference does not clip)
+    # bfloat16 halves the optimizer state (DeepSeek-V3 trained so, with b2 = 0.95); needs b1
+    # and b2 <= 0.99 (BF16_MAX_DECAY)
+    moment_dtype: str = "float32"  # AdamW's stored moments: float32 | bfloat16 (update in fp32)
     decays: list[Decay] = field(default_factory=list)  # re-timed decays, each from its start on
 
     def validate(self, p: str = "optim") -> None:
@@ -58,6 +67,15 @@ class OptimConfig:
         require(self.weight_decay >= 0, f"{p}.weight_decay", "must be >= 0")
         require(0 <= self.b1 < 1 and 0 <= self.b2 < 1, f"{p}.b1/b2", "must be in [0, 1)")
         require(self.clip_norm >= 0, f"{p}.clip_norm", "must be >= 0 (0 = off)")
+        require(self.moment_dtype in ("float32", "bfloat16"), f"{p}.moment_dtype",
+                f"must be float32 or bfloat16, got {self.moment_dtype!r}")
+        if self.moment_dtype == "bfloat16":
+            for name in ("b1", "b2"):
+                b = getattr(self, name)
+                require(b <= BF16_MAX_DECAY, f"{p}.{name}",
+                        f"{b} is over {BF16_MAX_DECAY} with {p}.moment_dtype=bfloat16: a "
+                        "bfloat16 moment would round away its own decay; lower it to "
+                        f"{BF16_MAX_DECAY} or less, or set {p}.moment_dtype=float32")
 
 
 @dataclass(frozen=True)

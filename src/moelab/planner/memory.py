@@ -38,8 +38,9 @@ class Layout:
     devices: devices that train; every device holds batch/devices sequences.
     ep: routed-expert weights (and their gradients / optimizer state) split this many ways.
     fsdp: every other parameter (and its gradient / optimizer state) split this many ways.
-    optimizer: "adamw" (two fp32 moments) or "muon" (one fp32 momentum on the block matrices,
-      Adam's two on embedding, head, router, norms, gates, as the reference).
+    optimizer: "adamw" (two moments) or "muon" (one momentum on the block matrices, Adam's two
+      on embedding, head, router, norms, gates, as the reference); each moment in
+      ``optim.moment_dtype``.
     offload: parts kept in host memory: "master" (fp32 weights; the device then holds a
       compute-dtype copy and compute-dtype gradients) and/or "opt" (optimizer state).
     """
@@ -87,7 +88,8 @@ def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
         per_dev += n
         muon += n if _muon_matrix(name, in_blocks, shape) else 0.0
     on_host = "master" in layout.offload
-    opt = 8 * per_dev if layout.optimizer == "adamw" else 4 * muon + 8 * (per_dev - muon)
+    mb = jnp.dtype(cfg.optim.moment_dtype).itemsize  # bytes a moment (optim.moment_dtype)
+    opt = mb * (2 * per_dev if layout.optimizer == "adamw" else muon + 2 * (per_dev - muon))
     # gradients on the device: 4 bytes a parameter, float32; with a narrower compute dtype the
     # stacked block weights are cast once before the layer scan and their gradients come back
     # in that dtype, the copy and the gradient together the same 4 bytes (XLA:GPU's analysis of
@@ -356,7 +358,7 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
         rows.append(tm)
     return {"layout": dataclasses.asdict(layout), "tokens_per_device": tokens,
             "sequences_per_device": batch, "state": state, "activations": acts,
-            "remat": m.remat, "fixed": fixed, "base_total": fixed + acts[m.remat]["peak"],
+            "remat": m.remat, "moment_dtype": cfg.optim.moment_dtype, "fixed": fixed, "base_total": fixed + acts[m.remat]["peak"],
             "transports": rows, "hbm_bytes": hbm_bytes, "attention": attention, "loss": loss,
             "experts": experts, "least_recompute": least_recompute(acts, fixed, hbm_bytes)}
 

@@ -103,7 +103,8 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
            row(f"compute weights ({wdt})", st["compute_weights"] if "master" in host else None,
                "" if "master" in host else "cast layer by layer from the master"),
            row("gradients", st["gradients"]),
-           row(f"optimizer state ({lay['optimizer']})",
+           row(f"optimizer state ({lay['optimizer']}"
+               + (", bf16)" if mem.get("moment_dtype") == "bfloat16" else ")"),
                None if "opt" in host else st["optimizer_state"],
                "on host" if "opt" in host else "")]
     if "fsdp_gather" in st:

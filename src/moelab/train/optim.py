@@ -61,10 +61,27 @@ def decay_mask(params) -> dict:
     return jax.tree_util.tree_map_with_path(mask, params)
 
 
+def state_stored_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """``inner`` with its floating-point state (AdamW's two moments) kept in ``dtype`` between
+    steps, and its update computed in float32 as before; counters keep their dtype. (optax's
+    ``mu_dtype`` covers the first moment only.)"""
+    def cast(tree, dt):
+        return jax.tree.map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating)
+                            else a, tree)
+
+    def update(updates, state, params=None):
+        updates, state = inner.update(updates, cast(state, jnp.float32), params)
+        return updates, cast(state, dtype)
+
+    return optax.GradientTransformation(lambda params: cast(inner.init(params), dtype), update)
+
+
 def make_optimizer(cfg: OptimConfig, warmup: int, total: int) -> optax.GradientTransformation:
     schedule = lr_schedule(cfg, warmup, total)
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                         weight_decay=cfg.weight_decay, mask=decay_mask)
+    if cfg.moment_dtype != "float32":
+        adamw = state_stored_in(adamw, jnp.dtype(cfg.moment_dtype))
     if cfg.clip_norm > 0:
         return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
     return adamw
