@@ -13,8 +13,8 @@ Rows, most important first (``--help`` lists them with their expected seconds):
    MFU, peak memory, compile time, XLA's memory analysis, one profiled step by kernel
    category (bench/gpu_profile.py);
 3. the layer scan unrolled without remat, where bench/gpu_compile.py finds the lowest
-   roofline that fits: ``d1024-none-unroll-bf16m`` (AdamW's moments in bfloat16 too, profiled),
-   ``d1024-none-unroll`` and ``d768-none-unroll`` (profiled);
+   roofline that fits: ``d1024-none-unroll-bf16m`` (AdamW's moments in bfloat16 too,
+   profiled), ``d1024-none-unroll`` (float32 moments), ``d768-none-unroll`` (profiled);
 4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling; then d768 as the preset runs it
    (profiled);
@@ -194,7 +194,7 @@ def all_rows() -> dict[str, Row]:
         # 59.2 GiB, 195 ms.
         # ... and with AdamW's moments in bfloat16 (optim.moment_dtype; experiments/0001): 14.8
         # GiB less, so XLA recomputes nothing to fit (it recomputed 54 fusions with float32
-        # moments), and 6.7 ms less optimizer traffic: roofline 278 ms, the lowest of any row
+        # moments), and 6.6 ms less optimizer traffic: roofline 278 ms, d1024's lowest
         train_row("d1024-none-unroll-bf16m", "d1024", [*UNROLLED_NONE["d1024"], BF16_MOMENTS],
                   90, profile=True, dry_overrides=[*DRY_UNROLLED_NONE, BF16_MOMENTS]),
         train_row("d1024-none-unroll", "d1024", UNROLLED_NONE["d1024"], 60,

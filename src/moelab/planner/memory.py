@@ -358,7 +358,8 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
         rows.append(tm)
     return {"layout": dataclasses.asdict(layout), "tokens_per_device": tokens,
             "sequences_per_device": batch, "state": state, "activations": acts,
-            "remat": m.remat, "moment_dtype": cfg.optim.moment_dtype, "fixed": fixed, "base_total": fixed + acts[m.remat]["peak"],
+            "remat": m.remat, "moment_dtype": cfg.optim.moment_dtype, "fixed": fixed,
+            "base_total": fixed + acts[m.remat]["peak"],
             "transports": rows, "hbm_bytes": hbm_bytes, "attention": attention, "loss": loss,
             "experts": experts, "least_recompute": least_recompute(acts, fixed, hbm_bytes)}
 

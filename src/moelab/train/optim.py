@@ -62,9 +62,10 @@ def decay_mask(params) -> dict:
 
 
 def state_stored_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
-    """``inner`` with its floating-point state (AdamW's two moments) kept in ``dtype`` between
-    steps, and its update computed in float32 as before; counters keep their dtype. (optax's
-    ``mu_dtype`` covers the first moment only.)"""
+    """``inner`` with its floating-point state kept in ``dtype`` between steps, and its update
+    computed in float32 as before; counters keep their dtype. Meant for state made of
+    per-parameter buffers, AdamW's two moments here (optax's ``mu_dtype`` covers the first
+    only): a float hyperparameter held in the state would be stored in ``dtype`` too."""
     def cast(tree, dt):
         return jax.tree.map(lambda a: a.astype(dt) if jnp.issubdtype(a.dtype, jnp.floating)
                             else a, tree)

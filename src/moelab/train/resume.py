@@ -220,7 +220,10 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     bad = _differing(old, new, RESUMABLE_CHANGES | set(OPERATION_FIELDS))
     if bad:
         k = bad[0]
+        why = ("Its checkpoints hold the optimizer's moments in the dtype it started with, "
+               "and a run keeps it: train the other dtype" if k == "optim.moment_dtype" else
+               "A run folder trains one model: use")
         raise ConfigError(f"{k}: {run_dir} was started with {old.get(k)!r}, now {new.get(k)!r}. "
-                          "A run folder trains one model: use a new --run-dir (or drop the "
-                          "override to resume this run as it was configured)")
+                          f"{why} in a new --run-dir (or drop the override to resume this run "
+                          "as it was configured)")
     return cfg
