@@ -262,10 +262,15 @@ def xla_by_remat():
     remat policy, each next to the planner's estimate."""
     from moelab.train.step import init_train_state, make_train_step  # the step XLA compiles
 
-    cfg = scaled_config(load_config("535b-a23b"), d_model=128, seq_len=128, batch=4,
-                                n_experts=8)
-    return {r: compare_with_xla(with_remat(cfg, r), init_train_state, make_train_step)
+    return {r: compare_with_xla(with_remat(scaled_reference(), r), init_train_state,
+                                make_train_step)
             for r in REMAT_POLICIES}
+
+
+def scaled_reference(overrides: tuple[str, ...] = ()):
+    """The reference shape (every option on), scaled to compile here in seconds."""
+    return scaled_config(load_config("535b-a23b", list(overrides)), d_model=128, seq_len=128,
+                         batch=4, n_experts=8)
 
 
 def with_remat(cfg, remat: str):
@@ -289,9 +294,8 @@ def test_bf16_moments_save_what_the_plan_says(xla_by_remat):
     from moelab.train.step import init_train_state, make_train_step
 
     f32 = xla_by_remat["full"]
-    cfg = scaled_config(load_config("535b-a23b", ["optim.moment_dtype=bfloat16"]), d_model=128,
-                        seq_len=128, batch=4, n_experts=8)
-    bf16 = compare_with_xla(with_remat(cfg, "full"), init_train_state, make_train_step)
+    bf16 = compare_with_xla(with_remat(scaled_reference(("optim.moment_dtype=bfloat16",)),
+                                       "full"), init_train_state, make_train_step)
     planned = f32["state"]["optimizer_state"] - bf16["state"]["optimizer_state"]
     assert planned == f32["state"]["optimizer_state"] / 2
     assert f32["estimate"] - bf16["estimate"] == planned

@@ -75,8 +75,9 @@ class OptimConfig:
                 b = getattr(self, name)
                 require(b <= BF16_MAX_DECAY, f"{p}.{name}",
                         f"{b} is over {BF16_MAX_DECAY} with {p}.moment_dtype=bfloat16: a "
-                        "bfloat16 moment would round away its own decay; lower it to "
-                        f"{BF16_MAX_DECAY} or less, or set {p}.moment_dtype=float32")
+                        f"bfloat16 moment could stall {2**-8 / (1 - b):.0%} short of its "
+                        f"target; lower it to {BF16_MAX_DECAY} or less, or set "
+                        f"{p}.moment_dtype=float32")
 
 
 @dataclass(frozen=True)

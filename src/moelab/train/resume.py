@@ -50,6 +50,11 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "parallel.replace_every",
                      # where the data is may change; what it is, is checked by its fingerprints
                      "data.data_dir", "data.tokenizer"}
+# Why a field that is no new model still may not change on resume, where the generic reason
+# ("a run folder trains one model") would mislead; each reason ends where "a new --run-dir"
+# follows
+KEPT_BECAUSE = {"optim.moment_dtype": "Its checkpoints hold the optimizer's moments in the "
+                "dtype it started with, and a run keeps it: train the other dtype in"}
 
 
 def resume_step(run_dir: Path | str) -> int | None:
@@ -220,10 +225,8 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     bad = _differing(old, new, RESUMABLE_CHANGES | set(OPERATION_FIELDS))
     if bad:
         k = bad[0]
-        why = ("Its checkpoints hold the optimizer's moments in the dtype it started with, "
-               "and a run keeps it: train the other dtype" if k == "optim.moment_dtype" else
-               "A run folder trains one model: use")
+        why = KEPT_BECAUSE.get(k, "A run folder trains one model: use")
         raise ConfigError(f"{k}: {run_dir} was started with {old.get(k)!r}, now {new.get(k)!r}. "
-                          f"{why} in a new --run-dir (or drop the override to resume this run "
+                          f"{why} a new --run-dir (or drop the override to resume this run "
                           "as it was configured)")
     return cfg
