@@ -487,6 +487,9 @@ def test_resumable_fields_may_change(resume_runs, data_dir):  # noqa: F811
                      eval_tokens=128, peak_flops=2e12, wandb=True, wandb_project="other")
     own = dataclasses.replace(cfg.data, sampler="epoch")  # not given: the run's own, written out
     assert resolve_run_config(cfg, resume_runs["A"]) == dataclasses.replace(cfg, data=own)
+    # how the layer scan is compiled: the same parameters and values
+    unrolled = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_unroll=2))
+    assert resolve_run_config(unrolled, resume_runs["A"]).model.scan_unroll == 2
 
 
 # ---------------------------------------------------------------------------------------------

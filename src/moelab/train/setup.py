@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from moelab.config import RunConfig, save_config
+from moelab.config import ConfigError, RunConfig, save_config
 from moelab.data.prepare import (
     PreparedData,
     data_identity,
@@ -50,6 +50,7 @@ from moelab.run.provenance import provenance
 from moelab.train.adapt import check_adaptive, check_adaptive_heldout
 from moelab.train.heldout import check_heldout
 from moelab.train.peak import Peaks, format_flops, run_peaks
+from moelab.train.preflight import check_step_memory
 from moelab.train.resume import absolute_data, commit_pending, resolve_run_config, resume_step
 from moelab.train.step import (
     init_train_state,
@@ -161,6 +162,18 @@ def _restore(ckpt: Checkpointer, state: dict, trackers: Trackers) -> tuple[int, 
         return ckpt.restore_latest(state)
     except CheckpointError as e:
         trackers.event("failed", 0, error=f"CheckpointError: {e}")
+        trackers.close()
+        raise
+
+
+def _check_memory(step_fn, state, cfg: RunConfig, start: int, mesh, say,
+                  trackers: Trackers) -> None:
+    """Refuse, before the first step, a compiled train step that needs more memory than JAX
+    may use on a device (moelab.train.preflight); the run's log says why it stopped."""
+    try:
+        check_step_memory(step_fn, state, cfg, start, mesh, say)
+    except ConfigError as e:
+        trackers.event("failed", start, error=f"ConfigError: {e}")
         trackers.close()
         raise
 
@@ -280,6 +293,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     hardware = HardwareMonitor()
     counts, peak = _model_costs(cfg, mesh, say)
     step_fn, eval_fn = _step_functions(cfg, mesh, state_sh, say)
+    _check_memory(step_fn, state, cfg, start, mesh, say, trackers)
     run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
                    tok=tok, tok_record=tokenizer_record(tok), sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
                    restored=restored is not None, eval_pending=bool(meta.get("eval_pending")),

@@ -174,17 +174,22 @@ def parse_nvidia_smi(text: str) -> dict:
             "hw/accel_mem_gb": used / 1024, "hw/accel_mem_percent": 100 * used / max(total, 1)}
 
 
+def allocator_memory(device) -> tuple[int, int] | None:
+    """(limit, bytes in use) of JAX's allocator on a device; None where it reports no limit
+    (CPU devices report nothing)."""
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or not stats.get("bytes_limit"):
+        return None
+    return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0))
+
+
 def _jax_device_memory() -> dict:
     """Accelerator memory from JAX's allocator (GPU/TPU; CPU devices report nothing)."""
     jax = sys.modules.get("jax")  # never import JAX just for this
     if jax is None:
         return {}
-    used = limit = 0
-    for d in jax.local_devices():
-        stats = d.memory_stats() if d.platform != "cpu" else None
-        if stats:
-            used += stats.get("bytes_in_use", 0)
-            limit += stats.get("bytes_limit", 0)
+    held = [m for m in map(allocator_memory, jax.local_devices()) if m is not None]
+    limit, used = sum(m[0] for m in held), sum(m[1] for m in held)
     if not limit:
         return {}
     return {"hw/accel_mem_gb": used / 2**30, "hw/accel_mem_percent": 100 * used / limit}

@@ -1,0 +1,109 @@
+"""The memory check before a run's first step on an accelerator (moelab.train.preflight): the
+message's figures and fixes, and, with an allocator limit stood in for on the CPU, a run refused
+before it trains and a run that trains with the check's executable (no second compile)."""
+
+from __future__ import annotations
+
+import pytest
+from jax._src import monitoring
+
+from helpers import data_dir, micro_config  # noqa: F401 - data_dir is a fixture
+from moelab.config import ConfigError
+from moelab.run.logs import read_metrics
+from moelab.train import preflight, setup
+from moelab.train.loop import train
+
+GIB = 2**30
+
+
+def _mem(temp_gib: float, output_gib: float = 10.0, alias_gib: float = 10.0) -> dict:
+    """An XLA memory analysis: the step's outputs written over its donated state but for
+    ``output - alias``, and ``temp`` of temporaries."""
+    b = lambda g: int(g * GIB)  # noqa: E731
+    return {"argument": b(10.0), "output": b(output_gib), "alias": b(alias_gib),
+            "temp": b(temp_gib), "peak": 0}
+
+
+def test_a_step_that_fits_passes(data_dir, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    cfg = micro_config(data_dir)
+    assert preflight.fit_problem(_mem(45.0), limit=75 * GIB, in_use=30 * GIB, cfg=cfg) is None
+    # outputs beyond the donated state count too: 45 + 1 over the 45 free
+    assert preflight.fit_problem(_mem(45.0, output_gib=11.0), 75 * GIB, 30 * GIB, cfg) is not None
+
+
+def test_the_refusal_names_the_need_the_share_and_the_fixes(data_dir, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    cfg = micro_config(data_dir)  # remat none, batch 4 x 32: micro-steps of 2 sequences valid
+    msg = preflight.fit_problem(_mem(50.0), 75 * GIB, 30 * GIB, cfg, device_kind="NVIDIA H200")
+    # 30 held + 50 while running = 80 GiB of a 100 GiB device (75 GiB at JAX's 0.75)
+    assert msg.startswith("the compiled train step needs 80.0 GiB on a NVIDIA H200")
+    assert "30.0 GiB already held" in msg and "50.0 GiB while the step runs" in msg
+    assert "JAX may use 75.0 GiB of it (JAX's default share, 0.75)" in msg
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.81 (the step needs 80% of the NVIDIA H200's " \
+           "100.0 GiB)" in msg
+    assert "model.remat=full" in msg
+    assert "train.microbatch_tokens=64 (half the tokens per micro-step)" in msg
+    assert "parallel.fsdp=true" in msg
+
+
+def test_the_refusal_leaves_out_fixes_that_do_not_apply(data_dir, monkeypatch):  # noqa: F811
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    cfg = micro_config(data_dir, model={"remat": "full"}, data={"batch_size": 1})
+    # 90 GiB at 0.9: a 100 GiB device; 30 + 68 = 98% of it, over the 95% suggested at most
+    msg = preflight.fit_problem(_mem(68.0), 90 * GIB, 30 * GIB, cfg)
+    assert "(XLA_PYTHON_CLIENT_MEM_FRACTION=0.9)" in msg
+    assert "run with XLA_PYTHON_CLIENT_MEM_FRACTION" not in msg
+    assert "model.remat=full" not in msg  # already
+    assert "train.microbatch_tokens" not in msg  # one sequence: no smaller micro-step
+    assert "parallel.fsdp=true" in msg
+    # another accelerator's allocator: no GPU share to name or change
+    msg = preflight.fit_problem(_mem(50.0), 75 * GIB, 30 * GIB, cfg, gpu=False)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in msg and "JAX may use 75.0 GiB of it. " in msg
+
+
+def _compiles(name: str):
+    """A list that collects each lowering of a jitted function called ``name`` from now on."""
+    seen: list[str] = []
+
+    def listen(event: str, duration: float, **kw):
+        if event == "/jax/core/compile/jaxpr_to_mlir_module_duration" and \
+                kw.get("fun_name") == f"jit({name})":
+            seen.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    return seen, listen
+
+
+def test_a_run_that_does_not_fit_stops_before_training(tmp_path, data_dir,  # noqa: F811
+                                                        monkeypatch):
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    # a device whose allocator may use 1 MiB, half of it held: the micro step needs more
+    monkeypatch.setattr(preflight, "allocator_memory", lambda d: (2**20, 2**19))
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"the compiled train step needs [\d.]+ MiB .* but JAX "
+                                          r"may use 1.0 MiB of it"):
+        train(micro_config(data_dir, train={"steps": 2}), run, verbose=False)
+    _, events = read_metrics(run / "metrics.jsonl")
+    assert [e["event"] for e in events] == ["start", "failed"]
+    assert "ConfigError: the compiled train step needs" in events[-1]["error"]
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+@pytest.mark.parametrize("devices", [1, 2])  # 2: a mesh, the batch sharded over it
+def test_a_run_that_fits_trains_with_the_checked_executable(tmp_path, data_dir,  # noqa: F811
+                                                            monkeypatch, devices):
+    monkeypatch.setattr(preflight, "allocator_memory", lambda d: (64 * GIB, GIB))
+    checked = []  # what each check returned: XLA's memory analysis of the step it compiled
+    monkeypatch.setattr(setup, "check_step_memory",
+                        lambda *a: checked.append(preflight.check_step_memory(*a)))
+    seen, listen = _compiles("step_fn")
+    try:
+        summary = train(micro_config(data_dir, train={"steps": 2},
+                                     parallel={"devices": devices}), tmp_path / "run",
+                        verbose=False)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert summary["step"] == 2
+    assert len(checked) == 1 and checked[0]["temp"] > 0  # XLA's analysis of the real step
+    assert len(seen) == 1  # lowered once: by the check; the first step reused its executable
