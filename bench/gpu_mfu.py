@@ -21,7 +21,9 @@ Rows, most important first (``--help`` lists them with their expected seconds):
 5. ``legs-d1024``: the expert GEMM's forward, data and weight gradients at the d1024 expert
    shape (``expert_shape``: 524,288 rows of 512 into 512, 384 experts) for every expert
    kernel but blocks (``LEGS_DEFAULT``), next to a dense matmul of the same FLOPs
-   (bench/gpu_legs.py); then ``d768-none-unroll-bf16m``;
+   (bench/gpu_legs.py); then ``moelab-train-tiny``, ``moelab train`` itself on the README's
+   first run (the tiny preset on the built-in corpus, which that command prepares in data/),
+   and ``d768-none-unroll-bf16m``;
 6. ablations while time is left, one change at a time: remat ``experts`` and ``none`` with
    the layers scanned, twice the tokens per step, remat ``dots``; then d768's legs.
 Rows known to need more than the GPU's memory or minutes of their own run only when named
@@ -30,7 +32,7 @@ Rows known to need more than the GPU's memory or minutes of their own run only w
 ablations already measured (their notes give the figures).
 
 The driver never imports JAX: each row runs in its own process (bench/gpu_rows.py) with its
-own XLA_PYTHON_CLIENT_MEM_FRACTION, so no process holds the memory the next one needs, and a
+own XLA_CLIENT_MEM_FRACTION, so no process holds the memory the next one needs, and a
 crash or out-of-memory fails that row only. Before a row starts it must fit the deadline by
 its expected seconds, else it is recorded as "skipped: deadline"; each child is killed at its
 own limit or at the deadline, whichever comes first, keeping the partial result it saved. A
@@ -205,6 +207,13 @@ def all_rows() -> dict[str, Row]:
                   dry_overrides=dense_overrides("tiny")),
         train_row("d768", "d768", [], 40, profile=True, dry_overrides=BF16_GMM),
         legs_row("legs-d1024", expert_shape("d1024"), 60),
+        # `moelab train` as a user runs it, on the GPU: the README's first run (the tiny
+        # preset's 300 steps on the built-in corpus, prepared in data/ by that command):
+        # the memory check, evaluations, checkpoints and summary, never run on a GPU before
+        Row("moelab-train-tiny", 75, {"kind": "moelab_train", "preset": "tiny", "overrides": []},
+            {"kind": "moelab_train", "preset": "tiny",
+             "overrides": ["train.steps=4", "train.eval_every=1000", "train.eval_tokens=512",
+                           "data.seq_len=64", "data.batch_size=4"]}, 40),
         train_row("d768-none-unroll-bf16m", "d768", [*UNROLLED_NONE["d768"], BF16_MOMENTS], 60,
                   dry_overrides=[*DRY_UNROLLED_NONE, BF16_MOMENTS]),
         # the remat policies scanned: "experts" recomputes the routed experts alone (1.12x the
@@ -283,7 +292,7 @@ def parse_args(argv: list[str] | None, rows: dict[str, Row]) -> argparse.Namespa
     ap.add_argument("--deadline", type=float, help="seconds the whole run may take "
                     "(default 540, 120 with --dry-run)")
     ap.add_argument("--mem-fraction", type=float, default=0.92,
-                    help="XLA_PYTHON_CLIENT_MEM_FRACTION of each child (default 0.92)")
+                    help="XLA_CLIENT_MEM_FRACTION of each child (default 0.92)")
     ap.add_argument("--dry-run", action="store_true",
                     help="tiny shapes on the CPU (JAX_PLATFORMS=cpu) through the same driver")
     ap.add_argument("--name", help="results name (default gpu_mfu, gpu_mfu_dry with --dry-run)")
@@ -316,7 +325,7 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace,
         ap.error(f"$OUT={os.environ['OUT']} is not a folder: create it or unset OUT")
     for row in select(args, known):
         for spec in (row.spec,) + (() if row.gpu_only else (row.dry,)):
-            if spec.get("kind") == "train":
+            if spec.get("kind") in ("train", "moelab_train"):
                 try:
                     load_config(spec["preset"], spec["overrides"])
                 except Exception as e:  # noqa: BLE001 - ConfigError and friends
@@ -339,7 +348,9 @@ def select(args: argparse.Namespace, known: dict[str, Row]) -> list[Row]:
 # ----------------------------------------------------------------------------- children
 
 def child_env(args: argparse.Namespace) -> dict:
-    env = {**os.environ, "XLA_PYTHON_CLIENT_MEM_FRACTION": str(args.mem_fraction),
+    # JAX's share of the GPU under its current name (JAX refuses both names set together)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
+    env = {**env, "XLA_CLIENT_MEM_FRACTION": str(args.mem_fraction),
            "PYTHONUNBUFFERED": "1"}
     src = str(HERE.parent / "src")
     env["PYTHONPATH"] = src + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -510,7 +521,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv, rows)
     chosen = select(args, known_rows(rows, args.dry_run))
     print(f"{len(chosen)} row(s), deadline {args.deadline:.0f} s, "
-          f"XLA_PYTHON_CLIENT_MEM_FRACTION={args.mem_fraction} per child"
+          f"XLA_CLIENT_MEM_FRACTION={args.mem_fraction} per child"
           + (", dry run on the CPU" if args.dry_run else ""), flush=True)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)

@@ -2,7 +2,8 @@
 
     python bench/gpu_rows.py SPEC_JSON RESULT_PATH
 
-SPEC_JSON says what to measure (``kind``: peak, train, legs or crash, and its settings);
+SPEC_JSON says what to measure (``kind``: peak, train, legs, moelab_train or crash, and its
+settings);
 RESULT_PATH receives the row as JSON, rewritten after every phase (compile, timed steps,
 profile; each expert kernel), so a row cut off by its time limit or an error keeps what it
 measured. The exit status says whether the row finished.
@@ -171,13 +172,32 @@ def legs(spec: dict, row: Row) -> None:
                            + ", ".join(f"{r['impl']} {r['leg']}: {r['status']}" for r in bad))
 
 
+def moelab_train(spec: dict, row: Row) -> None:
+    """``moelab train`` itself, as a user starts it: the whole run of a preset (data from
+    ``data.data_dir``, prepared there if it is not, the memory check before the first step,
+    evaluations, checkpoints, the final evaluation and summary) in a temporary run folder."""
+    from moelab.config import load_config
+    from moelab.train.loop import train as train_run
+
+    cfg = load_config(spec["preset"], spec["overrides"])
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        s = train_run(cfg, os.path.join(d, "run"), verbose=True, sample_prompt=None)
+    row.save(run_s=time.perf_counter() - t, step=s["step"], steps=s["steps"],
+             tokens_per_s=s.get("throughput/tokens_per_s"), mfu=s.get("throughput/mfu"),
+             train_loss=s.get("train/loss"),
+             heldout_bpb={k.split("/")[1]: v for k, v in s.items()
+                          if k.startswith("eval/") and k.endswith("/bpb")})
+
+
 def crash(spec: dict, row: Row) -> None:
     """Dry runs only: a row that fails after saving a partial result."""
     row.save(note="partial result saved before the failure")
     raise RuntimeError("deliberate failure (the dry run's crash row)")
 
 
-KINDS = {"peak": peak, "train": train, "legs": legs, "crash": crash}
+KINDS = {"peak": peak, "train": train, "legs": legs, "moelab_train": moelab_train,
+         "crash": crash}
 
 
 def main() -> None:

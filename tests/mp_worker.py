@@ -1,6 +1,7 @@
 """One process of the multi-controller test (run by test_multiprocess.py, not by pytest).
 
-Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT KIND[,KIND...]
+Usage: python mp_worker.py PROCESS_ID NUM_PROCESSES PORT KIND[,KIND...] (a transport, or
+"preflight": the memory check's agreement across processes)
 Each process owns 4 fake CPU devices; the mesh spans all processes' devices, so the transport's
 all_to_all crosses process boundaries (CPU collectives via gloo). For each transport KIND, every
 process checks its own token shards of the output and of the input gradient against the dense
@@ -86,6 +87,23 @@ def check(kind: str) -> None:
           f"{'ok' if err < 1e-4 and dropped == 0 else 'FAILED'}", flush=True)
 
 
+def check_preflight() -> None:
+    """The memory check's view of the fullest device agrees across processes: each process
+    stands in its own allocator figures (process 1's device fuller), and both get process 1's;
+    where one process reports no limit, neither checks."""
+    from moelab.train import preflight
+
+    gib = 2**30
+    mine = {0: (100 * gib, 10 * gib), 1: (100 * gib, 60 * gib)}[pid]
+    preflight.allocator_memory = lambda d: mine
+    worst = preflight._fullest(jax.local_devices())
+    preflight.allocator_memory = lambda d: None if pid == 1 else mine
+    none = preflight._fullest(jax.local_devices())
+    good = worst == (100 * gib, 60 * gib) and none is None
+    print(f"process {pid} preflight: devices {N_DEV} local {len(jax.local_devices())} "
+          f"fullest {worst} without limits {none} {'ok' if good else 'FAILED'}", flush=True)
+
+
 for kind in kinds.split(","):
-    check(kind)
+    check_preflight() if kind == "preflight" else check(kind)
 jax.distributed.shutdown()

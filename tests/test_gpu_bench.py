@@ -23,6 +23,7 @@ sys.path.append(str(ROOT / "bench"))  # after everything else: bench/ holds gene
 
 import gpu_legs
 import gpu_profile as gp
+from helpers import VOCAB, data_dir  # noqa: F401 - data_dir is a fixture
 from moelab.train.peak import CPU_FLOPS_PER_CORE, cpu_cores
 
 
@@ -570,3 +571,25 @@ def test_every_gpu_training_row_lowers_for_cuda(monkeypatch):
         assert ("@mosaic_gpu" in hlo) == (row.name == "d1024-mgpu"), row.name
         if RAGGED_FUSION_FLAG in row.spec["xla_flags"]:
             assert "ragged_dot" in hlo, row.name
+
+
+def test_the_moelab_train_row_runs_a_whole_run(tmp_path, data_dir):  # noqa: F811
+    """``moelab-train-tiny``'s kind, here on the suite's data at micro shapes: a whole
+    ``moelab train`` run (steps, final evaluation, summary) in a temporary run folder, its
+    figures saved in the row."""
+    import gpu_mfu
+    import gpu_rows
+
+    row = gpu_mfu.all_rows()["moelab-train-tiny"]
+    assert (row.spec["kind"], row.spec["preset"], row.spec["overrides"]) == (
+        "moelab_train", "tiny", [])  # the README's first run, as it is
+    spec = {**row.dry, "overrides": [f"data.data_dir={data_dir}", f"model.vocab_size={VOCAB}",
+                                     "model.n_layers=2", "data.seq_len=32", "data.batch_size=4",
+                                     "train.steps=3", "train.eval_every=1000",
+                                     "train.ckpt_every=1000", "train.log_every=1"]}
+    gpu_rows.moelab_train(spec, gpu_rows.Row(str(tmp_path / "row.json")))
+    saved = json.loads((tmp_path / "row.json").read_text())
+    assert saved["step"] == saved["steps"] == 3 and saved["run_s"] > 0
+    assert set(saved["heldout_bpb"]) == {"prose", "code", "logs"}
+    assert all(0 < v < 20 for v in saved["heldout_bpb"].values())
+    assert saved["train_loss"] > 0 and saved["tokens_per_s"] > 0

@@ -1,5 +1,6 @@
 """The transports run unchanged as 2 processes x 4 CPU devices through JAX's multi-controller
-runtime (jax.distributed + gloo collectives), matching the dense reference. One pair of
+runtime (jax.distributed + gloo collectives), matching the dense reference; and the memory
+check before a run's first step takes the fullest device of any process on every process. One pair of
 processes checks every transport (starting them costs more than a transport); each test reads
 its transport's verdict."""
 
@@ -21,7 +22,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-KINDS = ("pooled_wave", "pooled_global", "ragged")
+KINDS = ("pooled_wave", "pooled_global", "ragged", "preflight")
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """The memory check before a run's first step on an accelerator (moelab.train.preflight): the
 message's figures and fixes, and, with an allocator limit stood in for on the CPU, a run refused
-before it trains and a run that trains with the check's executable (no second compile)."""
+before it trains (and the log of one stopped during the check) and runs that train with the
+check's executables (no second compile), a later data stage's step checked up front."""
 
 from __future__ import annotations
 
@@ -24,42 +25,73 @@ def _mem(temp_gib: float, output_gib: float = 10.0, alias_gib: float = 10.0) -> 
             "temp": b(temp_gib), "peak": 0}
 
 
-def test_a_step_that_fits_passes(data_dir, monkeypatch):  # noqa: F811
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+@pytest.fixture
+def no_share(monkeypatch):
+    """Neither of the variables that set JAX's share of a GPU."""
+    for var in preflight.FRACTION_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_a_step_that_fits_passes(data_dir, no_share):  # noqa: F811
     cfg = micro_config(data_dir)
     assert preflight.fit_problem(_mem(45.0), limit=75 * GIB, in_use=30 * GIB, cfg=cfg) is None
     # outputs beyond the donated state count too: 45 + 1 over the 45 free
     assert preflight.fit_problem(_mem(45.0, output_gib=11.0), 75 * GIB, 30 * GIB, cfg) is not None
 
 
-def test_the_refusal_names_the_need_the_share_and_the_fixes(data_dir, monkeypatch):  # noqa: F811
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+def test_the_refusal_names_the_need_the_share_and_the_fixes(data_dir, no_share):  # noqa: F811
     cfg = micro_config(data_dir)  # remat none, batch 4 x 32: micro-steps of 2 sequences valid
     msg = preflight.fit_problem(_mem(50.0), 75 * GIB, 30 * GIB, cfg, device_kind="NVIDIA H200")
     # 30 held + 50 while running = 80 GiB of a 100 GiB device (75 GiB at JAX's 0.75)
-    assert msg.startswith("the compiled train step needs 80.0 GiB on a NVIDIA H200")
+    assert msg.startswith("the compiled train step needs 80.0 GiB on each NVIDIA H200")
     assert "30.0 GiB already held" in msg and "50.0 GiB while the step runs" in msg
     assert "JAX may use 75.0 GiB of it (JAX's default share, 0.75)" in msg
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION=0.81 (the step needs 80% of the NVIDIA H200's " \
+    assert "run with XLA_CLIENT_MEM_FRACTION=0.81 (the step needs 80% of the NVIDIA H200's " \
            "100.0 GiB)" in msg
     assert "model.remat=full" in msg
-    assert "train.microbatch_tokens=64 (half the tokens per micro-step)" in msg
-    assert "parallel.fsdp=true" in msg
+    # 4 sequences a step: 3 do not divide the batch, 2 do
+    assert "train.microbatch_tokens=64 (fewer tokens per micro-step)" in msg
+    assert "more devices with parallel.fsdp=true" in msg
+    assert "train.memory_check=false starts the run anyway" in msg
 
 
-def test_the_refusal_leaves_out_fixes_that_do_not_apply(data_dir, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
-    cfg = micro_config(data_dir, model={"remat": "full"}, data={"batch_size": 1})
+def test_the_refusal_leaves_out_fixes_that_do_not_apply(data_dir, no_share,  # noqa: F811
+                                                         monkeypatch):
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")  # the older name: still read
+    cfg = micro_config(data_dir, model={"remat": "full"}, data={"batch_size": 1},
+                       parallel={"fsdp": True})
     # 90 GiB at 0.9: a 100 GiB device; 30 + 68 = 98% of it, over the 95% suggested at most
     msg = preflight.fit_problem(_mem(68.0), 90 * GIB, 30 * GIB, cfg)
     assert "(XLA_PYTHON_CLIENT_MEM_FRACTION=0.9)" in msg
     assert "run with XLA_PYTHON_CLIENT_MEM_FRACTION" not in msg
     assert "model.remat=full" not in msg  # already
     assert "train.microbatch_tokens" not in msg  # one sequence: no smaller micro-step
-    assert "parallel.fsdp=true" in msg
+    assert "more devices (parameters" in msg and "parallel.fsdp=true" not in msg  # already
+    # the share the run gave under the current name; a suggestion names that variable
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_CLIENT_MEM_FRACTION", "0.6")
+    msg = preflight.fit_problem(_mem(40.0), 60 * GIB, 30 * GIB, cfg)
+    assert "(XLA_CLIENT_MEM_FRACTION=0.6)" in msg and "XLA_CLIENT_MEM_FRACTION=0.71 (" in msg
     # another accelerator's allocator: no GPU share to name or change
     msg = preflight.fit_problem(_mem(50.0), 75 * GIB, 30 * GIB, cfg, gpu=False)
-    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in msg and "JAX may use 75.0 GiB of it. " in msg
+    assert "MEM_FRACTION" not in msg and "JAX may use 75.0 GiB of it. " in msg
+
+
+def test_a_suggested_micro_step_suits_every_data_stage(data_dir, no_share):  # noqa: F811
+    # 9 sequences a step: the largest smaller micro-step dividing them is 3 sequences
+    msg = preflight.fit_problem(_mem(50.0), 75 * GIB, 30 * GIB,
+                                micro_config(data_dir, data={"batch_size": 9}))
+    assert "train.microbatch_tokens=96 (" in msg
+    # 8 x 32 tokens, then 2 x 96 from step 5: 4 x 32 would be no whole sequences of 96, and
+    # no micro-step is whole sequences of both that divides both batches: none suggested
+    cfg = micro_config(data_dir, data={"batch_size": 8, "context_stages": [
+        {"step": 5, "seq_len": 96, "batch_size": 2}]})
+    msg = preflight.fit_problem(_mem(50.0), 75 * GIB, 30 * GIB, cfg)
+    assert "train.microbatch_tokens" not in msg
+    # a later stage's step is named in the message
+    msg = preflight.fit_problem(_mem(50.0), 75 * GIB, 30 * GIB, cfg, step=5, later_stage=True)
+    assert msg.startswith("the compiled train step of the data stage from step 5 (2 x 96 "
+                          "tokens) needs 80.0 GiB")
 
 
 def _compiles(name: str):
@@ -76,8 +108,7 @@ def _compiles(name: str):
 
 
 def test_a_run_that_does_not_fit_stops_before_training(tmp_path, data_dir,  # noqa: F811
-                                                        monkeypatch):
-    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+                                                        monkeypatch, no_share):
     # a device whose allocator may use 1 MiB, half of it held: the micro step needs more
     monkeypatch.setattr(preflight, "allocator_memory", lambda d: (2**20, 2**19))
     run = tmp_path / "run"
@@ -88,22 +119,45 @@ def test_a_run_that_does_not_fit_stops_before_training(tmp_path, data_dir,  # no
     assert [e["event"] for e in events] == ["start", "failed"]
     assert "ConfigError: the compiled train step needs" in events[-1]["error"]
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    # told to start anyway, the same run trains (the CPU needs no more than it has)
+    summary = train(micro_config(data_dir, train={"steps": 2, "memory_check": False}), run,
+                    verbose=False)
+    assert summary["step"] == 2
 
 
-@pytest.mark.parametrize("devices", [1, 2])  # 2: a mesh, the batch sharded over it
-def test_a_run_that_fits_trains_with_the_checked_executable(tmp_path, data_dir,  # noqa: F811
-                                                            monkeypatch, devices):
+def test_a_stop_during_the_check_is_recorded(tmp_path, data_dir, monkeypatch):  # noqa: F811
     monkeypatch.setattr(preflight, "allocator_memory", lambda d: (64 * GIB, GIB))
-    checked = []  # what each check returned: XLA's memory analysis of the step it compiled
+
+    def interrupted(compiled):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(preflight, "xla_memory", interrupted)  # Ctrl-C while it compiles
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(micro_config(data_dir, train={"steps": 2}), run, verbose=False)
+    _, events = read_metrics(run / "metrics.jsonl")
+    assert [e["event"] for e in events] == ["start", "aborted"]
+
+
+@pytest.mark.parametrize("devices, stages", [
+    (1, []), (2, []),  # 2: a mesh, the batch sharded over it
+    (1, [{"step": 2, "seq_len": 64, "batch_size": 2}])])  # a later data stage, its own shape
+def test_a_run_that_fits_trains_with_the_checked_executables(tmp_path, data_dir,  # noqa: F811
+                                                             monkeypatch, devices, stages):
+    monkeypatch.setattr(preflight, "allocator_memory", lambda d: (64 * GIB, GIB))
+    checked = []  # what the check returned: XLA's memory analysis of each step it compiled
     monkeypatch.setattr(setup, "check_step_memory",
-                        lambda *a: checked.append(preflight.check_step_memory(*a)))
+                        lambda *a: checked.extend(preflight.check_step_memory(*a)))
     seen, listen = _compiles("step_fn")
     try:
-        summary = train(micro_config(data_dir, train={"steps": 2},
-                                     parallel={"devices": devices}), tmp_path / "run",
-                        verbose=False)
+        summary = train(micro_config(data_dir, train={"steps": 4}, parallel={"devices": devices},
+                                     data={"context_stages": stages}),
+                        tmp_path / "run", verbose=False)
     finally:
         monitoring.unregister_event_duration_listener(listen)
-    assert summary["step"] == 2
-    assert len(checked) == 1 and checked[0]["temp"] > 0  # XLA's analysis of the real step
-    assert len(seen) == 1  # lowered once: by the check; the first step reused its executable
+    assert summary["step"] == 4
+    assert len(checked) == 1 + len(stages) and all(m["temp"] > 0 for m in checked)
+    if stages:  # the stage's batch (2 x 64) is not the first (4 x 32): another program
+        assert checked[0] != checked[1]
+    # lowered once each, by the check: every step then reused its executable
+    assert len(seen) == 1 + len(stages)

@@ -112,6 +112,11 @@ class TrainConfig:
     # jax.profiler into <run folder>/profile, for TensorBoard's profile plugin and Perfetto.
     # "" = no trace.
     profile_steps: str = ""
+    # Before the first step on an accelerator: compile each data stage's train step and stop,
+    # naming the fixes, if one needs more memory than JAX may use on a device
+    # (moelab.train.preflight). false: start anyway (e.g. where a newer JAX grows its GPU pool
+    # beyond its initial share)
+    memory_check: bool = True
 
     def validate(self, p: str = "train") -> None:
         require(self.steps > 0, f"{p}.steps", "must be > 0")

@@ -48,6 +48,7 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "train.microbatch_tokens", "parallel.fsdp", "model.attention_impl",
                      "model.loss_chunk", "train.on_nonfinite", "train.skip_limit",
                      "train.tensorboard", "train.async_ckpt", "train.profile_steps",
+                     "train.memory_check",
                      "parallel.replace_every",
                      # where the data is may change; what it is, is checked by its fingerprints
                      "data.data_dir", "data.tokenizer"}

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from moelab.config import ConfigError, RunConfig, save_config
+from moelab.config import RunConfig, save_config
 from moelab.data.prepare import (
     PreparedData,
     data_identity,
@@ -166,15 +166,18 @@ def _restore(ckpt: Checkpointer, state: dict, trackers: Trackers) -> tuple[int, 
         raise
 
 
-def _check_memory(step_fn, state, cfg: RunConfig, start: int, mesh, say,
-                  trackers: Trackers) -> None:
-    """Refuse, before the first step, a compiled train step that needs more memory than JAX
-    may use on a device (moelab.train.preflight); the run's log says why it stopped."""
+def _check_memory(run: RunSetup, state) -> None:
+    """Refuse, before the first step, a compiled train step of the run's data stages that
+    needs more memory than JAX may use on a device (moelab.train.preflight). The check
+    compiles (minutes for a large model): however it ends early, a refusal, an error or a
+    stop signal, the run's log says so."""
     try:
-        check_step_memory(step_fn, state, cfg, start, mesh, say)
-    except ConfigError as e:
-        trackers.event("failed", start, error=f"ConfigError: {e}")
-        trackers.close()
+        check_step_memory(lambda step: train_step_at(run, step), state, run.cfg, run.start,
+                          run.mesh, run.say)
+    except BaseException as e:
+        kind = "aborted" if isinstance(e, KeyboardInterrupt) else "failed"
+        run.trackers.event(kind, run.start, error=f"{type(e).__name__}: {e}")
+        run.trackers.close()
         raise
 
 
@@ -293,10 +296,10 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     hardware = HardwareMonitor()
     counts, peak = _model_costs(cfg, mesh, say)
     step_fn, eval_fn = _step_functions(cfg, mesh, state_sh, say)
-    _check_memory(step_fn, state, cfg, start, mesh, say, trackers)
     run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
                    tok=tok, tok_record=tokenizer_record(tok), sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
                    restored=restored is not None, eval_pending=bool(meta.get("eval_pending")),
                    trackers=trackers, hardware=hardware, counts=counts, peak=peak,
                    step_fn=step_fn, eval_fn=eval_fn, mesh=mesh, state_sh=state_sh)
+    _check_memory(run, state)
     return run, state
