@@ -21,8 +21,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from moelab.model.expert_legs import expert_legs
-from moelab.model.grouped_gemm import GmmBlocks
+from moelab.model.dispatch import take_rows
+from moelab.model.expert_legs import expert_legs, padded_slots
+from moelab.model.grouped_gemm import GmmBlocks, gmm, tgmm
 
 BLOCK = 128  # rows per block of the blocks kernel (model.moe_block's default)
 TOLERANCE = 2e-2  # max |error| / max |reference| of a bf16 result with float32 accumulation
@@ -69,6 +70,9 @@ class Legs:
     layout: Callable = sorted_rows
     gpu_only: bool = False
     autodiff: bool = False  # the gradient legs also take the primal input (for jax.vjp)
+    # (x, aux) -> the rows the legs multiply, in the layout's order, where x is not them (a
+    # kernel that gathers its rows: XLA's gather of the same rows), for the host reference
+    rows_of: Callable | None = None
 
 
 def model_legs(impl: str, gpu_only: bool = False, block: int = BLOCK,
@@ -93,6 +97,27 @@ def model_legs(impl: str, gpu_only: bool = False, block: int = BLOCK,
     return build
 
 
+def gathered_gmm_legs() -> Legs:
+    """``gmm`` as the single-device model runs the gate and up projections and their weight
+    gradients (``experts.gathered_swiglu``): each slot's row gathered by the kernel from x,
+    whose rows here are in shuffled order, as tokens are (the data gradient is gmm's own)."""
+    def layout(x, w, dy, counts):
+        R, c = x.shape[0], np.asarray(counts)
+        slots, tiles = jax.jit(padded_slots, static_argnums=(0, 2))(
+            R, jnp.asarray(c, jnp.int32), BLOCK)  # slot -> row of x as sorted
+        perm = jnp.asarray(np.random.default_rng(0).permutation(R), jnp.int32)
+        x_shuffled = x[jnp.argsort(perm)]  # its row perm[i] is x[i]
+        src = jnp.where(slots < R, perm[jnp.minimum(slots, R - 1)], R)  # slot -> its row there
+        size = -(-c // BLOCK) * BLOCK
+        spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(size) - size, c))]
+        return x_shuffled, w, take_rows(dy, slots), (tiles, src), spans
+
+    return Legs(lambda x, w, aux: gmm(x, w, aux[0], src=aux[1]),
+                lambda dy, w, aux: gmm(dy, w, aux[0], transpose_w=True),
+                lambda x, dy, aux: tgmm(x, dy, aux[0], src=aux[1]), layout,
+                rows_of=lambda x, aux: take_rows(x, aux[1]))
+
+
 PADDED = ("blocks", "gmm")
 # bench/gpu_mfu.py's legs rows run the entries in this order: the kernels most worth their
 # figures first, as one that hangs or aborts costs the ones after it. On the H200 (JAX 0.11.2)
@@ -102,6 +127,7 @@ PADDED = ("blocks", "gmm")
 LEGS: dict[str, Callable[[], Legs]] = {  # built on use: mgpu imports Mosaic GPU
     "ceiling": lambda: Legs(*autodiff_legs(lambda x, w, _: x @ w[0]), one_group, autodiff=True),
     "gmm": model_legs("gmm"),
+    "gmm_gather": gathered_gmm_legs,
     "dense": lambda: Legs(*autodiff_legs(masked_forward), autodiff=True),
     # XLA may expand the weight gradient's ragged contraction (E times the work and memory)
     "ragged_fusion": model_legs("ragged_fusion"),
@@ -217,7 +243,8 @@ def run_impl(name: str, x, w, dy, counts, budget_s: float = 0.5) -> list[dict]:
     if legs.gpu_only and jax.default_backend() != "gpu":
         return [{"impl": name, "leg": "all", "status": "needs a GPU"}]
     xl, wl, dyl, aux, spans = legs.layout(x, w, dy, counts)
-    host = [np.asarray(a) for a in (xl, wl, dyl)]  # bf16 copies for the reference
+    rows = xl if legs.rows_of is None else legs.rows_of(xl, aux)
+    host = [np.asarray(a) for a in (rows, wl, dyl)]  # bf16 copies for the reference
     flops = 2.0 * x.shape[0] * x.shape[1] * dy.shape[1]
     calls = {"fwd": (legs.fwd, (xl, wl, aux)),
              "dgrad": (legs.dgrad, (dyl, wl, aux) + ((xl,) if legs.autodiff else ())),

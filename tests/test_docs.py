@@ -6,7 +6,7 @@ A cited token (in backticks) is checked when it is:
   name, somewhere in the repository;
 - a config field `section.field` (`model.top_k`): a field of that section's config class;
 - a dotted name whose first part is moelab, a moelab module, or the unambiguous last part of a
-  module's path (`experts.rank_in_group` for model/experts.py): the module exists and each
+  module's path (`dispatch.rank_in_group` for model/dispatch.py): the module exists and each
   further part is defined in it (a function, class, assignment or import at the top level, or
   an attribute of a class defined there).
 Other tokens (`jax.lax.scan`, `metrics.jsonl`, metric keys) are not moelab names and are left
@@ -168,7 +168,7 @@ def test_every_cited_name_exists():
 @pytest.mark.parametrize("token,fine", [
     ("model.top_k", True), ("model.top_kk", False),  # config fields
     ("model.transformer.param_decls", True), ("model.transformer.param_declz", False),
-    ("experts.rank_in_group", True), ("experts.no_such_function", False),  # by last part
+    ("dispatch.rank_in_group", True), ("dispatch.no_such_function", False),  # by last part
     ("moelab.config.load_config", True), ("moelab.nowhere.thing", False),
     ("src/moelab/model/experts.py", True), ("model/experts.py", True),
     ("model/expertz.py", False), ("nowhere_at_all.py", False),

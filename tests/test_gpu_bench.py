@@ -498,7 +498,7 @@ def test_the_legs_rows_run_the_presets_expert_shapes():
     ("gmm[tile=8]", "tile='8' must be a whole number >= 16"),
     ("gmm[num_stages=0]", "num_stages='0' must be a whole number >= 1"),
     ("gmm[num_warps=x]", "num_warps='x' must be a whole number"),
-    ("gmm-fast", "not one of ceiling, gmm, dense"),
+    ("gmm-fast", "not one of ceiling, gmm, gmm_gather, dense"),
 ])
 def test_a_bad_expert_kernel_name_says_what_is_wrong(bad, message):
     with pytest.raises(ValueError, match=re.escape(message)):

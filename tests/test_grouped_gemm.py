@@ -5,6 +5,7 @@ Interpret mode is slow: tiles of 8 rows, widths 16-32, a handful of experts."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import jax
@@ -14,15 +15,19 @@ import pytest
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig
 from moelab.model import experts
-from moelab.model.expert_legs import expert_legs
+from moelab.model.dispatch import take_rows
+from moelab.model.expert_legs import expert_legs, padded_slots
 from moelab.model.grouped_gemm import (
     GmmBlocks,
+    gmm,
     gmm_backend,
+    gmm_gather_backend,
     gmm_sum2,
     gmm_swiglu_backend,
     group_tiles,
     reference_rows,
     reference_wgrad,
+    tgmm,
 )
 from moelab.model.grouped_matmul import grouped_matmul, grouped_swiglu_rows
 from moelab.parallel import transport
@@ -161,6 +166,71 @@ def test_gmm_lowers_to_triton_for_a_gpu(H, I, tile):
                                   ).lower(lowering_platforms=("cuda",)).as_text()
     assert hlo.count("__gpu$xla.gpu.triton") == 8  # the gate's and up's data gradients: one
     assert "stablehlo.dot_general" not in hlo
+
+
+@pytest.mark.parametrize("counts", COUNTS.values(), ids=COUNTS.keys())
+def test_gathering_kernels_equal_the_kernels_on_the_gathered_rows(counts):
+    """``gmm`` and ``tgmm`` with ``src`` (each slot's row gathered from x by the kernel as it
+    loads the tile) compute exactly what they compute on the rows gathered beforehand: rows in
+    shuffled order, padding slots (src out of range) as zeros, an unused tile, an empty
+    expert; so does their plain-JAX reference, which stands in for them inside shard_map."""
+    x, dy, w, c, _ = sorted_rows(counts)
+    R = x.shape[0]
+    src_sorted, tiles = padded_slots(R, c, TILE)
+    perm = np.random.default_rng(7).permutation(R)  # x's rows in another order than sorted
+    x_shuffled = x[np.argsort(perm)]  # its row perm[i] is x[i]
+    src = jnp.where(src_sorted < R, jnp.asarray(perm)[jnp.minimum(src_sorted, R - 1)], R)
+    x_M = take_rows(x_shuffled, src)
+    np.testing.assert_array_equal(x_M, take_rows(x, src_sorted))  # the same sorted rows
+    dy_M = take_rows(dy, src_sorted)
+    np.testing.assert_array_equal(gmm(x_shuffled, w, tiles, SMALL, src=src),
+                                  gmm(x_M, w, tiles, SMALL))
+    np.testing.assert_array_equal(tgmm(x_shuffled, dy_M, tiles, SMALL, src=src),
+                                  tgmm(x_M, dy_M, tiles, SMALL))
+    assert not np.any(np.asarray(tgmm(x_shuffled, dy_M, tiles, SMALL, src=src))[
+        [g for g, n in enumerate(counts) if n == 0]])
+    # inside shard_map (x varying over a mesh axis) the plain-JAX reference stands in for the
+    # interpreted kernels: each device's copy of x gives the same result
+    if len(jax.devices()) < 8:
+        pytest.fail("needs 8 devices: tests/conftest.py sets "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=8")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
+    P = jax.sharding.PartitionSpec
+    each = jax.shard_map(lambda x_, dy_: (gmm(x_, w, tiles, SMALL, src=src)[None],
+                                          tgmm(x_, dy_, tiles, SMALL, src=src)[None]),
+                         mesh=mesh, in_specs=(P("d"), P("d")), out_specs=(P("d"), P("d")))
+    y8, dw8 = each(jnp.tile(x_shuffled, (8, 1)), jnp.tile(dy_M, (8, 1)))
+    for d in range(8):
+        np.testing.assert_allclose(y8[d], gmm(x_M, w, tiles, SMALL), atol=1e-5)
+        np.testing.assert_allclose(dw8[d], tgmm(x_M, dy_M, tiles, SMALL), atol=1e-5)
+
+
+def test_gathering_swiglu_lowers_to_triton_without_writing_the_sorted_rows():
+    """``experts.gathered_swiglu`` (the single-device gmm path) lowers for CUDA to eight Triton
+    kernels, the gate's and up's forward and weight gradients among them gathering their rows
+    (``gmm_gather``, ``gmm_wgrad_gather``): no XLA gather writes the sorted rows [slots, H];
+    the one gather of that width is x's gradient, [tokens x k, H]."""
+    H, I, tile, T, G, N, k = 48, 80, 16, 24, 8, 100, 2
+    spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+    w = {"w_gate": spec(G, H, I), "w_up": spec(G, H, I), "w_down": spec(G, I, H)}
+    backend = gmm_gather_backend(GmmBlocks(interpret=False))
+
+    def step(x, w, counts, src, pos):
+        tiles = group_tiles(counts, T, tile)
+        f = lambda x, w: jnp.sum(experts.gathered_swiglu(x, src, pos, w, tiles, backend)
+                                 .astype(jnp.float32))
+        return jax.grad(f, (0, 1))(x, w)
+
+    with traced_as_gpu():
+        hlo = jax.jit(step).trace(spec(N, H), w, spec(G, dt=jnp.int32),
+                                  spec(T * tile, dt=jnp.int32), spec(N, k, dt=jnp.int32)
+                                  ).lower(lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("__gpu$xla.gpu.triton") == 8 and "stablehlo.dot_general" not in hlo
+    names = re.findall(r'name\s*=\s*\\?"(gmm[a-z_0-9]*)', hlo)
+    assert sorted(names) == sorted(["gmm_gather"] * 2 + ["gmm", "gmm", "gmm_sum2"]
+                                   + ["gmm_wgrad_gather"] * 2 + ["gmm_wgrad"]), names
+    widths = re.findall(r'"stablehlo.gather".*-> tensor<(\d+)x48x', hlo)
+    assert widths == [str(N * k)], widths
 
 
 def test_gmm_under_an_expert_parallel_transport():

@@ -21,7 +21,8 @@ from typing import Callable, NamedTuple
 
 import jax.numpy as jnp
 
-from moelab.model.experts import GROUPED, UNPADDED, counts_layout, sum_blocks, take_rows
+from moelab.model.dispatch import take_rows
+from moelab.model.experts import GROUPED, UNPADDED, counts_layout, sum_blocks
 from moelab.model.grouped_gemm import GmmBlocks, GroupTiles, gmm_backend, group_tiles
 from moelab.model.grouped_matmul import mgpu_backend, reference_backend
 
@@ -33,10 +34,10 @@ class ExpertLegs(NamedTuple):
     layout: Callable  # (x_RK, counts_G) -> (x_MK, groups)
 
 
-def padded_layout(x_RK, counts_G, block: int):
-    """Rows sorted by group (``counts_G`` each; rows past their sum are ignored) -> the same
-    rows padded per group to whole blocks (``experts.counts_layout``) and its ``GroupTiles``."""
-    R = x_RK.shape[0]
+def padded_slots(R: int, counts_G, block: int):
+    """(slot -> row map [M] (R: a padding slot), ``GroupTiles``) of ``R`` rows sorted by group
+    (``counts_G`` each; rows past their sum are ignored) padded per group to whole blocks
+    (``experts.counts_layout``)."""
     G = counts_G.shape[0]
     end = jnp.cumsum(counts_G)
     r = jnp.arange(R, dtype=jnp.int32)
@@ -44,8 +45,14 @@ def padded_layout(x_RK, counts_G, block: int):
     rank_R = r - (end - counts_G)[jnp.minimum(group_R, G - 1)]
     lay = counts_layout(group_R, rank_R, counts_G, "blocks", block)
     n_blocks = lay.block_group.shape[0]
-    x_MK = take_rows(x_RK, lay.src_M)
-    return x_MK, group_tiles(counts_G, n_blocks, x_MK.shape[0] // n_blocks)
+    return lay.src_M, group_tiles(counts_G, n_blocks, lay.src_M.shape[0] // n_blocks)
+
+
+def padded_layout(x_RK, counts_G, block: int):
+    """Rows sorted by group -> the same rows in ``padded_slots``' layout, and its
+    ``GroupTiles``."""
+    src_M, tiles = padded_slots(x_RK.shape[0], counts_G, block)
+    return take_rows(x_RK, src_M), tiles
 
 
 def _by_block(a_MK, tiles: GroupTiles):

@@ -8,9 +8,8 @@ rows' original order. Single-device MoE is the S = 1 case of a transport: dispat
 assignment's token row), grouped SwiGLU, combine (each token sums its k routes times their
 weights in float32). A transport adds only what moves rows between ranks.
 
-Data movement uses gathers whose custom VJPs are gathers too (``gather_rows``,
-``combine_rows``): XLA would transpose a plain gather into a scatter-add, slow and
-memory-hungry (docs/transport.md, "Backward").
+Data movement (``moelab.model.dispatch``) uses gathers whose custom VJPs are gathers too: XLA
+would transpose a plain gather into a scatter-add, slow and memory-hungry.
 
 Kernels (``ModelConfig.moe_impl``; ``resolve_impl`` says why ``auto`` is ``gmm`` on a GPU and
 ``blocks`` elsewhere):
@@ -18,7 +17,8 @@ Kernels (``ModelConfig.moe_impl``; ``resolve_impl`` says why ``auto`` is ``gmm``
   on a per-block copy of each block's expert weights.
 - ``gmm``: the same padded layout, a Pallas grouped GEMM (``moelab.model.grouped_gemm``) that
   reads each tile's expert weights in place and skips unused tiles; Triton on a GPU, Pallas
-  interpret mode (slow, for checking) elsewhere.
+  interpret mode (slow, for checking) elsewhere. On a single device its kernels gather each
+  slot's token row themselves (``gathered_swiglu``): no dispatch gather writes the sorted rows.
 - ``ragged``: ``jax.lax.ragged_dot`` over the sorted rows (for a backend with a grouped-matmul
   kernel behind it).
 - ``ragged_fusion``: the same calls, for XLA's ragged-dot fusion on a GPU (cuDNN's grouped
@@ -33,6 +33,7 @@ fill zeros there, so empty slots carry zeros and contribute nothing.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -42,9 +43,22 @@ import numpy as np
 
 from moelab.config import ModelConfig
 from moelab.config.model import RAGGED_FUSION_FLAG
-from moelab.model.grouped_gemm import gmm_swiglu_backend, group_tiles
-from moelab.model.grouped_matmul import grouped_swiglu_rows, mgpu_backend
-from moelab.model.layers import silu_mul, swiglu
+from moelab.model.dispatch import (
+    combine_rows,
+    gather_rows,
+    invert,
+    rank_in_group,
+    slot_sums,
+    token_of,
+)
+from moelab.model.grouped_gemm import (
+    GroupTiles,
+    gmm_gather_backend,
+    gmm_swiglu_backend,
+    group_tiles,
+)
+from moelab.model.grouped_matmul import grouped_swiglu_rows, mgpu_backend, summed_dgrad
+from moelab.model.layers import silu_mul, silu_mul_grads, swiglu
 from moelab.model.router import routing_saved
 
 UNPADDED = ("ragged", "ragged_fusion", "mgpu")  # kernels that take any group sizes
@@ -156,109 +170,6 @@ def drop_totals(d: DropCounts) -> dict:
     return out
 
 
-# ----------------------------------------------------------------------------- index maps
-
-def rank_in_group(group_A, n_groups: int, key_A=None):
-    """Rank of each element among the elements of its group, ordered by ``key_A`` then index
-    (stable). ``group == n_groups`` is the "none" group. Returns (rank_A, count per group)."""
-    A = group_A.shape[0]
-    order = jnp.argsort(group_A, stable=True) if key_A is None else jnp.lexsort((key_A, group_A))
-    counts = jnp.bincount(group_A, length=n_groups + 1)
-    start = jnp.cumsum(counts) - counts
-    rank_sorted = jnp.arange(A, dtype=jnp.int32) - start[group_A[order]].astype(jnp.int32)
-    rank = jnp.zeros((A,), jnp.int32).at[order].set(rank_sorted, unique_indices=True)
-    return rank, counts[:n_groups].astype(jnp.int32)
-
-
-def invert(pos_A, size: int):
-    """Slot -> element map from an element -> slot map (slot ``size`` = not placed; result
-    ``A`` = empty slot)."""
-    A = pos_A.shape[0]
-    empty = jnp.full((size,), A, jnp.int32)
-    return empty.at[pos_A].set(jnp.arange(A, dtype=jnp.int32), mode="drop")
-
-
-def take_rows(x, idx):
-    """x[idx] along axis 0, zeros where idx is out of range."""
-    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0)
-
-
-def token_of(src_M, k: int, A: int):
-    """Token index of the assignment in each slot (out of range where the slot is empty)."""
-    return jnp.where(src_M < A, src_M // k, A // k)
-
-
-# ----------------------------------------------------------------------------- gathers
-
-@jax.custom_vjp
-def gather_rows(x_NH, src_M, pos_NK):
-    """out[m] = x[src[m]] (zeros where src[m] is out of range).
-
-    ``pos_NK`` is the inverse map: the slots row n was copied to (out of range = none), so the
-    backward is a gather too, dx[n] = sum_j g[pos[n, j]], instead of the scatter-add that XLA
-    would emit as the transpose of a gather. Covers dispatch (k slots per token) and the
-    one-to-one sort/compact/expand maps (k = 1).
-    """
-    return take_rows(x_NH, src_M)
-
-
-def _gather_rows_fwd(x_NH, src_M, pos_NK):
-    return take_rows(x_NH, src_M), (src_M, pos_NK)
-
-
-def _gather_rows_bwd(res, g_MH):
-    src_M, pos_NK = res
-    N, K = pos_NK.shape
-    g = take_rows(g_MH, pos_NK.reshape(-1)).reshape(N, K, -1)
-    dx = g.astype(jnp.float32).sum(axis=1) if K > 1 else g[:, 0]
-    return dx.astype(g_MH.dtype), None, None
-
-
-gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
-
-
-@jax.custom_vjp
-def combine_rows(y_MH, weight_TK, pos_TK, src_M):
-    """out[t] = sum_j weight[t, j] * y[pos[t, j]] in float32 (a missing slot gives 0).
-
-    ``src_M`` is the assignment (t*k + j) held by each slot (out of range = none): the backward
-    gathers dy[m] = weight[src[m]] * g[src[m] // k]; the combine-weight gradient is a dot
-    product of g with the slot's row.
-    """
-    return _combine_fwd(y_MH, weight_TK, pos_TK, src_M)[0]
-
-
-def weighted_routes(routes_TKH, weight_TK):
-    """sum_j weight[t, j] * routes[t, j] in float32: a weighted sum of k rows, written as one
-    (as a dot_general it would be a k-deep float32 matmul)."""
-    w = weight_TK.astype(jnp.float32)[..., None]
-    return jnp.sum(routes_TKH.astype(jnp.float32) * w, axis=1)
-
-
-def _routes(y_MH, pos_TK):
-    T, K = pos_TK.shape
-    return take_rows(y_MH, pos_TK.reshape(-1)).reshape(T, K, -1).astype(jnp.float32)
-
-
-def _combine_fwd(y_MH, weight_TK, pos_TK, src_M):
-    out = weighted_routes(_routes(y_MH, pos_TK), weight_TK)
-    return out, (y_MH, weight_TK, pos_TK, src_M)
-
-
-def _combine_bwd(res, g_TH):
-    y_MH, weight_TK, pos_TK, src_M = res
-    T, K = pos_TK.shape
-    g32 = g_TH.astype(jnp.float32)
-    w_at_slot = take_rows(weight_TK.reshape(-1).astype(jnp.float32), src_M)
-    g_at_slot = take_rows(g32, jnp.where(src_M < T * K, src_M // K, T))
-    dy = (w_at_slot[:, None] * g_at_slot).astype(y_MH.dtype)
-    dw = jnp.sum(_routes(y_MH, pos_TK) * g32[:, None, :], axis=-1).astype(weight_TK.dtype)
-    return dy, dw, None, None
-
-
-combine_rows.defvjp(_combine_fwd, _combine_bwd)
-
-
 # ----------------------------------------------------------------------------- expert compute
 
 def swiglu_bank(x_ERH, w):
@@ -338,6 +249,45 @@ def _block_weights_bwd(res, g_B):
 block_weights.defvjp(_block_weights_fwd, _block_weights_bwd)
 
 
+def _gmm_tiles(layout: GroupLayout, rows: int) -> GroupTiles:
+    """The ``gmm`` kernels' tile metadata of a padded layout of ``rows`` slots, computed once
+    for all its kernel calls."""
+    n_blocks = layout.block_group.shape[0]
+    return group_tiles(layout.counts_G, n_blocks, rows // n_blocks)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def gathered_swiglu(x_NH, src_M, pos_NK, w, tiles: GroupTiles, backend):
+    """The grouped SwiGLU of the rows x[src[m]] in ``tiles``' padded layout (zeros where
+    src[m] is out of range), the ``gmm`` kernels gathering each row as they load it: the sorted
+    rows [M, H] are never written, and the backward keeps x [N, H] instead of them (at d1024's
+    65,536 tokens per step, top-8: 64 MiB a layer instead of 560). ``pos_NK``: the slots row n
+    went to, for x's gradient (``slot_sums``). ``backend``: ``gmm_gather_backend(...)``."""
+    return _gathered_fwd(x_NH, src_M, pos_NK, w, tiles, backend)[0]
+
+
+def _gathered_fwd(x_NH, src_M, pos_NK, w, tiles, backend):
+    fwd, fwd_gathered = backend[0], backend[4]
+    g, u = (fwd_gathered(x_NH, src_M, w[k], tiles) for k in ("w_gate", "w_up"))
+    y = fwd(silu_mul(g, u).astype(x_NH.dtype), w["w_down"], tiles)
+    return y, (x_NH, src_M, pos_NK, g, u, w, tiles)
+
+
+def _gathered_bwd(backend, res, dy_MH):
+    dgrad, wgrad, wgrad_gathered = backend[1], backend[2], backend[5]
+    x, src, pos, g, u, w, tiles = res
+    dt = x.dtype
+    dy = dy_MH.astype(dt)
+    dg, du = (a.astype(dt) for a in silu_mul_grads(g, u, dgrad(dy, w["w_down"], tiles)))
+    dx = slot_sums(summed_dgrad(backend, dg, w["w_gate"], du, w["w_up"], tiles).astype(dt), pos)
+    dw = {"w_gate": wgrad_gathered(x, src, dg, tiles), "w_up": wgrad_gathered(x, src, du, tiles),
+          "w_down": wgrad(silu_mul(g, u).astype(dt), dy, tiles)}
+    return dx, None, None, {k: dw[k].astype(w[k].dtype) for k in w}, None
+
+
+gathered_swiglu.defvjp(_gathered_fwd, _gathered_bwd)
+
+
 def sorted_swiglu(xs_MH, layout: GroupLayout, w):
     """SwiGLU of rows already in ``layout``'s sorted order, each with its group's weights.
 
@@ -346,9 +296,8 @@ def sorted_swiglu(xs_MH, layout: GroupLayout, w):
     metadata computed once here for its eight kernel calls. ``ragged``, ``ragged_fusion``:
     ``jax.lax.ragged_dot`` over the group counts."""
     if layout.kernel == "gmm":
-        n_blocks = layout.block_group.shape[0]
-        tiles = group_tiles(layout.counts_G, n_blocks, xs_MH.shape[0] // n_blocks)
-        return grouped_swiglu_rows(xs_MH, w, tiles, gmm_swiglu_backend())
+        return grouped_swiglu_rows(xs_MH, w, _gmm_tiles(layout, xs_MH.shape[0]),
+                                   gmm_swiglu_backend())
     if layout.kernel == "mgpu":  # empty rows (zeros, sorted last) join the last group: output 0
         c = layout.counts_G.at[-1].add(xs_MH.shape[0] - jnp.sum(layout.counts_G))
         return grouped_swiglu_rows(xs_MH, w, c, mgpu_backend())
@@ -390,8 +339,9 @@ def experts_dense(x_NH, expert_NK, weight_NK, w):
 
 def routed_experts(x_NH, expert_NK, weight_NK, w, cfg: ModelConfig, impl: str | None = None):
     """Single-device routed experts (dropless), the S = 1 case of a transport: each
-    assignment's token row is gathered straight into its sorted slot, the grouped SwiGLU runs
-    there, and each token sums its k routes from those slots (fp32)."""
+    assignment's token row is gathered straight into its sorted slot (``gmm``: by the kernels
+    themselves, as they load each tile), the grouped SwiGLU runs there, and each token sums its
+    k routes from those slots (fp32)."""
     impl = impl or resolve_impl(cfg)
     if impl == "dense":
         return experts_dense(x_NH, expert_NK, weight_NK, w)
@@ -399,6 +349,10 @@ def routed_experts(x_NH, expert_NK, weight_NK, w, cfg: ModelConfig, impl: str | 
     lay = group_layout(expert_NK.reshape(-1).astype(jnp.int32), w["w_gate"].shape[0], impl,
                        cfg.moe_block)
     pos_NK = lay.dst_R.reshape(N, k)  # assignment a = n*k + j -> its slot
-    xs = gather_rows(x_NH, token_of(lay.src_M, k, N * k), pos_NK)
-    ys = sorted_swiglu(xs, lay, w).astype(x_NH.dtype)
-    return combine_rows(ys, weight_NK, pos_NK, lay.src_M).astype(x_NH.dtype)
+    src_M = token_of(lay.src_M, k, N * k)  # slot -> the token row it holds
+    if impl == "gmm":  # the kernels gather the token rows themselves
+        ys = gathered_swiglu(x_NH, src_M, pos_NK, w, _gmm_tiles(lay, src_M.shape[0]),
+                             gmm_gather_backend())
+    else:
+        ys = sorted_swiglu(gather_rows(x_NH, src_M, pos_NK), lay, w)
+    return combine_rows(ys.astype(x_NH.dtype), weight_NK, pos_NK, lay.src_M).astype(x_NH.dtype)

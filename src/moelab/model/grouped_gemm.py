@@ -11,6 +11,10 @@ arrays: each tile's group and whether it is used, each group's first tile and ti
   share a row tile run together and read it from L2. A program loads its tile's group id and
   indexes the weight array with it (``w_ref[g, k-block, n-block]``): no per-tile weight copy,
   no search over groups. An unused tile writes zeros and does no matmul.
+- ``gmm`` and ``tgmm`` with ``src`` (slot -> row of x, out of range = a padding slot): each
+  tile's rows are gathered from x by the kernel as it loads them (Triton's gather load, each
+  row's columns contiguous), so the sorted rows are never written out nor kept for the
+  backward (the single-device experts, ``experts.gathered_swiglu``).
 - ``gmm_sum2``: ``gmm``'s data gradient for two (x, w) pairs summed in one float32
   accumulator (the SwiGLU's input gradient dg @ w_gate^T + du @ w_up^T).
 - ``tgmm`` (weight gradient dw[g] = sum over g's tiles of x_tile^T @ dy_tile): a 1-D grid over
@@ -40,6 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from moelab.model.dispatch import take_rows
 from moelab.model.router import routing_saved
 
 
@@ -159,7 +164,21 @@ def reference_wgrad(x_MK, dy_MN, tiles: GroupTiles):
 # gate's product or its gradients inside these kernels (a prologue or epilogue
 # with exp) made each kernel 2.5-3x slower there (1.48-1.64 ms against 0.51-0.61): XLA's
 # elementwise passes between the kernels are cheaper.
-def _rows_kernel(group_ref, used_ref, *refs, n_col, block_k, transpose_w, pairs):
+def _gathered(x_ref, idx, ok, cols):
+    """Rows ``idx`` of ``x_ref`` (columns ``cols``), zeros where not ``ok``: a gather load, each
+    row's columns contiguous."""
+    x = x_ref[idx, cols]
+    return jnp.where(ok[:, None], x, jnp.zeros_like(x))
+
+
+def _source_rows(src, n_src: int):
+    """(row indices clamped into [0, n_src), which of them are real) of a tile's slots."""
+    return jnp.minimum(src, n_src - 1), src < n_src
+
+
+def _rows_kernel(group_ref, used_ref, *refs, n_col, block_k, transpose_w, pairs, n_src):
+    if n_src:  # the tile's rows are gathered from x by the slot -> row map (``gmm``'s ``src``)
+        src_ref, refs = refs[0], refs[1:]
     xs, ws, o_ref = refs[:pairs], refs[pairs:2 * pairs], refs[2 * pairs]
     t, n = pl.program_id(0) // n_col, pl.program_id(0) % n_col
     bm, bn = o_ref.shape
@@ -172,10 +191,13 @@ def _rows_kernel(group_ref, used_ref, *refs, n_col, block_k, transpose_w, pairs)
     @pl.when(used_ref[t] != 0)
     def _():
         g = group_ref[t]
+        if n_src:
+            idx, ok = _source_rows(src_ref[...], n_src)
 
         def body(i, acc):
             for x_ref, w_ref in zip(xs, ws):
-                x = x_ref[:, pl.ds(i * block_k, block_k)]
+                cols = pl.ds(i * block_k, block_k)
+                x = _gathered(x_ref, idx, ok, cols) if n_src else x_ref[:, cols]
                 if transpose_w:  # w[g] is [out, contraction]: its [bn, block_k] block, transposed
                     w = w_ref[g, pl.ds(n * bn, bn), pl.ds(i * block_k, block_k)]
                     acc = acc + pltriton.dot(x, w, trans_b=True)
@@ -188,9 +210,10 @@ def _rows_kernel(group_ref, used_ref, *refs, n_col, block_k, transpose_w, pairs)
         o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _rows_call(xs, ws, tiles: GroupTiles, blocks: GmmBlocks, transpose_w: bool):
-    """sum_i xs[i] @ ws[i][tile's group] (transposed with ``transpose_w``) per used tile."""
-    M, K = xs[0].shape
+def _rows_call(xs, ws, tiles: GroupTiles, blocks: GmmBlocks, transpose_w: bool, src=None):
+    """sum_i xs[i] @ ws[i][tile's group] (transposed with ``transpose_w``) per used tile; with
+    ``src`` (one x), slot m's row is x[src[m]] (zeros where src[m] >= x's rows)."""
+    M, K = xs[0].shape if src is None else (src.shape[0], xs[0].shape[1])
     T = tiles.tile_group.shape[0]
     if M % T:
         raise ValueError(f"gmm: {M} rows are not whole tiles of the {T}-tile layout")
@@ -198,33 +221,37 @@ def _rows_call(xs, ws, tiles: GroupTiles, blocks: GmmBlocks, transpose_w: bool):
     if wK != K:
         raise ValueError(f"gmm: x has K={K} columns but the weights contract over {wK}")
     if _interpret_here(blocks, *xs, *ws, *tiles) == "reference":
+        rows = xs if src is None else [take_rows(xs[0], src)]
         y = sum(reference_rows(x, w, tiles, transpose_w).astype(jnp.float32)
-                for x, w in zip(xs, ws))
+                for x, w in zip(rows, ws))
         return y.astype(xs[0].dtype)
     tm, bn, bk = M // T, _fit(blocks.block_n, N), _fit(blocks.block_k, K)
     n_col = N // bn
     kernel = functools.partial(_rows_kernel, n_col=n_col, block_k=bk, transpose_w=transpose_w,
-                               pairs=len(xs))
-    args, mat = _matched(tiles.tile_group, tiles.tile_used, *xs, *ws)
+                               pairs=len(xs), n_src=0 if src is None else xs[0].shape[0])
+    x_specs = ([pl.BlockSpec((tm, K), lambda p: (p // n_col, 0))] * len(xs) if src is None
+               else [pl.BlockSpec((tm,), lambda p: (p // n_col,)), pl.no_block_spec])
+    args, mat = _matched(tiles.tile_group, tiles.tile_used, *([] if src is None else [src]),
+                         *xs, *ws)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((M, N), xs[0].dtype, manual_axis_type=mat),
         grid=(T * n_col,),
-        in_specs=[pl.no_block_spec, pl.no_block_spec,
-                  *[pl.BlockSpec((tm, K), lambda p: (p // n_col, 0))] * len(xs),
-                  *[pl.no_block_spec] * len(ws)],
+        in_specs=[pl.no_block_spec, pl.no_block_spec, *x_specs, *[pl.no_block_spec] * len(ws)],
         out_specs=pl.BlockSpec((tm, bn), lambda p: (p // n_col, p % n_col)),
         compiler_params=_params(blocks), interpret=_interpret(blocks),
-        name="gmm" if len(xs) == 1 else "gmm_sum2",
+        name=("gmm" if len(xs) == 1 else "gmm_sum2") + ("" if src is None else "_gather"),
         cost_estimate=_cost(M, K * len(xs), N, ws[0].shape[0], xs[0].dtype.itemsize),
     )(*args)
 
 
 def gmm(x_MK, w_GKN, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks(),
-        transpose_w: bool = False):
+        transpose_w: bool = False, src=None):
     """y[tile rows] = x[tile rows] @ w[tile's group] for every used tile, zeros elsewhere
     ([M, K] -> [M, N], M = tiles x tile rows). ``transpose_w``: w is [G, N, K] and each tile
-    uses w[g]^T (the data gradient of a [G, N, K] weight's forward)."""
-    return _rows_call([x_MK], [w_GKN], tiles, blocks, transpose_w)
+    uses w[g]^T (the data gradient of a [G, N, K] weight's forward). ``src`` ([M] int32):
+    x is [R, K] and slot m's row is x[src[m]] (zeros where src[m] >= R), gathered by the
+    kernel as it loads the tile: the sorted rows are never written out."""
+    return _rows_call([x_MK], [w_GKN], tiles, blocks, transpose_w, src)
 
 
 def gmm_sum2(a_MK, wa_GNK, b_MK, wb_GNK, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks()):
@@ -233,8 +260,9 @@ def gmm_sum2(a_MK, wa_GNK, b_MK, wb_GNK, tiles: GroupTiles, blocks: GmmBlocks = 
     return _rows_call([a_MK, b_MK], [wa_GNK, wb_GNK], tiles, blocks, transpose_w=True)
 
 
-def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref, *, n_k, n_n, tile_rows,
-                  block_r):
+def _wgrad_kernel(first_ref, count_ref, *refs, n_k, n_n, tile_rows, block_r, n_src):
+    src_ref, refs = (refs[0], refs[1:]) if n_src else (None, refs)
+    x_ref, dy_ref, dw_ref = refs
     p = pl.program_id(0)
     g, i, j = p // (n_k * n_n), p // n_n % n_k, p % n_n
     bk, bn = dw_ref.shape
@@ -243,7 +271,10 @@ def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref, *, n_k, n_n, tile
 
     def body(s, acc):
         rows = pl.ds(start + s * block_r, block_r)
-        x = x_ref[rows, pl.ds(i * bk, bk)]
+        if n_src:
+            x = _gathered(x_ref, *_source_rows(src_ref[rows], n_src), pl.ds(i * bk, bk))
+        else:
+            x = x_ref[rows, pl.ds(i * bk, bk)]
         dy = dy_ref[rows, pl.ds(j * bn, bn)]
         return acc + pltriton.dot(x, dy, trans_a=True)
 
@@ -251,30 +282,35 @@ def _wgrad_kernel(first_ref, count_ref, x_ref, dy_ref, dw_ref, *, n_k, n_n, tile
     dw_ref[...] = acc.astype(dw_ref.dtype)
 
 
-def tgmm(x_MK, dy_MN, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks()):
+def tgmm(x_MK, dy_MN, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks(), src=None):
     """dw[g] = x_g^T @ dy_g over group g's tiles ([M, K], [M, N] -> [G, K, N]); padding rows
-    must be zeros in x or dy (the layout's gathers fill zeros)."""
-    M, K = x_MK.shape
+    must be zeros in x or dy (the layout's gathers fill zeros). ``src`` ([M] int32): x is
+    [R, K] and slot m's row is x[src[m]] (zeros where src[m] >= R), gathered as ``gmm``
+    does."""
+    M, K = x_MK.shape if src is None else (src.shape[0], x_MK.shape[1])
     N = dy_MN.shape[1]
     T, G = tiles.tile_group.shape[0], tiles.first_tile.shape[0]
     if M % T or dy_MN.shape[0] != M:
         raise ValueError(f"tgmm: x has {M} rows and dy {dy_MN.shape[0]}; both must be whole "
                          f"tiles of the {T}-tile layout")
     if _interpret_here(blocks, x_MK, dy_MN, *tiles) == "reference":
-        return reference_wgrad(x_MK, dy_MN, tiles)
+        return reference_wgrad(x_MK if src is None else take_rows(x_MK, src), dy_MN, tiles)
     tm = M // T
     bk, bn, br = _fit(blocks.wgrad_k, K), _fit(blocks.wgrad_n, N), _fit(blocks.block_k, tm)
     n_k, n_n = K // bk, N // bn
-    kernel = functools.partial(_wgrad_kernel, n_k=n_k, n_n=n_n, tile_rows=tm, block_r=br)
-    args, mat = _matched(tiles.first_tile, tiles.tile_count, x_MK, dy_MN)
+    kernel = functools.partial(_wgrad_kernel, n_k=n_k, n_n=n_n, tile_rows=tm, block_r=br,
+                               n_src=0 if src is None else x_MK.shape[0])
+    args, mat = _matched(tiles.first_tile, tiles.tile_count, *([] if src is None else [src]),
+                         x_MK, dy_MN)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((G, K, N), x_MK.dtype, manual_axis_type=mat),
         grid=(G * n_k * n_n,),
-        in_specs=[pl.no_block_spec] * 4,
+        in_specs=[pl.no_block_spec] * len(args),
         out_specs=pl.BlockSpec((None, bk, bn),
                                lambda p: (p // (n_k * n_n), p // n_n % n_k, p % n_n)),
         compiler_params=_params(blocks, blocks.wgrad_warps), interpret=_interpret(blocks),
-        name="gmm_wgrad", cost_estimate=_cost(M, K, N, G, x_MK.dtype.itemsize),
+        name="gmm_wgrad" + ("" if src is None else "_gather"),
+        cost_estimate=_cost(M, K, N, G, x_MK.dtype.itemsize),
     )(*args)
 
 
@@ -286,6 +322,16 @@ def gmm_backend(blocks: GmmBlocks = GmmBlocks()):
     dgrad = lambda g, w, tiles: gmm(g, w, tiles, blocks, transpose_w=True)
     wgrad = lambda x, g, tiles: tgmm(x, g, tiles, blocks)
     return fwd, dgrad, wgrad
+
+
+@functools.lru_cache(maxsize=None)
+def gmm_gather_backend(blocks: GmmBlocks = GmmBlocks()):
+    """``gmm_swiglu_backend`` and, fifth and sixth, the forward and the weight gradient that
+    gather their rows from x by the slot -> row map (``gmm`` and ``tgmm`` with ``src``): for
+    ``experts.gathered_swiglu``."""
+    return (*gmm_swiglu_backend(blocks),
+            lambda x, src, w, tiles: gmm(x, w, tiles, blocks, src=src),
+            lambda x, src, dy, tiles: tgmm(x, dy, tiles, blocks, src=src))
 
 
 @functools.lru_cache(maxsize=None)

@@ -35,17 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
-from moelab.model.experts import (
-    DropCounts,
-    GroupLayout,
-    counts_layout,
-    gather_rows,
-    invert,
-    rank_in_group,
-    sorted_swiglu,
-    token_of,
-    weighted_routes,
-)
+from moelab.model.dispatch import gather_rows, invert, rank_in_group, token_of, weighted_routes
+from moelab.model.experts import DropCounts, GroupLayout, counts_layout, sorted_swiglu
 from moelab.parallel.transport.common import (
     BufferRows,
     Transport,

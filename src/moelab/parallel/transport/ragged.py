@@ -18,15 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
-from moelab.model.experts import (
-    DropCounts,
-    combine_rows,
-    gather_rows,
-    grouped_swiglu,
-    invert,
-    rank_in_group,
-    token_of,
-)
+from moelab.model.dispatch import combine_rows, gather_rows, invert, rank_in_group, token_of
+from moelab.model.experts import DropCounts, grouped_swiglu
 from moelab.parallel.transport.common import (
     BufferRows,
     Transport,

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
-from moelab.model.experts import DropCounts, rank_in_group
+from moelab.model.dispatch import rank_in_group
+from moelab.model.experts import DropCounts
 from moelab.parallel.transport import ragged
 from moelab.parallel.transport.common import (
     BufferRows,
