@@ -97,20 +97,24 @@ def model_legs(impl: str, gpu_only: bool = False, block: int = BLOCK,
     return build
 
 
+ROUTES = 8  # the rungs' top-k: each token's row is gathered by this many slots
+
+
 def gathered_gmm_legs() -> Legs:
     """``gmm`` as the single-device model runs the gate and up projections and their weight
-    gradients (``experts.gathered_swiglu``): each slot's row gathered by the kernel from x,
-    whose rows here are in shuffled order, as tokens are (the data gradient is gmm's own)."""
+    gradients (``experts.gathered_swiglu``): each slot's row gathered by the kernel from the
+    tokens' rows, as the model's are: rows / ``ROUTES`` tokens, each gathered by ``ROUTES``
+    slots in random order (the data gradient is gmm's own)."""
     def layout(x, w, dy, counts):
         R, c = x.shape[0], np.asarray(counts)
         slots, tiles = jax.jit(padded_slots, static_argnums=(0, 2))(
-            R, jnp.asarray(c, jnp.int32), BLOCK)  # slot -> row of x as sorted
-        perm = jnp.asarray(np.random.default_rng(0).permutation(R), jnp.int32)
-        x_shuffled = x[jnp.argsort(perm)]  # its row perm[i] is x[i]
-        src = jnp.where(slots < R, perm[jnp.minimum(slots, R - 1)], R)  # slot -> its row there
+            R, jnp.asarray(c, jnp.int32), BLOCK)  # slot -> row, as sorted
+        n_tok = -(-R // ROUTES)
+        token = jnp.asarray(np.random.default_rng(0).permutation(R) // ROUTES, jnp.int32)
+        src = jnp.where(slots < R, token[jnp.minimum(slots, R - 1)], n_tok)  # slot -> token
         size = -(-c // BLOCK) * BLOCK
         spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(size) - size, c))]
-        return x_shuffled, w, take_rows(dy, slots), (tiles, src), spans
+        return x[:n_tok], w, take_rows(dy, slots), (tiles, src), spans
 
     return Legs(lambda x, w, aux: gmm(x, w, aux[0], src=aux[1]),
                 lambda dy, w, aux: gmm(dy, w, aux[0], transpose_w=True),

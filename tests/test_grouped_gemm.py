@@ -15,7 +15,7 @@ import pytest
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig
 from moelab.model import experts
-from moelab.model.dispatch import take_rows
+from moelab.model.dispatch import combine_rows, gather_rows, take_rows, token_of
 from moelab.model.expert_legs import expert_legs, padded_slots
 from moelab.model.grouped_gemm import (
     GmmBlocks,
@@ -200,9 +200,49 @@ def test_gathering_kernels_equal_the_kernels_on_the_gathered_rows(counts):
                                           tgmm(x_, dy_, tiles, SMALL, src=src)[None]),
                          mesh=mesh, in_specs=(P("d"), P("d")), out_specs=(P("d"), P("d")))
     y8, dw8 = each(jnp.tile(x_shuffled, (8, 1)), jnp.tile(dy_M, (8, 1)))
+    # and where the slot -> row map alone varies over the mesh axis
+    by_src = jax.shard_map(lambda s: (gmm(x_shuffled, w, tiles, SMALL, src=s[0])[None],
+                                      tgmm(x_shuffled, dy_M, tiles, SMALL, src=s[0])[None]),
+                           mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d")))
+    ys8, dws8 = by_src(jnp.tile(src[None], (8, 1)))
     for d in range(8):
-        np.testing.assert_allclose(y8[d], gmm(x_M, w, tiles, SMALL), atol=1e-5)
-        np.testing.assert_allclose(dw8[d], tgmm(x_M, dy_M, tiles, SMALL), atol=1e-5)
+        for y, dw in ((y8[d], dw8[d]), (ys8[d], dws8[d])):
+            np.testing.assert_allclose(y, gmm(x_M, w, tiles, SMALL), atol=1e-5)
+            np.testing.assert_allclose(dw, tgmm(x_M, dy_M, tiles, SMALL), atol=1e-5)
+
+
+def sorted_path(x, expert, weight, w, block):
+    """The single-device gmm experts as they were before the kernels gathered their rows: the
+    dispatch gather writes the sorted rows, the grouped SwiGLU runs on them."""
+    N, k = expert.shape
+    lay = experts.group_layout(expert.reshape(-1), w["w_gate"].shape[0], "gmm", block)
+    pos = lay.dst_R.reshape(N, k)
+    ys = experts.sorted_swiglu(gather_rows(x, token_of(lay.src_M, k, N * k), pos), lay, w)
+    return combine_rows(ys.astype(x.dtype), weight, pos, lay.src_M).astype(x.dtype)
+
+
+@pytest.mark.parametrize("N,k,dup,dtypes", [
+    (24, 1, False, (jnp.float32, jnp.float32)),  # one route a token
+    (13, 3, False, (jnp.float32, jnp.float32)),  # tokens x k not a whole number of tiles
+    (16, 2, True, (jnp.float32, jnp.float32)),  # a token routed twice to the same expert
+    (16, 2, False, (jnp.bfloat16, jnp.float32)),  # bf16 tokens, float32 weights
+])
+def test_gathering_path_equals_the_sorted_path_bit_for_bit(N, k, dup, dtypes):
+    """``routed_experts`` with gmm (the kernels gathering each slot's token row) gives the
+    value and gradients (tokens, combine weights, expert weights) of the sorted path exactly:
+    the same rows meet the same products in the same order."""
+    x, expert, weight, w = routing(dtypes[0], N=N, E=6, k=max(k, 2), seed=N + k)
+    expert = expert[:, :k] if not dup else expert.at[:, 1].set(expert[:, 0])
+    weight = weight[:, :k]
+    w = jax.tree.map(lambda a: a.astype(dtypes[1]), w)
+    cfg = ModelConfig(n_experts=6, top_k=k, moe_block=TILE)
+    loss = lambda f: lambda x, wt, w: jnp.sum(jnp.sin(f(x, wt, w).astype(jnp.float32)))
+    new = jax.value_and_grad(loss(lambda x, wt, w: experts.routed_experts(
+        x, expert, wt, w, cfg, "gmm")), (0, 1, 2))(x, weight, w)
+    old = jax.value_and_grad(loss(lambda x, wt, w: sorted_path(x, expert, wt, w, TILE)),
+                             (0, 1, 2))(x, weight, w)
+    for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_gathering_swiglu_lowers_to_triton_without_writing_the_sorted_rows():

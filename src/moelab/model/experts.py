@@ -349,10 +349,10 @@ def routed_experts(x_NH, expert_NK, weight_NK, w, cfg: ModelConfig, impl: str | 
     lay = group_layout(expert_NK.reshape(-1).astype(jnp.int32), w["w_gate"].shape[0], impl,
                        cfg.moe_block)
     pos_NK = lay.dst_R.reshape(N, k)  # assignment a = n*k + j -> its slot
-    src_M = token_of(lay.src_M, k, N * k)  # slot -> the token row it holds
+    tok_M = token_of(lay.src_M, k, N * k)  # slot -> the token row it holds
     if impl == "gmm":  # the kernels gather the token rows themselves
-        ys = gathered_swiglu(x_NH, src_M, pos_NK, w, _gmm_tiles(lay, src_M.shape[0]),
+        ys = gathered_swiglu(x_NH, tok_M, pos_NK, w, _gmm_tiles(lay, tok_M.shape[0]),
                              gmm_gather_backend())
     else:
-        ys = sorted_swiglu(gather_rows(x_NH, src_M, pos_NK), lay, w)
+        ys = sorted_swiglu(gather_rows(x_NH, tok_M, pos_NK), lay, w)
     return combine_rows(ys.astype(x_NH.dtype), weight_NK, pos_NK, lay.src_M).astype(x_NH.dtype)

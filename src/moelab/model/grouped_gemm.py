@@ -213,6 +213,8 @@ def _rows_kernel(group_ref, used_ref, *refs, n_col, block_k, transpose_w, pairs,
 def _rows_call(xs, ws, tiles: GroupTiles, blocks: GmmBlocks, transpose_w: bool, src=None):
     """sum_i xs[i] @ ws[i][tile's group] (transposed with ``transpose_w``) per used tile; with
     ``src`` (one x), slot m's row is x[src[m]] (zeros where src[m] >= x's rows)."""
+    if src is not None and len(xs) != 1:
+        raise ValueError(f"gmm: src gathers the rows of one x, got {len(xs)}")
     M, K = xs[0].shape if src is None else (src.shape[0], xs[0].shape[1])
     T = tiles.tile_group.shape[0]
     if M % T:
@@ -220,7 +222,8 @@ def _rows_call(xs, ws, tiles: GroupTiles, blocks: GmmBlocks, transpose_w: bool, 
     wK, N = ws[0].shape[2:0:-1] if transpose_w else ws[0].shape[1:]
     if wK != K:
         raise ValueError(f"gmm: x has K={K} columns but the weights contract over {wK}")
-    if _interpret_here(blocks, *xs, *ws, *tiles) == "reference":
+    gathered = () if src is None else (src,)
+    if _interpret_here(blocks, *xs, *ws, *tiles, *gathered) == "reference":
         rows = xs if src is None else [take_rows(xs[0], src)]
         y = sum(reference_rows(x, w, tiles, transpose_w).astype(jnp.float32)
                 for x, w in zip(rows, ws))
@@ -293,7 +296,8 @@ def tgmm(x_MK, dy_MN, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks(), src=No
     if M % T or dy_MN.shape[0] != M:
         raise ValueError(f"tgmm: x has {M} rows and dy {dy_MN.shape[0]}; both must be whole "
                          f"tiles of the {T}-tile layout")
-    if _interpret_here(blocks, x_MK, dy_MN, *tiles) == "reference":
+    if _interpret_here(blocks, x_MK, dy_MN, *tiles, *(() if src is None else (src,))
+                       ) == "reference":
         return reference_wgrad(x_MK if src is None else take_rows(x_MK, src), dy_MN, tiles)
     tm = M // T
     bk, bn, br = _fit(blocks.wgrad_k, K), _fit(blocks.wgrad_n, N), _fit(blocks.block_k, tm)

@@ -29,12 +29,12 @@ def router_logits(x_ND, w_DE):
 
 def _local_experts(cfg: ModelConfig):
     """The single-device routed experts; under model.remat="experts" they keep for the
-    backward only their inputs and the route's layout (``KEEP_ROUTE``): the backward gathers
-    the sorted rows and runs the experts' forward again, where "none" keeps the sorted rows
-    (``gmm``: the tokens' rows, which its kernels gather themselves), the gate and up
-    projections and the output (560 MiB each per layer at d1024's 65,536 tokens per step; the
-    tokens' rows 64 MiB) and the other policies recompute the whole block. An expert-parallel ``experts_fn``
-    keeps what its transport keeps."""
+    backward only their inputs and the route's layout (``KEEP_ROUTE``): the backward runs the
+    experts' forward again (gathering the sorted rows; ``gmm``'s kernels gather them as they
+    load them), where "none" keeps the sorted rows (``gmm``: the tokens' rows instead), the
+    gate and up projections and the output (560 MiB each per layer at d1024's 65,536 tokens
+    per step; the tokens' rows 64 MiB) and the other policies recompute the whole block. An
+    expert-parallel ``experts_fn`` keeps what its transport keeps."""
     fn = lambda z, e, w, ew: routed_experts(z, e, w, ew, cfg)  # noqa: E731
     return recompute_inside(fn, keep=KEEP_ROUTE) if cfg.remat == "experts" else fn
 
