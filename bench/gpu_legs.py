@@ -53,11 +53,17 @@ def masked_forward(x, w, counts):
                         jnp.arange(w.shape[0]))[0]
 
 
+def group_spans(counts, block: int = 0) -> list[tuple[int, int, int]]:
+    """(first row, rows, group) of each group in a layout of rows sorted by group, each group
+    padded to whole blocks of ``block`` rows (0: unpadded)."""
+    c = np.asarray(counts)
+    size = -(-c // block) * block if block else c  # rows each group occupies
+    return [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(size) - size, c))]
+
+
 def sorted_rows(x, w, dy, counts):
     """Rows sorted by group, no padding (the ``dense`` reference's layout)."""
-    c = np.asarray(counts)
-    spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(c) - c, c))]
-    return x, w, dy, jnp.asarray(c, jnp.int32), spans
+    return x, w, dy, jnp.asarray(counts, jnp.int32), group_spans(counts)
 
 
 @dataclass(frozen=True)
@@ -87,10 +93,7 @@ def model_legs(impl: str, gpu_only: bool = False, block: int = BLOCK,
         def layout(x, w, dy, counts):
             c = np.asarray(counts)
             (xl, groups), (dyl, _) = (to_layout(a, jnp.asarray(c, jnp.int32)) for a in (x, dy))
-            size = -(-c // block) * block if impl in PADDED else c  # rows each group occupies
-            spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(size) - size,
-                                                                         c))]
-            return xl, w, dyl, groups, spans
+            return xl, w, dyl, groups, group_spans(c, block if impl in PADDED else 0)
 
         return Legs(legs.fwd, legs.dgrad, legs.wgrad, layout, gpu_only=gpu_only)
 
@@ -102,7 +105,7 @@ ROUTES = 8  # the rungs' top-k: each token's row is gathered by this many slots
 
 def gathered_gmm_legs() -> Legs:
     """``gmm`` as the single-device model runs the gate and up projections and their weight
-    gradients (``experts.gathered_swiglu``): each slot's row gathered by the kernel from the
+    gradients (``grouped_matmul.gathered_swiglu``): each slot's row gathered by the kernel from the
     tokens' rows, as the model's are: rows / ``ROUTES`` tokens, each gathered by ``ROUTES``
     slots in random order (the data gradient is gmm's own)."""
     def layout(x, w, dy, counts):
@@ -112,9 +115,7 @@ def gathered_gmm_legs() -> Legs:
         n_tok = -(-R // ROUTES)
         token = jnp.asarray(np.random.default_rng(0).permutation(R) // ROUTES, jnp.int32)
         src = jnp.where(slots < R, token[jnp.minimum(slots, R - 1)], n_tok)  # slot -> token
-        size = -(-c // BLOCK) * BLOCK
-        spans = [(int(s), int(n), g) for g, (s, n) in enumerate(zip(np.cumsum(size) - size, c))]
-        return x[:n_tok], w, take_rows(dy, slots), (tiles, src), spans
+        return x[:n_tok], w, take_rows(dy, slots), (tiles, src), group_spans(c, BLOCK)
 
     return Legs(lambda x, w, aux: gmm(x, w, aux[0], src=aux[1]),
                 lambda dy, w, aux: gmm(dy, w, aux[0], transpose_w=True),

@@ -29,7 +29,7 @@ from moelab.model.grouped_gemm import (
     reference_wgrad,
     tgmm,
 )
-from moelab.model.grouped_matmul import grouped_matmul, grouped_swiglu_rows
+from moelab.model.grouped_matmul import gathered_swiglu, grouped_matmul, grouped_swiglu_rows
 from moelab.parallel import transport
 from moelab.parallel.mesh import make_mesh
 from moelab.planner.as_gpu import traced_as_gpu
@@ -246,7 +246,7 @@ def test_gathering_path_equals_the_sorted_path_bit_for_bit(N, k, dup, dtypes):
 
 
 def test_gathering_swiglu_lowers_to_triton_without_writing_the_sorted_rows():
-    """``experts.gathered_swiglu`` (the single-device gmm path) lowers for CUDA to eight Triton
+    """``grouped_matmul.gathered_swiglu`` (the single-device gmm path) lowers for CUDA to eight Triton
     kernels, the gate's and up's forward and weight gradients among them gathering their rows
     (``gmm_gather``, ``gmm_wgrad_gather``): no XLA gather writes the sorted rows [slots, H];
     the one gather of that width is x's gradient, [tokens x k, H]."""
@@ -257,7 +257,7 @@ def test_gathering_swiglu_lowers_to_triton_without_writing_the_sorted_rows():
 
     def step(x, w, counts, src, pos):
         tiles = group_tiles(counts, T, tile)
-        f = lambda x, w: jnp.sum(experts.gathered_swiglu(x, src, pos, w, tiles, backend)
+        f = lambda x, w: jnp.sum(gathered_swiglu(x, src, pos, w, tiles, backend)
                                  .astype(jnp.float32))
         return jax.grad(f, (0, 1))(x, w)
 

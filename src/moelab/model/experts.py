@@ -33,7 +33,6 @@ fill zeros there, so empty slots carry zeros and contribute nothing.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
@@ -48,7 +47,6 @@ from moelab.model.dispatch import (
     gather_rows,
     invert,
     rank_in_group,
-    slot_sums,
     token_of,
 )
 from moelab.model.grouped_gemm import (
@@ -57,8 +55,8 @@ from moelab.model.grouped_gemm import (
     gmm_swiglu_backend,
     group_tiles,
 )
-from moelab.model.grouped_matmul import grouped_swiglu_rows, mgpu_backend, summed_dgrad
-from moelab.model.layers import silu_mul, silu_mul_grads, swiglu
+from moelab.model.grouped_matmul import gathered_swiglu, grouped_swiglu_rows, mgpu_backend
+from moelab.model.layers import silu_mul, swiglu
 from moelab.model.router import routing_saved
 
 UNPADDED = ("ragged", "ragged_fusion", "mgpu")  # kernels that take any group sizes
@@ -254,38 +252,6 @@ def _gmm_tiles(layout: GroupLayout, rows: int) -> GroupTiles:
     for all its kernel calls."""
     n_blocks = layout.block_group.shape[0]
     return group_tiles(layout.counts_G, n_blocks, rows // n_blocks)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def gathered_swiglu(x_NH, src_M, pos_NK, w, tiles: GroupTiles, backend):
-    """The grouped SwiGLU of the rows x[src[m]] in ``tiles``' padded layout (zeros where
-    src[m] is out of range), the ``gmm`` kernels gathering each row as they load it: the sorted
-    rows [M, H] are never written, and the backward keeps x [N, H] instead of them (at d1024's
-    65,536 tokens per step, top-8: 64 MiB a layer instead of 560). ``pos_NK``: the slots row n
-    went to, for x's gradient (``slot_sums``). ``backend``: ``gmm_gather_backend(...)``."""
-    return _gathered_fwd(x_NH, src_M, pos_NK, w, tiles, backend)[0]
-
-
-def _gathered_fwd(x_NH, src_M, pos_NK, w, tiles, backend):
-    fwd, fwd_gathered = backend[0], backend[4]
-    g, u = (fwd_gathered(x_NH, src_M, w[k], tiles) for k in ("w_gate", "w_up"))
-    y = fwd(silu_mul(g, u).astype(x_NH.dtype), w["w_down"], tiles)
-    return y, (x_NH, src_M, pos_NK, g, u, w, tiles)
-
-
-def _gathered_bwd(backend, res, dy_MH):
-    dgrad, wgrad, wgrad_gathered = backend[1], backend[2], backend[5]
-    x, src, pos, g, u, w, tiles = res
-    dt = x.dtype
-    dy = dy_MH.astype(dt)
-    dg, du = (a.astype(dt) for a in silu_mul_grads(g, u, dgrad(dy, w["w_down"], tiles)))
-    dx = slot_sums(summed_dgrad(backend, dg, w["w_gate"], du, w["w_up"], tiles).astype(dt), pos)
-    dw = {"w_gate": wgrad_gathered(x, src, dg, tiles), "w_up": wgrad_gathered(x, src, du, tiles),
-          "w_down": wgrad(silu_mul(g, u).astype(dt), dy, tiles)}
-    return dx, None, None, {k: dw[k].astype(w[k].dtype) for k in w}, None
-
-
-gathered_swiglu.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def sorted_swiglu(xs_MH, layout: GroupLayout, w):

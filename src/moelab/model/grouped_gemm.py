@@ -14,7 +14,7 @@ arrays: each tile's group and whether it is used, each group's first tile and ti
 - ``gmm`` and ``tgmm`` with ``src`` (slot -> row of x, out of range = a padding slot): each
   tile's rows are gathered from x by the kernel as it loads them (Triton's gather load, each
   row's columns contiguous), so the sorted rows are never written out nor kept for the
-  backward (the single-device experts, ``experts.gathered_swiglu``).
+  backward (the single-device experts, ``grouped_matmul.gathered_swiglu``).
 - ``gmm_sum2``: ``gmm``'s data gradient for two (x, w) pairs summed in one float32
   accumulator (the SwiGLU's input gradient dg @ w_gate^T + du @ w_up^T).
 - ``tgmm`` (weight gradient dw[g] = sum over g's tiles of x_tile^T @ dy_tile): a 1-D grid over
@@ -222,7 +222,7 @@ def _rows_call(xs, ws, tiles: GroupTiles, blocks: GmmBlocks, transpose_w: bool, 
     wK, N = ws[0].shape[2:0:-1] if transpose_w else ws[0].shape[1:]
     if wK != K:
         raise ValueError(f"gmm: x has K={K} columns but the weights contract over {wK}")
-    gathered = () if src is None else (src,)
+    gathered = () if src is None else (src,)  # the slot -> row map, an operand before x
     if _interpret_here(blocks, *xs, *ws, *tiles, *gathered) == "reference":
         rows = xs if src is None else [take_rows(xs[0], src)]
         y = sum(reference_rows(x, w, tiles, transpose_w).astype(jnp.float32)
@@ -231,18 +231,17 @@ def _rows_call(xs, ws, tiles: GroupTiles, blocks: GmmBlocks, transpose_w: bool, 
     tm, bn, bk = M // T, _fit(blocks.block_n, N), _fit(blocks.block_k, K)
     n_col = N // bn
     kernel = functools.partial(_rows_kernel, n_col=n_col, block_k=bk, transpose_w=transpose_w,
-                               pairs=len(xs), n_src=0 if src is None else xs[0].shape[0])
-    x_specs = ([pl.BlockSpec((tm, K), lambda p: (p // n_col, 0))] * len(xs) if src is None
-               else [pl.BlockSpec((tm,), lambda p: (p // n_col,)), pl.no_block_spec])
-    args, mat = _matched(tiles.tile_group, tiles.tile_used, *([] if src is None else [src]),
-                         *xs, *ws)
+                               pairs=len(xs), n_src=xs[0].shape[0] if gathered else 0)
+    x_specs = ([pl.BlockSpec((tm,), lambda p: (p // n_col,)), pl.no_block_spec] if gathered
+               else [pl.BlockSpec((tm, K), lambda p: (p // n_col, 0))] * len(xs))
+    args, mat = _matched(tiles.tile_group, tiles.tile_used, *gathered, *xs, *ws)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((M, N), xs[0].dtype, manual_axis_type=mat),
         grid=(T * n_col,),
         in_specs=[pl.no_block_spec, pl.no_block_spec, *x_specs, *[pl.no_block_spec] * len(ws)],
         out_specs=pl.BlockSpec((tm, bn), lambda p: (p // n_col, p % n_col)),
         compiler_params=_params(blocks), interpret=_interpret(blocks),
-        name=("gmm" if len(xs) == 1 else "gmm_sum2") + ("" if src is None else "_gather"),
+        name=("gmm" if len(xs) == 1 else "gmm_sum2") + ("_gather" if gathered else ""),
         cost_estimate=_cost(M, K * len(xs), N, ws[0].shape[0], xs[0].dtype.itemsize),
     )(*args)
 
@@ -296,16 +295,15 @@ def tgmm(x_MK, dy_MN, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks(), src=No
     if M % T or dy_MN.shape[0] != M:
         raise ValueError(f"tgmm: x has {M} rows and dy {dy_MN.shape[0]}; both must be whole "
                          f"tiles of the {T}-tile layout")
-    if _interpret_here(blocks, x_MK, dy_MN, *tiles, *(() if src is None else (src,))
-                       ) == "reference":
-        return reference_wgrad(x_MK if src is None else take_rows(x_MK, src), dy_MN, tiles)
+    gathered = () if src is None else (src,)  # the slot -> row map, an operand before x
+    if _interpret_here(blocks, x_MK, dy_MN, *tiles, *gathered) == "reference":
+        return reference_wgrad(take_rows(x_MK, src) if gathered else x_MK, dy_MN, tiles)
     tm = M // T
     bk, bn, br = _fit(blocks.wgrad_k, K), _fit(blocks.wgrad_n, N), _fit(blocks.block_k, tm)
     n_k, n_n = K // bk, N // bn
     kernel = functools.partial(_wgrad_kernel, n_k=n_k, n_n=n_n, tile_rows=tm, block_r=br,
-                               n_src=0 if src is None else x_MK.shape[0])
-    args, mat = _matched(tiles.first_tile, tiles.tile_count, *([] if src is None else [src]),
-                         x_MK, dy_MN)
+                               n_src=x_MK.shape[0] if gathered else 0)
+    args, mat = _matched(tiles.first_tile, tiles.tile_count, *gathered, x_MK, dy_MN)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((G, K, N), x_MK.dtype, manual_axis_type=mat),
         grid=(G * n_k * n_n,),
@@ -313,7 +311,7 @@ def tgmm(x_MK, dy_MN, tiles: GroupTiles, blocks: GmmBlocks = GmmBlocks(), src=No
         out_specs=pl.BlockSpec((None, bk, bn),
                                lambda p: (p // (n_k * n_n), p // n_n % n_k, p % n_n)),
         compiler_params=_params(blocks, blocks.wgrad_warps), interpret=_interpret(blocks),
-        name="gmm_wgrad" + ("" if src is None else "_gather"),
+        name="gmm_wgrad" + ("_gather" if gathered else ""),
         cost_estimate=_cost(M, K, N, G, x_MK.dtype.itemsize),
     )(*args)
 
@@ -332,7 +330,7 @@ def gmm_backend(blocks: GmmBlocks = GmmBlocks()):
 def gmm_gather_backend(blocks: GmmBlocks = GmmBlocks()):
     """``gmm_swiglu_backend`` and, fifth and sixth, the forward and the weight gradient that
     gather their rows from x by the slot -> row map (``gmm`` and ``tgmm`` with ``src``): for
-    ``experts.gathered_swiglu``."""
+    ``grouped_matmul.gathered_swiglu``."""
     return (*gmm_swiglu_backend(blocks),
             lambda x, src, w, tiles: gmm(x, w, tiles, blocks, src=src),
             lambda x, src, dy, tiles: tgmm(x, dy, tiles, blocks, src=src))

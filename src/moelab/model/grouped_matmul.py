@@ -4,7 +4,8 @@ y[rows of g] = x[rows of g] @ w[g], for the ``mgpu`` and ``gmm`` expert kernels.
 A custom VJP assembles the three products a grouped matmul needs, each from a backend:
 forward y = x @ w[g]; data gradient dx = dy @ w[g]^T; weight gradient dw[g] = x_g^T @ dy_g
 (``grouped_matmul``); ``grouped_swiglu_rows`` assembles the SwiGLU's three grouped matmuls so,
-keeping only the rows, gate and up projection for the backward.
+keeping only the rows, gate and up projection for the backward, and ``gathered_swiglu`` the
+same with the kernels gathering the rows themselves (``gmm`` with a slot -> row map).
 A backend's functions take the groups as its kernels want them: counts per group (``MGPU``,
 ``REFERENCE``) or the tile metadata of a padded layout (``gmm``,
 ``moelab.model.grouped_gemm.gmm_backend``).
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from moelab.model.dispatch import slot_sums
 from moelab.model.layers import silu_mul, silu_mul_grads
 
 
@@ -105,6 +107,25 @@ def summed_dgrad(backend, a, wa, b, wb, groups):
             + dgrad(b, wb, groups).astype(jnp.float32)).astype(a.dtype)
 
 
+def _swiglu_fwd(project, w, groups, backend, dt):
+    """(y, gate, up) of the SwiGLU whose gate and up projections ``project(w_k)`` gives."""
+    g, u = project(w["w_gate"]), project(w["w_up"])
+    return backend[0](silu_mul(g, u).astype(dt), w["w_down"], groups), g, u
+
+
+def _swiglu_bwd(backend, wgrad_in, g, u, w, groups, dy, dt):
+    """(the sorted rows' gradient, the weights' gradients) of the SwiGLU from its saved gate
+    and up projections; ``wgrad_in(d)``: the gate's or up's weight gradient from its output
+    gradient ``d`` (the rows' product with it, per group)."""
+    dgrad, wgrad = backend[1:3]
+    dy = dy.astype(dt)
+    dg, du = (a.astype(dt) for a in silu_mul_grads(g, u, dgrad(dy, w["w_down"], groups)))
+    dxs = summed_dgrad(backend, dg, w["w_gate"], du, w["w_up"], groups).astype(dt)
+    dw = {"w_gate": wgrad_in(dg), "w_up": wgrad_in(du),
+          "w_down": wgrad(silu_mul(g, u).astype(dt), dy, groups)}
+    return dxs, {k: dw[k].astype(w[k].dtype) for k in w}
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def grouped_swiglu_rows(xs_RH, w: dict, groups, backend):
     """SwiGLU of rows sorted by group with each group's weights: three grouped matmuls, one
@@ -116,23 +137,42 @@ def grouped_swiglu_rows(xs_RH, w: dict, groups, backend):
 
 
 def _gs_fwd(xs_RH, w, groups, backend):
-    fwd = backend[0]
-    g, u = fwd(xs_RH, w["w_gate"], groups), fwd(xs_RH, w["w_up"], groups)
-    y = fwd(silu_mul(g, u).astype(xs_RH.dtype), w["w_down"], groups)
+    y, g, u = _swiglu_fwd(lambda wk: backend[0](xs_RH, wk, groups), w, groups, backend,
+                          xs_RH.dtype)
     return y, (xs_RH, g, u, w, groups)
 
 
 def _gs_bwd(backend, res, dy_RH):
-    dgrad, wgrad = backend[1:3]
     xs, g, u, w, groups = res
-    dt = xs.dtype
-    dy = dy_RH.astype(dt)
-    dh = dgrad(dy, w["w_down"], groups)
-    dg, du = (a.astype(dt) for a in silu_mul_grads(g, u, dh))
-    dx = summed_dgrad(backend, dg, w["w_gate"], du, w["w_up"], groups).astype(dt)
-    dw = {"w_gate": wgrad(xs, dg, groups), "w_up": wgrad(xs, du, groups),
-          "w_down": wgrad(silu_mul(g, u).astype(dt), dy, groups)}
-    return dx, {k: dw[k].astype(w[k].dtype) for k in w}, None
+    wgrad_in = lambda d: backend[2](xs, d, groups)  # noqa: E731
+    return (*_swiglu_bwd(backend, wgrad_in, g, u, w, groups, dy_RH, xs.dtype), None)
 
 
 grouped_swiglu_rows.defvjp(_gs_fwd, _gs_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def gathered_swiglu(x_NH, src_M, pos_NK, w, tiles, backend):
+    """``grouped_swiglu_rows`` of the rows x[src[m]] in ``tiles``' padded layout (zeros where
+    src[m] is out of range), the ``gmm`` kernels gathering each row as they load it: the sorted
+    rows [M, H] are never written, and the backward keeps x [N, H] instead of them (at d1024's
+    65,536 tokens per step, top-8: 64 MiB a layer instead of 560). ``pos_NK``: the slots row n
+    went to, for x's gradient (``dispatch.slot_sums``). ``backend``:
+    ``grouped_gemm.gmm_gather_backend(...)`` (its fifth and sixth functions gather)."""
+    return _gathered_fwd(x_NH, src_M, pos_NK, w, tiles, backend)[0]
+
+
+def _gathered_fwd(x_NH, src_M, pos_NK, w, tiles, backend):
+    y, g, u = _swiglu_fwd(lambda wk: backend[4](x_NH, src_M, wk, tiles), w, tiles, backend,
+                          x_NH.dtype)
+    return y, (x_NH, src_M, pos_NK, g, u, w, tiles)
+
+
+def _gathered_bwd(backend, res, dy_MH):
+    x, src, pos, g, u, w, tiles = res
+    wgrad_in = lambda d: backend[5](x, src, d, tiles)  # noqa: E731
+    dxs, dw = _swiglu_bwd(backend, wgrad_in, g, u, w, tiles, dy_MH, x.dtype)
+    return slot_sums(dxs, pos), None, None, dw, None
+
+
+gathered_swiglu.defvjp(_gathered_fwd, _gathered_bwd)

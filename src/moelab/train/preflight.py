@@ -33,10 +33,10 @@ from jax.sharding import NamedSharding
 from moelab.config import ConfigError, RunConfig
 from moelab.config.run import check_microbatch
 from moelab.parallel.mesh import batch_spec
+from moelab.planner.cluster import GiB
 from moelab.planner.xla import xla_memory
 from moelab.train.tracker import allocator_memory
 
-GIB = 2**30
 FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX reads both
 JAX_DEFAULT_FRACTION = 0.75  # the share of a GPU JAX takes when neither is set
 MAX_SUGGESTED_FRACTION = 0.95  # the rest: CUDA context, cuDNN and NCCL workspaces outside JAX
@@ -44,7 +44,7 @@ MAX_SUGGESTED_FRACTION = 0.95  # the rest: CUDA context, cuDNN and NCCL workspac
 
 def _size(b: float) -> str:
     """Bytes in GiB (MiB below one GiB), one decimal."""
-    return f"{b / GIB:.1f} GiB" if b >= GIB else f"{b / 2**20:.1f} MiB"
+    return f"{b / GiB:.1f} GiB" if b >= GiB else f"{b / 2**20:.1f} MiB"
 
 
 def first_batch(cfg: RunConfig, step: int, mesh) -> jax.ShapeDtypeStruct:
@@ -101,9 +101,10 @@ def fit_problem(mem: dict, limit: int, in_use: int, cfg: RunConfig, step: int = 
                 devices: int = 1, device_kind: str = "device", gpu: bool = True,
                 later_stage: bool = False) -> str | None:
     """None when the compiled step of ``step`` fits, else the message that says by how much and
-    how to fix it (naming the step when it is a ``later_stage``'s, not the run's first). ``mem``: ``planner.xla.xla_memory`` of the compiled step (bytes per device);
-    ``limit`` and ``in_use``: the allocator's limit and the bytes it holds now (the train state
-    among them) on the fullest device; ``gpu``: JAX's GPU allocator, whose share of the device
+    how to fix it (naming the step when it is a ``later_stage``'s, not the run's first).
+    ``mem``: ``planner.xla.xla_memory`` of the compiled step (bytes per device); ``limit`` and
+    ``in_use``: the allocator's limit and the bytes it holds now (the train state among them)
+    on the fullest device; ``gpu``: JAX's GPU allocator, whose share of the device
     ``XLA_CLIENT_MEM_FRACTION`` sets."""
     runs = while_running(mem)
     need = in_use + runs
