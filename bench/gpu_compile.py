@@ -49,6 +49,7 @@ import gpu_profile as gp  # noqa: E402
 import gpu_rows  # noqa: E402
 from common import RESULTS, print_table, save  # noqa: E402 - puts src/ on the path
 from moelab.config import load_config  # noqa: E402
+from moelab.train.preflight import remat_candidates  # noqa: E402
 
 CUDA_INSTALL = ('python3 -m venv .venv-cuda && .venv-cuda/bin/pip install -c constraints.txt '
                 '-e ".[cuda]"')
@@ -198,13 +199,20 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.rows:
         spec = rows[name].dry if args.dry_run else rows[name].spec
         overrides = spec["overrides"] + args.set
-        cfg = load_config(spec["preset"], overrides)
-        t = time.perf_counter()
-        compiled = gpu_rows.lowered_step(cfg, "cpu" if args.dry_run else "cuda",
-                                         jax.sharding.SingleDeviceSharding(device)).compile()
-        rec = {"row": name, "preset": spec["preset"], "overrides": overrides,
-               "compile_s": time.perf_counter() - t,
-               **analyse(compiled, cfg, peak, rated, capacity, args.top)}
+        cands = remat_candidates(load_config(spec["preset"], overrides),
+                                 "cpu" if args.dry_run else "gpu")
+        for cfg in cands:  # model.remat=auto: the first that fits, as moelab train takes it
+            t = time.perf_counter()
+            compiled = gpu_rows.lowered_step(cfg, "cpu" if args.dry_run else "cuda",
+                                             jax.sharding.SingleDeviceSharding(device)).compile()
+            rec = {"row": name, "preset": spec["preset"], "overrides": overrides,
+                   "remat": cfg.model.remat, "scan_unroll": cfg.model.scan_unroll,
+                   "compile_s": time.perf_counter() - t,
+                   **analyse(compiled, cfg, peak, rated, capacity, args.top)}
+            if rec["fits"] or cfg is cands[-1]:
+                break
+            print(f"{name}: remat {cfg.model.remat} does not fit ({rec['memory_gib']:.2f} GiB); "
+                  "remat auto takes the next", flush=True)
         if args.hlo:
             from moelab.util import atomic_write_text
 

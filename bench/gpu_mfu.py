@@ -9,12 +9,12 @@ Rows, most important first (``--help`` lists them with their expected seconds):
 1. ``peak``: the bf16 matmul peak measured here; the other rows report MFU against the
    GPU's rated dense bf16 peak (moelab.train.peak) and their share of this measured one;
 2. ``d1024``: the d1024 rung as moelab runs it by default at seq 4096, 16 sequences = 65,536
-   tokens per step (bf16, cuDNN attention, the gmm expert kernel, chunked loss): tokens/s,
-   MFU, peak memory, compile time, XLA's memory analysis, one profiled step by kernel
-   category (bench/gpu_profile.py);
-3. the layer scan unrolled without remat, where bench/gpu_compile.py finds the lowest
-   roofline that fits: ``d1024-none-unroll-bf16m`` (AdamW's moments in bfloat16 too,
-   profiled), ``d1024-none-unroll`` (float32 moments), ``d768-none-unroll`` (profiled);
+   tokens per step (bf16, cuDNN attention, the gmm expert kernel, chunked loss, and
+   ``model.remat=auto``: remat none with the layer scan unrolled where its compiled step fits,
+   else full; the row records which): tokens/s, MFU, peak memory, compile time, XLA's memory
+   analysis, one profiled step by kernel category (bench/gpu_profile.py);
+3. ``d1024-none-unroll-bf16m``: the same unrolled without remat with AdamW's moments in
+   bfloat16 too (profiled), where bench/gpu_compile.py finds d1024's lowest roofline;
 4. ``dense-d1024``: a dense model of the same active size (one expert of width top_k x
    expert_dim, no routing sparsity): the practical ceiling; then d768 as the preset runs it
    (profiled);
@@ -23,7 +23,7 @@ Rows, most important first (``--help`` lists them with their expected seconds):
    kernel but blocks (``LEGS_DEFAULT``), next to a dense matmul of the same FLOPs
    (bench/gpu_legs.py); then ``moelab-train-tiny``, ``moelab train`` itself on the README's
    first run (the tiny preset on the built-in corpus, which that command prepares in data/),
-   and ``d768-none-unroll-bf16m``;
+   ``d1024-remat-full`` (the presets' policy before auto) and ``d768-none-unroll-bf16m``;
 6. ablations while time is left, one change at a time: remat ``experts`` and ``none`` with
    the layers scanned, twice the tokens per step, remat ``dots``; then d768's legs.
 Rows known to need more than the GPU's memory or minutes of their own run only when named
@@ -183,29 +183,27 @@ def all_rows() -> dict[str, Row]:
     peak = {"kind": "peak", "sizes": [4096, 8192], "dtype": "bfloat16"}
     rows = [
         Row("peak", 15, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
-        # the GPU's default expert kernel is gmm (model/experts.resolve_impl)
-        train_row("d1024", "d1024", [], 45, profile=True),
+        # The ladder presets train with model.remat=auto: remat none with the layer scan
+        # unrolled whole where the compiled step fits (at this benchmark's share of an H200,
+        # d1024's 109.4 GiB does), else full remat (moelab.train.preflight.choose_remat). The
+        # GPU's default expert kernel is gmm (model/experts.resolve_impl).
         # Order by bench/gpu_compile.py (XLA:GPU's compile of each row for an H200 without one,
-        # JAX 0.11.2, 2026-12-04: memory, and the roofline of every kernel): the preset's full
-        # remat (d1024: 68.0 GiB, roofline 362 ms) is within 1% of "experts" (102.0 GiB, 359)
-        # and "dots" (82.0 GiB, 358): what a block no longer recomputes, the layer scan spends
-        # copying each layer's saved residuals into and out of its stacked buffers. Unrolled
-        # whole, without remat, there are no such buffers: d1024 111.6 GiB, roofline 299 ms;
-        # d768 59.7 GiB, 158 ms against 193 as its preset runs. Remat none scanned: d1024
-        # 125.3 GiB, where XLA recomputes the LM head's logits itself to fit (441 ms); d768
-        # 59.2 GiB, 195 ms.
+        # JAX 0.11.2, 2026-12-04/05: memory, and the roofline of every kernel): full remat
+        # (d1024: 67.5 GiB, roofline 359 ms) is within 1% of "experts" (101.5 GiB) and "dots"
+        # (81.6 GiB): what a block no longer recomputes, the layer scan spends copying each
+        # layer's saved residuals into and out of its stacked buffers. Unrolled whole, without
+        # remat, there are no such buffers: d1024 109.4 GiB, roofline 291 ms; d768 56.8 GiB,
+        # 157 ms against 191 under full. Remat none scanned: d1024 119.4 GiB, where XLA
+        # recomputes 89 instructions itself to fit (442 ms).
+        train_row("d1024", "d1024", [], 75, profile=True),
         # ... and with AdamW's moments in bfloat16 (optim.moment_dtype; experiments/0001): 14.8
-        # GiB less, so XLA recomputes nothing to fit (it recomputed 54 fusions with float32
-        # moments), and 6.6 ms less optimizer traffic: roofline 278 ms, d1024's lowest
+        # GiB less, so XLA recomputes nothing to fit (13 fusions with float32 moments), and
+        # 6.6 ms less optimizer traffic: roofline 277 ms, d1024's lowest
         train_row("d1024-none-unroll-bf16m", "d1024", [*UNROLLED_NONE["d1024"], BF16_MOMENTS],
                   90, profile=True, dry_overrides=[*DRY_UNROLLED_NONE, BF16_MOMENTS]),
-        train_row("d1024-none-unroll", "d1024", UNROLLED_NONE["d1024"], 60,
-                  dry_overrides=DRY_UNROLLED_NONE),
-        train_row("d768-none-unroll", "d768", UNROLLED_NONE["d768"], 70, profile=True,
-                  dry_overrides=DRY_UNROLLED_NONE),
         train_row("dense-d1024", "d1024", dense_overrides("d1024"), 50,
                   dry_overrides=dense_overrides("tiny")),
-        train_row("d768", "d768", [], 40, profile=True, dry_overrides=BF16_GMM),
+        train_row("d768", "d768", [], 70, profile=True, dry_overrides=BF16_GMM),
         legs_row("legs-d1024", expert_shape("d1024"), 70),
         # `moelab train` as a user runs it, on the GPU: the README's first run (the tiny
         # preset's 300 steps on the built-in corpus, prepared in data/ by that command):
@@ -214,6 +212,8 @@ def all_rows() -> dict[str, Row]:
             {"kind": "moelab_train", "preset": "tiny",
              "overrides": ["train.steps=4", "train.eval_every=1000", "train.eval_tokens=512",
                            "data.seq_len=64", "data.batch_size=4"]}, 40),
+        # full remat, the ladder presets' policy before auto (2026-12-04 on the H200: 557 ms)
+        train_row("d1024-remat-full", "d1024", ["model.remat=full"], 45),
         train_row("d768-none-unroll-bf16m", "d768", [*UNROLLED_NONE["d768"], BF16_MOMENTS], 60,
                   dry_overrides=[*DRY_UNROLLED_NONE, BF16_MOMENTS]),
         # the remat policies scanned: "experts" recomputes the routed experts alone (1.12x the
@@ -223,7 +223,7 @@ def all_rows() -> dict[str, Row]:
                   dry_overrides=[*BF16_GMM, "model.remat=none"]),
         # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers)
         # weigh half as much; 76.2 GiB for d1024 with full remat
-        train_row("d1024-batch128k", "d1024", ["data.batch_size=32"], 60,
+        train_row("d1024-batch128k", "d1024", ["data.batch_size=32", "model.remat=full"], 60,
                   dry_overrides=["data.batch_size=4"]),
         train_row("d768-remat-experts", "d768", ["model.remat=experts"], 40,
                   dry_overrides=[*BF16_GMM, "model.remat=experts"]),

@@ -161,3 +161,18 @@ def test_a_run_that_fits_trains_with_the_checked_executables(tmp_path, data_dir,
         assert checked[0] != checked[1]
     # lowered once each, by the check: every step then reused its executable
     assert len(seen) == 1 + len(stages)
+
+
+def test_moelab_train_claims_its_share_of_a_gpu_unless_given_one(no_share, monkeypatch):
+    import os
+
+    for var in preflight.FRACTION_VARS:  # restored after the test, whatever it sets
+        monkeypatch.setenv(var, "")
+    assert preflight.claim_gpu_share() == "XLA_CLIENT_MEM_FRACTION=0.90"
+    assert os.environ["XLA_CLIENT_MEM_FRACTION"] == "0.90"
+    assert preflight.claim_gpu_share() is None  # set now: kept
+    for var in preflight.FRACTION_VARS:  # either name, given by the user, is left alone
+        for other in preflight.FRACTION_VARS:
+            monkeypatch.setenv(other, "")
+        monkeypatch.setenv(var, "0.6")
+        assert preflight.claim_gpu_share() is None and os.environ[var] == "0.6"

@@ -9,6 +9,7 @@ from moelab.config.errors import require
 
 CONV_SITES = ("q", "k", "v", "attn", "moe")  # projections, attention-branch / MoE-branch output
 REMAT_POLICIES = ("none", "experts", "dots", "full")  # what a block keeps for the backward
+REMAT_CHOICES = (*REMAT_POLICIES, "auto")  # auto: moelab train picks a policy that fits
 MOE_IMPLS = ("auto", "blocks", "gmm", "ragged", "ragged_fusion", "mgpu", "dense")
 # what moe_impl=ragged_fusion needs in XLA_FLAGS on a GPU (here, so launchers read it without JAX)
 RAGGED_FUSION_FLAG = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
@@ -67,7 +68,9 @@ class ModelConfig:
     # backward recomputes from the route: gather and expert forward; with expert parallelism
     # the transport keeps its rows, as under none) | "dots" (keep the block's unbatched matmul
     # outputs and the route, recompute the rest: attention core, routed experts, elementwise
-    # ops) | "full" (keep each block's input and route, recompute the rest in the backward)
+    # ops) | "full" (keep each block's input and route, recompute the rest in the backward) |
+    # "auto" (moelab train compiles none, on a GPU with the layer scan unrolled whole, and
+    # takes it where it fits the device, else full: moelab.train.preflight.choose_remat)
     remat: str = "none"
     # layers per iteration of the layer scan (jax.lax.scan's unroll): 1 keeps one compiled block;
     # n_layers unrolls it whole (longer compiles; no stacked buffers of saved residuals: with
@@ -172,8 +175,8 @@ class ModelConfig:
         require(self.moe_block > 0, f"{p}.moe_block", "must be > 0")
         require(self.compute_dtype in ("float32", "bfloat16"), f"{p}.compute_dtype",
                 "must be 'float32' or 'bfloat16'")
-        require(self.remat in REMAT_POLICIES, f"{p}.remat",
-                f"must be one of {', '.join(REMAT_POLICIES)} (got {self.remat!r})")
+        require(self.remat in REMAT_CHOICES, f"{p}.remat",
+                f"must be one of {', '.join(REMAT_CHOICES)} (got {self.remat!r})")
         require(isinstance(self.scan_unroll, int) and self.scan_unroll >= 1,
                 f"{p}.scan_unroll", f"must be an integer >= 1 (got {self.scan_unroll!r}; 1 = "
                 f"no unrolling, n_layers = {self.n_layers} unrolls the layer scan whole)")

@@ -37,10 +37,11 @@ REMAT_SAVES = {"full": KEEP_ROUTE, "dots": jax.checkpoint_policies.save_from_bot
 
 
 def remat_block(block, remat: str):
-    """``block`` under model.remat's checkpoint policy ("none", "experts": as it is)."""
+    """``block`` under model.remat's checkpoint policy ("none", "experts": as it is; "auto", which
+    a train step never sees (moelab.train.step refuses it), as none: a forward alone)."""
     if remat in REMAT_SAVES:
         return jax.checkpoint(block, policy=REMAT_SAVES[remat])
-    if remat not in REMAT_POLICIES:
+    if remat not in REMAT_POLICIES and remat != "auto":
         raise ConfigError(f"model.remat: must be one of {', '.join(REMAT_POLICIES)} "
                           f"(got {remat!r})")
     return block

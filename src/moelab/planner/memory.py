@@ -347,19 +347,20 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
                                  attention=attention, loss=loss, experts=experts)
             for r in REMAT_POLICIES}
     fixed = sum(v for k, v in state.items() if k not in ("params_per_device", "host"))
+    remat = planned_remat(m.remat, acts, fixed, hbm_bytes)
     rows = []
     for t in (transports or []) if not local else []:
         tm = transport_memory(tokens=tokens, top_k=m.top_k, n_experts=m.n_experts,
                               ranks=layout.ep, width=m.routed_width, expert_dim=m.expert_dim,
                               itemsize=jnp.dtype(m.compute_dtype).itemsize, **t)
         tm.update({k: v for k, v in t.items() if k != "kind"})
-        tm["total"] = fixed + with_transport(acts[m.remat], tm, m.n_layers, m.remat)
+        tm["total"] = fixed + with_transport(acts[remat], tm, m.n_layers, remat)
         tm["fits"] = bool(hbm_bytes) and tm["total"] <= hbm_bytes
         rows.append(tm)
     return {"layout": dataclasses.asdict(layout), "tokens_per_device": tokens,
             "sequences_per_device": batch, "state": state, "activations": acts,
-            "remat": m.remat, "moment_dtype": cfg.optim.moment_dtype, "fixed": fixed,
-            "base_total": fixed + acts[m.remat]["peak"],
+            "remat": remat, "remat_setting": m.remat, "moment_dtype": cfg.optim.moment_dtype,
+            "fixed": fixed, "base_total": fixed + acts[remat]["peak"],
             "transports": rows, "hbm_bytes": hbm_bytes, "attention": attention, "loss": loss,
             "experts": experts, "least_recompute": least_recompute(acts, fixed, hbm_bytes)}
 
@@ -370,6 +371,16 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
 # d1024 train step, down to 106.7 GiB as the donated state shrinks: 81-83% of the 141 GB
 # counted here; the plan runs 3-7% under XLA:GPU's totals (docs/plan.md): 0.75 stays below
 PLAN_FILL = 0.75
+
+
+def planned_remat(setting: str, acts: dict, fixed: float, hbm_bytes: float) -> str:
+    """The policy a run of model.remat ``setting`` trains with, as planned: itself, or for
+    "auto" none where it fits ``PLAN_FILL`` of ``hbm_bytes``, else full (moelab train decides
+    from the compiled step: moelab.train.preflight.choose_remat; unknown memory: full)."""
+    if setting != "auto":
+        return setting
+    fits = hbm_bytes and fixed + acts["none"]["peak"] <= PLAN_FILL * hbm_bytes
+    return "none" if fits else "full"
 
 
 def least_recompute(acts: dict, fixed: float, hbm_bytes: float) -> str | None:

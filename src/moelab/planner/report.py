@@ -116,7 +116,8 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
     for remat, a in acts.items():
         note = (f"saved {a['saved'] / GiB:.2f} + one layer {a['layer'] / GiB:.2f}"
                 if a["layer"] else "every layer's residuals")
-        mark = "; the config's setting" if remat == mem["remat"] else ""
+        mark = ("" if remat != mem["remat"] else "; the config's setting"
+                if mem.get("remat_setting", remat) != "auto" else "; what remat auto takes")
         out.append(row(f"activations, remat {remat}", a["peak"], note + mark))
     out.append(row("sum (before transport buffers)", mem["base_total"]))
     if mem["hbm_bytes"]:

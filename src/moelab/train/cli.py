@@ -43,7 +43,9 @@ def _resolved_vocab(cfg, run_dir):
 
 def cmd_train(args, attach_record) -> int:
     from moelab.train.loop import format_summary, train
+    from moelab.train.preflight import claim_gpu_share
 
+    claim_gpu_share()  # before JAX's backend starts: this process owns its GPUs
     _check_options(args)
     source, overrides = split_overrides(args.config, args.overrides)
     cfg = load_config(source, overrides)

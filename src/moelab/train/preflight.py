@@ -6,8 +6,8 @@ allocate, exactly (for the d1024 rung on an H200 it gave 68.60 GiB, the peak the
 measured). A step that does not fit would fail at its first allocation with XLA's
 out-of-memory error, hours in if it belongs to a later context stage; this check says so before
 the first step, naming the fixes: the share of the GPU JAX takes (``XLA_CLIENT_MEM_FRACTION``,
-formerly ``XLA_PYTHON_CLIENT_MEM_FRACTION``; JAX's default 0.75), a remat policy that keeps
-less, smaller micro-steps, FSDP.
+formerly ``XLA_PYTHON_CLIENT_MEM_FRACTION``; ``moelab train`` sets 0.9 where neither is set,
+JAX's own default being 0.75), a remat policy that keeps less, smaller micro-steps, FSDP.
 
 Each train step the run's data stages will use, from the step it starts at, is compiled here
 from the train state as it lies on the devices and its stage's batch shape and sharding: the
@@ -17,12 +17,16 @@ any. Where the devices report no allocator limit (a CPU; the GPU with
 ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``) nothing is compiled or checked, nor with
 ``train.memory_check=false``. Not checked: a step compiled later for a stage a gate decides
 during the run.
+
+``model.remat=auto`` is decided here too (``choose_remat``): the fastest policy whose compiled
+step fits (no remat with the layer scan unrolled whole on a GPU, else full remat).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Callable
 
 import jax
@@ -40,6 +44,19 @@ from moelab.train.tracker import allocator_memory
 FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX reads both
 JAX_DEFAULT_FRACTION = 0.75  # the share of a GPU JAX takes when neither is set
 MAX_SUGGESTED_FRACTION = 0.95  # the rest: CUDA context, cuDNN and NCCL workspaces outside JAX
+# moelab train's share of each GPU where neither variable gives one: a training process owns its
+# GPUs (two processes at JAX's 0.75 could not share one either); d1024 without remat needs 78%
+# of an H200
+TRAIN_FRACTION = 0.9
+
+
+def claim_gpu_share() -> str | None:
+    """Give JAX TRAIN_FRACTION of each GPU where neither of FRACTION_VARS is set; call before
+    JAX starts its backend. Returns the setting made ('VAR=0.90'), or None."""
+    if any(os.environ.get(v) for v in FRACTION_VARS):
+        return None
+    os.environ[FRACTION_VARS[0]] = f"{TRAIN_FRACTION:.2f}"
+    return f"{FRACTION_VARS[0]}={TRAIN_FRACTION:.2f}"
 
 
 def _size(b: float) -> str:
@@ -90,6 +107,20 @@ def _smaller_microbatch(cfg: RunConfig, step: int, devices: int) -> int | None:
     return None
 
 
+def _share_fix(need: float, limit: float, device_kind: str) -> str | None:
+    """'run with XLA_CLIENT_MEM_FRACTION=f (...)': the share of a GPU that would hold ``need``
+    bytes where JAX's share gives ``limit``; None above MAX_SUGGESTED_FRACTION."""
+    var, frac = _fraction_var()
+    if not frac or frac <= 0:
+        return None
+    total = limit / frac
+    want = math.ceil(100 * need / total + 1) / 100  # 1% of the device to spare
+    if want > MAX_SUGGESTED_FRACTION:
+        return None
+    return (f"run with {var}={want:.2f} (the step needs {100 * need / total:.0f}% of the "
+            f"{device_kind}'s {_size(total)})")
+
+
 def while_running(mem: dict) -> int:
     """Bytes a compiled step allocates beyond its arguments, which are resident already (but
     for the batch, a few MB): its outputs not written over its donated arguments, and its
@@ -110,14 +141,7 @@ def fit_problem(mem: dict, limit: int, in_use: int, cfg: RunConfig, step: int = 
     need = in_use + runs
     if need <= limit:
         return None
-    fixes = []
-    var, frac = _fraction_var() if gpu else (None, None)
-    if frac and frac > 0:
-        total = limit / frac
-        want = math.ceil(100 * need / total + 1) / 100  # 1% of the device to spare
-        if want <= MAX_SUGGESTED_FRACTION:
-            fixes.append(f"run with {var}={want:.2f} (the step needs {100 * need / total:.0f}% "
-                         f"of the {device_kind}'s {_size(total)})")
+    fixes = [fix] if gpu and (fix := _share_fix(need, limit, device_kind)) else []
     if cfg.model.remat != "full":
         fixes.append("model.remat=full (a block keeps only its input and route for the "
                      "backward)")
@@ -126,6 +150,7 @@ def fit_problem(mem: dict, limit: int, in_use: int, cfg: RunConfig, step: int = 
         fixes.append(f"train.microbatch_tokens={micro} (fewer tokens per micro-step)")
     fixes.append("more devices" + ("" if cfg.parallel.fsdp else " with parallel.fsdp=true")
                  + " (parameters and optimizer state split over them)")
+    var = _fraction_var()[0]
     share = ("" if not gpu else f" ({var}={os.environ[var]})" if os.environ.get(var)
              else f" (JAX's default share, {JAX_DEFAULT_FRACTION})")
     seg = cfg.data.segment_at(step)
@@ -154,22 +179,17 @@ def _fullest(devices) -> tuple[float, float] | None:
     return None if np.isinf(local[0]) else (float(local[0]), float(local[1]))
 
 
-def check_step_memory(step_at: Callable[[int], Callable], state, cfg: RunConfig, start: int,
-                      mesh, say) -> list[dict]:
-    """Compile the train step of each data stage from ``start`` on (``step_at(step)``: the
-    run's jitted step for that step, ``setup.train_step_at``) for its batch and refuse
-    (``ConfigError``) one that needs more memory than JAX may use on a device; announce what
-    the first needs. Returns XLA's memory analyses (``planner.xla.xla_memory``), one per
-    distinct step; none where the devices report no allocator limit (a CPU) or with
-    ``train.memory_check=false``."""
-    if not cfg.train.memory_check:
-        return []
-    devices = (jax.devices()[:1] if mesh is None
-               else [d for d in mesh.devices.flat if d.process_index == jax.process_index()])
-    fullest = _fullest(devices)
-    if fullest is None:
-        return []
-    limit, in_use = fullest
+def _local_devices(mesh) -> list:
+    return (jax.devices()[:1] if mesh is None
+            else [d for d in mesh.devices.flat if d.process_index == jax.process_index()])
+
+
+def _stage_memory(step_at: Callable[[int], Callable], state, cfg: RunConfig, start: int,
+                  mesh, fullest: tuple[float, float]) -> tuple[list[dict], str | None]:
+    """(XLA's memory analyses of the distinct train steps of the data stages from ``start`` on,
+    the first one's fit problem or None): each compiled for its stage's batch, stopping at the
+    first that does not fit."""
+    devices, (limit, in_use) = _local_devices(mesh), fullest
     n_dev = 1 if mesh is None else mesh.devices.size
     seen, analyses = set(), []
     for step in stage_starts(cfg, start):
@@ -183,9 +203,133 @@ def check_step_memory(step_at: Callable[[int], Callable], state, cfg: RunConfig,
                               devices[0].device_kind, gpu=devices[0].platform == "gpu",
                               later_stage=step > start)
         if problem:
-            raise ConfigError(problem)
+            return analyses, problem
+    return analyses, None
+
+
+def _announce(analyses: list[dict], fullest: tuple[float, float], mesh, say) -> None:
+    limit, in_use = fullest
     need = in_use + while_running(analyses[0])
     say(f"memory: the train step needs {_size(need)} of the {_size(limit)} JAX may use on each "
-        f"{devices[0].device_kind}" + (f" ({len(analyses)} stages checked)"
-                                       if len(analyses) > 1 else ""))
+        f"{_local_devices(mesh)[0].device_kind}" + (f" ({len(analyses)} stages checked)"
+                                                    if len(analyses) > 1 else ""))
+
+
+def check_step_memory(step_at: Callable[[int], Callable], state, cfg: RunConfig, start: int,
+                      mesh, say) -> list[dict]:
+    """Compile the train step of each data stage from ``start`` on (``step_at(step)``: the
+    run's jitted step for that step, ``setup.train_step_at``) for its batch and refuse
+    (``ConfigError``) one that needs more memory than JAX may use on a device; announce what
+    the first needs. Returns XLA's memory analyses (``planner.xla.xla_memory``), one per
+    distinct step; none where the devices report no allocator limit (a CPU) or with
+    ``train.memory_check=false``."""
+    if not cfg.train.memory_check:
+        return []
+    fullest = _fullest(_local_devices(mesh))
+    if fullest is None:
+        return []
+    analyses, problem = _stage_memory(step_at, state, cfg, start, mesh, fullest)
+    if problem:
+        raise ConfigError(problem)
+    _announce(analyses, fullest, mesh, say)
     return analyses
+
+
+# ----------------------------------------------------------------------------- model.remat=auto
+
+# The plan of remat none's activations (the layer scan, rolled) runs above XLA's compile of the
+# step unrolled (d1024 on an H200: 115.4 planned, 109.4 GiB compiled) and 3-7% under it
+# rolled; never 20% over. So a plan (held state + activations) above 1.2 x the limit cannot
+# fit, and its (long) unrolled compile is skipped.
+PLAN_SKIP = 1.2
+
+
+def remat_candidates(cfg: RunConfig, platform: str) -> list[RunConfig]:
+    """The configs ``model.remat=auto`` tries, fastest first; ``[cfg]`` for any other policy.
+
+    1. none: nothing recomputed. On a GPU the layer scan is unrolled whole: XLA:GPU's roofline
+       of d1024's step, 291 ms, against 359 under full remat, and scanned none keeps stacked
+       residuals it then recomputes to fit (442 ms); elsewhere ``model.scan_unroll`` as set.
+    2. full: each block keeps its input and route (``model.scan_unroll`` as set).
+    dots and experts are not tried: on an H200 no faster than full (d1024: 558 and 557 ms a
+    step, JAX 0.11.2) while keeping more."""
+    m = cfg.model
+    if m.remat != "auto":
+        return [cfg]
+    unroll = m.n_layers if platform == "gpu" else m.scan_unroll
+    return [replace(cfg, model=replace(m, remat=policy, scan_unroll=u))
+            for policy, u in (("none", unroll), ("full", m.scan_unroll))]
+
+
+def _held_bytes(state) -> int:
+    """Bytes of the train state on one device (the first shard of each array)."""
+    return sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(state)
+               if hasattr(a, "addressable_shards"))
+
+
+def planned_none(cfg: RunConfig, mesh, platform: str) -> float:
+    """The planner's activation bytes per device of ``cfg`` without remat (the kernels the
+    platform runs: fused attention and loss, its expert kernel)."""
+    from moelab.planner.memory import activation_memory, planned_experts
+
+    m, d = cfg.model, cfg.data
+    n_dev = 1 if mesh is None else mesh.devices.size
+    seqs = (cfg.train.microbatch_tokens // d.seq_len or d.batch_size) // n_dev
+    experts = planned_experts(m, 9.0 if platform == "gpu" else 0.0)
+    return activation_memory(m, max(1, seqs), d.seq_len, cfg.parallel.expert == 1, remat="none",
+                             attention="fused", loss="fused", experts=experts)["peak"]
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def choose_remat(cands: list[RunConfig], use: Callable[[RunConfig], Callable], state,
+                 start: int, mesh, say) -> list[dict]:
+    """Train with the first of ``remat_candidates`` that fits, switching the run to it with
+    ``use(cfg)`` (which returns its ``step_at``), and check the last as ``check_step_memory``
+    does. A candidate fits when its compiled steps fit JAX's limit; its plan above PLAN_SKIP x
+    the limit skips the compile. On a CPU (no limit reported) the plan against ``PLAN_FILL`` of
+    the host's memory decides; on another device without a limit, or with
+    ``train.memory_check=false``, nothing is compiled and the last (full) is taken. Returns
+    what ``check_step_memory`` returns."""
+    from moelab.planner.memory import PLAN_FILL
+
+    cfg = cands[-1]
+    devices = _local_devices(mesh)
+    platform, kind = devices[0].platform, devices[0].device_kind
+    fullest = _fullest(devices) if cfg.train.memory_check else None
+    for cand in cands[:-1]:
+        m = cand.model
+        name = f"remat {m.remat}" + (" with the layer scan unrolled" if m.scan_unroll > 1 else "")
+        if fullest is None and platform != "cpu":
+            why = ("train.memory_check=false" if not cfg.train.memory_check
+                   else f"each {kind} reports no memory limit")
+            say(f"remat auto: full ({name} only where its compiled step shows it fits; {why})")
+            continue
+        step_at = use(cand)
+        plan = _held_bytes(state) + planned_none(cand, mesh, platform)
+        if fullest is None:  # a CPU: the plan against the host's memory
+            host = _host_memory()
+            if plan <= PLAN_FILL * host:
+                say(f"remat auto: {name} (planned {_size(plan)} of the host's {_size(host)})")
+                return []
+            say(f"remat auto: full ({name} plans {_size(plan)}, over {PLAN_FILL:.0%} of the "
+                f"host's {_size(host)})")
+            continue
+        limit, in_use = fullest
+        if plan > PLAN_SKIP * limit:
+            say(f"remat auto: full ({name} plans {_size(plan)} on each {kind}, where JAX may "
+                f"use {_size(limit)})")
+            continue
+        analyses, problem = _stage_memory(step_at, state, cand, start, mesh, fullest)
+        if problem is None:
+            say(f"remat auto: {name}")
+            _announce(analyses, fullest, mesh, say)
+            return analyses
+        need = in_use + while_running(analyses[-1])
+        fix = _share_fix(need, limit, kind) if platform == "gpu" else None
+        say(f"remat auto: full ({name} needs {_size(need)} on each {kind}, where JAX may use "
+            f"{_size(limit)}" + (f"; {fix}" if fix else "") + ")")
+    step_at = use(cfg)
+    return check_step_memory(step_at, state, cfg, start, mesh, say)

@@ -50,7 +50,7 @@ from moelab.run.provenance import provenance
 from moelab.train.adapt import check_adaptive, check_adaptive_heldout
 from moelab.train.heldout import check_heldout
 from moelab.train.peak import Peaks, format_flops, run_peaks
-from moelab.train.preflight import check_step_memory
+from moelab.train.preflight import check_step_memory, choose_remat, remat_candidates
 from moelab.train.resume import absolute_data, commit_pending, resolve_run_config, resume_step
 from moelab.train.step import (
     init_train_state,
@@ -74,7 +74,8 @@ class RunSetup:
     """What ``train`` builds once before the first step. The train state is not here: the step
     loop replaces it at every step."""
 
-    cfg: RunConfig  # resolved: the saved config, changed only where a resume may change it
+    cfg: RunConfig  # resolved: the saved config, changed only where a resume may change it,
+    # model.remat=auto as the policy it chose (and the layer scan's unroll with it)
     run_dir: Path
     main: bool  # process 0: the one that writes the run folder
     say: Callable[[str], None]  # progress lines on stderr (silent unless verbose and main)
@@ -166,14 +167,27 @@ def _restore(ckpt: Checkpointer, state: dict, trackers: Trackers) -> tuple[int, 
         raise
 
 
-def _check_memory(run: RunSetup, state) -> None:
+def _use(run: RunSetup, cfg: RunConfig) -> Callable[[int], Callable]:
+    """Switch ``run`` to ``cfg`` (a candidate of model.remat=auto: its step functions, none
+    compiled yet); returns its ``train_step_at``."""
+    if cfg is not run.cfg:
+        run.cfg, run.step_fns = cfg, {}
+        run.step_fn, run.eval_fn = _step_functions(cfg, run.mesh, run.state_sh, _quiet)
+    return lambda step: train_step_at(run, step)
+
+
+def _check_memory(run: RunSetup, state, cands: list[RunConfig]) -> None:
     """Refuse, before the first step, a compiled train step of the run's data stages that
-    needs more memory than JAX may use on a device (moelab.train.preflight). The check
-    compiles (minutes for a large model): however it ends early, a refusal, an error or a
-    stop signal, the run's log says so."""
+    needs more memory than JAX may use on a device (moelab.train.preflight); with
+    model.remat=auto (``cands``: its candidates) first choose the policy. The check compiles
+    (minutes for a large model): however it ends early, a refusal, an error or a stop signal,
+    the run's log says so."""
     try:
-        check_step_memory(lambda step: train_step_at(run, step), state, run.cfg, run.start,
-                          run.mesh, run.say)
+        if len(cands) > 1:
+            choose_remat(cands, lambda cfg: _use(run, cfg), state, run.start, run.mesh, run.say)
+        else:
+            check_step_memory(lambda step: train_step_at(run, step), state, run.cfg, run.start,
+                              run.mesh, run.say)
     except BaseException as e:
         kind = "aborted" if isinstance(e, KeyboardInterrupt) else "failed"
         run.trackers.event(kind, run.start, error=f"{type(e).__name__}: {e}")
@@ -295,11 +309,12 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
                        **{f: {"recorded": a, "now": b} for f, (a, b) in changes.items()})
     hardware = HardwareMonitor()
     counts, peak = _model_costs(cfg, mesh, say)
-    step_fn, eval_fn = _step_functions(cfg, mesh, state_sh, say)
-    run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
+    cands = remat_candidates(cfg, jax.default_backend())  # [cfg] unless model.remat=auto
+    step_fn, eval_fn = _step_functions(cands[0], mesh, state_sh, say)
+    run = RunSetup(cfg=cands[0], run_dir=run_dir, main=main, say=say, data=data, store=store,
                    tok=tok, tok_record=tokenizer_record(tok), sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
                    restored=restored is not None, eval_pending=bool(meta.get("eval_pending")),
                    trackers=trackers, hardware=hardware, counts=counts, peak=peak,
                    step_fn=step_fn, eval_fn=eval_fn, mesh=mesh, state_sh=state_sh)
-    _check_memory(run, state)
+    _check_memory(run, state, cands)
     return run, state

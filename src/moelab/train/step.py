@@ -13,7 +13,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moelab.config import RunConfig
+from moelab.config import ConfigError, RunConfig
+from moelab.config.model import REMAT_POLICIES
 from moelab.model import transformer as tr
 from moelab.model.experts import drop_fractions, grouped_kernel
 from moelab.model.loss import chunked_loss_sums
@@ -150,6 +151,10 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
     state's shardings ``state_sh``: explicit in/out shardings (the state keeps its layout, the
     batch is split over the batch axes, metrics are replicated), and with ``parallel.fsdp``
     each layer's weights are gathered inside the layer scan."""
+    if cfg.model.remat == "auto":
+        raise ConfigError("model.remat=auto: moelab train picks the policy on the device, before "
+                          "it builds the step (moelab.train.preflight.remat_candidates); here "
+                          "name one of " + ", ".join(REMAT_POLICIES))
     opt = make_optimizer(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     lr = lr_schedule(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     mcfg = cfg.model
