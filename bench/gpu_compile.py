@@ -49,7 +49,12 @@ import gpu_profile as gp  # noqa: E402
 import gpu_rows  # noqa: E402
 from common import RESULTS, print_table, save  # noqa: E402 - puts src/ on the path
 from moelab.config import load_config  # noqa: E402
-from moelab.train.preflight import remat_candidates  # noqa: E402
+from moelab.train.preflight import (  # noqa: E402
+    held_bytes,
+    plan_rules_out,
+    remat_candidates,
+)
+from moelab.train.step import abstract_train_state  # noqa: E402
 
 CUDA_INSTALL = ('python3 -m venv .venv-cuda && .venv-cuda/bin/pip install -c constraints.txt '
                 '-e ".[cuda]"')
@@ -202,6 +207,11 @@ def main(argv: list[str] | None = None) -> None:
         cands = remat_candidates(load_config(spec["preset"], overrides),
                                  "cpu" if args.dry_run else "gpu")
         for cfg in cands:  # model.remat=auto: the first that fits, as moelab train takes it
+            if cfg is not cands[-1] and plan_rules_out(
+                    cfg, held_bytes(abstract_train_state(cfg)), capacity):
+                print(f"{name}: remat {cfg.model.remat} planned far over the share; remat auto "
+                      "takes the next", flush=True)
+                continue
             t = time.perf_counter()
             compiled = gpu_rows.lowered_step(cfg, "cpu" if args.dry_run else "cuda",
                                              jax.sharding.SingleDeviceSharding(device)).compile()

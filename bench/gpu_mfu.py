@@ -76,6 +76,9 @@ UNROLLED_NONE = {"d1024": ["model.remat=none", "model.scan_unroll=12"],
                  "d768": ["model.remat=none", "model.scan_unroll=8"]}
 DRY_UNROLLED_NONE = [*BF16_GMM, "model.remat=none", "model.scan_unroll=2"]
 BF16_MOMENTS = "optim.moment_dtype=bfloat16"
+# full remat: the ladder presets' policy before model.remat=auto, under which the ablations
+# that change one thing from it were measured (their notes)
+FULL = ["model.remat=full"]
 HBM_BW, CPU_BW = 4.8e12, 2e10  # bytes/s for the profile's roofline estimate (H200; a CPU)
 END_RESERVE_S = 8  # kept after the last child for the summary and a kill's grace
 LIMIT_FACTOR = 2.5  # a child may run this many times its expected seconds
@@ -213,7 +216,7 @@ def all_rows() -> dict[str, Row]:
              "overrides": ["train.steps=4", "train.eval_every=1000", "train.eval_tokens=512",
                            "data.seq_len=64", "data.batch_size=4"]}, 40),
         # full remat, the ladder presets' policy before auto (2026-12-04 on the H200: 557 ms)
-        train_row("d1024-remat-full", "d1024", ["model.remat=full"], 45),
+        train_row("d1024-remat-full", "d1024", FULL, 45),
         train_row("d768-none-unroll-bf16m", "d768", [*UNROLLED_NONE["d768"], BF16_MOMENTS], 60,
                   dry_overrides=[*DRY_UNROLLED_NONE, BF16_MOMENTS]),
         # the remat policies scanned: "experts" recomputes the routed experts alone (1.12x the
@@ -222,8 +225,8 @@ def all_rows() -> dict[str, Row]:
         train_row("d768-remat-none", "d768", ["model.remat=none"], 40,
                   dry_overrides=[*BF16_GMM, "model.remat=none"]),
         # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers)
-        # weigh half as much; 76.2 GiB for d1024 with full remat
-        train_row("d1024-batch128k", "d1024", ["data.batch_size=32", "model.remat=full"], 60,
+        # weigh half as much; 76.2 GiB for d1024 with full remat (against d1024-remat-full)
+        train_row("d1024-batch128k", "d1024", [*FULL, "data.batch_size=32"], 60,
                   dry_overrides=["data.batch_size=4"]),
         train_row("d768-remat-experts", "d768", ["model.remat=experts"], 40,
                   dry_overrides=[*BF16_GMM, "model.remat=experts"]),
@@ -238,30 +241,30 @@ def all_rows() -> dict[str, Row]:
                   note="H200, JAX 0.11.2: 213,831 tokens/s, 23.8% MFU (2026-12-04)"),
         train_row("d1024-remat-none", "d1024", ["model.remat=none"], 50, ask_only=True,
                   note="XLA:GPU: 125.3 GiB, the LM head's logits recomputed to fit"),
-        train_row("d1024-chunked-attention", "d1024", ["model.attention_impl=chunked"], 70,
+        train_row("d1024-chunked-attention", "d1024", [*FULL, "model.attention_impl=chunked"], 70,
                   ask_only=True, note="H200, JAX 0.11.2: 63,457 tokens/s, 13.1% MFU (2026-12-04)"),
-        train_row("d1024-micro32k", "d1024", ["train.microbatch_tokens=32768"], 60,
+        train_row("d1024-micro32k", "d1024", [*FULL, "train.microbatch_tokens=32768"], 60,
                   dry_overrides=["train.microbatch_tokens=64"], ask_only=True,
                   note="H200, JAX 0.11.2: 100,506 tokens/s, 20.8% MFU (2026-12-04)"),
-        train_row("d1024-mgpu", "d1024", ["model.moe_impl=mgpu"], 120, gpu_only=True,
+        train_row("d1024-mgpu", "d1024", [*FULL, "model.moe_impl=mgpu"], 120, gpu_only=True,
                   ask_only=True, note="its legs: 91 / 92 / 504 TFLOP/s (H200, 2026-12-04)"),
-        train_row("d1024-blocks", "d1024", ["model.moe_impl=blocks"], 400, ask_only=True,
+        train_row("d1024-blocks", "d1024", [*FULL, "model.moe_impl=blocks"], 400, ask_only=True,
                   dry_overrides=["model.moe_impl=blocks"],
                   note="H200, JAX 0.11.2: still compiling after 375 s (2026-12-04)"),
-        train_row("d1024-ragged-fusion", "d1024", ["model.moe_impl=ragged_fusion"], 60,
+        train_row("d1024-ragged-fusion", "d1024", [*FULL, "model.moe_impl=ragged_fusion"], 60,
                   xla_flags=RAGGED_FUSION_FLAG, ask_only=True,
                   dry_overrides=["model.compute_dtype=bfloat16", "model.moe_impl=ragged_fusion"],
                   note="H200, JAX 0.11.2: XLA's autotuner asked for 192 GiB (2026-12-04)"),
-        train_row("d1024-ragged", "d1024", ["model.moe_impl=ragged"], 200, ask_only=True,
+        train_row("d1024-ragged", "d1024", [*FULL, "model.moe_impl=ragged"], 200, ask_only=True,
                   note="XLA's ragged_dot is masked dense matmuls on GPU: >141 GiB"),
-        train_row("d1024-no-chunked-loss", "d1024", ["model.loss_chunk=0"], 140, ask_only=True,
+        train_row("d1024-no-chunked-loss", "d1024", [*FULL, "model.loss_chunk=0"], 140, ask_only=True,
                   note="float32 logits of 65,536 tokens: >141 GiB with Adam state",
                   dry_overrides=["model.loss_chunk=0"]),
         legs_row("legs-blocks-d1024", expert_shape("d1024"), 200, ("ceiling", "blocks"),
                  ask_only=True, note="blocks' weight gradient: not done in 140 s (H200)"),
         legs_row("gmm-tiles-d1024", expert_shape("d1024"), 150, impls=GMM_TILES, ask_only=True,
                  note="the gmm kernel's tiles, warps and stages, one change at a time"),
-        train_row("d1024-preset-batch", "d1024", ["data.batch_size=1024",
+        train_row("d1024-preset-batch", "d1024", [*FULL, "data.batch_size=1024",
                                                   "train.microbatch_tokens=65536"], 330,
                   steps=1, ask_only=True, note="the preset's 4M-token batch, 64 micro-steps",
                   dry_overrides=["data.batch_size=8", "train.microbatch_tokens=128"]),
@@ -483,8 +486,8 @@ def run(args: argparse.Namespace, rows: list[Row]) -> tuple[list[dict], float | 
 # ----------------------------------------------------------------------------- summary
 
 COLUMNS = [("row", "row", "s"), ("status", "status", ".48s"), ("wall_s", "wall s", ".0f"),
-           ("tokens_per_s", "tokens/s", ",.0f"), ("mfu", "MFU", ".1%"),
-           ("share_of_measured_peak", "of measured", ".1%"),
+           ("remat_taken", "remat", "s"), ("tokens_per_s", "tokens/s", ",.0f"),
+           ("mfu", "MFU", ".1%"), ("share_of_measured_peak", "of measured", ".1%"),
            ("peak_mem_gib", "peak GiB", ".1f"), ("xla_total_gib", "XLA GiB", ".1f"),
            ("compile_s", "compile s", ".0f"), ("tflops", "TFLOP/s", ".1f")]
 
@@ -512,7 +515,10 @@ def summarize(records: list[dict]) -> None:
                                ("share", "share", ".1%"), ("est_tflop", "est TFLOP", ".2f"),
                                ("est_gb", "est GB", ".1f"), ("est_ms", "roofline ms", ".1f")])
             print()
-    table = [{**r, "xla_total_gib": r.get("xla_memory_gib", {}).get("total")} for r in records]
+    table = [{**r, "xla_total_gib": r.get("xla_memory_gib", {}).get("total"),
+              "remat_taken": "" if "remat" not in r else r["remat"] + (
+                  f" x{r['scan_unroll']}" if r.get("scan_unroll", 1) > 1 else "")}
+             for r in records]
     print_table(table, COLUMNS)
 
 

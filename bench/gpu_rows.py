@@ -111,11 +111,11 @@ def secondary(row: Row, key: str, measure) -> None:
 def train(spec: dict, row: Row) -> None:
     """Compile (XLA's memory and cost analyses), time the steps, then profile one step."""
     from moelab.config import load_config
-    from train_throughput import describe, time_steps
+    from train_throughput import describe, fitting_step, time_steps
 
     cfg, compiled, state, batches, compile_s = fitting_step(
-        remat_candidates(load_config(spec["preset"], spec["overrides"]), jax.default_backend()),
-        row)
+        load_config(spec["preset"], spec["overrides"]),
+        lambda c, why: row.save(**{f"remat_{c.model.remat}": why}))
     row.save(compile_s=compile_s, remat=cfg.model.remat, scan_unroll=cfg.model.scan_unroll)
     secondary(row, "xla_memory_gib", lambda: xla_memory(compiled))
     secondary(row, "xla_cost", lambda: xla_cost(compiled))
@@ -126,32 +126,6 @@ def train(spec: dict, row: Row) -> None:
              **mfu_fields(r["model_flops_per_s"], spec.get("peak")))
     if spec.get("profile"):
         secondary(row, "profile", lambda: profile(compiled, state, batches[0], spec)[1])
-
-
-def fitting_step(cands: list, row: Row) -> tuple:
-    """(config, compiled step, state, batches, compile seconds) of the first of ``cands``
-    (``preflight.remat_candidates``: model.remat=auto's) whose step fits the device, or the
-    last, as moelab train takes it; each one too big is noted in the row."""
-    from train_throughput import compile_step
-
-    for cfg in cands[:-1]:
-        got = compile_step(cfg)
-        if fits_device(got[0]):
-            return (cfg, *got)
-        row.save(**{f"remat_{cfg.model.remat}": "does not fit"})
-        del got  # its state freed before the next candidate's is made
-    return (cands[-1], *compile_step(cands[-1]))
-
-
-def fits_device(compiled) -> bool:
-    """Whether a compiled step fits what JAX may use of the first device now (its state held),
-    as moelab train's memory check decides; True where the device reports no limit."""
-    from moelab.planner.xla import xla_memory as xla_bytes
-    from moelab.train.preflight import while_running
-    from moelab.train.tracker import allocator_memory
-
-    held = allocator_memory(jax.devices()[0])
-    return held is None or held[1] + while_running(xla_bytes(compiled)) <= held[0]
 
 
 def lowered_step(cfg, platform: str = "cuda", sharding=None):

@@ -19,11 +19,13 @@ import jax
 
 from common import count, print_table, save
 from moelab.config import ConfigError, load_config
+from moelab.planner.memory import planned_config
 from moelab.train.step import init_train_state, make_train_step
 
 
 def measure(preset: str, micro: int, steps: int) -> dict:
-    cfg = load_config(preset, [f"train.microbatch_tokens={micro}"])
+    # a ladder preset's model.remat=auto as the planner takes it without a device: full
+    cfg = planned_config(load_config(preset, [f"train.microbatch_tokens={micro}"]))
     d = cfg.data
     step = make_train_step(cfg)
     state = init_train_state(cfg, jax.random.PRNGKey(0))

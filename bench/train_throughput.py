@@ -20,7 +20,7 @@ from common import count, print_table, save
 from moelab.config import load_config
 from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.train.peak import device_peaks, format_flops, measure_peak_flops
-from moelab.train.step import init_train_state, make_train_step
+from moelab.train.step import abstract_train_state, init_train_state, make_train_step
 
 
 def compile_step(cfg) -> tuple:
@@ -34,6 +34,37 @@ def compile_step(cfg) -> tuple:
     t = time.perf_counter()
     compiled = make_train_step(cfg).lower(state, batches[0]).compile()
     return compiled, state, batches, time.perf_counter() - t
+
+
+def fitting_step(cfg, skipped=lambda cand, why: None) -> tuple:
+    """``compile_step`` of ``cfg`` as moelab train runs it: with model.remat=auto, the first of
+    ``preflight.remat_candidates`` whose compiled step fits what JAX may use of the device (a
+    plan far over it is not compiled), else the last; (the config taken, *compile_step).
+    ``skipped(candidate, why)`` hears of each one passed over."""
+    from moelab.planner.xla import xla_memory
+    from moelab.train.preflight import (
+        held_bytes,
+        plan_rules_out,
+        remat_candidates,
+        while_running,
+    )
+    from moelab.train.tracker import allocator_memory
+
+    device = jax.devices()[0]
+    cands = remat_candidates(cfg, device.platform)
+    for cand in cands[:-1]:
+        limit = allocator_memory(device)
+        if limit and plan_rules_out(cand, held_bytes(abstract_train_state(cand)), limit[0],
+                                    platform=device.platform):
+            skipped(cand, "its plan does not fit")
+            continue
+        got = compile_step(cand)
+        limit = allocator_memory(device)  # the state is held now
+        if limit is None or limit[1] + while_running(xla_memory(got[0])) <= limit[0]:
+            return (cand, *got)
+        skipped(cand, "does not fit")
+        del got  # its state freed before the next candidate's is made
+    return (cands[-1], *compile_step(cands[-1]))
 
 
 def time_steps(compiled, state, batches, steps: int) -> tuple:
@@ -64,10 +95,9 @@ def describe(preset: str, cfg, step_s: float, compile_s: float) -> dict:
 
 
 def measure(preset: str, steps: int, overrides: list[str]) -> dict:
-    cfg = load_config(preset, overrides)
-    compiled, state, batches, compile_s = compile_step(cfg)
+    cfg, compiled, state, batches, compile_s = fitting_step(load_config(preset, overrides))
     _, step_s = time_steps(compiled, state, batches, steps)
-    return describe(preset, cfg, step_s, compile_s)
+    return {**describe(preset, cfg, step_s, compile_s), "remat": cfg.model.remat}
 
 
 def main() -> None:

@@ -14,6 +14,16 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "offline")
 
+import pytest  # noqa: E402
+
 # The session's prepared data folder, a fixture every test module may ask for by name (imported
 # after the flags above: helpers loads moelab).
 from helpers import data_dir  # noqa: E402, F401
+
+
+@pytest.fixture(autouse=True)
+def _gpu_share_kept(monkeypatch):
+    """Each test ends with JAX's share of a GPU as it found it: `moelab train` and `moelab
+    resume`, run in-process by CLI tests, set XLA_CLIENT_MEM_FRACTION where none is set."""
+    for var in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        monkeypatch.setenv(var, os.environ.get(var, ""))

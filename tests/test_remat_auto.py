@@ -14,7 +14,8 @@ from helpers import data_dir, micro_config  # noqa: F401 - data_dir is a fixture
 from moelab.config import ConfigError, load_config
 from moelab.planner.memory import PLAN_FILL, planned_remat
 from moelab.planner.xla import xla_memory
-from moelab.run.identity import checkpoint_config
+from moelab.run.identity import checkpoint_meta
+from moelab.run.logs import read_metrics
 from moelab.train import preflight
 from moelab.train.loop import train
 from moelab.train.step import abstract_train_state, make_train_step
@@ -28,9 +29,18 @@ def _auto(data_dir, **train_kw):  # noqa: F811
 
 
 def _trained_remat(run) -> tuple[str, int]:
-    """(model.remat, model.scan_unroll) the run's last checkpoint was trained with."""
-    m = checkpoint_config(run)[1]["model"]
-    return m["remat"], m["scan_unroll"]
+    """(model.remat, model.scan_unroll) the run chose, as its log and last checkpoint record it;
+    its config keeps "auto" (config.yaml, the checkpoint's config)."""
+    step, meta = checkpoint_meta(run)
+    assert meta["config"]["model"]["remat"] == "auto"
+    assert load_config(str(run / "config.yaml")).model.remat == "auto"
+    _, events = read_metrics(run / "metrics.jsonl")
+    chosen = [e for e in events if e["event"] == "remat"]  # one per start or resume
+    assert len(chosen) == sum(e["event"] in ("start", "resume") for e in events)
+    assert all(e["reason"] for e in chosen)
+    got = (chosen[-1]["policy"], chosen[-1]["scan_unroll"])
+    assert got == (meta["remat"]["policy"], meta["remat"]["scan_unroll"])
+    return got
 
 
 def _lowerings():
@@ -106,6 +116,29 @@ def test_auto_takes_none_where_it_fits_else_full(tmp_path, data_dir, monkeypatch
     assert _trained_remat(tmp_path / "tight") == ("full", 1) and len(seen) == 2, "\n".join(said)
     line = next(s for s in said if s.startswith("remat auto: full (remat none needs "))
     assert "where JAX may use" in line
+    # the roomy run resumed where only full fits: it chooses again, its config still auto
+    train(_auto(data_dir, steps=4), tmp_path / "roomy", verbose=False)
+    assert _trained_remat(tmp_path / "roomy") == ("full", 1)
+
+
+def test_a_candidate_that_does_not_compile_gives_way(tmp_path, data_dir,  # noqa: F811
+                                                     monkeypatch):
+    monkeypatch.setattr(preflight, "allocator_memory", lambda d: (64 * GIB, 0))
+    real, calls = preflight.xla_memory, []
+
+    def first_fails(compiled):
+        calls.append(compiled)
+        if len(calls) == 1:
+            raise RuntimeError("RESOURCE_EXHAUSTED: autotuning")
+        return real(compiled)
+
+    monkeypatch.setattr(preflight, "xla_memory", first_fails)
+    said: list[str] = []
+    monkeypatch.setattr("moelab.train.setup.info", said.append)
+    train(_auto(data_dir), tmp_path / "run", verbose=True)
+    assert _trained_remat(tmp_path / "run") == ("full", 1) and len(calls) == 2
+    assert "remat auto: full (remat none did not compile: RuntimeError: RESOURCE_EXHAUSTED: " \
+           "autotuning)" in said
 
 
 def test_auto_skips_a_none_its_plan_cannot_fit(tmp_path, data_dir, monkeypatch):  # noqa: F811
@@ -135,9 +168,10 @@ def test_auto_without_the_check_takes_full_on_an_accelerator(data_dir, monkeypat
     used, said = [], []
     got = preflight.choose_remat(cands, lambda c: used.append(c) or (lambda step: None),
                                  None, 0, None, said.append)
-    assert got == [] and used == [cands[-1]]  # nothing compiled: full
-    assert said == ["remat auto: full (remat none with the layer scan unrolled only where its "
-                    "compiled step shows it fits; train.memory_check=false)"]
+    assert used == [cands[-1]]  # nothing compiled: full
+    assert got == ("full (remat none with the layer scan unrolled only where its compiled step "
+                   "shows it fits; train.memory_check=false)")
+    assert said == [f"remat auto: {got}"]
 
 
 def test_the_plan_of_auto():

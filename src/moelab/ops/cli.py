@@ -191,8 +191,10 @@ def cmd_branch(args) -> int:
 
 def cmd_resume(args) -> int:
     from moelab.train.loop import format_summary, train
+    from moelab.train.preflight import claim_gpu_share
     from moelab.train.resume import recovered_config
 
+    claim_gpu_share()  # as moelab train: before JAX's backend starts
     run = Path(args.run)
     summary = train(recovered_config(run, args.overrides), run,
                     accept_data_change=args.accept_data_change)

@@ -383,6 +383,12 @@ def planned_remat(setting: str, acts: dict, fixed: float, hbm_bytes: float) -> s
     return "none" if fits else "full"
 
 
+def planned_config(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with model.remat=auto as a plan without a device's memory takes it (full)."""
+    remat = planned_remat(cfg.model.remat, {}, 0.0, 0.0)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
+
+
 def least_recompute(acts: dict, fixed: float, hbm_bytes: float) -> str | None:
     """The remat policy that recomputes least (REMAT_POLICIES' order) whose device total
     (before transport buffers) fits ``PLAN_FILL`` of ``hbm_bytes``; None when none fits or no

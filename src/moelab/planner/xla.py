@@ -16,8 +16,8 @@ from moelab.planner.memory import (
     CAPACITY_FIELDS,
     Layout,
     memory_report,
+    planned_config,
     planned_experts,
-    planned_remat,
     transport_memory,
 )
 
@@ -54,12 +54,6 @@ def xla_memory(compiled) -> dict[str, int]:
     return out
 
 
-def _as_planned(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with model.remat=auto as a plan without a device's memory takes it (full)."""
-    remat = planned_remat(cfg.model.remat, {}, 0.0, 0.0)
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, remat=remat))
-
-
 def compare_with_xla(cfg: RunConfig, init_state_fn: Callable, make_step_fn: Callable) -> dict:
     """Compile one single-device train step of ``cfg`` (AdamW, as moelab trains) and compare
     XLA's peak with the planner's estimate: weights + optimizer state + gradients + batch +
@@ -69,7 +63,7 @@ def compare_with_xla(cfg: RunConfig, init_state_fn: Callable, make_step_fn: Call
     ``make_train_step``): train imports the planner for its MFU, so the planner must not import
     train. ``init_state_fn(cfg, key)`` returns the train state, ``make_step_fn(cfg)`` a jitted
     ``step(state, batch)``."""
-    cfg, layout = _as_planned(cfg), Layout(devices=1)
+    cfg, layout = planned_config(cfg), Layout(devices=1)
     state = jax.eval_shape(lambda: init_state_fn(cfg, jax.random.PRNGKey(0)))
     batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
     xla = xla_memory(make_step_fn(cfg).lower(state, batch).compile())
@@ -98,7 +92,7 @@ def compare_sharded_with_xla(cfg: RunConfig, layout: Layout, compile_fn: Callabl
     from moelab.parallel import transport
     from moelab.parallel.mesh import make_mesh
 
-    cfg, S, data = _as_planned(cfg), layout.ep, layout.devices // layout.ep
+    cfg, S, data = planned_config(cfg), layout.ep, layout.devices // layout.ep
     if layout.fsdp not in (1, data):
         raise ConfigError(f"--fsdp {layout.fsdp}: moelab splits over the whole data axis: use 1 "
                           f"or --devices / --ep = {data}")

@@ -262,7 +262,10 @@ def _save(run: RunSetup, p: _Progress, wait: bool = True) -> None:
     _check_finite(run, p)
     meta = {"step": p.step, "data": run.sampler.state(), "config": run.cfg.to_dict(),
             "metrics": {k: float(v) for k, v in p.metrics.items()},
-            "eval_pending": p.eval_pending, **run.tok_record}
+            "eval_pending": p.eval_pending, **run.tok_record,
+            # model.remat=auto as the run chose it (the config keeps "auto")
+            **({"remat": {"policy": run.remat[0], "scan_unroll": run.remat[1]}}
+               if run.remat else {})}
     try:
         run.ckpt.save(p.step, p.state, meta, wait=wait)
     except CheckpointError:  # an earlier background save failed: reported with its own step

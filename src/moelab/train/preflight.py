@@ -18,8 +18,9 @@ any. Where the devices report no allocator limit (a CPU; the GPU with
 ``train.memory_check=false``. Not checked: a step compiled later for a stage a gate decides
 during the run.
 
-``model.remat=auto`` is decided here too (``choose_remat``): the fastest policy whose compiled
-step fits (no remat with the layer scan unrolled whole on a GPU, else full remat).
+``model.remat=auto`` is decided here too (``choose_remat``): of no remat (on a GPU with the layer
+scan unrolled whole, the lowest roofline of XLA:GPU's compile) and full remat, the first whose
+compiled step fits.
 """
 
 from __future__ import annotations
@@ -245,7 +246,8 @@ PLAN_SKIP = 1.2
 
 
 def remat_candidates(cfg: RunConfig, platform: str) -> list[RunConfig]:
-    """The configs ``model.remat=auto`` tries, fastest first; ``[cfg]`` for any other policy.
+    """The configs ``model.remat=auto`` tries, lowest roofline first; ``[cfg]`` for any other
+    policy.
 
     1. none: nothing recomputed. On a GPU the layer scan is unrolled whole: XLA:GPU's roofline
        of d1024's step, 291 ms, against 359 under full remat, and scanned none keeps stacked
@@ -261,75 +263,108 @@ def remat_candidates(cfg: RunConfig, platform: str) -> list[RunConfig]:
             for policy, u in (("none", unroll), ("full", m.scan_unroll))]
 
 
-def _held_bytes(state) -> int:
-    """Bytes of the train state on one device (the first shard of each array)."""
-    return sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(state)
-               if hasattr(a, "addressable_shards"))
+def held_bytes(state) -> int:
+    """Bytes of the train state on one device (the first shard of each array; an abstract
+    state's whole arrays)."""
+    return sum(a.addressable_shards[0].data.nbytes if hasattr(a, "addressable_shards")
+               else a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
 
 
-def planned_none(cfg: RunConfig, mesh, platform: str) -> float:
-    """The planner's activation bytes per device of ``cfg`` without remat (the kernels the
-    platform runs: fused attention and loss, its expert kernel)."""
+def planned_none(cfg: RunConfig, mesh, platform: str, start: int = 0) -> float:
+    """The planner's activation bytes per device of ``cfg`` without remat, at the largest
+    micro-step of the data stages from ``start`` on (the kernels the platform runs: fused
+    attention and loss, its expert kernel)."""
     from moelab.planner.memory import activation_memory, planned_experts
 
-    m, d = cfg.model, cfg.data
+    m = cfg.model
     n_dev = 1 if mesh is None else mesh.devices.size
-    seqs = (cfg.train.microbatch_tokens // d.seq_len or d.batch_size) // n_dev
     experts = planned_experts(m, 9.0 if platform == "gpu" else 0.0)
-    return activation_memory(m, max(1, seqs), d.seq_len, cfg.parallel.expert == 1, remat="none",
-                             attention="fused", loss="fused", experts=experts)["peak"]
+    plans = []
+    for step in stage_starts(cfg, start):
+        seg = cfg.data.segment_at(step)
+        seqs = (cfg.train.microbatch_tokens // seg.seq_len or seg.batch_size) // n_dev
+        plans.append(activation_memory(m, max(1, seqs), seg.seq_len, cfg.parallel.expert == 1,
+                                       remat="none", attention="fused", loss="fused",
+                                       experts=experts)["peak"])
+    return max(plans)
+
+
+def plan_rules_out(cand: RunConfig, held: float, limit: float, mesh=None, platform: str = "gpu",
+                   start: int = 0) -> float | None:
+    """The plan of ``cand`` (``held`` bytes of train state + ``planned_none``) where it is over
+    PLAN_SKIP x ``limit``, so that its compile would be wasted; else None."""
+    plan = held + planned_none(cand, mesh, platform, start)
+    return plan if plan > PLAN_SKIP * limit else None
 
 
 def _host_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    """The host's memory, the least of any process's (all processes decide alike)."""
+    own = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if jax.process_count() == 1:
+        return own
+    from jax.experimental import multihost_utils
+
+    mib = np.asarray([own / 2**20], np.float32)
+    return int(np.min(np.asarray(multihost_utils.process_allgather(mib))) * 2**20)
 
 
 def choose_remat(cands: list[RunConfig], use: Callable[[RunConfig], Callable], state,
-                 start: int, mesh, say) -> list[dict]:
+                 start: int, mesh, say) -> str:
     """Train with the first of ``remat_candidates`` that fits, switching the run to it with
-    ``use(cfg)`` (which returns its ``step_at``), and check the last as ``check_step_memory``
-    does. A candidate fits when its compiled steps fit JAX's limit; its plan above PLAN_SKIP x
-    the limit skips the compile. On a CPU (no limit reported) the plan against ``PLAN_FILL`` of
-    the host's memory decides; on another device without a limit, or with
-    ``train.memory_check=false``, nothing is compiled and the last (full) is taken. Returns
-    what ``check_step_memory`` returns."""
+    ``use(cfg)`` (which returns its ``step_at``); the last is checked as ``check_step_memory``
+    does (refused if it does not fit). A candidate fits when its compiled steps fit JAX's
+    limit (its plan above PLAN_SKIP x the limit skips the compile; a compile that fails moves
+    on). On a CPU (no limit reported) the plan against ``PLAN_FILL`` of the host's memory
+    decides; on another device without a limit, or with ``train.memory_check=false``, nothing
+    is compiled and the last (full) is taken. Returns the reason, as said."""
     from moelab.planner.memory import PLAN_FILL
 
     cfg = cands[-1]
     devices = _local_devices(mesh)
     platform, kind = devices[0].platform, devices[0].device_kind
     fullest = _fullest(devices) if cfg.train.memory_check else None
+    reason = ""
+
+    def taken(why: str) -> str:
+        say(f"remat auto: {why}")
+        return why
+
     for cand in cands[:-1]:
         m = cand.model
         name = f"remat {m.remat}" + (" with the layer scan unrolled" if m.scan_unroll > 1 else "")
         if fullest is None and platform != "cpu":
-            why = ("train.memory_check=false" if not cfg.train.memory_check
-                   else f"each {kind} reports no memory limit")
-            say(f"remat auto: full ({name} only where its compiled step shows it fits; {why})")
+            reason = (f"full ({name} only where its compiled step shows it fits; "
+                      + ("train.memory_check=false)" if not cfg.train.memory_check
+                         else f"each {kind} reports no memory limit)"))
             continue
         step_at = use(cand)
-        plan = _held_bytes(state) + planned_none(cand, mesh, platform)
         if fullest is None:  # a CPU: the plan against the host's memory
+            plan = held_bytes(state) + planned_none(cand, mesh, platform, start)
             host = _host_memory()
             if plan <= PLAN_FILL * host:
-                say(f"remat auto: {name} (planned {_size(plan)} of the host's {_size(host)})")
-                return []
-            say(f"remat auto: full ({name} plans {_size(plan)}, over {PLAN_FILL:.0%} of the "
-                f"host's {_size(host)})")
+                return taken(f"{name} (planned {_size(plan)} of the host's {_size(host)})")
+            reason = (f"full ({name} plans {_size(plan)}, over {PLAN_FILL:.0%} of the host's "
+                      f"{_size(host)})")
             continue
         limit, in_use = fullest
-        if plan > PLAN_SKIP * limit:
-            say(f"remat auto: full ({name} plans {_size(plan)} on each {kind}, where JAX may "
-                f"use {_size(limit)})")
+        plan = plan_rules_out(cand, held_bytes(state), limit, mesh, platform, start)
+        if plan is not None:
+            reason = (f"full ({name} plans {_size(plan)} on each {kind}, where JAX may use "
+                      f"{_size(limit)})")
             continue
-        analyses, problem = _stage_memory(step_at, state, cand, start, mesh, fullest)
+        try:
+            analyses, problem = _stage_memory(step_at, state, cand, start, mesh, fullest)
+        except Exception as e:  # noqa: BLE001 - XLA's error compiling it: full may compile
+            reason = f"full ({name} did not compile: {type(e).__name__}: {str(e)[:200]})"
+            continue
         if problem is None:
-            say(f"remat auto: {name}")
+            why = taken(name)
             _announce(analyses, fullest, mesh, say)
-            return analyses
+            return why
         need = in_use + while_running(analyses[-1])
         fix = _share_fix(need, limit, kind) if platform == "gpu" else None
-        say(f"remat auto: full ({name} needs {_size(need)} on each {kind}, where JAX may use "
-            f"{_size(limit)}" + (f"; {fix}" if fix else "") + ")")
-    step_at = use(cfg)
-    return check_step_memory(step_at, state, cfg, start, mesh, say)
+        reason = (f"full ({name} needs {_size(need)} on each {kind}, where JAX may use "
+                  f"{_size(limit)}" + (f"; {fix}" if fix else "") + ")")
+    taken(reason)
+    check_step_memory(use(cfg), state, cfg, start, mesh, say)
+    return reason

@@ -74,8 +74,7 @@ class RunSetup:
     """What ``train`` builds once before the first step. The train state is not here: the step
     loop replaces it at every step."""
 
-    cfg: RunConfig  # resolved: the saved config, changed only where a resume may change it,
-    # model.remat=auto as the policy it chose (and the layer scan's unroll with it)
+    cfg: RunConfig  # resolved: the saved config, changed only where a resume may change it
     run_dir: Path
     main: bool  # process 0: the one that writes the run folder
     say: Callable[[str], None]  # progress lines on stderr (silent unless verbose and main)
@@ -98,6 +97,17 @@ class RunSetup:
     mesh: Any = None  # the device mesh (None on a single device)
     state_sh: Any = None  # the train state's shardings on it
     step_fns: dict = field(default_factory=dict)  # train steps of stages' parallel configs
+    # model.remat=auto as chosen on the device: the (model.remat, model.scan_unroll) every step
+    # is built with (cfg keeps "auto": its config.yaml, checkpoints and hash are the run's own)
+    remat: tuple[str, int] | None = None
+
+
+def built_config(run: RunSetup, cfg: RunConfig) -> RunConfig:
+    """``cfg`` as the run's steps are built from it: model.remat=auto as chosen."""
+    if run.remat is None:
+        return cfg
+    policy, unroll = run.remat
+    return replace(cfg, model=replace(cfg.model, remat=policy, scan_unroll=unroll))
 
 
 def train_step_at(run: RunSetup, step: int) -> Callable:
@@ -107,7 +117,7 @@ def train_step_at(run: RunSetup, step: int) -> Callable:
     if par == run.cfg.parallel:
         return run.step_fn
     if par not in run.step_fns:
-        cfg = replace(run.cfg, parallel=par)
+        cfg = built_config(run, replace(run.cfg, parallel=par))
         run.step_fns[par] = make_train_step(cfg, transport_fns(cfg, run.mesh)[0], run.mesh,
                                             run.state_sh)
     return run.step_fns[par]
@@ -167,12 +177,13 @@ def _restore(ckpt: Checkpointer, state: dict, trackers: Trackers) -> tuple[int, 
         raise
 
 
-def _use(run: RunSetup, cfg: RunConfig) -> Callable[[int], Callable]:
-    """Switch ``run`` to ``cfg`` (a candidate of model.remat=auto: its step functions, none
+def _use(run: RunSetup, cand: RunConfig) -> Callable[[int], Callable]:
+    """Switch ``run`` to ``cand``, a candidate of model.remat=auto (its step functions, none
     compiled yet); returns its ``train_step_at``."""
-    if cfg is not run.cfg:
-        run.cfg, run.step_fns = cfg, {}
-        run.step_fn, run.eval_fn = _step_functions(cfg, run.mesh, run.state_sh, _quiet)
+    chosen = (cand.model.remat, cand.model.scan_unroll)
+    if chosen != run.remat:
+        run.remat, run.step_fns = chosen, {}
+        run.step_fn, run.eval_fn = _step_functions(cand, run.mesh, run.state_sh, _quiet)
     return lambda step: train_step_at(run, step)
 
 
@@ -184,7 +195,10 @@ def _check_memory(run: RunSetup, state, cands: list[RunConfig]) -> None:
     the run's log says so."""
     try:
         if len(cands) > 1:
-            choose_remat(cands, lambda cfg: _use(run, cfg), state, run.start, run.mesh, run.say)
+            reason = choose_remat(cands, lambda cfg: _use(run, cfg), state, run.start, run.mesh,
+                                  run.say)
+            run.trackers.event("remat", run.start, policy=run.remat[0],
+                               scan_unroll=run.remat[1], reason=reason)
         else:
             check_step_memory(lambda step: train_step_at(run, step), state, run.cfg, run.start,
                               run.mesh, run.say)
@@ -311,10 +325,12 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     counts, peak = _model_costs(cfg, mesh, say)
     cands = remat_candidates(cfg, jax.default_backend())  # [cfg] unless model.remat=auto
     step_fn, eval_fn = _step_functions(cands[0], mesh, state_sh, say)
-    run = RunSetup(cfg=cands[0], run_dir=run_dir, main=main, say=say, data=data, store=store,
+    run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
                    tok=tok, tok_record=tokenizer_record(tok), sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
                    restored=restored is not None, eval_pending=bool(meta.get("eval_pending")),
                    trackers=trackers, hardware=hardware, counts=counts, peak=peak,
-                   step_fn=step_fn, eval_fn=eval_fn, mesh=mesh, state_sh=state_sh)
+                   step_fn=step_fn, eval_fn=eval_fn, mesh=mesh, state_sh=state_sh,
+                   remat=((cands[0].model.remat, cands[0].model.scan_unroll)
+                          if len(cands) > 1 else None))
     _check_memory(run, state, cands)
     return run, state
