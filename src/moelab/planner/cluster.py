@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from moelab.config import ConfigError
 
 GiB = 2**30
+MiB = 2**20
 
 
 @dataclass(frozen=True)
@@ -22,14 +23,17 @@ class Accelerator:
 
 # Rated dense (not 2:4 sparse) bf16 peaks and memory per device, as the makers publish them:
 # NVIDIA's H100 SXM / H200 / HGX B200 / GB200 NVL72 datasheets list bf16 "with sparsity"
-# (1,979 TFLOP/s, 4.5 and 5 PFLOP/s), halved here; Google Cloud's TPU pages
+# (1,979 TFLOP/s, 4.5 and 5 PFLOP/s), halved here. Memory of H100 and H200 is what CUDA
+# reports (nvidia-smi's 81,559 and 143,771 MiB): their "80 GB" and "141 GB" are nearer GiB,
+# and the decimal figures would undercount them by 7% (B200's and GB200's as published);
+# Google Cloud's TPU pages
 # (cloud.google.com/tpu/docs/v4, v5e, v5p, v6e) list "peak compute per chip (bf16)". On TPU v4
 # and v5p one JAX device is a whole chip (both TensorCores), so per chip is per device.
 ACCELERATORS = {
     "gb200": Accelerator("GB200", 2.5e15, 186e9, 10.0),
     "b200": Accelerator("B200", 2.25e15, 180e9, 10.0),
-    "h200": Accelerator("H200", 989e12, 141e9, 9.0),
-    "h100": Accelerator("H100", 989e12, 80e9, 9.0),
+    "h200": Accelerator("H200", 989e12, 143771 * MiB, 9.0),
+    "h100": Accelerator("H100", 989e12, 81559 * MiB, 9.0),
     "tpu-v4": Accelerator("TPU v4", 275e12, 32 * GiB),
     "tpu-v5e": Accelerator("TPU v5e", 197e12, 16e9),
     "tpu-v5p": Accelerator("TPU v5p", 459e12, 95e9),
