@@ -66,7 +66,10 @@ from moelab.config.model import RAGGED_FUSION_FLAG
 
 HERE = Path(__file__).resolve().parent
 BATCH = ["data.seq_len=4096", "data.batch_size=16"]  # 65,536 tokens per step
-FAST = ["model.compute_dtype=bfloat16", "model.attention_impl=auto", "model.loss_chunk=8192"]
+# loss chunks of 4,096 tokens: each chunk's float32 logits and bf16 gradient (5.9 GiB at 8,192)
+# live at the step's peak; at 4,096 d1024 without remat compiles to 107.4 GiB with no XLA
+# remat clones (8,192: 109.1, 6 clones, 1.5 ms more roofline; d768: 2.9 GiB less, same roofline)
+FAST = ["model.compute_dtype=bfloat16", "model.attention_impl=auto", "model.loss_chunk=4096"]
 TINY = ["data.seq_len=64", "data.batch_size=2", "model.n_layers=2", "model.loss_chunk=64"]
 # the GPU's default expert kernel, gmm, in its CPU form (interpreted): d768's dry run trains it
 BF16_GMM = ["model.compute_dtype=bfloat16", "model.moe_impl=gmm"]
@@ -227,7 +230,7 @@ def all_rows() -> dict[str, Row]:
         # twice the tokens per step: the fixed costs per step (AdamW, the gradient buffers)
         # weigh half as much; 76.2 GiB for d1024 with full remat (against d1024-remat-full)
         train_row("d1024-batch128k", "d1024", [*FULL, "data.batch_size=32"], 60,
-                  dry_overrides=["data.batch_size=4"]),
+                  dry_overrides=[*FULL, "data.batch_size=4"]),
         train_row("d768-remat-experts", "d768", ["model.remat=experts"], 40,
                   dry_overrides=[*BF16_GMM, "model.remat=experts"]),
         train_row("d1024-remat-dots", "d1024", ["model.remat=dots"], 50),
@@ -244,22 +247,23 @@ def all_rows() -> dict[str, Row]:
         train_row("d1024-chunked-attention", "d1024", [*FULL, "model.attention_impl=chunked"], 70,
                   ask_only=True, note="H200, JAX 0.11.2: 63,457 tokens/s, 13.1% MFU (2026-12-04)"),
         train_row("d1024-micro32k", "d1024", [*FULL, "train.microbatch_tokens=32768"], 60,
-                  dry_overrides=["train.microbatch_tokens=64"], ask_only=True,
+                  dry_overrides=[*FULL, "train.microbatch_tokens=64"], ask_only=True,
                   note="H200, JAX 0.11.2: 100,506 tokens/s, 20.8% MFU (2026-12-04)"),
         train_row("d1024-mgpu", "d1024", [*FULL, "model.moe_impl=mgpu"], 120, gpu_only=True,
                   ask_only=True, note="its legs: 91 / 92 / 504 TFLOP/s (H200, 2026-12-04)"),
         train_row("d1024-blocks", "d1024", [*FULL, "model.moe_impl=blocks"], 400, ask_only=True,
-                  dry_overrides=["model.moe_impl=blocks"],
+                  dry_overrides=[*FULL, "model.moe_impl=blocks"],
                   note="H200, JAX 0.11.2: still compiling after 375 s (2026-12-04)"),
         train_row("d1024-ragged-fusion", "d1024", [*FULL, "model.moe_impl=ragged_fusion"], 60,
                   xla_flags=RAGGED_FUSION_FLAG, ask_only=True,
-                  dry_overrides=["model.compute_dtype=bfloat16", "model.moe_impl=ragged_fusion"],
+                  dry_overrides=[*FULL, "model.compute_dtype=bfloat16",
+                                 "model.moe_impl=ragged_fusion"],
                   note="H200, JAX 0.11.2: XLA's autotuner asked for 192 GiB (2026-12-04)"),
         train_row("d1024-ragged", "d1024", [*FULL, "model.moe_impl=ragged"], 200, ask_only=True,
                   note="XLA's ragged_dot is masked dense matmuls on GPU: >141 GiB"),
         train_row("d1024-no-chunked-loss", "d1024", [*FULL, "model.loss_chunk=0"], 140, ask_only=True,
                   note="float32 logits of 65,536 tokens: >141 GiB with Adam state",
-                  dry_overrides=["model.loss_chunk=0"]),
+                  dry_overrides=[*FULL, "model.loss_chunk=0"]),
         legs_row("legs-blocks-d1024", expert_shape("d1024"), 200, ("ceiling", "blocks"),
                  ask_only=True, note="blocks' weight gradient: not done in 140 s (H200)"),
         legs_row("gmm-tiles-d1024", expert_shape("d1024"), 150, impls=GMM_TILES, ask_only=True,
@@ -267,7 +271,7 @@ def all_rows() -> dict[str, Row]:
         train_row("d1024-preset-batch", "d1024", [*FULL, "data.batch_size=1024",
                                                   "train.microbatch_tokens=65536"], 330,
                   steps=1, ask_only=True, note="the preset's 4M-token batch, 64 micro-steps",
-                  dry_overrides=["data.batch_size=8", "train.microbatch_tokens=128"]),
+                  dry_overrides=[*FULL, "data.batch_size=8", "train.microbatch_tokens=128"]),
     ]
     return {r.name: r for r in rows}
 

@@ -188,6 +188,21 @@ def test_every_row_passes_the_drivers_checks(dry_run, monkeypatch):
     assert [o for o in spec if o.startswith("model.loss_chunk=")] == ["model.loss_chunk=0"]
 
 
+def test_a_rows_dry_run_trains_under_its_remat_policy():
+    """A row that names a remat policy (those measured under the former default pin full)
+    names the same one in its dry run, where its own dry overrides replace the row's."""
+    import gpu_mfu
+
+    def remat(overrides):
+        return [o.split("=", 1)[1] for o in overrides if o.startswith("model.remat=")]
+
+    rows = [r for r in gpu_mfu.all_rows().values() if r.spec["kind"] == "train"]
+    pinned = [r for r in rows if remat(r.spec["overrides"])]
+    assert len(pinned) >= 10
+    for r in pinned:
+        assert remat(r.dry["overrides"]) == remat(r.spec["overrides"]), r.name
+
+
 # ----------------------------------------------------------------------------- profile parts
 
 HLO = """HloModule jit_step_fn, is_scheduled=true
