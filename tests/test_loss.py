@@ -144,6 +144,29 @@ def test_eval_step_chunked_equals_plain():
         assert abs(got - want) <= 1e-6 * abs(want)
 
 
+def test_loss_chunk_counts_tokens_on_each_device():
+    """model.loss_chunk is tokens per chunk on each device: 8 rows of 16 positions over 8
+    devices with loss_chunk=4 run 4 chunks of 4 positions (4 tokens on each device), not the
+    16 chunks of 1 position that 4 tokens of the whole batch would make; the sum is unchunked's."""
+    from jax.extend.core import jaxprs_in_params
+
+    mesh = make_mesh(data=8)
+    p, s = tr.init_params(TINY, jax.random.PRNGKey(0)), tr.init_state(TINY)
+    toks = jax.random.randint(jax.random.PRNGKey(3), (8, 17), 0, 64)
+    rows = jnp.ones((8,), bool)
+
+    def scan_lengths(jaxpr):
+        return [n for e in jaxpr.eqns
+                for n in ([e.params["length"]] if e.primitive.name == "scan" else [])
+                + [m for sub in jaxprs_in_params(e.params) for m in scan_lengths(sub)]]
+
+    step = make_eval_step(RunConfig(model=dataclasses.replace(TINY, loss_chunk=4)), mesh=mesh)
+    lengths = scan_lengths(jax.make_jaxpr(step)(p, s, toks, rows).jaxpr)
+    assert 4 in lengths and 16 not in lengths, lengths
+    whole = make_eval_step(RunConfig(model=TINY), mesh=mesh)(p, s, toks, rows)
+    np.testing.assert_allclose(float(step(p, s, toks, rows)), float(whole), rtol=1e-6)
+
+
 def test_loss_chunk_is_validated():
     with pytest.raises(ConfigError, match="loss_chunk"):
         dataclasses.replace(TINY, loss_chunk=-1).validate()

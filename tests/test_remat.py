@@ -1,7 +1,7 @@
 """model.remat, the block scan's checkpoint policy (none, experts, dots, full): older configs'
 true/false load as full/none; every policy computes the loss and gradients of none; more
-recompute costs more matmul FLOPs; the chunked loss recomputes the head once, under any policy. (Memory per policy
-against XLA: tests/test_plan.py.)"""
+recompute costs more matmul FLOPs; the chunked loss runs the head's three products once, under
+any policy. (Memory per policy against XLA: tests/test_plan.py.)"""
 
 from __future__ import annotations
 

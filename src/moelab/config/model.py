@@ -60,7 +60,8 @@ class ModelConfig:
     moe_block: int = 128  # rows per block of the sorted-blocks MoE kernel
     # head / loss / numerics
     logit_z_coef: float = 1e-4  # weight of the LM head's logit z-loss
-    loss_chunk: int = 0  # tokens per chunk of the LM head + loss (memory O(chunk x vocab)); 0 = all
+    # tokens per chunk of the LM head + loss on each device (memory O(chunk x vocab)); 0 = all
+    loss_chunk: int = 0
     init_std: float = 0.0  # 0 = 0.5 / sqrt(d_model), as in the reference
     norm_eps: float = 1e-5  # RMSNorm epsilon
     compute_dtype: str = "float32"  # "float32" | "bfloat16"; master weights stay float32

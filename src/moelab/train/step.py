@@ -5,6 +5,7 @@ The train step also checks its loss and gradient norm for NaN/inf (``train/finit
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Callable
 
 import jax
@@ -14,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moelab.config import ConfigError, RunConfig
-from moelab.config.model import REMAT_POLICIES
+from moelab.config.model import REMAT_POLICIES, ModelConfig
 from moelab.model import transformer as tr
 from moelab.model.experts import drop_fractions, grouped_kernel
 from moelab.model.loss import chunked_loss_sums
@@ -146,6 +147,16 @@ def nonfinite_advice(cfg: RunConfig, step: int, metric: str, value: float, in_a_
     return f"{what}; no checkpoint of it was saved (newest: {kept}). Fix: {fix}"
 
 
+def loss_chunk_on(mcfg: ModelConfig, mesh) -> ModelConfig:
+    """``mcfg`` with model.loss_chunk, tokens per chunk on each device, as the loss takes it: in
+    tokens of the global batch, whose rows the mesh splits (a chunk is positions of every row,
+    so each device's share of a chunk is the chunk over the devices)."""
+    n = 1 if mesh is None else mesh.devices.size
+    if n == 1 or mcfg.loss_chunk <= 0:
+        return mcfg
+    return replace(mcfg, loss_chunk=mcfg.loss_chunk * n)
+
+
 def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -> Callable:
     """The jitted step ``(state, batch [B, T+1]) -> (new state, metrics)``. On a mesh, with the
     state's shardings ``state_sh``: explicit in/out shardings (the state keeps its layout, the
@@ -157,7 +168,7 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
                           "name one of " + ", ".join(REMAT_POLICIES))
     opt = make_optimizer(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     lr = lr_schedule(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
-    mcfg = cfg.model
+    mcfg = loss_chunk_on(cfg.model, mesh)
     hook = fsdp_hook(cfg, mesh)
 
     def step_fn(state: dict, batch_B1T):
@@ -194,9 +205,10 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
 
 def make_eval_step(cfg: RunConfig, experts_fn=None, mesh=None) -> Callable:
     """Summed next-token loss (nats) over the valid rows of a batch of windows [B, T+1]; the
-    head + loss over chunks of ``model.loss_chunk`` tokens when it is > 0 (moelab.model.loss);
-    with ``parallel.fsdp`` on a mesh, each layer's weights gathered inside the layer scan."""
-    mcfg = cfg.model
+    head + loss over chunks of ``model.loss_chunk`` tokens per device when it is > 0
+    (moelab.model.loss); with ``parallel.fsdp`` on a mesh, each layer's weights gathered inside
+    the layer scan."""
+    mcfg = loss_chunk_on(cfg.model, mesh)
     hook = fsdp_hook(cfg, mesh)
 
     def eval_fn(params, model_state, batch_B1T, row_valid_B):
