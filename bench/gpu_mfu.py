@@ -191,7 +191,7 @@ def all_rows() -> dict[str, Row]:
         Row("peak", 15, peak, {**peak, "sizes": [256], "dtype": "float32"}, 6),
         # The ladder presets train with model.remat=auto: remat none with the layer scan
         # unrolled whole where the compiled step fits (at this benchmark's share of an H200,
-        # d1024's 109.4 GiB does), else full remat (moelab.train.preflight.choose_remat). The
+        # d1024's 107.4 GiB does), else full remat (moelab.train.preflight.choose_remat). The
         # GPU's default expert kernel is gmm (model/experts.resolve_impl).
         # Order by bench/gpu_compile.py (XLA:GPU's compile of each row for an H200 without one,
         # JAX 0.11.2, 2026-12-04/05: memory, and the roofline of every kernel): full remat
@@ -199,8 +199,9 @@ def all_rows() -> dict[str, Row]:
         # (81.6 GiB): what a block no longer recomputes, the layer scan spends copying each
         # layer's saved residuals into and out of its stacked buffers. Unrolled whole, without
         # remat, there are no such buffers: d1024 109.4 GiB, roofline 291 ms; d768 56.8 GiB,
-        # 157 ms against 191 under full. Remat none scanned: d1024 119.4 GiB, where XLA
-        # recomputes 89 instructions itself to fit (442 ms).
+        # 157 ms against 191 under full (JAX 0.10.2, since the SwiGLU backward's barrier and
+        # loss chunks of 4,096: d1024 107.4 GiB, 285 ms; d768 50.4 GiB, 156 ms). Remat none
+        # scanned: d1024 119.4 GiB, where XLA recomputes 89 instructions itself to fit (442 ms).
         train_row("d1024", "d1024", [], 75, profile=True),
         # ... and with AdamW's moments in bfloat16 (optim.moment_dtype; experiments/0001): 14.8
         # GiB less, so XLA recomputes nothing to fit (13 fusions with float32 moments), and

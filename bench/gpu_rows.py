@@ -151,7 +151,7 @@ def lowered_for_cuda(spec: dict) -> str:
     for every row."""
     from moelab.config import load_config
 
-    # model.remat=auto as an H200 takes it at the benchmark's share: none, unrolled (109.4 GiB)
+    # model.remat=auto as an H200 takes it at the benchmark's share: none, unrolled (107.4 GiB)
     return lowered_step(remat_candidates(load_config(spec["preset"], spec["overrides"]),
                                          "gpu")[0]).as_text()
 

@@ -16,7 +16,12 @@ from moelab.config import ConfigError, ModelConfig, RunConfig
 from moelab.model import transformer as tr
 from moelab.model.loss import chunked_loss_sums, chunked_token_loss, head_logits
 from moelab.parallel.mesh import batch_spec, make_mesh
-from moelab.train.step import make_eval_step
+from moelab.train.step import (
+    abstract_train_state,
+    make_eval_step,
+    make_train_step,
+    train_state_shardings,
+)
 
 N_B, N_T, D, V = 2, 12, 16, 50  # 24 tokens
 
@@ -160,11 +165,21 @@ def test_loss_chunk_counts_tokens_on_each_device():
                 for n in ([e.params["length"]] if e.primitive.name == "scan" else [])
                 + [m for sub in jaxprs_in_params(e.params) for m in scan_lengths(sub)]]
 
-    step = make_eval_step(RunConfig(model=dataclasses.replace(TINY, loss_chunk=4)), mesh=mesh)
+    cfg = RunConfig(model=dataclasses.replace(TINY, loss_chunk=4))
+    step = make_eval_step(cfg, mesh=mesh)
     lengths = scan_lengths(jax.make_jaxpr(step)(p, s, toks, rows).jaxpr)
     assert 4 in lengths and 16 not in lengths, lengths
     whole = make_eval_step(RunConfig(model=TINY), mesh=mesh)(p, s, toks, rows)
     np.testing.assert_allclose(float(step(p, s, toks, rows)), float(whole), rtol=1e-6)
+    # the train step, traced on abstract sharded inputs: the same chunks
+    sh = train_state_shardings(cfg, mesh)
+    state = jax.tree.map(lambda a, x: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=x),
+                         abstract_train_state(cfg), sh)
+    batch = jax.ShapeDtypeStruct(toks.shape, toks.dtype,
+                                 sharding=NamedSharding(mesh, batch_spec(2)))
+    train = make_train_step(cfg, None, mesh, sh)
+    lengths = scan_lengths(jax.make_jaxpr(train)(state, batch).jaxpr)
+    assert 4 in lengths and 16 not in lengths, lengths
 
 
 def test_loss_chunk_is_validated():

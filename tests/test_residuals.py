@@ -22,6 +22,7 @@ from moelab.planner.memory import (
     Layout,
     activation_memory,
     memory_report,
+    planned_attention,
     planned_experts,
     residual_bytes,
 )
@@ -124,6 +125,24 @@ def test_a_hopper_plan_sizes_gmm_which_keeps_less_without_remat():
     assert plan["memory"]["experts"] == "gmm"
     assert "experts gmm" in format_plan("tiny", plan)
     assert memory_report(cfg, Layout())["experts"] == "blocks"
+
+
+def test_a_gpu_plan_sizes_the_attention_kernel_the_gpu_runs():
+    """``moelab plan --accelerator h200`` sizes cuDNN's fused attention where
+    model.attention_impl=auto runs it there (bfloat16, head_dim a multiple of 8 up to 128),
+    this code's materialised score chunks elsewhere; ``--attention`` overrides."""
+    bf16 = load_config("tiny", ["model.compute_dtype=bfloat16"])
+    h200 = accelerator("h200")
+    assert planned_attention(bf16.model, h200.cuda_capability) == "fused"
+    assert planned_attention(bf16.model, 0.0) == "materialized"  # no GPU planned
+    assert planned_attention(load_config("tiny").model, h200.cuda_capability) == "materialized"
+    assert planned_attention(replace(bf16.model, attention_impl="chunked"), 9.0) == "materialized"
+    assert planned_attention(replace(bf16.model, attention_impl="cudnn"), 0.0) == "fused"
+    plan = build_plan(bf16, acc=h200, layout=Layout())
+    assert plan["memory"]["attention"] == "fused"
+    assert build_plan(bf16, acc=h200, layout=Layout(),
+                      attention="materialized")["memory"]["attention"] == "materialized"
+    assert "attention fused" in format_plan("tiny", plan)
 
 
 def test_fused_attention_is_measured_in_place_under_every_policy():

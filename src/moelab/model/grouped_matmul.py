@@ -123,8 +123,9 @@ def _swiglu_bwd(backend, wgrad_in, g, u, w, groups, dy, dt):
     # in a step with the layer scan unrolled it does (CSE), keeping every layer's product
     # [rows, expert_dim] until the backward: 6.4 GiB at d1024's 65,536 tokens per step, where
     # XLA:GPU then recomputes other instructions to fit (its compile for an H200: 109.6 ->
-    # 109.1 GiB and 290.5 -> 286.2 ms roofline; with room to spare the recompute costs ~1.5 ms)
-    g, u = jax.lax.optimization_barrier((g, u))
+    # 109.1 GiB and 290.5 -> 286.2 ms roofline; with room to spare the recompute costs ~1.5 ms).
+    # dy goes through it too: the recompute then waits for the backward to reach this layer.
+    g, u, dy = jax.lax.optimization_barrier((g, u, dy))
     dg, du = (a.astype(dt) for a in silu_mul_grads(g, u, dgrad(dy, w["w_down"], groups)))
     dxs = summed_dgrad(backend, dg, w["w_gate"], du, w["w_up"], groups).astype(dt)
     dw = {"w_gate": wgrad_in(dg), "w_up": wgrad_in(du),

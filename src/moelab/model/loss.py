@@ -1,7 +1,9 @@
 """The LM head and its losses: cross-entropy and the logit z-loss (mean squared log-sum-exp).
 
 ``chunked_loss_sums`` runs the head + both losses as one custom VJP over chunks of positions
-(``ModelConfig.loss_chunk`` tokens; 0: one chunk of all of them), one ``lax.scan``. The loss is
+(``chunk`` tokens of the batch it is given, on a mesh all devices' together: the train and eval
+steps pass ``ModelConfig.loss_chunk`` per device times the devices; 0: one chunk of all of
+them), one ``lax.scan``. The loss is
 the last thing a training step computes, so its gradient (of ce + z_coef * z, the loss the step
 optimises) is computed in the forward, while each chunk's logits exist anyway:
 

@@ -283,7 +283,9 @@ def lm_loss(params, state, tokens_B1T, cfg: ModelConfig, valid_BT=None, experts_
     loss = cross-entropy + logit z-loss + (softmax router) aux loss + router z-loss, as weighted
     by the config. Stats hold the unweighted parts and per-layer router statistics. The head +
     loss are one custom VJP (moelab.model.loss) in the compute dtype, over chunks of
-    ``cfg.loss_chunk`` tokens when it is > 0 (never holding all logits [B, T, V]).
+    ``cfg.loss_chunk`` tokens of this batch when it is > 0 (never holding all logits [B, T, V];
+    the train and eval steps pass model.loss_chunk, tokens per device, times the devices the
+    batch is split over: moelab.train.step.loss_chunk_on).
     """
     inputs, targets = tokens_B1T[:, :-1], tokens_B1T[:, 1:]
     x, r = forward_hidden(params, state, inputs, cfg, valid_BT, experts_fn, layer_hook)

@@ -137,8 +137,10 @@ def register(sub, train_step) -> None:
     pl.add_argument("--optimizer", default="adamw", help="adamw or muon (optimizer state size)")
     pl.add_argument("--offload", nargs="*", default=[], choices=["master", "opt"],
                     help="kept in host memory: master (fp32 weights) and/or opt")
-    pl.add_argument("--attention", default="materialized", choices=["materialized", "fused"],
-                    help="attention kernel memory: this code's score chunks or a fused kernel")
+    pl.add_argument("--attention", default=None, choices=["materialized", "fused"],
+                    help="attention kernel memory: this code's score chunks or a fused kernel "
+                    "(default: fused where model.attention_impl runs cuDNN's kernel on the "
+                    "--accelerator)")
     pl.add_argument("--loss", default=None, choices=["materialized", "fused"],
                     help="loss memory: float32 logits or a chunked cross-entropy (default: "
                     "fused when model.loss_chunk > 0)")

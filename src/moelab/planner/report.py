@@ -9,14 +9,21 @@ from moelab.config import RunConfig
 from moelab.parallel import transport
 from moelab.planner.cluster import Accelerator, GiB, cluster_estimate
 from moelab.planner.counts import flops_report, param_breakdown, param_counts, run_tokens
-from moelab.planner.memory import PLAN_FILL, Layout, memory_report, planned_experts
+from moelab.planner.memory import (
+    PLAN_FILL,
+    Layout,
+    memory_report,
+    planned_attention,
+    planned_experts,
+)
 
 
 def build_plan(cfg: RunConfig, *, tokens: float = 0.0, acc: Accelerator | None = None,
                devices: int = 0, mfus: tuple[float, ...] = (), tokens_per_s: float = 0.0,
                layout: Layout | None = None, transports: list[dict] | None = None,
-               attention: str = "materialized", loss: str = "materialized") -> dict:
-    """Everything ``moelab plan`` prints, as a dict (JSON-ready)."""
+               attention: str | None = None, loss: str = "materialized") -> dict:
+    """Everything ``moelab plan`` prints, as a dict (JSON-ready). ``attention`` None: the
+    kernel the config runs on ``acc`` (``planned_attention``)."""
     transport.check_config(cfg)  # the transports a training run of cfg would use
     m = cfg.model
     tokens = tokens or run_tokens(cfg)
@@ -30,11 +37,11 @@ def build_plan(cfg: RunConfig, *, tokens: float = 0.0, acc: Accelerator | None =
             runs.append(cluster_estimate(fpt, tokens, acc, devices, tokens_per_s=tokens_per_s))
         out["cluster"] = {"peak_flops": acc.peak_flops, "runs": runs}
     if layout is not None:
+        cuda = acc.cuda_capability if acc is not None else 0.0
         out["memory"] = memory_report(cfg, layout, transports,
                                       acc.hbm_bytes if acc is not None else 0.0,
-                                      attention=attention, loss=loss,
-                                      experts=planned_experts(m, acc.cuda_capability if acc
-                                                              else 0.0))
+                                      attention=attention or planned_attention(m, cuda),
+                                      loss=loss, experts=planned_experts(m, cuda))
     return out
 
 

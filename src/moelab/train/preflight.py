@@ -239,7 +239,7 @@ def check_step_memory(step_at: Callable[[int], Callable], state, cfg: RunConfig,
 # ----------------------------------------------------------------------------- model.remat=auto
 
 # The plan of remat none's activations (the layer scan, rolled) runs above XLA's compile of the
-# step unrolled (d1024 on an H200: 115.4 planned, 109.4 GiB compiled) and 3-7% under it
+# step unrolled (d1024 on an H200: 115.4 planned, 107.4-109.4 GiB compiled) and 3-7% under it
 # rolled; never 20% over. So a plan (held state + activations) above 1.2 x the limit cannot
 # fit, and its (long) unrolled compile is skipped.
 PLAN_SKIP = 1.2
@@ -272,19 +272,21 @@ def held_bytes(state) -> int:
 
 def planned_none(cfg: RunConfig, mesh, platform: str, start: int = 0) -> float:
     """The planner's activation bytes per device of ``cfg`` without remat, at the largest
-    micro-step of the data stages from ``start`` on (the kernels the platform runs: fused
-    attention and loss, its expert kernel)."""
-    from moelab.planner.memory import activation_memory, planned_experts
+    micro-step of the data stages from ``start`` on (the kernels the platform runs: its
+    attention and expert kernels, the chunked loss where model.loss_chunk is set)."""
+    from moelab.planner.memory import activation_memory, planned_attention, planned_experts
 
     m = cfg.model
     n_dev = 1 if mesh is None else mesh.devices.size
-    experts = planned_experts(m, 9.0 if platform == "gpu" else 0.0)
+    cuda = 9.0 if platform == "gpu" else 0.0
+    experts, attention = planned_experts(m, cuda), planned_attention(m, cuda)
+    loss = "fused" if m.loss_chunk else "materialized"
     plans = []
     for step in stage_starts(cfg, start):
         seg = cfg.data.segment_at(step)
         seqs = (cfg.train.microbatch_tokens // seg.seq_len or seg.batch_size) // n_dev
         plans.append(activation_memory(m, max(1, seqs), seg.seq_len, cfg.parallel.expert == 1,
-                                       remat="none", attention="fused", loss="fused",
+                                       remat="none", attention=attention, loss=loss,
                                        experts=experts)["peak"])
     return max(plans)
 

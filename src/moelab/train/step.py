@@ -20,7 +20,7 @@ from moelab.model import transformer as tr
 from moelab.model.experts import drop_fractions, grouped_kernel
 from moelab.model.loss import chunked_loss_sums
 from moelab.parallel import transport
-from moelab.parallel.mesh import batch_spec, layer_gather, state_shardings
+from moelab.parallel.mesh import BATCH_AXES, batch_spec, layer_gather, state_shardings
 from moelab.train.optim import lr_schedule, make_optimizer
 
 
@@ -150,8 +150,8 @@ def nonfinite_advice(cfg: RunConfig, step: int, metric: str, value: float, in_a_
 def loss_chunk_on(mcfg: ModelConfig, mesh) -> ModelConfig:
     """``mcfg`` with model.loss_chunk, tokens per chunk on each device, as the loss takes it: in
     tokens of the global batch, whose rows the mesh splits (a chunk is positions of every row,
-    so each device's share of a chunk is the chunk over the devices)."""
-    n = 1 if mesh is None else mesh.devices.size
+    so each device's share of a chunk is the chunk over the batch axes' devices)."""
+    n = 1 if mesh is None else math.prod(mesh.shape[a] for a in BATCH_AXES)
     if n == 1 or mcfg.loss_chunk <= 0:
         return mcfg
     return replace(mcfg, loss_chunk=mcfg.loss_chunk * n)
