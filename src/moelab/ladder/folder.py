@@ -52,7 +52,8 @@ def write_ladder(root: Path | str, target_name: str, target: RunConfig, rule: La
         if prev.target.hash() != target.hash() or [(r.name, r.cfg.hash()) for r in prev.rungs] \
                 != [(r.name, r.cfg.hash()) for r in rungs]:
             raise ValueError(f"{root}: holds a different ladder (other target, rungs or rung "
-                             "configs); give a new --out folder, or delete this one to re-plan")
+                             "configs) and its rungs' runs, which stay as they are; plan this "
+                             "one into a new --out folder")
     for r in rungs:
         save_config(r.cfg, lad.config_path(r.name))
     save_config(target, lad.config_path("target"))
