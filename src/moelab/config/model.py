@@ -189,7 +189,8 @@ class ModelConfig:
                 "attention); use 'xla' or 'chunked' otherwise")
         require(self.combine_sum >= 0, f"{p}.combine_sum", "must be >= 0 (0 = no rescaling)")
         require(self.loss_chunk >= 0, f"{p}.loss_chunk",
-                "must be >= 0 (tokens per chunk of the head + loss; 0 = materialise all logits)")
+                "must be >= 0 (tokens per chunk of the head + loss on each device; 0 = all "
+                "logits at once)")
         for name in ("aux_loss_coef", "router_z_coef", "logit_z_coef", "bias_update_rate",
                      "init_std", "norm_eps"):
             require(getattr(self, name) >= 0, f"{p}.{name}", "must be >= 0")
