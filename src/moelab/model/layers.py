@@ -200,14 +200,20 @@ def causal_attend(q_BTKGQ, k_BTKQ, v_BTKQ, window):
     return jnp.concatenate(outs, axis=1)
 
 
+def auto_attention(cfg: ModelConfig, gpu: bool) -> str:
+    """What ``attention_impl=auto`` runs on a GPU or not: cuDNN's fused kernel on a GPU when it
+    fits (bfloat16 compute, head_dim a multiple of 8 up to 128), else chunked (CPU, TPU,
+    float32)."""
+    fits = cfg.compute_dtype == "bfloat16" and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
+    return "cudnn" if gpu and fits else "chunked"
+
+
 def resolve_attention(cfg: ModelConfig) -> str:
-    """The attention core ``cfg.attention_impl`` runs here: chunked, xla or cudnn. ``auto`` is
-    cuDNN's fused kernel on a GPU when it fits (bfloat16 compute, head_dim a multiple of 8 up to
-    128), else chunked (CPU, TPU, float32). ``cudnn`` off a GPU is a ConfigError."""
+    """The attention core ``cfg.attention_impl`` runs here: chunked, xla or cudnn (``auto``:
+    ``auto_attention``). ``cudnn`` off a GPU is a ConfigError."""
     gpu = jax.default_backend() in ("gpu", "cuda")
     if cfg.attention_impl == "auto":
-        fits = cfg.compute_dtype == "bfloat16" and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128
-        return "cudnn" if gpu and fits else "chunked"
+        return auto_attention(cfg, gpu)
     if cfg.attention_impl == "cudnn" and not gpu:
         raise ConfigError(f"model.attention_impl: 'cudnn' needs a CUDA GPU, but JAX's backend "
                           f"is {jax.default_backend()!r}; use 'auto', 'chunked' or 'xla'")

@@ -3,9 +3,9 @@
 ``chunked_loss_sums`` runs the head + both losses as one custom VJP over chunks of positions
 (``chunk`` tokens of the batch it is given, on a mesh all devices' together: the train and eval
 steps pass ``ModelConfig.loss_chunk`` per device times the devices; 0: one chunk of all of
-them), one ``lax.scan``. The loss is
-the last thing a training step computes, so its gradient (of ce + z_coef * z, the loss the step
-optimises) is computed in the forward, while each chunk's logits exist anyway:
+them), one ``lax.scan``. The loss is the last thing a training step computes, so its gradient
+(of ce + z_coef * z, the loss the step optimises) is computed in the forward, while each
+chunk's logits exist anyway:
 
 per chunk: logits = x W (compute-dtype inputs, float32 accumulation) and their log-sum-exp;
   each target logit from x and the target's column of W; the weighted sums; then d logits =

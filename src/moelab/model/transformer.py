@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ConfigError, ModelConfig
-from moelab.config.model import REMAT_POLICIES
+from moelab.config.model import REMAT_CHOICES
 from moelab.model.axes import EXPERT
 from moelab.model.layers import attention, gated_norm, rms_norm, rope_tables, site_conv
 from moelab.model.loss import chunked_token_loss, head_logits, logit_sums, valid_weights
@@ -41,8 +41,8 @@ def remat_block(block, remat: str):
     a train step never sees (moelab.train.step refuses it), as none: a forward alone)."""
     if remat in REMAT_SAVES:
         return jax.checkpoint(block, policy=REMAT_SAVES[remat])
-    if remat not in REMAT_POLICIES and remat != "auto":
-        raise ConfigError(f"model.remat: must be one of {', '.join(REMAT_POLICIES)} "
+    if remat not in REMAT_CHOICES:
+        raise ConfigError(f"model.remat: must be one of {', '.join(REMAT_CHOICES)} "
                           f"(got {remat!r})")
     return block
 

@@ -173,12 +173,12 @@ def _recomputed(branch, m: ModelConfig, *args) -> int:
 
 def planned_attention(cfg: ModelConfig, cuda_capability: float = 0.0) -> str:
     """The attention kernel's memory the plan measures: "fused" where the config names cuDNN's
-    kernel, or where ``auto`` picks it on the planned GPU (``model.layers.resolve_attention``'s
-    rule: bfloat16, head_dim a multiple of 8 up to 128); else "materialized" (this code's
-    chunked scores, and XLA's dot_product_attention)."""
-    fits = (cfg.compute_dtype == "bfloat16" and cfg.head_dim % 8 == 0 and cfg.head_dim <= 128)
-    auto = cfg.attention_impl == "auto" and cuda_capability > 0 and fits
-    return "fused" if cfg.attention_impl == "cudnn" or auto else "materialized"
+    kernel, or where ``auto`` picks it on the planned GPU (``model.layers.auto_attention``);
+    else "materialized" (this code's chunked scores, and XLA's dot_product_attention)."""
+    impl = cfg.attention_impl
+    if impl == "auto":
+        impl = layers.auto_attention(cfg, gpu=cuda_capability > 0)
+    return "fused" if impl == "cudnn" else "materialized"
 
 
 def planned_experts(cfg: ModelConfig, cuda_capability: float = 0.0) -> str:
