@@ -22,7 +22,7 @@ follow from it:
 The roofline is a lower bound per kernel, not a step time: no kernel reaches it. Against the
 one profiled H200 step of the same code (d1024 at 7393837), the estimate was 377 ms of 530 ms of
 kernels: other matmuls 131 of 149, elementwise 114 of 150, grouped GEMM 55 of 83, attention 36
-of 51, optimizer 23 of 27, sort 19 of 70 (README, Scaling out). So compare estimates of one row
+of 51, optimizer 23 of 27, sort 19 of 70 (docs/gpu.md). So compare estimates of one row
 against another, a change against the code before it, not against a target. The memory is
 exact: 68.60 GiB at that commit, as the GPU measured.
 
