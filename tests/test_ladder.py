@@ -60,8 +60,31 @@ def test_plan_reproduces_the_reference_ladder_rule():
         # tokens per active parameter held at the target's (rounded to whole steps)
         assert r.stats["tokens"] / r.stats["params_active"] == pytest.approx(per_active, rel=0.01)
         assert r.stats["params_active"] == param_counts(m)["active"]
+        # the rung is the preset of that width (d768: 6 heads, 1 KV head, the published 61M)
+        preset = load_config(f"d{d}").model
+        assert (m.n_kv_heads, m.kv_heads_global) == (preset.n_kv_heads, preset.kv_heads_global)
+        assert r.stats["params_active"] == param_counts(preset)["active"]
+    assert rungs[0].stats["params_active"] == 60_555_264
     shares = [r.stats["share"] for r in rungs]
     assert shares == sorted(shares) and sum(shares) < 0.01  # "about 1%" (0.4% in FLOPs)
+
+
+def test_plan_default_rule_plans_the_reference_target():
+    """The default rule (4 rungs 4x apart, the largest at 0.25%) plans 535b-a23b from any
+    multiple of head_dim, not only head counts that keep its group of 4 (a 512-wide grid put
+    two rungs on one width); a target too small for it is refused with an option that works."""
+    target = load_config("535b-a23b")
+    rungs = plan_ladder(target)
+    assert [r.cfg.model.d_model for r in rungs] == [896, 1152, 1536, 1920]
+    shares = [r.stats["share"] for r in rungs]
+    for a, b in zip(shares, shares[1:]):
+        assert 2 < b / a < 8  # about the 4x spacing
+    assert 0.0025 / 2 < shares[-1] < 0.0025 * 2
+    with pytest.raises(ConfigError, match=r"--top-share 0.04 \(widths 128, 256, 384, 512\)") as e:
+        plan_ladder(load_config("d1024"))
+    assert "widths found: 128, 128, 128, 256" in str(e.value)
+    fixed = plan_ladder(load_config("d1024"), LadderRule(top_share=0.04))
+    assert [r.cfg.model.d_model for r in fixed] == [128, 256, 384, 512]
 
 
 def test_plan_search_spaces_rungs_in_compute():
@@ -133,7 +156,7 @@ def test_plan_errors_name_the_field():
         plan_ladder(target, LadderRule(widths=(768, 1024, 1536, 2048), depths=(8, 12)))
     with pytest.raises(ConfigError, match="ladder.spacing"):
         plan_ladder(target, LadderRule(spacing=1.0))
-    with pytest.raises(ConfigError, match="too small"):
+    with pytest.raises(ConfigError, match="land on the same width"):
         plan_ladder(load_config("tiny"), LadderRule(rungs=6, top_share=0.5, spacing=1.2))
 
 

@@ -5,9 +5,9 @@ The rule (after the reference ladder, docs/reference.md#the-scaling-ladder):
 * only width, depth and heads change: the head dimension, the number of experts, top-k, the
   router and every other recipe field stay as in the target;
 * expert, latent and shared widths keep their ratio to ``d_model`` (the reference: d/2);
-* heads = d_model / head_dim; KV heads keep the target's ratio to heads (the searched widths
-  keep it exactly; at a width given by hand that cannot, the largest divisor of the heads not
-  above heads x ratio);
+* heads = d_model / head_dim; KV heads keep the target's ratio to heads where they can, else
+  the largest divisor of the heads not above heads x ratio, at least one (the reference's d768
+  rung: 6 heads, 1 KV head, where 48 / 12 gives 1.5); the global layers' KV heads likewise;
 * depth follows width: n_layers = round(L_target * (d / d_target) ** depth_exp), at least
   ``min_layers`` (depth_exp 0.75 by default; ``depths`` sets them by hand);
 * tokens per active parameter stay the target's, so a rung trains for
@@ -31,9 +31,9 @@ The rule (after the reference ladder, docs/reference.md#the-scaling-ladder):
   recipe, lr proportional to 1 / d_model, which keeps Adam's update size per unit of
   activation roughly constant across widths; with one LR for all, the narrow rungs train below
   their best LR, look worse than their size is, and the law overstates what size buys);
-* widths: given by hand, or searched (multiples of head_dim) so that rung k's training FLOPs
-  are closest to top_share x C_target / spacing ** (K - 1 - k): rungs geometrically spaced in
-  compute, the largest ``top_share`` of the target's.
+* widths: given by hand, or searched (every multiple of head_dim) so that rung k's training
+  FLOPs are closest to top_share x C_target / spacing ** (K - 1 - k): rungs geometrically
+  spaced in compute, the largest ``top_share`` of the target's.
 
 Sequence length, batch size, LR schedule shape (warmup fraction, floor) and optimizer stay the
 target's (the plan notes rungs that warm up over fewer steps than Adam's second-moment horizon,
@@ -145,20 +145,24 @@ def _scaled_width(value: int, d: int, d_target: int) -> int:
     return max(8, 8 * round(value * d / d_target / 8))
 
 
+def _divisor_at_most(n: int, k: int) -> int:
+    """The largest divisor of n not above k, at least 1."""
+    k = max(1, k)
+    while n % k:
+        k -= 1
+    return k
+
+
 def scale_model(target: ModelConfig, d: int, n_layers: int) -> ModelConfig:
     """The target's model at width ``d`` and depth ``n_layers`` (rule in the module docstring)."""
     if d % target.head_dim:
         raise ConfigError(f"ladder.widths: {d} is not a multiple of head_dim={target.head_dim} "
                           "(heads = d_model / head_dim)")
     heads = d // target.head_dim
-    kv = max(1, round(heads * target.n_kv_heads / target.n_heads))
-    while heads % kv:
-        kv -= 1
+    kv = _divisor_at_most(heads, heads * target.n_kv_heads // target.n_heads)
     gkv = 0
     if target.global_kv_heads:
-        gkv = max(1, round(kv * target.global_kv_heads / target.n_kv_heads))
-        while kv % gkv:
-            gkv -= 1
+        gkv = _divisor_at_most(kv, kv * target.global_kv_heads // target.n_kv_heads)
     latent = target.latent_dim
     if target.use_latent:
         latent = _scaled_width(target.latent_dim, d, target.d_model)
@@ -199,15 +203,14 @@ def rung_config(target: RunConfig, d: int, n_layers: int, rule: LadderRule,
                                train=train).validate()
 
 
-def _search_widths(target: RunConfig, rule: LadderRule) -> list[int]:
-    """Widths whose rung FLOPs sit closest (in log) to the geometric compute targets. Only head
-    counts that keep the target's query-per-KV-head group exactly are candidates (5 heads cannot
-    keep a group of 2). FLOPs grow with width (up to depth rounding), so each target is
-    bracketed by bisection and the nearer neighbour wins: a few dozen counts, not one per width."""
+def _pick_widths(target: RunConfig, rule: LadderRule) -> list[int]:
+    """Widths (multiples of head_dim) whose rung FLOPs sit closest (in log) to the geometric
+    compute targets, two rungs possibly on one width. FLOPs grow with width (up to depth
+    rounding), so each target is bracketed by bisection and the nearer neighbour wins: a few
+    dozen counts, not one per width."""
     c_target = run_stats(target)["flops"]
     m = target.model
-    group = m.n_heads // m.n_kv_heads
-    heads = list(range(group, m.d_model // m.head_dim + 1, group))
+    heads = list(range(1, m.d_model // m.head_dim + 1))
 
     @functools.lru_cache(maxsize=None)
     def flops(i: int) -> float:
@@ -223,12 +226,31 @@ def _search_widths(target: RunConfig, rule: LadderRule) -> list[int]:
             lo, hi = (mid + 1, hi) if flops(mid) < want else (lo, mid)
         best = min({max(0, lo - 1), lo}, key=lambda i: abs(math.log(flops(i) / want)))
         widths.append(heads[best] * m.head_dim)
-    if len(set(widths)) < len(widths):
-        raise ConfigError(f"ladder: the target is too small for {rule.rungs} distinct rungs at "
-                          f"top_share={rule.top_share:g}, spacing={rule.spacing:g} (widths "
-                          f"{widths}: multiples of head_dim={m.head_dim} x {group} heads per KV "
-                          "head); raise top_share, lower spacing or give --widths")
     return widths
+
+
+def _search_widths(target: RunConfig, rule: LadderRule) -> list[int]:
+    """``_pick_widths``, refused with the options that would plan distinct rungs when two land
+    on one width (a target too small for the rule, or rungs closer than the width steps)."""
+    widths = _pick_widths(target, rule)
+    if len(set(widths)) == len(widths):
+        return widths
+    fixes = []
+    for name, field_, factors in (("--top-share", "top_share", (2, 4, 8, 16, 32, 64, 128)),
+                                  ("--spacing", "spacing", (1.5, 2, 3, 4))):
+        for f in factors:
+            value = float(f"{getattr(rule, field_) * f:.2g}")
+            if field_ == "top_share" and value >= 1:
+                break
+            alt = dataclasses.replace(rule, **{field_: value})
+            if len(set(found := _pick_widths(target, alt))) == len(found):
+                fixes.append(f"{name} {value:g} (widths {', '.join(map(str, found))})")
+                break
+    raise ConfigError(
+        f"ladder: {rule.rungs} rungs {rule.spacing:g}x apart in FLOPs, the largest at "
+        f"{rule.top_share:g} of the target's, land on the same width (widths found: "
+        f"{', '.join(map(str, widths))}; widths come in steps of head_dim={target.model.head_dim}"
+        "): give " + " or ".join(fixes + ["--widths", "fewer --rungs"]))
 
 
 # replicate r of a rung trains with train.seed + SEED_STRIDE * r: far from the seeds of a
