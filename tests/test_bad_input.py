@@ -343,6 +343,8 @@ CASES = [
     (["lab", "new", "t", "--hypothesis", "h", "--goal", "g", "--criterion", "train/loss <= 1",
       "--min-steps", "-1", *LAB], 2, "--min-steps: must be >= 0"),
     (["lab", "attach", "1", RUN, "--arm", "bad arm!", *LAB], 2, "--arm 'bad arm!'"),
+    (["lab", "attach", "1", "{d}/nothing", *LAB], 2,
+     "{d}/nothing: not a run folder (no config.yaml): attach a folder `moelab train` wrote"),
     (["lab", "live", "{d}/nothing", "{d}/run"], 2, "{d}/nothing: not a run folder or record"),
     (["lab", "live", RUN, "--refresh", "0"], 2, "--refresh"),
     (["lab", "live", RUN, "--port", "70000"], 2, "--port 70000"),

@@ -128,6 +128,9 @@ def test_arm_difference_ratio_every_run_rule_and_short_runs():
     drops = evaluate(parse_criterion("moe/drop_fraction max <= 1%"), [a, b])
     assert drops.status == NOT_MET and drops.value == pytest.approx(0.02)
     assert evaluate(parse_criterion("moe/drop_fraction max <= 1%"), [a]).status == MET
+    # ... every arm of the record: one without a usable run leaves it without enough data
+    alone = evaluate(parse_criterion("moe/drop_fraction max <= 1%"), [a], arms=["shared", "x"])
+    assert alone.status == NO_DATA and "no usable run for arm x" in alone.detail
     nan = _arm("x", {"train/loss": [(1, 3.0), (2, float("nan"))]})
     assert evaluate(parse_criterion("train/loss last <= 5"), [nan]).status == NOT_MET
 
@@ -301,12 +304,15 @@ def test_report_from_a_fixture_lab_with_a_failed_run(lab):
     report, verdicts = write_report(lab, rec_mod.load(lab), out)
     text = report.read_text()
     labels = [v.label() for _, v in verdicts]
-    assert labels == [MET, MET, NO_DATA, MET]
+    # without `in` every arm must pass: unstable, killed and later have no usable run
+    assert labels == [MET, NO_DATA, NO_DATA, NO_DATA]
+    assert all("no usable run for arm unstable, killed, later" in v.detail
+               for c, v in verdicts if not c.arms)
     assert "| 1 | `eval/prose/loss last in shared - routed <= -0.05; falsified if >= 0` | ✅ met" \
            " | -0.1 | shared, routed · **short run** |" in text
     assert "shared reached step 40, the window ends at 400" in text
     # measured and judgement are told apart; the short run is said
-    assert "**Measured:** 4 criteria: 3 met, 1 not enough data." in text
+    assert "**Measured:** 4 criteria: 1 met, 3 not enough data." in text
     assert ("rest on short runs (steps shared: 40, routed: 40; the record asks for at least 100)"
             in text)
     assert "**Judgement (by rule):** undecided: some criteria lack data" in text
@@ -338,7 +344,7 @@ def test_report_from_a_fixture_lab_with_a_failed_run(lab):
     assert any(abs(r - 215) < 12 and abs(g - 229) < 12 and b > 235 for r, g, b in colours)
     # the verdicts are written back into the record
     stored = rec_mod.load(lab).report
-    assert stored["verdicts"]["moe/drop_fraction max <= 1%"] == MET
+    assert stored["verdicts"]["moe/drop_fraction max <= 1%"] == NO_DATA
     assert (lab.parent / stored["path"]).resolve() == report.resolve()
 
 
@@ -418,7 +424,7 @@ def test_lab_commands(tmp_path, capsys, monkeypatch, lab):
     # the fixture lab: list, show, report
     assert main(["lab", "list", "--lab-dir", str(lab.parent)]) == 0
     out = capsys.readouterr().out
-    assert "2 finished, 1 diverged, 1 crashed, 1 missing" in out and "no report yet" in out
+    assert "2 finished, 1 diverged, 1 crashed, 1 not started" in out and "no report yet" in out
     assert main(["lab", "show", "1", "--lab-dir", str(lab.parent)]) == 0
     out = capsys.readouterr().out
     assert "[met] eval/prose/loss last in shared - routed" in out
@@ -427,7 +433,7 @@ def test_lab_commands(tmp_path, capsys, monkeypatch, lab):
     out = capsys.readouterr().out
     assert "not published: no issue given" in out and "report.md" in out
     assert main(["lab", "list", "--lab-dir", str(lab.parent)]) == 0
-    assert "3 met, 1 not enough data" in capsys.readouterr().out
+    assert "1 met, 3 not enough data" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------- tracker and hardware stats

@@ -30,10 +30,9 @@ def record_state(path: Path, rec: rec_mod.Record) -> str:
 
     if not rec.runs:
         return "planned"
-    statuses = []
-    for r in rec.runs:
-        run = rec_mod.run_path(path, r)
-        statuses.append(read_run(run).status if run.exists() else "missing")
+    # a folder not written yet (attached by `train --record` before it starts): "not started",
+    # as `lab show` and the report say
+    statuses = [read_run(rec_mod.run_path(path, r), r.arm).status for r in rec.runs]
     counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
     return ", ".join(f"{n} {s}" for s, n in counts.items())
 
@@ -104,7 +103,12 @@ def cmd_show(args) -> int:
 
 def cmd_attach(args) -> int:
     path, _ = rec_mod.find(args.id, args.lab_dir)
-    attach_run(path, Path(args.run), args.arm)
+    run = Path(args.run)
+    if not (run / "config.yaml").is_file():  # `train --record` attaches before the folder exists
+        raise FileNotFoundError(
+            f"{run}: not a run folder (no config.yaml): attach a folder `moelab train` wrote; "
+            f"to attach a run before it starts, train it with --record {args.id} --arm NAME")
+    attach_run(path, run, args.arm)
     return 0
 
 

@@ -171,10 +171,13 @@ def _aggregate(c: Criterion, run: ArmRun) -> tuple[float | None, str]:
     return value, f"{run.arm}: {c.agg} of {len(points)} values = {shown}"
 
 
-def evaluate(c: Criterion, runs: Sequence[ArmRun], min_steps: int = 0) -> Verdict:
-    """The verdict of ``c`` on one run per arm (``runs``); see the module docstring."""
+def evaluate(c: Criterion, runs: Sequence[ArmRun], min_steps: int = 0,
+             arms: Sequence[str] = ()) -> Verdict:
+    """The verdict of ``c`` on one usable run per arm (``runs``); see the module docstring.
+    ``arms``: every arm the record names (its attached runs'): a criterion without ``in`` must
+    hold on each, so one of them without a usable run leaves it without enough data."""
     by_arm = {r.arm: r for r in runs}
-    missing = [a for a in c.arms if a not in by_arm]
+    missing = [a for a in (c.arms or arms) if a not in by_arm]
     if missing or not runs:
         why = f"no usable run for arm {', '.join(missing)}" if missing else "no usable runs"
         return Verdict(NO_DATA, None, why)

@@ -61,7 +61,8 @@ def evaluate_record(record_file: Path, rec: rec_mod.Record
     """The attached runs and each criterion's verdict on the newest usable run of each arm."""
     runs = load_record_runs(record_file, rec)
     usable = [arm_run(r) for r in newest_usable(runs).values()]
-    return runs, [(c, evaluate(c, usable, rec.min_steps))
+    arms = list(dict.fromkeys(r.arm for r in runs))
+    return runs, [(c, evaluate(c, usable, rec.min_steps, arms))
                   for c in (parse_criterion(t) for t in rec.criteria)]
 
 
