@@ -400,8 +400,10 @@ def test_fit_predicts_other_run_folders_and_compares_with_their_last_eval(ladder
     write_run(done, cfg, lambda s: 1.05 * law_value(run, [max(s, 1)])[0],
               np.random.default_rng(5))
     bare.mkdir()
-    for d in (done, bare):
-        save_config(cfg, d / "config.yaml")
+    save_config(cfg, done / "config.yaml")
+    # the same data named by its absolute path, as a run's config.yaml records it: comparable
+    assert cfg.with_absolute_data().data.data_dir != cfg.data.data_dir
+    save_config(cfg.with_absolute_data(), bare / "config.yaml")
     stamp = {f: (root / f).stat().st_mtime_ns for f in ("fit.json", "prediction.json")}
     args = ["ladder", "fit", str(root), "--boot", "20", "--predict-run", str(done),
             "--predict-run", str(bare)]

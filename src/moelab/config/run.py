@@ -8,6 +8,7 @@ import hashlib
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from moelab.config.data import DataConfig
@@ -256,6 +257,16 @@ class RunConfig:
         optim = dataclasses.replace(self.optim, schedule_steps=self.schedule_steps,
                                     warmup_steps=self.warmup_steps)
         return dataclasses.replace(self, optim=optim)
+
+    def with_absolute_data(self) -> "RunConfig":
+        """The same config with data.data_dir and data.tokenizer absolute (against the working
+        folder), as a run's config.yaml keeps them from its first start on: a resume from
+        another folder, a ladder's rungs and the checks that two runs used the same data all
+        name the same files."""
+        d = self.data
+        tok = str(Path(d.tokenizer).resolve()) if d.tokenizer else ""
+        return dataclasses.replace(self, data=dataclasses.replace(
+            d, data_dir=str(Path(d.data_dir).resolve()), tokenizer=tok))
 
     @property
     def schedule_steps(self) -> int:

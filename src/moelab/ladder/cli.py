@@ -39,7 +39,10 @@ def cmd_plan(args) -> int:
     from moelab.ladder.plan import LadderRule, format_ladder_plan, plan_ladder
 
     source, overrides = split_overrides(args.config, args.overrides)
+    # data paths absolute, as each rung's run records them: `ladder run` from another
+    # working folder trains on the same data, and fits compare runs by it
     target = with_tokenizer_vocab(load_config(source, overrides)).with_frozen_schedule()
+    target = target.with_absolute_data()
     rule = LadderRule(rungs=args.rungs, top_share=args.top_share, spacing=args.spacing,
                       depth_exp=args.depth_exp, widths=args.widths or (),
                       depths=args.depths or (), batch_size=args.batch_size, evals=args.evals,

@@ -96,8 +96,9 @@ def check_comparable(a: Side, b: Side) -> None:
 
     if a.target is None or b.target is None:
         return
-    for sec, field in COMPARABLE:
-        va, vb = (getattr(getattr(t, sec), field) for t in (a.target, b.target))
+    ta, tb = a.target.with_absolute_data(), b.target.with_absolute_data()
+    for sec, field in COMPARABLE:  # paths compared as files, not as the text typed
+        va, vb = (getattr(getattr(t, sec), field) for t in (ta, tb))
         if va != vb:
             raise ValueError(f"{a.source} and {b.source}: {sec}.{field} is {va!r} in one and "
                              f"{vb!r} in the other; losses on other data or another vocabulary "

@@ -224,8 +224,10 @@ def load_run_configs(run_dirs: list[Path], target: RunConfig) -> list[tuple[Path
             raise FileNotFoundError(f"--predict-run {d}: {e}") from e
         except ConfigError as e:
             raise ValueError(f"--predict-run {d}: its config.yaml does not load: {e}") from e
-        for sec, field in COMPARABLE:
-            mine, theirs = getattr(getattr(cfg, sec), field), getattr(getattr(target, sec), field)
+        mine_cfg, target_cfg = cfg.with_absolute_data(), target.with_absolute_data()
+        for sec, field in COMPARABLE:  # paths compared as files, not as the text typed
+            mine = getattr(getattr(mine_cfg, sec), field)
+            theirs = getattr(getattr(target_cfg, sec), field)
             if mine != theirs:
                 raise ValueError(f"--predict-run {d}: {sec}.{field} is {mine!r}, the ladder's "
                                  f"target has {theirs!r}; held-out losses on other data or "

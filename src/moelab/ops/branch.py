@@ -25,7 +25,6 @@ from moelab.run.identity import PROVENANCE, check_data, run_data_record
 from moelab.run.lock import LOCK_FILE, run_lock
 from moelab.run.logs import OPS_LOG, JsonlTracker, command_line, log_operation
 from moelab.train.changes import Change, PlanError, apply_change
-from moelab.train.resume import absolute_data
 from moelab.util import atomic_write_bytes, atomic_write_json, check_writable
 
 
@@ -48,7 +47,7 @@ def _clear_but_lock(folder: Path) -> None:
 def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: float | None = None,
                 mixture: dict | None = None, seq_len: int | None = None):
     """(the parent's config, the branch's config) for a cooldown from ``at``."""
-    cfg = absolute_data(load_run_config(parent))  # the branch trains on the parent's data
+    cfg = load_run_config(parent).with_absolute_data()  # the branch trains on the parent's data
     if seq_len is not None:
         check_seq_len(cfg, seq_len)
     # checked on the numbers alone, before the checkpoint (tokens per batch stay the same)
@@ -70,7 +69,7 @@ def parent_data(parent: Path | str, accept: bool = False) -> dict:
     """The parent's provenance record with the data its folder holds now; a branch of a run
     whose data changed is refused unless ``accept``, and then its record holds the new data
     and ``"changes"`` the accepted changes."""
-    cfg = absolute_data(load_run_config(parent))
+    cfg = load_run_config(parent).with_absolute_data()
     recorded = run_data_record(parent)  # provenance.json, else the checkpoint's or own tokenizer
     now = data_identity(cfg.data, cfg.model.vocab_size)
     changes = check_data(parent, recorded, now, cfg.data.data_dir, accept)

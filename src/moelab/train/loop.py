@@ -45,7 +45,7 @@ from moelab.train.adapt import Adapter
 from moelab.train.heldout import evaluate, final_eval_tokens, gzip_bpb, sample_text
 from moelab.train.peak import Peaks, format_flops
 from moelab.train.profile import StepTracer
-from moelab.train.resume import absolute_data, resolve_run_config, resume_step
+from moelab.train.resume import resolve_run_config, resume_step
 from moelab.train.setup import RunSetup, setup_run, train_step_at
 from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
 from moelab.train.tracker import check_trackers
@@ -161,7 +161,7 @@ def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
     _, events = read_metrics(run_dir / "metrics.jsonl")
     if not any(e["event"] == "finished" and e["step"] == at for e in events):
         return None
-    if resolve_run_config(with_tokenizer_vocab(absolute_data(cfg)), run_dir).train.steps > at:
+    if resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()), run_dir).train.steps > at:
         return None  # trained longer now (a new train.steps, a pending replan)
     ckpt = Checkpointer(run_dir / "checkpoints")
     try:

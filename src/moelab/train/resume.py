@@ -152,15 +152,6 @@ def with_sampler_of(cfg: RunConfig, saved: RunConfig | None) -> RunConfig:
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, sampler=kind))
 
 
-def absolute_data(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with data.data_dir and data.tokenizer absolute, as config.yaml keeps them from the
-    first start on: a resume from another working folder finds the run's own data."""
-    d = cfg.data
-    tok = str(Path(d.tokenizer).resolve()) if d.tokenizer else ""
-    return dataclasses.replace(cfg, data=dataclasses.replace(
-        d, data_dir=str(Path(d.data_dir).resolve()), tokenizer=tok))
-
-
 def recovered_config(run_dir: Path | str, overrides: list[str] | None = None) -> RunConfig:
     """The run's config.yaml with ``overrides``; when the file was deleted but checkpoints
     remain, the config the newest of them was trained with (never a different one)."""
@@ -183,7 +174,7 @@ def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
     if got is None:
         return
     step, data = got
-    trained = as_started(absolute_data(config_from_dict(data)))
+    trained = as_started(config_from_dict(data).with_absolute_data())
     old, new = flatten_config(trained.to_dict()), flatten_config(saved.to_dict())
     bad = _differing(old, new, RESUMABLE_CHANGES | set(OPERATION_FIELDS))
     if bad:
@@ -213,7 +204,7 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     at = resume_step(run_dir)
     if at is None:
         return with_sampler_of(cfg, None).with_frozen_schedule()
-    saved = as_started(absolute_data(recovered_config(run_dir)))
+    saved = as_started(recovered_config(run_dir).with_absolute_data())
     check_config_identity(saved, run_dir)
     if cfg.optim.schedule_steps == 0:  # "follow train.steps" means the length it started with
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(

@@ -51,7 +51,7 @@ from moelab.train.adapt import check_adaptive, check_adaptive_heldout
 from moelab.train.heldout import check_heldout
 from moelab.train.peak import Peaks, format_flops, run_peaks
 from moelab.train.preflight import check_step_memory, choose_remat, remat_candidates
-from moelab.train.resume import absolute_data, commit_pending, resolve_run_config, resume_step
+from moelab.train.resume import commit_pending, resolve_run_config, resume_step
 from moelab.train.step import (
     init_train_state,
     make_eval_step,
@@ -271,7 +271,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     ``hold``: keeps the data folder marked as read by this run until it closes.
     A resume must find the data the run recorded, unless ``accept_data_change``."""
     run_dir = Path(run_dir)
-    cfg = absolute_data(cfg)  # the run's own data, wherever it is resumed from
+    cfg = cfg.with_absolute_data()  # the run's own data, wherever it is resumed from
     at = resume_step(run_dir)  # None: nothing trained yet, any data may (re)start it
     recorded = run_data_record(run_dir) if at is not None else {}
     # refused before anything is built, from what the data folder holds now
