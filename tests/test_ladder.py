@@ -127,6 +127,27 @@ def test_plan_notes_rungs_that_warm_up_too_briefly():
         assert warmup_note(plan_ladder(fixed.with_frozen_schedule(), rule)) is None
 
 
+def test_plan_names_rungs_raised_to_the_minimum_steps_and_refuses_duplicates():
+    """A rung whose tokens would take fewer than min_steps steps trains min_steps: the plan
+    says which (its tokens per parameter are not its multiplier's); two rungs that become the
+    same run that way are refused, not trained twice."""
+    base = ["model.head_dim=16", "model.n_heads=8", "model.n_kv_heads=8", "data.seq_len=64",
+            "data.batch_size=8"]
+    rule = LadderRule(widths=(16, 32), depths=(2, 2), rungs=2, token_multipliers=(0.5, 1))
+    target = load_config("tiny", base + ["train.steps=4000"]).with_frozen_schedule()
+    rungs = plan_ladder(target, rule)
+    raised = [r.name for r in rungs if r.stats["raised"]]
+    assert raised == ["d16-L2-t0.5"] and rungs[0].cfg.train.steps == 20
+    lines = format_ladder_plan("tiny", target, rungs).splitlines()
+    assert any(line.startswith("note: 1 rung(s) (d16-L2-t0.5) train the minimum of 20 steps")
+               for line in lines)
+    long = load_config("tiny", base + ["train.steps=40000"]).with_frozen_schedule()
+    assert not any(r.stats["raised"] for r in plan_ladder(long, rule))
+    short = load_config("tiny", base + ["train.steps=200"]).with_frozen_schedule()
+    with pytest.raises(ConfigError, match="rungs d16-L2-t0.5 and d16-L2 are the same run"):
+        plan_ladder(short, rule)
+
+
 def test_plan_scales_the_learning_rate_with_width():
     """lr_exp 0 keeps the target's peak LR; 1 gives every rung lr x d_target / d (Marin's
     recipe); the plan prints each rung's LR; a bad exponent names its field."""

@@ -289,6 +289,17 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
             "runs of 2 widths: raise it, or add smaller widths or token multipliers")
     if len({r.name for r in rungs}) < len(rungs):
         raise ConfigError("ladder.widths: two rungs have the same shape; give distinct widths")
+    per_active = run_stats(target)["tokens"] / run_stats(target)["params_active"]
+    for r in rungs:  # raised to min_steps: more tokens per parameter than its multiplier asks
+        r.stats["raised"] = r.cfg.train.steps == rule.min_steps and r.stats["tokens"] > 1.01 * (
+            r.stats["token_multiplier"] * per_active * r.stats["params_active"])
+    seen: dict[str, str] = {}
+    for r in rungs:
+        if (other := seen.setdefault(r.cfg.hash(), r.name)) != r.name:
+            raise ConfigError(
+                f"ladder.token_multipliers: rungs {other} and {r.name} are the same run (both "
+                f"raised to the minimum of {rule.min_steps} steps): give fewer or larger "
+                "multipliers, a smaller --batch-size, or a target that trains longer")
     return sorted(rungs, key=lambda r: (r.stats["flops"], r.stats["replicate"]))
 
 
@@ -309,8 +320,22 @@ def format_ladder_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -
     lines.append(f"ladder cost: {100 * share:.3f}% of the target's training FLOPs "
                  f"({sum(r.stats['flops'] for r in rungs):.3g} of {t['flops']:.3g}); "
                  f"tokens per active parameter {per_active:,.1f}")
-    note = warmup_note(rungs)
-    return "\n".join(lines + ([note] if note else []))
+    notes = [min_steps_note(rungs, per_active), warmup_note(rungs)]
+    return "\n".join(lines + [n for n in notes if n])
+
+
+def min_steps_note(rungs: list[Rung], per_active: float) -> str | None:
+    """A note naming the rungs raised to the ladder's minimum steps (their tokens per active
+    parameter above what their multiplier asks), or None."""
+    raised = [r for r in rungs if r.stats.get("raised") and r.stats["replicate"] == 0]
+    if not raised:
+        return None
+    ratios = ", ".join(f"{r.stats['tokens'] / r.stats['params_active']:.3g}" for r in raised)
+    return (f"note: {len(raised)} rung(s) ({', '.join(r.name for r in raised)}) train the "
+            f"minimum of {raised[0].cfg.train.steps} steps, more than their tokens per active "
+            f"parameter ask ({ratios} against the target's {per_active:,.1f} x their "
+            "multiplier): the fit sees them where they are; a smaller --batch-size or a target "
+            "that trains longer gives them their ratio")
 
 
 def warmup_note(rungs: list[Rung]) -> str | None:
