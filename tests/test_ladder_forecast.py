@@ -166,6 +166,7 @@ def test_forecast_cli_on_a_live_run_and_the_guards_view(tmp_path, target, capsys
     rc, out, _ = run_main(["ladder", "guard", str(run_dir), "--prediction",
                            str(lad / "prediction.json")], capsys)
     assert rc == 0 and "forecast of the final held-out loss:" in out and "40% of the run" in out
+    assert "warning" not in out  # a prediction made for this run's config
 
 
 def test_forecast_errors_name_the_file_and_the_fix(tmp_path, target, capsys):
@@ -187,6 +188,11 @@ def test_forecast_errors_name_the_file_and_the_fix(tmp_path, target, capsys):
     rc, _, err = run_main(["ladder", "forecast", str(run_dir), "--ladder",
                            str(tmp_path / "other.json")], capsys)
     assert rc == 2 and "predicts another run" in err and "steps 2400 there, 1200 here" in err
+    # the guard checks the bands it has, and says they were made for another run
+    rc, out, _ = run_main(["ladder", "guard", str(run_dir), "--prediction",
+                           str(tmp_path / "other.json")], capsys)
+    assert rc == 0 and "warning: " in out and "predicts another run (" in out
+    assert "steps 2400 there, 1200 here): its bands may not be this run's" in out
     (run_dir / "config.yaml").unlink()
     rc, _, err = run_main(["ladder", "forecast", str(run_dir), "--ladder",
                            str(tmp_path / "other.json")], capsys)

@@ -221,6 +221,13 @@ def cmd_guard(args) -> int:
     pred = load_prediction(pred_path) if pred_path.exists() else None
     print(f"{args.run}: {len(new)} new alert(s), {len(alerts)} in its log; "
           f"{band_summary(records, pred, pred_path)}")
+    if pred is not None and (Path(args.run) / "config.yaml").is_file():
+        from moelab.config import load_run_config
+        from moelab.ladder.guard import prediction_mismatch
+
+        if diffs := prediction_mismatch(pred, load_run_config(args.run)):
+            print(f"  warning: {pred_path} predicts another run ({'; '.join(diffs)}): its bands "
+                  "may not be this run's (a run replanned since the fit differs in its steps)")
     for a in alerts:
         print("  " + format_alert(a))
     if pred is not None:

@@ -47,8 +47,8 @@ import numpy as np
 
 from moelab.config import RunConfig
 from moelab.ladder.fit import LOSS_KEYS, MIN_PROGRESS, final_value
+from moelab.ladder.guard import prediction_mismatch
 from moelab.ladder.observe import EVAL_LOSS, bin_stats, run_records, series
-from moelab.ladder.plan import run_stats
 from moelab.ladder.powerlaw import bootstrap, percentile_band
 from moelab.ladder.schedule_law import RunSchedule, ScheduleFit, fit_run_law
 
@@ -126,12 +126,7 @@ def check_prediction(pred: dict, cfg: RunConfig, path: Path) -> None:
     if EVAL_LOSS not in pred["metrics"] or not {"mid", "lo", "hi"} <= set(final):
         raise ValueError(f"{path}: no {EVAL_LOSS} curve or final band; re-make it with "
                          "`moelab ladder fit LADDER`")
-    s, t = run_stats(cfg), pred.get("target", {})
-    diffs = [f"{k} {t.get(k)} there, {s[k]} here" for k in ("params_active", "tokens")
-             if not (t.get(k) and math.isclose(t[k], s[k], rel_tol=1e-6))]
-    if pred.get("steps") != cfg.train.steps:
-        diffs.append(f"steps {pred.get('steps')} there, {cfg.train.steps} here")
-    if diffs:
+    if diffs := prediction_mismatch(pred, cfg):
         raise ValueError(f"{path} predicts another run ({'; '.join(diffs)}); forecast a run of "
                          "the config it was made for (any seed), or get a final loss for this "
                          "config with `moelab ladder fit LADDER --predict-run RUN`")

@@ -67,6 +67,19 @@ class GuardRules:
         return lo - self.noise_z * noise, hi + self.noise_z * noise
 
 
+def prediction_mismatch(pred: dict, cfg) -> list[str]:
+    """How the run a prediction was made for differs from a run of ``cfg`` (active parameters,
+    tokens, steps; the seed may differ), one phrase each: empty when it predicts a run like it."""
+    from moelab.ladder.plan import run_stats
+
+    s, t = run_stats(cfg), pred.get("target", {})
+    diffs = [f"{k} {t.get(k)} there, {s[k]} here" for k in ("params_active", "tokens")
+             if not (t.get(k) and math.isclose(t[k], s[k], rel_tol=1e-6))]
+    if pred.get("steps") != cfg.train.steps:
+        diffs.append(f"steps {pred.get('steps')} there, {cfg.train.steps} here")
+    return diffs
+
+
 def load_prediction(path: Path) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{path}: no prediction; make one with `moelab ladder fit "
