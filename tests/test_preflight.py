@@ -9,6 +9,7 @@ import pytest
 from jax._src import monitoring
 
 from helpers import data_dir, micro_config  # noqa: F401 - data_dir is a fixture
+from moelab import util
 from moelab.config import ConfigError
 from moelab.run.logs import read_metrics
 from moelab.train import preflight, setup
@@ -126,6 +127,7 @@ def test_a_run_that_does_not_fit_stops_before_training(tmp_path, data_dir,  # no
 
 
 def test_a_stop_during_the_check_is_recorded(tmp_path, data_dir, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(util, "_abandoned", [])  # what a stop in native work marks (below)
     monkeypatch.setattr(preflight, "allocator_memory", lambda d: (64 * GIB, GIB))
 
     def interrupted(compiled):
@@ -137,6 +139,33 @@ def test_a_stop_during_the_check_is_recorded(tmp_path, data_dir, monkeypatch):  
         train(micro_config(data_dir, train={"steps": 2}), run, verbose=False)
     _, events = read_metrics(run / "metrics.jsonl")
     assert [e["event"] for e in events] == ["start", "aborted"]
+    assert util._abandoned  # XLA's threads may still run: the CLI ends with os._exit(130)
+
+
+def test_a_stop_during_setup_is_recorded_and_a_restart_says_it_starts_over(
+        tmp_path, data_dir, monkeypatch, capsys):  # noqa: F811
+    """A stop signal after the run's start event and before the first step (here while the
+    step functions are built) is in its log, marks the process to end without interpreter
+    shutdown (XLA's threads: a segmentation fault), and the next start says there was no
+    checkpoint to resume from."""
+    monkeypatch.setattr(util, "_abandoned", [])
+    built = setup._step_functions
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(setup, "_step_functions", interrupted)
+    run = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(micro_config(data_dir, train={"steps": 2}), run, verbose=False)
+    _, events = read_metrics(run / "metrics.jsonl")
+    assert [e["event"] for e in events] == ["start", "aborted"]
+    assert events[-1]["error"] == "KeyboardInterrupt: " and util._abandoned
+    monkeypatch.setattr(setup, "_step_functions", built)
+    capsys.readouterr()
+    assert train(micro_config(data_dir, train={"steps": 2}), run)["step"] == 2
+    assert f"{run}: no checkpoint to resume from (stopped before its first); training from " \
+           "step 0" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("devices, stages", [

@@ -179,9 +179,22 @@ def in_worker_thread(fn: Callable[[], T]) -> T:
     return out["value"]
 
 
+@contextmanager
+def native_work() -> Iterator[None]:
+    """A stretch of native work a stop signal may interrupt with threads still running in it
+    (XLA compiling and running a train state's first programs): the process then ends through
+    ``exit_if_abandoned``, as for ``in_worker_thread``, not through interpreter shutdown, which
+    stopped those threads inside native code (a segmentation fault, exit 139, not 130)."""
+    try:
+        yield
+    except KeyboardInterrupt:  # Terminated (SIGTERM) included
+        _abandoned.append(threading.current_thread())
+        raise
+
+
 def exit_if_abandoned(code: int) -> None:
     """End the process now with ``code`` if a signal interrupted native work of
-    ``in_worker_thread``: its threads (the worker, and those the library started) may still
+    ``in_worker_thread`` or ``native_work``: its threads (the worker, and those the library started) may still
     run, and interpreter shutdown would stop them inside native code, which aborts."""
     if _abandoned:
         sys.stdout.flush()

@@ -9,10 +9,10 @@ the data it prepares and then find it built.
 from __future__ import annotations
 
 import functools
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +66,7 @@ from moelab.train.tracker import (
     WandbTracker,
     process_identity,
 )
-from moelab.util import atomic_write_bytes, atomic_write_json, info
+from moelab.util import atomic_write_bytes, atomic_write_json, info, native_work
 
 
 @dataclass
@@ -190,22 +190,27 @@ def _use(run: RunSetup, cand: RunConfig) -> Callable[[int], Callable]:
 def _check_memory(run: RunSetup, state, cands: list[RunConfig]) -> None:
     """Refuse, before the first step, a compiled train step of the run's data stages that
     needs more memory than JAX may use on a device (moelab.train.preflight); with
-    model.remat=auto (``cands``: its candidates) first choose the policy. The check compiles
-    (minutes for a large model): however it ends early, a refusal, an error or a stop signal,
-    the run's log says so."""
+    model.remat=auto (``cands``: its candidates) first choose the policy."""
+    if len(cands) > 1:
+        reason = choose_remat(cands, lambda cfg: _use(run, cfg), state, run.start, run.mesh,
+                              run.say)
+        run.trackers.event("remat", run.start, policy=run.remat[0], scan_unroll=run.remat[1],
+                           reason=reason)
+    else:
+        check_step_memory(lambda step: train_step_at(run, step), state, run.cfg, run.start,
+                          run.mesh, run.say)
+
+
+@contextmanager
+def _end_recorded(trackers, step: int) -> Iterator[None]:
+    """However the setup ends after the run's start or resume event (a refusal, an error, a
+    stop signal; the memory check compiles for minutes on a large model), its log says so."""
     try:
-        if len(cands) > 1:
-            reason = choose_remat(cands, lambda cfg: _use(run, cfg), state, run.start, run.mesh,
-                                  run.say)
-            run.trackers.event("remat", run.start, policy=run.remat[0],
-                               scan_unroll=run.remat[1], reason=reason)
-        else:
-            check_step_memory(lambda step: train_step_at(run, step), state, run.cfg, run.start,
-                              run.mesh, run.say)
+        yield
     except BaseException as e:
         kind = "aborted" if isinstance(e, KeyboardInterrupt) else "failed"
-        run.trackers.event(kind, run.start, error=f"{type(e).__name__}: {e}")
-        run.trackers.close()
+        trackers.event(kind, step, error=f"{type(e).__name__}: {e}")
+        trackers.close()
         raise
 
 
@@ -273,6 +278,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     run_dir = Path(run_dir)
     cfg = cfg.with_absolute_data()  # the run's own data, wherever it is resumed from
     at = resume_step(run_dir)  # None: nothing trained yet, any data may (re)start it
+    started_before = (run_dir / "config.yaml").is_file()  # a start stopped before a checkpoint
     recorded = run_data_record(run_dir) if at is not None else {}
     # refused before anything is built, from what the data folder holds now
     _check_resume_data(cfg, run_dir, recorded, accept_data_change)
@@ -307,7 +313,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
         mirror.attach(ckpt)
     mesh = mesh_from_config(cfg.parallel)
     state_sh = train_state_shardings(cfg, mesh)
-    state = init_sharded_state(cfg, state_sh)
+    with native_work():  # compiles and first programs: a stop signal ends the process at once
+        state = init_sharded_state(cfg, state_sh)
     put_batch = (lambda b: jnp.asarray(b)) if mesh is None else (lambda b: shard_batch(b, mesh))
     trackers = _open_trackers(cfg, run_dir, main)
     restored = _restore(ckpt, state, trackers)
@@ -315,22 +322,27 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     if restored is not None:
         start, state, meta = restored
         say(f"resuming {run_dir} from step {start}")
+    elif started_before:
+        say(f"{run_dir}: no checkpoint to resume from (stopped before its first); training "
+            "from step 0")
     sampler.restore(start, meta.get("data"))
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"), **process_identity())
-    if changes:  # the run's record of what it trained on from here
-        trackers.event("data_change", start, accepted="--accept-data-change",
-                       **{f: {"recorded": a, "now": b} for f, (a, b) in changes.items()})
-    hardware = HardwareMonitor()
-    counts, peak = _model_costs(cfg, mesh, say)
-    cands = remat_candidates(cfg, jax.default_backend())  # [cfg] unless model.remat=auto
-    step_fn, eval_fn = _step_functions(cands[0], mesh, state_sh, say)
-    run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
-                   tok=tok, tok_record=tokenizer_record(tok), sampler=sampler, ckpt=ckpt, put_batch=put_batch, start=start,
-                   restored=restored is not None, eval_pending=bool(meta.get("eval_pending")),
-                   trackers=trackers, hardware=hardware, counts=counts, peak=peak,
-                   step_fn=step_fn, eval_fn=eval_fn, mesh=mesh, state_sh=state_sh,
-                   remat=((cands[0].model.remat, cands[0].model.scan_unroll)
-                          if len(cands) > 1 else None))
-    _check_memory(run, state, cands)
+    with _end_recorded(trackers, start), native_work():
+        if changes:  # the run's record of what it trained on from here
+            trackers.event("data_change", start, accepted="--accept-data-change",
+                           **{f: {"recorded": a, "now": b} for f, (a, b) in changes.items()})
+        hardware = HardwareMonitor()
+        counts, peak = _model_costs(cfg, mesh, say)
+        cands = remat_candidates(cfg, jax.default_backend())  # [cfg] unless model.remat=auto
+        step_fn, eval_fn = _step_functions(cands[0], mesh, state_sh, say)
+        run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
+                       tok=tok, tok_record=tokenizer_record(tok), sampler=sampler, ckpt=ckpt,
+                       put_batch=put_batch, start=start, restored=restored is not None,
+                       eval_pending=bool(meta.get("eval_pending")), trackers=trackers,
+                       hardware=hardware, counts=counts, peak=peak, step_fn=step_fn,
+                       eval_fn=eval_fn, mesh=mesh, state_sh=state_sh,
+                       remat=((cands[0].model.remat, cands[0].model.scan_unroll)
+                              if len(cands) > 1 else None))
+        _check_memory(run, state, cands)
     return run, state
