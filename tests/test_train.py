@@ -596,6 +596,27 @@ def test_extending_train_steps_does_not_silently_change_the_schedule(data_dir, t
             f"resume re-timed the LR schedule from 6 to {resolved.schedule_steps} steps")
 
 
+def test_a_resume_says_what_it_changes(data_dir, tmp_path, capsys):  # noqa: F811
+    """Settings a resume may change (here the stop step and the log interval, as re-running a
+    preset with its own defaults would) are said in the resuming line and kept in the log's
+    resume event; steps past the LR schedule's end are said to train at the floor LR."""
+    from moelab.run.logs import read_metrics
+    from moelab.train.loop import train
+
+    optim = {"schedule_steps": 0, "warmup_steps": 0}  # the schedule follows train.steps: 2
+    quiet_train(micro_config(data_dir, optim=optim, train={"steps": 2, "log_every": 1}), tmp_path)
+    capsys.readouterr()
+    train(micro_config(data_dir, optim=optim, train={"steps": 4, "log_every": 2}), tmp_path,
+          sample_prompt=None)
+    err = capsys.readouterr().err
+    changed = ["train.log_every 1 -> 2", "train.steps 2 -> 4"]
+    assert (f"resuming {tmp_path} from step 2, with 2 setting(s) changed from its config.yaml: "
+            + "; ".join(changed)) in err
+    assert "note: its LR schedule ends at step 2, so steps 3-4 train at the floor LR" in err
+    _, events = read_metrics(tmp_path / "metrics.jsonl")
+    assert [e.get("changed") for e in events if e["event"] == "resume"] == [changed]
+
+
 def test_a_run_folder_without_checkpoints_may_restart_with_another_config(data_dir, tmp_path):  # noqa: F811
     """A first attempt that failed before any checkpoint trained nothing: a corrected config
     (here another width) may reuse the folder instead of being refused."""

@@ -167,6 +167,23 @@ def _differing(old: dict, new: dict, allowed) -> list[str]:
             if old.get(k) != new.get(k) and k not in allowed]
 
 
+def resume_changes(run_dir: Path | str, cfg: RunConfig) -> list[str]:
+    """What training ``cfg`` (as ``resolve_run_config`` resolved it) in ``run_dir`` changes
+    against the run's config.yaml, one "field old -> new" each: the settings given now (a
+    preset's own train.steps included) and a pending replan. Empty for a run not started."""
+    if resume_step(run_dir) is None:
+        return []
+    saved = as_started(recovered_config(run_dir).with_absolute_data())
+    old, new = flatten_config(saved.to_dict()), flatten_config(cfg.to_dict())
+
+    def short(v) -> str:
+        text = repr(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    return [f"{k} {short(old.get(k))} -> {short(new.get(k))}"
+            for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+
+
 def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
     """Refuse a config.yaml that differs from the config the newest checkpoint was trained with
     (a hand edit): name the fields and the ways to change a run that exist."""

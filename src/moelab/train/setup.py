@@ -51,7 +51,12 @@ from moelab.train.adapt import check_adaptive, check_adaptive_heldout
 from moelab.train.heldout import check_heldout
 from moelab.train.peak import Peaks, format_flops, run_peaks
 from moelab.train.preflight import check_step_memory, choose_remat, remat_candidates
-from moelab.train.resume import commit_pending, resolve_run_config, resume_step
+from moelab.train.resume import (
+    commit_pending,
+    resolve_run_config,
+    resume_changes,
+    resume_step,
+)
 from moelab.train.step import (
     init_train_state,
     make_eval_step,
@@ -284,6 +289,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     _check_resume_data(cfg, run_dir, recorded, accept_data_change)
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
     cfg = transport.check_config(resolve_run_config(cfg, run_dir))  # before any work
+    changed = resume_changes(run_dir, cfg)  # said, and kept in the resume event
     check_adaptive(cfg)
     main = is_main()  # with several processes, process 0 alone writes the run folder
     say = info if verbose and main else _quiet
@@ -321,13 +327,23 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     start, meta = 0, {}
     if restored is not None:
         start, state, meta = restored
-        say(f"resuming {run_dir} from step {start}")
+        say(f"resuming {run_dir} from step {start}" + (
+            f", with {len(changed)} setting(s) changed from its config.yaml: "
+            + "; ".join(changed) if changed else ""))
+        if cfg.train.steps > max(start, cfg.schedule_steps):  # trained on past its decay
+            say(f"note: its LR schedule ends at step {cfg.schedule_steps}, so steps "
+                f"{max(start, cfg.schedule_steps) + 1}-{cfg.train.steps} train at the floor LR "
+                f"({cfg.optim.floor:g} x peak)" + (
+                    f"; to decay over the longer run instead: moelab replan {run_dir} "
+                    f"--end-steps {cfg.train.steps} --apply" if start < cfg.schedule_steps
+                    else ""))
     elif started_before:
         say(f"{run_dir}: no checkpoint to resume from (stopped before its first); training "
             "from step 0")
     sampler.restore(start, meta.get("data"))
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
-                   git_commit=prov.get("git_commit"), **process_identity())
+                   git_commit=prov.get("git_commit"), **process_identity(),
+                   **({"changed": changed} if start and changed else {}))
     with _end_recorded(trackers, start), native_work():
         if changes:  # the run's record of what it trained on from here
             trackers.event("data_change", start, accepted="--accept-data-change",
