@@ -219,6 +219,26 @@ def _end_recorded(trackers, step: int) -> Iterator[None]:
         raise
 
 
+def _say_start(cfg: RunConfig, run_dir: Path, start: int | None, changed: list[str],
+               started_before: bool, say) -> None:
+    """The line a resume (``start``: its step) or a restart begins with: the settings it
+    changes, and steps it adds past the LR schedule's end (they train at the floor LR)."""
+    if start is None:
+        if started_before:
+            say(f"{run_dir}: no checkpoint to resume from (stopped before its first); training "
+                "from step 0")
+        return
+    say(f"resuming {run_dir} from step {start}" + (
+        f", with {len(changed)} setting(s) changed from its config.yaml: " + "; ".join(changed)
+        if changed else ""))
+    end = cfg.schedule_steps
+    if cfg.train.steps > max(start, end):
+        say(f"note: its LR schedule ends at step {end}, so steps {max(start, end) + 1}-"
+            f"{cfg.train.steps} train at the floor LR ({cfg.optim.floor:g} x peak)" + (
+                f"; to decay over the longer run instead: moelab replan {run_dir} --end-steps "
+                f"{cfg.train.steps} --apply" if start < end else ""))
+
+
 def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, Peaks]:
     """(parameter counts, peaks of all devices), announced with the FLOPs per token."""
     counts = param_counts(cfg.model)
@@ -327,19 +347,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     start, meta = 0, {}
     if restored is not None:
         start, state, meta = restored
-        say(f"resuming {run_dir} from step {start}" + (
-            f", with {len(changed)} setting(s) changed from its config.yaml: "
-            + "; ".join(changed) if changed else ""))
-        if cfg.train.steps > max(start, cfg.schedule_steps):  # trained on past its decay
-            say(f"note: its LR schedule ends at step {cfg.schedule_steps}, so steps "
-                f"{max(start, cfg.schedule_steps) + 1}-{cfg.train.steps} train at the floor LR "
-                f"({cfg.optim.floor:g} x peak)" + (
-                    f"; to decay over the longer run instead: moelab replan {run_dir} "
-                    f"--end-steps {cfg.train.steps} --apply" if start < cfg.schedule_steps
-                    else ""))
-    elif started_before:
-        say(f"{run_dir}: no checkpoint to resume from (stopped before its first); training "
-            "from step 0")
+    _say_start(cfg, run_dir, start if restored is not None else None, changed, started_before,
+               say)
     sampler.restore(start, meta.get("data"))
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"), **process_identity(),
