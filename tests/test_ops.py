@@ -257,6 +257,21 @@ def runs(tmp_path_factory, data_dir):  # noqa: F811
     return root
 
 
+def test_the_replan_preview_shows_the_lr_the_log_shows(runs):
+    """The preview's LR at step s is the run's logged train/lr at s (the update that reached
+    s, the schedule at s - 1), not the schedule at s: one step apart at a decay's end."""
+    from moelab.ops.replan import preview_rows
+
+    run = runs / "parent"
+    cfg = load_run_config(run)
+    logged = {s: r["train/lr"] for s, r in train_records(run).items()}
+    rows = preview_rows(cfg, cfg, 3)
+    assert {r["step"] for r in rows} >= {3, 6}
+    for r in rows:
+        if r["step"] in logged:
+            assert r["lr_before"] == pytest.approx(logged[r["step"]], rel=1e-6)
+
+
 def test_resume_after_a_mixture_change_equals_an_uninterrupted_run(runs, tmp_path):
     whole, run = runs / "parent", tmp_path / "resumed"
     shutil.copytree(runs / "stopped", run)

@@ -8,7 +8,7 @@ import numpy as np
 
 from moelab.config import RunConfig, load_run_config
 from moelab.run.logs import read_metrics
-from moelab.train.changes import lr_curve
+from moelab.train.changes import logged_lr
 
 
 def _pyplot():
@@ -23,7 +23,7 @@ def _pyplot():
 def lr_by_tokens(cfg: RunConfig, *steps: int) -> tuple[list[int], np.ndarray]:
     """(tokens, LR) of a config's plan at ~600 steps (plus ``steps``), for plotting."""
     grid = np.unique(np.r_[np.linspace(0, cfg.train.steps, 600).round(), steps].astype(int))
-    return [cfg.data.tokens_before(int(s)) for s in grid], lr_curve(cfg, grid)
+    return [cfg.data.tokens_before(int(s)) for s in grid], logged_lr(cfg, grid)
 
 
 def plot_replan(before: RunConfig, after: RunConfig, at: int, path: Path | str) -> Path:

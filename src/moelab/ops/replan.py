@@ -20,7 +20,7 @@ import numpy as np
 from moelab.config import RunConfig, load_run_config
 from moelab.ops.schedule import steps_for_tokens
 from moelab.run.logs import log_operation, read_metrics
-from moelab.train.changes import Change, PlanError, apply_change, lr_curve
+from moelab.train.changes import Change, PlanError, apply_change, logged_lr
 from moelab.train.resume import PENDING, resume_step
 from moelab.util import atomic_write_json
 
@@ -95,7 +95,7 @@ def preview_rows(before: RunConfig, after: RunConfig, at: int, n: int = 6) -> li
     last = max(before.train.steps, after.train.steps)
     steps = sorted({at - 1, at, before.train.steps, after.train.steps,
                     *np.linspace(at, last, n).round().astype(int).tolist()} - {-1})
-    lr0, lr1 = lr_curve(before, steps), lr_curve(after, steps)
+    lr0, lr1 = logged_lr(before, steps), logged_lr(after, steps)  # as the log shows
     return [{"step": s, "tokens_before": before.data.tokens_before(s) if s <= before.train.steps
              else None, "lr_before": float(a) if s <= before.train.steps else None,
              "tokens_after": after.data.tokens_before(s) if s <= after.train.steps else None,

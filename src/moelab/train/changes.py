@@ -55,6 +55,12 @@ def lr_curve(cfg: RunConfig, steps) -> np.ndarray:
     return np.asarray(fn(np.asarray(steps, np.int32)), np.float64)
 
 
+def logged_lr(cfg: RunConfig, steps) -> np.ndarray:
+    """The LR a run's log shows at each of ``steps``: train/lr at step s is that of the update
+    that reached s, the schedule at s - 1 (previews and plots read as the log does)."""
+    return lr_curve(cfg, np.maximum(np.asarray(steps, np.int64) - 1, 0))
+
+
 def apply_change(cfg: RunConfig, at: int, change: Change, *, keep_warmup: bool) -> RunConfig:
     """``cfg`` with ``change`` taking effect at step ``at``; refuses impossible plans.
 
