@@ -579,6 +579,22 @@ def test_bad_input_is_one_clear_line(argv, code, phrase, where, capsys, refuse_w
     assert lines and lines[-1].startswith("moelab") and ": error: " in lines[-1], err
     assert phrase.format(**where) in lines[-1]
     assert all(line.startswith(("usage:", " ")) for line in lines[:-1]), err  # argparse's usage
+    if argv[0] in ("replan", "branch"):
+        assert not out, out  # refused before the preview table, not after it
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["replan", "{d}/at30", "--end-steps", "40", "--mixture", "prose=1,cod=2"],
+     "--mixture prose=1,cod=2: data.mixture: unknown domain(s) cod; available in train"),
+    (["branch", "{d}/at30", "--at", "30", "--cooldown", "1k", "--mixture", "bogus=1",
+      "--dry-run"], "--mixture bogus=1: data.mixture: unknown domain(s) bogus")])
+def test_a_mixture_the_data_lacks_is_refused_before_the_preview(argv, phrase, where, capsys):
+    """Checked against the run's data (its samplers built), which follows the plan's own
+    check of its LR schedule (a small XLA compile), but comes before anything is printed."""
+    rc, out, err = run_main([a.format(**where) for a in argv], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2 and not out, (out, err)
+    assert lines[-1].startswith("moelab: error: ") and phrase in lines[-1], err
 
 
 def test_the_table_covers_every_command():

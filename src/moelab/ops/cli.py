@@ -11,7 +11,7 @@ import shlex
 from dataclasses import asdict
 from pathlib import Path
 
-from moelab.config import config_from_dict
+from moelab.config import ConfigError, config_from_dict
 from moelab.config.errors import INT32_MAX, require
 from moelab.config.io import apply_overrides
 from moelab.ops.record import LINEAGE
@@ -70,9 +70,11 @@ def _describe(pending: dict) -> str:
     return change + (f", requested at step {at:,}" if at is not None else "")
 
 
-def _check_data(cfg) -> str:
+def _check_data(cfg, args) -> str:
     """Build the samplers of every segment when the run's token store is at hand, so a bad
-    mixture or a context longer than a domain's stream fails now, not at the change."""
+    mixture or a context longer than a domain's stream fails now, not at the change, and
+    before anything is printed; the refusal names the options given."""
+    from moelab.data.errors import DataError
     from moelab.data.prepare import prepare_data
     from moelab.data.sampler import SteppedSampler
     from moelab.data.store import TokenStore
@@ -81,8 +83,13 @@ def _check_data(cfg) -> str:
         return "data: streamed from data.source, which fills windows of any length"
     if not (Path(cfg.data.data_dir) / "corpus" / "manifest.json").is_file():
         return f"data: {cfg.data.data_dir} not found here; the mixture is checked at the resume"
-    SteppedSampler(TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False)
-                              .store_dir), cfg.data)
+    try:
+        SteppedSampler(TokenStore(prepare_data(cfg.data, cfg.model.vocab_size, verbose=False)
+                                  .store_dir), cfg.data)
+    except (ConfigError, DataError) as e:
+        given = [f"--{k.replace('_', '-')} {v}" for k, v in (("mixture", args.mixture),
+                                                              ("seq_len", args.seq_len)) if v]
+        raise type(e)(f"{' '.join(given)}: {e}" if given else str(e)) from None
     return "data: every mixture and context length can be drawn"
 
 
@@ -125,15 +132,18 @@ def _replan(args) -> int:
         raise PlanError("nothing to change: give a new end (--end-steps, --end-tokens, "
                         "--deadline), --mixture or --seq-len")
     before, after, at = rp.planned(run, change)
+    data_note = _check_data(after, args)  # refusals before anything is printed
+    forecast = (rp.format_forecast(rp.ladder_forecast(args.ladder, {"now": before, "new": after}))
+                if args.ladder else None)
     print(f"{run}: last logged step {now['step']:,} ({now['tokens']:,} tokens); a resume now "
           f"starts at checkpoint step {at:,}")
     if seconds is not None:
         rate = args.tokens_per_s or now["tokens_per_s"]
         print(f"deadline in {seconds / 3600:,.2f} h at {rate:,.0f} tokens/s -> end step {end:,}")
     print(rp.format_preview(rp.preview_rows(before, after, at)))
-    if args.ladder:
-        print(rp.format_forecast(rp.ladder_forecast(args.ladder, {"now": before, "new": after})))
-    print(_check_data(after))
+    if forecast:
+        print(forecast)
+    print(data_note)
     if args.seq_len:
         print(rope_note(after))
     print(f"plot: {plot_replan(before, after, at, args.plot or run / 'replan_preview.png')}")
@@ -164,11 +174,14 @@ def cmd_branch(args) -> int:
         br.check_can_record(parent, br.branch_dir(parent, args.at, args.out))
     before, after = br.plan_branch(parent, args.at, tokens, floor=args.floor, mixture=mixture,
                                    seq_len=args.seq_len)
+    data_note = _check_data(after, args)  # refusals before anything is printed
+    forecast = (rp.format_forecast(rp.ladder_forecast(args.ladder, {"parent": before,
+                                                                    "branch": after}))
+                if args.ladder else None)
     print(rp.format_preview(rp.preview_rows(before, after, args.at), ("parent", "branch")))
-    if args.ladder:
-        print(rp.format_forecast(rp.ladder_forecast(args.ladder, {"parent": before,
-                                                                  "branch": after})))
-    print(_check_data(after))
+    if forecast:
+        print(forecast)
+    print(data_note)
     print(rope_note(after))
     if args.dry_run:
         print("dry run: nothing created")
