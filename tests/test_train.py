@@ -606,9 +606,14 @@ def test_a_resume_says_what_it_changes(data_dir, tmp_path, capsys):  # noqa: F81
     optim = {"schedule_steps": 0, "warmup_steps": 0}  # the schedule follows train.steps: 2
     quiet_train(micro_config(data_dir, optim=optim, train={"steps": 2, "log_every": 1}), tmp_path)
     capsys.readouterr()
-    train(micro_config(data_dir, optim=optim, train={"steps": 4, "log_every": 2}), tmp_path,
-          sample_prompt=None)
+    summary = train(micro_config(data_dir, optim=optim, train={"steps": 4, "log_every": 2}),
+                    tmp_path, sample_prompt=None)
     err = capsys.readouterr().err
+    from moelab.train.loop import format_summary
+
+    per_step = summary["tokens_trained"] // 4  # the summary tells this start's share apart
+    assert f"tokens trained   {4 * per_step:,} in all; {2 * per_step:,} from step 2 in " in \
+        format_summary(summary)
     changed = ["train.log_every 1 -> 2", "train.steps 2 -> 4"]
     assert (f"resuming {tmp_path} from step 2, with 2 setting(s) changed from its config.yaml: "
             + "; ".join(changed)) in err

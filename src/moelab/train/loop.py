@@ -68,8 +68,9 @@ class _StopFlag:
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.signal = signal.Signals(signum).name
-        info(f"\n{self.signal} received: finishing this step and saving a checkpoint "
-             "(Ctrl-C again to abort without saving)")
+        # steps already handed to the device finish first (it runs behind this loop)
+        info(f"\n{self.signal} received: stopping after the steps under way and saving a "
+             "checkpoint (Ctrl-C again to abort without saving)")
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
@@ -360,8 +361,9 @@ def _summary(run: RunSetup, p: _Progress, t_run: float) -> dict:
     summary = {"run_dir": str(run.run_dir), "step": p.step, "steps": cfg.train.steps,
                "interrupted": p.stop_signal, "config_hash": cfg.hash(),
                "params_total": run.counts["total"], "params_active": run.counts["active"],
-               "tokens_trained": cfg.data.tokens_before(p.step),
-               "wall_time_s": time.time() - t_run, "peak_flops": run.peak.rated,
+               "tokens_trained": cfg.data.tokens_before(p.step), "start_step": run.start,
+               "tokens_this_start": cfg.data.tokens_before(p.step) - cfg.data.tokens_before(
+                   run.start), "wall_time_s": time.time() - t_run, "peak_flops": run.peak.rated,
                "peak_source": run.peak.source, "measured_peak_flops": run.peak.measured}
     summary.update({k: p.metrics.get(k) for k in ("train/loss", "throughput/tokens_per_s",
                                                    "throughput/mfu",
@@ -404,7 +406,10 @@ def format_summary(s: dict) -> str:
              + (f" (stopped by {s['interrupted']}; run again to resume)" if s["interrupted"] else ""),
              f"  parameters       {s['params_total'] / 1e6:.2f}M total, "
              f"{s['params_active'] / 1e6:.2f}M active per token",
-             f"  tokens trained   {s['tokens_trained']:,} in {_fmt_time(s['wall_time_s'])}"]
+             f"  tokens trained   {s['tokens_trained']:,} in {_fmt_time(s['wall_time_s'])}"
+             if not s.get("start_step") else  # a resume: its own share, and the run's total
+             f"  tokens trained   {s['tokens_trained']:,} in all; {s['tokens_this_start']:,} "
+             f"from step {s['start_step']} in {_fmt_time(s['wall_time_s'])}"]
     if s.get("train/loss") is not None:
         lines.append(f"  train loss       {s['train/loss']:.4f} nats/token")
     if s.get("throughput/tokens_per_s"):
