@@ -283,6 +283,7 @@ CASES = [
     (["data", "build", "--out", "{d}/afile"], 2, "--out {d}/afile: a file"),
     # plan
     (["plan", "tiny", "--tokens", "-5"], 2, "--tokens -5"),
+    (["plan", "tiny", "--json", "{d}/afile/p.json"], 2, "--json {d}/afile/p.json: cannot be written"),
     (["plan", "tiny", "--tokens", "nan"], 2, "--tokens nan"),
     (["plan", "{d}/empty.yaml"], 2, "{d}/empty.yaml: empty"),
     (["plan", "{d}/dup.yaml"], 2, "duplicate key 'steps'"),

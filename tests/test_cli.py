@@ -324,3 +324,16 @@ def test_nan_loss_is_logged_as_a_string_and_read_back(tmp_path):
     t.close()
     (rec,), _ = read_metrics(path)
     assert rec["train/loss"] == "nan" and math.isnan(float(rec["train/loss"]))
+
+
+def test_a_closed_pipe_ends_quietly(monkeypatch, capsys):
+    """`moelab plan ... | head`: the reader goes away; moelab ends with a shell's SIGPIPE status
+    and no error line (it said "moelab: error: [Errno 32] Broken pipe", exit 2)."""
+    from moelab.config import cli as config_cli
+
+    def closed(_args):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(config_cli, "cmd_presets", closed)
+    assert main(["presets"]) == 141
+    assert capsys.readouterr().err == ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
 import re
 import sys
 
@@ -133,6 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_raises():  # so that cleanup runs on SIGTERM as on Ctrl-C
             return args.fn(args)
+    except BrokenPipeError:  # the reader went away (`moelab plan ... | head`): no error to say
+        try:  # Python's flush at exit would fail on the closed pipe and say so
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # no file descriptor (a captured stdout)
+            pass
+        return 141  # as a shell reports a command ended by SIGPIPE
     except (ConfigError, OSError, ValueError, CheckpointError, FloatingPointError) as e:
         print(f"moelab: error: {e}", file=sys.stderr)
         return 2

@@ -323,6 +323,14 @@ def appendable(path: Path | str) -> bool:
         return False
 
 
+def check_output_file(path: Path | str, option: str) -> None:
+    """Refuse, before any work, an output file that could not be written: a folder, or a path
+    under a file or in a folder this user cannot write."""
+    if Path(path).is_dir() or not writable(Path(path).parent):
+        raise PermissionError(f"{option} {path}: cannot be written; give a file in a folder "
+                              "you can write")
+
+
 def check_writable(path: Path | str, what: str, fix: str, *, append: bool = False) -> None:
     """Refuse, before any work, a command whose results could not be written: files made in
     the folder ``path`` (or, with ``append``, lines added to the file ``path``)."""

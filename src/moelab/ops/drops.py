@@ -12,7 +12,7 @@ from pathlib import Path
 from moelab.config import ConfigError, ParallelConfig, RunConfig
 from moelab.config.errors import require
 from moelab.parallel.transport import TRANSPORTS, get
-from moelab.util import writable
+from moelab.util import check_output_file
 
 # Per-rank counts a transport checks against the local experts E_l: a run trained without
 # expert parallelism never used them, so a forecast at EP > 1 fits them to E_l (and says so).
@@ -34,8 +34,8 @@ def check_options(seq_lens: list[int], transport: list[str] | None, ranks: int |
             f"{tokens_per_rank}", "must be >= 1 (a multiple of every --seq-len)")
     require(batches >= 1, f"--batches {batches}", "must be >= 1")
     require(seed >= 0, f"--seed {seed}", "must be >= 0")
-    require(json_out is None or (not Path(json_out).is_dir() and writable(Path(json_out).parent)),
-            f"--json {json_out}", "cannot be written; give a file in a folder you can write")
+    if json_out is not None:
+        check_output_file(json_out, "--json")
 
 
 def default_ranks(cfg: RunConfig) -> int:

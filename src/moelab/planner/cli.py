@@ -15,7 +15,7 @@ from moelab.config.cli import EPILOG_OVERRIDES
 from moelab.config.errors import require
 from moelab.data.prepare import resolve_config
 from moelab.planner.cluster import ACCELERATORS, accelerator
-from moelab.util import atomic_write_json
+from moelab.util import atomic_write_json, check_output_file
 
 
 def _fake_devices_rerun(args) -> int | None:
@@ -75,6 +75,8 @@ def check_plan_options(args) -> None:
                 "e.g. 1.25 2.0")
     for waves in args.waves:
         require(waves >= 1, f"--waves {waves}", "wave counts must be >= 1")
+    if args.json:
+        check_output_file(args.json, "--json")
 
 
 def cmd_plan(args, train_step) -> int:
