@@ -418,7 +418,15 @@ def test_lab_commands(tmp_path, capsys, monkeypatch, lab):
     assert "0001-bigger-batch.md" in out and "criterion: train/loss last <= 3" in out
     assert main(["lab", "new", "x", "--hypothesis", "h", "--goal", "g",
                  "--criterion", "loss is low"]) == 2
-    assert "moelab: error: criterion 'loss is low': not understood" in capsys.readouterr().err
+    assert "moelab: error: criterion 'loss is low': not understood at 'is'" in \
+        capsys.readouterr().err
+    for text, phrase in (("train/loss lastt < 7", "not understood at 'lastt'"),
+                         ("train/loss < 7; falsifed if > 8", "not understood at '; falsifed'"),
+                         ("trian/loss < 7", "'trian/loss' is no metric a run logs (did you "
+                                            "mean train/...?)")):
+        assert main(["lab", "new", "x", "--hypothesis", "h", "--goal", "g",
+                     "--criterion", text]) == 2
+        assert phrase in capsys.readouterr().err
     assert main(["lab", "show", "9"]) == 2
     assert "record '9': not found" in capsys.readouterr().err
     # the fixture lab: list, show, report

@@ -7,7 +7,7 @@ import textwrap
 from pathlib import Path
 
 from moelab.lab import records as rec_mod
-from moelab.lab.criteria import count_labels
+from moelab.lab.criteria import check_metric_family, count_labels, parse_criterion
 
 CRITERION_HELP = ("pre-registered criterion, repeatable: METRIC [AGG] [over steps A-B] "
                   "[in ARM [- ARM | / ARM]] OP VALUE[%%] [; falsified if OP VALUE[%%]], e.g. "
@@ -15,6 +15,8 @@ CRITERION_HELP = ("pre-registered criterion, repeatable: METRIC [AGG] [over step
 
 
 def cmd_new(args) -> int:
+    for text in args.criterion:  # a metric no run logs is refused before it is pre-registered
+        check_metric_family(parse_criterion(text), text)
     path, rec = rec_mod.new_record(rec_mod.lab_dir(args.lab_dir), args.title, args.hypothesis,
                                    args.goal, args.criterion, args.min_steps, args.issue or "")
     print(f"created {path}")

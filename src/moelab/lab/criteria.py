@@ -16,6 +16,7 @@ optional; a value between the two thresholds is "not met (inconclusive)".
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 import statistics
@@ -91,11 +92,48 @@ def _threshold(op: str, value: str, pct: str | None) -> Threshold:
     return Threshold(op, v / 100 if pct else v, bool(pct))
 
 
+# the grammar's parts in order (required ones marked): where a criterion stops matching them
+# is the word an error names
+_PARTS = ((r"[A-Za-z0-9_./-]+", True), (rf"(?:{'|'.join(AGGREGATIONS)})\b", False),
+          (r"over\s+steps\s+\d+\s*-\s*\d+", False),
+          (rf"in\s+{_ARM}(?:\s+[-/]\s+{_ARM})?", False),
+          (rf"(?:<=|>=|<|>)\s*{_NUM}%?", True),
+          (rf";\s*falsified\s+if\s*(?:<=|>=|<|>)\s*{_NUM}%?", False))
+# the metric families a run's metrics.jsonl holds (eval/loss: the ladder's mean held-out loss)
+METRIC_FAMILIES = ("train", "eval", "throughput", "moe", "hw", "data", "baseline")
+
+
+def _stuck_at(text: str) -> str:
+    """The first word of ``text`` the grammar's parts do not match, quoted, or "its end"."""
+    pos = 0
+    for part, required in _PARTS:
+        m = re.compile(r"\s*" + part).match(text, pos)
+        if m:
+            pos = m.end()
+        elif required:
+            break
+    rest = text[pos:].split()
+    return repr(" ".join(rest[:2]) if rest[:1] == [";"] else rest[0]) if rest else "its end"
+
+
+def check_metric_family(c: Criterion, text: str) -> None:
+    """Refuse a criterion on a metric no run logs (a typo such as trian/loss would be
+    pre-registered and then never have data)."""
+    family = c.metric.split("/")[0]
+    if "/" not in c.metric or family not in METRIC_FAMILIES:
+        near = difflib.get_close_matches(family, METRIC_FAMILIES, n=1)
+        raise ValueError(f"criterion {text!r}: {c.metric!r} is no metric a run logs"
+                         + (f" (did you mean {near[0]}/...?)" if near else "")
+                         + f"; metrics are FAMILY/NAME, families {', '.join(METRIC_FAMILIES)} "
+                         "(the keys of a run's metrics.jsonl)")
+
+
 def parse_criterion(text: str) -> Criterion:
     """Parse one criterion; ValueError says what is wrong and shows the grammar."""
     m = _PATTERN.match(text.strip())
     if not m:
-        raise ValueError(f"criterion {text!r}: not understood; write METRIC [AGG] [over steps A-B] "
+        raise ValueError(f"criterion {text!r}: not understood at {_stuck_at(text.strip())}; "
+                         "write METRIC [AGG] [over steps A-B] "
                          "[in ARM [- ARM | / ARM]] OP VALUE[%] [; falsified if OP VALUE[%]], e.g. "
                          "'throughput/mfu median over steps 50-199 >= 22.5%' (AGG: "
                          f"{', '.join(AGGREGATIONS)}; OP: {', '.join(OPERATORS)})")
