@@ -278,4 +278,4 @@ def test_compare_ladder_folders_and_refuse_mismatched_inputs(tmp_path, target, c
     assert rc == 2 and "nope: not found" in err and "ladder folder" in err
     few = write_runs_csv(tmp_path / "few.csv", 1.0, budgets=[1e15, 1e16])
     rc, _, err = run_main(["ladder", "compare", str(few), str(a.root)], capsys)
-    assert rc == 2 and "2 compute budget(s); L(C) needs 4 or more runs at 3" in err
+    assert rc == 2 and "2 compute budget(s); the comparison fits L(C), which needs 4 or more runs at 3" in err

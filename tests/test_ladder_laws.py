@@ -86,10 +86,10 @@ def test_choice_extrapolates_tenfold_with_a_band_that_covers():
 
 def test_plan_spreads_tokens_per_parameter_when_asked():
     target = micro_target()
-    rule = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 3),
-                      token_multipliers=(0.5, 1.0))
+    rule = LadderRule(rungs=3, widths=(32, 48, 64), depths=(2, 2, 3),
+                      token_multipliers=(0.5, 1.0))  # d16 at 0.5x and 1x: both the 20-step minimum
     rungs = plan_ladder(target, rule)
-    assert len(rungs) == 6
+    assert len(rungs) == 6 and not any(r.stats["raised"] for r in rungs)
     flops = [r.stats["flops"] for r in rungs]
     assert flops == sorted(flops)
     by_name = {r.name: r for r in rungs}

@@ -15,6 +15,8 @@ The guard (moelab.ladder.guard) adds its tolerance on top of this envelope.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 PROGRESS = np.round(np.linspace(0.02, 1.0, 50), 4)
@@ -37,8 +39,10 @@ def scale_band(curves: np.ndarray, log_flops: np.ndarray, target_log_flops: floa
                log_values: bool = False) -> dict:
     """curves [rungs, grid] -> {"lo", "mid", "hi"} at the target's compute (see module doc)."""
     curves = np.asarray(curves, float)
-    lo = np.nanmin(curves, 0)
-    hi = np.nanmax(curves, 0)
+    with np.errstate(invalid="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a progress point no rung logged: nan
+        lo = np.nanmin(curves, 0)
+        hi = np.nanmax(curves, 0)
     mid = np.full(curves.shape[1], np.nan)
     for j in range(curves.shape[1]):
         ok = np.isfinite(curves[:, j])

@@ -230,8 +230,9 @@ class Chosen:
                        "the data do not pin down; spread N and D more (more budgets, several "
                        "token multipliers per size)")
         if self.scale is None:
-            out.append("fewer than three compute budgets: no validation, approach 3 with a "
-                       "bootstrap band over runs")
+            out.append(f"no validation fold (of {len(self.log_c)} points: a fold fits at least "
+                       f"two budgets and {MIN_FIT_POINTS} points below the budget it scores); "
+                       "approach 3 with a bootstrap band over runs")
         return out
 
     def report(self) -> dict:

@@ -69,9 +69,10 @@ def load_side(path: Path | str) -> Side:
                                 "run`) or a CSV of runs with columns N, D, loss[, C]")
     budgets = len(np.unique(np.round(np.log(side.C), 2)))
     if budgets < MIN_BUDGETS or len(side.C) < MIN_RUNS:
-        raise ValueError(f"{path}: {len(side.C)} runs at {budgets} compute budget(s); L(C) needs "
-                         f"{MIN_RUNS} or more runs at {MIN_BUDGETS} or more budgets (add widths "
-                         "or seeds)")
+        raise ValueError(f"{path}: {len(side.C)} runs at {budgets} compute budget(s); the "
+                         f"comparison fits L(C), which needs {MIN_RUNS} or more runs at "
+                         f"{MIN_BUDGETS} or more budgets, more than `moelab ladder fit` (add "
+                         "widths or seeds)")
     return side
 
 

@@ -307,6 +307,10 @@ def format_report(rep: dict) -> str:
         if "method" in law:
             lines.append(f"    chosen: {', '.join(law['method']['members'])}")
             lines += [f"    warning: {w}" for w in law["method"]["warnings"]]
+        elif c.get("E", 1.0) < 1e-3:  # L(C) with E fitted: the rungs set no floor
+            lines.append("    warning: E ~ 0, degenerate: the rungs do not pin down an "
+                         "irreducible loss, so this law's prediction and band are not to be "
+                         "trusted (more budgets)")
     h = rep.get("holdout")
     if h:
         lines.append(f"  holdout: refitted without the largest model, predicting {h['rung']}'s "
@@ -316,8 +320,11 @@ def format_report(rep: dict) -> str:
     lines.append(f"target {t['name']} (N {t['params_active']:,}, D {t['tokens']:,}, "
                  f"C {t['flops']:.3g}), central {rep['level']:.0%} intervals:")
     for name, p in rep["final"].items():
+        flat = "lo" in p and p["hi"] - p["lo"] <= 1e-6 * abs(p["mid"])
         lines.append(f"  final {name:<32} {p['mid']:.4f}"
-                     + (f"  [{p['lo']:.4f}, {p['hi']:.4f}]" if "lo" in p else ""))
+                     + (f"  [{p['lo']:.4f}, {p['hi']:.4f}]" if "lo" in p else "")
+                     + ("  (a band of no width: the refits all agree, degenerate)" if flat
+                        else ""))
     return "\n".join(lines)
 
 
