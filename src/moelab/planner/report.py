@@ -10,6 +10,7 @@ from moelab.parallel import transport
 from moelab.planner.cluster import Accelerator, GiB, cluster_estimate
 from moelab.planner.counts import flops_report, param_breakdown, param_counts, run_tokens
 from moelab.planner.memory import (
+    AUTO_FILL,
     PLAN_FILL,
     Layout,
     memory_report,
@@ -123,18 +124,25 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
     for remat, a in acts.items():
         note = (f"saved {a['saved'] / GiB:.2f} + one layer {a['layer'] / GiB:.2f}"
                 if a["layer"] else "every layer's residuals")
+        hbm = mem["hbm_bytes"]
         mark = ("" if remat != mem["remat"] else "; the config's setting"
-                if mem.get("remat_setting", remat) != "auto" else "; what remat auto takes")
+                if mem.get("remat_setting", remat) != "auto" else "; what remat auto takes"
+                + (f" (none where the step fits {AUTO_FILL:.0%} of {hbm / GiB:.1f} GiB, as "
+                   "moelab train's compile decides; else full)" if hbm else ""))
         out.append(row(f"activations, remat {remat}", a["peak"], note + mark))
     out.append(row("sum (before transport buffers)", mem["base_total"]))
     if mem["hbm_bytes"]:
         best, fill = mem["least_recompute"], PLAN_FILL * mem["hbm_bytes"]
         out.append(f"    least recompute that fits {PLAN_FILL:.0%} of "
-                   f"{mem['hbm_bytes'] / GiB:.1f} GiB: "
+                   f"{mem['hbm_bytes'] / GiB:.1f} GiB (below where XLA:GPU starts recomputing "
+                   "to fit): "
                    + (f"model.remat={best} ({(mem['fixed'] + acts[best]['peak']) / GiB:.2f} "
                       "GiB before transport buffers)" if best else
                       f"no policy (full needs "
-                      f"{(mem['fixed'] + acts['full']['peak']) / GiB:.2f} GiB of {fill / GiB:.1f})"))
+                      f"{(mem['fixed'] + acts['full']['peak']) / GiB:.2f} GiB of {fill / GiB:.1f})"
+                      "; fewer tokens per device would: micro-steps "
+                      "(train.microbatch_tokens), a smaller batch, more devices (--devices "
+                      "with --ep/--fsdp), or state on the host (--offload)"))
     if mem["transports"]:
         hbm = mem["hbm_bytes"]
         out += ["", f"    transport buffers of one MoE layer per rank ({wdt} rows of the "
