@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import sys
 from typing import Callable, NamedTuple
 
 import jax
@@ -166,6 +167,7 @@ def check_sampling(args) -> None:
 def cmd_generate(args, load_run) -> int:
     check_sampling(args)
     run = load_run(args.run, step=args.step)  # a folder or a run URL
+    print(f"{args.run}: sampling from the checkpoint of step {run.step}", file=sys.stderr)
     text = run.generate(args.prompt, args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed)
     print(args.prompt + text)
@@ -177,11 +179,13 @@ def register(sub, load_run) -> None:
     (moelab.run.load, which sits above this module, so the command line hands it in)."""
     g = sub.add_parser("generate", help="sample text from a trained run")
     g.add_argument("run", help="run folder or URL (e.g. runs/tiny, gs://bucket/runs/tiny)")
-    g.add_argument("--prompt", default="The ", help="text to continue")
-    g.add_argument("--max-tokens", type=int, default=100, help="new tokens to sample (>= 1)")
-    g.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy")
+    g.add_argument("--prompt", default="The ", help="text to continue (default 'The ')")
+    g.add_argument("--max-tokens", type=int, default=100,
+                   help="new tokens to sample (>= 1; default 100)")
+    g.add_argument("--temperature", type=float, default=0.8, help=">= 0; 0 = greedy (default 0.8)")
     g.add_argument("--top-p", type=float, default=0.95,
-                   help="in (0, 1]: sample from the most likely tokens holding this probability")
+                   help="in (0, 1]: sample from the most likely tokens holding this probability "
+                   "(default 0.95)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     g.set_defaults(fn=functools.partial(cmd_generate, load_run=load_run))

@@ -202,6 +202,11 @@ def exit_if_abandoned(code: int) -> None:
         os._exit(code)
 
 
+def describe_error(e: BaseException) -> str:
+    """'Type: message', or the type alone when there is no message (a Ctrl-C)."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+
+
 def info(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

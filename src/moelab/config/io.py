@@ -244,7 +244,8 @@ def _read_one(name: str, path: Path | None, via: str | None) -> dict[str, Any]:
     of = f" (the base of {via})" if via else ""
     if path is not None:
         if not path.is_file():
-            raise ConfigError(f"config file {name}{of}: not found; give a YAML path or a preset "
+            what = "a folder, not a file" if path.is_dir() else "not found"
+            raise ConfigError(f"config file {name}{of}: {what}; give a YAML path or a preset "
                               f"name ({', '.join(preset_names())})")
         text = decode_utf8(path.read_bytes(), f"config {name}")
     else:

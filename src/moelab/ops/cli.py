@@ -150,7 +150,8 @@ def _replan(args) -> int:
     if not args.apply:
         print("dry run: nothing changed; add --apply to apply it at the next resume"
               + (f" (a plan is pending: {_describe(pending)}; --apply --replace replaces it)"
-                 if pending is not None else ""))
+                 if pending is not None else "")
+              + ("; --replace acts only with --apply" if args.replace else ""))
         return 0
     new = rp.request(run, change, at=now["step"], reason=args.reason,
                      command=shlex.join(args.argv))
@@ -334,7 +335,10 @@ def register(sub) -> None:
     add_accept_data_change(s)
     s.set_defaults(fn=cmd_resume)
 
-    h = sub.add_parser("history", help="a run's operations, events and per-stage drop rates")
+    h = sub.add_parser("history", help="a run's operations, events and per-stage drop rates",
+                       description="A run's history: its starts and resumes (with the settings "
+                       "each changed), operations (replans, branches, data stages), stops and "
+                       "alerts, then drop rates per context stage.")
     h.add_argument("run", help="run folder")
     h.set_defaults(fn=cmd_history)
 

@@ -92,11 +92,14 @@ def _as_float(v) -> float:
 
 def format_history(run_dir: Path | str) -> str:
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"{run_dir}: no such folder; give a run folder written by "
+                                "`moelab train` or `moelab branch`")
     lines = [f"run {run_dir}"]
     lin = lineage(run_dir)
     if lin:
-        lines.append(f"  branch of {lin['parent']} at step {lin['step']}: "
-                     f"{lin.get('reason') or '-'}")
+        lines.append(f"  branch of {lin['parent']} at step {lin['step']}"
+                     + (f": {lin['reason']}" if lin.get("reason") else ""))
     skip = {"event", "step", "time", "log", "reason", "command"}
     for e in history(run_dir):
         when = _fmt_time(e.get("time"))

@@ -52,7 +52,9 @@ _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 def parse_tokens(text: str, what: str = "tokens") -> int:
     """'2048', '1.5M', '2e6', '10B' -> a positive whole number of tokens."""
     m = re.fullmatch(rf"\s*({_NUMBER})\s*([kKmMbBtT]?)\s*", str(text))
-    if not m or float(m.group(1)) <= 0:
+    if m and float(m.group(1)) <= 0:
+        raise PlanError(f"{what}: {text!r}: must be more than 0 tokens; write e.g. 2048, 1.5M")
+    if not m:
         raise PlanError(f"{what}: {text!r} is not a token count; write e.g. 2048, 1.5M, 10B")
     return int(round(float(m.group(1)) * _SUFFIX[m.group(2).lower()]))
 

@@ -13,7 +13,7 @@ from moelab.config.cli import EPILOG_OVERRIDES, config_epilog
 from moelab.config.docs import describe_config
 from moelab.config.errors import require
 from moelab.data.prepare import resolve_config, with_tokenizer_vocab
-from moelab.util import is_url, url_fs
+from moelab.util import is_url, url_fs, writable
 
 
 def _check_options(args) -> None:
@@ -58,6 +58,8 @@ def cmd_train(args, attach_record) -> int:
         run_dir = Path(args.run_dir or Path("runs") / Path(source).stem)
         require(not run_dir.exists() or run_dir.is_dir(), f"--run-dir {run_dir}",
                 "a file is in the way; give a folder (it is created when missing)")
+        require(writable(run_dir), f"--run-dir {run_dir}", "cannot be made or written by this "
+                "user; give a folder you can write")
     cfg = _resolved_vocab(cfg, run_dir)
     if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
         from moelab.parallel.distributed import initialize

@@ -49,7 +49,7 @@ from moelab.train.resume import resolve_run_config, resume_step
 from moelab.train.setup import RunSetup, setup_run, train_step_at
 from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
 from moelab.train.tracker import check_trackers
-from moelab.util import atomic_write_json, info, is_url
+from moelab.util import atomic_write_json, describe_error, info, is_url
 
 
 class _StopFlag:
@@ -177,7 +177,7 @@ def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
 def _record_end(run: RunSetup, kind: str, step: int, e: BaseException) -> None:
     """The event that says why the run ended; when it cannot be written (a full disk), the
     reason still reaches stderr."""
-    error = f"{type(e).__name__}: {e}"
+    error = describe_error(e)
     try:
         run.trackers.event(kind, step, error=error)
     except OSError as err:

@@ -237,6 +237,6 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
         k = bad[0]
         why = KEPT_BECAUSE.get(k, "A run folder trains one model: use")
         raise ConfigError(f"{k}: {run_dir} was started with {old.get(k)!r}, now {new.get(k)!r}. "
-                          f"{why} a new --run-dir (or drop the override to resume this run "
-                          "as it was configured)")
+                          f"{why} a new --run-dir (or, to continue this run as it was "
+                          f"configured, `moelab resume {run_dir}`)")
     return cfg

@@ -71,7 +71,7 @@ from moelab.train.tracker import (
     WandbTracker,
     process_identity,
 )
-from moelab.util import atomic_write_bytes, atomic_write_json, info, native_work
+from moelab.util import atomic_write_bytes, atomic_write_json, describe_error, info, native_work
 
 
 @dataclass
@@ -214,7 +214,7 @@ def _end_recorded(trackers, step: int) -> Iterator[None]:
         yield
     except BaseException as e:
         kind = "aborted" if isinstance(e, KeyboardInterrupt) else "failed"
-        trackers.event(kind, step, error=f"{type(e).__name__}: {e}")
+        trackers.event(kind, step, error=describe_error(e))
         trackers.close()
         raise
 
