@@ -337,6 +337,12 @@ def test_lease_rule_kills_and_age():
     assert prunable([1, 2, 3, 4], 1, set()) == [1, 2, 3]
     assert prunable([1, 2, 3, 4], 1, {2, 4}) == [1, 3]
     assert prunable([1, 2], 3, {1}) == []
+    # with the save interval: a stop's checkpoint (21) goes before the periodic ones once a
+    # newer one exists; the newest always stays, whatever its step
+    assert prunable([10, 20, 21, 30], 3, set(), every=10) == [21]
+    assert prunable([10, 20, 21], 2, set(), every=10) == [10]
+    assert prunable([10, 20, 30, 31], 2, set(), every=10) == [10, 20]
+    assert prunable([10, 20, 21, 30], 3, set()) == [10]  # no interval: the oldest
 
 
 def test_a_checkpoint_being_read_is_not_pruned_under_its_reader(tmp_path):

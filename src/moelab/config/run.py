@@ -91,7 +91,7 @@ class TrainConfig:
     eval_every: int = 200  # steps between held-out evaluations
     eval_tokens: int = 65_536  # held-out tokens per domain per evaluation
     ckpt_every: int = 200  # steps between checkpoints (and one at the end)
-    keep_ckpts: int = 3  # newest checkpoints kept
+    keep_ckpts: int = 3  # checkpoints kept: the newest, then periodic ones before a stop's
     # MFU's denominator, FLOP/s of all devices together (then nothing is measured); 0 = the
     # rated dense bf16 peak of a known accelerator or 100 GFLOP/s per CPU core, with the
     # matmul peak measured at start shown beside it

@@ -126,11 +126,12 @@ class Checkpointer:
     """
 
     def __init__(self, ckpt_dir: Path | str, keep: int = 3, *, verify: bool = True,
-                 asynchronous: bool = False):
+                 asynchronous: bool = False, every: int = 0):
         if int(keep) < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.dir = Path(ckpt_dir).absolute()  # orbax requires absolute paths
         self.keep = int(keep)
+        self.every = int(every)  # the periodic saves' interval: kept before off-schedule ones
         self.verify = verify
         self.asynchronous = asynchronous
         self.on_commit: Callable[[int], None] | None = None  # told each committed step; must not raise
@@ -322,7 +323,8 @@ class Checkpointer:
                     p.unlink(missing_ok=True)
 
     def _prune(self) -> None:
-        for s in prunable(self.steps(), self.keep, leased_steps(self.dir, remove_stale=True)):
+        for s in prunable(self.steps(), self.keep, leased_steps(self.dir, remove_stale=True),
+                          self.every):
             if s in leased_steps(self.dir):  # listed again just before the rename: the window in
                 continue  # which a new reader can lose its lease race stays microseconds long
             path = self.step_dir(s)

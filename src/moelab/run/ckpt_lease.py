@@ -45,10 +45,18 @@ def lease_live(record: dict, now: float, host: str, alive: Callable[[int], bool]
     return record.get("host") != host or alive(pid)
 
 
-def prunable(steps: list[int], keep: int, leased: set[int]) -> list[int]:
-    """The checkpoints a save removes: all but the newest ``keep``, except those a reader holds
-    a lease on (they go with a later save, once the reader is done)."""
-    return [s for s in sorted(steps)[:-keep] if s not in leased]
+def prunable(steps: list[int], keep: int, leased: set[int], every: int = 0) -> list[int]:
+    """The checkpoints a save removes: all but ``keep``, the newest and then the newest of the
+    others, those on the schedule (multiples of ``every``, when given) before those off it (a
+    stop's, a run's last step), so a stop's checkpoint, once a newer one exists, does not push
+    out the periodic ones a branch or a fallback reads; never those a reader holds a lease on
+    (they go with a later save, once the reader is done)."""
+    steps = sorted(steps)
+    if len(steps) <= keep:
+        return []
+    older = sorted(steps[:-1], key=lambda s: (every > 0 and s % every == 0, s), reverse=True)
+    kept = {steps[-1], *older[:keep - 1]}
+    return [s for s in steps if s not in kept and s not in leased]
 
 
 def _record(p: Path) -> dict:

@@ -40,7 +40,7 @@ import jax
 from moelab.config import ConfigError
 from moelab.run.checkpoint import MANIFEST_FILE, Checkpointer, CheckpointError, step_name, step_of
 from moelab.run.ckpt_failures import download_failure, manifest_files, none_restored
-from moelab.run.ckpt_lease import leased_steps
+from moelab.run.ckpt_lease import leased_steps, prunable
 from moelab.run.lock import LOCK_FILE, RunLocked, holder_record, refusal, run_lock
 from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
 
@@ -285,7 +285,8 @@ class Mirror:
             for step in ckpt.steps():
                 self._push_step(ckpt, step)
             if self.ckpt is not None:
-                for step in sorted(self._manifests)[: -self.ckpt.keep]:
+                for step in prunable(list(self._manifests), self.ckpt.keep, set(),
+                                     self.ckpt.every):
                     self._delete_step(step)
             self._push_files()
 

@@ -334,6 +334,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     sampler = (StreamSampler(cfg.data, tok, data.corpus_dir) if cfg.data.sampler == "stream"
                else SteppedSampler(store, cfg.data))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts,
+                        every=cfg.train.ckpt_every,
                         asynchronous=cfg.train.async_ckpt)
     if mirror is not None:
         mirror.attach(ckpt)
