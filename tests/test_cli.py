@@ -85,7 +85,10 @@ def test_a_mistyped_command_suggests_the_one_meant(argv, prefix, meant, capsys):
 
 def test_presets_and_plan(capsys):
     rc, out, _ = run_main(["presets"], capsys)
-    assert rc == 0 and "tiny" in out.split()
+    names = [line.split()[0] for line in out.splitlines()[:-1]]
+    assert rc == 0 and names == ["tiny", "small", "d768", "d1024", "d1536", "d2048", "535b-a23b"]
+    lines = dict(line.split(maxsplit=1) for line in out.splitlines()[:-1])
+    assert lines["tiny"].startswith("The default") and "rung d768" in lines["d768"]
     rc, out, _ = run_main(["plan", "tiny", "model.n_experts=16"], capsys)
     assert rc == 0 and out.startswith("tiny: total ")
     rc2, out2, _ = run_main(["plan", "model.n_experts=16"], capsys)  # config name defaults to tiny

@@ -350,6 +350,10 @@ def test_replan_and_branch(runs, data_dir, tmp_path, capsys):  # noqa: F811
     # both: the same config from step 3 on, so the same losses and final state
     cfg = load_run_config(child)
     assert cfg.optim.decays == load_run_config(run).optim.decays
+    # the lineage records what the cooldown trains (whole steps) beside what was asked
+    trained = cfg.data.tokens_before(cfg.train.steps) - cfg.data.tokens_before(3)
+    assert (lineage["cooldown_tokens_asked"], lineage["cooldown_tokens"]) == (512, trained)
+    assert trained >= 512
     assert cfg.data.context_stages == [ContextStage(3, 64)] and cfg.train.steps == 7
     rb, rc = train_records(run), train_records(child)
     assert sorted(rc) == [4, 5, 6, 7]

@@ -7,7 +7,9 @@ from the tokenizer (``moelab.data``), as training does, and config sits below da
 
 from __future__ import annotations
 
+import re
 import textwrap
+from importlib import resources
 
 from moelab.config.docs import section_classes, section_doc
 from moelab.config.io import preset_names
@@ -29,9 +31,31 @@ def config_epilog() -> str:
                       *rows, "", textwrap.fill(tail, 88)])
 
 
+def preset_summary(name: str, width: int = 96) -> str:
+    """What a preset is, from its file's leading comment: the first sentence, or the head of a
+    long one up to its first colon, cut to ``width``."""
+    text = (resources.files("moelab") / "presets" / f"{name}.yaml").read_text()
+    lines = text.splitlines()
+    comment = " ".join(line[1:].strip() for line in lines[:next(
+        (i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))])
+    first = re.split(r"(?<=[.])\s", comment, maxsplit=1)[0]
+    head = first.split(": ", 1)[0]
+    first = head if len(first) > width and len(head) >= 30 else first
+    return first if len(first) <= width else first[:width - 3].rstrip() + "..."
+
+
+def _preset_order(name: str) -> tuple:
+    """CPU presets first, then by width (the ladder rungs), then the rest."""
+    rung = re.fullmatch(r"d(\d+)", name)
+    return ({"tiny": 0, "small": 1}.get(name, 2 if rung else 3), int(rung[1]) if rung else 0,
+            name)
+
+
 def cmd_presets(_args) -> int:
-    for name in preset_names():
-        print(name)
+    names = sorted(preset_names(), key=_preset_order)
+    for name in names:
+        print(f"{name:<{max(map(len, names))}}  {preset_summary(name)}")
+    print("(moelab config NAME prints one whole; moelab plan NAME sizes it)")
     return 0
 
 

@@ -171,8 +171,12 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     command = command or command_line()
     src = Checkpointer(parent / "checkpoints").step_dir(at)
     tmp = child.with_name(f".{child.name}.tmp")  # the branch appears whole or not at all
+    # the cooldown trains whole steps: what it trains, beside what was asked
+    trained = (child_cfg.data.tokens_before(child_cfg.train.steps)
+               - child_cfg.data.tokens_before(at))
     change = {"end": child_cfg.train.steps, "floor": child_cfg.optim.decays[-1].floor,
-              "mixture": mixture, "seq_len": seq_len, "cooldown_tokens": cooldown_tokens}
+              "mixture": mixture, "seq_len": seq_len, "cooldown_tokens": trained,
+              "cooldown_tokens_asked": cooldown_tokens}
     with run_lock(tmp, command):  # the branch's folder has one writer, locked as it appears
         _clear_but_lock(tmp)
         if placed is None:
@@ -184,8 +188,8 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
         save_config(child_cfg, tmp / "config.yaml")
         _write_data_record(tmp, data, at)
         lin = {"parent": str(parent.resolve()), "step": at, "reason": reason,
-               "command": command, "time": time.time(), "cooldown_tokens": cooldown_tokens,
-               "end": child_cfg.train.steps}
+               "command": command, "time": time.time(), "cooldown_tokens": trained,
+               "cooldown_tokens_asked": cooldown_tokens, "end": child_cfg.train.steps}
         if placed is not None:
             lin["placement"] = {**placed, "slots": placed["slots"].tolist()}
             change["place_experts"] = place_ranks
