@@ -303,6 +303,23 @@ def test_unknown_key_suggests_the_intended_one(key, hint, tmp_path):
         load_config(str(path))
 
 
+def test_an_unknown_field_names_its_file_in_a_base_chain(tmp_path):
+    """A YAML file's unknown field is named with the file it is in (the base, not the file
+    given, when the base holds it); a section's field at the top level says where it goes."""
+    (tmp_path / "base.yaml").write_text("base: tiny\nsteps: 100\n")
+    (tmp_path / "top.yaml").write_text("base: base.yaml\ntrain:\n  steps: 5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(tmp_path / "top.yaml"))
+    assert str(e.value) == (
+        f"config {tmp_path / 'base.yaml'} (the base of {tmp_path / 'top.yaml'}): steps: unknown "
+        "field; did you mean train.steps? (a YAML file gives it inside its section: `train:`, "
+        "then `  steps: ...`)")
+    (tmp_path / "typo.yaml").write_text("base: tiny\nmodel:\n  n_expertz: 4\n")
+    with pytest.raises(ConfigError, match=r"typo.yaml: model.n_expertz: unknown field; did you "
+                                          r"mean model.n_experts\?"):
+        load_config(str(tmp_path / "typo.yaml"))
+
+
 def test_unknown_field_in_other_sections():
     for section, cls in (("data", DataConfig), ("optim", OptimConfig), ("train", TrainConfig)):
         with pytest.raises(ConfigError) as e:

@@ -669,9 +669,9 @@ def test_cli_plan_writes_a_ladder_and_guard_reports(tmp_path, capsys, ladder):
     assert len(load_ladder(tmp_path / "lad").rungs) == 4
     rc, _, err = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,x"], capsys)
     assert rc == 2 and "comma-separated integers" in err
-    rc, out, _ = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,1536", "--rungs", "2",
-                           "--depths", "8,16", "--seeds", "2", "--lr-exp", "1", "--out", str(tmp_path / "lr")],
-                          capsys)
+    rc, out, _ = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,1536",  # 2 rungs
+                           "--depths", "8,16", "--seeds", "2", "--lr-exp", "1", "--out",
+                           str(tmp_path / "lr")], capsys)
     lad_lr = load_ladder(tmp_path / "lr")
     assert rc == 0 and [r.cfg.optim.lr for r in lad_lr.rungs] == pytest.approx(
         [lad_lr.target.optim.lr * lad_lr.target.model.d_model / d

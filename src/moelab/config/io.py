@@ -50,12 +50,32 @@ def _unknown_field(prefix: str, name: str, names: set[str]) -> str:
     close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
     if close:
         return f"{where}: unknown field; did you mean {prefix + '.' if prefix else ''}{close[0]}?"
-    if prefix in {f.name for f in dataclasses.fields(RunConfig)}:
+    if prefix in {f.name for f in dataclasses.fields(RunConfig)} | {""}:
         for other, cls in get_type_hints(RunConfig).items():
             if name in {f.name for f in dataclasses.fields(cls)}:
-                return f"{where}: unknown field; did you mean {other}.{name}?"
+                nest = (f" (a YAML file gives it inside its section: `{other}:`, then "
+                        f"`  {name}: ...`)" if not prefix else "")
+                return f"{where}: unknown field; did you mean {other}.{name}?{nest}"
     return (f"{where}: unknown field; valid fields: {', '.join(sorted(names))} (`moelab config` "
             "lists them with their meaning)")
+
+
+def _first_unknown(cls: type, data: Any, prefix: str = "") -> str | None:
+    """The error for the first key of ``data`` (sections included) that no field of ``cls``
+    has, or None: each config file is checked so, and the error names that file."""
+    if not isinstance(data, dict):
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(map(str, set(data) - names))
+    if unknown:
+        return _unknown_field(prefix, unknown[0], names)
+    hints = get_type_hints(cls)
+    for key, value in data.items():
+        if dataclasses.is_dataclass(hints[key]):
+            found = _first_unknown(hints[key], value, f"{prefix}.{key}" if prefix else key)
+            if found:
+                return found
+    return None
 
 
 def _number_text(value: Any) -> Any:
@@ -289,7 +309,12 @@ def _resolve(source: str, folder: Path | None, chain: tuple[tuple[str, str], ...
     if identity in [i for _, i in chain[:-1]]:
         raise ConfigError(f"config {chain[0][0]}: base cycle "
                           f"{' -> '.join(n for n, _ in chain)}; remove one of these bases")
-    data = migrate(_read_one(name, path, chain[-2][0] if len(chain) > 1 else None))
+    via = chain[-2][0] if len(chain) > 1 else None
+    data = migrate(_read_one(name, path, via))
+    unknown = _first_unknown(RunConfig, {k: v for k, v in data.items() if k != "base"})
+    if unknown:
+        raise ConfigError(f"config {name}" + (f" (the base of {via})" if via else "")
+                          + f": {unknown}")
     if "base" not in data:
         return data
     base = data.pop("base")

@@ -43,7 +43,8 @@ def cmd_plan(args) -> int:
     # working folder trains on the same data, and fits compare runs by it
     target = with_tokenizer_vocab(load_config(source, overrides)).with_frozen_schedule()
     target = target.with_absolute_data()
-    rule = LadderRule(rungs=args.rungs, top_share=args.top_share, spacing=args.spacing,
+    rungs = args.rungs if args.rungs is not None else len(args.widths or args.depths or ()) or 4
+    rule = LadderRule(rungs=rungs, top_share=args.top_share, spacing=args.spacing,
                       depth_exp=args.depth_exp, widths=args.widths or (),
                       depths=args.depths or (), batch_size=args.batch_size, evals=args.evals,
                       token_multipliers=args.token_multipliers or (1.0,), seeds=args.seeds,
@@ -257,7 +258,8 @@ def _add_plan(sub) -> None:
                        epilog="Overrides (SECTION.FIELD=VALUE) after TARGET apply to the target.")
     p.add_argument("config", nargs="?", help="target preset or YAML (default: tiny)")
     p.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides of the target")
-    p.add_argument("--rungs", type=int, default=4, help="number of rungs (default 4)")
+    p.add_argument("--rungs", type=int, default=None,
+                   help="number of rungs (default: one per --widths value, else 4)")
     p.add_argument("--top-share", type=float, default=1 / 400,
                    help="largest rung's FLOPs as a fraction of the target's (default 0.0025)")
     p.add_argument("--spacing", type=float, default=4.0,
