@@ -445,3 +445,13 @@ def test_optimizer_state_is_the_size_the_optimizer_allocates(moment_dtype):
     f32 = state_memory(load_config("tiny"), Layout(optimizer="muon"))["optimizer_state"]
     muon = state_memory(cfg, Layout(optimizer="muon"))["optimizer_state"]
     assert muon == f32 * jnp.dtype(moment_dtype).itemsize / 4
+
+
+def test_cluster_time_reads_at_any_length():
+    """A cluster's days to one decimal, a run under 0.1 day in hours, minutes or seconds (a CPU
+    preset's plan printed 0.0 days and 0 device-hours)."""
+    from moelab.planner.report import _days, _device_hours
+
+    assert [_days(d) for d in (87.34, 0.1, 0.05, 0.001, 2e-5, 1e-6)] == [
+        "87.3", "0.1", "1.2 h", "1.44 min", "1.73 s", "<1 s"]
+    assert [_device_hours(h) for h in (1_475_813.2, 12.4, 0.0172)] == ["1,475,813", "12", "0.017"]

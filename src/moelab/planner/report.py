@@ -83,11 +83,25 @@ def format_plan(name: str, plan: dict) -> str:
                   f"{c['peak_flops'] / 1e15:.3g} PFLOP/s dense bf16 each",
                   f"    {'MFU':>7}{'tokens/s':>14}{'days':>9}{'device-hours':>15}"]
         for r in c["runs"]:
-            lines.append(f"    {r['mfu']:>7.1%}{r['tokens_per_s']:>14,.0f}{r['days']:>9.1f}"
-                         f"{r['device_hours']:>15,.0f}")
+            lines.append(f"    {r['mfu']:>7.1%}{r['tokens_per_s']:>14,.0f}{_days(r['days']):>9}"
+                         f"{_device_hours(r['device_hours']):>15}")
     if "memory" in plan:
         lines += [""] + _format_memory(plan["memory"], m)
     return "\n".join(lines)
+
+
+def _days(days: float) -> str:
+    """Days to one decimal; a run shorter than 0.1 day in hours, minutes or seconds."""
+    if days >= 0.1:
+        return f"{days:.1f}"
+    for unit, per_day in (("h", 24), ("min", 1440), ("s", 86400)):
+        if days * per_day >= 1:
+            return f"{days * per_day:.3g} {unit}"
+    return "<1 s"
+
+
+def _device_hours(hours: float) -> str:
+    return f"{hours:,.0f}" if hours >= 10 else f"{hours:.2g}"
 
 
 def _format_memory(mem: dict, m: dict) -> list[str]:
@@ -99,7 +113,8 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
         value = f"{nbytes / GiB:10.2f} GiB" if nbytes is not None else f"{'-':>14}"
         return f"    {label:<30}{value}  {note}".rstrip()
 
-    out = [f"  memory per device: {lay['devices']} devices, expert-parallel {lay['ep']}, "
+    out = [f"  memory per device: {lay['devices']} device{'s' * (lay['devices'] != 1)}, "
+           f"expert-parallel {lay['ep']}, "
            f"FSDP {lay['fsdp']}; {mem['sequences_per_device']} sequences = "
            f"{mem['tokens_per_device']:,} tokens per device; {wdt} compute; attention "
            f"{mem['attention']}, loss {mem['loss']}"
