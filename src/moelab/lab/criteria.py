@@ -206,7 +206,7 @@ def _aggregate(c: Criterion, run: ArmRun) -> tuple[float | None, str]:
         return None, f"{run.arm} logged no {c.metric}{where}"
     value = AGGREGATIONS[c.agg]([v for _, v in points])
     shown = fmt_value(value, c.success.percent)
-    return value, f"{run.arm}: {c.agg} of {len(points)} values = {shown}"
+    return value, f"{run.arm}: {c.agg} of {len(points)} value{'s' * (len(points) != 1)} = {shown}"
 
 
 def evaluate(c: Criterion, runs: Sequence[ArmRun], min_steps: int = 0,

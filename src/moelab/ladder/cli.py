@@ -291,7 +291,11 @@ def _add_plan(sub) -> None:
 
 
 def _add_run(sub) -> None:
-    r = sub.add_parser("run", help="train the rungs (resumable; finished rungs are skipped)")
+    r = sub.add_parser("run", help="train the rungs (resumable; finished rungs are skipped)",
+                       description="Train each rung of a planned ladder as an ordinary `moelab "
+                       "train` run in LADDER/rungs/<name>/, --jobs at a time: finished rungs "
+                       "are skipped, unfinished ones resume. Ctrl-C stops them all with a "
+                       "checkpoint each. Then `moelab ladder fit LADDER`.")
     r.add_argument("ladder", help="ladder folder written by `moelab ladder plan --out`")
     r.add_argument("--jobs", type=int, default=1, help="rungs trained at once (default 1)")
     r.add_argument("--rung", action="append", help="train only this rung (repeatable)")
@@ -353,15 +357,17 @@ def _add_guard(sub) -> None:
     g.add_argument("run", help="run folder")
     g.add_argument("--prediction", help="prediction.json (default: RUN/prediction.json)")
     g.add_argument("--follow", action="store_true", help="keep watching until the run ends")
-    g.add_argument("--interval", type=float, default=30.0, help="seconds between checks")
+    g.add_argument("--interval", type=float, default=30.0,
+                   help="seconds between checks (default 30)")
     g.add_argument("--loss-tol", type=float, default=GuardRules.loss_tol,
-                   help="relative loss tolerance beyond the band")
+                   help=f"relative loss tolerance beyond the band (default {GuardRules.loss_tol:g})")
     g.add_argument("--grad-norm-max", type=float, default=GuardRules.grad_norm_max,
-                   help="grad norm ceiling")
+                   help=f"grad norm ceiling (default {GuardRules.grad_norm_max:g})")
     g.add_argument("--patience", type=int, default=GuardRules.patience,
-                   help="consecutive out-of-band points before alerting")
+                   help="consecutive out-of-band points before alerting (default "
+                   f"{GuardRules.patience})")
     g.add_argument("--window", type=int, default=GuardRules.window,
-                   help="trailing median window (logged points)")
+                   help=f"trailing median window, in logged points (default {GuardRules.window})")
     g.add_argument("--strict", action="store_true", help="exit 3 when the log holds alerts")
     g.set_defaults(fn=cmd_guard)
 
