@@ -332,14 +332,30 @@ def test_nan_loss_is_logged_as_a_string_and_read_back(tmp_path):
     assert rec["train/loss"] == "nan" and math.isnan(float(rec["train/loss"]))
 
 
-def test_a_closed_pipe_ends_quietly(monkeypatch, capsys):
-    """`moelab plan ... | head`: the reader goes away; moelab ends with a shell's SIGPIPE status
-    and no error line (it said "moelab: error: [Errno 32] Broken pipe", exit 2)."""
+def test_a_closed_pipe_ends_quietly(tmp_path):
+    """`moelab ... | head`: the reader goes away; moelab ends with a shell's SIGPIPE status and
+    no error line (it said "moelab: error: [Errno 32] Broken pipe", exit 2). A real pipe: the
+    child writes a megabyte to stdout after its reader closed it."""
+    import subprocess
+    import sys
+
+    code = ("import moelab.config.cli as c\n"
+            "c.cmd_presets = lambda _a: print('x' * 2**20) or 0\n"
+            "from moelab.cli import main\nraise SystemExit(main(['presets']))\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    p.stdout.read(1)
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=60) == 141 and err == "", err
+
+
+def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     from moelab.config import cli as config_cli
 
-    def closed(_args):
-        raise BrokenPipeError(32, "Broken pipe")
+    def broken(_args):
+        raise BrokenPipeError(32, "Broken pipe")  # a socket, say: stdout is fine
 
-    monkeypatch.setattr(config_cli, "cmd_presets", closed)
-    assert main(["presets"]) == 141
-    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(config_cli, "cmd_presets", broken)
+    assert main(["presets"]) == 2
+    assert "moelab: error: [Errno 32] Broken pipe" in capsys.readouterr().err

@@ -339,7 +339,10 @@ def resume_runs(tmp_path_factory, data_dir):  # noqa: F811
     summary_a = quiet_train(resume_cfg(data_dir), a)
     summary_b1 = quiet_train(resume_cfg(data_dir, steps=6), b)
     b_after_6 = {"losses": losses(b), "events": events(b),
-                 "ckpts": Checkpointer(b / "checkpoints").steps()}
+                 "ckpts": Checkpointer(b / "checkpoints").steps(),
+                 # read now: the resume's pruning keeps the periodic 4 and 8 before the stop's 6
+                 "router_bias": np.asarray(load_state(b, resume_cfg(data_dir, steps=6), 6)[1][
+                     "model_state"]["router_bias"])}
     summary_b2 = quiet_train(resume_cfg(data_dir), b)
     return {"A": a, "B": b, "summary_a": summary_a, "summary_b1": summary_b1,
             "summary_b2": summary_b2, "b_after_6": b_after_6}
@@ -405,8 +408,7 @@ def test_stopping_before_the_schedule_end_keeps_the_lr_above_floor(resume_runs):
 
 def test_router_bias_is_restored_on_resume(resume_runs, data_dir):  # noqa: F811
     cfg = resume_cfg(data_dir)
-    _, at6 = load_state(resume_runs["B"], cfg, 6)
-    bias6 = np.asarray(at6["model_state"]["router_bias"])
+    bias6 = resume_runs["b_after_6"]["router_bias"]
     assert np.abs(bias6).max() > 0  # the bias moved in the first invocation
     _, a12 = load_state(resume_runs["A"], cfg, 12)
     _, b12 = load_state(resume_runs["B"], cfg, 12)
@@ -620,6 +622,16 @@ def test_a_resume_says_what_it_changes(data_dir, tmp_path, capsys):  # noqa: F81
     assert "note: its LR schedule ends at step 2, so steps 3-4 train at the floor LR" in err
     _, events = read_metrics(tmp_path / "metrics.jsonl")
     assert [e.get("changed") for e in events if e["event"] == "resume"] == [changed]
+    # a replan's decay moves the floor's step: no note while it decays, then its end and floor
+    from moelab.cli import main
+
+    assert main(["replan", str(tmp_path), "--end-steps", "6", "--floor", "0.1", "--apply"]) == 0
+    capsys.readouterr()
+    assert main(["resume", str(tmp_path)]) == 0
+    assert "note: its LR schedule" not in capsys.readouterr().err
+    assert main(["resume", str(tmp_path), "train.steps=7"]) == 0
+    assert ("note: its LR schedule ends at step 6, so step 7 trains at the floor LR (0.1 x "
+            "peak)") in capsys.readouterr().err
 
 
 def test_a_run_folder_without_checkpoints_may_restart_with_another_config(data_dir, tmp_path):  # noqa: F811

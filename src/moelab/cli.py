@@ -13,6 +13,7 @@ import argparse
 import difflib
 import os
 import re
+import select
 import sys
 
 from moelab import generate
@@ -122,6 +123,16 @@ def split_off_overrides(parser: argparse.ArgumentParser, argv: list[str]
     return kept, pulled
 
 
+def _stdout_closed() -> bool:
+    """Whether standard output is a pipe whose reader has gone."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stdout)
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -134,11 +145,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sigterm_raises():  # so that cleanup runs on SIGTERM as on Ctrl-C
             return args.fn(args)
-    except BrokenPipeError:  # the reader went away (`moelab plan ... | head`): no error to say
-        try:  # Python's flush at exit would fail on the closed pipe and say so
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (OSError, ValueError):  # no file descriptor (a captured stdout)
-            pass
+    except BrokenPipeError as e:
+        if not _stdout_closed():  # another pipe or socket broke: an error like any other
+            print(f"moelab: error: {e}", file=sys.stderr)
+            return 2
+        # the reader of the output went away (`moelab plan ... | head`): nothing to say; the
+        # interpreter's flush at exit would fail on the closed pipe and say so
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # as a shell reports a command ended by SIGPIPE
     except (ConfigError, OSError, ValueError, CheckpointError, FloatingPointError) as e:
         print(f"moelab: error: {e}", file=sys.stderr)

@@ -100,7 +100,7 @@ _PARTS = ((r"[A-Za-z0-9_./-]+", True), (rf"(?:{'|'.join(AGGREGATIONS)})\b", Fals
           (rf"(?:<=|>=|<|>)\s*{_NUM}%?", True),
           (rf";\s*falsified\s+if\s*(?:<=|>=|<|>)\s*{_NUM}%?", False))
 # the metric families a run's metrics.jsonl holds (eval/loss: the ladder's mean held-out loss)
-METRIC_FAMILIES = ("train", "eval", "throughput", "moe", "hw", "data", "baseline")
+METRIC_FAMILIES = ("train", "eval", "throughput", "moe", "hw", "data")
 
 
 def _stuck_at(text: str) -> str:

@@ -226,7 +226,12 @@ def cmd_guard(args) -> int:
         from moelab.config import load_run_config
         from moelab.ladder.guard import prediction_mismatch
 
-        if diffs := prediction_mismatch(pred, load_run_config(args.run)):
+        try:  # the alerts are reported whatever the config says
+            diffs = prediction_mismatch(pred, load_run_config(args.run))
+        except (OSError, ValueError) as e:  # ConfigError included
+            diffs = None
+            print(f"  warning: {pred_path} not checked against the run's config ({e})")
+        if diffs:
             print(f"  warning: {pred_path} predicts another run ({'; '.join(diffs)}): its bands "
                   "may not be this run's (a run replanned since the fit differs in its steps)")
     for a in alerts:

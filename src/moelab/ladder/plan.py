@@ -7,7 +7,7 @@ The rule (after the reference ladder, docs/reference.md#the-scaling-ladder):
 * expert, latent and shared widths keep their ratio to ``d_model`` (the reference: d/2);
 * heads = d_model / head_dim; KV heads keep the target's ratio to heads where they can, else
   the largest divisor of the heads not above heads x ratio, at least one (the reference's d768
-  rung: 6 heads, 1 KV head, where 48 / 12 gives 1.5); the global layers' KV heads likewise;
+  rung: 6 heads, 1 KV head, where 6 x 12 / 48 gives 1.5); the global layers' KV heads likewise;
 * depth follows width: n_layers = round(L_target * (d / d_target) ** depth_exp), at least
   ``min_layers`` (depth_exp 0.75 by default; ``depths`` sets them by hand);
 * tokens per active parameter stay the target's, so a rung trains for
@@ -250,7 +250,8 @@ def _search_widths(target: RunConfig, rule: LadderRule) -> list[int]:
         f"ladder: {rule.rungs} rungs {rule.spacing:g}x apart in FLOPs, the largest at "
         f"{rule.top_share:g} of the target's, land on the same width (widths found: "
         f"{', '.join(map(str, widths))}; widths come in steps of head_dim={target.model.head_dim}"
-        "): give " + " or ".join(fixes + ["--widths", "fewer --rungs"]))
+        "): give " + " or ".join(fixes + ["--widths"] + (["fewer --rungs"] if rule.rungs > 2
+                                                          else [])))
 
 
 # replicate r of a rung trains with train.seed + SEED_STRIDE * r: far from the seeds of a
@@ -298,8 +299,10 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
         if (other := seen.setdefault(r.cfg.hash(), r.name)) != r.name:
             raise ConfigError(
                 f"ladder.token_multipliers: rungs {other} and {r.name} are the same run (both "
-                f"raised to the minimum of {rule.min_steps} steps): give fewer or larger "
-                "multipliers, a smaller --batch-size, or a target that trains longer")
+                f"train {r.cfg.train.steps} steps"
+                + (f", the minimum of {rule.min_steps}" if r.stats["raised"] else "")
+                + "): give fewer or farther apart multipliers, a smaller --batch-size, or a "
+                "target that trains longer")
     return sorted(rungs, key=lambda r: (r.stats["flops"], r.stats["replicate"]))
 
 

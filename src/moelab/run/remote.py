@@ -13,7 +13,7 @@ Training works in a local staging folder (``$MOELAB_RUN_CACHE/<url name>``, by d
   the run fails or is interrupted, it pushes: a checkpoint is uploaded under ``.tmp-*`` and
   then moved into place with its manifest last (one rename on file://), so a reader never sees
   a checkpoint without all its files; other files are replaced whole; the remote keeps the
-  newest ``train.keep_ckpts`` checkpoints.
+  ``train.keep_ckpts`` checkpoints the run keeps (``ckpt_lease.prunable``).
 
 Readers (``load_run``) pull the config, the tokenizer and one checkpoint into a copy of their
 own (``<url name>.read``). Locking: the staging folder's ``flock`` plus ``URL/.lock`` naming its

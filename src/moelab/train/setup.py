@@ -231,10 +231,15 @@ def _say_start(cfg: RunConfig, run_dir: Path, start: int | None, changed: list[s
     say(f"resuming {run_dir} from step {start}" + (
         f", with {len(changed)} setting(s) changed from its config.yaml: " + "; ".join(changed)
         if changed else ""))
-    end = cfg.schedule_steps
-    if cfg.train.steps > max(start, end):
-        say(f"note: its LR schedule ends at step {end}, so steps {max(start, end) + 1}-"
-            f"{cfg.train.steps} train at the floor LR ({cfg.optim.floor:g} x peak)" + (
+    # where the LR reaches its floor: the base schedule's end, or a replan's or branch's decay
+    last = cfg.optim.decays[-1] if cfg.optim.decays else None
+    end, floor = (last.end, last.floor) if last else (cfg.schedule_steps, cfg.optim.floor)
+    first = max(start, end) + 1
+    if cfg.train.steps >= first:
+        span = (f"step {first} trains" if first == cfg.train.steps else
+                f"steps {first}-{cfg.train.steps} train")
+        say(f"note: its LR schedule ends at step {end}, so {span} at the floor LR ({floor:g} x "
+            "peak)" + (
                 f"; to decay over the longer run instead: moelab replan {run_dir} --end-steps "
                 f"{cfg.train.steps} --apply" if start < end else ""))
 
