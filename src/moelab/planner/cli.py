@@ -136,7 +136,9 @@ def register(sub, train_step) -> None:
     pl.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
     pl.add_argument("--fsdp", type=int, default=1,
                     help="FSDP degree of the non-expert weights and optimizer state")
-    pl.add_argument("--optimizer", default="adamw", help="adamw or muon (optimizer state size)")
+    pl.add_argument("--optimizer", default="adamw",
+                    help="adamw or muon: the optimizer state to size (muon plans the reference "
+                    "system's MuonH state; moelab itself trains with AdamW)")
     pl.add_argument("--offload", nargs="*", default=[], choices=["master", "opt"],
                     help="kept in host memory: master (fp32 weights) and/or opt")
     pl.add_argument("--attention", default=None, choices=["materialized", "fused"],

@@ -129,7 +129,8 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
            row(f"optimizer state ({lay['optimizer']}"
                + (", bf16)" if mem.get("moment_dtype") == "bfloat16" else ")"),
                None if "opt" in host else st["optimizer_state"],
-               "on host" if "opt" in host else "")]
+               "on host" if "opt" in host else "the reference's MuonH, planned: moelab trains "
+               "AdamW" if lay["optimizer"] == "muon" else "")]
     if "fsdp_gather" in st:
         out.append(row("FSDP gather (2 layers)", st["fsdp_gather"]))
     if "gradient_sum" in st:
