@@ -198,6 +198,23 @@ def test_every_domain_gets_a_heldout_document(tmp_path):
     assert sorted(held) == ["src/alpha/doc000.txt", "src/num/doc000.txt"]  # first by id
 
 
+def test_a_large_file_gives_up_only_the_end_of_its_first_part(tmp_path):
+    """One 3.3 MB book, cut into 4 parts of at most 1 Mi characters, none held out by the hash:
+    its first part gives up only its end, about the held-out share of the domain (it gave up
+    the whole part: a third of this book, two thirds of a 1.5 MB one)."""
+    from moelab.data.corpus import FORCED_HELD_MIN
+
+    src = tmp_path / "src" / "prose"
+    src.mkdir(parents=True)
+    (src / "book.txt").write_text(" ".join(f"word{i}" for i in range(300_000)))
+    m = build_user_corpus([src], tmp_path / "c", heldout_fraction=0.02)
+    dom = m["domains"]["prose"]
+    total = dom["train"]["bytes"] + dom["heldout"]["bytes"]
+    assert dom["train"]["docs"] == 4 and dom["heldout"]["docs"] == 1  # four parts, one end
+    assert FORCED_HELD_MIN * 0.99 <= dom["heldout"]["bytes"] <= max(0.02 * total,
+                                                                    FORCED_HELD_MIN) * 1.01
+
+
 # ---------------------------------------------------------------------------------------------
 # tokenizer
 

@@ -14,6 +14,7 @@ import shutil
 import numpy as np
 
 from export_fixtures import TOL, exports, load, max_diff, module_fixture, moelab_logits, tokenizer
+from helpers import data_dir  # noqa: F401 - a fixture
 from moelab.cli import main
 from moelab.config import ModelConfig
 from moelab.data.tokenizer import EOS_TOKEN
@@ -152,3 +153,16 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert main(["export", str(run), str(tmp_path / "a"), "--to", "hf"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "run"]  # nothing half-written
+
+
+def test_the_card_names_a_corpus_of_your_own_files(data_dir, tmp_path):  # noqa: F811
+    """A run on a folder `moelab data build` filled from the user's files is not credited to
+    the built-in corpus (the card said so whenever data.source was empty)."""
+    from moelab.config import DataConfig
+    from moelab.export.card import _data_source
+
+    assert _data_source(DataConfig(data_dir=str(data_dir))) == (
+        "a corpus built from the trainer's own files (`moelab data build`, folder `data`)")
+    gone = tmp_path / "elsewhere" / "data" / "builtin"  # not at hand: said by where it was
+    assert _data_source(DataConfig(data_dir=str(gone))) == "moelab's built-in corpus"
+    assert _data_source(DataConfig(data_dir=str(tmp_path / "mine"))).startswith("a corpus built")

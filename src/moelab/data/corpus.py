@@ -125,14 +125,22 @@ def _doc_line(doc: dict) -> str:
 
 
 LONE_SHARE_MIN = 0.02  # the held-out share cut from a domain's only document, at least
+# the characters a forced document's held-out end keeps, at least: evaluation windows of a few
+# thousand tokens each (a smaller document is held out whole)
+FORCED_HELD_MIN = 1 << 16
 
 
 def split_lone_document(doc: dict, fraction: float) -> tuple[dict, dict] | None:
     """A domain's only document as (train part, held-out part): its last ``fraction`` (at
-    least ``LONE_SHARE_MIN``) is held out, cut at a whitespace so that words stay whole; None
-    when it is too short to cut."""
+    least ``LONE_SHARE_MIN``) is held out; see ``split_document_end``."""
+    return split_document_end(doc, max(fraction, LONE_SHARE_MIN))
+
+
+def split_document_end(doc: dict, share: float) -> tuple[dict, dict] | None:
+    """(train part, held-out part) of a document: its last ``share`` of characters is held
+    out, cut at a whitespace so that words stay whole; None when it is too short to cut."""
     text = doc["text"]
-    cut = len(text) - int(len(text) * max(fraction, LONE_SHARE_MIN))
+    cut = len(text) - int(len(text) * share)
     ws = re.compile(r"\s").search(text, cut)
     cut = ws.start() if ws else cut
     train, held = text[:cut], text[cut:].lstrip()
@@ -144,8 +152,8 @@ def split_lone_document(doc: dict, fraction: float) -> tuple[dict, dict] | None:
 def _first_pass(docs: Iterable[dict], fraction: float, scratch) -> tuple:
     """Write the documents (ids made unique) to ``scratch``; (documents per domain, domains
     with a held-out document, first train document id per domain, a document id per
-    domain)."""
-    n_docs, seen = Counter(), set()
+    domain, characters per domain)."""
+    n_docs, chars, seen = Counter(), Counter(), set()
     has_heldout, first_id, any_id = set(), {}, {}
     for doc in docs:
         doc_id = doc["id"]
@@ -156,26 +164,35 @@ def _first_pass(docs: Iterable[dict], fraction: float, scratch) -> tuple:
         seen.add(doc_id)
         dom = doc["domain"]
         n_docs[dom] += 1
+        chars[dom] += len(doc["text"])
         any_id[dom] = doc_id
         if is_heldout(doc_id, fraction):
             has_heldout.add(dom)
         elif dom not in first_id or doc_id < first_id[dom]:
             first_id[dom] = doc_id
         scratch.write(_doc_line({**doc, "id": doc_id}))
-    return n_docs, has_heldout, first_id, any_id
+    return n_docs, has_heldout, first_id, any_id, chars
 
 
-def _split_docs(lines: Iterable[str], forced: set, lone: set,
-                fraction: float) -> Iterator[tuple[str, dict]]:
-    """(split, document) of every document of the first pass; a lone document in two parts."""
+def _split_docs(lines: Iterable[str], forced: set, lone: set, fraction: float,
+                chars: Counter) -> Iterator[tuple[str, dict]]:
+    """(split, document) of every document of the first pass; a lone document in two parts,
+    and a forced one (its domain's first, where the hash held none out) too when it is large:
+    its end gives the domain about ``fraction`` of its text (a 1.5 MB file cut into parts of
+    1 Mi characters held out the whole first part, 67% of it), the whole of it if smaller."""
     for line in lines:
         doc = json.loads(line)
+        parts = None
         if doc["id"] in lone:
             parts = split_lone_document(doc, fraction)
-            if parts:
-                yield "train", parts[0]
-                yield "heldout", parts[1]
-                continue
+        elif doc["id"] in forced:
+            held = max(fraction * chars[doc["domain"]], FORCED_HELD_MIN)
+            share = held / max(len(doc["text"]), 1)
+            parts = split_document_end(doc, share) if share < 0.5 else None
+        if parts:
+            yield "train", parts[0]
+            yield "heldout", parts[1]
+            continue
         held = doc["id"] in forced or is_heldout(doc["id"], fraction)
         yield ("heldout" if held else "train"), doc
 
@@ -197,7 +214,8 @@ def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction:
     Two passes over a scratch file, so corpora larger than memory work: the first learns which
     domains got no held-out document, the second writes the final files. Every domain gets
     held-out text to be evaluated on: a domain with >= 2 documents but none held out gives up
-    its first document by id; the only document of a domain is cut in two, its end held out
+    its first document by id (its end only, when that is most of the domain's held-out
+    share: ``_split_docs``); the only document of a domain is cut in two, its end held out
     (``split_lone_document``); one too short for that is reported.
     """
     if not 0 <= heldout_fraction < 1:
@@ -208,7 +226,7 @@ def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction:
     fd, scratch = tempfile.mkstemp(prefix=".docs.", suffix=".tmp", dir=corpus_dir)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            n_docs, has_heldout, first_id, any_id = _first_pass(docs, heldout_fraction, f)
+            n_docs, has_heldout, first_id, any_id, chars = _first_pass(docs, heldout_fraction, f)
         if not n_docs:
             raise DataError(f"no usable documents in {what}" + _skip_summary(skipped, prefix="; "))
         forced = {first_id[d] for d in n_docs if d not in has_heldout and n_docs[d] >= 2}
@@ -219,7 +237,7 @@ def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction:
         with (open_atomic(corpus_dir / "train.jsonl") as ftrain,
               open_atomic(corpus_dir / "heldout.jsonl") as fheld,
               open(scratch, encoding="utf-8") as f):
-            for split, doc in _split_docs(f, forced, lone, heldout_fraction):
+            for split, doc in _split_docs(f, forced, lone, heldout_fraction, chars):
                 (fheld if split == "heldout" else ftrain).write(_doc_line(doc))
                 st = stats[doc["domain"]][split]
                 st["docs"] += 1

@@ -40,6 +40,7 @@ from moelab.data.build import (
     lock_error,
     take_data_lock,
 )
+from moelab.data.errors import DataError
 from moelab.util import LockHeld, describe_holder, info, release_lock, sha256_file, writable
 
 DEFAULT_VOCAB = 4096  # a new tokenizer's size when model.vocab_size is 0
@@ -74,10 +75,25 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
         say(f"building the corpus of {dcfg.source} ({dcfg.format}) in {corpus_dir} ...")
         m = corpus.build_user_corpus([dcfg.source], corpus_dir, fmt=dcfg.format,
                                      text_field=dcfg.text_field, split=dcfg.split)
+    elif not is_builtin_folder(dcfg.data_dir):  # a typo, or a folder of your own: never filled
+        raise DataError(no_corpus_message(dcfg.data_dir))
     else:
         say(f"building the built-in corpus in {corpus_dir} ...")
         m = corpus.build_builtin_corpus(corpus_dir)
     say(f"  corpus ready in {time.time() - t:.0f}s ({_describe(m)})")
+
+
+def no_corpus_message(data_dir: Path | str) -> str:
+    """Why a data folder other than the built-in one, holding no corpus, is not filled with
+    the built-in corpus (it would then train on other data than asked, in the user's folder)."""
+    data_dir = Path(data_dir)
+    if (data_dir / "manifest.json").is_file():
+        return (f"data.data_dir={data_dir}: a corpus folder itself; give the folder that holds "
+                f"it: data.data_dir={data_dir.parent}")
+    return (f"data.data_dir={data_dir}: no corpus there ({data_dir / 'corpus' / 'manifest.json'}"
+            " not found); build one from your files with `moelab data build FILES --out "
+            f"{data_dir}`, or leave data.data_dir at {BUILTIN_OUT}, where the built-in corpus "
+            "is built when missing")
 
 
 def head_bytes(dcfg: DataConfig) -> int:

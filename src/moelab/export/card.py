@@ -51,9 +51,28 @@ def _model_lines(m, seq_len: int) -> list[str]:
             f"- trained context {seq_len} tokens; vocabulary {m.vocab_size}"]
 
 
+def _data_source(d) -> str:
+    """What the run trained on, as a card says it: data.source, else the corpus its data
+    folder holds: the built-in one, or one built from the user's files (by the folder's
+    manifest; a folder not at hand counts as built-in only where it is data/builtin)."""
+    if d.source:
+        return f"`{d.source}` ({d.format})"
+    folder = Path(d.data_dir)
+    try:
+        manifest = read_json_object(folder / "corpus" / "manifest.json", "")
+    except ValueError:  # damaged: said by where it is
+        manifest = None
+    kind = (manifest or {}).get("kind") or (
+        "builtin" if folder.parts[-2:] == ("data", "builtin") else "user")
+    if kind == "builtin":
+        return "moelab's built-in corpus"
+    return (f"a corpus built from the trainer's own files (`moelab data build`, folder "
+            f"`{folder.name}`)")
+
+
 def _training_lines(cfg, step: int, prov: dict) -> list[str]:
     d = cfg.data
-    source = f"`{d.source}` ({d.format})" if d.source else "moelab's built-in corpus"
+    source = _data_source(d)
     tok = prov.get("tokenizer_sha256")
     return [f"- checkpoint: step {step:,} of {cfg.train.steps:,} "
             f"({cfg.data.tokens_before(step):,} tokens of batches {d.batch_size} x {d.seq_len})",
