@@ -502,3 +502,17 @@ def test_native_ragged_path_traces(kind):
     # (JAX's transpose of ragged_all_to_all exchanges its int32 offsets with small all_to_alls.)
     assert n(grad, "ragged_all_to_all") == 5
     assert not [p for p, dt in grad if p == "all_to_all" and "float" in dt]
+
+
+def test_a_native_ragged_exchange_is_refused_on_a_cpu_before_the_run():
+    """XLA:CPU has no ragged_all_to_all: ragged_impl=native failed mid-training, or at the first
+    evaluation for a transport that does not use it (evaluation's dropless exchange does)."""
+    from moelab.config import ConfigError
+
+    for kind in ("pooled_wave", "ragged"):
+        par = ParallelConfig(expert=2, transport=kind, ragged_impl="native")
+        with pytest.raises(ConfigError, match="parallel.ragged_impl: native: XLA's CPU backend"):
+            transport.check_backend(par, "cpu")
+        transport.check_backend(par, "gpu")  # the native exchange where it exists
+    transport.check_backend(ParallelConfig(expert=1, ragged_impl="native"), "cpu")  # no exchange
+    transport.check_backend(ParallelConfig(expert=2, ragged_impl="auto"), "cpu")

@@ -34,6 +34,7 @@ import jax
 from moelab.config import RunConfig
 from moelab.data.prepare import with_tokenizer_vocab
 from moelab.data.sampler import heldout_text
+from moelab.parallel import transport
 from moelab.parallel.distributed import agree_any, is_main
 from moelab.planner.counts import train_flops_per_token
 from moelab.run.checkpoint import Checkpointer, CheckpointError, save_failure
@@ -327,7 +328,18 @@ def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
     speed = (f"{rate:,.0f} tok/s | {_mfu_text(metrics, run.peak)} | ETA {_fmt_time(eta)}"
              if rate else "no rate yet (clock restarted)")
     run.say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
-            f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | {speed}")
+            f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
+            + (f"drops {drops} | " if (drops := _drops_text(cfg, metrics)) else "") + speed)
+
+
+def _drops_text(cfg: RunConfig, metrics: dict) -> str:
+    """The dropped share of routed assignments, for the progress line and the summary, where
+    the training transport can drop (empty for a dropless one)."""
+    if transport.training_transport(cfg.parallel) == transport.DROPLESS:
+        return ""
+    get = lambda k: metrics.get(f"moe/{k}drop_fraction") or 0.0  # noqa: E731
+    return (f"{get(''):.1%} (sender {get('sender_'):.1%}, receiver "
+            f"{get('receiver_'):.1%})")
 
 
 def _mfu_text(metrics: dict, peak: Peaks) -> str:
@@ -368,6 +380,7 @@ def _summary(run: RunSetup, p: _Progress, t_run: float) -> dict:
     summary.update({k: p.metrics.get(k) for k in ("train/loss", "throughput/tokens_per_s",
                                                    "throughput/mfu",
                                                    "throughput/share_of_measured_peak")})
+    summary["drops"] = _drops_text(cfg, p.metrics) or None
     return summary
 
 
@@ -412,6 +425,8 @@ def format_summary(s: dict) -> str:
              f"from step {s['start_step']} in {_fmt_time(s['wall_time_s'])}"]
     if s.get("train/loss") is not None:
         lines.append(f"  train loss       {s['train/loss']:.4f} nats/token")
+    if s.get("drops"):
+        lines.append(f"  routes dropped   {s['drops']} at the last logged step")
     if s.get("throughput/tokens_per_s"):
         lines.append(f"  throughput       {s['throughput/tokens_per_s']:,.0f} tokens/s, "
                      f"MFU {s['throughput/mfu']:.1%} of {format_flops(s['peak_flops'])}"

@@ -314,6 +314,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     _check_resume_data(cfg, run_dir, recorded, accept_data_change)
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
     cfg = transport.check_config(resolve_run_config(cfg, run_dir))  # before any work
+    transport.check_backend(cfg.parallel, jax.default_backend())
     changed = resume_changes(run_dir, cfg)  # said, and kept in the resume event
     check_adaptive(cfg)
     main = is_main()  # with several processes, process 0 alone writes the run folder

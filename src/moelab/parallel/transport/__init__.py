@@ -28,14 +28,15 @@ from moelab.model.axes import DATA, EXPERT
 from moelab.model.experts import DropCounts, drop_fractions, drop_totals, grouped_kernel
 from moelab.parallel.mesh import batch_spec, expert_weight_spec, per_device_spec
 from moelab.parallel.transport import expert_cells, pooled_global, pooled_wave, ragged, waterfill
-from moelab.parallel.transport.common import BufferRows, Transport
+from moelab.parallel.transport.common import BufferRows, Transport, require_parallel
 
 TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
     pooled_wave.TRANSPORT, pooled_global.TRANSPORT, expert_cells.TRANSPORT, ragged.TRANSPORT,
     waterfill.TRANSPORT)}
 DROPLESS = "ragged"  # what runs where nothing may drop: evaluation, and EP 1
 
-__all__ = ["DROPLESS", "TRANSPORTS", "BufferRows", "DropCounts", "Transport", "check_config",
+__all__ = ["DROPLESS", "TRANSPORTS", "BufferRows", "DropCounts", "Transport", "check_backend",
+           "check_config",
            "drop_fractions", "drop_totals", "get", "make_transport_fn", "training_transport"]
 
 
@@ -61,6 +62,17 @@ def check_config(cfg: RunConfig) -> RunConfig:
     for name in dict.fromkeys((training_transport(par), DROPLESS)):
         TRANSPORTS[name].check(par, cfg.model.n_experts // par.expert)
     return cfg
+
+
+def check_backend(par: ParallelConfig, backend: str) -> None:
+    """Refuse, before a run starts, an exchange its backend cannot run: XLA's CPU backend has
+    no ragged_all_to_all, which ``ragged_impl=native`` asks of the ragged and waterfill
+    transports, and of evaluation's dropless exchange at every expert-parallel degree above 1
+    (it failed at the first evaluation, after training). A plan, made anywhere, is not."""
+    require_parallel(not (par.expert > 1 and par.ragged_impl == "native" and backend == "cpu"),
+                     "ragged_impl", "native: XLA's CPU backend has no ragged_all_to_all; use "
+                     "auto (the all_to_all emulation on a CPU, the native exchange on a GPU) or "
+                     "emulated")
 
 
 def make_transport_fn(mesh, par: ParallelConfig, kernel: tuple[str, int] | None = None,
