@@ -455,3 +455,18 @@ def test_cluster_time_reads_at_any_length():
     assert [_days(d) for d in (87.34, 0.1, 0.05, 0.001, 2e-5, 1e-6)] == [
         "87.3", "0.1", "1.2 h", "1.44 min", "1.73 s", "<1 s"]
     assert [_device_hours(h) for h in (1_475_813.2, 12.4, 0.0172)] == ["1,475,813", "12", "0.017"]
+
+
+def test_the_transport_table_marks_what_training_refuses_at_this_ep():
+    """A wave count that does not divide the local experts (E_l = 384 / 64 = 6 at W = 4) is
+    shown as not runnable, with training's message, not sized and marked 'fits'."""
+    from moelab.planner.memory import Layout, memory_report, transport_options
+
+    cfg = load_config("535b-a23b")
+    rows = memory_report(cfg, Layout(704, 64, 64, "muon", ("master",)),
+                         transport_options(cfg.parallel, {"waves": [3, 4]}),
+                         hbm_bytes=173.2 * 2**30)["transports"]
+    wave = {t["waves"]: t for t in rows if t["kind"] == "pooled_wave"}
+    assert "invalid" not in wave[3] and wave[3]["total"] > 0
+    assert wave[4]["invalid"].startswith("parallel.waves: local experts E_l=6 must be divisible")
+    assert "fits" not in wave[4]

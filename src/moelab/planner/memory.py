@@ -309,7 +309,9 @@ def transport_memory(kind: str, *, tokens: int, top_k: int, n_experts: int, rank
             "peak": kept + wave}
 
 
-CAPACITY_FIELDS = ("capacity_factor", "sender_cf", "global_sender_cf", "receiver_cf", "waves")
+# the parallel.* fields a transport's buffers follow (the grouping ones at the config's values)
+CAPACITY_FIELDS = ("capacity_factor", "sender_cf", "global_sender_cf", "receiver_cf", "waves",
+                   "budget_group", "fair_blocks")
 
 
 def transport_options(par: ParallelConfig, sweeps: dict[str, list] | None = None) -> list[dict]:
@@ -360,6 +362,13 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
     remat = planned_remat(m.remat, acts, fixed, hbm_bytes)
     rows = []
     for t in (transports or []) if not local else []:
+        caps = {k: v for k, v in t.items() if k != "kind"}
+        try:  # what training would refuse at this EP (waves or groups not dividing E_l)
+            transport.get(t["kind"]).check(ParallelConfig(transport=t["kind"], **caps),
+                                           m.n_experts // layout.ep)
+        except ConfigError as e:
+            rows.append({**t, "invalid": str(e)})
+            continue
         tm = transport_memory(tokens=tokens, top_k=m.top_k, n_experts=m.n_experts,
                               ranks=layout.ep, width=m.routed_width, expert_dim=m.expert_dim,
                               itemsize=jnp.dtype(m.compute_dtype).itemsize, **t)

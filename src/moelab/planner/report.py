@@ -167,6 +167,10 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
                 f"    {'design':<14}{'capacity':<16}{'W':>2}{'kept':>10}{'one wave':>10}"
                 f"{'peak':>10}{'bank rows':>12}{'total':>10}  fits"]
         for t in mem["transports"]:
+            if "invalid" in t:  # training refuses it at this EP: no sizes
+                out.append(f"    {t['kind']:<14}{_capacity(t):<16}{t.get('waves', 1):>2}  "
+                           f"not runnable here: {t['invalid']}")
+                continue
             out.append(f"    {t['kind']:<14}{_capacity(t):<16}{t['waves']:>2}"
                        f"{t['kept'] / GiB:>10.2f}{t['wave'] / GiB:>10.2f}{t['peak'] / GiB:>10.2f}"
                        f"{t['bank_rows']:>12,}{t['total'] / GiB:>10.2f}  "
