@@ -153,6 +153,10 @@ def test_generate_greedy_from_an_older_checkpoint(trained, capsys):
     assert f"{trained}: sampling from the checkpoint of step 10" in err  # on stderr: the text
     _, _, newest = run_main(base, capsys)  # stays clean on stdout
     assert f"{trained}: sampling from the checkpoint of step 30" in newest
+    assert "the prompt has" not in newest
+    rc, _, err = run_main(["generate", str(trained), "--prompt", "the cat " * 200,
+                           "--max-tokens", "2"], capsys)
+    assert rc == 0 and "tokens; the model sees its last " in err  # a prompt over the context
     assert out10.startswith("def get_") and len(out10.rstrip("\n")) > len("def get_")
     rc, out10b, _ = run_main(base + ["--step", "10", "--seed", "99"], capsys)
     assert rc == 0 and out10b == out10  # greedy ignores the seed

@@ -480,3 +480,20 @@ def test_heldout_text(small):
     assert heldout_text(small["corpus"], "num") == "\n".join(docs) and docs
     with pytest.raises(DataError, match="available: alpha, num"):
         heldout_text(small["corpus"], "code")
+
+
+def test_a_tokenizer_smaller_than_asked_is_said(tmp_path, capsys):
+    """--vocab is a ceiling: a small corpus learns fewer merges, and the build says so (the
+    file kept the asked size in its name with nothing said)."""
+    from moelab.config import DataConfig
+    from moelab.data.prepare import prepare_data
+
+    src = tmp_path / "src" / "prose"
+    src.mkdir(parents=True)
+    for i in range(4):
+        (src / f"d{i}.txt").write_text("the cat sat on the mat. " * 40)
+    build_user_corpus([src], tmp_path / "data" / "corpus", heldout_fraction=0.2)
+    prepare_data(DataConfig(data_dir=str(tmp_path / "data")), 5000, verbose=True)
+    err = capsys.readouterr().err
+    got = load_tokenizer(tmp_path / "data" / "tokenizer-5000.json").get_vocab_size()
+    assert got < 5000 and f": {got:,} tokens, fewer than the 5,000 asked" in err

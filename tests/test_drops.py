@@ -54,6 +54,10 @@ def test_forecast_refuses_bad_lengths_and_fields(trained, capsys):
                          (["parallel.waves=1", "--seq-len", "64", "--tokens-per-rank", "96"],
                           "--tokens-per-rank 96: must be a multiple of every length forecast, "
                           "64 included"),
+                         # a length the run's own batch per rank does not hold: that default is
+                         # named, not the option it stands for
+                         (["parallel.waves=1", "--seq-len", "65536"], "--seq-len 65536: the "
+                          "forecast's batch per rank is by default the run's"),
                          (["model.d_model=8", "--seq-len", "64"], "only parallel.* fields")):
         rc = main(["drops", str(trained), *argv])
         err = capsys.readouterr().err

@@ -168,6 +168,10 @@ def cmd_generate(args, load_run) -> int:
     check_sampling(args)
     run = load_run(args.run, step=args.step)  # a folder or a run URL
     print(f"{args.run}: sampling from the checkpoint of step {run.step}", file=sys.stderr)
+    n, ctx = len(run.tokenizer.encode(args.prompt).ids), run.cfg.data.seq_len
+    if n > ctx:  # the sampler's window: the prompt's start falls out of it
+        print(f"the prompt has {n:,} tokens; the model sees its last {ctx:,} (its trained "
+              "context)", file=sys.stderr)
     text = run.generate(args.prompt, args.max_tokens, temperature=args.temperature,
                         top_p=args.top_p, seed=args.seed)
     print(args.prompt + text)

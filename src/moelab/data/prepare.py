@@ -224,7 +224,10 @@ def _prepare(dcfg: DataConfig, vocab_size: int, verbose: bool, progress: bool,
             t = time.time()
             say(f"training a {vocab_size}-token byte-level BPE tokenizer ...")
             tokenizer.train_tokenizer(corpus_dir, tok_path, vocab_size=vocab_size)
-            say(f"  tokenizer ready in {time.time() - t:.0f}s")
+            got = tokenizer.load_tokenizer(tok_path).get_vocab_size()
+            say(f"  tokenizer ready in {time.time() - t:.0f}s" + (
+                f": {got:,} tokens, fewer than the {vocab_size:,} asked (the size is a ceiling: "
+                "this corpus has no more merges to learn)" if got < vocab_size else ""))
     tok = tokenizer.load_tokenizer(tok_path)
     needed = vocab_needed(tok)
     vocab_size = vocab_size or needed

@@ -262,6 +262,12 @@ def cmd_drops(args) -> int:
     cfg, loaded, pars = load_run_for_drops(args.run, args.overrides, args.transport, args.ranks)
     ranks = next(iter(pars.values())).expert
     per_rank = args.tokens_per_rank or drops.run_tokens_per_rank(cfg)
+    longest = max([cfg.data.seq_len, *args.seq_len])
+    odd = any(L <= 0 or L % cfg.data.seq_len for L in args.seq_len)  # refused by the forecast
+    require(args.tokens_per_rank or odd or per_rank % longest == 0, f"--seq-len {longest}",
+            f"the forecast's batch per rank is by default the run's {per_rank:,} tokens per "
+            f"device, not a multiple of {longest}: give --tokens-per-rank N, a multiple of "
+            "every --seq-len")
     fit_model = None
     if args.place_from is not None:
         drops.check_place_from(Path(args.run), cfg, args.place_from, loaded.step,
