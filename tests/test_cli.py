@@ -363,3 +363,20 @@ def test_a_broken_pipe_that_is_not_stdout_is_an_error(monkeypatch, capsys):
     monkeypatch.setattr(config_cli, "cmd_presets", broken)
     assert main(["presets"]) == 2
     assert "moelab: error: [Errno 32] Broken pipe" in capsys.readouterr().err
+
+
+def test_a_finished_run_resumed_on_other_data_is_told_so(trained, tmp_path, capsys):
+    """A finished run resumed with a data folder whose tokenizer has another size: the data
+    check names the change (it said 'set model.vocab_size=N', which the run then refused)."""
+    import shutil
+
+    run = Path(shutil.copytree(trained, tmp_path / "run"))
+    src = tmp_path / "src" / "prose"
+    src.mkdir(parents=True)
+    for i in range(4):
+        (src / f"d{i}.txt").write_text("the dog ran to the park. " * 40)
+    other = tmp_path / "other"
+    assert main(["data", "build", str(src), "--out", str(other), "--vocab", "300"]) == 0
+    rc, _, err = run_main(["resume", str(run), f"data.data_dir={other}", 'data.tokenizer=""'],
+                          capsys)  # the folder's own tokenizer, as a run of its own data has
+    assert rc == 2 and "is not what this run trained on" in err and "vocab_size" not in err, err

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import jax
 
-from moelab.config import RunConfig
+from moelab.config import ConfigError, RunConfig
 from moelab.data.prepare import with_tokenizer_vocab
 from moelab.data.sampler import heldout_text
 from moelab.parallel import transport
@@ -163,7 +163,12 @@ def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
     _, events = read_metrics(run_dir / "metrics.jsonl")
     if not any(e["event"] == "finished" and e["step"] == at for e in events):
         return None
-    if resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()), run_dir).train.steps > at:
+    try:
+        steps = resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()),
+                                   run_dir).train.steps
+    except ConfigError:  # other data or settings: setup says what differs, the data first
+        return None
+    if steps > at:
         return None  # trained longer now (a new train.steps, a pending replan)
     ckpt = Checkpointer(run_dir / "checkpoints")
     try:
