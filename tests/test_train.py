@@ -648,16 +648,17 @@ def test_drops_are_on_the_progress_line_and_in_the_summary_where_routes_can_drop
     """Half of all routes dropped showed only in metrics.jsonl: the progress line and the
     summary now say the dropped share where the training transport can drop."""
     from moelab.config import load_config
-    from moelab.train.loop import _drops_text, format_summary
+    from moelab.train.loop import format_summary
+    from moelab.train.step import drops_text
 
     m = {"moe/drop_fraction": 0.5194, "moe/sender_drop_fraction": 0.2823,
          "moe/receiver_drop_fraction": 0.2371}
     ep4 = load_config("tiny", ["parallel.devices=8", "parallel.expert=4",
                               "parallel.transport=pooled_wave"])
-    assert _drops_text(ep4, m) == "51.9% (sender 28.2%, receiver 23.7%)"
-    assert _drops_text(load_config("tiny"), m) == ""  # EP 1: dropless, nothing to say
+    assert drops_text(ep4, m) == "51.9% (sender 28.2%, receiver 23.7%)"
+    assert drops_text(load_config("tiny"), m) == ""  # EP 1: dropless, nothing to say
     s = {"run_dir": "r", "step": 3, "steps": 3, "interrupted": None, "params_total": 1e6,
          "params_active": 5e5, "tokens_trained": 10, "wall_time_s": 1.0,
-         "drops": _drops_text(ep4, m)}
+         "drops": drops_text(ep4, m)}
     assert ("  routes dropped   51.9% (sender 28.2%, receiver 23.7%) at the last logged step"
             in format_summary(s))

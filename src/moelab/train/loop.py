@@ -34,7 +34,6 @@ import jax
 from moelab.config import ConfigError, RunConfig
 from moelab.data.prepare import with_tokenizer_vocab
 from moelab.data.sampler import heldout_text
-from moelab.parallel import transport
 from moelab.parallel.distributed import agree_any, is_main
 from moelab.planner.counts import train_flops_per_token
 from moelab.run.checkpoint import Checkpointer, CheckpointError, save_failure
@@ -48,7 +47,7 @@ from moelab.train.peak import Peaks, format_flops
 from moelab.train.profile import StepTracer
 from moelab.train.resume import resolve_run_config, resume_step
 from moelab.train.setup import RunSetup, setup_run, train_step_at
-from moelab.train.step import FINITE_CHECKED, first_nonfinite, nonfinite_advice
+from moelab.train.step import FINITE_CHECKED, drops_text, first_nonfinite, nonfinite_advice
 from moelab.train.tracker import check_trackers
 from moelab.util import atomic_write_json, describe_error, info, is_url
 
@@ -163,13 +162,12 @@ def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
     _, events = read_metrics(run_dir / "metrics.jsonl")
     if not any(e["event"] == "finished" and e["step"] == at for e in events):
         return None
-    try:
-        steps = resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()),
-                                   run_dir).train.steps
-    except ConfigError:  # other data or settings: setup says what differs, the data first
+    try:  # other data or settings: setup says what differs, the data first
+        resolved = resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()), run_dir)
+    except ConfigError:
         return None
-    if steps > at:
-        return None  # trained longer now (a new train.steps, a pending replan)
+    if resolved.train.steps > at:  # trained longer now (a new train.steps, a pending replan)
+        return None
     ckpt = Checkpointer(run_dir / "checkpoints")
     try:
         ckpt.check_folder(ckpt.step_dir(at), at)
@@ -334,17 +332,7 @@ def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
              if rate else "no rate yet (clock restarted)")
     run.say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
             f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
-            + (f"drops {drops} | " if (drops := _drops_text(cfg, metrics)) else "") + speed)
-
-
-def _drops_text(cfg: RunConfig, metrics: dict) -> str:
-    """The dropped share of routed assignments, for the progress line and the summary, where
-    the training transport can drop (empty for a dropless one)."""
-    if transport.training_transport(cfg.parallel) == transport.DROPLESS:
-        return ""
-    get = lambda k: metrics.get(f"moe/{k}drop_fraction") or 0.0  # noqa: E731
-    return (f"{get(''):.1%} (sender {get('sender_'):.1%}, receiver "
-            f"{get('receiver_'):.1%})")
+            + (f"drops {drops} | " if (drops := drops_text(cfg, metrics)) else "") + speed)
 
 
 def _mfu_text(metrics: dict, peak: Peaks) -> str:
@@ -385,7 +373,7 @@ def _summary(run: RunSetup, p: _Progress, t_run: float) -> dict:
     summary.update({k: p.metrics.get(k) for k in ("train/loss", "throughput/tokens_per_s",
                                                    "throughput/mfu",
                                                    "throughput/share_of_measured_peak")})
-    summary["drops"] = _drops_text(cfg, p.metrics) or None
+    summary["drops"] = drops_text(cfg, p.metrics) or None
     return summary
 
 

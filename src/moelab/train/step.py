@@ -67,6 +67,16 @@ def router_metrics(stats: dict, prefix: str = "moe") -> dict:
     return out
 
 
+def drops_text(cfg: RunConfig, metrics: dict) -> str:
+    """The dropped share of routed assignments, for the progress line and the summary, where
+    the training transport can drop (empty for a dropless one)."""
+    if transport.training_transport(cfg.parallel) == transport.DROPLESS:
+        return ""
+    get = lambda k: metrics.get(f"moe/{k}drop_fraction") or 0.0  # noqa: E731
+    return (f"{get(''):.1%} (sender {get('sender_'):.1%}, receiver "
+            f"{get('receiver_'):.1%})")
+
+
 def transport_fns(cfg: RunConfig, mesh):
     """(train experts_fn, eval experts_fn) for a mesh: the training transport
     (``transport.training_transport``) and the dropless one for evaluation (the loss the model
