@@ -262,12 +262,6 @@ def cmd_drops(args) -> int:
     cfg, loaded, pars = load_run_for_drops(args.run, args.overrides, args.transport, args.ranks)
     ranks = next(iter(pars.values())).expert
     per_rank = args.tokens_per_rank or drops.run_tokens_per_rank(cfg)
-    longest = max([cfg.data.seq_len, *args.seq_len])
-    odd = any(L <= 0 or L % cfg.data.seq_len for L in args.seq_len)  # refused by the forecast
-    require(args.tokens_per_rank or odd or per_rank % longest == 0, f"--seq-len {longest}",
-            f"the forecast's batch per rank is by default the run's {per_rank:,} tokens per "
-            f"device, not a multiple of {longest}: give --tokens-per-rank N, a multiple of "
-            "every --seq-len")
     fit_model = None
     if args.place_from is not None:
         drops.check_place_from(Path(args.run), cfg, args.place_from, loaded.step,
@@ -275,7 +269,8 @@ def cmd_drops(args) -> int:
         old = load_run(Path(args.run), step=args.place_from)
         fit_model = (old.params, old.model_state)
     rows = forecast(cfg, loaded.params, loaded.model_state, args.seq_len, pars, ranks,
-                    per_rank, args.batches, args.seed, place=args.place, fit_model=fit_model)
+                    per_rank, args.batches, args.seed, place=args.place, fit_model=fit_model,
+                    per_rank_given=bool(args.tokens_per_rank))
     fitted = "" if fit_model is None else f"; placements fitted at step {args.place_from}"
     print(f"{args.run}: drop forecast at EP {ranks}, {per_rank:,} tokens per rank, routing of "
           f"the step-{loaded.step} model at its context {cfg.data.seq_len} "

@@ -95,7 +95,8 @@ def batch_drops(ids_LBSK: np.ndarray, L: int, variants: dict[str, tuple], n_expe
 def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str, ParallelConfig],
              ranks: int, tokens_per_rank: int, batches: int = 4, seed: int = 0,
              span: int | None = None, placed: dict[int, dict[str, np.ndarray]] | None = None,
-             place: bool = False, fit_model: tuple | None = None) -> list[dict]:
+             place: bool = False, fit_model: tuple | None = None,
+             per_rank_given: bool = True) -> list[dict]:
     """One row per context length (and the run's own): drop rates per transport, summed over
     layers and batches. Held-out text is drawn in spans of ``span`` tokens (default: the
     longest length), so calls with the same span and seed see the same tokens. ``placed``
@@ -114,8 +115,13 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
                 f"{L} must be a multiple of the run's context {now}")
     for L in lens:
         require(span % L == 0, "--seq-len", f"{L} must divide the longest length {span}")
-        require(tokens_per_rank % L == 0, f"--tokens-per-rank {tokens_per_rank}",
-                f"must be a multiple of every length forecast, {L} included")
+        if per_rank_given:
+            require(tokens_per_rank % L == 0, f"--tokens-per-rank {tokens_per_rank}",
+                    f"must be a multiple of every length forecast, {L} included")
+        else:  # the run's own batch per rank: named as such, not as an option never typed
+            require(tokens_per_rank % L == 0, f"--seq-len {L}", "the forecast's batch per rank "
+                    f"is by default the run's {tokens_per_rank:,} tokens per device, not a "
+                    f"multiple of {L}: give --tokens-per-rank N, a multiple of every --seq-len")
     spans, picked, rest, _ = heldout_batches(cfg, span, ranks, tokens_per_rank, batches, seed)
     route = routing_fn(cfg)
     if place:
