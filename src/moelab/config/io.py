@@ -24,10 +24,8 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix}: expected a mapping, got {type(data).__name__}")
     hints = get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(_unknown_field(prefix, str(unknown[0]), names))
+    if unknown := _unknown_key(cls, data, prefix):
+        raise ConfigError(unknown)
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:
@@ -60,15 +58,20 @@ def _unknown_field(prefix: str, name: str, names: set[str]) -> str:
             "lists them with their meaning)")
 
 
+def _unknown_key(cls: type, data: dict, prefix: str) -> str | None:
+    """The error for the first key of the mapping ``data`` no field of ``cls`` has, or None."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(map(str, set(data) - names))
+    return _unknown_field(prefix, unknown[0], names) if unknown else None
+
+
 def _first_unknown(cls: type, data: Any, prefix: str = "") -> str | None:
     """The error for the first key of ``data`` (sections included) that no field of ``cls``
     has, or None: each config file is checked so, and the error names that file."""
     if not isinstance(data, dict):
         return None
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(map(str, set(data) - names))
-    if unknown:
-        return _unknown_field(prefix, unknown[0], names)
+    if unknown := _unknown_key(cls, data, prefix):
+        return unknown
     hints = get_type_hints(cls)
     for key, value in data.items():
         if dataclasses.is_dataclass(hints[key]):

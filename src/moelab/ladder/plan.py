@@ -268,7 +268,8 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
     rule.validate()
     widths = list(rule.widths) or _search_widths(target, rule)
     depths = list(rule.depths) or [_depth(target.model, d, rule) for d in widths]
-    c_target = run_stats(target)["flops"]
+    t = run_stats(target)
+    c_target = t["flops"]
     rungs = []
     for (d, n_layers), m in itertools.product(zip(widths, depths), rule.token_multipliers):
         cfg = rung_config(target, d, n_layers, rule, m)
@@ -290,7 +291,7 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
             "runs of 2 widths: raise it, or add smaller widths or token multipliers")
     if len({r.name for r in rungs}) < len(rungs):
         raise ConfigError("ladder.widths: two rungs have the same shape; give distinct widths")
-    per_active = run_stats(target)["tokens"] / run_stats(target)["params_active"]
+    per_active = t["tokens"] / t["params_active"]
     for r in rungs:  # raised to min_steps: more tokens per parameter than its multiplier asks
         r.stats["raised"] = r.cfg.train.steps == rule.min_steps and r.stats["tokens"] > 1.01 * (
             r.stats["token_multiplier"] * per_active * r.stats["params_active"])

@@ -180,8 +180,7 @@ def resume_changes(run_dir: Path | str, cfg: RunConfig) -> list[str]:
         text = repr(v)
         return text if len(text) <= 60 else text[:57] + "..."
 
-    return [f"{k} {short(old.get(k))} -> {short(new.get(k))}"
-            for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]
+    return [f"{k} {short(old.get(k))} -> {short(new.get(k))}" for k in _differing(old, new, ())]
 
 
 def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
