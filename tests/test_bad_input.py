@@ -223,6 +223,13 @@ CASES = [
     # a mistyped command or subcommand names the one meant
     (["trian", "tiny"], 2, "invalid choice: 'trian'; did you mean 'train'?"),
     (["ladder", "fti"], 2, "invalid choice: 'fti'; did you mean 'fit'?"),
+    # a mistyped option names the command's closest, or the config override it may mean
+    (["plan", "tiny", "--devics", "8"], 2, "unrecognized arguments: --devics; did you mean "
+     "--devices?"),
+    (["train", "tiny", "--steps", "5"], 2, "unrecognized arguments: --steps; did you mean "
+     "train.steps=VALUE?"),
+    (["train", "tiny", "--seq-len=64"], 2, "did you mean data.seq_len=VALUE?"),
+    (["train", "tiny", "--nope"], 2, "unrecognized arguments: --nope"),
     # train: the config, its file, the run folder, the data it needs
     (["train", "tiny", "model.top_k=99"], 2, "model.top_k: must be <= n_experts=8"),
     (["train", "tiny", "model.d_modle=3"], 2, "model.d_modle: unknown field"),

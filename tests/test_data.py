@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -38,6 +39,7 @@ from moelab.data.builtin_docs import gutenberg_books, split_paragraphs
 from moelab.data.corpus import is_heldout
 from moelab.data.encode import line_chunks, pool_size
 from moelab.data.sampler import EpochSampler
+from moelab.data.user_docs import MAX_DOMAIN_CHARS, MAX_DOMAINS, clean_domain
 
 UNICODE_TEXT = ("Grüße, naïve café! 你好，世界。 Emoji: 🎉🚀👩‍💻 and ∑ₙ x² ≠ ∞\n\n"
                 "def f(x: int) -> int:\n\treturn x ** 2  # tab-indented\r\n"
@@ -154,8 +156,47 @@ def test_user_corpus_skips_bad_inputs(tmp_path, capsys):
 def test_user_corpus_domain_argument_and_single_file(tmp_path):
     f = tmp_path / "one.txt"
     f.write_text("hello world")
-    m = build_user_corpus(f, tmp_path / "c", domain="my domain/x")
-    assert list(m["domains"]) == ["my_domain_x"]  # cleaned: it names files and metric keys
+    m = build_user_corpus(f, tmp_path / "c", domain="my domain")
+    assert list(m["domains"]) == ["my_domain"]  # cleaned: it names files and metric keys
+
+
+def test_domain_names_are_cleaned_without_merging():
+    plain = ["books", "web.en", "my_books-2", "a" * 64]
+    assert [clean_domain(n) for n in plain] == plain
+    assert clean_domain("my books") == "my_books" and clean_domain("") == "text"
+    odd = ["C++", "C#", "C", "a/b", "a b/", "Économie", "Economie", "한국어", "x" * 300,
+           "x" * 301, "y" * 65, ".hidden", "ä" * 100]
+    got = [clean_domain(n) for n in odd]
+    assert len(set(got)) == len(odd), got  # none merge
+    assert got == [clean_domain(n) for n in odd]  # and always alike
+    for name in got:
+        assert re.fullmatch(r"[A-Za-z0-9_.-]+", name) and len(name) <= MAX_DOMAIN_CHARS, name
+    assert got[0].startswith("C-") and got[5].startswith("Economie-")  # readable where it can
+
+
+def test_odd_domain_values_build_and_too_many_are_refused(tmp_path, capsys):
+    from moelab.cli import main
+
+    src = tmp_path / "in"
+    src.mkdir()
+    names = ["x" * 300, "Ünïcödé domain", "C++", "C#"]
+    (src / "r.jsonl").write_text("".join(
+        json.dumps({"text": f"record {i} says " + "hello world " * 60, "domain": names[i % 4]})
+        + "\n" for i in range(40)))
+    assert main(["data", "build", str(src), "--out", str(tmp_path / "d"), "--vocab", "300",
+                 "--no-progress"]) == 0  # a 300-character name once failed: file name too long
+    out = capsys.readouterr().out
+    held = json.loads(out[: out.index("\ncorpus:")])["domains"]
+    assert sorted(held) == sorted(clean_domain(n) for n in names)
+    assert f"note: domain {clean_domain('C#')!r} holds out" in out  # about 200 tokens each
+
+    many = tmp_path / "many"
+    many.mkdir()
+    (many / "r.jsonl").write_text("".join(json.dumps({"text": "t", "domain": f"u{i}"}) + "\n"
+                                          for i in range(MAX_DOMAINS + 1)))
+    with pytest.raises(DataError, match=rf"more than {MAX_DOMAINS} domains \(the first one over: "
+                       rf"'u{MAX_DOMAINS}'\).* a coarse 'domain'"):
+        build_user_corpus([many], tmp_path / "c")
 
 
 def test_nothing_usable_is_a_clear_error(tmp_path):

@@ -370,6 +370,9 @@ def test_plan_command_prints_the_published_figures(capsys, tmp_path):
     assert rc == 0
     assert "(535.48B)" in out and "(22.76B)" in out and "2.66e+24" in out
     assert "pooled_wave" in out and "expert_cells" in out and "NO" in out
+    # the reference's FSDP 64 inside 11 data groups: planned, but not a layout moelab trains
+    assert "FSDP 64 is a what-if: moelab train splits over the whole data axis, --devices / " \
+           "--ep = 11 ways" in out
     saved = json.loads(out_json.read_text())
     total = param_counts(load_config("535b-a23b").model)["total"]
     assert saved["params"]["total"] == total
@@ -388,6 +391,12 @@ def test_plan_and_ladder_count_the_tokens_the_train_loop_trains(capsys, tmp_path
     assert trained == 4 * 256 * 32 + (cfg.train.steps - 4) * 512 * 2
     assert json.loads(out_json.read_text())["flops"]["tokens"] == trained
     assert run_stats(cfg)["tokens"] == run_tokens(cfg) == trained
+
+
+def test_plan_notes_only_fsdp_degrees_training_cannot_run(capsys):
+    for fsdp, noted in ((1, False), (4, False), (2, True)):  # 8 devices / EP 2: 4 data ways
+        assert main(["plan", "tiny", "--devices", "8", "--ep", "2", "--fsdp", str(fsdp)]) == 0
+        assert ("is a what-if" in capsys.readouterr().out) == noted, fsdp
 
 
 def test_plan_command_errors_name_the_flag(capsys):

@@ -123,6 +123,31 @@ def split_off_overrides(parser: argparse.ArgumentParser, argv: list[str]
     return kept, pulled
 
 
+def _as_override(option: str) -> str | None:
+    """``--steps`` as the config field it may mean (``train.steps=VALUE``), or None."""
+    import dataclasses
+
+    from moelab.config import RunConfig
+
+    name, cfg = option.lstrip("-").split("=", 1)[0].replace("-", "_"), RunConfig()
+    return next((f"{sec.name}.{name}=VALUE" for sec in dataclasses.fields(cfg)
+                 if name in {f.name for f in dataclasses.fields(getattr(cfg, sec.name))}), None)
+
+
+def unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's "unrecognized arguments" and, for a mistyped option, the closest of the
+    command's own (``--stpes``: ``--steps``), or the config override it may mean where the
+    command takes overrides (``moelab train --steps``: ``train.steps=VALUE``)."""
+    known = [s for a in parser._actions for s in a.option_strings]
+    overrides = any(a.dest == "overrides" for a in parser._actions)
+    hints = []
+    for tok in (t for t in extra if t.startswith("-")):
+        close = difflib.get_close_matches(tok.split("=", 1)[0], known, n=1, cutoff=0.75)
+        hints += close or [o for o in [overrides and _as_override(tok)] if o]
+    hint = f"; did you mean {' '.join(dict.fromkeys(hints))}?" if hints else ""
+    return f"unrecognized arguments: {' '.join(extra)}{hint}"
+
+
 def _stdout_closed() -> bool:
     """Whether standard output is a pipe whose reader has gone."""
     try:
@@ -139,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     kept, pulled = split_off_overrides(parser, argv)
     args, extra = parser.parse_known_args(kept)
     extra = place_overrides(args, [*extra, *pulled])
-    if extra:  # what parse_args would refuse
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:  # what parse_args would refuse, with the command's usage
+        command = _command_parser(parser, kept)
+        command.error(unrecognized(command, extra))
     args.argv = ["moelab", *argv]  # recorded by operations
     try:
         with sigterm_raises():  # so that cleanup runs on SIGTERM as on Ctrl-C

@@ -70,11 +70,31 @@ def _build(args, out: Path, vocab: int) -> int:
                         workers=args.workers)
     print(f"corpus: {prep.corpus_dir}\ntokenizer: {prep.tokenizer_path}\n"
           f"token store: {prep.store_dir}")
+    for note in short_heldout_notes(TokenStore(prep.store_dir)):
+        print(note)
     if args.inputs or args.tokenizer:  # the folder's own tokenizer: training uses it
         atomic_write_bytes(own, prep.tokenizer_path.read_bytes())
         vocab = vocab_needed(load_tokenizer(own))
         print(f"train on it with: moelab train tiny data.data_dir={out} model.vocab_size={vocab}")
     return 0
+
+
+# data.seq_len + 1 of the longest preset: a domain holding out fewer tokens is refused by such
+# runs (moelab.train.heldout.check_heldout), so the build says so before anyone trains
+LONGEST_WINDOW = 4097
+
+
+def short_heldout_notes(store: TokenStore) -> list[str]:
+    """A note for each domain whose held-out tokens are fewer than ``LONGEST_WINDOW``."""
+    notes = []
+    for d in store.domains("heldout"):
+        n = store.n_tokens("heldout", d)
+        if n < LONGEST_WINDOW:
+            notes.append(f"note: domain {d!r} holds out {n:,} tokens: a run with data.seq_len "
+                         f">= {n:,} cannot evaluate it and refuses this folder (evaluation reads "
+                         "windows of seq_len + 1 tokens); a larger --heldout or more text in "
+                         "that domain gives it more")
+    return notes
 
 
 def _new_own_tokenizer(args, out: Path, vocab: int) -> tuple[Path | None, str]:
@@ -120,7 +140,11 @@ def register(sub) -> None:
                         "source code ...), .jsonl/.json (field 'text', optional 'domain') and "
                         ".parquet (column 'text'), or "
                         "Hugging Face datasets (--format). Paths may be gs://, s3://, memory:// "
-                        "or file:// URLs (read through fsspec).")
+                        "or file:// URLs (read through fsspec). Each document belongs to a "
+                        "domain: its record's 'domain' field, else the name of the folder "
+                        "holding its file. Every domain holds out part of its text and is "
+                        "evaluated on its own (eval/<domain>/loss); names keep ASCII letters, "
+                        "digits, _ . - (other names get a hash suffix; at most 256 domains).")
     b.add_argument("inputs", nargs="*", help="your own files or folders (or URLs)")
     b.add_argument("--format", default="files", choices=DATA_FORMATS,
                    help="files: moelab's readers (default); hf-disk: folders written by "

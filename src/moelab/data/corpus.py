@@ -40,6 +40,7 @@ from moelab.data.errors import DataError, Skips, read_json
 from moelab.data.hf_docs import hf_docs
 from moelab.data.user_docs import (
     bounded_docs,
+    check_new_domain,
     clean_domain,
     file_docs,
     folder_name,
@@ -163,6 +164,7 @@ def _first_pass(docs: Iterable[dict], fraction: float, scratch) -> tuple:
             doc_id = f"{doc['id']}#{k}"
         seen.add(doc_id)
         dom = doc["domain"]
+        check_new_domain(dom, n_docs)
         n_docs[dom] += 1
         chars[dom] += len(doc["text"])
         any_id[dom] = doc_id

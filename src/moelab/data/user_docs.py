@@ -10,12 +10,14 @@ on it silently."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import IO, Iterable, Iterator, Union
 
-from moelab.data.errors import Skips
+from moelab.data.errors import DataError, Skips
 from moelab.util import is_url, url_fs
 
 
@@ -94,11 +96,39 @@ def check_text(text: object, field: str = "text") -> str | None:
 
 
 _DOMAIN_OK = re.compile(r"[^A-Za-z0-9_.-]+")
+MAX_DOMAIN_CHARS = 64  # a domain names files (a name has at most 255 bytes) and metric keys
 
 
 def clean_domain(name: str) -> str:
-    """Domains name files and metric keys (eval/<domain>/loss): letters, digits, _ . - only."""
-    return _DOMAIN_OK.sub("_", name).strip("._") or "text"
+    """Domains name files and metric keys (eval/<domain>/loss): ASCII letters, digits, _ . -
+    only, at most ``MAX_DOMAIN_CHARS``; no name (a file at a URL's root) is "text". Spaces
+    become "_" ("my books": "my_books"); a name that lost anything else (accents, "+", "/",
+    non-Latin letters) or was too long ends in a hash of the original, so that two such names
+    never merge ("C++" and "C#" are "C-f1deb75f" and "C-04022884", not both "C") and a name
+    always cleans alike."""
+    out = _DOMAIN_OK.sub("_", name).strip("._")
+    if not name.strip():
+        return "text"
+    if out == name.strip().replace(" ", "_") and len(out) <= MAX_DOMAIN_CHARS:
+        return out
+    plain = "".join(c for c in unicodedata.normalize("NFKD", name)
+                    if not unicodedata.combining(c))  # "Économie": "Economie-...", not "conomie"
+    out = _DOMAIN_OK.sub("_", plain).strip("._")[:MAX_DOMAIN_CHARS - 9].rstrip("._")
+    tag = hashlib.sha256(name.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    return f"{out or 'domain'}-{tag}"
+
+
+MAX_DOMAINS = 256  # each is held out, tokenized to its own files and evaluated on its own
+
+
+def check_new_domain(name: str, seen) -> None:
+    """Refuse a domain ``name`` not in ``seen`` when ``MAX_DOMAINS`` are there already."""
+    if name not in seen and len(seen) >= MAX_DOMAINS:
+        raise DataError(
+            f"more than {MAX_DOMAINS} domains (the first one over: {name!r}): each domain is "
+            "held out, stored and evaluated on its own. A record's 'domain' field names it, "
+            "else the folder holding the file: give records a coarse 'domain' (a source or "
+            "subject, not a URL or an id), or none, or gather the files in fewer folders")
 
 
 DATA_FOLDER_SKIP = "a moelab data folder (an earlier build's output), not read as input"

@@ -135,7 +135,9 @@ def register(sub, train_step) -> None:
                     help="measured cluster-wide tokens/s (instead of an MFU)")
     pl.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
     pl.add_argument("--fsdp", type=int, default=1,
-                    help="FSDP degree of the non-expert weights and optimizer state")
+                    help="FSDP degree of the non-expert weights and optimizer state (moelab "
+                    "train runs 1, or --devices / --ep with parallel.fsdp=true; others plan a "
+                    "what-if)")
     pl.add_argument("--optimizer", default="adamw",
                     help="adamw or muon: the optimizer state to size (muon plans the reference "
                     "system's MuonH state; moelab itself trains with AdamW)")

@@ -104,6 +104,16 @@ def _device_hours(hours: float) -> str:
     return f"{hours:,.0f}" if hours >= 10 else f"{hours:.2g}"
 
 
+def _fsdp_note(lay: dict) -> list[str]:
+    """A line where the FSDP degree is one moelab train cannot run: it splits the non-routed
+    state over the whole data axis (parallel.fsdp=true) or not at all."""
+    data = lay["devices"] // lay["ep"]
+    if lay["fsdp"] in (1, data):
+        return []
+    return [f"    (FSDP {lay['fsdp']} is a what-if: moelab train splits over the whole data axis, "
+            f"--devices / --ep = {data} ways with parallel.fsdp=true, or not at all)"]
+
+
 def _format_memory(mem: dict, m: dict) -> list[str]:
     lay, st, acts = mem["layout"], mem["state"], mem["activations"]
     wdt = "bf16" if m["compute_dtype"] == "bfloat16" else "fp32"
@@ -119,6 +129,7 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
            f"{mem['tokens_per_device']:,} tokens per device; {wdt} compute; attention "
            f"{mem['attention']}, loss {mem['loss']}"
            + (f", experts {mem['experts']}" if lay["ep"] == 1 else ""),
+           *_fsdp_note(lay),
            f"    {'parameters per device':<30}{st['params_per_device']:>14,.0f}  "
            "(routed / ep + the rest / fsdp)",
            row("master weights (fp32)", None if "master" in host else st["master_weights"],
