@@ -37,7 +37,9 @@ def check(par: ParallelConfig, n_local: int) -> None:
     require_parallel(par.waves >= 1, "waves", "must be >= 1")
     require_parallel(n_local % par.waves == 0, "waves",
                      f"local experts E_l={n_local} must be divisible by waves={par.waves} "
-                     "(pooled_wave); change parallel.waves or parallel.expert")
+                     f"(pooled_wave); set parallel.waves to one of "
+                     f"{[w for w in range(1, n_local + 1) if n_local % w == 0]}, or change "
+                     "parallel.expert")
 
 
 def rows(par: ParallelConfig, A: int, S: int, E_l: int, H: int) -> BufferRows:
