@@ -27,14 +27,17 @@ def cmd_new(args) -> int:
 
 
 def record_state(path: Path, rec: rec_mod.Record) -> str:
-    """Without runs: planned; else how many runs are in each status: "2 finished, 1 failed"."""
+    """Without runs: planned; else how many runs are in each status: "2 finished, 1 failed",
+    detached runs (not read: they count for nothing) last."""
     from moelab.lab.runs import read_run
 
     if not rec.runs:
         return "planned"
     # a folder not written yet (attached by `train --record` before it starts): "not started",
     # as `lab show` and the report say
-    statuses = [read_run(rec_mod.run_path(path, r), r.arm).status for r in rec.runs]
+    statuses = [read_run(rec_mod.run_path(path, r), r.arm).status
+                for r in rec_mod.live_runs(rec)]
+    statuses += ["detached"] * (len(rec.runs) - len(statuses))
     counts = {s: statuses.count(s) for s in dict.fromkeys(statuses)}
     return ", ".join(f"{n} {s}" for s, n in counts.items())
 
@@ -95,6 +98,10 @@ def cmd_show(args) -> int:
         steps = f"step {r.last_step}/{r.planned_steps or '?'}"
         print(f"  {r.name:<12} {r.status:<12} {steps:<14} {shown_path(r.path)}"
               + (f"\n  {'':<12} {r.error}" if r.error else ""))
+    for ref in rec.runs:  # not in the verdicts, but on record
+        if (d := ref.detached()) is not None:
+            print(f"  {ref.arm:<12} {'detached':<12} {d['at']:<14} "
+                  f"{shown_path(rec_mod.run_path(path, ref))}\n  {'':<12} reason: {d['reason']}")
     print("criteria (verdicts on the attached runs now):")
     for c, v in verdicts:
         print(f"  [{v.label()}] {c}\n      {v.detail}" + ("  (short run)" if v.short_run else ""))
@@ -117,7 +124,18 @@ def cmd_attach(args) -> int:
 def attach_run(record_file: Path, run_dir: Path, arm: str | None) -> None:
     rec = rec_mod.attach(record_file, run_dir, arm)
     ref = next(r for r in rec.runs if rec_mod.run_path(record_file, r) == run_dir.resolve())
-    print(f"run {run_dir} is attached to {rec.id} as arm {ref.arm!r}")
+    again = ref.history[-1] if ref.history else None  # a detached run attached again
+    print(f"run {run_dir} is attached to {rec.id} as arm {ref.arm!r}"
+          + (" again (its detach stays in the record's history)"
+             if again and again["event"] == rec_mod.REATTACHED else ""))
+
+
+def cmd_detach(args) -> int:
+    path, _ = rec_mod.find(args.id, args.lab_dir)
+    rec = rec_mod.detach(path, Path(args.run), args.reason)
+    print(f"run {args.run} is detached from {rec.id}: it takes no part in verdicts now, and "
+          f"`moelab lab report {rec.id}` lists it under Detached runs with the reason")
+    return 0
 
 
 def attach_from_train(record: str, run_dir: Path, arm: str | None) -> None:
@@ -174,11 +192,23 @@ def register(sub) -> None:
     sh.add_argument("id", help="record id, number or file")
     sh.set_defaults(fn=cmd_show)
 
-    a = lsub.add_parser("attach", parents=[common], help="attach an existing run folder")
+    a = lsub.add_parser("attach", parents=[common], help="attach an existing run folder "
+                        "(or a detached one again)")
     a.add_argument("id", help="record id, number or file")
     a.add_argument("run", help="run folder")
     a.add_argument("--arm", help="arm name used by criteria (default: the run folder's name)")
     a.set_defaults(fn=cmd_attach)
+
+    d = lsub.add_parser("detach", parents=[common], help="take a run out of the verdicts, "
+                        "keeping it on record with a reason", description="Detach a run "
+                        "attached by mistake. It is never deleted: the record keeps it, marked "
+                        "detached with the reason and the time, and reports list it under "
+                        "Detached runs. `moelab lab attach` counts it again.")
+    d.add_argument("id", help="record id, number or file")
+    d.add_argument("run", help="the attached run folder (as `moelab lab show ID` lists it)")
+    d.add_argument("--reason", required=True, metavar="TEXT", help="why the run leaves the "
+                   "verdicts (required; shown in every report), e.g. 'wrong run folder'")
+    d.set_defaults(fn=cmd_detach)
 
     r = lsub.add_parser("report", parents=[common], help="verdicts, tables, plots, provenance "
                         "and failed runs as Markdown + PNGs")

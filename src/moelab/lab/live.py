@@ -17,7 +17,8 @@ from typing import Callable
 
 from moelab.lab import records as rec_mod
 from moelab.lab.charts import COLORS, chart_data
-from moelab.lab.runs import RunData, name_runs, read_run, shown_path
+from moelab.lab.report import load_record_runs
+from moelab.lab.runs import RunData, read_run, shown_path
 
 
 def run_sources(targets: list[str], lab: str | None = None
@@ -27,8 +28,8 @@ def run_sources(targets: list[str], lab: str | None = None
         path, rec = rec_mod.find(targets[0], lab)
 
         def from_record() -> list[RunData]:
-            rec_now = rec_mod.load(path)  # runs attached later show up too
-            return name_runs([read_run(rec_mod.run_path(path, r), r.arm) for r in rec_now.runs])
+            # the runs a report counts, now: one attached later shows up, one detached leaves
+            return load_record_runs(path, rec_mod.load(path))
         return f"{rec.id}: {rec.title}", from_record
     missing = [t for t in targets if not Path(t).is_dir()]
     if missing:

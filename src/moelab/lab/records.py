@@ -5,6 +5,9 @@ below it. Records are meant to live in git, so the format is stable and diff-fri
 Records live in a lab folder (``experiments/`` by default, or ``$MOELAB_LAB_DIR``) as
 ``<id>.md``; ids are ``NNNN-slug``. Run paths are stored relative to the record file, so the
 folder can move with the repository.
+
+A run is never removed from a record: ``detach`` marks it (with a reason and the time) so that
+it leaves the verdicts but stays on record, and attaching it again adds to the same history.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from moelab.lab.criteria import parse_criterion
 from moelab.util import atomic_write_text, read_utf8
 
 DEFAULT_LAB_DIR = "experiments"
+DETACHED, REATTACHED = "detached", "reattached"  # the events of a run's history
 FIELDS = ("id", "title", "created", "issue", "hypothesis", "goal", "min_steps", "criteria",
           "runs", "report")
 
@@ -33,6 +37,14 @@ class RunRef:
     arm: str
     attached: str  # UTC time of attachment
     criteria_sha: str  # hash of the criteria when the run was attached (pre-registration check)
+    # detach and re-attach events, oldest first: {event: detached, at, arm, reason} and
+    # {event: reattached, at, arm}; empty (and not written) for a run never detached
+    history: tuple[dict, ...] = field(default=(), hash=False)
+
+    def detached(self) -> dict | None:
+        """The detach event in force (the newest event is a detach), or None: it counts."""
+        last = self.history[-1] if self.history else None
+        return last if last and last["event"] == DETACHED else None
 
 
 @dataclass(frozen=True)
@@ -89,7 +101,9 @@ def render(rec: Record) -> str:
     """The record file's text: front matter, then the notes."""
     data = asdict(rec)
     data["criteria"] = list(rec.criteria)
-    data["runs"] = [asdict(r) for r in rec.runs]
+    # a run never detached is written without a history: older records stay byte-identical
+    data["runs"] = [{k: list(v) if k == "history" else v for k, v in asdict(r).items()
+                     if k != "history" or v} for r in rec.runs]
     front = yaml.dump({k: data[k] for k in FIELDS}, Dumper=_Dumper, sort_keys=False,
                       allow_unicode=True, width=90)
     return f"---\n{front}---\n{rec.notes}"
@@ -129,15 +143,32 @@ def parse(text: str, source: str = "record") -> Record:
         except ValueError as e:
             raise ValueError(f"{source}: criteria[{i}]: {e}") from None
     try:
-        runs = tuple(RunRef(**r) for r in data.get("runs") or [])
+        runs = tuple(RunRef(**{**r, "history": tuple(r.get("history") or ())})
+                     for r in data.get("runs") or [])
     except TypeError as e:
         raise ValueError(f"{source}: runs: each entry needs path, arm, attached, criteria_sha "
-                         f"({e})") from None
+                         f"(and optionally history) ({e})") from None
+    for i, r in enumerate(runs):
+        for j, event in enumerate(r.history):
+            _check_event(event, f"{source}: runs[{i}].history[{j}]")
     return Record(id=data["id"], title=data["title"], hypothesis=data["hypothesis"],
                   goal=data["goal"], criteria=tuple(str(c) for c in criteria),
                   min_steps=int(data.get("min_steps") or 0), created=str(data.get("created") or ""),
                   issue=str(data.get("issue") or ""), runs=runs, report=data.get("report") or {},
                   notes=m.group(2))
+
+
+def _check_event(event, where: str) -> None:
+    """A history event as ``detach`` and ``attach`` write it; ValueError says what is wrong."""
+    keys = {"event", "at", "arm"} | ({"reason"} if isinstance(event, dict)
+                                    and event.get("event") == DETACHED else set())
+    if not isinstance(event, dict) or event.get("event") not in (DETACHED, REATTACHED):
+        raise ValueError(f"{where}: each event is a mapping with event: {DETACHED} or "
+                         f"{REATTACHED} (written by `moelab lab detach` / `lab attach`)")
+    if set(event) != keys or not all(isinstance(event[k], str) and event[k].strip()
+                                     for k in keys):
+        raise ValueError(f"{where}: a {event['event']} event has exactly the text fields "
+                         f"{', '.join(sorted(keys))}, none empty")
 
 
 def record_path(directory: Path, rec_id: str) -> Path:
@@ -235,20 +266,76 @@ def run_path(record_file: Path, ref: RunRef) -> Path:
     return (record_file.parent / ref.path).resolve()
 
 
+def live_runs(rec: Record) -> tuple[RunRef, ...]:
+    """The runs verdicts, tables, curves and the live page use: every run not detached."""
+    return tuple(r for r in rec.runs if not r.detached())
+
+
+def _find_run(record_file: Path, rec: Record, run_dir: Path) -> int | None:
+    """The index in ``rec.runs`` of the run folder ``run_dir``, or None."""
+    return next((i for i, r in enumerate(rec.runs)
+                 if run_path(record_file, r) == Path(run_dir).resolve()), None)
+
+
+def _with_run(rec: Record, i: int, ref: RunRef) -> Record:
+    return replace(rec, runs=rec.runs[:i] + (ref,) + rec.runs[i + 1:])
+
+
 def attach(record_file: Path, run_dir: Path, arm: str | None = None) -> Record:
-    """Attach a run folder (it may not exist yet) to the record; attaching again is a no-op."""
+    """Attach a run folder (it may not exist yet) to the record; attaching again is a no-op,
+    and attaching a detached run again clears its mark, adding the event to its history."""
     rec = load(record_file)
-    arm = arm or Path(run_dir).resolve().name
+    i = _find_run(record_file, rec, run_dir)
+    detached = i is not None and rec.runs[i].detached() is not None
+    # a detached run comes back as the arm it left by default
+    arm = arm or (rec.runs[i].arm if detached else Path(run_dir).resolve().name)
     if not re.fullmatch(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*", arm):
         raise ValueError(f"--arm {arm!r}: use letters, digits, '_', '.' and single '-' inside "
                          "(criteria refer to arms by this name)")
-    rel = os.path.relpath(Path(run_dir).resolve(), record_file.parent.resolve())
-    for r in rec.runs:
-        if run_path(record_file, r) == Path(run_dir).resolve():
-            if r.arm != arm:
-                raise ValueError(f"{run_dir}: already attached to {rec.id} as arm {r.arm!r}")
-            return rec
-    ref = RunRef(path=rel, arm=arm, attached=now_utc(), criteria_sha=rec.criteria_sha())
-    rec = replace(rec, runs=rec.runs + (ref,))
+    if i is not None and not detached:
+        if rec.runs[i].arm != arm:
+            raise ValueError(f"{run_dir}: already attached to {rec.id} as arm {rec.runs[i].arm!r}")
+        return rec
+    if i is not None:  # the same entry again: its first attachment and criteria hash stand
+        event = {"event": REATTACHED, "at": now_utc(), "arm": arm}
+        rec = _with_run(rec, i, replace(rec.runs[i], arm=arm,
+                                        history=rec.runs[i].history + (event,)))
+    else:
+        rel = os.path.relpath(Path(run_dir).resolve(), record_file.parent.resolve())
+        ref = RunRef(path=rel, arm=arm, attached=now_utc(), criteria_sha=rec.criteria_sha())
+        rec = replace(rec, runs=rec.runs + (ref,))
     save(rec, record_file)
     return rec
+
+
+def detach(record_file: Path, run_dir: Path, reason: str) -> Record:
+    """Mark an attached run detached, with the reason and the time: it leaves the verdicts but
+    stays in the record (and in every report), since a run that quietly disappeared from a
+    pre-registered experiment could hide a failure."""
+    rec = load(record_file)
+    if not (reason or "").strip():
+        raise ValueError(f"--reason: must not be empty; say why {run_dir} leaves {rec.id}, e.g. "
+                         "--reason 'attached by mistake: wrong run folder' (reports show it)")
+    i = _find_run(record_file, rec, run_dir)
+    if i is None:
+        raise ValueError(_not_attached(record_file, rec, run_dir))
+    ref = rec.runs[i]
+    if (done := ref.detached()) is not None:
+        raise ValueError(f"{run_dir}: already detached from {rec.id} on {done['at']} "
+                         f"({done['reason']!r}); nothing to do. To count it again: moelab lab "
+                         f"attach {rec.id} {run_dir} --arm {ref.arm}")
+    event = {"event": DETACHED, "at": now_utc(), "arm": ref.arm, "reason": reason.strip()}
+    rec = _with_run(rec, i, replace(ref, history=ref.history + (event,)))
+    save(rec, record_file)
+    return rec
+
+
+def _not_attached(record_file: Path, rec: Record, run_dir: Path) -> str:
+    """Why ``detach`` cannot find ``run_dir``, with the run folders it could mean."""
+    from moelab.lab.runs import shown_path  # as `lab show` names them
+
+    live = [f"{shown_path(run_path(record_file, r))} (arm {r.arm})" for r in live_runs(rec)]
+    if not live:
+        return f"{run_dir}: not attached to {rec.id}, which has no attached run to detach"
+    return (f"{run_dir}: not attached to {rec.id}; its attached runs: {', '.join(live)}; give "
+            f"one of these folders (`moelab lab show {rec.id}` lists them)")

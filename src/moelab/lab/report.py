@@ -49,7 +49,9 @@ LAST_METRICS = ("train/loss", "train/grad_norm", "train/lr", "moe/drop_fraction"
 
 
 def load_record_runs(record_file: Path, rec: rec_mod.Record) -> list[RunData]:
-    return name_runs([read_run(rec_mod.run_path(record_file, r), r.arm) for r in rec.runs])
+    """The record's runs that count (detached ones are listed from the record alone)."""
+    return name_runs([read_run(rec_mod.run_path(record_file, r), r.arm)
+                      for r in rec_mod.live_runs(rec)])
 
 
 def arm_run(run: RunData) -> ArmRun:
@@ -141,6 +143,12 @@ def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData]) -> list[str
     summary = count_labels(v.label() for _, v in verdicts) or "no criteria"
     out = ["## Conclusions", "",
            f"- **Measured:** {len(verdicts)} criteria: {summary}."]
+    detached = [r for r in rec.runs if r.detached()]
+    if detached:
+        arms = ", ".join(md_text(r.arm) for r in detached)
+        plural = "s" * (len(detached) != 1)
+        out.append(f"- **Measured:** not in these verdicts: {len(detached)} detached run{plural} "
+                   f"(arm{plural} {arms}); the reasons are under Detached runs.")
     short = [r for r in newest_usable(runs).values()
              if rec.min_steps and r.last_step < rec.min_steps]
     if short:
@@ -224,6 +232,33 @@ def _failed_section(runs: list[RunData]) -> list[str]:
     return out
 
 
+def _detach_rows(rec: rec_mod.Record) -> list[list[str]]:
+    """One row per detach event in the record: the arm, the folder, when it was attached and
+    detached, the reason, and whether it was attached again since (the next event)."""
+    rows = []
+    for ref in rec.runs:
+        for k, e in enumerate(ref.history):
+            if e["event"] != rec_mod.DETACHED:
+                continue
+            after = ref.history[k + 1] if k + 1 < len(ref.history) else None
+            since = ("still detached" if after is None else f"attached again {after['at']}"
+                     + (f" as arm {after['arm']}" if after["arm"] != e["arm"] else ""))
+            rows.append([md_text(e["arm"]), code_span(ref.path), md_text(ref.attached),
+                         md_text(e["at"]), md_text(e["reason"]), md_text(since)])
+    return rows
+
+
+def _detached_section(rec: rec_mod.Record) -> list[str]:
+    rows = _detach_rows(rec)
+    if not rows:
+        return ["## Detached runs", "", "None: no run attached to this record was detached."]
+    return ["## Detached runs", "",
+            "Runs detached from this record, with the reason given. They take no part in the "
+            "verdicts, tables or curves above; they are listed so that every run ever attached "
+            "is on record. Folders are relative to the record file.", ""] + _table(
+        ["arm", "run folder", "attached", "detached", "reason", "since then"], rows)
+
+
 def _float(x):
     try:
         return float(x)
@@ -268,7 +303,8 @@ def _provenance_section(rec: rec_mod.Record, runs: list[RunData]) -> list[str]:
     out = ["## Provenance", ""]
     out += _table(["arm", "git commit", "config hash", "data fingerprint", "versions",
                    "platform"], rows)
-    changed = list(dict.fromkeys(r.arm for r in rec.runs if r.criteria_sha != rec.criteria_sha()))
+    changed = list(dict.fromkeys(r.arm for r in rec_mod.live_runs(rec)
+                                 if r.criteria_sha != rec.criteria_sha()))
     out += ["", f"Record created {rec.created}; criteria hash {rec.criteria_sha()}. "
             + (f"**The criteria changed after these runs were attached: "
                f"{', '.join(map(md_text, changed))}**; "
@@ -281,9 +317,11 @@ def render_report(rec: rec_mod.Record, runs: list[RunData], verdicts, plots, gen
                   ) -> str:
     statuses = [r.status for r in runs]
     status_line = ", ".join(f"{statuses.count(s)} {s}" for s in dict.fromkeys(statuses))
+    n_detached = len(rec.runs) - len(rec_mod.live_runs(rec))
     out = [f"# {md_text(rec.title)}: report", "",
            f"Record {code_span(rec.id)} · generated {generated} · {len(runs)} runs attached"
            + (f" ({status_line})" if runs else "")
+           + (f" · {n_detached} detached (see Detached runs)" if n_detached else "")
            + (f" · issue {md_text(rec.issue)}" if rec.issue else ""), "",
            f"**Hypothesis.** {md_text(rec.hypothesis)}", "", f"**Goal.** {md_text(rec.goal)}", ""]
     out += _verdict_section(verdicts, runs) + [""]
@@ -294,6 +332,7 @@ def render_report(rec: rec_mod.Record, runs: list[RunData], verdicts, plots, gen
         out += [f"![{md_text(title)}]({name})" for title, name in plots] + [""]
     out += _alerts_section(runs) + [""] if any(r.alerts() for r in runs) else []
     out += _failed_section(runs) + [""]
+    out += _detached_section(rec) + [""]
     out += _provenance_section(rec, runs) + [""]
     out += ["---", f"Written by `moelab lab report {rec.id}`. Measured: computed from "
             "metrics.jsonl by the rule shown. Judgement: a reading of the measurements."]
