@@ -367,7 +367,7 @@ CASES = [
     (["history", "{d}/strstep"], 2, "{d}/strstep/metrics.jsonl: line 1"),
     (["history", "{d}/latin1run"], 2, "{d}/latin1run/metrics.jsonl: line 2: not UTF-8"),
     (["history", "{d}/nothing"], 2, "{d}/nothing"),
-    (["replan", "{d}/nothing", "--end-steps", "9"], 2, "{d}/nothing/config.yaml: not found"),
+    (["replan", "{d}/nothing", "--end-steps", "9"], 2, "{d}/nothing: no such folder"),
     (["replan", RUN], 2, "nothing to change"),
     (["replan", RUN, "--end-steps", "-5"], 2, "--end-steps -5"),
     (["replan", RUN, "--end-tokens", "lots"], 2, "--end-tokens: 'lots'"),
@@ -379,7 +379,7 @@ CASES = [
      "--at 7: {d}/run has no checkpoint"),
     (["branch", RUN, "--at", "7", "--cooldown", "lots"], 2, "--cooldown: 'lots'"),
     (["branch", RUN, "--at", "7", "--cooldown", "0"], 2, "--cooldown: '0': must be more than 0"),
-    (["resume", "{d}/nothing"], 2, "{d}/nothing/config.yaml: not found"),
+    (["resume", "{d}/nothing"], 2, "{d}/nothing: no such folder"),
     (["resume", RUN, "model.top_k=99"], 2, "model.top_k: must be <= n_experts=4"),
     (["history", "{d}/afile"], 2, "{d}/afile"),
     # accepted: the phrase is in the output

@@ -8,6 +8,7 @@ that both the replanned run and the branch train with, which is what lets them b
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as dt
 import hashlib
@@ -36,7 +37,13 @@ from moelab.ladder.plan import LadderRule, plan_ladder
 from moelab.ladder.schedule_law import RunSchedule
 from moelab.ops.record import stage_report
 from moelab.ops.replan import PENDING, end_step, ladder_forecast, parse_deadline
-from moelab.ops.schedule import parse_mixture, parse_tokens, rope_note, steps_for_tokens
+from moelab.ops.schedule import (
+    parse_mixture,
+    parse_tokens,
+    rope_note,
+    step_arg,
+    steps_for_tokens,
+)
 from moelab.run.logs import read_metrics
 from moelab.train.changes import (
     Change,
@@ -208,6 +215,12 @@ def test_parsing_of_tokens_mixtures_and_deadlines():
     assert parse_mixture("prose=0.7, code=0.3") == {"prose": 0.7, "code": 0.3}
     with pytest.raises(PlanError, match="DOMAIN=WEIGHT"):
         parse_mixture("prose")
+    with pytest.raises(PlanError, match="domain 'prose' given twice in 'prose=1,prose=2'; keep"):
+        parse_mixture("prose=1,prose=2")  # as a YAML mapping refuses a repeated key
+    assert step_arg("1e3") == 1000 and step_arg("70") == 70  # written as the config takes it
+    for bad in ("1.5", "ten"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            step_arg(bad)
     now = dt.datetime(2025, 1, 1, 12, tzinfo=dt.timezone.utc)
     assert parse_deadline("+36h", now) == 36 * 3600
     assert parse_deadline("2025-01-02T12:00:00+00:00", now) == 86400
@@ -316,7 +329,8 @@ def test_replan_and_branch(runs, data_dir, tmp_path, capsys):  # noqa: F811
 
     # replan: refused, then a dry run (writes only the preview plot), then applied at resume
     assert main(["replan", str(run), "--end-steps", "2"]) == 2
-    assert "moelab: error: end: step 2 is not after the current step 3" in capsys.readouterr().err
+    assert ("moelab: error: --end-steps 2: ends at step 2 (256 tokens), not after step 3 where "
+            "a resume starts (384 tokens); choose a later end") in capsys.readouterr().err
     before = digest(run)
     assert main(["replan", str(run), "--end-steps", "7", "--seq-len", "64"]) == 0
     assert "dry run" in capsys.readouterr().out
@@ -425,3 +439,84 @@ def test_replan_forecast_is_what_ladder_fit_predicts_for_the_run(tmp_path):
     final = predict(fit, short, "short")["final"][EVAL_LOSS]
     assert [row[k] for k in ("mid", "lo", "hi")] == pytest.approx(
         [final[k] for k in ("mid", "lo", "hi")], rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the operations say: options that do nothing, conflicts, notes the table cannot show
+
+
+def test_options_that_would_do_nothing_are_named(runs, capsys):
+    run = str(runs / "stopped")
+    assert main(["replan", run, "--end-steps", "9", "--tokens-per-s", "5"]) == 2
+    assert "--tokens-per-s 5.0: only --deadline uses it" in capsys.readouterr().err
+    assert main(["replan", run, "--floor", "0.1"]) == 2
+    assert ("--floor 0.1: a new floor ends a new decay: add its end, --end-steps, --end-tokens "
+            "or --deadline") in capsys.readouterr().err
+    assert main(["replan", run, "--end-tokens", "100"]) == 2  # said in tokens, as given
+    assert "--end-tokens 100: ends at step 1 (128 tokens), not after step 3" in \
+        capsys.readouterr().err
+    for cmd in (["replan", "nowhere", "--end-steps", "9"], ["resume", "nowhere"],
+                ["branch", "nowhere", "--at", "3", "--cooldown", "1K"], ["history", "nowhere"]):
+        assert main(cmd) == 2
+        assert "nowhere: no such folder; give a run folder written by `moelab train`" in \
+            capsys.readouterr().err, cmd
+
+
+def test_replan_notes_the_mixture_and_steps_flat_at_the_floor(runs, capsys):
+    from moelab.ops.replan import plan_notes
+
+    run = runs / "stopped"  # at step 3 of a 12-step schedule: a new end lowers the LR
+    assert main(["replan", str(run), "--end-steps", "6", "--mixture", "prose=1,code=3",
+                 "--plot", str(runs / "p.png")]) == 0
+    out = capsys.readouterr().out
+    assert ("mixture from step 3: each domain by its size -> code 0.75, prose 0.25 (domains not "
+            "named: no more batches)") in out
+    assert "train flat" not in out
+    done = cfg_with(train={"steps": 12})  # schedule_steps 12: at the floor from step 12 on
+    longer = apply_change(done, 12, Change(end=20), keep_warmup=True)
+    assert plan_notes(done, longer, 12) == [
+        f"note: steps 13-20 train flat at the LR {FLOOR * PEAK:.3e}: the run has decayed to its "
+        "floor, and a decay cannot raise the LR"]
+    mixed = apply_change(done, 6, Change(mixture={"prose": 1.0}), keep_warmup=True)
+    assert plan_notes(mixed, apply_change(mixed, 8, Change(mixture={"code": 1.0}),
+                                          keep_warmup=True), 8) == [
+        "mixture from step 8: prose 1.00 -> code 1.00 (prose: no more batches)"]
+
+
+def test_branch_refuses_a_used_folder_in_a_dry_run_and_a_one_step_cooldown(runs, capsys):
+    parent = str(runs / "parent")
+    assert main(["branch", parent, "--at", "3", "--cooldown", "1K", "--dry-run",
+                 "--out", str(runs / "stopped")]) == 2
+    assert f"--out {runs / 'stopped'}: already exists" in capsys.readouterr().err
+    assert main(["branch", parent, "--at", "3", "--cooldown", "10", "--dry-run",
+                 "--out", str(runs / "new")]) == 2
+    assert ("--cooldown 10 tokens: is 1 step of 128 tokens; a cooldown needs at least 2 steps to "
+            "lower the LR (its first trains at the LR it starts from): give at least 256 "
+            "tokens") in capsys.readouterr().err
+
+
+def test_a_given_end_and_a_pending_replan_s_end_that_disagree_are_refused(runs, tmp_path,
+                                                                          capsys):
+    run = Path(shutil.copytree(runs / "stopped", tmp_path / "run"))
+    assert main(["replan", str(run), "--end-steps", "5", "--apply", "--plot",
+                 str(tmp_path / "p.png")]) == 0
+    capsys.readouterr()
+    before = digest(run)
+    assert main(["resume", str(run), "train.steps=8"]) == 2  # once, 8 was dropped for 5
+    err = capsys.readouterr().err
+    assert (f"train.steps=8 (given now) and the end of the replan pending in {run / PENDING} "
+            f"(5) disagree: resume with the replan's end (`moelab resume {run}`), or replace "
+            f"the plan (`moelab replan {run} --end-steps 8 --apply --replace`)") in err
+    assert digest(run) == before
+
+
+def test_history_marks_a_replan_replaced_before_it_was_applied(runs, tmp_path, capsys):
+    run = Path(shutil.copytree(runs / "stopped", tmp_path / "run"))
+    plot = ["--plot", str(tmp_path / "p.png")]
+    assert main(["replan", str(run), "--end-steps", "5", "--apply", *plot]) == 0
+    assert main(["replan", str(run), "--end-steps", "6", "--apply", "--replace", *plot]) == 0
+    capsys.readouterr()
+    assert main(["history", str(run)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if "replan_requested" in ln]
+    assert len(lines) == 2
+    assert "replaced by a later replan" in lines[0] and "replaced" not in lines[1]

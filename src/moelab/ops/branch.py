@@ -61,6 +61,11 @@ def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: flo
     shaped = apply_change(cfg, at, Change(mixture=mixture, seq_len=seq_len), keep_warmup=False)
     end = check_end(steps_for_tokens(shaped, shaped.data.tokens_before(at) + cooldown_tokens),
                     option)
+    if end - at < 2:  # its one step would train at the LR it decays from
+        per = shaped.data.tokens_before(at + 1) - shaped.data.tokens_before(at)
+        raise PlanError(f"{option}: is {end - at} step of {per:,} tokens; a cooldown needs at "
+                        f"least 2 steps to lower the LR (its first trains at the LR it starts "
+                        f"from): give at least {2 * per:,} tokens")
     return cfg, apply_change(cfg, at, Change(end=end, floor=floor, mixture=mixture,
                                              seq_len=seq_len), keep_warmup=False)
 

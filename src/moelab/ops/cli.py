@@ -15,7 +15,15 @@ from moelab.config import ConfigError, config_from_dict
 from moelab.config.errors import INT32_MAX, require
 from moelab.config.io import apply_overrides
 from moelab.ops.record import LINEAGE
-from moelab.ops.schedule import check_end, check_seq_len, parse_mixture, parse_tokens, rope_note
+from moelab.ops.schedule import (
+    check_end,
+    check_run_folder,
+    check_seq_len,
+    parse_mixture,
+    parse_tokens,
+    rope_note,
+    step_arg,
+)
 from moelab.train.changes import Change, PlanError
 from moelab.train.cli import add_accept_data_change
 from moelab.util import atomic_write_text
@@ -46,6 +54,13 @@ def check_change_args(args) -> None:
             f"must be in 1-{INT32_MAX:,} (the compiled step counts steps in int32)")
     require(rate is None or (math.isfinite(rate) and rate > 0), f"--tokens-per-s {rate}",
             "must be a number > 0")
+    require(rate is None or getattr(args, "deadline", None) is not None,
+            f"--tokens-per-s {rate}", "only --deadline uses it (the end it trains to by then): "
+            "add --deadline, or leave it out")
+    require(args.floor is None or any(getattr(args, k, None) is not None for k in
+                                      ("end_steps", "end_tokens", "deadline", "cooldown")),
+            f"--floor {args.floor}", "a new floor ends a new decay: add its end, --end-steps, "
+            "--end-tokens or --deadline")
     at = getattr(args, "at", None)
     require(at is None or at >= 0, f"--at {at}", "must be a checkpoint step (>= 0)")
 
@@ -93,6 +108,15 @@ def _check_data(cfg, args) -> str:
     return "data: every mixture and context length can be drawn"
 
 
+def _check_end_after(cfg, end: int, at: int | None, option: str) -> None:
+    """A new end must come after the step a resume starts at: said in the option's terms
+    (``--end-tokens 10K`` is a step count the user never typed)."""
+    if at is not None and end <= at:
+        raise PlanError(f"{option}: ends at step {end:,} ({cfg.data.tokens_before(end):,} "
+                        f"tokens), not after step {at:,} where a resume starts "
+                        f"({cfg.data.tokens_before(at):,} tokens); choose a later end")
+
+
 def cmd_replan(args) -> int:
     from moelab.run.lock import run_lock
 
@@ -106,10 +130,11 @@ def _replan(args) -> int:
     from moelab.config import load_run_config
     from moelab.ops import replan as rp
     from moelab.ops.plot import plot_replan
-    from moelab.train.resume import read_pending
+    from moelab.train.resume import read_pending, resume_step
 
     check_change_args(args)
     run = Path(args.run)
+    check_run_folder(run)
     cfg = load_run_config(run)
     pending = read_pending(run)  # a damaged request is named before any planning
     if pending is not None and args.apply and not args.replace:
@@ -127,6 +152,7 @@ def _replan(args) -> int:
                                     seconds_left=seconds,
                                     tokens_per_s=args.tokens_per_s or now["tokens_per_s"],
                                     tokens_now=now["tokens"]), _end_option(args))
+        _check_end_after(cfg, end, resume_step(run), _end_option(args))
     change = Change(end=end, floor=args.floor, mixture=_mixture(args), seq_len=args.seq_len)
     if change == Change():
         raise PlanError("nothing to change: give a new end (--end-steps, --end-tokens, "
@@ -141,6 +167,8 @@ def _replan(args) -> int:
         rate = args.tokens_per_s or now["tokens_per_s"]
         print(f"deadline in {seconds / 3600:,.2f} h at {rate:,.0f} tokens/s -> end step {end:,}")
     print(rp.format_preview(rp.preview_rows(before, after, at)))
+    for note in rp.plan_notes(before, after, at):
+        print(note)
     if forecast:
         print(forecast)
     print(data_note)
@@ -148,7 +176,7 @@ def _replan(args) -> int:
         print(rope_note(after))
     print(f"plot: {plot_replan(before, after, at, args.plot or run / 'replan_preview.png')}")
     if not args.apply:
-        print("dry run: nothing changed; add --apply to apply it at the next resume"
+        print("dry run: the run's plan is unchanged; add --apply to apply it at the next resume"
               + (f" (a plan is pending: {_describe(pending)}; --apply --replace replaces it)"
                  if pending is not None else "")
               + ("; --replace acts only with --apply" if args.replace else ""))
@@ -168,11 +196,13 @@ def cmd_branch(args) -> int:
 
     check_change_args(args)
     parent = Path(args.run)
+    check_run_folder(parent)
     tokens = parse_tokens(args.cooldown, "--cooldown")
     mixture = _mixture(args)
     br.parent_data(parent, args.accept_data_change)  # refused before any planning
-    if not args.dry_run:  # a used or unwritable folder is refused before planning
-        br.check_can_record(parent, br.branch_dir(parent, args.at, args.out))
+    child = br.branch_dir(parent, args.at, args.out)  # a used folder: refused, dry run or not
+    if not args.dry_run:  # an unwritable one too where the branch would be made
+        br.check_can_record(parent, child)
     before, after = br.plan_branch(parent, args.at, tokens, floor=args.floor, mixture=mixture,
                                    seq_len=args.seq_len)
     data_note = _check_data(after, args)  # refusals before anything is printed
@@ -180,6 +210,8 @@ def cmd_branch(args) -> int:
                                                                     "branch": after}))
                 if args.ladder else None)
     print(rp.format_preview(rp.preview_rows(before, after, args.at), ("parent", "branch")))
+    for note in rp.plan_notes(before, after, args.at):
+        print(note)
     if forecast:
         print(forecast)
     print(data_note)
@@ -208,8 +240,9 @@ def cmd_resume(args) -> int:
     from moelab.train.preflight import claim_gpu_share
     from moelab.train.resume import recovered_config
 
-    claim_gpu_share()  # as moelab train: before JAX's backend starts
     run = Path(args.run)
+    check_run_folder(run)
+    claim_gpu_share()  # as moelab train: before JAX's backend starts
     summary = train(recovered_config(run, args.overrides), run,
                     accept_data_change=args.accept_data_change)
     print(format_summary(summary))
@@ -290,12 +323,13 @@ def register(sub) -> None:
         "replan", help="move a run's end and re-time its decay; change mixture or context",
         description="Plan a new end for a run (steps, tokens, or a deadline at the observed "
         "tokens/s): the LR continues from where the run is, without a jump, and decays linearly "
-        "to the floor exactly at the new end. Optionally a new mixture or context length. "
-        "Prints a before/after table and plot; with --apply the plan is applied at the next "
+        "to the floor, which the schedule reaches at the new end (its last step trains one "
+        "decrement above it, as a schedule gives each update its start's LR). Optionally a "
+        "new mixture or context length. Prints a before/after table and plot; with --apply the plan is applied at the next "
         "resume, from the step the run resumes at.")
     r.add_argument("run", help="run folder")
     end = r.add_mutually_exclusive_group()
-    end.add_argument("--end-steps", type=int, help="new last step")
+    end.add_argument("--end-steps", type=step_arg, help="new last step (e.g. 5000 or 5e3)")
     end.add_argument("--end-tokens", help="new end in tokens, e.g. 2.5M")
     end.add_argument("--deadline", help="'+36h', '+2d' or an ISO date/time; the end is what "
                      "the observed tokens/s trains by then")
@@ -315,7 +349,7 @@ def register(sub) -> None:
         "mixture or a longer context. Lineage is recorded in both runs' ops.jsonl and in the "
         "branch's lineage.json.")
     b.add_argument("run", help="parent run folder")
-    b.add_argument("--at", type=int, required=True, help="checkpoint step to fork from")
+    b.add_argument("--at", type=step_arg, required=True, help="checkpoint step to fork from")
     b.add_argument("--cooldown", required=True, help="cooldown length in tokens, e.g. 20M")
     b.add_argument("--out", help="branch folder (default: RUN-cooldown<STEP> beside the parent)")
     _change_args(b)

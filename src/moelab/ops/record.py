@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import RunConfig, load_run_config
+from moelab.ops.schedule import check_run_folder
 from moelab.run.logs import OPS_LOG, read_metrics
 
 LINEAGE = "lineage.json"
@@ -92,18 +93,19 @@ def _as_float(v) -> float:
 
 def format_history(run_dir: Path | str) -> str:
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"{run_dir}: no such folder; give a run folder written by "
-                                "`moelab train` or `moelab branch`")
+    check_run_folder(run_dir)
     lines = [f"run {run_dir}"]
     lin = lineage(run_dir)
     if lin:
         lines.append(f"  branch of {lin['parent']} at step {lin['step']}"
                      + (f": {lin['reason']}" if lin.get("reason") else ""))
     skip = {"event", "step", "time", "log", "reason", "command"}
-    for e in history(run_dir):
+    events = history(run_dir)
+    for i, e in enumerate(events):
         when = _fmt_time(e.get("time"))
         extra = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in skip)
+        if _replaced(events, i):
+            extra += " (replaced by a later replan before it was applied)"
         lines.append(f"  {when}  step {e['step']:>7}  {e['event']:<18} {extra}")
         if e.get("reason"):
             lines.append(f"{'':>38}why: {e['reason']}")
@@ -122,6 +124,16 @@ def format_history(run_dir: Path | str) -> str:
                          f"{r['drop_max']:>7.2%} {r['sender_drop_mean']:>7.2%} "
                          f"{r['receiver_drop_mean']:>8.2%} {rate:>9} {r['loss_last']:>7.3f}")
     return "\n".join(lines)
+
+
+def _replaced(events: list[dict], i: int) -> bool:
+    """Whether the replan request ``events[i]`` was replaced (``replan --replace``) by another
+    request before a resume applied it."""
+    if events[i]["event"] != "replan_requested":
+        return False
+    later = (e["event"] for e in events[i + 1:])
+    return next((e for e in later if e in ("replan_requested", "replan_applied")),
+                None) == "replan_requested"
 
 
 def _fmt_time(t) -> str:

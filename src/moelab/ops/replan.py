@@ -4,8 +4,9 @@ A replan is a request written to ``plan_pending.json`` in the run folder and log
 ``ops.jsonl``; a live run never sees its files change under it. The next resume (`moelab resume
 RUN`, or `moelab train` on the folder; ``moelab.train.resume``) applies it at the step it
 resumes from: the decay starts there at the LR the run had there (or where warmup ends, if
-warmup is still running) and reaches the floor exactly at the new end; the pending file is then
-removed and the application logged. Binding the start at the resume step, not at request time,
+warmup is still running) and reaches the floor at the new end (the last step trains one
+decrement above it: an update trains at its start's LR); the pending file is then removed and
+the application logged. Binding the start at the resume step, not at request time,
 keeps the past of the run untouched however long the live run goes on before it stops.
 """
 
@@ -100,9 +101,36 @@ def preview_rows(before: RunConfig, after: RunConfig, at: int, n: int = 6) -> li
              else None, "lr_before": float(a) if s <= before.train.steps else None,
              "tokens_after": after.data.tokens_before(s) if s <= after.train.steps else None,
              "lr_after": float(b) if s <= after.train.steps else None,
-             "seq_len_after": after.data.segment_at(s).seq_len if s <= after.train.steps
-             else None}
+             # a row shows what the log shows at step s: the update that reached it
+             "seq_len_after": after.data.segment_at(max(s - 1, 0)).seq_len
+             if s <= after.train.steps else None}
             for s, a, b in zip(steps, lr0, lr1)]
+
+
+def _weights(mixture: dict) -> str:
+    if not mixture:
+        return "each domain by its size"
+    total = sum(mixture.values())
+    return ", ".join(f"{d} {w / total:.2f}" for d, w in sorted(mixture.items()))
+
+
+def plan_notes(before: RunConfig, after: RunConfig, at: int) -> list[str]:
+    """What the table cannot show: a new mixture (domains left out get no batches), and an
+    end whose added steps train flat at the LR the run has already decayed to."""
+    notes = []
+    old, new = before.data.segment_at(at).mixture, after.data.segment_at(at).mixture
+    if new != old:
+        gone = sorted(set(old) - set(new)) if old else []
+        notes.append(f"mixture from step {at:,}: {_weights(old)} -> {_weights(new)}"
+                     + (f" ({', '.join(gone)}: no more batches)" if gone else
+                        " (domains not named: no more batches)" if not old else ""))
+    end = after.train.steps
+    if end > at + 1:
+        first, last = logged_lr(after, [at + 1, end])
+        if np.isclose(first, last, rtol=1e-6):
+            notes.append(f"note: steps {at + 1:,}-{end:,} train flat at the LR {last:.3e}: "
+                         "the run has decayed to its floor, and a decay cannot raise the LR")
+    return notes
 
 
 def format_preview(rows: list[dict], names: tuple[str, str] = ("now", "new")) -> str:

@@ -7,7 +7,9 @@ past fixed live in ``moelab.train.changes``: a resume applies them, so they sit 
 
 from __future__ import annotations
 
+import argparse
 import re
+from pathlib import Path
 
 import numpy as np
 
@@ -59,6 +61,26 @@ def parse_tokens(text: str, what: str = "tokens") -> int:
     return int(round(float(m.group(1)) * _SUFFIX[m.group(2).lower()]))
 
 
+def step_arg(text: str) -> int:
+    """A step count on the command line: a whole number, written as the config accepts one
+    (``1000``, ``1e3``); argparse's own ``int`` refuses ``1e3``."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a step number") from None
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of steps")
+    return int(value)
+
+
+def check_run_folder(run: Path | str) -> None:
+    """A run operation's folder must exist: one message for every operation (the config file
+    it lacks would be named instead)."""
+    if not Path(run).is_dir():
+        raise FileNotFoundError(f"{run}: no such folder; give a run folder written by "
+                                "`moelab train` or `moelab branch`")
+
+
 def parse_mixture(text: str) -> dict[str, float]:
     """'prose=0.7,code=0.3' -> {'prose': 0.7, 'code': 0.3}."""
     out = {}
@@ -67,6 +89,8 @@ def parse_mixture(text: str) -> dict[str, float]:
         if not m:
             raise PlanError(f"mixture: {part!r} is not DOMAIN=WEIGHT (weight >= 0); write e.g. "
                             "prose=0.7,code=0.3")
+        if m.group(1) in out:  # as a YAML mapping refuses a repeated key
+            raise PlanError(f"mixture: domain {m.group(1)!r} given twice in {text!r}; keep one")
         out[m.group(1)] = float(m.group(2))
     if not out or sum(out.values()) <= 0:
         raise PlanError(f"mixture: {text!r} gives no weight > 0; write e.g. prose=0.7,code=0.3")

@@ -47,8 +47,9 @@ def lr_schedule(cfg: OptimConfig, warmup: int, total: int):
             lr0 = float(fn(d.start))
         if d.floor * cfg.lr > lr0 * (1 + 1e-6):
             raise ConfigError(f"optim.decays[{i}].floor: {d.floor} x peak = {d.floor * cfg.lr:.3g}"
-                              f" is above the LR {lr0:.3g} at step {d.start}; a decay cannot "
-                              "raise the LR: lower the floor")
+                              f" is above the LR {lr0:.3g} it decays from (train/lr of step "
+                              f"{d.start + 1}, the first it trains); a decay cannot raise the "
+                              "LR: lower the floor")
         fn = _retimed(fn, d.start, d.end, lr0, d.floor * cfg.lr)
     return fn
 

@@ -115,6 +115,7 @@ def resume_config(saved: RunConfig, cfg: RunConfig, run_dir: Path | str) -> RunC
     at = resume_step(run_dir)
     pending = read_pending(run_dir)
     if pending is not None:
+        _check_end_agrees(saved, cfg, pending, run_dir)
         try:
             cfg = apply_change(cfg, at, Change.from_dict(pending["change"]), keep_warmup=True)
         except (PlanError, ConfigError) as e:
@@ -122,6 +123,18 @@ def resume_config(saved: RunConfig, cfg: RunConfig, run_dir: Path | str) -> RunC
                             "`moelab replan` again or delete the file") from None
     check_future_only(saved, cfg, at)
     return cfg
+
+
+def _check_end_agrees(saved: RunConfig, cfg: RunConfig, pending: dict, run_dir) -> None:
+    """A train.steps given now (a preset's own included) other than the run's, and a pending
+    replan's end, ask for two ends: refused rather than one silently dropped."""
+    end, steps = pending["change"].get("end"), cfg.train.steps
+    if end is None or steps in (saved.train.steps, end):
+        return
+    raise ConfigError(f"train.steps={steps} (given now) and the end of the replan pending in "
+                      f"{Path(run_dir) / PENDING} ({end}) disagree: resume with the replan's "
+                      f"end (`moelab resume {run_dir}`), or replace the plan (`moelab replan "
+                      f"{run_dir} --end-steps {steps} --apply --replace`)")
 
 
 def commit_pending(run_dir: Path | str, cfg: RunConfig) -> None:
