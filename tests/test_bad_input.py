@@ -598,9 +598,11 @@ def test_bad_input_is_one_clear_line(argv, code, phrase, where, capsys, refuse_w
 
 @pytest.mark.parametrize("argv, phrase", [
     (["replan", "{d}/at30", "--end-steps", "40", "--mixture", "prose=1,cod=2"],
-     "--mixture prose=1,cod=2: data.mixture: unknown domain(s) cod; available in train"),
+     "--mixture prose=1,cod=2: data.mixture_schedule[0].mixture: unknown domain(s) cod; "
+     "available in train"),
     (["branch", "{d}/at30", "--at", "30", "--cooldown", "1k", "--mixture", "bogus=1",
-      "--dry-run"], "--mixture bogus=1: data.mixture: unknown domain(s) bogus")])
+      "--dry-run"],
+     "--mixture bogus=1: data.mixture_schedule[0].mixture: unknown domain(s) bogus")])
 def test_a_mixture_the_data_lacks_is_refused_before_the_preview(argv, phrase, where, capsys):
     """Checked against the run's data (its samplers built), which follows the plan's own
     check of its LR schedule (a small XLA compile), but comes before anything is printed."""

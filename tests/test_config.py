@@ -173,12 +173,16 @@ def test_the_run_folder_records_the_resolved_config(tmp_path, data_dir, monkeypa
     class Stop(Exception):
         pass
 
-    def stop(*_a, **_kw):  # after the run folder is written, before any compilation
+    write_folder = setup._write_run_folder
+
+    def stop(*a, **kw):  # once the run folder is written
+        write_folder(*a, **kw)
         raise Stop
 
     write_config_yaml(tmp_path / "micro.yaml", micro_dict(data_dir))
     mine = _yaml(tmp_path / "mine.yaml", "base: micro.yaml\ntrain: {steps: 7}\n")
-    monkeypatch.setattr(setup, "init_sharded_state", stop)
+    monkeypatch.setattr(setup, "init_sharded_state", lambda *_a, **_kw: None)  # no compilation
+    monkeypatch.setattr(setup, "_write_run_folder", stop)
     with pytest.raises(Stop):
         main(["train", mine, "--run-dir", str(tmp_path / "run")])
     saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())

@@ -78,6 +78,9 @@ class DataSegment(NamedTuple):
     seq_len: int
     batch_size: int
     mixture: dict[str, float]
+    # the fields the user wrote its mixture and seq_len in, named when the data refuses them
+    mixture_field: str = "data.mixture"
+    seq_len_field: str = "data.seq_len"
 
 
 def _check_mixture(mixture: dict[str, float], p: str) -> None:
@@ -139,10 +142,16 @@ class DataConfig:
         out = []
         for s in starts:
             stage = self.stage_at(s)
-            mix = next((m.mixture for m in reversed(self.mixture_schedule) if m.step <= s),
-                       self.mixture)
-            out.append(DataSegment(s, stage.seq_len if stage else self.seq_len,
-                                   self.stage_batch(stage) if stage else self.batch_size, mix))
+            change = next((i for i in reversed(range(len(self.mixture_schedule)))
+                           if self.mixture_schedule[i].step <= s), None)
+            mix, mix_field = ((self.mixture, "data.mixture") if change is None else
+                              (self.mixture_schedule[change].mixture,
+                               f"data.mixture_schedule[{change}].mixture"))
+            out.append(DataSegment(
+                s, stage.seq_len if stage else self.seq_len,
+                self.stage_batch(stage) if stage else self.batch_size, mix, mix_field,
+                f"data.context_stages[{self.context_stages.index(stage)}].seq_len" if stage
+                else "data.seq_len"))
         return out
 
     def stages(self) -> list[ContextStage]:

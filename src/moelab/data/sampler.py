@@ -29,14 +29,19 @@ from moelab.data.errors import DataError
 from moelab.data.permutation import permute, round_keys
 from moelab.data.store import TokenStore
 
+BASE_FIELDS = ("data.mixture", "data.seq_len")  # where a run's first segment is configured
+
 
 def resolve_mixture(store: TokenStore, split: str, seq_len: int,
-                    mixture: dict[str, float] | None) -> dict[str, float]:
+                    mixture: dict[str, float] | None,
+                    fields: tuple[str, str] = BASE_FIELDS) -> dict[str, float]:
     """Normalised sampling probability per domain (sorted by name, zero weights dropped).
 
     None or {} means proportional to each domain's token count. Named weights are relative;
-    domains not named get weight 0.
+    domains not named get weight 0. ``fields``: the config fields the mixture and seq_len were
+    given in (a mixture change's, a context stage's), which a refusal names.
     """
+    mix_field, seq_field = fields
     available = store.domains(split)
     if not mixture:
         weights = {d: float(store.n_tokens(split, d)) for d in available
@@ -44,27 +49,27 @@ def resolve_mixture(store: TokenStore, split: str, seq_len: int,
     else:
         unknown = sorted(set(mixture) - set(available))
         if unknown:
-            raise DataError(f"data.mixture: unknown domain(s) {', '.join(unknown)}; "
+            raise DataError(f"{mix_field}: unknown domain(s) {', '.join(unknown)}; "
                             f"available in {split}: {', '.join(available)}")
         weights = {}
         for d in sorted(mixture):
             w = mixture[d]
             if not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 0):
-                raise DataError(f"data.mixture.{d}: weight {w!r} must be a number >= 0")
+                raise DataError(f"{mix_field}.{d}: weight {w!r} must be a number >= 0")
             if w == 0:
                 continue
             if store.n_tokens(split, d) <= seq_len:
-                raise DataError(f"data.mixture.{d}: the {split} stream has only "
-                                f"{store.n_tokens(split, d)} tokens, fewer than seq_len+1="
-                                f"{seq_len + 1}; give it weight 0 or lower data.seq_len")
+                raise DataError(f"{mix_field}.{d}: the {split} stream has only "
+                                f"{store.n_tokens(split, d)} tokens, fewer than {seq_field}+1="
+                                f"{seq_len + 1}; give it weight 0 or lower {seq_field}")
             weights[d] = float(w)
     total = sum(weights.values())
     if not mixture and total <= 0:  # every stream is shorter than one window
         longest = max((store.n_tokens(split, d) for d in available), default=0)
-        raise DataError(f"data.seq_len: {seq_len} needs windows of {seq_len + 1} tokens, and the "
-                        f"longest {split} stream has {longest}; lower data.seq_len")
+        raise DataError(f"{seq_field}: {seq_len} needs windows of {seq_len + 1} tokens, and the "
+                        f"longest {split} stream has {longest}; lower {seq_field}")
     if total <= 0:
-        raise DataError(f"data.mixture: no domain to sample from (weights {mixture!r}, "
+        raise DataError(f"{mix_field}: no domain to sample from (weights {mixture!r}, "
                         f"available: {', '.join(available)}); give one a weight > 0")
     return {d: w / total for d, w in sorted(weights.items())}
 
@@ -77,14 +82,14 @@ class MixtureSampler:
 
     def __init__(self, store: TokenStore, split: str = "train", *, seq_len: int,
                  batch_size: int, mixture: dict[str, float] | None = None, seed: int = 0,
-                 first_step: int = 0):
+                 first_step: int = 0, fields: tuple[str, str] = BASE_FIELDS):
         if seq_len <= 0 or batch_size <= 0:
             raise DataError(f"seq_len={seq_len}, batch_size={batch_size}: both must be > 0")
         self.store, self.split = store, split
         self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
         self.first_step = first_step  # the step this sampler's segment starts at
-        self.mixture = dict(mixture or {})
-        self.probs = resolve_mixture(store, split, seq_len, self.mixture)
+        self.mixture, self.fields = dict(mixture or {}), fields
+        self.probs = resolve_mixture(store, split, seq_len, self.mixture, fields)
         self._domains = list(self.probs)
         self._p = np.array([self.probs[d] for d in self._domains])
         self._streams = [store.tokens(split, d) for d in self._domains]
@@ -120,7 +125,7 @@ class MixtureSampler:
     def with_mixture(self, mixture: dict[str, float] | None) -> "MixtureSampler":
         return type(self)(self.store, self.split, seq_len=self.seq_len,
                           batch_size=self.batch_size, mixture=mixture, seed=self.seed,
-                          first_step=self.first_step)
+                          first_step=self.first_step, fields=self.fields)
 
     def state(self) -> dict:
         """Everything that determines the batches, for run provenance."""
@@ -211,7 +216,8 @@ class SteppedSampler:
                             "(moelab.data.stream.StreamSampler)")
         cls = SAMPLER_CLASSES[data.sampler_kind]
         self._samplers = [cls(store, split, seq_len=g.seq_len, batch_size=g.batch_size,
-                              mixture=g.mixture or None, seed=data.seed, first_step=g.start)
+                              mixture=g.mixture or None, seed=data.seed, first_step=g.start,
+                              fields=(g.mixture_field, g.seq_len_field))
                           for g in self.segments]
 
     def at(self, step: int) -> MixtureSampler:

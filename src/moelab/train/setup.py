@@ -12,7 +12,7 @@ import functools
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -298,25 +298,62 @@ def _check_resume_data(cfg: RunConfig, run_dir: Path, recorded: dict, accept: bo
                          given_tokenizer(cfg.data))
 
 
+def _resolved(cfg: RunConfig, run_dir: Path, recorded: dict,
+              accept: bool) -> tuple[RunConfig, list[str]]:
+    """(the config the run trains with, the settings a resume changes), refused before
+    anything is built, from the config and what the data folder holds now."""
+    _check_resume_data(cfg, run_dir, recorded, accept)
+    cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
+    cfg = transport.check_config(resolve_run_config(cfg, run_dir))
+    transport.check_backend(cfg.parallel, jax.default_backend())
+    changed = resume_changes(run_dir, cfg)  # said, and kept in the resume event
+    check_adaptive(cfg)
+    return cfg, changed
+
+
+class _Inputs(NamedTuple):
+    """The prepared data as the run reads it, checked against its config."""
+
+    store: TokenStore
+    tok: Any
+    now: dict  # the data record: what provenance.json and each checkpoint keep
+    changes: dict  # data changes accepted with --accept-data-change
+    sampler: SteppedSampler | StreamSampler
+
+
+def _checked_inputs(cfg: RunConfig, run_dir: Path, data: PreparedData, recorded: dict,
+                    accept: bool, say) -> _Inputs:
+    """Every check of the config against the prepared data: held-out text, token ids under
+    the vocab, the run's data record, and each segment's sampler (a mixture change or
+    context stage the data cannot serve is refused here, not at its step)."""
+    store = TokenStore(data.store_dir, vocab_size=cfg.model.vocab_size)  # ids < vocab
+    check_heldout(cfg, store, data.corpus_dir, say)  # evaluation must not vanish at the end
+    check_adaptive_heldout(cfg, store, len(jax.devices()) if cfg.parallel.devices == 0
+                           else cfg.parallel.devices)  # gates and re-placement route it
+    tok = load_tokenizer(data.tokenizer_path)
+    now, changes = _checked_data(cfg, run_dir, recorded, store, tok, accept, say)
+    sampler = (StreamSampler(cfg.data, tok, data.corpus_dir) if cfg.data.sampler == "stream"
+               else SteppedSampler(store, cfg.data))
+    return _Inputs(store, tok, now, changes, sampler)
+
+
 def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None,
               accept_data_change: bool = False,
               hold: ExitStack | None = None) -> tuple[RunSetup, dict]:
     """(the run's setup, the train state to start from) for training ``cfg`` in ``run_dir``;
     ``mirror`` (a remote run's ``moelab.run.remote.Mirror``) uploads each checkpoint;
     ``hold``: keeps the data folder marked as read by this run until it closes.
-    A resume must find the data the run recorded, unless ``accept_data_change``."""
+    A resume must find the data the run recorded, unless ``accept_data_change``.
+
+    The run folder is written only once every check has passed and the train state is built:
+    a start refused (or stopped) before leaves a new folder empty, which the run's lock then
+    removes, and a resumed run's folder as it was."""
     run_dir = Path(run_dir)
     cfg = cfg.with_absolute_data()  # the run's own data, wherever it is resumed from
     at = resume_step(run_dir)  # None: nothing trained yet, any data may (re)start it
     started_before = (run_dir / "config.yaml").is_file()  # a start stopped before a checkpoint
     recorded = run_data_record(run_dir) if at is not None else {}
-    # refused before anything is built, from what the data folder holds now
-    _check_resume_data(cfg, run_dir, recorded, accept_data_change)
-    cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
-    cfg = transport.check_config(resolve_run_config(cfg, run_dir))  # before any work
-    transport.check_backend(cfg.parallel, jax.default_backend())
-    changed = resume_changes(run_dir, cfg)  # said, and kept in the resume event
-    check_adaptive(cfg)
+    cfg, changed = _resolved(cfg, run_dir, recorded, accept_data_change)
     main = is_main()  # with several processes, process 0 alone writes the run folder
     say = info if verbose and main else _quiet
     if at is not None and not (run_dir / "config.yaml").is_file():
@@ -326,28 +363,20 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
         say(f"{run_dir}: no record of the data it trained on (a run of an older moelab); "
             f"recording the corpus and tokenizer of {cfg.data.data_dir} as its data now")
     data = _prepare(cfg, main, verbose, hold)
-    store = TokenStore(data.store_dir, vocab_size=cfg.model.vocab_size)  # ids < vocab
-    check_heldout(cfg, store, data.corpus_dir, say)  # evaluation must not vanish at the end
-    check_adaptive_heldout(cfg, store, len(jax.devices()) if cfg.parallel.devices == 0
-                           else cfg.parallel.devices)  # gates and re-placement route it
-    tok = load_tokenizer(data.tokenizer_path)
-    now, changes = _checked_data(cfg, run_dir, recorded, store, tok, accept_data_change, say)
-    prov = provenance(cfg, now)
-    if main:
+    inputs = _checked_inputs(cfg, run_dir, data, recorded, accept_data_change, say)
+    store, tok, sampler = inputs.store, inputs.tok, inputs.sampler
+    mesh = mesh_from_config(cfg.parallel)  # refuses more devices than are visible
+    state_sh = train_state_shardings(cfg, mesh)
+    with native_work():  # compiles and first programs: a stop signal ends the process at once
+        state = init_sharded_state(cfg, state_sh)
+    prov = provenance(cfg, inputs.now)
+    if main:  # nothing refused it: from here on the folder holds the run
         _write_run_folder(cfg, run_dir, data, prov)
-
-    # mixture changes and context stages by step
-    sampler = (StreamSampler(cfg.data, tok, data.corpus_dir) if cfg.data.sampler == "stream"
-               else SteppedSampler(store, cfg.data))
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts,
                         every=cfg.train.ckpt_every,
                         asynchronous=cfg.train.async_ckpt)
     if mirror is not None:
         mirror.attach(ckpt)
-    mesh = mesh_from_config(cfg.parallel)
-    state_sh = train_state_shardings(cfg, mesh)
-    with native_work():  # compiles and first programs: a stop signal ends the process at once
-        state = init_sharded_state(cfg, state_sh)
     put_batch = (lambda b: jnp.asarray(b)) if mesh is None else (lambda b: shard_batch(b, mesh))
     trackers = _open_trackers(cfg, run_dir, main)
     restored = _restore(ckpt, state, trackers)
@@ -361,9 +390,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
                    git_commit=prov.get("git_commit"), **process_identity(),
                    **({"changed": changed} if start and changed else {}))
     with _end_recorded(trackers, start), native_work():
-        if changes:  # the run's record of what it trained on from here
+        if inputs.changes:  # the run's record of what it trained on from here
             trackers.event("data_change", start, accepted="--accept-data-change",
-                           **{f: {"recorded": a, "now": b} for f, (a, b) in changes.items()})
+                           **{f: {"recorded": a, "now": b} for f, (a, b) in inputs.changes.items()})
         hardware = HardwareMonitor()
         counts, peak = _model_costs(cfg, mesh, say)
         cands = remat_candidates(cfg, jax.default_backend())  # [cfg] unless model.remat=auto
