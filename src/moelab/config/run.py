@@ -186,7 +186,9 @@ class ParallelConfig:
         require_steps(self.replace_every, f"{p}.replace_every")
         require(self.expert >= 1, f"{p}.expert", "must be >= 1")
         require(self.devices == 0 or self.devices % self.expert == 0, f"{p}.expert",
-                f"must divide parallel.devices={self.devices}")
+                f"must divide parallel.devices={self.devices}"
+                + ("; set parallel.devices=0 (every visible device) or a multiple of "
+                   f"{self.expert}" if self.devices == 1 else ""))
         require(isinstance(self.transport, str) and self.transport != "", f"{p}.transport",
                 "must name a transport (docs/transport.md lists them)")
 

@@ -228,8 +228,9 @@ def find(ref: str, directory: Path | None = None) -> tuple[Path, Record]:
     if not hits:
         known = ", ".join(r.id for _, r in records) or "none yet"
         raise FileNotFoundError(f"record {ref!r}: not found in {directory}/ (records: {known}); "
-                                "create one with `moelab lab new`, or point MOELAB_LAB_DIR / "
-                                "--lab-dir at the folder that holds it")
+                                "create one with `moelab lab new`, give its file's path, or point "
+                                "MOELAB_LAB_DIR (the lab commands: --lab-dir) at the folder "
+                                "that holds it")
     raise ValueError(f"record {ref!r} is ambiguous: {', '.join(r.id for _, r in hits)}; "
                      "give the full id")
 

@@ -37,6 +37,7 @@ def _plan_xla(cfg, layout, train_step) -> dict:
     """``plan --xla``: compile the real train step (``train_step()``: moelab.train.step) at a
     scaled shape and compare its memory with the planner's: on one device, or on ``layout``
     (expert parallelism, FSDP)."""
+    from moelab.planner.memory import planned_config
     from moelab.planner.xla import compare_sharded_with_xla, compare_with_xla, scaled_config
 
     step = train_step()
@@ -56,7 +57,7 @@ def _plan_xla(cfg, layout, train_step) -> dict:
     m = small.model
     print(f"\n  XLA check at a scaled shape (d_model {m.d_model}, {m.n_layers} layers, "
           f"{m.n_experts} experts, {small.data.batch_size} x {small.data.seq_len} tokens, "
-          f"float32, {where}): estimate {cmp['estimate'] / 2**20:.1f} MiB, XLA "
+          f"float32, remat {planned_config(small).model.remat}, {where}): estimate {cmp['estimate'] / 2**20:.1f} MiB, XLA "
           f"{cmp['xla']['peak'] / 2**20:.1f} MiB ({cmp['ratio'] - 1:+.1%})")
     return {"scaled_model": m.__dict__, "seq_len": small.data.seq_len,
             "batch": small.data.batch_size, **cmp}
