@@ -224,3 +224,28 @@ def random_train_state(cfg, seed: int) -> dict:
     state = jax.tree_util.tree_map_with_path(fill, shapes)
     state["model_state"]["router_bias"] *= 3.0
     return state
+
+
+def signals_after_step(monkeypatch, k: int, *signals) -> None:
+    """The next run's step function sends this process ``signals`` after its k-th step (two
+    SIGINTs: Ctrl-C twice, the second aborting)."""
+    import itertools
+    import os
+
+    import moelab.train.setup as train_setup
+
+    real = train_setup._step_functions
+
+    def step_functions(*args, **kw):
+        step_fn, eval_fn = real(*args, **kw)
+        calls = itertools.count(1)
+
+        def step(state, batch):
+            out = step_fn(state, batch)
+            if next(calls) == k:
+                for sig in signals:
+                    os.kill(os.getpid(), sig)
+            return out
+        return step, eval_fn
+
+    monkeypatch.setattr(train_setup, "_step_functions", step_functions)

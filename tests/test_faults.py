@@ -25,7 +25,14 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from helpers import VOCAB, micro_config, micro_dict, subprocess_env, write_config_yaml
+from helpers import (
+    VOCAB,
+    micro_config,
+    micro_dict,
+    signals_after_step,
+    subprocess_env,
+    write_config_yaml,
+)
 from moelab.cli import main
 from moelab.data import corpus
 from moelab.data.corpus import build_user_corpus, iter_documents
@@ -39,7 +46,6 @@ from moelab.run.checkpoint import Checkpointer, CheckpointError, CheckpointWarni
 from moelab.run.lock import LOCK_FILE, RunLocked, acquire, release
 from moelab.run.logs import JsonlTracker, read_metrics
 from moelab.train import loop
-from moelab.train import setup as train_setup
 from test_train import events, load_state, losses, quiet_train
 
 SMALL = {"steps": 4, "ckpt_every": 2}  # the small run: checkpoints at steps 2 and 4
@@ -269,29 +275,11 @@ def test_a_corpus_without_held_out_text_is_refused_at_the_start(data_dir, tmp_pa
 # stop signals before and during evaluations
 
 
-def sigterm_after_step(monkeypatch, k: int) -> None:
-    """The next run's step function sends this process SIGTERM after its k-th step."""
-    real = train_setup._step_functions
-
-    def step_functions(*args, **kw):
-        step_fn, eval_fn = real(*args, **kw)
-        calls = itertools.count(1)
-
-        def step(state, batch):
-            out = step_fn(state, batch)
-            if next(calls) == k:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return out
-        return step, eval_fn
-
-    monkeypatch.setattr(train_setup, "_step_functions", step_functions)
-
-
 def test_a_stop_just_before_a_scheduled_evaluation_leaves_it_to_the_resume(
         data_dir, tmp_path, monkeypatch):  # noqa: F811
     cfg = micro_config(data_dir, train={"steps": 6, "eval_every": 3})
     run, ref = tmp_path / "run", tmp_path / "ref"
-    sigterm_after_step(monkeypatch, 3)
+    signals_after_step(monkeypatch, 3, signal.SIGTERM)
     s = quiet_train(cfg, run)
     assert (s["interrupted"], s["step"]) == ("SIGTERM", 3) and 3 not in eval_steps(run)
     monkeypatch.undo()

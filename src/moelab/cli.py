@@ -13,7 +13,7 @@ import argparse
 import difflib
 import os
 import re
-import select
+import signal
 import sys
 
 from moelab import generate
@@ -29,7 +29,14 @@ from moelab.ops.cli import register as register_ops
 from moelab.planner.cli import register as register_plan
 from moelab.run.checkpoint import CheckpointError
 from moelab.train.cli import register_config, register_train
-from moelab.util import Terminated, exit_if_abandoned, sigterm_raises
+from moelab.util import (
+    Terminated,
+    exit_if_abandoned,
+    info,
+    output_gone,
+    sigterm_raises,
+    stop_said,
+)
 
 
 def _train_step():
@@ -148,16 +155,6 @@ def unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
     return f"unrecognized arguments: {' '.join(extra)}{hint}"
 
 
-def _stdout_closed() -> bool:
-    """Whether standard output is a pipe whose reader has gone."""
-    try:
-        poll = select.poll()
-        poll.register(sys.stdout.fileno(), select.POLLOUT)
-        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
-    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stdout)
-        return False
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
@@ -169,25 +166,24 @@ def main(argv: list[str] | None = None) -> int:
         command.error(unrecognized(command, extra))
     args.argv = ["moelab", *argv]  # recorded by operations
     try:
-        with sigterm_raises():  # so that cleanup runs on SIGTERM as on Ctrl-C
+        with sigterm_raises():  # so that cleanup runs on SIGTERM and SIGHUP as on Ctrl-C
             return args.fn(args)
     except BrokenPipeError as e:
-        if not _stdout_closed():  # another pipe or socket broke: an error like any other
-            print(f"moelab: error: {e}", file=sys.stderr)
+        if not output_gone(sys.stdout):  # another pipe or socket broke: an error like any other
+            info(f"moelab: error: {e}")
             return 2
         # the reader of the output went away (`moelab plan ... | head`): nothing to say; the
         # interpreter's flush at exit would fail on the closed pipe and say so
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # as a shell reports a command ended by SIGPIPE
     except (ConfigError, OSError, ValueError, CheckpointError, FloatingPointError) as e:
-        print(f"moelab: error: {e}", file=sys.stderr)
+        info(f"moelab: error: {e}")
         return 2
-    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated); a message says more
-        sigterm = isinstance(e, Terminated)
-        print(f"\nmoelab: {str(e) or ('terminated (SIGTERM)' if sigterm else 'aborted')}",
-              file=sys.stderr)
-        exit_if_abandoned(143 if sigterm else 130)  # a native worker still runs: end now
-        return 143 if sigterm else 130
+    except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM or SIGHUP (Terminated); a message says more
+        code = 128 + (signal.Signals[e.signal_name] if isinstance(e, Terminated) else signal.SIGINT)
+        info(f"\nmoelab: {str(e) or stop_said(e)}")  # info: the terminal may have gone (SIGHUP)
+        exit_if_abandoned(code)  # a native worker still runs: end now
+        return code
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Small helpers shared across moelab: atomic file writes, hashing, logging to stderr, folder
-locks, SIGTERM as an interrupt."""
+"""Small helpers shared across moelab: atomic file writes, hashing, logging to stderr (and a
+console whose reader went away), folder locks, SIGTERM and SIGHUP as interrupts."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import secrets
+import select
 import shlex
 import signal
 import socket
@@ -127,23 +128,42 @@ class Terminated(KeyboardInterrupt):
     blocks and ``with`` exits run (temporary files go, locks are released) instead of the
     process ending on the spot."""
 
+    signal_name, said = "SIGTERM", "terminated (SIGTERM)"
+
+
+class HungUp(Terminated):
+    """SIGHUP (the terminal closed, an ssh connection dropped), handled as SIGTERM is."""
+
+    signal_name, said = "SIGHUP", "hangup (SIGHUP)"
+
+
+def stop_said(e: KeyboardInterrupt) -> str:  # "aborted" for Ctrl-C
+    return e.said if isinstance(e, Terminated) else "aborted"
+
+
+def stop_signals() -> list[signal.Signals]:
+    """SIGTERM and SIGHUP, less a SIGHUP that is ignored (under ``nohup`` it stays ignored)."""
+    hup = signal.getsignal(signal.SIGHUP) != signal.SIG_IGN
+    return [signal.SIGTERM, *([signal.SIGHUP] if hup else [])]
+
 
 @contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """Within: SIGTERM raises ``Terminated``. A handler set inside (the training loop's stop
-    flag) takes over until it restores this one. Only the main thread may set handlers."""
+    """Within: SIGTERM raises ``Terminated``, SIGHUP ``HungUp``; a handler set inside (the
+    loop's stop flag) takes over until it restores this one. Main thread only (Python's rule)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def handle(_signum, _frame):
-        raise Terminated
+    def handle(signum, _frame):
+        raise HungUp if signum == signal.SIGHUP else Terminated
 
-    old = signal.signal(signal.SIGTERM, handle)
+    old = {sig: signal.signal(sig, handle) for sig in stop_signals()}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, old)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
 
 
 T = TypeVar("T")
@@ -208,7 +228,39 @@ def describe_error(e: BaseException) -> str:
 
 
 def info(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+    """``msg`` on stderr; once its reader has gone, nowhere (``silence_gone_console``)."""
+    try:
+        print(msg, file=sys.stderr, flush=True)
+    except OSError:  # EPIPE, or EIO from a terminal that hung up
+        if "stderr" not in silence_gone_console():
+            raise
+
+
+_silenced: set[str] = set()  # standard streams whose reader went away, now /dev/null
+
+
+def output_gone(stream: IO) -> bool:
+    """Whether ``stream`` is a pipe whose reader has gone, or a terminal that hung up."""
+    try:
+        poll = select.poll()
+        poll.register(stream.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a captured stream)
+        return False
+
+
+def silence_gone_console() -> set[str]:
+    """Point stdout and stderr at /dev/null where their reader has gone, so that a long job
+    goes on instead of failing at its next line of progress; the names of every stream so
+    silenced in this process."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if name not in _silenced and output_gone(stream):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+            _silenced.add(name)  # what a failed write left in its buffer goes there too
+    return set(_silenced)
 
 
 # --- one writer per folder: an flock'ed lock file naming its holder ---

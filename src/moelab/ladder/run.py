@@ -25,7 +25,7 @@ from typing import Iterator
 
 from moelab.ladder.folder import Ladder
 from moelab.run.logs import read_metrics
-from moelab.util import Terminated, info, pid_alive
+from moelab.util import Terminated, info, pid_alive, stop_signals
 
 
 def is_finished(run_dir: Path, steps: int) -> bool:
@@ -85,19 +85,17 @@ class _Job:
     started: float = 0.0  # time.time() at the start
 
 
-_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
 @contextmanager
 def _signals_wait() -> Iterator[None]:
-    """Ctrl-C and SIGTERM wait until the block ends, then land: a rung's folder is never
+    """Ctrl-C, SIGTERM and SIGHUP wait until the block ends, then land: a rung's folder is never
     claimed, nor its trainer started, without the trainer being listed to be stopped. (A
     signal mask would not do: another thread of this process may take the signal.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     got: list[int] = []
-    old = {s: signal.signal(s, lambda n, _f: got.append(n)) for s in _STOP_SIGNALS}
+    old = {s: signal.signal(s, lambda n, _f: got.append(n))
+           for s in (signal.SIGINT, *stop_signals())}
     try:
         yield
     finally:
@@ -220,7 +218,7 @@ def _run_pool(items: list, jobs: int, status: dict, guard, poll_s: float, say) -
         _pool_loop(list(items), running, jobs, status, guard, poll_s, say)
     except KeyboardInterrupt as e:
         where = "; ".join(_stop(running, say)) or "no rung was training"
-        sig = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+        sig = e.signal_name if isinstance(e, Terminated) else "SIGINT"
         raise type(e)(f"ladder stopped by {sig}: {where}") from None
 
 

@@ -236,19 +236,16 @@ def cmd_branch(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from moelab.train.loop import format_summary, train
+    from moelab.train.cli import report_summary
+    from moelab.train.loop import train
     from moelab.train.preflight import claim_gpu_share
     from moelab.train.resume import recovered_config
 
     run = Path(args.run)
     check_run_folder(run)
     claim_gpu_share()  # as moelab train: before JAX's backend starts
-    summary = train(recovered_config(run, args.overrides), run,
-                    accept_data_change=args.accept_data_change)
-    print(format_summary(summary))
-    if summary["interrupted"]:
-        return 130 if summary["interrupted"] == "SIGINT" else 143
-    return 0
+    return report_summary(train(recovered_config(run, args.overrides), run,
+                                accept_data_change=args.accept_data_change), run)
 
 
 def cmd_history(args) -> int:

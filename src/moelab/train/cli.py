@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import signal
 from pathlib import Path
 
 from moelab.config import load_config, split_overrides
@@ -13,7 +14,7 @@ from moelab.config.cli import EPILOG_OVERRIDES, config_epilog
 from moelab.config.docs import describe_config
 from moelab.config.errors import require
 from moelab.data.prepare import resolve_config, with_tokenizer_vocab
-from moelab.util import is_url, url_fs, writable
+from moelab.util import is_url, silence_gone_console, url_fs, writable
 
 
 def _check_options(args) -> None:
@@ -42,7 +43,7 @@ def _resolved_vocab(cfg, run_dir):
 
 
 def cmd_train(args, attach_record) -> int:
-    from moelab.train.loop import format_summary, train
+    from moelab.train.loop import train
     from moelab.train.preflight import claim_gpu_share
 
     claim_gpu_share()  # before JAX's backend starts: this process owns its GPUs
@@ -68,11 +69,20 @@ def cmd_train(args, attach_record) -> int:
                    timeout=args.coordinator_timeout)
     if args.record:
         attach_record(args.record, run_dir, args.arm)
-    summary = train(cfg, run_dir, accept_data_change=args.accept_data_change)
+    return report_summary(train(cfg, run_dir, accept_data_change=args.accept_data_change),
+                          run_dir)
+
+
+def report_summary(summary: dict, run_dir) -> int:
+    """Print a run's summary and where its results are; the exit code: 0, or as a shell
+    reports the signal that stopped it (130 SIGINT, 143 SIGTERM, 129 SIGHUP)."""
+    from moelab.train.tracker import format_summary
+
+    silence_gone_console()  # the run is saved: a reader gone (`| head`) does not fail it now
     print(format_summary(summary))
     print(f"results: {run_dir}/ (metrics.jsonl, summary.json, checkpoints/)")
     if summary["interrupted"]:
-        return 130 if summary["interrupted"] == "SIGINT" else 143
+        return 128 + signal.Signals[summary["interrupted"]]
     return 0
 
 

@@ -13,9 +13,10 @@ A run folder holds::
     summary.json       the final summary (written atomically at the end of each invocation)
 
 Running ``train`` again on the same folder resumes from the newest valid checkpoint; one
-process at a time trains a folder (``moelab.run.lock``). SIGINT or SIGTERM finish the current
-step (or abandon an evaluation, which a resume then does), save a checkpoint and return (a second
-Ctrl-C aborts at once). Every step checks its loss and gradient norm for NaN/inf on the device;
+process at a time trains a folder (``moelab.run.lock``). SIGINT, SIGTERM or SIGHUP finish the
+current step (or abandon an evaluation, which a resume then does), save a checkpoint and return
+(a second Ctrl-C aborts at once, naming the newest checkpoint). A console whose reader went away
+is silenced, not fatal. Every step checks its loss and gradient norm for NaN/inf on the device;
 the loop reads those checks where it waits for the device anyway (logs, evaluations, saves), so
 a non-finite state is never saved (``train.on_nonfinite``: stop, or skip such steps).
 """
@@ -43,24 +44,38 @@ from moelab.train.adapt import Adapter
 
 # evaluate is called through this module's name (tests patch it)
 from moelab.train.heldout import evaluate, final_eval_tokens, gzip_bpb, sample_text
-from moelab.train.peak import Peaks, format_flops
 from moelab.train.profile import StepTracer
 from moelab.train.resume import resolve_run_config, resume_step
 from moelab.train.setup import RunSetup, setup_run, train_step_at
 from moelab.train.step import FINITE_CHECKED, drops_text, first_nonfinite, nonfinite_advice
-from moelab.train.tracker import check_trackers
-from moelab.util import atomic_write_json, describe_error, info, is_url
+from moelab.train.tracker import (
+    abort_text,
+    check_trackers,
+    fmt_time,
+    format_summary,  # noqa: F401  (scripts and tests import it from the loop)
+    mfu_text,
+    stage_text,
+)
+from moelab.util import (
+    atomic_write_json,
+    describe_error,
+    info,
+    is_url,
+    silence_gone_console,
+    stop_signals,
+)
 
 
 class _StopFlag:
-    """Turns SIGINT/SIGTERM into a polite stop request; a second SIGINT aborts at once."""
+    """Turns SIGINT, SIGTERM and SIGHUP (a closed terminal; unless ignored, as under nohup)
+    into a polite stop request; a second SIGINT aborts at once."""
 
     def __init__(self):
         self.signal: str | None = None
         self._old = {}
 
     def __enter__(self):
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, *stop_signals()):
             self._old[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -75,11 +90,6 @@ class _StopFlag:
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
-
-
-def _fmt_time(s: float) -> str:
-    s = int(max(s, 0))
-    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 @dataclass
@@ -97,6 +107,7 @@ class _Progress:
     unchecked: list = field(default_factory=list)  # (step, finite check on device) not yet read
     skips: int = 0  # consecutive non-finite steps skipped (train.on_nonfinite=skip)
     eval_pending: bool = False  # a scheduled evaluation not done yet (saved with a checkpoint)
+    console_lost: set = field(default_factory=set)  # stdout/stderr found gone, event logged
 
 
 def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
@@ -127,8 +138,12 @@ def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: 
     done = _finished_summary(cfg, run_dir, info if verbose and is_main() else (lambda _m: None))
     if done is not None:
         return {**done, "run_dir": mirror.url if mirror is not None else str(run_dir)}
-    run, state = setup_run(cfg, run_dir, verbose=verbose, mirror=mirror,
-                           accept_data_change=accept_data_change, hold=reading)
+    try:
+        run, state = setup_run(cfg, run_dir, verbose=verbose, mirror=mirror,
+                               accept_data_change=accept_data_change, hold=reading)
+    except KeyboardInterrupt as e:  # say what is kept (setup's own record says "aborted")
+        e.args = (abort_text(e, None, resume_step(run_dir)),)
+        raise
     if run.restored and run.start >= run.cfg.train.steps:
         run.say(f"{run.run_dir} is at its last step {run.start}: nothing left to train; running "
                 "the final evaluation it has not recorded")
@@ -139,9 +154,15 @@ def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: 
         try:
             _run_steps(run, progress, flag)
             summary = _finish(run, progress, t_run, sample_prompt, flag)
+        except KeyboardInterrupt as e:  # Ctrl-C twice: say where a re-run resumes
+            run.ckpt.close()  # a background save completes first: it may be the newest
+            newest = run.ckpt.latest_step()
+            e.args = (abort_text(e, progress.step if progress.step > run.start else None,
+                                  newest),)
+            _record_end(run, "aborted", progress.step, e, resume_from=newest)
+            raise
         except BaseException as e:  # the record says why the run stopped (reports list it)
-            _record_end(run, "aborted" if isinstance(e, KeyboardInterrupt) else "failed",
-                        progress.step, e)
+            _record_end(run, "failed", progress.step, e)
             raise
         finally:
             _close(run)
@@ -178,12 +199,12 @@ def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
     return json.loads(path.read_text())
 
 
-def _record_end(run: RunSetup, kind: str, step: int, e: BaseException) -> None:
+def _record_end(run: RunSetup, kind: str, step: int, e: BaseException, **fields) -> None:
     """The event that says why the run ended; when it cannot be written (a full disk), the
     reason still reaches stderr."""
     error = describe_error(e)
     try:
-        run.trackers.event(kind, step, error=error)
+        run.trackers.event(kind, step, error=error, **fields)
     except OSError as err:
         info(f"could not record the {kind} event in {run.run_dir / 'metrics.jsonl'} ({err}); "
              f"the run ended at step {step}: {error}")
@@ -227,6 +248,7 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
         change = run.sampler.change_at(p.step)
         if change:  # new mixture or context; a new shape recompiles: restart the clock
             run.trackers.event("data_stage", p.step, **change)
+            run.say(stage_text(p.step, change))
             p.t_first, p.paused = None, 0.0
         _paused(p, tracer.before, p.step + 1, p.state)  # writing a trace is off the clock
         step_fn = train_step_at(run, p.step)
@@ -320,27 +342,31 @@ def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
     tokens = cfg.data.tokens_before(step)
     rate = ((tokens - cfg.data.tokens_before(p.step_first)) / max(busy, 1e-9) if done else 0.0)
     seq_len = run.sampler.at(step - 1).seq_len  # metrics tagged with the context
-    metrics["throughput/tokens_per_s"] = rate
-    metrics.update(run.peak.metrics(rate * train_flops_per_token(cfg.model, seq_len)))
+    if rate:  # none measured yet after the clock (re)starts: a 0 would chart as a dip
+        metrics["throughput/tokens_per_s"] = rate
+        metrics.update(run.peak.metrics(rate * train_flops_per_token(cfg.model, seq_len)))
     metrics["train/tokens"] = tokens
     metrics["data/seq_len"] = seq_len
     run.trackers.log(step, {**metrics, **run.hardware.sample()})
     eta = (cfg.data.tokens_before(steps) - tokens) / rate if rate else float("nan")
     # the clock (re)starts after the first step of a start, a resume or a data stage (a new
     # shape compiles): no rate until a later step is logged
-    speed = (f"{rate:,.0f} tok/s | {_mfu_text(metrics, run.peak)} | ETA {_fmt_time(eta)}"
+    speed = (f"{rate:,.0f} tok/s | {mfu_text(metrics, run.peak)} | ETA {fmt_time(eta)}"
              if rate else "no rate yet (clock restarted)")
     run.say(f"step {step:>6}/{steps} | loss {metrics['train/loss']:.4f} | "
             f"lr {metrics['train/lr']:.2e} | gnorm {metrics['train/grad_norm']:.2f} | "
             + (f"drops {drops} | " if (drops := drops_text(cfg, metrics)) else "") + speed)
+    _note_console(run, p)
 
 
-def _mfu_text(metrics: dict, peak: Peaks) -> str:
-    """MFU for the progress line, with the share of the measured peak beside it."""
-    text = f"MFU {metrics['throughput/mfu']:.1%}"
-    if peak.measured is not None and not peak.rated_is_measured:
-        text += f" ({metrics['throughput/share_of_measured_peak']:.1%} of measured)"
-    return text
+def _note_console(run: RunSetup, p: _Progress) -> None:
+    """A console whose reader went away (`moelab train ... | head`, a closed terminal) is
+    silenced, not a reason to lose the run's work; its log says so, once per stream."""
+    gone = silence_gone_console() - p.console_lost
+    if gone:
+        p.console_lost |= gone
+        run.trackers.event("console_lost", p.step, streams=sorted(gone),
+                           note="output to the console is discarded from here on")
 
 
 def _log_eval(run: RunSetup, p: _Progress, flag: _StopFlag) -> bool:
@@ -404,39 +430,3 @@ def _finish(run: RunSetup, p: _Progress, t_run: float, sample_prompt: str | None
         summary["sample"] = sample_text(run.cfg, run.tok, p.state, sample_prompt)
     run.trackers.event("finished", p.step)
     return summary
-
-
-def format_summary(s: dict) -> str:
-    """The summary as `moelab train` prints it at the end."""
-    lines = [f"run {s['run_dir']}: step {s['step']}/{s['steps']}"
-             + (f" (stopped by {s['interrupted']}; run again to resume)" if s["interrupted"] else ""),
-             f"  parameters       {s['params_total'] / 1e6:.2f}M total, "
-             f"{s['params_active'] / 1e6:.2f}M active per token",
-             f"  tokens trained   {s['tokens_trained']:,} in {_fmt_time(s['wall_time_s'])}"
-             if not s.get("start_step") else  # a resume: its own share, and the run's total
-             f"  tokens trained   {s['tokens_trained']:,} in all; {s['tokens_this_start']:,} "
-             f"from step {s['start_step']} in {_fmt_time(s['wall_time_s'])}"]
-    if s.get("train/loss") is not None:
-        lines.append(f"  train loss       {s['train/loss']:.4f} nats/token")
-    if s.get("drops"):
-        lines.append(f"  routes dropped   {s['drops']} at the last logged step")
-    if s.get("throughput/tokens_per_s"):
-        lines.append(f"  throughput       {s['throughput/tokens_per_s']:,.0f} tokens/s, "
-                     f"MFU {s['throughput/mfu']:.1%} of {format_flops(s['peak_flops'])}"
-                     + (f" ({s['peak_source']})" if s.get("peak_source") else ""))
-        share = s.get("throughput/share_of_measured_peak")
-        if share is not None and s.get("measured_peak_flops") != s["peak_flops"]:
-            lines.append(f"                   {share:.1%} of the matmul peak measured at start "
-                         f"({format_flops(s['measured_peak_flops'])})")
-    domains = sorted({k.split("/")[1] for k in s if k.startswith("eval/")})
-    for d in domains:
-        lines.append(f"  held-out {d:<11} loss {s[f'eval/{d}/loss']:.4f}, "
-                     f"{s[f'eval/{d}/bpb']:.3f} bits/byte")
-    if "baseline/prose/gzip9_bpb" in s:
-        model = s.get("eval/prose/bpb", float("nan"))
-        verdict = "beats" if model < s["baseline/prose/gzip9_bpb"] else "does NOT beat"
-        lines.append(f"  prose vs gzip -9 model {model:.3f} vs gzip {s['baseline/prose/gzip9_bpb']:.3f}"
-                     f" bits/byte: the model {verdict} gzip")
-    if s.get("sample"):
-        lines.append("  sample: " + s["sample"].replace("\n", " ")[:300])
-    return "\n".join(lines)

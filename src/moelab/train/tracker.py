@@ -1,6 +1,7 @@
 """Metric trackers: one interface, the local append-only JSONL log by default, W&B and
 TensorBoard event files optionally (each an extra of the install), and the live hardware stats
-logged next to the training metrics.
+logged next to the training metrics; and what the console shows of a run beside them: its
+notes (a data stage, an abort) and the summary ``moelab train`` prints.
 
 The JSONL log is the run's source of truth; its writer and reader live in ``moelab.run.logs``
 (no JAX, no W&B: reports read it without the training stack).
@@ -15,11 +16,15 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moelab.config import RunConfig
 from moelab.config.errors import ConfigError, need_extra, require
 from moelab.run.logs import clean_value
+from moelab.util import stop_said
+
+if TYPE_CHECKING:  # peak imports JAX, which this module leaves to its callers
+    from moelab.train.peak import Peaks
 
 WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # wandb.Settings.mode
 INIT_TIMEOUT_S = 60.0  # how long wandb.init waits for the W&B server (WANDB_INIT_TIMEOUT sets it)
@@ -224,3 +229,80 @@ class HardwareMonitor:
                "hw/process_rss_gb": self._proc.memory_info().rss / 2**30}
         out.update((self._smi and self._nvidia()) or _jax_device_memory())
         return out
+
+
+# --- what the console shows: progress notes and the summary (the records are above) ---
+
+
+def fmt_time(s: float) -> str:
+    s = int(max(s, 0))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def abort_text(e: KeyboardInterrupt, step: int | None, newest: int | None) -> str:
+    """What a stop that saved nothing says (``step``: where it stopped, None if before the
+    first step): the newest checkpoint, where running the same command resumes."""
+    said = stop_said(e) + (" before the first step" if step is None else f" at step {step}")
+    if newest is None:
+        return f"{said}; no checkpoint yet: running the same command starts the run over"
+    if step is None or step == newest:
+        return (f"{said}; nothing trained since the checkpoint at step {newest}: run the same "
+                "command to resume from it")
+    again = f"step {step} trains" if step == newest + 1 else f"steps {newest + 1}-{step} train"
+    return (f"{said} without saving; the newest checkpoint is at step {newest}: run the same "
+            f"command to resume from it ({again} again)")
+
+
+def stage_text(step: int, change: dict) -> str:
+    """The console line for a data stage (a context length, a mixture) that starts now."""
+    text = (f"step {step}: data stage: seq_len {change['seq_len']}, batch "
+            f"{change['batch_size']} ({change['seq_len'] * change['batch_size']:,} tokens/step)")
+    if change.get("mixture"):
+        text += ", mixture " + ", ".join(f"{d} {w:.0%}" for d, w in change["mixture"].items())
+    return text
+
+
+def mfu_text(metrics: dict, peak: Peaks) -> str:
+    """MFU for the progress line, with the share of the measured peak beside it."""
+    text = f"MFU {metrics['throughput/mfu']:.1%}"
+    if peak.measured is not None and not peak.rated_is_measured:
+        text += f" ({metrics['throughput/share_of_measured_peak']:.1%} of measured)"
+    return text
+
+
+def format_summary(s: dict) -> str:
+    """The summary as `moelab train` prints it at the end."""
+    from moelab.train.peak import format_flops
+
+    lines = [f"run {s['run_dir']}: step {s['step']}/{s['steps']}"
+             + (f" (stopped by {s['interrupted']}; run again to resume)" if s["interrupted"] else ""),
+             f"  parameters       {s['params_total'] / 1e6:.2f}M total, "
+             f"{s['params_active'] / 1e6:.2f}M active per token",
+             f"  tokens trained   {s['tokens_trained']:,} in {fmt_time(s['wall_time_s'])}"
+             if not s.get("start_step") else  # a resume: its own share, and the run's total
+             f"  tokens trained   {s['tokens_trained']:,} in all; {s['tokens_this_start']:,} "
+             f"from step {s['start_step']} in {fmt_time(s['wall_time_s'])}"]
+    if s.get("train/loss") is not None:
+        lines.append(f"  train loss       {s['train/loss']:.4f} nats/token")
+    if s.get("drops"):
+        lines.append(f"  routes dropped   {s['drops']} at the last logged step")
+    if s.get("throughput/tokens_per_s"):
+        lines.append(f"  throughput       {s['throughput/tokens_per_s']:,.0f} tokens/s, "
+                     f"MFU {s['throughput/mfu']:.1%} of {format_flops(s['peak_flops'])}"
+                     + (f" ({s['peak_source']})" if s.get("peak_source") else ""))
+        share = s.get("throughput/share_of_measured_peak")
+        if share is not None and s.get("measured_peak_flops") != s["peak_flops"]:
+            lines.append(f"                   {share:.1%} of the matmul peak measured at start "
+                         f"({format_flops(s['measured_peak_flops'])})")
+    domains = sorted({k.split("/")[1] for k in s if k.startswith("eval/")})
+    for d in domains:
+        lines.append(f"  held-out {d:<11} loss {s[f'eval/{d}/loss']:.4f}, "
+                     f"{s[f'eval/{d}/bpb']:.3f} bits/byte")
+    if "baseline/prose/gzip9_bpb" in s:
+        model = s.get("eval/prose/bpb", float("nan"))
+        verdict = "beats" if model < s["baseline/prose/gzip9_bpb"] else "does NOT beat"
+        lines.append(f"  prose vs gzip -9 model {model:.3f} vs gzip {s['baseline/prose/gzip9_bpb']:.3f}"
+                     f" bits/byte: the model {verdict} gzip")
+    if s.get("sample"):
+        lines.append("  sample: " + s["sample"].replace("\n", " ")[:300])
+    return "\n".join(lines)
