@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from helpers import MICRO, micro_config, micro_dict
+from helpers import MICRO, micro_config, micro_dict, write_config_yaml
 from moelab.cli import main
 from moelab.config import (
     ConfigError,
@@ -381,6 +381,14 @@ def test_replan_and_branch(runs, data_dir, tmp_path, capsys):  # noqa: F811
     # a resume from the original config keeps the operations; the history reads them back
     kept = resolve_run_config(micro_config(data_dir, train={"steps": 3}), run)
     assert kept.train.steps == 7 and kept.optim.decays == cfg.optim.decays
+    # but a train.steps typed for it, which that would drop for the replan's end, is refused
+    original = write_config_yaml(tmp_path / "micro.yaml", micro_dict(data_dir,
+                                                                     train={"steps": 3}))
+    capsys.readouterr()
+    assert main(["train", str(original), "train.steps=9", "--run-dir", str(run)]) == 2
+    assert (f"train.steps=9: {run} ends at step 7, where its re-timed decay (a replan or "
+            f"branch) ends; to move the end: `moelab replan {run} --end-steps 9 --apply`") in \
+        capsys.readouterr().err
     assert main(["history", str(child)]) == 0
     out = capsys.readouterr().out
     assert "branch of" in out and "checkpoint for RL" in out and "branched_from" in out

@@ -45,6 +45,7 @@ def _resolved_vocab(cfg, run_dir):
 def cmd_train(args, attach_record) -> int:
     from moelab.train.loop import train
     from moelab.train.preflight import claim_gpu_share
+    from moelab.train.resume import check_given_end
 
     claim_gpu_share()  # before JAX's backend starts: this process owns its GPUs
     _check_options(args)
@@ -62,6 +63,9 @@ def cmd_train(args, attach_record) -> int:
         require(writable(run_dir), f"--run-dir {run_dir}", "cannot be made or written by this "
                 "user; give a folder you can write")
     cfg = _resolved_vocab(cfg, run_dir)
+    if not is_url(run_dir) and any(o.split("=", 1)[0].strip() == "train.steps"
+                                   for o in overrides):
+        check_given_end(cfg, run_dir)
     if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
         from moelab.parallel.distributed import initialize
 

@@ -137,6 +137,20 @@ def _check_end_agrees(saved: RunConfig, cfg: RunConfig, pending: dict, run_dir) 
                       f"{run_dir} --end-steps {steps} --apply --replace`)")
 
 
+def check_given_end(cfg: RunConfig, run_dir: Path | str) -> None:
+    """A train.steps typed for a run whose end a replan or branch set would be dropped for that
+    end (a config that restates no operation inherits them: ``inherit_operations``): refused,
+    naming the way to move the end."""
+    if resume_step(run_dir) is None:
+        return
+    saved = recovered_config(run_dir)
+    if saved.optim.decays and not cfg.optim.decays and cfg.train.steps != saved.train.steps:
+        raise ConfigError(f"train.steps={cfg.train.steps}: {run_dir} ends at step "
+                          f"{saved.train.steps}, where its re-timed decay (a replan or branch) "
+                          f"ends; to move the end: `moelab replan {run_dir} --end-steps "
+                          f"{cfg.train.steps} --apply`, then `moelab resume {run_dir}`")
+
+
 def commit_pending(run_dir: Path | str, cfg: RunConfig) -> None:
     """After the resumed config is saved: log the applied replan and remove the request."""
     pending, at = read_pending(run_dir), resume_step(run_dir)
