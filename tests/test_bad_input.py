@@ -230,6 +230,7 @@ CASES = [
      "train.steps=VALUE?"),
     (["train", "tiny", "--seq-len=64"], 2, "did you mean data.seq_len=VALUE?"),
     (["train", "tiny", "--nope"], 2, "unrecognized arguments: --nope"),
+    (["train", "tiny", "--seed", "3"], 2, "did you mean data.seed=VALUE or train.seed=VALUE?"),
     # train: the config, its file, the run folder, the data it needs
     (["train", "tiny", "model.top_k=99"], 2, "model.top_k: must be <= n_experts=8"),
     (["train", "tiny", "model.d_modle=3"], 2, "model.d_modle: unknown field"),

@@ -9,6 +9,7 @@ import json
 import random
 import re
 import shutil
+import unicodedata
 from collections import Counter
 from pathlib import Path
 
@@ -164,6 +165,13 @@ def test_domain_names_are_cleaned_without_merging():
     plain = ["books", "web.en", "my_books-2", "a" * 64]
     assert [clean_domain(n) for n in plain] == plain
     assert clean_domain("my books") == "my_books" and clean_domain("") == "text"
+    # what cleaning only trimmed before names hashed ones came, stays as it was
+    for name in ("_books", "books_", ".books", " books ", "my  books", "my\tbooks"):
+        assert clean_domain(name) in ("books", "my_books"), name
+    assert clean_domain("web.en.") == "web.en"
+    # one name, one domain: Unicode forms (macOS folder names come back decomposed), spaces
+    assert clean_domain(unicodedata.normalize("NFD", "Économie")) == clean_domain("Économie")
+    assert clean_domain(" C++") == clean_domain("C++") != clean_domain("C#")
     odd = ["C++", "C#", "C", "a/b", "a b/", "Économie", "Economie", "한국어", "x" * 300,
            "x" * 301, "y" * 65, ".hidden", "ä" * 100]
     got = [clean_domain(n) for n in odd]

@@ -11,6 +11,7 @@ import pytest
 
 from moelab.cli import main
 from moelab.lab import records as rec_mod
+from moelab.lab.cli import attach_from_train
 from moelab.lab.criteria import MET, NO_DATA, NOT_MET
 from moelab.lab.live import run_sources
 from moelab.lab.report import evaluate_record, render_report, write_report
@@ -128,10 +129,15 @@ def test_detach_errors_name_the_record_the_run_and_the_fix(lab, tmp_path, capsys
     assert lab.read_text() == before
 
 
-def test_attach_again_clears_the_mark_and_keeps_the_history(lab, capsys):  # noqa: F811
+def test_attach_again_clears_the_mark_and_keeps_the_history(lab, capsys,  # noqa: F811
+                                                           monkeypatch):
     later = _runs(lab) / "later"
     first = rec_mod.load(lab).runs[-1]
     rec_mod.detach(lab, later, "not yet")
+    monkeypatch.setenv("MOELAB_LAB_DIR", str(lab.parent))  # where train --record finds it
+    attach_from_train("1", later, None)  # re-running its command: it stays detached
+    assert rec_mod.load(lab).runs[-1].detached()["reason"] == "not yet"
+    assert "stays detached from" in capsys.readouterr().out
     rec = rec_mod.attach(lab, later)  # no --arm: it comes back as the arm it left
     ref = rec.runs[-1]
     assert ref.detached() is None and ref.arm == "later" and len(rec.runs) == 5

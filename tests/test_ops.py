@@ -485,6 +485,11 @@ def test_replan_notes_the_mixture_and_steps_flat_at_the_floor(runs, capsys):
     assert plan_notes(done, longer, 12) == [
         f"note: steps 13-20 train flat at the LR {FLOOR * PEAK:.3e}: the run has decayed to its "
         "floor, and a decay cannot raise the LR"]
+    lr5 = lr_curve(done, [5])[0]  # mid-decay: a new floor at the LR the run has is flat too
+    level = apply_change(done, 5, Change(end=9, floor=lr5 / PEAK), keep_warmup=True)
+    assert plan_notes(done, level, 5) == [
+        f"note: steps 6-9 train flat at the LR {lr5:.3e}: the new floor is the LR the run has "
+        "at step 5"]
     mixed = apply_change(done, 6, Change(mixture={"prose": 1.0}), keep_warmup=True)
     assert plan_notes(mixed, apply_change(mixed, 8, Change(mixture={"code": 1.0}),
                                           keep_warmup=True), 8) == [
@@ -496,6 +501,10 @@ def test_branch_refuses_a_used_folder_in_a_dry_run_and_a_one_step_cooldown(runs,
     assert main(["branch", parent, "--at", "3", "--cooldown", "1K", "--dry-run",
                  "--out", str(runs / "stopped")]) == 2
     assert f"--out {runs / 'stopped'}: already exists" in capsys.readouterr().err
+    (runs / "parent-cooldown6").mkdir()  # the default folder for --at 6, taken
+    assert main(["branch", parent, "--at", "6", "--cooldown", "1K", "--dry-run"]) == 2
+    assert (f"branch folder {runs / 'parent-cooldown6'} (the default for --at 6): already "
+            "exists; give another with --out") in capsys.readouterr().err
     assert main(["branch", parent, "--at", "3", "--cooldown", "10", "--dry-run",
                  "--out", str(runs / "new")]) == 2
     assert ("--cooldown 10 tokens: is 1 step of 128 tokens; a cooldown needs at least 2 steps to "
@@ -527,4 +536,4 @@ def test_history_marks_a_replan_replaced_before_it_was_applied(runs, tmp_path, c
     assert main(["history", str(run)]) == 0
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "replan_requested" in ln]
     assert len(lines) == 2
-    assert "replaced by a later replan" in lines[0] and "replaced" not in lines[1]
+    assert "never applied: a later replan request" in lines[0] and "never" not in lines[1]

@@ -131,14 +131,16 @@ def split_off_overrides(parser: argparse.ArgumentParser, argv: list[str]
 
 
 def _as_override(option: str) -> str | None:
-    """``--steps`` as the config field it may mean (``train.steps=VALUE``), or None."""
+    """``--steps`` as the config fields it may mean (``train.steps=VALUE``; ``--seed``: two),
+    or None."""
     import dataclasses
 
     from moelab.config import RunConfig
 
     name, cfg = option.lstrip("-").split("=", 1)[0].replace("-", "_"), RunConfig()
-    return next((f"{sec.name}.{name}=VALUE" for sec in dataclasses.fields(cfg)
-                 if name in {f.name for f in dataclasses.fields(getattr(cfg, sec.name))}), None)
+    fields = [f"{sec.name}.{name}=VALUE" for sec in dataclasses.fields(cfg)
+              if name in {f.name for f in dataclasses.fields(getattr(cfg, sec.name))}]
+    return " or ".join(fields) or None
 
 
 def unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:

@@ -16,7 +16,7 @@ import socket
 import sys
 import tempfile
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any, Callable, Iterator, TypeVar
 
@@ -118,15 +118,14 @@ def pid_alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # alive, another user's
         return True
     return True
 
 
 class Terminated(KeyboardInterrupt):
     """SIGTERM raised where the program is, as Ctrl-C raises KeyboardInterrupt: ``finally``
-    blocks and ``with`` exits run (temporary files go, locks are released) instead of the
-    process ending on the spot."""
+    blocks and ``with`` exits run (temporary files go, locks are released)."""
 
     signal_name, said = "SIGTERM", "terminated (SIGTERM)"
 
@@ -213,12 +212,13 @@ def native_work() -> Iterator[None]:
 
 
 def exit_if_abandoned(code: int) -> None:
-    """End the process now with ``code`` if a signal interrupted native work of
-    ``in_worker_thread`` or ``native_work``: its threads (the worker, and those the library started) may still
-    run, and interpreter shutdown would stop them inside native code, which aborts."""
+    """End the process now with ``code`` if a signal interrupted native work (``native_work``,
+    ``in_worker_thread``): its threads may still run, and interpreter shutdown would stop them
+    inside native code, which aborts."""
     if _abandoned:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        for stream in (sys.stdout, sys.stderr):
+            with suppress(OSError):  # a console gone: the exit matters more than its last bytes
+                stream.flush()
         os._exit(code)
 
 
@@ -250,9 +250,8 @@ def output_gone(stream: IO) -> bool:
 
 
 def silence_gone_console() -> set[str]:
-    """Point stdout and stderr at /dev/null where their reader has gone, so that a long job
-    goes on instead of failing at its next line of progress; the names of every stream so
-    silenced in this process."""
+    """Point stdout and stderr at /dev/null where their reader has gone (a long job goes on,
+    not failing at its next line of progress); the names of the streams silenced so far."""
     for name in ("stdout", "stderr"):
         stream = getattr(sys, name)
         if name not in _silenced and output_gone(stream):

@@ -101,15 +101,16 @@ MAX_DOMAIN_CHARS = 64  # a domain names files (a name has at most 255 bytes) and
 
 def clean_domain(name: str) -> str:
     """Domains name files and metric keys (eval/<domain>/loss): ASCII letters, digits, _ . -
-    only, at most ``MAX_DOMAIN_CHARS``; no name (a file at a URL's root) is "text". Spaces
-    become "_" ("my books": "my_books"); a name that lost anything else (accents, "+", "/",
-    non-Latin letters) or was too long ends in a hash of the original, so that two such names
-    never merge ("C++" and "C#" are "C-f1deb75f" and "C-04022884", not both "C") and a name
-    always cleans alike."""
-    out = _DOMAIN_OK.sub("_", name).strip("._")
-    if not name.strip():
+    only, at most ``MAX_DOMAIN_CHARS``; no name (a file at a URL's root) is "text". Whitespace
+    becomes "_" ("my books": "my_books") and a leading or trailing "." or "_" goes; a name that
+    lost anything else (accents, "+", "/", non-Latin letters) or was too long ends in a hash of
+    the original, so that two such names never merge ("C++" and "C#" are "C-f1deb75f" and
+    "C-04022884", not both "C"). The same name in any Unicode form cleans alike."""
+    name = unicodedata.normalize("NFC", name.strip())  # macOS folder names come back as NFD
+    if not name:
         return "text"
-    if out == name.strip().replace(" ", "_") and len(out) <= MAX_DOMAIN_CHARS:
+    out = _DOMAIN_OK.sub("_", name).strip("._")
+    if out == re.sub(r"\s+", "_", name).strip("._") and 0 < len(out) <= MAX_DOMAIN_CHARS:
         return out
     plain = "".join(c for c in unicodedata.normalize("NFKD", name)
                     if not unicodedata.combining(c))  # "Économie": "Economie-...", not "conomie"

@@ -139,8 +139,18 @@ def cmd_detach(args) -> int:
 
 
 def attach_from_train(record: str, run_dir: Path, arm: str | None) -> None:
-    """``moelab train --record ID``: attach before training, so a failed run is reported too."""
-    attach_run(rec_mod.find(record)[0], run_dir, arm)
+    """``moelab train --record ID``: attach before training, so a failed run is reported too.
+    A run detached from the record stays detached: re-running a run's command (to resume it)
+    must not undo a detach; ``lab attach`` counts it again."""
+    path, rec = rec_mod.find(record)
+    ref = next((r for r in rec.runs if rec_mod.run_path(path, r) == Path(run_dir).resolve()),
+               None)
+    gone = ref.detached() if ref is not None else None
+    if gone is None:
+        attach_run(path, run_dir, arm)
+        return
+    print(f"run {run_dir} stays detached from {rec.id} ({gone['reason']!r}, {gone['at']}): it "
+          f"trains outside the verdicts; `moelab lab attach {rec.id} {run_dir}` counts it again")
 
 
 def cmd_report(args) -> int:

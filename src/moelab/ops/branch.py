@@ -102,7 +102,9 @@ def branch_dir(parent: Path | str, at: int, out: Path | str | None = None) -> Pa
     parent = Path(parent)
     child = Path(out) if out else parent.with_name(f"{parent.name}-cooldown{at}")
     if child.exists():
-        raise PlanError(f"--out {child}: already exists; choose another folder")
+        raise PlanError(f"--out {child}: already exists; choose another folder" if out else
+                        f"branch folder {child} (the default for --at {at}): already exists; "
+                        "give another with --out")
     if child.resolve().is_relative_to(parent.resolve()):
         raise PlanError(f"--out {child}: inside the parent run; choose a folder beside it")
     return child

@@ -105,7 +105,7 @@ def format_history(run_dir: Path | str) -> str:
         when = _fmt_time(e.get("time"))
         extra = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in skip)
         if _replaced(events, i):
-            extra += " (replaced by a later replan before it was applied)"
+            extra += " (never applied: a later replan request followed it)"
         lines.append(f"  {when}  step {e['step']:>7}  {e['event']:<18} {extra}")
         if e.get("reason"):
             lines.append(f"{'':>38}why: {e['reason']}")
@@ -127,8 +127,8 @@ def format_history(run_dir: Path | str) -> str:
 
 
 def _replaced(events: list[dict], i: int) -> bool:
-    """Whether the replan request ``events[i]`` was replaced (``replan --replace``) by another
-    request before a resume applied it."""
+    """Whether another replan request followed ``events[i]``'s before a resume applied it
+    (``replan --replace``, or a new request after its file was deleted)."""
     if events[i]["event"] != "replan_requested":
         return False
     later = (e["event"] for e in events[i + 1:])

@@ -120,16 +120,20 @@ def plan_notes(before: RunConfig, after: RunConfig, at: int) -> list[str]:
     notes = []
     old, new = before.data.segment_at(at).mixture, after.data.segment_at(at).mixture
     if new != old:
-        gone = sorted(set(old) - set(new)) if old else []
+        gone = sorted((set(old) - set(new)) | {d for d, w in new.items() if w == 0})
         notes.append(f"mixture from step {at:,}: {_weights(old)} -> {_weights(new)}"
-                     + (f" ({', '.join(gone)}: no more batches)" if gone else
+                     + (f" ({', '.join(gone)}: no more batches)" if gone and old else
                         " (domains not named: no more batches)" if not old else ""))
     end = after.train.steps
     if end > at + 1:
         first, last = logged_lr(after, [at + 1, end])
         if np.isclose(first, last, rtol=1e-6):
-            notes.append(f"note: steps {at + 1:,}-{end:,} train flat at the LR {last:.3e}: "
-                         "the run has decayed to its floor, and a decay cannot raise the LR")
+            o = before.optim  # the floor the run had: reached already, or set anew at its LR
+            floor = o.decays[-1].floor if o.decays else o.floor
+            why = ("the run has decayed to its floor, and a decay cannot raise the LR"
+                   if np.isclose(last, floor * o.lr, rtol=1e-6) else
+                   f"the new floor is the LR the run has at step {at:,}")
+            notes.append(f"note: steps {at + 1:,}-{end:,} train flat at the LR {last:.3e}: {why}")
     return notes
 
 

@@ -83,8 +83,11 @@ def report_summary(summary: dict, run_dir) -> int:
     from moelab.train.tracker import format_summary
 
     silence_gone_console()  # the run is saved: a reader gone (`| head`) does not fail it now
-    print(format_summary(summary))
-    print(f"results: {run_dir}/ (metrics.jsonl, summary.json, checkpoints/)")
+    try:
+        print(format_summary(summary))
+        print(f"results: {run_dir}/ (metrics.jsonl, summary.json, checkpoints/)")
+    except BrokenPipeError:  # the reader left just now: the run is saved all the same
+        silence_gone_console()
     if summary["interrupted"]:
         return 128 + signal.Signals[summary["interrupted"]]
     return 0

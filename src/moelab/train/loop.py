@@ -82,10 +82,14 @@ class _StopFlag:
     def _handle(self, signum, _frame):
         if self.signal is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if self.signal is not None:  # the first signal names the stop (a preemption's SIGTERM)
+            return
         self.signal = signal.Signals(signum).name
-        # steps already handed to the device finish first (it runs behind this loop)
-        info(f"\n{self.signal} received: stopping after the steps under way and saving a "
-             "checkpoint (Ctrl-C again to abort without saving)")
+        try:  # steps already handed to the device finish first (it runs behind this loop)
+            info(f"\n{self.signal} received: stopping after the steps under way and saving a "
+                 "checkpoint (Ctrl-C again to abort without saving)")
+        except (OSError, RuntimeError):  # a dead console, or a write this handler interrupted
+            pass
 
     def __exit__(self, *exc):
         for sig, old in self._old.items():
