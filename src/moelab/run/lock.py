@@ -60,6 +60,7 @@ def run_lock(run_dir: Path | str, command: str | None = None, *,
     """Hold the lock of ``run_dir`` for the block (``enabled=False``: a process that does not
     write the folder, e.g. every process but the first of a multi-process run)."""
     fresh = not Path(run_dir).exists()
+    had_lock = (Path(run_dir) / LOCK_FILE).exists()
     fd = acquire(run_dir, command) if enabled else None
     try:
         yield
@@ -67,6 +68,8 @@ def run_lock(run_dir: Path | str, command: str | None = None, *,
         if fd is not None:
             if fresh:  # a command that failed before writing anything leaves no folder
                 _remove_if_only_the_lock(Path(run_dir))
+            elif not had_lock and not (Path(run_dir) / "config.yaml").exists():
+                (Path(run_dir) / LOCK_FILE).unlink(missing_ok=True)  # nor a lock in yours
             release(fd)
 
 
