@@ -94,6 +94,9 @@ def wandb_start_error(e: BaseException, timeout: float) -> str:
     return f"train.wandb=true: W&B did not start the run ({one_line(e)}); {OFFLINE_FIX}"
 
 
+STEP_KEY = "train/step"  # W&B's x-axis: the training step of each row
+
+
 class WandbTracker:
     """Mirrors metrics and events to Weights & Biases (``WANDB_MODE=offline`` works)."""
 
@@ -111,12 +114,18 @@ class WandbTracker:
                                   settings=wandb.Settings(init_timeout=timeout))
         except wandb.errors.CommError as e:  # no network, or the server refused the run
             raise ConnectionError(wandb_start_error(e, timeout)) from None
+        # W&B ignores a row logged at a step below one it has, and a resume logs its
+        # checkpoint's step again (its event, a redone evaluation) and retrains the steps a
+        # stop did not save: the training step is a metric of its own, the x-axis of every
+        # chart (W&B's define_metric), and W&B's step only counts rows
+        self.run.define_metric(STEP_KEY)
+        self.run.define_metric("*", step_metric=STEP_KEY)
 
     def log(self, step: int, metrics: dict) -> None:
-        self.run.log({k: clean_value(v) for k, v in metrics.items()}, step=int(step))
+        self.run.log({**{k: clean_value(v) for k, v in metrics.items()}, STEP_KEY: int(step)})
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
-        self.run.log({f"event/{kind}": json.dumps(fields, default=str)}, step=int(step))
+        self.run.log({f"event/{kind}": json.dumps(fields, default=str), STEP_KEY: int(step)})
 
     def close(self) -> None:
         self.run.finish()

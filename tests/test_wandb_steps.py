@@ -1,0 +1,77 @@
+"""What a resumed run sends to Weights & Biases survives W&B's step rule.
+
+W&B ignores a row logged at a step below the highest it has ("Steps must be monotonically
+increasing, so this data will be ignored. See https://wandb.me/define-metric to log data out of
+order"). A resume logs its checkpoint's step again (its event, a redone evaluation) and retrains
+the steps a stop did not save, so the tracker makes the training step a metric of its own, the
+charts' x-axis. The W&B run here is a stand-in that applies that rule as documented (no server
+can be reached from the tests); the real package's ``define_metric`` takes the same arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import types
+
+import pytest
+
+from moelab.train.tracker import STEP_KEY, WandbTracker
+
+
+class _Run:
+    """W&B's documented rule: a row whose explicit step is below the highest seen is dropped;
+    a row without one goes to the next step."""
+
+    def __init__(self, store: dict):
+        self.store, self.step = store, store.get("resumed_at", 0)
+        self.rows, self.dropped, self.metrics = store["rows"], store["dropped"], {}
+
+    def define_metric(self, name, step_metric=None):
+        self.metrics[name] = step_metric
+
+    def log(self, data, step=None):
+        if step is not None and step < self.step:
+            self.dropped.append(data)
+            return
+        self.step = self.step if step is not None else self.step + 1
+        self.rows.append(data)
+
+    def finish(self):
+        self.store["resumed_at"] = self.step
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    store = {"rows": [], "dropped": []}
+    mod = types.ModuleType("wandb")
+    mod.errors = types.SimpleNamespace(CommError=type("CommError", (Exception,), {}))
+    mod.Settings = lambda **kw: kw
+    mod.init = lambda **kw: _Run(store)
+    monkeypatch.setitem(sys.modules, "wandb", mod)
+    return store
+
+
+def test_a_resume_s_rows_at_earlier_steps_are_kept(fake_wandb, tmp_path):
+    first = WandbTracker("p", tmp_path, {}, "run")
+    for step in range(1, 6):
+        first.log(step, {"train/loss": 1.0 / step})
+    first.event("interrupted", 5)
+    first.close()
+    again = WandbTracker("p", tmp_path, {}, "run")  # resumed from the checkpoint at step 3
+    again.event("resume", 3)
+    for step in range(4, 7):
+        again.log(step, {"train/loss": 2.0 / step})
+    again.close()
+    assert fake_wandb["dropped"] == []
+    assert [r[STEP_KEY] for r in fake_wandb["rows"]] == [1, 2, 3, 4, 5, 5, 3, 4, 5, 6]
+    assert [r.get("train/loss") for r in fake_wandb["rows"][-3:]] == [0.5, 0.4, 2.0 / 6]
+    assert "event/resume" in fake_wandb["rows"][6]
+    assert again.run.metrics == {STEP_KEY: None, "*": STEP_KEY}  # every chart's x-axis
+
+
+def test_the_installed_wandb_takes_the_arguments_used():
+    from wandb.sdk.wandb_run import Run  # the wandb extra is part of the test install
+
+    params = inspect.signature(Run.define_metric).parameters
+    assert "step_metric" in params and "name" in params
