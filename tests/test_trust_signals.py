@@ -219,7 +219,7 @@ def test_wandb_init_waits_a_bounded_time_and_says_what_to_do(tmp_path, monkeypat
     monkeypatch.setattr(wandb, "init", no_answer)
     monkeypatch.delenv("WANDB_INIT_TIMEOUT", raising=False)
     with pytest.raises(ConnectionError) as e:
-        WandbTracker("p", tmp_path, {}, "r")
+        WandbTracker("p", tmp_path, {}, "r", str(tmp_path))
     assert asked["settings"].init_timeout == INIT_TIMEOUT_S <= 120
     assert str(e.value) == (
         f"train.wandb=true: no answer from the W&B server within {INIT_TIMEOUT_S:g} s (Run "

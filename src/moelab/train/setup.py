@@ -160,15 +160,21 @@ def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: d
     commit_pending(run_dir, cfg)  # a replan applied by this resume: log it, drop the request
 
 
-def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool) -> Trackers:
-    """The run's trackers (the main process's only)."""
+def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, at: int | None,
+                   url: str | None) -> Trackers:
+    """The run's trackers (the main process's only). W&B knows a run by its folder, or by its
+    URL where it has one (not by this machine's copy of it); TensorBoard hides what an earlier
+    start logged after ``at``, the checkpoint a resume starts from, which it trains again."""
     if not main:
         return Trackers()
     t = cfg.train
+    where = url or str(run_dir.resolve())
     return Trackers(JsonlTracker(run_dir / "metrics.jsonl"),
-                    WandbTracker(t.wandb_project, run_dir, cfg.to_dict(), run_dir.name)
+                    WandbTracker(t.wandb_project, run_dir, cfg.to_dict(),
+                                 where.rstrip("/").rsplit("/", 1)[-1], where)
                     if t.wandb else None,
-                    TensorBoardTracker(run_dir / "tensorboard") if t.tensorboard else None)
+                    TensorBoardTracker(run_dir / "tensorboard", None if at is None else at + 1)
+                    if t.tensorboard else None)
 
 
 def _restore(ckpt: Checkpointer, state: dict, trackers: Trackers) -> tuple[int, dict, dict] | None:
@@ -378,7 +384,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     if mirror is not None:
         mirror.attach(ckpt)
     put_batch = (lambda b: jnp.asarray(b)) if mesh is None else (lambda b: shard_batch(b, mesh))
-    trackers = _open_trackers(cfg, run_dir, main)
+    trackers = _open_trackers(cfg, run_dir, main, at, mirror.url if mirror else None)
     restored = _restore(ckpt, state, trackers)
     start, meta = 0, {}
     if restored is not None:

@@ -100,13 +100,14 @@ STEP_KEY = "train/step"  # W&B's x-axis: the training step of each row
 class WandbTracker:
     """Mirrors metrics and events to Weights & Biases (``WANDB_MODE=offline`` works)."""
 
-    def __init__(self, project: str, run_dir: Path, config: dict, name: str):
+    def __init__(self, project: str, run_dir: Path, config: dict, name: str, where: str):
         import hashlib
 
         import wandb
 
-        # The id must be unique per run folder, so that a resume continues the same W&B run.
-        run_id = f"{name}-{hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
+        # The id is unique per run (``where``: its folder, or its URL), so that a resume
+        # continues the same W&B run, from any machine
+        run_id = f"{name}-{hashlib.sha256(where.encode()).hexdigest()[:8]}"
         timeout = wandb_init_timeout(os.environ)
         try:
             self.run = wandb.init(project=project, dir=str(run_dir), config=config, name=name,
@@ -135,10 +136,12 @@ class TensorBoardTracker:
     """Writes numeric metrics as TensorBoard scalars and events as text entries, in event files
     under ``log_dir`` (tensorboardX: no TensorFlow needed)."""
 
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         from tensorboardX import SummaryWriter
 
-        self.writer = SummaryWriter(str(log_dir), flush_secs=30)
+        # purge_step: a resume hides what an earlier start logged from there on (steps a stop
+        # did not save, trained again), as TensorBoard's own restart rule does
+        self.writer = SummaryWriter(str(log_dir), flush_secs=30, purge_step=purge_step)
 
     def log(self, step: int, metrics: dict) -> None:
         for k, v in metrics.items():

@@ -1,4 +1,6 @@
-"""What a resumed run sends to Weights & Biases survives W&B's step rule.
+"""What a resumed run sends to its trackers: W&B keeps every row (its x-axis is the training
+step), TensorBoard hides what an earlier start logged after the resume's checkpoint, and a run
+on a URL is one W&B run from any machine.
 
 W&B ignores a row logged at a step below the highest it has ("Steps must be monotonically
 increasing, so this data will be ignored. See https://wandb.me/define-metric to log data out of
@@ -47,18 +49,18 @@ def fake_wandb(monkeypatch):
     mod = types.ModuleType("wandb")
     mod.errors = types.SimpleNamespace(CommError=type("CommError", (Exception,), {}))
     mod.Settings = lambda **kw: kw
-    mod.init = lambda **kw: _Run(store)
+    mod.init = lambda **kw: store.setdefault("ids", []).append(kw["id"]) or _Run(store)
     monkeypatch.setitem(sys.modules, "wandb", mod)
     return store
 
 
 def test_a_resume_s_rows_at_earlier_steps_are_kept(fake_wandb, tmp_path):
-    first = WandbTracker("p", tmp_path, {}, "run")
+    first = WandbTracker("p", tmp_path, {}, "run", str(tmp_path))
     for step in range(1, 6):
         first.log(step, {"train/loss": 1.0 / step})
     first.event("interrupted", 5)
     first.close()
-    again = WandbTracker("p", tmp_path, {}, "run")  # resumed from the checkpoint at step 3
+    again = WandbTracker("p", tmp_path, {}, "run", str(tmp_path))  # resumed from step 3
     again.event("resume", 3)
     for step in range(4, 7):
         again.log(step, {"train/loss": 2.0 / step})
@@ -75,3 +77,47 @@ def test_the_installed_wandb_takes_the_arguments_used():
 
     params = inspect.signature(Run.define_metric).parameters
     assert "step_metric" in params and "name" in params
+
+
+def test_a_run_on_a_url_is_one_w_and_b_run_from_any_machine(fake_wandb, tmp_path):
+    """W&B knows a run by its URL, not by the local copy a machine trains it in."""
+    url = "gs://bucket/runs/r1"
+    for copy in ("cache-a/gs_bucket_runs_r1-1", "cache-b/gs_bucket_runs_r1-2"):
+        WandbTracker("p", tmp_path / copy, {}, "r1", url).close()
+    WandbTracker("p", tmp_path / "runs" / "r1", {}, "r1", str(tmp_path / "runs" / "r1")).close()
+    first, second, local = fake_wandb["ids"]
+    assert first == second != local and first.startswith("r1-")
+
+
+def _events(folder) -> list:
+    """The events of every TensorBoard event file in ``folder`` (TFRecord framing: length,
+    its CRC, the record, its CRC)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in sorted(folder.iterdir()):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+            i += 12 + n + 4
+    return out
+
+
+def test_a_resume_hides_the_steps_tensorboard_had_after_its_checkpoint(tmp_path):
+    from tensorboardX.proto import event_pb2
+
+    from moelab.train.tracker import TensorBoardTracker
+
+    first = TensorBoardTracker(tmp_path)
+    for step in range(1, 11):  # stopped at 10 (killed); the newest checkpoint is 6
+        first.log(step, {"train/loss": 1.0})
+    first.close()
+    again = TensorBoardTracker(tmp_path, purge_step=7)
+    again.log(7, {"train/loss": 0.5})
+    again.close()
+    starts = [e.step for e in _events(tmp_path)
+              if e.HasField("session_log") and e.session_log.status == event_pb2.SessionLog.START]
+    assert starts == [7]  # TensorBoard hides the first start's steps 7-10 from here
