@@ -171,6 +171,53 @@ def test_a_changed_source_or_a_missing_position_is_refused(tmp_path):
         StreamSampler(data, tok, prep.corpus_dir).restore(step, state)
 
 
+def test_a_same_length_edit_inside_the_block_is_refused(tmp_path):
+    """The block drawn from at the checkpoint keeps its end when two words of a training
+    document in it trade places (the token count unchanged): its tokens' digest refuses the
+    resume. Unchanged, it resumes to the same batches; a state without a digest (saved before
+    digests were recorded) resumes unchecked."""
+    source, _ = write_source("stream-same-length")
+    data = stream_config(tmp_path / "data", source, stream_head_mb=0.002, stream_shuffle=64)
+    prep = prepare_data(data, 300, verbose=False)
+    tok = load_tokenizer(prep.tokenizer_path)
+
+    def new():
+        return StreamSampler(data, tok, prep.corpus_dir)
+
+    s, step, name = new(), 0, "stream-same-length/web/part1.jsonl"
+    while s.state().get("file") != name or s.state()["taken"] in (0, 64):
+        s.batch(step)  # mid-block, the block starting in the second file
+        step += 1
+        assert step < 1000
+    state = json.loads(json.dumps(s.state()))
+    want = [s.batch(i) for i in range(step, step + 20)]  # into the next block
+    resumed = new()
+    resumed.restore(step, state)
+    for i, batch in enumerate(want):
+        np.testing.assert_array_equal(resumed.batch(step + i), batch)
+
+    start, end = state["start"], state["end"]
+    held = {d["id"] for d in iter_documents(prep.corpus_dir, "heldout")}
+    fraction = load_manifest(prep.corpus_dir)["heldout_fraction"]
+    doc = next(k for k in range(start["doc"] + 1, N_DOCS)  # a training document in the block
+               if not is_heldout(f"{name} line {k + 1}", fraction)
+               and f"{name} line {k + 1}" not in held)
+    assert (1, doc) < (end["file"], end["doc"])
+    fs, path = fsspec.filesystem("memory"), "/" + name
+    lines = fs.cat_file(path).decode().splitlines(keepends=True)
+    words = json.loads(lines[doc])["text"].split()
+    i = next(i for i in range(1, len(words) - 1) if words[i] != words[i + 1])
+    edited = " ".join(words[:i] + [words[i + 1], words[i]] + words[i + 2:])
+    assert len(tok.encode(edited).ids) == len(tok.encode(" ".join(words)).ids)
+    lines[doc] = json.dumps({"text": edited}) + "\n"
+    fs.pipe(path, "".join(lines).encode())
+    with pytest.raises(DataError, match=r"the block the checkpoint of step \d+ was drawing from "
+                                        rf"\(.*'{name}'.*\) now holds other tokens .*the source "
+                                        "changed since the checkpoint: restore it, or start a "
+                                        "new run"):
+        new().restore(step, state)
+    new().restore(step, {k: v for k, v in state.items() if k != "digest"})  # an old checkpoint
+
 def test_stream_config_errors(tmp_path):
     def cfg(**data):
         return config_from_dict({"data": {"sampler": "stream", **data}})

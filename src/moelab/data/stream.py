@@ -14,10 +14,11 @@ The stream is a sequence of windows of seq_len + 1 tokens at stride seq_len, cut
 training documents (each followed by EOS). A ``Position`` names a token of it: (pass over the
 source, input file, document within the file, token within the document). Windows are shuffled
 in blocks of ``data.stream_shuffle`` windows, keyed by (seed, block number). A checkpoint
-records where the current block starts and ends and how many of its windows were drawn
-(``StreamSampler.state``); a resume re-reads the block from its start (the documents of that
-file before it are read again, not tokenized), checks that it ends where recorded (else the
-source changed) and draws on: the same tokens in the same order as an uninterrupted run.
+records where the current block starts and ends, a digest of its tokens and how many of its
+windows were drawn (``StreamSampler.state``); a resume re-reads the block from its start (the
+documents of that file before it are read again, not tokenized), checks that it ends where
+recorded and holds the same tokens (else the source changed) and draws on: the same tokens in
+the same order as an uninterrupted run.
 Memory: at most three blocks of windows (one drawn from, one waiting, one being filled by a
 background thread) and one batch of documents being tokenized. A new context length (a
 context stage) starts a new block where the current one ends; its undrawn windows are skipped.
@@ -28,6 +29,7 @@ global batch, like the samplers of a token store.
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import threading
 import weakref
@@ -110,6 +112,14 @@ class SourceStream:
 
     def file_name(self, i: int) -> str:
         return self.files[i][1] if i < len(self.files) else ""
+
+    def file_names(self, start: Position, end: Position) -> list[str]:
+        """The input files read from ``start`` to ``end`` (its token included), in stream order
+        (past the last file, a new pass starts at the first)."""
+        n = len(self.files)
+        last = end.file + n * (end.sweep - start.sweep)
+        idx = range(start.file, min(last, start.file + n - 1) + 1)
+        return [self.file_name(i % n) for i in idx]
 
     def _file_docs(self, i: int) -> Iterator[dict]:
         f, name = self.files[i]
@@ -195,6 +205,13 @@ class Block:
     start: Position
     end: Position
     rows: np.ndarray  # int32 [stream_shuffle, seq_len + 1]
+    digest: str  # of rows: an edit that keeps the token count still changes it
+
+
+def _digest(rows: np.ndarray) -> str:
+    """sha256 of the tokens (little-endian int32, row after row): what a resume compares, since
+    a same-length edit of the source moves no ``Position``."""
+    return hashlib.sha256(np.ascontiguousarray(rows, dtype="<i4").tobytes()).hexdigest()
 
 
 def blocks(stream: SourceStream, start: Position, seq_len: int, number: int, size: int,
@@ -208,7 +225,8 @@ def blocks(stream: SourceStream, start: Position, seq_len: int, number: int, siz
         for i in range(size):
             rows[i], end = next(windows)
         order = permute(np.arange(size), size, round_keys(seed, number))
-        yield Block(number, seq_len, start, end, rows[order])
+        rows = rows[order]
+        yield Block(number, seq_len, start, end, rows, _digest(rows))  # hashed in the thread
         number, start = number + 1, end
 
 
@@ -307,7 +325,7 @@ class StreamSampler:
         if b is not None:
             out.update(block=b.number, seq_len=b.seq_len, taken=self._taken,
                        start=asdict(b.start), end=asdict(b.end),
-                       file=self.stream.file_name(b.start.file))
+                       file=self.stream.file_name(b.start.file), digest=b.digest)
         return out
 
     def restore(self, step: int, state: dict | None) -> None:
@@ -333,6 +351,20 @@ class StreamSampler:
             raise DataError(f"data.source={self.stream.data.source}: the block the checkpoint of "
                             f"step {step} was drawing from now ends at {self._block.end}, not "
                             f"{end}; the source changed: restore it, or start a new run")
+        self._check_digest(step, state.get("digest"))
+
+    def _check_digest(self, step: int, digest: str | None) -> None:
+        """Refuse a re-read block whose tokens differ from the record: an edit that keeps the
+        token count ends the block where recorded. (A checkpoint saved before digests were
+        recorded has none: not checked.)"""
+        b = self._block
+        if digest is None or b.digest == digest:
+            return
+        names = self.stream.file_names(b.start, b.end)
+        raise DataError(f"data.source={self.stream.data.source}: the block the checkpoint of step "
+                        f"{step} was drawing from ({b.start} to {b.end}, in "
+                        f"{', '.join(map(repr, names))}) now holds other tokens than it did; the "
+                        "source changed since the checkpoint: restore it, or start a new run")
 
     def close(self) -> None:
         if self._blocks is not None:
