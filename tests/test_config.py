@@ -461,3 +461,15 @@ def test_pooled_global_has_its_own_sender_factor_and_old_configs_keep_theirs(tmp
         dataclasses.replace(both, global_sender_cf=3.0))
     with pytest.raises(ConfigError, match="parallel.global_sender_cf"):
         transport.get("pooled_global").check(dataclasses.replace(both, global_sender_cf=0.0), 8)
+
+
+def test_a_run_keeps_its_data_paths_absolute_source_included(tmp_path, monkeypatch):
+    """A stream run started with a relative data.source resumed from another folder read
+    another path (and was told to delete its corpus): config.yaml keeps it absolute now."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("tiny", ["data.source=src2", "data.data_dir=d", "data.tokenizer=t.json"])
+    d = cfg.with_absolute_data().data
+    assert (d.source, d.data_dir, d.tokenizer) == (str(tmp_path / "src2"), str(tmp_path / "d"),
+                                                   str(tmp_path / "t.json"))
+    url = load_config("tiny", ["data.source=gs://b/src"]).with_absolute_data()
+    assert url.data.source == "gs://b/src"  # a URL stays as given

@@ -261,14 +261,15 @@ class RunConfig:
         return dataclasses.replace(self, optim=optim)
 
     def with_absolute_data(self) -> "RunConfig":
-        """The same config with data.data_dir and data.tokenizer absolute (against the working
-        folder), as a run's config.yaml keeps them from its first start on: a resume from
-        another folder, a ladder's rungs and the checks that two runs used the same data all
-        name the same files."""
+        """The same config with data.data_dir, data.tokenizer and a local data.source absolute
+        (against the working folder), as a run's config.yaml keeps them from its first start
+        on: a resume from another folder, a ladder's rungs and the checks that two runs used
+        the same data all name the same files."""
         d = self.data
         tok = str(Path(d.tokenizer).resolve()) if d.tokenizer else ""
+        src = d.source if not d.source or "://" in d.source else str(Path(d.source).resolve())
         return dataclasses.replace(self, data=dataclasses.replace(
-            d, data_dir=str(Path(d.data_dir).resolve()), tokenizer=tok))
+            d, data_dir=str(Path(d.data_dir).resolve()), tokenizer=tok, source=src))
 
     @property
     def schedule_steps(self) -> int:

@@ -133,8 +133,8 @@ def _replan(args) -> int:
     from moelab.train.resume import read_pending, resume_step
 
     check_change_args(args)
+    check_run_folder(args.run)
     run = Path(args.run)
-    check_run_folder(run)
     cfg = load_run_config(run)
     pending = read_pending(run)  # a damaged request is named before any planning
     if pending is not None and args.apply and not args.replace:
@@ -195,8 +195,8 @@ def cmd_branch(args) -> int:
     from moelab.ops import replan as rp
 
     check_change_args(args)
+    check_run_folder(args.run)
     parent = Path(args.run)
-    check_run_folder(parent)
     tokens = parse_tokens(args.cooldown, "--cooldown")
     mixture = _mixture(args)
     br.parent_data(parent, args.accept_data_change)  # refused before any planning
@@ -241,8 +241,8 @@ def cmd_resume(args) -> int:
     from moelab.train.preflight import claim_gpu_share
     from moelab.train.resume import recovered_config
 
+    check_run_folder(args.run)
     run = Path(args.run)
-    check_run_folder(run)
     claim_gpu_share()  # as moelab train: before JAX's backend starts
     return report_summary(train(recovered_config(run, args.overrides), run,
                                 accept_data_change=args.accept_data_change), run)

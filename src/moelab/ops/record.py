@@ -92,8 +92,8 @@ def _as_float(v) -> float:
 
 
 def format_history(run_dir: Path | str) -> str:
-    run_dir = Path(run_dir)
     check_run_folder(run_dir)
+    run_dir = Path(run_dir)
     lines = [f"run {run_dir}"]
     lin = lineage(run_dir)
     if lin:

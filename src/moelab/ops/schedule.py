@@ -76,6 +76,10 @@ def step_arg(text: str) -> int:
 def check_run_folder(run: Path | str) -> None:
     """A run operation's folder must exist: one message for every operation (the config file
     it lacks would be named instead)."""
+    if "://" in str(run):  # Path() would also mangle it: file:///x -> file:/x
+        raise FileNotFoundError(f"{run}: a URL; run operations work on a local run folder: copy "
+                                "the run here (`moelab train CFG --run-dir URL` resumes it where "
+                                "it is)")
     if not Path(run).is_dir():
         raise FileNotFoundError(f"{run}: no such folder; give a run folder written by "
                                 "`moelab train` or `moelab branch`")

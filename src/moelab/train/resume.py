@@ -51,7 +51,7 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "train.memory_check",
                      "parallel.replace_every",
                      # where the data is may change; what it is, is checked by its fingerprints
-                     "data.data_dir", "data.tokenizer"}
+                     "data.data_dir", "data.tokenizer", "data.source"}
 # Why a field that is no new model still may not change on resume, where the generic reason
 # ("a run folder trains one model") would mislead; each reason ends where "a new --run-dir"
 # follows

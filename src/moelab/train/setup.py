@@ -71,7 +71,14 @@ from moelab.train.tracker import (
     WandbTracker,
     process_identity,
 )
-from moelab.util import atomic_write_bytes, atomic_write_json, describe_error, info, native_work
+from moelab.util import (
+    atomic_write_bytes,
+    atomic_write_json,
+    describe_error,
+    info,
+    is_url,
+    native_work,
+)
 
 
 @dataclass
@@ -225,10 +232,11 @@ def _end_recorded(trackers, step: int) -> Iterator[None]:
         raise
 
 
-def _say_start(cfg: RunConfig, run_dir: Path, start: int | None, changed: list[str],
+def _say_start(cfg: RunConfig, run_dir: Path | str, start: int | None, changed: list[str],
                started_before: bool, say) -> None:
     """The line a resume (``start``: its step) or a restart begins with: the settings it
-    changes, and steps it adds past the LR schedule's end (they train at the floor LR)."""
+    changes, and steps it adds past the LR schedule's end (they train at the floor LR).
+    ``run_dir``: the run as the user named it (a URL run's URL, not this machine's copy)."""
     if start is None:
         if started_before:
             say(f"{run_dir}: no checkpoint to resume from (stopped before its first); training "
@@ -247,7 +255,7 @@ def _say_start(cfg: RunConfig, run_dir: Path, start: int | None, changed: list[s
         say(f"note: its LR schedule ends at step {end}, so {span} at the floor LR ({floor:g} x "
             "peak)" + (
                 f"; to decay over the longer run instead: moelab replan {run_dir} --end-steps "
-                f"{cfg.train.steps} --apply" if start < end else ""))
+                f"{cfg.train.steps} --apply" if start < end and not is_url(run_dir) else ""))
 
 
 def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, Peaks]:
@@ -389,8 +397,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     start, meta = 0, {}
     if restored is not None:
         start, state, meta = restored
-    _say_start(cfg, run_dir, start if restored is not None else None, changed, started_before,
-               say)
+    _say_start(cfg, mirror.url if mirror else run_dir, start if restored is not None else None,
+               changed, started_before, say)
     sampler.restore(start, meta.get("data"))
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"), **process_identity(),
