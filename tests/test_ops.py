@@ -537,3 +537,16 @@ def test_history_marks_a_replan_replaced_before_it_was_applied(runs, tmp_path, c
     lines = [ln for ln in capsys.readouterr().out.splitlines() if "replan_requested" in ln]
     assert len(lines) == 2
     assert "never applied: a later replan request" in lines[0] and "never" not in lines[1]
+
+
+def test_a_damaged_config_yaml_is_named_with_its_way_out(runs, tmp_path, capsys):
+    run = Path(shutil.copytree(runs / "stopped", tmp_path / "run"))
+    text = (run / "config.yaml").read_text()
+    cut = text.index("router:") + len("router: so")  # cut inside a value, as a full disk does
+    (run / "config.yaml").write_text(text[:cut])
+    for cmd in (["history", str(run)], ["replan", str(run), "--end-steps", "9"]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert f"{run / 'config.yaml'}: model.router: must be" in err, err
+        assert "config.yaml is damaged or was edited: restore it; where the run has checkpoints, " \
+               "a resume without it takes the config the newest was trained with" in err

@@ -389,6 +389,13 @@ def load_run_config(run_dir: Path | str, overrides: list[str] | None = None) -> 
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; give a run folder written by `moelab train` "
                                 "or `moelab branch`")
+    try:  # the file alone first: its own fault is not one of the overrides'
+        load_config(str(path))
+    except ConfigError as e:
+        message = str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
+        raise ConfigError(f"{message}. The run's config.yaml is damaged or was edited: restore "
+                          "it; where the run has checkpoints, a resume without it takes the "
+                          "config the newest was trained with (its meta.json)") from None
     return load_config(str(path), overrides)
 
 
