@@ -30,12 +30,14 @@ def check_heldout(cfg: RunConfig, store: TokenStore, corpus_dir, say) -> None:
         raise DataError(f"corpus {corpus_dir} has no held-out documents, so nothing could be "
                         "evaluated; rebuild it with `moelab data build` (each domain gets "
                         "held-out text; split a single huge document into several)")
+    more = ("a larger data.stream_head_mb (the stream's local head, whose share is held out)"
+            if cfg.data.sampler == "stream" else "the corpus rebuilt with a larger --heldout")
     for d in held:
         n = store.n_tokens("heldout", d)
         if n < window:
             raise DataError(f"held-out text of domain {d!r} in {corpus_dir} has {n} tokens, "
                             f"shorter than one evaluation window (data.seq_len + 1 = {window}); "
-                            "lower data.seq_len or rebuild the corpus with a larger --heldout")
+                            f"lower data.seq_len, or give it more: {more}")
     missing = sorted(set(store.domains("train")) - set(held))
     if missing:
         say(f"note: no held-out text for {', '.join(missing)}: trained, never evaluated")
