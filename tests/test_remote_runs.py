@@ -293,3 +293,12 @@ def test_a_remote_manifest_without_files_falls_back_to_the_previous_checkpoint(t
     reader.pull()
     assert Checkpointer(reader.local / "checkpoints").steps() == [2]
     assert "checkpoint 3 is unusable (manifest.json lists no files" in capsys.readouterr().err
+
+
+def test_a_checkpoint_file_missing_on_the_remote_is_said_as_such():
+    from moelab.run.ckpt_failures import CheckpointDamaged, download_failure
+
+    err = download_failure(60, FileNotFoundError("bucket/run/checkpoints/step_60/d/3997"))
+    assert isinstance(err, CheckpointDamaged)  # an older checkpoint is tried, as for damage
+    assert str(err) == ("checkpoint 60 is unusable (a file its manifest lists is missing: "
+                        "bucket/run/checkpoints/step_60/d/3997)")

@@ -74,7 +74,10 @@ def manifest_files(manifest: bytes) -> list[str]:
 def download_failure(step: int, e: BaseException) -> CheckpointError:
     """A failed download of checkpoint ``step``: damaged (a file missing or unlike its
     manifest) or not downloaded (a network error, say; nothing known about the checkpoint)."""
-    if isinstance(e, (CheckpointDamaged, FileNotFoundError, ValueError)):
+    if isinstance(e, FileNotFoundError):  # fsspec names only the path: say what it means
+        return CheckpointDamaged(f"checkpoint {step} is unusable (a file its manifest lists is "
+                                 f"missing: {e})")
+    if isinstance(e, (CheckpointDamaged, ValueError)):
         return CheckpointDamaged(f"checkpoint {step} is unusable ({e})")
     return CheckpointError(f"checkpoint {step} could not be downloaded ({type(e).__name__}: {e})")
 
