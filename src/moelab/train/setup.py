@@ -167,8 +167,8 @@ def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: d
     commit_pending(run_dir, cfg)  # a replan applied by this resume: log it, drop the request
 
 
-def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, at: int | None,
-                   url: str | None) -> Trackers:
+def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, at: int | None = None,
+                   url: str | None = None) -> Trackers:
     """The run's trackers (the main process's only). W&B knows a run by its folder, or by its
     URL where it has one (not by this machine's copy of it); TensorBoard hides what an earlier
     start logged after ``at``, the checkpoint a resume starts from, which it trains again."""
