@@ -14,6 +14,7 @@ from typing import Any
 from moelab.config.data import DataConfig
 from moelab.config.errors import require, require_seed, require_steps
 from moelab.config.model import ModelConfig
+from moelab.util import is_url
 
 
 @dataclass(frozen=True)
@@ -267,13 +268,20 @@ class RunConfig:
         the same data all name the same files."""
         d = self.data
         tok = str(Path(d.tokenizer).resolve()) if d.tokenizer else ""
-        src = d.source if not d.source or "://" in d.source else str(Path(d.source).resolve())
+        src = d.source if not d.source or is_url(d.source) else str(Path(d.source).resolve())
         return dataclasses.replace(self, data=dataclasses.replace(
             d, data_dir=str(Path(d.data_dir).resolve()), tokenizer=tok, source=src))
 
     @property
     def schedule_steps(self) -> int:
         return self.optim.schedule_steps or self.train.steps
+
+    @property
+    def floor_end(self) -> tuple[int, float]:
+        """(the step where the LR reaches its floor, that floor as a fraction of peak): the last
+        re-timed decay's (a replan's or branch's), else the base schedule's."""
+        last = self.optim.decays[-1] if self.optim.decays else None
+        return (last.end, last.floor) if last else (self.schedule_steps, self.optim.floor)
 
     @property
     def warmup_steps(self) -> int:

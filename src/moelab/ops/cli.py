@@ -322,8 +322,8 @@ def register(sub) -> None:
         "tokens/s): the LR continues from where the run is, without a jump, and decays linearly "
         "to the floor, which the schedule reaches at the new end (its last step trains one "
         "decrement above it, as a schedule gives each update its start's LR). Optionally a "
-        "new mixture or context length. Prints a before/after table and plot; with --apply the plan is applied at the next "
-        "resume, from the step the run resumes at.")
+        "new mixture or context length. Prints a before/after table and plot; with --apply "
+        "the plan is applied at the next resume, from the step the run resumes at.")
     r.add_argument("run", help="run folder")
     end = r.add_mutually_exclusive_group()
     end.add_argument("--end-steps", type=step_arg, help="new last step (e.g. 5000 or 5e3)")

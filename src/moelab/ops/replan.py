@@ -128,10 +128,9 @@ def plan_notes(before: RunConfig, after: RunConfig, at: int) -> list[str]:
     if end > at + 1:
         first, last = logged_lr(after, [at + 1, end])
         if np.isclose(first, last, rtol=1e-6):
-            o = before.optim  # the floor the run had: reached already, or set anew at its LR
-            floor = o.decays[-1].floor if o.decays else o.floor
+            floor = before.floor_end[1]  # the run's: reached already, or set anew at its LR
             why = ("the run has decayed to its floor, and a decay cannot raise the LR"
-                   if np.isclose(last, floor * o.lr, rtol=1e-6) else
+                   if np.isclose(last, floor * before.optim.lr, rtol=1e-6) else
                    f"the new floor is the LR the run has at step {at:,}")
             notes.append(f"note: steps {at + 1:,}-{end:,} train flat at the LR {last:.3e}: {why}")
     return notes

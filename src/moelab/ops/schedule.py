@@ -16,6 +16,7 @@ import numpy as np
 from moelab.config import RunConfig
 from moelab.config.errors import INT32_MAX, require
 from moelab.train.changes import PlanError
+from moelab.util import is_url
 
 
 def steps_for_tokens(cfg: RunConfig, tokens: int) -> int:
@@ -76,7 +77,7 @@ def step_arg(text: str) -> int:
 def check_run_folder(run: Path | str) -> None:
     """A run operation's folder must exist: one message for every operation (the config file
     it lacks would be named instead)."""
-    if "://" in str(run):  # Path() would also mangle it: file:///x -> file:/x
+    if is_url(run):  # checked before Path(), which mangles it: file:///x -> file:/x
         raise FileNotFoundError(f"{run}: a URL; run operations work on a local run folder: copy "
                                 "the run here (`moelab train CFG --run-dir URL` resumes it where "
                                 "it is)")

@@ -246,8 +246,7 @@ def _say_start(cfg: RunConfig, run_dir: Path | str, start: int | None, changed: 
         f", with {len(changed)} setting(s) changed from its config.yaml: " + "; ".join(changed)
         if changed else ""))
     # where the LR reaches its floor: the base schedule's end, or a replan's or branch's decay
-    last = cfg.optim.decays[-1] if cfg.optim.decays else None
-    end, floor = (last.end, last.floor) if last else (cfg.schedule_steps, cfg.optim.floor)
+    end, floor = cfg.floor_end
     first = max(start, end) + 1
     if cfg.train.steps >= first:
         span = (f"step {first} trains" if first == cfg.train.steps else
