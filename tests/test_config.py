@@ -49,6 +49,15 @@ def test_every_preset_loads_and_validates(name):
     assert again.hash() == cfg.hash()
 
 
+@pytest.mark.parametrize("name", preset_names())
+def test_every_preset_takes_each_expert_parallel_degree_with_its_default_transport(name):
+    from moelab.parallel.transport import check_config
+
+    n = load_config(name).model.n_experts
+    for ep in (d for d in (2, 4, 8, 16, 32, 64) if n % d == 0):  # e.g. 8 fake CPU devices
+        check_config(load_config(name, [f"parallel.devices={ep}", f"parallel.expert={ep}"]))
+
+
 def test_tiny_preset_values_come_from_the_yaml():
     from importlib import resources
 
@@ -473,3 +482,10 @@ def test_a_run_keeps_its_data_paths_absolute_source_included(tmp_path, monkeypat
                                                    str(tmp_path / "t.json"))
     url = load_config("tiny", ["data.source=gs://b/src"]).with_absolute_data()
     assert url.data.source == "gs://b/src"  # a URL stays as given
+
+
+@pytest.mark.parametrize("name", ["eval_every", "ckpt_every"])
+def test_a_zero_period_says_how_to_keep_only_the_end_s_one(name):
+    with pytest.raises(ConfigError, match=rf"train\.{name}: must be > 0; .* past train\.steps"):
+        load_config("tiny", [f"train.{name}=0"])
+    assert getattr(load_config("tiny", [f"train.{name}=1e9"]).train, name) == 10**9

@@ -121,3 +121,25 @@ def test_a_resume_hides_the_steps_tensorboard_had_after_its_checkpoint(tmp_path)
     starts = [e.step for e in _events(tmp_path)
               if e.HasField("session_log") and e.session_log.status == event_pb2.SessionLog.START]
     assert starts == [7]  # TensorBoard hides the first start's steps 7-10 from here
+
+
+
+def test_a_remote_run_s_tensorboard_file_holds_every_step_logged_before_a_checkpoint(tmp_path):
+    from moelab.run.logs import JsonlTracker
+    from moelab.train.tracker import TensorBoardTracker, Trackers
+
+    tb = tmp_path / "tensorboard"
+    trackers = Trackers(JsonlTracker(tmp_path / "metrics.jsonl"),
+                        TensorBoardTracker(tb, purge_step=3, remote=True))
+    trackers.log(3, {"train/loss": 1.25})
+    trackers.flush()  # the loop's call before each checkpoint (a remote run uploads then)
+
+    def scalars():
+        return [(e.step, v.tag, v.simple_value) for e in _events(tb) for v in e.summary.value]
+
+    assert scalars() == [(3, "train/loss", 1.25)]  # on disk while training goes on
+    trackers.log(4, {"train/loss": 1.0})
+    trackers.close()
+    assert scalars() == [(3, "train/loss", 1.25), (4, "train/loss", 1.0)]  # files in order
+    starts = [e.step for e in _events(tb) if e.HasField("session_log")]
+    assert starts == [3]  # the resume's purge marker once, not again in the next file

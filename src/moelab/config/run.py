@@ -82,6 +82,13 @@ class OptimConfig:
                         f"{p}.moment_dtype=float32")
 
 
+# how to have a periodic action only once, at the run's end (which always has it)
+_ONLY_AT_END = {name: f"; the run's end always has {what}: {name} past train.steps (e.g. 1e9) "
+                      "leaves that one only"
+                for name, what in (("eval_every", "a held-out evaluation"),
+                                   ("ckpt_every", "a checkpoint"))}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """The training loop: steps, logging, evaluation, checkpoints, trackers."""
@@ -123,7 +130,8 @@ class TrainConfig:
     def validate(self, p: str = "train") -> None:
         require(self.steps > 0, f"{p}.steps", "must be > 0")
         for name in ("log_every", "eval_every", "ckpt_every", "keep_ckpts", "eval_tokens"):
-            require(getattr(self, name) > 0, f"{p}.{name}", "must be > 0")
+            require(getattr(self, name) > 0, f"{p}.{name}", "must be > 0" + _ONLY_AT_END.get(
+                name, ""))
         for name in ("steps", "log_every", "eval_every", "ckpt_every"):
             require_steps(getattr(self, name), f"{p}.{name}")
         require_seed(self.seed, f"{p}.seed")

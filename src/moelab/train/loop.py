@@ -297,6 +297,7 @@ def _save(run: RunSetup, p: _Progress, wait: bool = True) -> None:
             # model.remat=auto as the run chose it (the config keeps "auto")
             **({"remat": {"policy": run.remat[0], "scan_unroll": run.remat[1]}}
                if run.remat else {})}
+    run.trackers.flush()  # a remote run uploads the logs with the checkpoint
     try:
         run.ckpt.save(p.step, p.state, meta, wait=wait)
     except CheckpointError:  # an earlier background save failed: reported with its own step

@@ -180,7 +180,8 @@ def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, at: int | None = N
                     WandbTracker(t.wandb_project, run_dir, cfg.to_dict(),
                                  where.rstrip("/").rsplit("/", 1)[-1], where)
                     if t.wandb else None,
-                    TensorBoardTracker(run_dir / "tensorboard", None if at is None else at + 1)
+                    TensorBoardTracker(run_dir / "tensorboard", None if at is None else at + 1,
+                                       remote=url is not None)
                     if t.tensorboard else None)
 
 

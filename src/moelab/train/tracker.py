@@ -136,12 +136,16 @@ class TensorBoardTracker:
     """Writes numeric metrics as TensorBoard scalars and events as text entries, in event files
     under ``log_dir`` (tensorboardX: no TensorFlow needed)."""
 
-    def __init__(self, log_dir: Path, purge_step: int | None = None):
-        from tensorboardX import SummaryWriter
-
+    def __init__(self, log_dir: Path, purge_step: int | None = None, remote: bool = False):
         # purge_step: a resume hides what an earlier start logged from there on (steps a stop
         # did not save, trained again), as TensorBoard's own restart rule does
-        self.writer = SummaryWriter(str(log_dir), flush_secs=30, purge_step=purge_step)
+        self.log_dir, self.remote, self.files = log_dir, remote, 1
+        self.writer = self._open(purge_step=purge_step)
+
+    def _open(self, **kw):
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter(str(self.log_dir), flush_secs=30, **kw)
 
     def log(self, step: int, metrics: dict) -> None:
         for k, v in metrics.items():
@@ -151,6 +155,16 @@ class TensorBoardTracker:
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
         self.writer.add_text(f"event/{kind}", json.dumps(fields, default=str), int(step))
+
+    def flush(self) -> None:
+        """A remote run's (uploaded with each checkpoint): everything logged so far on disk.
+        tensorboardX's own flush leaves what its writer thread has not dequeued, so the file
+        is closed (that drains it) and the next logs go to a new one, which TensorBoard reads
+        after it."""
+        if self.remote:
+            self.writer.close()
+            self.writer = self._open(filename_suffix=f".{self.files}")
+            self.files += 1
 
     def close(self) -> None:
         self.writer.close()
@@ -169,6 +183,13 @@ class Trackers:
     def event(self, kind: str, step: int, **fields: Any) -> None:
         for t in self.trackers:
             t.event(kind, step, **fields)
+
+    def flush(self) -> None:
+        """Onto disk what a tracker still buffers (TensorBoard: up to 30 s), so a checkpoint's
+        upload to a remote run carries the curves up to it."""
+        for t in self.trackers:
+            if hasattr(t, "flush"):
+                t.flush()
 
     def close(self) -> None:
         for t in self.trackers:
