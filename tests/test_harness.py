@@ -269,6 +269,33 @@ def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch
     assert set(res["n-samples"]["moelab_choice"].values()) >= {3}
 
 
+def test_a_run_url_s_results_land_in_its_eval_folder_or_here_if_the_upload_fails(
+        trained, tmp_path, capsys, monkeypatch, no_network):
+    from moelab.run.remote import Mirror
+
+    shutil.copytree(trained, tmp_path / "remote")
+    monkeypatch.setenv("MOELAB_RUN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    url = f"file://{tmp_path}/remote"
+    args = ["eval", url, "--tasks", "moelab_choice", "--limit", "2"]
+    rc, out, err = run_main(args, capsys)
+    assert rc == 0, err
+    assert f"results: {url}/eval/moelab_choice-step30.json" in out
+    saved = json.loads((tmp_path / "remote" / "eval" / "moelab_choice-step30.json").read_text())
+    assert saved["moelab"]["step"] == 30 and "moelab_choice" in saved["results"]
+
+    def unreachable(self, rel, data):
+        raise PermissionError("read-only bucket")
+
+    monkeypatch.setattr(Mirror, "write", unreachable)
+    rc, out, err = run_main(args, capsys)
+    assert rc == 0, err
+    assert "saving the results in" in err and "read-only bucket" in err
+    kept = tmp_path / "remote-moelab_choice-step30.json"
+    assert f"results: {kept.name}" in out
+    assert json.loads(kept.read_text())["results"] == saved["results"]
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--limit", "0"], "--limit 0: must be >= 1"),
     (["--batch-size", "0"], "--batch-size 0: must be >= 1"),

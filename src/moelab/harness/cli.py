@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from moelab.config.errors import require
@@ -17,8 +18,6 @@ def cmd_eval(args) -> int:
         split_tasks,
     )
 
-    require(args.output or not is_url(args.run), "--output", f"{args.run} is a URL: name a "
-            "local results file (--output FILE)")
     tasks = split_tasks(args.tasks)
     check_output(args.run, args.output)
     results = evaluate_run(args.run if is_url(args.run) else Path(args.run),
@@ -26,11 +25,33 @@ def cmd_eval(args) -> int:
                            batch_size=args.batch_size, num_fewshot=args.num_fewshot,
                            step=args.step, include_paths=[Path(p) for p in args.include_path])
     print(format_results(results))
-    out = Path(args.output) if args.output else default_output(
-        Path(args.run), tasks, results["moelab"]["step"])
-    save_results(results, out)
+    if is_url(args.run) and not args.output:
+        out = _save_to_run_url(args.run, results, default_output(Path(), tasks,
+                                                                 results["moelab"]["step"]))
+    else:
+        out = Path(args.output) if args.output else default_output(
+            Path(args.run), tasks, results["moelab"]["step"])
+        save_results(results, out)
     print(f"results: {out}")
     return 0
+
+
+def _save_to_run_url(url: str, results: dict, rel: Path) -> str:
+    """Save the results in the run at ``url`` (URL/eval/...); where the upload fails, in the
+    current folder instead, so an evaluation is never lost at its end."""
+    from moelab.harness.evaluate import results_json, save_results
+    from moelab.run.remote import Mirror, staging_dir
+
+    try:
+        Mirror(url, staging_dir(url, ".read")).write(rel.as_posix(), results_json(
+            results).encode())
+        return f"{url.rstrip('/')}/{rel.as_posix()}"
+    except Exception as e:  # noqa: BLE001 -- any failure of the store: keep the results here
+        local = Path(f"{url.rstrip('/').rsplit('/', 1)[-1]}-{rel.name}")
+        save_results(results, local)
+        print(f"moelab: saving the results in {url} failed ({type(e).__name__}: {e}); saved "
+              f"here instead", file=sys.stderr)
+        return str(local)
 
 
 def check_output(run: str, output: str | None) -> None:
@@ -53,9 +74,9 @@ def register(sub) -> None:
                        "YAML folders given with --include-path, or harness built-ins (their "
                        "datasets are downloaded into the Hugging Face cache on first use; "
                        "with HF_DATASETS_OFFLINE=1 only the cache is read). Prints the "
-                       "results table and saves the JSON in RUN/eval/. Needs the eval extra: "
-                       "pip install -e '.[eval]'.")
-    e.add_argument("run", help="run folder (e.g. runs/tiny)")
+                       "results table and saves the JSON in RUN/eval/ (a run URL's too). "
+                       "Needs the eval extra: pip install -e '.[eval]'.")
+    e.add_argument("run", help="run folder (e.g. runs/tiny) or run URL")
     e.add_argument("--tasks", required=True, help="comma-separated task or group names, "
                    "e.g. moelab_local or moelab_choice,moelab_heldout")
     e.add_argument("--limit", type=int, default=None, help="at most N examples per task")

@@ -149,10 +149,15 @@ def default_output(run_dir: Path, tasks: Sequence[str], step: int) -> Path:
     return Path(run_dir) / "eval" / f"{name}-step{step}.json"
 
 
-def save_results(results: dict, path: Path) -> None:
-    """Write the results JSON atomically; objects JSON lacks (functions in task configs) are
-    written as lm-evaluation-harness writes them."""
+def results_json(results: dict) -> str:
+    """The results as JSON; objects JSON lacks (functions in task configs) are written as
+    lm-evaluation-harness writes them."""
     from lm_eval.utils import handle_non_serializable
 
-    atomic_write_text(path, json.dumps(results, indent=2, default=handle_non_serializable,
-                                       ensure_ascii=False) + "\n")
+    return json.dumps(results, indent=2, default=handle_non_serializable,
+                      ensure_ascii=False) + "\n"
+
+
+def save_results(results: dict, path: Path) -> None:
+    """Write the results JSON atomically."""
+    atomic_write_text(path, results_json(results))

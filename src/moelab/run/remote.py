@@ -141,7 +141,7 @@ class Mirror:
         rels = [p[len(self.root):].lstrip("/") for p in found if p.startswith(self.root)]
         return [r for r in rels if r and r.split("/")[0] != CKPTS and not _hidden(r)]
 
-    def _write(self, rel: str, data: bytes) -> None:
+    def write(self, rel: str, data: bytes) -> None:
         """Replace a remote file whole (an object store's upload is; file:// renames a temp)."""
         dest = self._r(rel)
         if not self.renames:
@@ -340,7 +340,7 @@ class Mirror:
                     data = p.read_bytes()
                     if rel.endswith(".jsonl"):  # a record being appended stays out until whole
                         data = data[: data.rfind(b"\n") + 1]
-                    self._write(rel, data)
+                    self.write(rel, data)
                     self._synced[rel] = stamp
         for rel in set(self._synced) - present:  # removed here (an applied replan request)
             if self.fs.exists(self._r(rel)):
@@ -370,7 +370,7 @@ class Mirror:
         if held and not mine:
             raise RunLocked(refusal(self.url, f"{self.url}/{LOCK_FILE}", held, me["host"]))
         data = json.dumps(me).encode()
-        self._write(LOCK_FILE, data)
+        self.write(LOCK_FILE, data)
         if self.fs.cat_file(path) != data:  # another start wrote it at the same moment
             raise RunLocked(f"{self.url}: another process took the lock just now; run this "
                             "again once it has ended")
