@@ -148,6 +148,16 @@ def test_the_remote_lock_refuses_another_host_and_takes_over_a_dead_holder(cache
     assert not fs.exists("/runs/locked/.lock")
 
 
+def test_a_url_run_started_twice_on_one_machine_is_refused_by_its_url(cache):
+    url = "memory://runs/twice"
+    with mirrored_run(url, "moelab train first"):
+        with pytest.raises(RunLocked) as e:
+            with mirrored_run(url, "moelab train second"):
+                pass
+    assert str(e.value).startswith(f"{url} is in use by pid "), e.value
+    assert "moelab train first" in str(e.value) and str(cache) not in str(e.value)
+
+
 @pytest.mark.parametrize("url, message", [
     ("nope://bucket/run", r"nope://bucket/run: cannot open nope:// paths .*use gs://, s3://"),
     ("s3://bucket/run", r"s3://bucket/run: cannot open s3:// paths .*pip install s3fs"),

@@ -37,9 +37,10 @@ def holder_record(command: str | None = None) -> dict:
     return _record(command or command_line())
 
 
-def acquire(run_dir: Path | str, command: str | None = None) -> int:
+def acquire(run_dir: Path | str, command: str | None = None, name: str | None = None) -> int:
     """Lock ``run_dir`` (created if missing) for this process; returns the lock's descriptor.
-    Raises RunLocked, naming the holder, if another process holds it."""
+    Raises RunLocked, naming the holder, if another process holds it; ``name``: the run as
+    the user named it (a URL run's URL, not this machine's staging copy)."""
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run folder {run_dir}: is a file; give a folder (new or a run's)")
@@ -47,7 +48,7 @@ def acquire(run_dir: Path | str, command: str | None = None) -> int:
     try:
         return take_lock(run_dir / LOCK_FILE, holder_record(command))
     except LockHeld as e:
-        raise RunLocked(refusal(run_dir, run_dir / LOCK_FILE, e.holder,
+        raise RunLocked(refusal(name or run_dir, run_dir / LOCK_FILE, e.holder,
                                 socket.gethostname())) from None
 
 
@@ -56,12 +57,12 @@ release = release_lock  # empty the lock file (no holder) and drop the lock
 
 @contextmanager
 def run_lock(run_dir: Path | str, command: str | None = None, *,
-             enabled: bool = True) -> Iterator[None]:
+             enabled: bool = True, name: str | None = None) -> Iterator[None]:
     """Hold the lock of ``run_dir`` for the block (``enabled=False``: a process that does not
     write the folder, e.g. every process but the first of a multi-process run)."""
     fresh = not Path(run_dir).exists()
     had_lock = (Path(run_dir) / LOCK_FILE).exists()
-    fd = acquire(run_dir, command) if enabled else None
+    fd = acquire(run_dir, command, name) if enabled else None
     try:
         yield
     finally:

@@ -394,7 +394,7 @@ def mirrored_run(url: str, command: str | None = None) -> Iterator[Mirror]:
         raise ConfigError(f"--run-dir {url}: a run folder URL takes one process (its staging "
                           "copy is local); give several processes a shared filesystem path")
     mirror = Mirror(url, staging_dir(url))
-    with run_lock(mirror.local, command):
+    with run_lock(mirror.local, command, name=url):
         mirror.lock(command)
         try:
             if mirror.pull():  # work an earlier start could not upload
