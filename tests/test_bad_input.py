@@ -381,9 +381,11 @@ CASES = [
     (["branch", RUN, "--at", "7", "--cooldown", "lots"], 2, "--cooldown: 'lots'"),
     (["branch", RUN, "--at", "7", "--cooldown", "0"], 2, "--cooldown: '0': must be more than 0"),
     (["resume", "{d}/nothing"], 2, "{d}/nothing: no such folder"),
-    (["history", "file://{d}/run"], 2, "file://{d}/run: a URL; run operations work on a local "
-     "run folder"),
-    (["replan", "file://{d}/run", "--end-steps", "9"], 2, "file://{d}/run: a URL; run operations"),
+    (["history", "file://{d}/nothing"], 2, "file://{d}/nothing: not a run folder (no "
+     "config.yaml)"),
+    (["resume", "file://{d}/nothing"], 2, "file://{d}/nothing: not a run folder"),
+    (["replan", "file://{d}/run", "--end-steps", "9"], 2, "file://{d}/run: a URL; replan and "
+     "branch work on a local run folder"),
     (["resume", RUN, "model.top_k=99"], 2, "model.top_k: must be <= n_experts=4"),
     (["history", "{d}/afile"], 2, "{d}/afile"),
     # accepted: the phrase is in the output

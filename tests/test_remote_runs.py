@@ -120,6 +120,22 @@ def test_load_run_and_generate_read_the_remote_run(memory_run, capsys):
     assert capsys.readouterr().out.startswith("The ")
 
 
+def test_history_and_resume_take_a_run_url(memory_run, capsys):
+    fs = fsspec.filesystem("memory")
+    fs.copy("/runs/a", "/runs/resumed", recursive=True)
+    url = "memory://runs/resumed"
+    assert cli.main(["history", url]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"run {url}\n") and "finished" in out and "resume" in out, out
+    assert cli.main(["resume", url, f"train.steps={STEPS + 2}"]) == 0
+    out, err = capsys.readouterr()
+    assert f"run {url}: step {STEPS + 2}/{STEPS + 2}" in out and f"resuming {url} from" in err
+    text = fs.cat_file("/runs/resumed/metrics.jsonl").decode()
+    assert sorted(losses(text))[-1] == STEPS + 2
+    assert (fs.cat_file("/runs/a/metrics.jsonl").decode().count("\n")
+            < text.count("\n"))  # the copy trained on, not the original
+
+
 def test_a_damaged_remote_checkpoint_falls_back_to_the_previous_one(memory_run, capsys):
     fs = fsspec.filesystem("memory")
     fs.copy("/runs/a", "/runs/damaged", recursive=True)

@@ -26,7 +26,7 @@ from moelab.ops.schedule import (
 )
 from moelab.train.changes import Change, PlanError
 from moelab.train.cli import add_accept_data_change
-from moelab.util import atomic_write_text
+from moelab.util import atomic_write_text, is_url, url_fs
 
 WHY = "why (recorded in the run's operations log)"
 
@@ -241,18 +241,30 @@ def cmd_resume(args) -> int:
     from moelab.train.preflight import claim_gpu_share
     from moelab.train.resume import recovered_config
 
-    check_run_folder(args.run)
-    run = Path(args.run)
+    run = args.run if is_url(args.run) else Path(args.run)
+    if is_url(run):  # its config from the remote; it trains in its staging copy, as `train`
+        cfg = recovered_config(_remote_files(run), args.overrides)
+    else:
+        check_run_folder(run)
+        cfg = recovered_config(run, args.overrides)
     claim_gpu_share()  # as moelab train: before JAX's backend starts
-    return report_summary(train(recovered_config(run, args.overrides), run,
-                                accept_data_change=args.accept_data_change), run)
+    return report_summary(train(cfg, run, accept_data_change=args.accept_data_change), run)
 
 
 def cmd_history(args) -> int:
     from moelab.ops.record import format_history
 
-    print(format_history(args.run))
+    print(format_history(_remote_files(args.run), name=args.run) if is_url(args.run)
+          else format_history(args.run))
     return 0
+
+
+def _remote_files(url: str) -> Path:
+    """A local copy of the run at ``url`` without its checkpoints: its config and logs."""
+    from moelab.run.remote import fetch_run
+
+    url_fs(url)  # an unknown protocol or a missing package: said as such
+    return fetch_run(url, checkpoint=False)
 
 
 def load_run_for_drops(run: Path | str, overrides: list[str], transport: list[str] | None,

@@ -91,10 +91,12 @@ def _as_float(v) -> float:
         return math.nan
 
 
-def format_history(run_dir: Path | str) -> str:
+def format_history(run_dir: Path | str, name: str | None = None) -> str:
+    """The run's events, operations and context stages; ``name``: the run as the user named
+    it (a URL run's URL, not this machine's copy of it)."""
     check_run_folder(run_dir)
     run_dir = Path(run_dir)
-    lines = [f"run {run_dir}"]
+    lines = [f"run {name or run_dir}"]
     lin = lineage(run_dir)
     if lin:
         lines.append(f"  branch of {lin['parent']} at step {lin['step']}"

@@ -78,9 +78,9 @@ def check_run_folder(run: Path | str) -> None:
     """A run operation's folder must exist: one message for every operation (the config file
     it lacks would be named instead)."""
     if is_url(run):  # checked before Path(), which mangles it: file:///x -> file:/x
-        raise FileNotFoundError(f"{run}: a URL; run operations work on a local run folder: copy "
-                                "the run here (`moelab train CFG --run-dir URL` resumes it where "
-                                "it is)")
+        raise FileNotFoundError(f"{run}: a URL; replan and branch work on a local run folder: "
+                                "copy the run here (`moelab resume URL` resumes it where it is, "
+                                "`moelab history URL` shows it)")
     if not Path(run).is_dir():
         raise FileNotFoundError(f"{run}: no such folder; give a run folder written by "
                                 "`moelab train` or `moelab branch`")

@@ -1,8 +1,6 @@
-"""Run folders on fsspec URLs (gs://, s3://, file://, memory://, ...): a local staging copy that
-is mirrored to the URL.
-
-Training works in a local staging folder (``$MOELAB_RUN_CACHE/<url name>``, by default under
-``~/.cache/moelab/runs``), exactly as in a local run folder, and the mirror copies it:
+"""Run folders on fsspec URLs (gs://, s3://, file://, memory://, ...). Training works in a local
+staging folder (``$MOELAB_RUN_CACHE/<url name>``, by default under ``~/.cache/moelab/runs``),
+exactly as in a local run folder, and the mirror copies it:
 
 * on start it pulls the run's files (config, tokenizer, logs...) and its newest complete
   checkpoint whose files match the manifest (an older one when that is damaged), so a fresh
@@ -15,11 +13,12 @@ Training works in a local staging folder (``$MOELAB_RUN_CACHE/<url name>``, by d
   a checkpoint without all its files; other files are replaced whole; the remote keeps the
   ``train.keep_ckpts`` checkpoints the run keeps (``ckpt_lease.prunable``).
 
-Readers (``load_run``) pull the config, the tokenizer and one checkpoint into a copy of their
-own (``<url name>.read``). Locking: the staging folder's ``flock`` plus ``URL/.lock`` naming its
-holder, written and read back. That remote lock is best effort: object stores have no atomic
-create-if-absent through fsspec, so two starts within the same moment could both win, and a
-holder killed on another host leaves it behind (the message says how to remove it).
+Readers pull into copies of their own: ``load_run`` the config, tokenizer and one checkpoint
+(``<url name>.read``), ``resume`` and ``history`` every file but the checkpoints (``.files``).
+Locking: the staging folder's ``flock`` plus ``URL/.lock`` naming its holder, written and read
+back; best effort, as object stores have no atomic create-if-absent through fsspec (two starts
+in the same moment could both win; a holder killed on another host leaves it behind, and the
+message says how to remove it).
 """
 
 from __future__ import annotations
@@ -429,21 +428,23 @@ def _push_kept(mirror: Mirror, what: str, checkpoints: bool = True) -> None:
              "and the next run of this command uploads it")
 
 
-def fetch_run(url: str, step: int | None = None) -> Path:
+def fetch_run(url: str, step: int | None = None, checkpoint: bool = True) -> Path:
     """A local reading copy of the run at ``url``: config, tokenizer and one checkpoint
-    (``step``, or the newest usable)."""
-    mirror = Mirror(url, staging_dir(url, ".read"))
-    manifests = mirror._remote_checkpoints()[0]
-    mirror._pull_files(READ_FILES)
+    (``step``, or the newest usable); ``checkpoint=False``: every file but the checkpoints
+    (its config, logs and records), in a copy of its own."""
+    mirror = Mirror(url, staging_dir(url, ".read" if checkpoint else ".files"))
+    files = READ_FILES if checkpoint else mirror._remote_files()
+    mirror._pull_files(files)
     if "config.yaml" not in mirror._synced:
         raise FileNotFoundError(f"{url}: not a run folder (no config.yaml); train one with "
                                 "`moelab train --run-dir URL` first")
-    if step is None:
+    manifests = mirror._remote_checkpoints()[0] if checkpoint else {}
+    if checkpoint and step is None:
         step = mirror._fetch_newest(manifests)
-    elif step in manifests:
-        mirror.fetch(step, manifests[step])
-    else:
+    elif checkpoint and step not in manifests:
         raise FileNotFoundError(f"{url}: no checkpoint at step {step}; available: "
                                 f"{sorted(manifests)}")
-    mirror._clear_local(keep=set(READ_FILES), step=step)
+    elif checkpoint:
+        mirror.fetch(step, manifests[step])
+    mirror._clear_local(keep=set(files), step=step)
     return mirror.local
