@@ -46,6 +46,16 @@ def test_console_script_help():
         assert cmd in p.stdout
 
 
+def test_python_dash_m_moelab_is_the_command_and_says_its_version():
+    import sys
+    from importlib.metadata import version
+
+    p = subprocess.run([sys.executable, "-m", "moelab", "--version"], capture_output=True,
+                       text=True, timeout=120, env=subprocess_env())
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == f"moelab {version('moelab')}"
+
+
 def test_train_help(capsys):
     rc, out, _ = run_main(["train", "--help"], capsys)
     assert rc == 0

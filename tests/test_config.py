@@ -489,3 +489,21 @@ def test_a_zero_period_says_how_to_keep_only_the_end_s_one(name):
     with pytest.raises(ConfigError, match=rf"train\.{name}: must be > 0; .* past train\.steps"):
         load_config("tiny", [f"train.{name}=0"])
     assert getattr(load_config("tiny", [f"train.{name}=1e9"]).train, name) == 10**9
+
+
+def test_a_folder_named_as_a_preset_does_not_hide_it(tmp_path, monkeypatch):
+    """A run folder `tiny` where the command runs (`moelab train --run-dir tiny`, or inside
+    runs/) left `moelab plan tiny` and `moelab plan` (default tiny) refused as a folder."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "lab").mkdir()
+    assert load_config("tiny") == load_config(str(_yaml(tmp_path / "t.yaml", "base: tiny\n")))
+    with pytest.raises(ConfigError, match="config file lab: a folder, not a file"):
+        load_config("lab")  # no preset of that name: the folder is what was meant
+    with pytest.raises(ConfigError, match="config file ./tiny: a folder, not a file"):
+        load_config("./tiny")  # a path, said as one
+
+
+def test_a_mistyped_preset_name_suggests_the_preset():
+    with pytest.raises(ConfigError, match=r"presets: .*; did you mean '535b-a23b'\?"):
+        load_config("535b-a32b")

@@ -166,3 +166,68 @@ def test_the_card_names_a_corpus_of_your_own_files(data_dir, tmp_path):  # noqa:
     gone = tmp_path / "elsewhere" / "data" / "builtin"  # not at hand: said by where it was
     assert _data_source(DataConfig(data_dir=str(gone))) == "moelab's built-in corpus"
     assert _data_source(DataConfig(data_dir=str(tmp_path / "mine"))).startswith("a corpus built")
+
+
+def test_out_is_checked_before_the_checkpoint_is_read(exported, tmp_path, capsys, monkeypatch):
+    """A place OUT cannot be made is refused naming OUT (not the temporary folder, not a bare
+    errno), before a large checkpoint is restored only to be thrown away (a run URL's too)."""
+    import moelab.run.load
+
+    run = exported("softmax_router").out.parent / "run"
+    (tmp_path / "afile").write_text("")
+
+    def never(*a, **k):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(moelab.run.load, "load_run", never)
+    assert main(["export", str(run), str(tmp_path / "afile" / "out"), "--to", "hf"]) == 2
+    assert f"OUT {tmp_path}/afile/out: {tmp_path}/afile is a file" in capsys.readouterr().err
+    monkeypatch.setattr("moelab.util.writable", lambda folder: False)
+    assert main(["export", str(run), str(tmp_path / "new"), "--to", "hf"]) == 2
+    assert f"OUT {tmp_path}/new: not writable" in capsys.readouterr().err
+    assert main(["export", "file://" + str(run), str(tmp_path / "new"), "--to", "hf"]) == 2
+    assert f"OUT {tmp_path}/new: not writable" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_an_empty_out_folder_is_filled_in_place(exported, tmp_path, monkeypatch):
+    """An empty OUT given as the current folder, or as a link, receives the files and stays
+    the same folder (it was removed and replaced: "." was refused as not empty, a link failed
+    after the whole export, and a shell inside OUT saw a deleted folder)."""
+    run = exported("softmax_router").out.parent / "run"
+    here, target = tmp_path / "here", tmp_path / "target"
+    here.mkdir()
+    target.mkdir()
+    (tmp_path / "link").symlink_to(target)
+    inodes = here.stat().st_ino, target.stat().st_ino
+    monkeypatch.chdir(here)
+    assert main(["export", str(run), ".", "--to", "hf"]) == 0
+    assert main(["export", str(run), str(tmp_path / "link"), "--to", "hf"]) == 0
+    assert (here.stat().st_ino, target.stat().st_ino) == inodes
+    for folder in (here, target):
+        assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+        assert not [p for p in folder.iterdir() if p.name.startswith(".")]
+    load(target)  # the export loads from the link's folder
+
+
+def test_the_card_scores_each_task_once_from_its_fullest_evaluation(tmp_path):
+    """A `moelab eval --limit 10` smoke run beside a full one at the same step: the card gave
+    both sets of scores unlabelled, and the harness's sample_len as a metric."""
+    import os
+
+    from moelab.export.card import _harness_lines
+
+    def result(name, acc, effective, mtime):
+        path = tmp_path / "eval" / name
+        path.write_text(json.dumps({
+            "results": {"moelab_choice": {"sample_len": effective, "acc,none": acc,
+                                          "acc_stderr,none": 0.1}},
+            "n-samples": {"moelab_choice": {"original": 30, "effective": effective}},
+            "moelab": {"step": 7}}))
+        os.utime(path, (mtime, mtime))
+
+    (tmp_path / "eval").mkdir()
+    result("moelab_choice-step7.json", 0.5333, 30, 1000)
+    result("moelab_local-step7.json", 0.5, 10, 2000)  # newer, on fewer examples
+    rows = [r for r in _harness_lines(tmp_path, 7) if r.startswith("| moelab")]
+    assert rows == ["| moelab_choice | acc | 0.5333 | 30 of 30 |"]

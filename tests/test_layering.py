@@ -36,6 +36,7 @@ RANKS = {
     "export": 7,  # reads runs through run.load
     "harness": 7,  # `moelab eval`: reads runs through run.load
     "cli": 8,
+    "__main__": 9,  # `python -m moelab`: the command line
 }
 
 # What the rank table already implies, stated for the reader: training never reaches up into

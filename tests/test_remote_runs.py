@@ -136,6 +136,16 @@ def test_history_and_resume_take_a_run_url(memory_run, capsys):
             < text.count("\n"))  # the copy trained on, not the original
 
 
+def test_export_takes_a_run_url(memory_run, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert cli.main(["export", memory_run, str(out), "--to", "hf"]) == 0
+    assert f"exported {memory_run} (step {STEPS}," in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["moelab_step"] == STEPS
+    card = (out / "README.md").read_text()
+    assert "# a: a moelab Mixture-of-Experts language model" in card  # the URL's name
+    assert f"From the run's `summary.json` (step {STEPS})" in card  # its files read too
+
+
 def test_a_damaged_remote_checkpoint_falls_back_to_the_previous_one(memory_run, capsys):
     fs = fsspec.filesystem("memory")
     fs.copy("/runs/a", "/runs/damaged", recursive=True)

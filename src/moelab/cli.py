@@ -70,9 +70,19 @@ class Parser(argparse.ArgumentParser):
         super()._check_value(action, value)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moelab")
+    except PackageNotFoundError:  # src/ on the path, not installed
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="moelab", description="Train sparse Mixture-of-Experts language models in "
                "the open.")
+    p.add_argument("--version", action="version", version=f"moelab {_version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     register_train(sub, attach_record=attach_from_train)
     register_config(sub)

@@ -176,6 +176,10 @@ def config_from_dict(data: dict[str, Any]) -> RunConfig:
     return _build(RunConfig, migrate(data), "").validate()
 
 
+def _is_preset(name: str) -> bool:
+    return (resources.files("moelab") / "presets" / f"{name}.yaml").is_file()
+
+
 def preset_names() -> list[str]:
     files = resources.files("moelab") / "presets"
     return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
@@ -253,10 +257,13 @@ def _config_source(source: str, folder: Path | None) -> tuple[str, str, Path | N
     """(name for messages, identity, the file or None for a preset) of a config named on the
     command line (``folder`` the current one) or as a ``base:`` (``folder`` the including
     file's; None inside a preset, whose base is always another preset). A name ending in
-    .yaml/.yml, or an existing path, is a file; anything else a preset."""
+    .yaml/.yml, or an existing path (not a bare folder named as a preset), is a file; anything
+    else a preset."""
     if folder is not None:
         path = folder / source
-        if Path(source).suffix in (".yaml", ".yml") or path.exists():
+        # a folder named as a preset (a run folder `tiny` here) does not hide the preset
+        hidden = path.is_dir() and Path(source).name == source and _is_preset(source)
+        if Path(source).suffix in (".yaml", ".yml") or (path.exists() and not hidden):
             return (source if folder == Path() else str(path)), str(path.resolve()), path
     return source, f"preset {source}", None
 
@@ -274,8 +281,10 @@ def _read_one(name: str, path: Path | None, via: str | None) -> dict[str, Any]:
     else:
         res = resources.files("moelab") / "presets" / f"{name}.yaml"
         if not res.is_file():
+            close = difflib.get_close_matches(name, preset_names(), n=1)
             raise ConfigError(f"config {name!r}{of}: no such preset or file; presets: "
-                              f"{', '.join(preset_names())}")
+                              f"{', '.join(preset_names())}"
+                              + (f"; did you mean {close[0]!r}?" if close else ""))
         text = res.read_text()
     data = load_yaml(text, f"config {name}")
     if data is None:

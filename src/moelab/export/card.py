@@ -98,20 +98,31 @@ def _heldout_lines(summary: dict | None, step: int) -> list[str]:
 
 
 def _harness_lines(run_dir: Path, step: int) -> list[str]:
-    """`moelab eval` results (eval/*.json) of the exported step: one row per task metric."""
-    rows = []
-    for path in sorted((run_dir / "eval").glob("*.json")):
+    """`moelab eval` results (eval/*.json) of the exported step: one row per task metric, each
+    task from the file that scored it on the most examples (a --limit smoke run beside a full
+    one would give the same metric twice), with that count."""
+    best: dict[str, tuple[int, float, dict, str]] = {}
+    for path in (run_dir / "eval").glob("*.json"):
         res = read_json(path) or {}
         if (res.get("moelab") or {}).get("step") != step:
             continue
-        for task, metrics in sorted((res.get("results") or {}).items()):
-            rows += [f"| {task} | {name.split(',')[0]} | {value:.4g} |"
-                     for name, value in sorted(metrics.items())
-                     if isinstance(value, (int, float)) and "stderr" not in name]
+        counts = res.get("n-samples") or {}
+        for task, metrics in (res.get("results") or {}).items():
+            n = counts.get(task) or {}
+            seen = (f"{n['effective']:,} of {n['original']:,}" if "effective" in n
+                    and "original" in n else "-")
+            key = (n.get("effective", 0), path.stat().st_mtime)
+            if task not in best or key > best[task][:2]:
+                best[task] = (*key, metrics, seen)
+    rows = [f"| {task} | {name.split(',')[0]} | {value:.4g} | {seen} |"
+            for task, (_, _, metrics, seen) in sorted(best.items())
+            for name, value in sorted(metrics.items())
+            if isinstance(value, (int, float)) and "stderr" not in name
+            and name != "sample_len"]  # the harness's example count, not a score
     if not rows:
         return []
     return ["", f"`moelab eval` of step {step:,} (lm-evaluation-harness):", "",
-            "| task | metric | value |", "|---|---|---|", *rows]
+            "| task | metric | value | examples |", "|---|---|---|---|", *rows]
 
 
 def _provenance_lines(prov: dict) -> list[str]:
@@ -126,12 +137,14 @@ def _provenance_lines(prov: dict) -> list[str]:
             f"- libraries: {versions}"]
 
 
-def model_card(run, run_dir: Path, name: str) -> str:
-    """README.md of the export of ``run`` (a LoadedRun from ``run_dir``), loaded as ``name``."""
+def model_card(run, run_dir: Path, name: str, title: str | None = None) -> str:
+    """README.md of the export of ``run`` (a LoadedRun from ``run_dir``), loaded as ``name``;
+    ``title``: the run's name (by default its folder's)."""
     cfg, step, prov = run.cfg, run.step, read_provenance(run_dir)
     seq_len = cfg.data.seq_len
     sections = [
-        HEADER, f"# {Path(run_dir).resolve().name}: a moelab Mixture-of-Experts language model",
+        HEADER, f"# {title or Path(run_dir).resolve().name}: a moelab Mixture-of-Experts "
+        "language model",
         "", "Trained with moelab and exported by `moelab export --to hf`.",
         "", "## Model", "", *_model_lines(cfg.model, seq_len),
         "", "## Training", "", *_training_lines(cfg, step, prov),

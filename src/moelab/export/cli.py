@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moelab.config.errors import require
+from moelab.util import is_url
 
 
 def cmd_export(args) -> int:
@@ -13,7 +14,8 @@ def cmd_export(args) -> int:
     require(args.step is None or args.step >= 0, f"--step {args.step}",
             "must be a checkpoint step (>= 0); omit it for the newest")
     out = Path(args.out)
-    step, n = export(Path(args.run), args.to, out, args.step)
+    # a URL as given: Path() mangles it (file:///x -> file:/x)
+    step, n = export(args.run if is_url(args.run) else Path(args.run), args.to, out, args.step)
     print(f"exported {args.run} (step {step}, {n:,} parameters) to {out}/")
     print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}, "
           "trust_remote_code=True)")

@@ -8,8 +8,9 @@ standard names, ``auto_map`` to the bundled code), ``generation_config.json``, t
 ``README.md`` (``card.py``) and the Apache-2.0 ``LICENSE``, so that
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` and
 ``AutoTokenizer.from_pretrained(OUT, trust_remote_code=True)`` load it. Everything is written
-to a temporary sibling folder that is renamed to OUT at the end: OUT is either complete or
-absent.
+to a temporary folder first: a new OUT is that folder renamed at the end (complete or absent);
+an empty OUT given (the current folder, a mount point, a link) stays and receives the finished
+files, config.json last.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from moelab.config import ConfigError
 from moelab.config.errors import require
 from moelab.data.tokenizer import eos_id
 from moelab.export.card import LICENSE, model_card
-from moelab.util import atomic_write_json, atomic_write_text, chmod_as_created, extra_command
+from moelab.util import (
+    atomic_write_json,
+    atomic_write_text,
+    check_writable,
+    chmod_as_created,
+    extra_command,
+    is_url,
+)
 
 HF_MODELING = Path(__file__).parent / "hf_modeling"
 CODE_FILES = ("configuration_moelab.py", "layers_moelab.py", "modeling_moelab.py")
@@ -137,8 +145,16 @@ def tokenizer_files(tok, seq_len: int) -> dict[str, dict]:
 
 
 def check_out(out: Path) -> None:
-    require(not out.exists() or (out.is_dir() and not any(out.iterdir())), f"OUT {out}",
+    """OUT must be new or an empty folder, in a place this user can write: refused before the
+    checkpoint is read, naming OUT, not the temporary folder written first."""
+    what = f"OUT {out}"
+    require(not out.exists() or (out.is_dir() and not any(out.iterdir())), what,
             "exists and is not an empty folder; give a new folder (nothing is overwritten)")
+    above = out.parent
+    while not above.exists():
+        above = above.parent
+    require(above.is_dir(), what, f"{above} is a file, not a folder; give a folder path")
+    check_writable(out.parent, what, "give a folder in a place you can write")
 
 
 def _save_file():
@@ -151,9 +167,9 @@ def _save_file():
     return save_file
 
 
-def write_folder(folder: Path, run, run_dir: Path, name: str) -> int:
+def write_folder(folder: Path, run, run_dir: Path, name: str, title: str | None = None) -> int:
     """Every file of the export of ``run`` (loaded from ``run_dir``) into ``folder``, whose model
-    card loads it as ``name``; returns the parameter count."""
+    card loads it as ``name`` (``title``: the run's name); returns the parameter count."""
     tensors = hf_tensors(run.params, run.model_state)
     _save_file()(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
     chmod_as_created(folder / "model.safetensors")
@@ -166,34 +182,65 @@ def write_folder(folder: Path, run, run_dir: Path, name: str) -> int:
         atomic_write_json(folder / file, obj)
     for code in CODE_FILES:
         shutil.copyfile(HF_MODELING / code, folder / code)
-    atomic_write_text(folder / "README.md", model_card(run, run_dir, name))
+    atomic_write_text(folder / "README.md", model_card(run, run_dir, name, title))
     shutil.copyfile(LICENSE, folder / "LICENSE")
     return sum(t.size for k, t in tensors.items() if not k.endswith("router_bias"))
 
 
-def export_hf(run_dir: Path, out: Path, step: int | None = None) -> tuple[int, int]:
-    """Export ``run_dir``'s newest checkpoint (or ``step``) to ``out``; returns (step, params)."""
-    from moelab.run.load import load_run  # JAX and orbax: loaded only when exporting
+def _staging(out: Path) -> Path:
+    """Where the export is written before it moves into place: a sibling of a new OUT (renamed
+    to it whole), or inside an empty OUT, which stays (it may be the current folder, a mount
+    point or a link, which a rename over it would break)."""
+    if out.is_dir():
+        return out / f".moelab-export.tmp-{os.getpid()}"
+    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if tmp.parent != out:
+        check_out(out)  # still free: nothing appeared there while we wrote
+        tmp.rename(out)
+        return
+    require(not [p for p in out.iterdir() if p != tmp], f"OUT {out}", "files appeared there "
+            "while exporting; give a new folder (nothing is overwritten)")
+    moved = []
+    try:
+        for f in sorted(tmp.iterdir(), key=lambda f: f.name == "config.json"):  # loads last
+            f.rename(out / f.name)
+            moved.append(out / f.name)
+    except BaseException:  # interrupted: OUT empty again, as given
+        for f in moved:
+            f.unlink(missing_ok=True)
+        raise
+    tmp.rmdir()
+
+
+def export_hf(run_dir: Path | str, out: Path, step: int | None = None) -> tuple[int, int]:
+    """Export the newest checkpoint (or ``step``) of the run in ``run_dir``, a folder or a run
+    URL, to ``out``; returns (step, params)."""
+    from moelab.run.load import load_run, run_name  # JAX and orbax: loaded only when exporting
 
     check_out(out)
     _save_file()  # a missing extra stops here, before the checkpoint is read
+    files, title = Path(run_dir) if not is_url(run_dir) else None, None
+    if files is None:  # the run's other files (tokenizer, summary, evaluations) read here too
+        from moelab.run.remote import fetch_run
+
+        files, title = fetch_run(str(run_dir), checkpoint=False), run_name(run_dir)
     run = load_run(run_dir, step=step)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp = _staging(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        n = write_folder(tmp, run, run_dir, str(out))
-        check_out(out)  # still free: nothing appeared there while we wrote
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
+        n = write_folder(tmp, run, files, str(out), title)
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return run.step, n
 
 
-def export(run_dir: Path, fmt: str, out: Path, step: int | None = None) -> tuple[int, int]:
+def export(run_dir: Path | str, fmt: str, out: Path, step: int | None = None) -> tuple[int, int]:
     require(fmt in FORMATS, f"--to {fmt}", f"unknown format; use one of {', '.join(FORMATS)}")
     return export_hf(run_dir, out, step)

@@ -40,6 +40,7 @@ def _save_to_run_url(url: str, results: dict, rel: Path) -> str:
     """Save the results in the run at ``url`` (URL/eval/...); where the upload fails, in the
     current folder instead, so an evaluation is never lost at its end."""
     from moelab.harness.evaluate import results_json, save_results
+    from moelab.run.load import run_name
     from moelab.run.remote import Mirror, staging_dir
 
     try:
@@ -47,7 +48,7 @@ def _save_to_run_url(url: str, results: dict, rel: Path) -> str:
             results).encode())
         return f"{url.rstrip('/')}/{rel.as_posix()}"
     except Exception as e:  # noqa: BLE001 -- any failure of the store: keep the results here
-        local = Path(f"{url.rstrip('/').rsplit('/', 1)[-1]}-{rel.name}")
+        local = Path(f"{run_name(url)}-{rel.name}")
         save_results(results, local)
         print(f"moelab: saving the results in {url} failed ({type(e).__name__}: {e}); saved "
               f"here instead", file=sys.stderr)

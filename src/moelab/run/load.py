@@ -27,6 +27,11 @@ from moelab.run.identity import (
 from moelab.util import is_url
 
 
+def run_name(run: Path | str) -> str:
+    """The name of a run folder or URL: its last part (``gs://b/runs/small/`` -> ``small``)."""
+    return str(run).rstrip("/").rsplit("/", 1)[-1] if is_url(run) else Path(run).resolve().name
+
+
 @dataclass
 class LoadedRun:
     cfg: RunConfig

@@ -45,6 +45,7 @@ from moelab.run.identity import (
     run_data_record,
     tokenizer_record,
 )
+from moelab.run.load import run_name
 from moelab.run.logs import JsonlTracker
 from moelab.run.provenance import provenance
 from moelab.train.adapt import check_adaptive, check_adaptive_heldout
@@ -178,7 +179,7 @@ def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, at: int | None = N
     where = url or str(run_dir.resolve())
     return Trackers(JsonlTracker(run_dir / "metrics.jsonl"),
                     WandbTracker(t.wandb_project, run_dir, cfg.to_dict(),
-                                 where.rstrip("/").rsplit("/", 1)[-1], where)
+                                 run_name(where), where)
                     if t.wandb else None,
                     TensorBoardTracker(run_dir / "tensorboard", None if at is None else at + 1,
                                        remote=url is not None)
