@@ -479,3 +479,13 @@ def test_the_transport_table_marks_what_training_refuses_at_this_ep():
     assert "invalid" not in wave[3] and wave[3]["total"] > 0
     assert wave[4]["invalid"].startswith("parallel.waves: local experts E_l=6 must be divisible")
     assert "fits" not in wave[4]
+
+
+@pytest.mark.parametrize("option", [["--mfu", "0.2"], ["--ep", "8"], ["--fsdp", "4"],
+                                    ["--offload", "master"], ["--waves", "2"],
+                                    ["--tokens-per-s", "5e6"]])
+def test_cluster_options_without_devices_are_refused_not_ignored(option, capsys):
+    from moelab.cli import main
+
+    assert main(["plan", "tiny", *option]) == 2
+    assert f"{option[0]}: needs --devices N too" in capsys.readouterr().err

@@ -76,6 +76,11 @@ def check_plan_options(args) -> None:
                 "e.g. 1.25 2.0")
     for waves in args.waves:
         require(waves >= 1, f"--waves {waves}", "wave counts must be >= 1")
+    unused = [o for o, given in (("--mfu", args.mfu), ("--tokens-per-s", args.tokens_per_s),
+                                 ("--ep", args.ep != 1), ("--fsdp", args.fsdp != 1),
+                                 ("--offload", args.offload), ("--waves", args.waves)) if given]
+    require(args.devices or not unused, unused[0] if unused else "", "needs --devices N too, "
+            "the devices that train (it plans a cluster's time or a device's memory)")
     if args.json:
         check_output_file(args.json, "--json")
 
