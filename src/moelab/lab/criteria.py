@@ -191,6 +191,7 @@ class ArmRun:
     arm: str
     last_step: int
     series: Callable[[str], list[tuple[int, float]]]
+    keys: Callable[[], set[str]] | None = None  # every metric the run logged, to name a typo
 
 
 def _aggregate(c: Criterion, run: ArmRun) -> tuple[float | None, str]:
@@ -203,7 +204,11 @@ def _aggregate(c: Criterion, run: ArmRun) -> tuple[float | None, str]:
         points = [(s, v) for s, v in points if a <= s <= b]
     if not points:
         where = f" in steps {c.window[0]}-{c.window[1]}" if c.window else ""
-        return None, f"{run.arm} logged no {c.metric}{where}"
+        # a mistyped metric (eval/los) passes `lab new` and would read as missing data forever
+        logged = run.keys() if run.keys is not None else set()
+        near = [] if c.metric in logged else difflib.get_close_matches(c.metric, logged, 1, .85)
+        hint = f" (it logs {near[0]}: a typo in the criterion?)" if near else ""
+        return None, f"{run.arm} logged no {c.metric}{where}{hint}"
     value = AGGREGATIONS[c.agg]([v for _, v in points])
     shown = fmt_value(value, c.success.percent)
     return value, f"{run.arm}: {c.agg} of {len(points)} value{'s' * (len(points) != 1)} = {shown}"

@@ -55,7 +55,7 @@ def load_record_runs(record_file: Path, rec: rec_mod.Record) -> list[RunData]:
 
 
 def arm_run(run: RunData) -> ArmRun:
-    return ArmRun(run.arm, run.last_step, run.series)
+    return ArmRun(run.arm, run.last_step, run.series, run.keys)
 
 
 def evaluate_record(record_file: Path, rec: rec_mod.Record

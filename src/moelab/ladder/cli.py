@@ -62,13 +62,19 @@ def cmd_run(args) -> int:
     from moelab.ladder.folder import load_ladder
     from moelab.ladder.run import run_ladder
 
+    require(math.isfinite(args.poll) and args.poll > 0, f"--poll {args.poll:g}",
+            "seconds between progress lines, > 0")
+    require(args.target or not args.guard, "--guard", "guards the target: add --target (or "
+            "guard any run with `moelab ladder guard RUN`)")
     lad = load_ladder(args.ladder)
     guard = None
     if args.guard:
         from moelab.ladder.guard import GuardRules, guard_run
 
         rules = GuardRules()
-        guard = lambda run_dir: guard_run(run_dir, rules=rules)  # noqa: E731
+
+        def guard(run_dir: Path) -> list:  # the trainer writes its log only once it has started
+            return guard_run(run_dir, rules=rules) if (run_dir / "metrics.jsonl").exists() else []
     status = run_ladder(lad, jobs=args.jobs, names=args.rung or None, target=args.target,
                         guard=guard, poll_s=args.poll)
     for name, s in status.items():
@@ -118,6 +124,10 @@ def cmd_fit(args) -> int:
     )
     from moelab.ladder.folder import load_ladder
 
+    if args.target_run:  # a mistyped folder would be skipped without a word
+        require(Path(args.target_run).is_dir(), f"--target-run {args.target_run}",
+                "no such run folder; give the target's run folder (create it first to place "
+                "the prediction before training)")
     lad = load_ladder(args.ladder)
     runs = load_run_configs(args.predict_run or [], lad.target)  # refused before the fit
     fit = fit_ladder(lad, n_boot=args.boot, level=args.level, seed=args.seed)
@@ -139,7 +149,10 @@ def cmd_fit(args) -> int:
     if others and not args.json:
         print(format_runs(others, fit.level))
     if not args.json and not runs:
+        copies = [d for d in dict.fromkeys([lad.target_dir, args.target_run])
+                  if d and Path(d).is_dir()]
         print(f"written: {lad.root}/fit.json, {lad.root}/prediction.json"
+              + "".join(f", {Path(d) / 'prediction.json'}" for d in copies)
               + (f", {rep['plot']}" if "plot" in rep else ""))
     return 0
 

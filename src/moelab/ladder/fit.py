@@ -287,7 +287,9 @@ def report(fit: LadderFit, lad: Ladder, pred: dict) -> dict:
                       "tokens": r.stats["tokens"], "flops": r.stats["flops"],
                       "final_eval_loss": final_value(r.records, EVAL_LOSS, s)})
     ladder_flops = sum(r.stats["flops"] for r in lad.rungs)
+    used = {r.name for r in fit.rungs}
     return {"ladder": str(lad.root), "level": fit.level,
+            "unfinished": [r.name for r in lad.rungs if r.name not in used],
             "target": {"name": lad.target_name, "params_active": t["params_active"],
                        "tokens": t["tokens"], "flops": t["flops"], "steps": t["steps"]},
             "cost": {"ladder_flops": ladder_flops, "target_flops": t["flops"],
@@ -311,8 +313,16 @@ def format_report(rep: dict) -> str:
             lines.append("    warning: E ~ 0, degenerate: the rungs do not pin down an "
                          "irreducible loss, so this law's prediction and band are not to be "
                          "trusted (more budgets)")
+    left = rep.get("unfinished")
+    if left:  # a fit of part of the ladder predicts something else: say so
+        lines.append(f"  warning: {len(left)} of {len(left) + len(rep['rungs'])} rungs not "
+                     f"finished and left out of this fit ({', '.join(left)}); finish them with "
+                     f"`moelab ladder run {rep['ladder']}` and fit again")
     h = rep.get("holdout")
-    if h:
+    if not h:
+        lines.append("  holdout: none (it needs 3 finished rungs of models smaller than the "
+                     "largest)")
+    else:
         lines.append(f"  holdout: refitted without the largest model, predicting {h['rung']}'s "
                      f"final held-out loss {h['observed']:.4f}: " + ", ".join(
                          f"{k} {v:+.2%}" for k, v in h["rel_error"].items()))

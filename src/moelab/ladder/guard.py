@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +40,10 @@ import numpy as np
 
 from moelab.ladder.observe import EVAL_LOSS, rolling_median, run_records, series
 from moelab.run.logs import JsonlTracker
-from moelab.util import info
+from moelab.util import info, pid_alive
 
-LIFECYCLE = ("start", "resume", "finished", "interrupted", "diverged")  # training's own events
+LIFECYCLE = ("start", "resume", "finished", "interrupted", "diverged", "failed", "aborted")
+ENDS = LIFECYCLE[2:]  # the events a trainer writes when it stops, however it stops
 
 
 @dataclass(frozen=True)
@@ -227,7 +229,20 @@ def follow(run_dir: Path | str, prediction: Path | str | None = None,
             if line:
                 say(f"{run_dir.name}: {line}")
             evals_seen = evals
-        life = [e["event"] for e in events if e.get("event") in LIFECYCLE]
-        if life and life[-1] in ("finished", "interrupted", "diverged"):
+        if run_ended(events):
             return alerts
         time.sleep(interval_s)
+
+
+def run_ended(events: list[dict]) -> bool:
+    """Whether the run's last start has ended: a final event (a failed or aborted run too), or
+    none while its process is gone from this machine (killed, out of memory), which writes
+    none: a follower would otherwise wait forever."""
+    life = [e for e in events if e.get("event") in LIFECYCLE]
+    if not life:
+        return False
+    last = life[-1]
+    if last["event"] in ENDS:
+        return True
+    pid, host = last.get("pid"), last.get("host")
+    return bool(pid) and host == socket.gethostname() and not pid_alive(int(pid))

@@ -220,6 +220,11 @@ def _run_pool(items: list, jobs: int, status: dict, guard, poll_s: float, say) -
         where = "; ".join(_stop(running, say)) or "no rung was training"
         sig = e.signal_name if isinstance(e, Terminated) else "SIGINT"
         raise type(e)(f"ladder stopped by {sig}: {where}") from None
+    except Exception:  # an error here (the guard, the disk) must not orphan the trainers
+        where = "; ".join(_stop(running, say))
+        if where:
+            say(f"ladder: stopped after an error: {where}")
+        raise
 
 
 def _pool_loop(queue: list, running: list[_Job], jobs: int, status: dict, guard, poll_s: float,

@@ -1,0 +1,156 @@
+"""`moelab ladder run --target --guard`, `ladder guard --follow` and `ladder fit` on a ladder
+that is not all there yet: the trainer's log not written yet, a run that failed or was killed,
+rungs still unfinished, a mistyped --target-run. Run folders are written, nothing trains."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from moelab.ladder.fit import fit_ladder, format_report, target_outputs
+from moelab.ladder.folder import load_ladder, write_ladder
+from moelab.ladder.guard import follow
+from moelab.ladder.plan import LadderRule, plan_ladder
+from moelab.ladder.run import _Job, run_ladder
+from moelab.run.logs import JsonlTracker
+from test_cli import run_main
+from test_ladder import micro_target, write_run
+
+
+def _ladder(root: Path, finished: int):
+    """A 4-rung micro ladder whose first ``finished`` rungs are trained (from a known curve)."""
+    target = micro_target()
+    rule = LadderRule(rungs=4, widths=(16, 32, 48, 64), depths=(2, 2, 3, 3))
+    lad = write_ladder(root, "micro", target, rule, plan_ladder(target, rule))
+    rng = np.random.default_rng(0)
+    for r in lad.rungs[:finished]:
+        n = r.stats["params_active"]
+        write_run(lad.run_dir(r.name), r.cfg,
+                  lambda s, n=n: 2.0 + 40 / n ** 0.3 + 30 / (max(s, 1) * 256) ** 0.3, rng)
+    return load_ladder(root)
+
+
+class _Proc:
+    """A trainer that has started but logged nothing yet; ``on_poll`` is what it does next."""
+
+    def __init__(self, on_poll=None):
+        self.on_poll, self.signals, self.returncode = on_poll, [], None
+
+    def poll(self):
+        if self.on_poll is None:
+            return None
+        self.on_poll()
+        self.returncode = 0
+        return 0
+
+    def send_signal(self, sig):
+        self.signals.append(sig)
+        self.returncode = -sig
+
+    def wait(self):
+        return self.returncode
+
+
+def test_guarded_target_waits_for_the_trainers_first_log(tmp_path, capsys, monkeypatch):
+    lad = _ladder(tmp_path / "lad", finished=4)
+
+    def start(name, config, run_dir, steps, running):
+        run_dir.mkdir(parents=True, exist_ok=True)  # no metrics.jsonl before its first poll
+        finish = lambda: write_run(run_dir, lad.target, lambda s: 3.0,  # noqa: E731
+                                   np.random.default_rng(1))
+        running.append(_Job(name, run_dir, steps, _Proc(finish), open(run_dir / "log", "wb")))
+
+    monkeypatch.setattr("moelab.ladder.run._start", start)
+    rc, out, err = run_main(["ladder", "run", str(lad.root), "--target", "--guard",
+                             "--poll", "0.01"], capsys)
+    assert rc == 0, err
+    assert "target                   done" in out
+
+
+def test_an_error_while_training_stops_the_trainers_it_started(tmp_path, monkeypatch):
+    lad = _ladder(tmp_path / "lad", finished=4)
+    procs = []
+
+    def start(name, config, run_dir, steps, running):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        procs.append(_Proc())
+        running.append(_Job(name, run_dir, steps, procs[-1], open(run_dir / "log", "wb")))
+
+    def guard(run_dir):
+        raise RuntimeError("the guard broke")
+
+    monkeypatch.setattr("moelab.ladder.run._start", start)
+    with pytest.raises(RuntimeError, match="the guard broke"):
+        run_ladder(lad, target=True, guard=guard, poll_s=0.0, say=lambda m: None)
+    assert [p.signals for p in procs] == [[signal.SIGTERM]]  # not left training on its own
+
+
+def test_run_options_are_checked(tmp_path, capsys):
+    lad = _ladder(tmp_path / "lad", finished=0)
+    rc, _, err = run_main(["ladder", "run", str(lad.root), "--guard"], capsys)
+    assert rc == 2 and "--guard" in err and "--target" in err
+    rc, _, err = run_main(["ladder", "run", str(lad.root), "--poll", "0"], capsys)
+    assert rc == 2 and "--poll 0" in err
+
+
+def _started_run(run_dir: Path, pid: int, end: str | None) -> None:
+    write_run(run_dir, micro_target(), lambda s: 3.0, np.random.default_rng(0), finished=False)
+    log = run_dir / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join(lines[1:]) + "\n")  # write_run's start has no process identity
+    t = JsonlTracker(log)
+    t.event("start", 0, host=__import__("socket").gethostname(), pid=pid)
+    if end:
+        t.event(end, 8, error="RuntimeError: boom")
+    t.close()
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+@pytest.mark.parametrize("pid, end, ends", [
+    (None, "failed", True), (None, "aborted", True),
+    ("dead", None, True),  # killed: no final record, its process gone
+    ("self", None, False),  # still training
+])
+def test_follow_ends_with_the_run_however_it_ends(tmp_path, monkeypatch, pid, end, ends):
+    import os
+
+    run_dir = tmp_path / "run"
+    _started_run(run_dir, {"dead": _dead_pid(), "self": os.getpid()}.get(pid, os.getpid()), end)
+
+    def sleep(_s):
+        raise TimeoutError("still following")
+
+    monkeypatch.setattr("moelab.ladder.guard.time.sleep", sleep)
+    if ends:
+        assert follow(run_dir, say=lambda m: None) == []
+    else:
+        with pytest.raises(TimeoutError):
+            follow(run_dir, say=lambda m: None)
+
+
+def test_fit_of_a_partly_trained_ladder_names_the_rungs_left_out(tmp_path):
+    lad = _ladder(tmp_path / "lad", finished=3)
+    fit = fit_ladder(lad, n_boot=20)
+    rep, _ = target_outputs(lad, fit)
+    assert rep["unfinished"] == [lad.rungs[3].name]
+    text = format_report(rep)
+    assert f"warning: 1 of 4 rungs not finished and left out of this fit ({lad.rungs[3].name})" \
+        in text
+    assert "holdout: none" in text  # 2 smaller models: no holdout, and it says so
+
+
+def test_fit_refuses_a_target_run_folder_that_is_not_there(tmp_path, capsys):
+    lad = _ladder(tmp_path / "lad", finished=0)
+    rc, _, err = run_main(["ladder", "fit", str(lad.root), "--target-run",
+                           str(tmp_path / "typo")], capsys)
+    assert rc == 2 and "--target-run" in err and "typo" in err
