@@ -265,21 +265,45 @@ def lab(tmp_path):
     """A record with two finished arms (one with a prediction band and an alert), a failed run,
     a run that crashed without a final record and an arm that never started."""
     runs = tmp_path / "runs"
-    _write_run(runs / "shared", arm_shift=-0.1, prediction=True, alert_at=12)
-    _write_run(runs / "routed", arm_shift=0.0, diff="bbbb2222")
-    _write_run(runs / "unstable", arm_shift=0.0, stop_at=6, end="diverged", lr=1000.0,
-               error="FloatingPointError: loss is nan at step 6; lower optim.lr")
-    _write_run(runs / "killed", arm_shift=0.0, stop_at=9, end="none", pid=_dead_pid())
-    path, _ = rec_mod.new_record(
+    path, _ = rec_mod.new_record(  # registered first: its runs train after it
         tmp_path / "lab", "Shared experts help", "a shared expert lowers loss", "decide",
         ["eval/prose/loss last in shared - routed <= -0.05; falsified if >= 0",
          "throughput/tokens_per_s median over steps 10-40 >= 1000",
          "eval/code/loss last over steps 1-400 in shared <= 10",
          "moe/drop_fraction max <= 1%"], min_steps=100)
+    _write_run(runs / "shared", arm_shift=-0.1, prediction=True, alert_at=12)
+    _write_run(runs / "routed", arm_shift=0.0, diff="bbbb2222")
+    _write_run(runs / "unstable", arm_shift=0.0, stop_at=6, end="diverged", lr=1000.0,
+               error="FloatingPointError: loss is nan at step 6; lower optim.lr")
+    _write_run(runs / "killed", arm_shift=0.0, stop_at=9, end="none", pid=_dead_pid())
     for arm in ("shared", "routed", "unstable", "killed"):
         rec_mod.attach(path, runs / arm, arm)
     rec_mod.attach(path, runs / "later", "later")  # attached, never started
     return path
+
+
+def test_runs_trained_before_the_record_are_not_called_pre_registered(lab, capsys):
+    import yaml
+
+    from moelab.lab.cli import attach_run
+
+    text = lab.read_text()
+    head = text.split("---\n")[1]
+    created = yaml.safe_load(head)["created"]
+    later = "2999-01-01T00:00:00Z"  # as if written long after its runs had trained
+    lab.write_text(text.replace(f"created: {created}", f"created: '{later}'", 1)
+                   if f"created: {created}" in text else
+                   text.replace(f"created: '{created}'", f"created: '{later}'", 1))
+    assert rec_mod.load(lab).created == later
+    report, _ = write_report(lab, rec_mod.load(lab), lab.parent / "report")
+    body = report.read_text()
+    assert "started training before this record was created" in body
+    assert "(pre-registered)" not in body
+    assert "**These runs started training before the record was created: shared, routed, " \
+        "unstable, killed**" in body  # not `later`, which never started
+    rec_mod.detach(lab, lab.parent.parent / "runs" / "shared", "to attach it again")
+    attach_run(lab, lab.parent.parent / "runs" / "shared", "shared")
+    assert "note: it started training before" in capsys.readouterr().out
 
 
 def test_run_status_from_the_log(lab):

@@ -69,6 +69,22 @@ def now_utc() -> str:
     return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+def created_at(rec: Record) -> float | None:
+    """The Unix time the record was created (to the second), None if it does not say."""
+    try:
+        return dt.datetime.strptime(rec.created, "%Y-%m-%dT%H:%M:%SZ").replace(
+            tzinfo=dt.timezone.utc).timestamp()
+    except ValueError:
+        return None
+
+
+def started_before(rec: Record, started: float | None) -> bool:
+    """Whether a run that started training at ``started`` did so before the record existed:
+    its criteria were written after it began, so they are not pre-registered for it."""
+    created = created_at(rec)
+    return started is not None and created is not None and started < created
+
+
 def lab_dir(path: str | Path | None = None) -> Path:
     return Path(path or os.environ.get("MOELAB_LAB_DIR") or DEFAULT_LAB_DIR)
 

@@ -109,7 +109,10 @@ def config_differences(runs: list[RunData]) -> dict[str, list[str]]:
                     if f.get(k) != base.get(k)] for r, f in zip(runs, flats)}
 
 
-def _verdict_section(verdicts: list[tuple[Criterion, Verdict]], runs: list[RunData]) -> list[str]:
+def _verdict_section(verdicts: list[tuple[Criterion, Verdict]], runs: list[RunData],
+                     early: list[str]) -> list[str]:
+    """The verdicts table; ``early``: runs that trained before the record (not pre-registered
+    for them)."""
     names = {arm: r.name for arm, r in newest_usable(runs).items()}
     rows = []
     for i, (c, v) in enumerate(verdicts, 1):
@@ -117,9 +120,11 @@ def _verdict_section(verdicts: list[tuple[Criterion, Verdict]], runs: list[RunDa
         basis = ", ".join(md_text(names.get(a, a)) for a in v.runs) + (" · **short run**"
                                                                         if v.short_run else "")
         rows.append([str(i), code_span(c), f"{ICONS[v.status]} {v.label()}", value, basis or "–"])
-    out = ["## Verdicts (measured)", "",
-           "Each verdict applies a criterion fixed before the runs to the logged metrics.", ""]
-    out += _table(["#", "criterion (pre-registered)", "verdict", "value", "runs"], rows)
+    out = ["## Verdicts (measured)", "", "Each verdict applies a criterion fixed before the runs "
+           "to the logged metrics." if not early else "Each verdict applies a criterion of the "
+           f"record to the logged metrics; {', '.join(early)} trained before it was written.", ""]
+    out += _table(["#", "criterion" + ("" if early else " (pre-registered)"), "verdict", "value",
+                   "runs"], rows)
     out += ["", "How each value was measured:", ""]
     out += [f"{i}. {md_text(v.detail)}" for i, (_, v) in enumerate(verdicts, 1)]
     return out
@@ -155,6 +160,11 @@ def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData]) -> list[str
         steps = ", ".join(f"{md_text(r.name)}: {r.last_step}" for r in short)
         out.append(f"- **Measured:** these verdicts rest on short runs (steps {steps}; the record "
                    f"asks for at least {rec.min_steps}). Read them as a pilot, not a result.")
+    early = [md_text(r.name) for r in runs if rec_mod.started_before(rec, r.started)]
+    if early:
+        out.append(f"- **Measured:** {', '.join(early)} started training before this record was "
+                   "created: its criteria were written after, so for them they are not "
+                   "pre-registered (see Provenance).")
     for caveat in comparability(runs):
         out.append(f"- **Measured:** {caveat}; part of any gap may come from that.")
     out.append(f"- **Judgement (by rule):** {_judgement(verdicts)}.")
@@ -305,11 +315,16 @@ def _provenance_section(rec: rec_mod.Record, runs: list[RunData]) -> list[str]:
                    "platform"], rows)
     changed = list(dict.fromkeys(r.arm for r in rec_mod.live_runs(rec)
                                  if r.criteria_sha != rec.criteria_sha()))
+    early = [r.name for r in runs if rec_mod.started_before(rec, r.started)]
     out += ["", f"Record created {rec.created}; criteria hash {rec.criteria_sha()}. "
             + (f"**The criteria changed after these runs were attached: "
                f"{', '.join(map(md_text, changed))}**; "
                "they are not pre-registered for them." if changed
-               else "The criteria are unchanged since each run was attached (pre-registered).")]
+               else "The criteria are unchanged since each run was attached"
+               + ("." if early else " (pre-registered)."))
+            + (f" **These runs started training before the record was created: "
+               f"{', '.join(map(md_text, early))}**; its criteria are not pre-registered for "
+               "them." if early else "")]
     return out
 
 
@@ -324,7 +339,8 @@ def render_report(rec: rec_mod.Record, runs: list[RunData], verdicts, plots, gen
            + (f" · {n_detached} detached (see Detached runs)" if n_detached else "")
            + (f" · issue {md_text(rec.issue)}" if rec.issue else ""), "",
            f"**Hypothesis.** {md_text(rec.hypothesis)}", "", f"**Goal.** {md_text(rec.goal)}", ""]
-    out += _verdict_section(verdicts, runs) + [""]
+    early = [md_text(r.name) for r in runs if rec_mod.started_before(rec, r.started)]
+    out += _verdict_section(verdicts, runs, early) + [""]
     out += _conclusions(rec, verdicts, runs) + [""]
     out += _runs_section(runs) + [""] if runs else []
     if plots:

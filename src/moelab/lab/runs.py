@@ -70,6 +70,13 @@ class RunData:
         s = self.series(key)
         return s[-1][1] if s else None
 
+    @property
+    def started(self) -> float | None:
+        """When it first started training (Unix time of its first start event), if it did."""
+        times = [e["time"] for e in self.events if e.get("event") == "start"
+                 and isinstance(e.get("time"), (int, float))]
+        return min(times) if times else None
+
     def keys(self) -> set[str]:
         keys = {k for r in self.records for k in r}
         return keys | {EVAL_LOSS} if any(k.startswith("eval/") for k in keys) else keys
