@@ -188,9 +188,15 @@ def test_forecast_errors_name_the_file_and_the_fix(tmp_path, target, capsys):
     rc, _, err = run_main(["ladder", "forecast", str(run_dir), "--ladder",
                            str(tmp_path / "other.json")], capsys)
     assert rc == 2 and "predicts another run" in err and "steps 2400 there, 1200 here" in err
-    # the guard checks the bands it has, and says they were made for another run
-    rc, out, _ = run_main(["ladder", "guard", str(run_dir), "--prediction",
+    # the guard refuses bands made for another run before it writes an alert into the log,
+    # and with --other-run checks them, saying they were made for another run
+    log = (run_dir / "metrics.jsonl").read_bytes()
+    rc, _, err = run_main(["ladder", "guard", str(run_dir), "--prediction",
                            str(tmp_path / "other.json")], capsys)
+    assert rc == 2 and "predicts another run (" in err and "--other-run" in err
+    assert (run_dir / "metrics.jsonl").read_bytes() == log
+    rc, out, _ = run_main(["ladder", "guard", str(run_dir), "--prediction",
+                           str(tmp_path / "other.json"), "--other-run"], capsys)
     assert rc == 0 and "warning: " in out and "predicts another run (" in out
     assert "steps 2400 there, 1200 here): its bands may not be this run's" in out
     (run_dir / "config.yaml").unlink()

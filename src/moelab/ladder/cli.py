@@ -200,6 +200,21 @@ def check_guard_options(args) -> None:
     require(args.window >= 1, f"--window {args.window}", "must be >= 1 (logged points)")
 
 
+def _predicts_another(run: str, pred: dict | None, pred_path: Path) -> list[str] | None:
+    """How the run ``pred`` was made for differs from ``run`` (empty: alike); None when there
+    is nothing to compare (no prediction, or a config that cannot be read: said)."""
+    if pred is None or not (Path(run) / "config.yaml").is_file():
+        return None
+    from moelab.config import load_run_config
+    from moelab.ladder.guard import prediction_mismatch
+
+    try:  # the alerts are reported whatever the config says
+        return prediction_mismatch(pred, load_run_config(run))
+    except (OSError, ValueError) as e:  # ConfigError included
+        print(f"  warning: {pred_path} not checked against the run's config ({e})")
+        return None
+
+
 def cmd_guard(args) -> int:
     from moelab.ladder.forecast import live_forecast
     from moelab.ladder.guard import (
@@ -223,6 +238,13 @@ def cmd_guard(args) -> int:
     def forecast_now(run_dir):  # the live view: the final loss forecast at each new evaluation
         return live_forecast(run_dir, pred_path) if pred_path.exists() else None
 
+    pred = load_prediction(pred_path) if pred_path.exists() else None
+    diffs = _predicts_another(args.run, pred, pred_path)
+    require(not diffs or args.other_run, str(pred_path), f"predicts another run "
+            f"({'; '.join(diffs or [])}): its bands are not this run's, and the alerts they "
+            "raised would stay in the run's log; guard a run of that prediction's config, or "
+            "add --other-run to check against it anyway (a run replanned since the fit differs "
+            "in its steps)")
     if args.follow:
         new = follow(args.run, args.prediction, rules, interval_s=args.interval,
                      on_eval=forecast_now)
@@ -232,21 +254,11 @@ def cmd_guard(args) -> int:
 
     records, events = run_records(Path(args.run))
     alerts = [e for e in events if e.get("event") == "alert"]
-    pred = load_prediction(pred_path) if pred_path.exists() else None
     print(f"{args.run}: {len(new)} new alert(s), {len(alerts)} in its log; "
           f"{band_summary(records, pred, pred_path)}")
-    if pred is not None and (Path(args.run) / "config.yaml").is_file():
-        from moelab.config import load_run_config
-        from moelab.ladder.guard import prediction_mismatch
-
-        try:  # the alerts are reported whatever the config says
-            diffs = prediction_mismatch(pred, load_run_config(args.run))
-        except (OSError, ValueError) as e:  # ConfigError included
-            diffs = None
-            print(f"  warning: {pred_path} not checked against the run's config ({e})")
-        if diffs:
-            print(f"  warning: {pred_path} predicts another run ({'; '.join(diffs)}): its bands "
-                  "may not be this run's (a run replanned since the fit differs in its steps)")
+    if diffs:
+        print(f"  warning: {pred_path} predicts another run ({'; '.join(diffs)}): its bands "
+              "may not be this run's (--other-run)")
     for a in alerts:
         print("  " + format_alert(a))
     if pred is not None:
@@ -387,6 +399,9 @@ def _add_guard(sub) -> None:
     g.add_argument("--window", type=int, default=GuardRules.window,
                    help=f"trailing median window, in logged points (default {GuardRules.window})")
     g.add_argument("--strict", action="store_true", help="exit 3 when the log holds alerts")
+    g.add_argument("--other-run", action="store_true", help="check against a prediction made "
+                   "for another config (e.g. before a replan changed the steps); refused "
+                   "otherwise, since its alerts are written to this run's log")
     g.set_defaults(fn=cmd_guard)
 
 
