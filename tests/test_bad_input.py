@@ -336,11 +336,18 @@ CASES = [
     (["ladder", "plan", "tiny", "--spacing", "0.5"], 2, "ladder.spacing: must be > 1"),
     (["ladder", "plan", "tiny", "--top-share", "2"], 2, "ladder.top_share"),
     (["ladder", "plan", "tiny", "--widths", "abc"], 2, "argument --widths"),
+    (["ladder", "plan", "tiny", "--widths", "160,192,224", "--out", "{d}/lx"], 2,
+     "(left out, each its cost against the target's: d160 3x, d192 6.6x, d224 15x): give "
+     "smaller widths"),
     (["ladder", "run", "{d}/nothing"], 2, "{d}/nothing"),
     (["ladder", "guard", "{d}/nothing"], 2, "{d}/nothing"),
     (["ladder", "guard", RUN, "--patience", "0"], 2, "--patience"),
     # lab
     (["lab", "report", "nope", *LAB], 2, "record 'nope': not found"),
+    (["lab", "report", "1", "--out", "{d}/afile", *LAB], 2, "--out {d}/afile: a file is in the "
+     "way; give a folder"),
+    (["lab", "live", "{d}/norun", *LAB], 2, "or, for runs, give their folders (no folder "
+     "{d}/norun here)"),
     (["lab", "report", "1", *LAB], 2, "{d}/shape/metrics.jsonl: line 2"),
     (["lab", "show", "1", *LAB], 2, "{d}/shape/metrics.jsonl: line 2"),
     (["lab", "show", "1", "--lab-dir", "{d}/lab2"], 2, "{d}/lab2/0001-x.md: not UTF-8 text"),

@@ -6,8 +6,10 @@ import argparse
 import textwrap
 from pathlib import Path
 
+from moelab.config.errors import require
 from moelab.lab import records as rec_mod
 from moelab.lab.criteria import check_metric_family, count_labels, parse_criterion
+from moelab.util import check_writable
 
 CRITERION_HELP = ("pre-registered criterion, repeatable: METRIC [AGG] [over steps A-B] "
                   "[in ARM [- ARM | / ARM]] OP VALUE[%%] [; falsified if OP VALUE[%%]], e.g. "
@@ -163,6 +165,9 @@ def cmd_report(args) -> int:
 
     path, rec = rec_mod.find(args.id, args.lab_dir)
     out = Path(args.out) if args.out else path.parent / rec.id
+    require(not out.exists() or out.is_dir(), f"--out {out}", "a file is in the way; give a "
+            "folder (the report and its plots are written there)")
+    check_writable(out, f"--out {out}", "give a folder you can write")
     report_file, verdicts = write_report(path, rec, out)
     for c, v in verdicts:
         print(f"  [{v.label()}] {c}")

@@ -25,7 +25,11 @@ def run_sources(targets: list[str], lab: str | None = None
                 ) -> tuple[str, Callable[[], list[RunData]]]:
     """(page title, a function that loads the runs now) for a record id or run folders."""
     if len(targets) == 1 and not Path(targets[0]).is_dir():
-        path, rec = rec_mod.find(targets[0], lab)
+        try:
+            path, rec = rec_mod.find(targets[0], lab)
+        except FileNotFoundError as e:  # it may have meant a run folder
+            raise FileNotFoundError(f"{e}; or, for runs, give their folders (no folder "
+                                    f"{targets[0]} here)") from None
 
         def from_record() -> list[RunData]:
             # the runs a report counts, now: one attached later shows up, one detached leaves

@@ -311,7 +311,10 @@ def attach(record_file: Path, run_dir: Path, arm: str | None = None) -> Record:
                          "(criteria refer to arms by this name)")
     if i is not None and not detached:
         if rec.runs[i].arm != arm:
-            raise ValueError(f"{run_dir}: already attached to {rec.id} as arm {rec.runs[i].arm!r}")
+            raise ValueError(f"{run_dir}: already attached to {rec.id} as arm "
+                             f"{rec.runs[i].arm!r}; to count it as arm {arm!r}, detach it "
+                             f"(`moelab lab detach {rec.id} {run_dir} --reason TEXT`: kept on "
+                             "record) and attach it again with --arm")
         return rec
     if i is not None:  # the same entry again: its first attachment and criteria hash stand
         event = {"event": REATTACHED, "at": now_utc(), "arm": arm}

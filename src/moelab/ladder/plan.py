@@ -270,13 +270,14 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
     depths = list(rule.depths) or [_depth(target.model, d, rule) for d in widths]
     t = run_stats(target)
     c_target = t["flops"]
-    rungs = []
+    rungs, over = [], []
     for (d, n_layers), m in itertools.product(zip(widths, depths), rule.token_multipliers):
         cfg = rung_config(target, d, n_layers, rule, m)
         stats = run_stats(cfg)
         stats["share"] = stats["flops"] / c_target
         stats["token_multiplier"] = m
         if stats["share"] > rule.max_run_share:
+            over.append(f"d{d}" + ("" if m == 1 else f" x{m:g} tokens") + f" {stats['share']:.2g}x")
             continue
         base = f"d{d}-L{n_layers}" + ("" if m == 1 else f"-t{m:g}")
         for r in range(rule.seeds):  # seed replicates: the fit averages their noise
@@ -288,7 +289,9 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
         raise ConfigError(
             f"ladder.max_run_share: {rule.max_run_share:g} of the target's FLOPs leaves "
             f"{len(rungs)} run(s) of {len(left)} width(s), and a fit needs at least {MIN_RUNS} "
-            "runs of 2 widths: raise it, or add smaller widths or token multipliers")
+            "runs of 2 widths" + (f" (left out, each its cost against the target's: "
+                                  f"{', '.join(over)})" if over else "")
+            + ": give smaller widths, add token multipliers, or raise it")
     if len({r.name for r in rungs}) < len(rungs):
         raise ConfigError("ladder.widths: two rungs have the same shape; give distinct widths")
     per_active = t["tokens"] / t["params_active"]
