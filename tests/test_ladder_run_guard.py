@@ -154,3 +154,25 @@ def test_fit_refuses_a_target_run_folder_that_is_not_there(tmp_path, capsys):
     rc, _, err = run_main(["ladder", "fit", str(lad.root), "--target-run",
                            str(tmp_path / "typo")], capsys)
     assert rc == 2 and "--target-run" in err and "typo" in err
+
+
+def test_the_target_is_not_given_a_prediction_fitted_before_its_rungs_finished(
+        tmp_path, capsys, monkeypatch):
+    lad = _ladder(tmp_path / "lad", finished=3)
+    rc, _, err = run_main(["ladder", "fit", str(lad.root), "--boot", "20"], capsys)
+    assert rc == 0, err
+    last = lad.rungs[3]  # then the last rung finishes, and the target starts
+    write_run(lad.run_dir(last.name), last.cfg, lambda s: 3.0, np.random.default_rng(2))
+
+    def start(name, config, run_dir, steps, running):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        finish = lambda: write_run(run_dir, lad.target, lambda s: 3.0,  # noqa: E731
+                                   np.random.default_rng(1))
+        running.append(_Job(name, run_dir, steps, _Proc(finish), open(run_dir / "log", "wb")))
+
+    monkeypatch.setattr("moelab.ladder.run._start", start)
+    rc, out, err = run_main(["ladder", "run", str(lad.root), "--target", "--poll", "0.01"],
+                            capsys)
+    assert rc == 0, err
+    assert not (lad.target_dir / "prediction.json").exists()
+    assert f"fitted before rungs {last.name} finished: not given to the target" in out + err

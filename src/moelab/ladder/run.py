@@ -164,11 +164,23 @@ def _run_target(lad: Ladder, status: dict, guard, poll_s: float, say) -> None:
             guard(run_dir)
         return
     pred = lad.root / "prediction.json"
-    if pred.exists() and not (run_dir / "prediction.json").exists():
+    left = _left_out_of_fit(lad)
+    if pred.exists() and not (run_dir / "prediction.json").exists() and left:
+        say(f"ladder: {pred} was fitted before rungs {', '.join(left)} finished: not given to "
+            f"the target; `moelab ladder fit {lad.root}` fits the whole ladder and gives it")
+    elif pred.exists() and not (run_dir / "prediction.json").exists():
         run_dir.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(pred, run_dir / "prediction.json")
     _run_pool([("target", lad.config_path("target"), run_dir, steps)], 1, status, guard,
               poll_s, say)
+
+
+def _left_out_of_fit(lad: Ladder) -> list[str]:
+    """The rungs the ladder's last fit left out as unfinished (fit.json; none if unreadable)."""
+    try:
+        return list(json.loads((lad.root / "fit.json").read_text()).get("unfinished") or [])
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 def _stopped_at(job: _Job) -> str:
