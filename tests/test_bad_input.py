@@ -330,6 +330,8 @@ CASES = [
     ([*FIT, "{d}/latin1.csv"], 2, "--points {d}/latin1.csv: not UTF-8"),
     ([*FIT, "{d}/good.csv", "--predict", "N=7e10"], 2, "--predict 'N=7e10'"),
     ([*FIT, "{d}/good.csv", "--predict", "N=-1,D=5"], 2, "--predict 'N=-1,D=5'"),
+    ([*FIT, "{d}/good.csv", "--predict", "N=1e7,D=2e8,X=3"], 2,
+     "--predict 'N=1e7,D=2e8,X=3': expected N=...,D=... (those two only)"),
     (["ladder", "fit"], 2, "give a LADDER folder"),
     (["ladder", "fit", "{d}/nothing"], 2, "{d}/nothing"),
     (["ladder", "plan", "tiny", "--rungs", "0"], 2, "ladder.rungs: must be >= 2"),

@@ -170,8 +170,9 @@ def curve_forecast(sf: SoFar, level: float, n_boot: int = 100, seed: int = 0) ->
     ev_steps, ev_vals = sf.held_out
     n_params = 4  # E', A, alpha, k
     if len(at) <= n_params or not len(ev_steps):
-        return {"predicted": None, "note": f"needs {n_params + 1} training-loss bins (has "
-                f"{len(at)}) and an evaluation (has {len(ev_steps)}) after "
+        return {"predicted": None, "note": f"needs {n_params + 1} training-loss bins ({BIN:.1%} "
+                f"of the run, each with >= {MIN_BIN} logged values; has {len(at)}: a lower "
+                f"train.log_every gives more) and an evaluation (has {len(ev_steps)}) after "
                 f"{MIN_PROGRESS:.0%} of the run"}
     w = 1 / np.maximum(se, 1e-6) ** 2
     w = w / w.mean()

@@ -101,9 +101,11 @@ def parse_predict(text: str) -> tuple[float, float]:
     """'N=70e9,D=1.4e12' -> (N, D)."""
     try:
         kv = dict(part.split("=", 1) for part in text.replace(" ", "").split(","))
-        n, d = float(kv["N"]), float(kv["D"])
+        n, d = float(kv.pop("N")), float(kv.pop("D"))
+        if kv:  # X=3 or a typo (n=...) would be ignored without a word
+            raise KeyError(next(iter(kv)))
     except (ValueError, KeyError):
-        raise ValueError(f"--predict {text!r}: expected N=...,D=..., e.g. "
+        raise ValueError(f"--predict {text!r}: expected N=...,D=... (those two only), e.g. "
                          "--predict N=7e10,D=1.4e12") from None
     if not (n > 0 and d > 0 and math.isfinite(n) and math.isfinite(d)):
         raise ValueError(f"--predict {text!r}: N and D must be positive numbers")
