@@ -99,8 +99,21 @@ _PARTS = ((r"[A-Za-z0-9_./-]+", True), (rf"(?:{'|'.join(AGGREGATIONS)})\b", Fals
           (rf"in\s+{_ARM}(?:\s+[-/]\s+{_ARM})?", False),
           (rf"(?:<=|>=|<|>)\s*{_NUM}%?", True),
           (rf";\s*falsified\s+if\s*(?:<=|>=|<|>)\s*{_NUM}%?", False))
-# the metric families a run's metrics.jsonl holds (eval/loss: the ladder's mean held-out loss)
-METRIC_FAMILIES = ("train", "eval", "throughput", "moe", "hw", "data")
+# the metric families a run's metrics.jsonl holds (eval/loss: the ladder's mean held-out loss),
+# and the names each logs, last part (eval/DOMAIN/loss, moe/layer_I/drop_fraction); a test
+# checks a trained run's log against them
+METRIC_NAMES = {
+    "train": ("loss", "total_loss", "aux_loss", "z_loss", "router_z_loss", "grad_norm", "lr",
+              "tokens"),
+    "eval": ("loss", "bpb"),
+    "throughput": ("tokens_per_s", "mfu", "share_of_measured_peak"),
+    "moe": ("drop_fraction", "sender_drop_fraction", "receiver_drop_fraction",
+            "load_max_over_mean", "routing_entropy"),
+    "hw": ("cpu_percent", "mem_percent", "process_rss_gb", "accel_util_percent",
+           "accel_mem_gb", "accel_mem_percent"),
+    "data": ("seq_len",),
+}
+METRIC_FAMILIES = tuple(METRIC_NAMES)
 
 
 def _stuck_at(text: str) -> str:
@@ -126,6 +139,12 @@ def check_metric_family(c: Criterion, text: str) -> None:
                          + (f" (did you mean {near[0]}/...?)" if near else "")
                          + f"; metrics are FAMILY/NAME, families {', '.join(METRIC_FAMILIES)} "
                          "(the keys of a run's metrics.jsonl)")
+    name = c.metric.rsplit("/", 1)[1]
+    if name not in METRIC_NAMES[family]:
+        near = difflib.get_close_matches(name, METRIC_NAMES[family], n=1)
+        raise ValueError(f"criterion {text!r}: no run logs a {family}/ metric named {name!r}"
+                         + (f" (did you mean {near[0]!r}?)" if near else "")
+                         + f"; {family}/ holds {', '.join(METRIC_NAMES[family])}")
 
 
 def parse_criterion(text: str) -> Criterion:
