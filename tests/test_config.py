@@ -507,3 +507,30 @@ def test_a_folder_named_as_a_preset_does_not_hide_it(tmp_path, monkeypatch):
 def test_a_mistyped_preset_name_suggests_the_preset():
     with pytest.raises(ConfigError, match=r"presets: .*; did you mean '535b-a23b'\?"):
         load_config("535b-a32b")
+
+
+def test_a_transport_field_the_training_transport_never_reads_is_noted():
+    """parallel.capacity_factor under pooled_wave, and any transport setting at EP 1, trained
+    as if never given, without a word."""
+    from moelab.config import load_config
+    from moelab.parallel.transport import unread_fields
+
+    def notes(*overrides):
+        return unread_fields(load_config("tiny", list(overrides)).parallel, overrides)
+
+    ep4 = ("parallel.devices=8", "parallel.expert=4")
+    assert notes(*ep4, "parallel.capacity_factor=2", "parallel.receiver_cf=1.3") == [
+        "note: parallel.capacity_factor is not read (pooled_wave reads sender_cf, receiver_cf, "
+        "waves)"]
+    assert notes(*ep4, "parallel.transport=expert_cells", "parallel.capacity_factor=2") == []
+    # a lone sender_cf is pooled_global's send-pool factor (configs written before its field)
+    assert notes(*ep4, "parallel.transport=pooled_global", "parallel.sender_cf=1.5") == []
+    assert notes(*ep4, "parallel.transport=pooled_global", "parallel.sender_cf=1.5",
+                 "parallel.global_sender_cf=2.0")[0].startswith("note: parallel.sender_cf is "
+                                                             "not read (pooled_global reads")
+    at_ep1 = notes("parallel.devices=8", "parallel.transport=expert_cells",
+                   "parallel.capacity_factor=2")
+    assert [n.split(" (")[0] for n in at_ep1] == [
+        "note: parallel.transport=expert_cells is not used",
+        "note: parallel.capacity_factor is not read"]
+    assert "set parallel.expert > 1" in at_ep1[0]

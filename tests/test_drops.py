@@ -125,3 +125,19 @@ def test_layer_routings_run_the_models_own_blocks():
         np.testing.assert_array_equal(np.asarray(expert), np.asarray(r.expert_NK[layer]))
         np.testing.assert_allclose(np.asarray(weight), np.asarray(r.weight_NK[layer]),
                                    atol=1e-6)
+
+
+
+def test_default_tokens_per_rank_of_a_run_on_every_visible_device():
+    """parallel.devices=0 trained on every visible device: the forecast's default batch per
+    rank divides by that count, not by 1 (which forecast the whole batch on one rank)."""
+    from moelab.config import DataConfig, ParallelConfig
+    from moelab.ops.drops import run_tokens_per_rank
+
+    def cfg(devices, expert):
+        return RunConfig(data=DataConfig(seq_len=256, batch_size=32),
+                         parallel=ParallelConfig(devices=devices, expert=expert))
+
+    assert run_tokens_per_rank(cfg(8, 4), visible=1) == 1024
+    assert run_tokens_per_rank(cfg(0, 4), visible=8) == 1024
+    assert run_tokens_per_rank(cfg(1, 1), visible=8) == 8192  # a single-device run

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from helpers import micro_config, micro_dict, subprocess_env
-from moelab.config import load_config
+from moelab.config import ParallelConfig, load_config
 from test_train import quiet_train
 
 STEPS, EVAL_EVERY = 16, 4
@@ -85,8 +85,9 @@ def kill_once(cmd: list[str], run: Path, phase: str, rng: random.Random, log) ->
 
 def tiny_overrides(data_dir: Path) -> list[str]:  # noqa: F811
     """The tiny preset shrunk to the micro model: every micro field as an override."""
-    return [f"{section}.{k}={v}" for section, fields in micro_dict(data_dir, train=TRAIN).items()
-            for k, v in fields.items()]
+    fields = micro_dict(data_dir, train=TRAIN)
+    fields["parallel"] = {"waves": ParallelConfig().waves, **fields.get("parallel", {})}  # tiny's 1
+    return [f"{section}.{k}={v}" for section, values in fields.items() for k, v in values.items()]
 
 
 def test_killed_at_random_points_a_resumed_run_equals_an_uninterrupted_one(data_dir,  # noqa: F811

@@ -550,3 +550,24 @@ def test_a_damaged_config_yaml_is_named_with_its_way_out(runs, tmp_path, capsys)
         assert f"{run / 'config.yaml'}: model.router: must be" in err, err
         assert "config.yaml is damaged or was edited: restore it; where the run has checkpoints, " \
                "a resume without it takes the config the newest was trained with" in err
+
+
+def test_history_says_when_resumes_changed_the_expert_parallelism(tmp_path):
+    from moelab.config import load_config, save_config
+    from moelab.ops.record import format_history
+    from moelab.run.logs import JsonlTracker
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config("tiny", ["parallel.devices=8", "parallel.expert=8"]),
+                run / "config.yaml")
+    log = JsonlTracker(run / "metrics.jsonl")
+    log.event("start", 0)
+    for step in range(1, 21):
+        if step == 11:
+            log.event("resume", 10, changed=["parallel.expert 4 -> 8", "parallel.waves 2 -> 1"])
+        log.log(step, {"train/loss": 5.0, "moe/drop_fraction": 0.1})
+    log.close()
+    text = format_history(run)
+    assert ("context stages (pooled_wave EP8 since step 10; resumes at steps 10 changed the "
+            "expert parallelism, and the rows span them; drop =") in text

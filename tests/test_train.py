@@ -497,6 +497,18 @@ def test_resumable_fields_may_change(resume_runs, data_dir):  # noqa: F811
     assert resolve_run_config(unrolled, resume_runs["A"]).model.scan_unroll == 2
 
 
+def test_the_transport_and_its_capacities_may_change_on_resume(resume_runs, data_dir):  # noqa: F811
+    """A move to EP 8 that needs waves=1 was refused (parallel.waves "trains one model"), and so
+    was a higher receiver_cf against drops: they set drops, as parallel.expert does, not the
+    model."""
+    cfg = resume_cfg(data_dir, steps=40)
+    par = dataclasses.replace(cfg.parallel, transport="pooled_global", receiver_cf=1.5, waves=1,
+                              sender_cf=1.3, global_sender_cf=1.75, capacity_factor=2.0,
+                              budget_group=1, fair_blocks=2)
+    moved = dataclasses.replace(cfg, parallel=par)
+    assert resolve_run_config(moved, resume_runs["A"]).parallel == par
+
+
 # ---------------------------------------------------------------------------------------------
 # SIGTERM in a `moelab train` subprocess, then resume
 

@@ -26,7 +26,7 @@ from moelab.ops.schedule import (
 )
 from moelab.train.changes import Change, PlanError
 from moelab.train.cli import add_accept_data_change
-from moelab.util import atomic_write_text, is_url, url_fs
+from moelab.util import atomic_write_text, info, is_url, url_fs
 
 WHY = "why (recorded in the run's operations log)"
 
@@ -236,6 +236,7 @@ def cmd_branch(args) -> int:
 
 
 def cmd_resume(args) -> int:
+    from moelab.parallel.transport import unread_fields
     from moelab.train.cli import report_summary
     from moelab.train.loop import train
     from moelab.train.preflight import claim_gpu_share
@@ -247,6 +248,8 @@ def cmd_resume(args) -> int:
     else:
         check_run_folder(run)
         cfg = recovered_config(run, args.overrides)
+    for note in unread_fields(cfg.parallel, args.overrides):
+        info(note)
     claim_gpu_share()  # as moelab train: before JAX's backend starts
     return report_summary(train(cfg, run, accept_data_change=args.accept_data_change), run)
 
@@ -292,6 +295,8 @@ def load_run_for_drops(run: Path | str, overrides: list[str], transport: list[st
 
 
 def cmd_drops(args) -> int:
+    import jax
+
     from moelab.ops import drops
     from moelab.parallel.forecast import forecast
     from moelab.run.checkpoint import Checkpointer
@@ -303,7 +308,11 @@ def cmd_drops(args) -> int:
             "belongs to --place: add it")
     cfg, loaded, pars = load_run_for_drops(args.run, args.overrides, args.transport, args.ranks)
     ranks = next(iter(pars.values())).expert
-    per_rank = args.tokens_per_rank or drops.run_tokens_per_rank(cfg)
+    per_rank = args.tokens_per_rank or drops.run_tokens_per_rank(cfg, jax.device_count())
+    if not args.tokens_per_rank and cfg.parallel.devices == 0:
+        print(f"note: the run trained with parallel.devices=0; {per_rank:,} tokens per rank "
+              f"assumes the {jax.device_count()} device(s) visible here (--tokens-per-rank to "
+              "give the run's own)")
     fit_model = None
     if args.place_from is not None:
         drops.check_place_from(Path(args.run), cfg, args.place_from, loaded.step,

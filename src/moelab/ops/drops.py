@@ -113,8 +113,11 @@ def format_rows(rows: list[dict], names: list[str]) -> str:
     return "\n".join(lines)
 
 
-def run_tokens_per_rank(cfg: RunConfig) -> int:
-    """Tokens one device holds per (micro-)step in the run's own layout."""
+def run_tokens_per_rank(cfg: RunConfig, visible: int) -> int:
+    """Tokens one device holds per (micro-)step in the run's own layout. ``parallel.devices=0``
+    trained on every visible device, a count the run does not record: ``visible`` (this
+    machine's, as a training start here would take) stands in, not 1, which made the whole
+    batch one rank's."""
     d = cfg.data
     tokens = cfg.train.microbatch_tokens or d.batch_size * d.seq_len
-    return max(tokens // max(cfg.parallel.devices, 1), d.seq_len)
+    return max(tokens // (cfg.parallel.devices or max(visible, 1)), d.seq_len)

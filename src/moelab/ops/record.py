@@ -115,8 +115,13 @@ def format_history(run_dir: Path | str, name: str | None = None) -> str:
             lines.append(f"{'':>38}by:  {e['command']}")
     rows = stage_report(run_dir)
     if rows:
-        lines.append(f"  context stages ({rows[0]['transport']}; drop = dropped / routed "
-                     "assignments, mean over logged steps):")
+        moved = [e["step"] for e in events if e.get("event") == "resume"
+                 and any(str(c).startswith("parallel.") for c in e.get("changed") or [])]
+        lines.append(f"  context stages ({rows[0]['transport']}"
+                     + (f" since step {moved[-1]}; resumes at steps "
+                        f"{', '.join(map(str, moved))} changed the expert parallelism, and the "
+                        "rows span them" if moved else "")
+                     + "; drop = dropped / routed assignments, mean over logged steps):")
         lines.append(f"  {'seq_len':>8} {'batch':>6} {'steps':>13} {'drop':>7} {'max':>7} "
                      f"{'sender':>7} {'receiver':>8} {'tokens/s':>9} {'loss':>7}")
         for r in rows:

@@ -14,7 +14,7 @@ from moelab.config.cli import EPILOG_OVERRIDES, config_epilog
 from moelab.config.docs import describe_config
 from moelab.config.errors import require
 from moelab.data.prepare import resolve_config, with_tokenizer_vocab
-from moelab.util import is_url, silence_gone_console, url_fs, writable
+from moelab.util import info, is_url, silence_gone_console, url_fs, writable
 
 
 def _check_options(args) -> None:
@@ -43,6 +43,7 @@ def _resolved_vocab(cfg, run_dir):
 
 
 def cmd_train(args, attach_record) -> int:
+    from moelab.parallel.transport import unread_fields
     from moelab.train.loop import train
     from moelab.train.preflight import claim_gpu_share
     from moelab.train.resume import check_given_end
@@ -63,6 +64,8 @@ def cmd_train(args, attach_record) -> int:
         require(writable(run_dir), f"--run-dir {run_dir}", "cannot be made or written by this "
                 "user; give a folder you can write")
     cfg = _resolved_vocab(cfg, run_dir)
+    for note in unread_fields(cfg.parallel, overrides):
+        info(note)
     if not is_url(run_dir) and any(o.split("=", 1)[0].strip() == "train.steps"
                                    for o in overrides):
         check_given_end(cfg, run_dir)

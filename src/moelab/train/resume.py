@@ -50,6 +50,11 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "train.tensorboard", "train.async_ckpt", "train.profile_steps",
                      "train.memory_check",
                      "parallel.replace_every",
+                     # the transport and its capacities set drops, as parallel.expert does; a
+                     # move to another EP degree may need other waves or budget groups
+                     "parallel.transport", "parallel.capacity_factor", "parallel.sender_cf",
+                     "parallel.global_sender_cf", "parallel.receiver_cf", "parallel.waves",
+                     "parallel.budget_group", "parallel.fair_blocks",
                      # where the data is may change; what it is, is checked by its fingerprints
                      "data.data_dir", "data.tokenizer", "data.source"}
 # Why a field that is no new model still may not change on resume, where the generic reason

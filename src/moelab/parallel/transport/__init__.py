@@ -34,10 +34,15 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
     pooled_wave.TRANSPORT, pooled_global.TRANSPORT, expert_cells.TRANSPORT, ragged.TRANSPORT,
     waterfill.TRANSPORT)}
 DROPLESS = "ragged"  # what runs where nothing may drop: evaluation, and EP 1
+# The transport fields a user tunes (capacity factors first); which of them a transport reads
+# is its entry's ``fields``.
+KNOBS = ("capacity_factor", "sender_cf", "global_sender_cf", "receiver_cf", "waves",
+         "budget_group", "fair_blocks")
+MAX_CF = 1024.0  # a capacity factor multiplies a mean load: 1024 is past any batch's whole
 
 __all__ = ["DROPLESS", "TRANSPORTS", "BufferRows", "DropCounts", "Transport", "check_backend",
-           "check_config",
-           "drop_fractions", "drop_totals", "get", "make_transport_fn", "training_transport"]
+           "check_config", "drop_fractions", "drop_totals", "get", "make_transport_fn",
+           "training_transport", "unread_fields"]
 
 
 def get(name: str) -> Transport:
@@ -59,9 +64,34 @@ def check_config(cfg: RunConfig) -> RunConfig:
     checks (e.g. waves dividing the local experts) do not apply at EP 1, where it never runs."""
     par = cfg.parallel
     get(par.transport)
+    for f in KNOBS[:4]:  # a factor past n_experts keeps no more rows; far past, buffers overflow
+        require_parallel(getattr(par, f) <= MAX_CF, f, f"{getattr(par, f):g} is past any "
+                         f"useful size (at most {MAX_CF:g}; n_experts={cfg.model.n_experts} "
+                         "already keeps every row)")
     for name in dict.fromkeys((training_transport(par), DROPLESS)):
         TRANSPORTS[name].check(par, cfg.model.n_experts // par.expert)
     return cfg
+
+
+
+
+def unread_fields(par: ParallelConfig, given) -> list[str]:
+    """A note for each ``parallel.*`` override in ``given`` (the keys typed) that the training
+    transport never reads: a capacity meant for another transport (capacity_factor under
+    pooled_wave), or any at EP 1, was ignored without a word."""
+    get(par.transport)  # an unknown name is an error, said before any note
+    name = training_transport(par)
+    reads = set(TRANSPORTS[name].fields)
+    if name == "pooled_global" and par.sender_cf == par.global_sender_cf:
+        reads.add("sender_cf")  # a lone sender_cf is read as global_sender_cf (config.io)
+    why = (f"at parallel.expert=1 nothing travels and the dropless {DROPLESS} trains; set "
+           "parallel.expert > 1 to use it"
+           if par.expert == 1 else f"{name} reads {', '.join(TRANSPORTS[name].fields)}")
+    keys = [k.split("=", 1)[0].strip() for k in given]
+    notes = [f"note: parallel.transport={par.transport} is not used ({why})"
+             for k in keys if k == "parallel.transport" and par.transport != name]
+    return notes + [f"note: {k} is not read ({why})" for k in keys
+                    if k.startswith("parallel.") and k[9:] in KNOBS and k[9:] not in reads]
 
 
 def check_backend(par: ParallelConfig, backend: str) -> None:

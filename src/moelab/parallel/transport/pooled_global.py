@@ -55,7 +55,8 @@ def check(par: ParallelConfig, n_local: int) -> None:
     G = par.budget_group
     require_parallel(G >= 1 and n_local % G == 0, "budget_group",
                      f"{G} experts per budget group must divide the local experts "
-                     f"E_l={n_local} (pooled_global); choose a divisor of n_experts / "
+                     f"E_l={n_local} (pooled_global); set parallel.budget_group to one of "
+                     f"{[g for g in range(1, n_local + 1) if n_local % g == 0]}, or change "
                      "parallel.expert")
     B = par.fair_blocks
     require_parallel(B >= 0 and (B == 0 or B % par.expert == 0), "fair_blocks",
