@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
@@ -516,7 +517,7 @@ def test_a_transport_field_the_training_transport_never_reads_is_noted():
     from moelab.parallel.transport import unread_fields
 
     def notes(*overrides):
-        return unread_fields(load_config("tiny", list(overrides)).parallel, overrides)
+        return unread_fields(load_config("tiny", list(overrides)), overrides)
 
     ep4 = ("parallel.devices=8", "parallel.expert=4")
     assert notes(*ep4, "parallel.capacity_factor=2", "parallel.receiver_cf=1.3") == [
@@ -534,3 +535,46 @@ def test_a_transport_field_the_training_transport_never_reads_is_noted():
         "note: parallel.transport=expert_cells is not used",
         "note: parallel.capacity_factor is not read"]
     assert "set parallel.expert > 1" in at_ep1[0]
+
+
+@pytest.mark.parametrize("stage", [
+    {"max_drops": 0.01, "fallbacks": [{"receiver_cf": 1e12}]},
+    {"max_drops": 0.01, "decision": "switch", "parallel": {"receiver_cf": 1e12}},
+])
+def test_a_stage_capacity_past_any_useful_size_is_refused(stage):
+    """The run's own factors past 1024 were refused (1e12 crashed the compile), but a stage's
+    were not: the crash came at the stage's step, mid-run."""
+    stages = [{"step": 100, "seq_len": 512, **stage}]
+    with pytest.raises(ConfigError, match="at most 1024"):
+        load_config("tiny", [f"data.context_stages={json.dumps(stages)}"])
+
+
+def test_a_decided_stage_s_capacity_wins_over_a_typed_one_and_says_so():
+    """A gate decided at step 3 set receiver_cf 1.5 from there on: a resume that types
+    parallel.receiver_cf=2.0 trains at 1.5 after step 3, and now hears it; a move to a
+    transport the decided gate's fallbacks do not fit is no longer refused (they are never
+    tried again)."""
+    from moelab.parallel.transport import check_config, unread_fields
+    from moelab.train.adapt import check_adaptive
+
+    stage = ("[{step: 3, seq_len: 512, max_drops: 0.01, decision: DECISION, parallel: "
+             "{receiver_cf: 1.5}, fallbacks: [{receiver_cf: 1.5}]}]")
+    base = ["parallel.devices=8", "parallel.expert=4", "parallel.waves=2", "train.steps=10"]
+
+    def cfg(decision, *given):
+        stages = (stage.replace("DECISION", decision) if decision else  # a gate still to decide
+                  "[{step: 3, seq_len: 512, max_drops: 0.01, fallbacks: [{receiver_cf: 1.5}]}]")
+        return check_config(load_config("tiny", [*base, f"data.context_stages={stages}",
+                                                 *given]))
+
+    given = ["parallel.receiver_cf=2.0"]
+    assert cfg("switch", *given).parallel_at(5).receiver_cf == 1.5
+    assert unread_fields(cfg("switch", *given), given) == [
+        "note: parallel.receiver_cf=2 is not used from step 3 on, where "
+        "data.context_stages[0].parallel sets receiver_cf=1.5"]
+    assert unread_fields(cfg("stay", *given), given) == []  # a stage that stayed trains nothing
+    moved = ["parallel.transport=expert_cells"]
+    check_adaptive(cfg("switch", *moved))
+    with pytest.raises(ConfigError, match=r"fallbacks\[0\]\.receiver_cf: expert_cells does not "
+                                          "read parallel.receiver_cf"):
+        check_adaptive(cfg("", *moved))  # still to decide: its fallbacks must fit

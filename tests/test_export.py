@@ -231,3 +231,21 @@ def test_the_card_scores_each_task_once_from_its_fullest_evaluation(tmp_path):
     result("moelab_local-step7.json", 0.5, 10, 2000)  # newer, on fewer examples
     rows = [r for r in _harness_lines(tmp_path, 7) if r.startswith("| moelab")]
     assert rows == ["| moelab_choice | acc | 0.5333 | 30 of 30 |"]
+
+
+def test_an_empty_out_must_be_writable_itself_not_its_parent(tmp_path, monkeypatch):
+    """An empty OUT is filled in place: a mount point (or a folder of one's own) inside a
+    folder this user cannot write was refused, and an unwritable empty OUT in a writable
+    folder passed the check and failed later on the temporary folder."""
+    import pytest
+
+    from moelab.export.hf import check_out
+
+    out = tmp_path / "mnt"
+    out.mkdir()
+    monkeypatch.setattr("moelab.util.writable", lambda folder: folder == out)
+    check_out(out)
+    monkeypatch.setattr("moelab.util.writable", lambda folder: folder != out)
+    with pytest.raises(PermissionError, match=f"OUT {out}: not writable"):
+        check_out(out)
+    check_out(tmp_path / "new")  # a new OUT: its parent is what must be writable

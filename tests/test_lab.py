@@ -681,3 +681,30 @@ def test_train_with_a_record_attaches_logs_hardware_and_records_a_failure(
     verdicts = main(["lab", "show", "1"])
     out = capsys.readouterr().out
     assert verdicts == 0 and "failed" in out and "[not enough data] train/loss last <= 100" in out
+
+
+def test_a_branch_that_trained_before_the_record_is_not_called_pre_registered(tmp_path,
+                                                                              capsys):
+    """A branch's log begins with a resume (from its parent's checkpoint), never a start: it
+    was called pre-registered whenever it had trained."""
+    from moelab.lab.cli import attach_run
+
+    run = tmp_path / "branch"
+    run.mkdir()
+    t = JsonlTracker(run / "metrics.jsonl")
+    t.event("resume", 40, host=os.uname().nodename, pid=os.getpid())
+    t.close()
+    time.sleep(1.1)  # the record's creation time has whole seconds
+    path, _ = rec_mod.new_record(tmp_path / "lab", "t", "h", "g", ["train/loss last <= 9"])
+    attach_run(path, run, "b")
+    assert "note: it started training before" in capsys.readouterr().out
+    assert rec_mod.started_before(rec_mod.load(path), read_run(run).started)
+
+
+def test_an_unquoted_created_time_still_dates_the_record():
+    """YAML reads a hand-written `created: 2024-01-01T00:00:00Z` as a date, which the record
+    keeps as `2024-01-01 00:00:00+00:00`: no run was then ever found to predate it."""
+    rec = rec_mod.parse("---\nid: 0001-t\ntitle: t\nhypothesis: h\ngoal: g\n"
+                        "created: 2024-01-01T00:00:00Z\n---\n")
+    assert rec_mod.created_at(rec) == 1704067200.0
+    assert rec_mod.started_before(rec, 1704067199.5)

@@ -176,3 +176,19 @@ def test_the_target_is_not_given_a_prediction_fitted_before_its_rungs_finished(
     assert rc == 0, err
     assert not (lad.target_dir / "prediction.json").exists()
     assert f"fitted before rungs {last.name} finished: not given to the target" in out + err
+
+
+def test_a_partial_fit_leaves_the_target_folder_alone_unless_named(tmp_path, capsys):
+    lad = _ladder(tmp_path / "lad", finished=3)
+    lad.target_dir.mkdir(parents=True)
+    rc, out, err = run_main(["ladder", "fit", str(lad.root), "--boot", "20"], capsys)
+    assert rc == 0, err
+    assert not (lad.target_dir / "prediction.json").exists()
+    assert out.strip().splitlines()[-1].startswith(f"written: {lad.root}/fit.json, "
+                                                   f"{lad.root}/prediction.json, ")
+    # named, it is given the prediction (once, however the folder is spelled)
+    rc, out, err = run_main(["ladder", "fit", str(lad.root), "--boot", "20", "--target-run",
+                             f"{lad.target_dir}/"], capsys)
+    assert rc == 0, err
+    assert (lad.target_dir / "prediction.json").is_file()
+    assert out.count(str(lad.target_dir.resolve() / "prediction.json")) == 1

@@ -552,7 +552,15 @@ def test_a_damaged_config_yaml_is_named_with_its_way_out(runs, tmp_path, capsys)
                "a resume without it takes the config the newest was trained with" in err
 
 
-def test_history_says_when_resumes_changed_the_expert_parallelism(tmp_path):
+@pytest.mark.parametrize("changed, said", [
+    (["parallel.expert 4 -> 8", "parallel.waves 2 -> 1"],
+     "context stages (pooled_wave EP8 since step 10; resumes at steps 10 changed the expert "
+     "parallelism, and the rows span them; drop ="),
+    # replace_every, fsdp and ragged_impl change no drops: not a change of expert parallelism
+    (["parallel.replace_every 0 -> 50", "parallel.fsdp False -> True", "train.steps 300 -> 400"],
+     "context stages (pooled_wave EP8; drop ="),
+])
+def test_history_says_when_resumes_changed_the_expert_parallelism(tmp_path, changed, said):
     from moelab.config import load_config, save_config
     from moelab.ops.record import format_history
     from moelab.run.logs import JsonlTracker
@@ -565,9 +573,7 @@ def test_history_says_when_resumes_changed_the_expert_parallelism(tmp_path):
     log.event("start", 0)
     for step in range(1, 21):
         if step == 11:
-            log.event("resume", 10, changed=["parallel.expert 4 -> 8", "parallel.waves 2 -> 1"])
+            log.event("resume", 10, changed=changed)
         log.log(step, {"train/loss": 5.0, "moe/drop_fraction": 0.1})
     log.close()
-    text = format_history(run)
-    assert ("context stages (pooled_wave EP8 since step 10; resumes at steps 10 changed the "
-            "expert parallelism, and the rows span them; drop =") in text
+    assert said in format_history(run)

@@ -27,6 +27,10 @@ class MixtureChange:
 
 # Capacity fields a gate's fallback may raise (and a stage's ``parallel`` override holds)
 STAGE_CAPACITY = ("receiver_cf", "sender_cf", "global_sender_cf", "capacity_factor")
+# A capacity factor multiplies a mean load, so n_experts keeps every row; far past it, the
+# buffers overflow in the compile (1e12 crashed it): refused in the run's parallel config and
+# in a stage's, which would otherwise crash at the stage's step
+MAX_CF = 1024.0
 GATE_DECISIONS = ("", "switch", "stay")  # "": ungated, or not decided yet
 
 
@@ -235,7 +239,9 @@ def _check_gate(c: ContextStage, before: int, q: str) -> None:
         require(bool(f.capacity()) or f.place, f"{q}.fallbacks[{j}]",
                 f"give {', '.join(STAGE_CAPACITY)} and/or place, e.g. {{receiver_cf: 1.5}}")
         for k, v in f.capacity().items():
-            require(v > 0, f"{q}.fallbacks[{j}].{k}", "must be > 0")
+            require(0 < v <= MAX_CF, f"{q}.fallbacks[{j}].{k}", f"must be > 0 and at most "
+                    f"{MAX_CF:g}")
     for k, v in c.parallel.items():
-        require(k in STAGE_CAPACITY and v > 0, f"{q}.parallel.{k}",
-                f"a stage may set only {', '.join(STAGE_CAPACITY)}, each > 0")
+        require(k in STAGE_CAPACITY and 0 < v <= MAX_CF, f"{q}.parallel.{k}",
+                f"a stage may set only {', '.join(STAGE_CAPACITY)}, each > 0 and at most "
+                f"{MAX_CF:g}")

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moelab.config.data import DataConfig
+from moelab.config.data import STAGE_CAPACITY, DataConfig
 from moelab.config.errors import require, require_seed, require_steps
 from moelab.config.model import ModelConfig
 from moelab.util import is_url
@@ -159,6 +159,11 @@ def step_range(text: str, where: str) -> tuple[int, int] | None:
     require(1 <= start < end, where, f"{text!r}: give START:END, step numbers from 1 with "
             "START < END (END excluded), e.g. 10:15 for steps 10 to 14")
     return start, end
+
+
+# The transport fields a user tunes (the capacity factors a stage may also set first); which of
+# them a transport reads is its entry's ``fields`` (moelab.parallel.transport)
+TRANSPORT_KNOBS = (*STAGE_CAPACITY, "waves", "budget_group", "fair_blocks")
 
 
 @dataclass(frozen=True)

@@ -108,7 +108,8 @@ def _harness_lines(run_dir: Path, step: int) -> list[str]:
             continue
         counts = res.get("n-samples") or {}
         for task, metrics in (res.get("results") or {}).items():
-            n = counts.get(task) or {}
+            n = {k: v for k, v in (counts.get(task) or {}).items()  # a hand-edited file's
+                 if isinstance(v, int) and not isinstance(v, bool)}  # odd counts: not shown
             seen = (f"{n['effective']:,} of {n['original']:,}" if "effective" in n
                     and "original" in n else "-")
             key = (n.get("effective", 0), path.stat().st_mtime)

@@ -154,7 +154,10 @@ def check_out(out: Path) -> None:
     while not above.exists():
         above = above.parent
     require(above.is_dir(), what, f"{above} is a file, not a folder; give a folder path")
-    check_writable(out.parent, what, "give a folder in a place you can write")
+    # an empty OUT is filled in place (_staging), so it, not its parent, must be writable: a
+    # mount point or a folder of one's own in a read-only parent is fine
+    check_writable(out if out.is_dir() else out.parent, what,
+                   "give a folder in a place you can write")
 
 
 def _save_file():

@@ -70,12 +70,14 @@ def now_utc() -> str:
 
 
 def created_at(rec: Record) -> float | None:
-    """The Unix time the record was created (to the second), None if it does not say."""
+    """The Unix time the record was created (to the second), None if it does not say. Also a
+    hand-edited unquoted ``created:``, which YAML reads as a date and ``parse`` writes back as
+    ``2024-01-01 00:00:00+00:00``; a time without a zone is UTC, as ``now_utc`` writes."""
     try:
-        return dt.datetime.strptime(rec.created, "%Y-%m-%dT%H:%M:%SZ").replace(
-            tzinfo=dt.timezone.utc).timestamp()
+        when = dt.datetime.fromisoformat(rec.created)
     except ValueError:
         return None
+    return (when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)).timestamp()
 
 
 def started_before(rec: Record, started: float | None) -> bool:

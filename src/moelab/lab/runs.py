@@ -72,10 +72,8 @@ class RunData:
 
     @property
     def started(self) -> float | None:
-        """When it first started training (Unix time of its first start event), if it did."""
-        times = [e["time"] for e in self.events if e.get("event") == "start"
-                 and isinstance(e.get("time"), (int, float))]
-        return min(times) if times else None
+        """When it first started training, if it did (``first_start``)."""
+        return first_start(self.events)
 
     def keys(self) -> set[str]:
         keys = {k for r in self.records for k in r}
@@ -83,6 +81,14 @@ class RunData:
 
     def alerts(self) -> list[dict]:
         return [e for e in self.events if e.get("event") == "alert"]
+
+
+def first_start(events: list[dict]) -> float | None:
+    """The Unix time a run's log first says it trained: its first start or resume event (a
+    branch's log begins with a resume, from its parent's checkpoint)."""
+    times = [e["time"] for e in events if e.get("event") in ("start", "resume")
+             and isinstance(e.get("time"), (int, float))]
+    return min(times) if times else None
 
 
 def run_status(events: list[dict], summary: dict | None) -> tuple[str, str | None]:

@@ -149,10 +149,8 @@ def cmd_fit(args) -> int:
     if others and not args.json:
         print(format_runs(others, fit.level))
     if not args.json and not runs:
-        copies = [d for d in dict.fromkeys([lad.target_dir, args.target_run])
-                  if d and Path(d).is_dir()]
         print(f"written: {lad.root}/fit.json, {lad.root}/prediction.json"
-              + "".join(f", {Path(d) / 'prediction.json'}" for d in copies)
+              + "".join(f", {p}" for p in rep["prediction_copies"])
               + (f", {rep['plot']}" if "plot" in rep else ""))
     return 0
 

@@ -347,14 +347,19 @@ def target_outputs(lad: Ladder, fit: LadderFit) -> tuple[dict, dict]:
 
 def write_outputs(lad: Ladder, fit: LadderFit,
                   target_run: Path | None = None) -> tuple[dict, dict]:
-    """fit.json and prediction.json in the ladder folder (and the prediction into the target's
-    run folder when it exists). Returns (report, prediction)."""
+    """fit.json and prediction.json in the ladder folder, and the prediction in the target's
+    run folder when it exists (not from a fit of part of the ladder: the target would be
+    guarded against it) and in ``target_run``; the copies are listed in the report
+    (``prediction_copies``). Returns (report, prediction)."""
     from moelab.util import atomic_write_json
 
     rep, pred = target_outputs(lad, fit)
+    targets = [] if rep["unfinished"] else [lad.target_dir]
+    copies = list(dict.fromkeys(Path(d).resolve() for d in [*targets, target_run]
+                                if d is not None and Path(d).is_dir()))
+    rep["prediction_copies"] = [str(d / "prediction.json") for d in copies]
     atomic_write_json(lad.root / "fit.json", rep)
     atomic_write_json(lad.root / "prediction.json", pred)
-    for d in {lad.target_dir, target_run} - {None}:
-        if d.exists():
-            atomic_write_json(Path(d) / "prediction.json", pred)
+    for d in copies:
+        atomic_write_json(d / "prediction.json", pred)
     return rep, pred

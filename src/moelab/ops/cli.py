@@ -248,7 +248,7 @@ def cmd_resume(args) -> int:
     else:
         check_run_folder(run)
         cfg = recovered_config(run, args.overrides)
-    for note in unread_fields(cfg.parallel, args.overrides):
+    for note in unread_fields(cfg, args.overrides):
         info(note)
     claim_gpu_share()  # as moelab train: before JAX's backend starts
     return report_summary(train(cfg, run, accept_data_change=args.accept_data_change), run)

@@ -19,10 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import RunConfig, load_run_config
+from moelab.config.run import TRANSPORT_KNOBS
 from moelab.ops.schedule import check_run_folder
 from moelab.run.logs import OPS_LOG, read_metrics
 
 LINEAGE = "lineage.json"
+# the resumable fields that change what travels between ranks, so the drops (not
+# parallel.replace_every, ragged_impl or fsdp, which a resume may change too)
+EP_FIELDS = {f"parallel.{k}" for k in ("expert", "devices", "transport", *TRANSPORT_KNOBS)}
 
 
 def lineage(run_dir: Path | str) -> dict | None:
@@ -115,8 +119,8 @@ def format_history(run_dir: Path | str, name: str | None = None) -> str:
             lines.append(f"{'':>38}by:  {e['command']}")
     rows = stage_report(run_dir)
     if rows:
-        moved = [e["step"] for e in events if e.get("event") == "resume"
-                 and any(str(c).startswith("parallel.") for c in e.get("changed") or [])]
+        moved = [e["step"] for e in events if e.get("event") == "resume" and any(
+            str(c).split(" ", 1)[0] in EP_FIELDS for c in e.get("changed") or [])]
         lines.append(f"  context stages ({rows[0]['transport']}"
                      + (f" since step {moved[-1]}; resumes at steps "
                         f"{', '.join(map(str, moved))} changed the expert parallelism, and the "

@@ -60,6 +60,8 @@ def check_adaptive(cfg: RunConfig) -> None:
     require(par.replace_every == 0 or groups, "parallel.replace_every", f"{par.transport} "
             "limits each expert on its own, so no placement changes its drops; set 0")
     for i, c in _gated(cfg):
+        if not c.pending:  # decided: its fallbacks are never tried again (a resume may have
+            continue       # changed the transport since)
         for j, f in enumerate(c.fallbacks):
             q = f"data.context_stages[{i}].fallbacks[{j}]"
             require(not f.place or groups, f"{q}.place", f"{par.transport} limits each expert "

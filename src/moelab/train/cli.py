@@ -64,7 +64,7 @@ def cmd_train(args, attach_record) -> int:
         require(writable(run_dir), f"--run-dir {run_dir}", "cannot be made or written by this "
                 "user; give a folder you can write")
     cfg = _resolved_vocab(cfg, run_dir)
-    for note in unread_fields(cfg.parallel, overrides):
+    for note in unread_fields(cfg, overrides):
         info(note)
     if not is_url(run_dir) and any(o.split("=", 1)[0].strip() == "train.steps"
                                    for o in overrides):

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
+from moelab.config.data import MAX_CF, STAGE_CAPACITY
+from moelab.config.run import TRANSPORT_KNOBS as KNOBS
 from moelab.model.axes import DATA, EXPERT
 from moelab.model.experts import DropCounts, drop_fractions, drop_totals, grouped_kernel
 from moelab.parallel.mesh import batch_spec, expert_weight_spec, per_device_spec
@@ -34,11 +36,6 @@ TRANSPORTS: dict[str, Transport] = {t.name: t for t in (
     pooled_wave.TRANSPORT, pooled_global.TRANSPORT, expert_cells.TRANSPORT, ragged.TRANSPORT,
     waterfill.TRANSPORT)}
 DROPLESS = "ragged"  # what runs where nothing may drop: evaluation, and EP 1
-# The transport fields a user tunes (capacity factors first); which of them a transport reads
-# is its entry's ``fields``.
-KNOBS = ("capacity_factor", "sender_cf", "global_sender_cf", "receiver_cf", "waves",
-         "budget_group", "fair_blocks")
-MAX_CF = 1024.0  # a capacity factor multiplies a mean load: 1024 is past any batch's whole
 
 __all__ = ["DROPLESS", "TRANSPORTS", "BufferRows", "DropCounts", "Transport", "check_backend",
            "check_config", "drop_fractions", "drop_totals", "get", "make_transport_fn",
@@ -64,7 +61,7 @@ def check_config(cfg: RunConfig) -> RunConfig:
     checks (e.g. waves dividing the local experts) do not apply at EP 1, where it never runs."""
     par = cfg.parallel
     get(par.transport)
-    for f in KNOBS[:4]:  # a factor past n_experts keeps no more rows; far past, buffers overflow
+    for f in STAGE_CAPACITY:  # the run's factors (a context stage's: config.data checks them)
         require_parallel(getattr(par, f) <= MAX_CF, f, f"{getattr(par, f):g} is past any "
                          f"useful size (at most {MAX_CF:g}; n_experts={cfg.model.n_experts} "
                          "already keeps every row)")
@@ -73,12 +70,12 @@ def check_config(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-
-
-def unread_fields(par: ParallelConfig, given) -> list[str]:
+def unread_fields(cfg: RunConfig, given) -> list[str]:
     """A note for each ``parallel.*`` override in ``given`` (the keys typed) that the training
     transport never reads: a capacity meant for another transport (capacity_factor under
-    pooled_wave), or any at EP 1, was ignored without a word."""
+    pooled_wave), or any at EP 1, was ignored without a word; and for each that a context
+    stage sets again from its step on (a drop gate's decision), where the stage's wins."""
+    par = cfg.parallel
     get(par.transport)  # an unknown name is an error, said before any note
     name = training_transport(par)
     reads = set(TRANSPORTS[name].fields)
@@ -90,8 +87,12 @@ def unread_fields(par: ParallelConfig, given) -> list[str]:
     keys = [k.split("=", 1)[0].strip() for k in given]
     notes = [f"note: parallel.transport={par.transport} is not used ({why})"
              for k in keys if k == "parallel.transport" and par.transport != name]
-    return notes + [f"note: {k} is not read ({why})" for k in keys
-                    if k.startswith("parallel.") and k[9:] in KNOBS and k[9:] not in reads]
+    notes += [f"note: {k} is not read ({why})" for k in keys
+              if k.startswith("parallel.") and k[9:] in KNOBS and k[9:] not in reads]
+    return notes + [f"note: parallel.{f}={getattr(par, f):g} is not used from step {c.step} on, "
+                    f"where data.context_stages[{i}].parallel sets {f}={c.parallel[f]:g}"
+                    for i, c in enumerate(cfg.data.context_stages) if c.decision != "stay"
+                    for f in c.parallel if f"parallel.{f}" in keys]
 
 
 def check_backend(par: ParallelConfig, backend: str) -> None:
