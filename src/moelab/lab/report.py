@@ -144,7 +144,8 @@ def _judgement(verdicts: list[tuple[Criterion, Verdict]]) -> str:
     return "undecided: some criteria are not met, none falsified"
 
 
-def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData]) -> list[str]:
+def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData], early: list[str]
+                 ) -> list[str]:
     summary = count_labels(v.label() for _, v in verdicts) or "no criteria"
     out = ["## Conclusions", "",
            f"- **Measured:** {len(verdicts)} criteria: {summary}."]
@@ -160,7 +161,6 @@ def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData]) -> list[str
         steps = ", ".join(f"{md_text(r.name)}: {r.last_step}" for r in short)
         out.append(f"- **Measured:** these verdicts rest on short runs (steps {steps}; the record "
                    f"asks for at least {rec.min_steps}). Read them as a pilot, not a result.")
-    early = [md_text(r.name) for r in runs if rec_mod.started_before(rec, r.started)]
     if early:
         out.append(f"- **Measured:** {', '.join(early)} started training before this record was "
                    "created: its criteria were written after, so for them they are not "
@@ -300,7 +300,8 @@ def comparability(runs: list[RunData]) -> list[str]:
     return out
 
 
-def _provenance_section(rec: rec_mod.Record, runs: list[RunData]) -> list[str]:
+def _provenance_section(rec: rec_mod.Record, runs: list[RunData], early: list[str]
+                        ) -> list[str]:
     rows = []
     for r in runs:
         p = r.provenance or {}
@@ -315,7 +316,6 @@ def _provenance_section(rec: rec_mod.Record, runs: list[RunData]) -> list[str]:
                    "platform"], rows)
     changed = list(dict.fromkeys(r.arm for r in rec_mod.live_runs(rec)
                                  if r.criteria_sha != rec.criteria_sha()))
-    early = [r.name for r in runs if rec_mod.started_before(rec, r.started)]
     out += ["", f"Record created {rec.created}; criteria hash {rec.criteria_sha()}. "
             + (f"**The criteria changed after these runs were attached: "
                f"{', '.join(map(md_text, changed))}**; "
@@ -323,7 +323,7 @@ def _provenance_section(rec: rec_mod.Record, runs: list[RunData]) -> list[str]:
                else "The criteria are unchanged since each run was attached"
                + ("." if early else " (pre-registered)."))
             + (f" **These runs started training before the record was created: "
-               f"{', '.join(map(md_text, early))}**; its criteria are not pre-registered for "
+               f"{', '.join(early)}**; its criteria are not pre-registered for "
                "them." if early else "")]
     return out
 
@@ -339,9 +339,10 @@ def render_report(rec: rec_mod.Record, runs: list[RunData], verdicts, plots, gen
            + (f" · {n_detached} detached (see Detached runs)" if n_detached else "")
            + (f" · issue {md_text(rec.issue)}" if rec.issue else ""), "",
            f"**Hypothesis.** {md_text(rec.hypothesis)}", "", f"**Goal.** {md_text(rec.goal)}", ""]
+    # runs that trained before the record: its criteria are not pre-registered for them
     early = [md_text(r.name) for r in runs if rec_mod.started_before(rec, r.started)]
     out += _verdict_section(verdicts, runs, early) + [""]
-    out += _conclusions(rec, verdicts, runs) + [""]
+    out += _conclusions(rec, verdicts, runs, early) + [""]
     out += _runs_section(runs) + [""] if runs else []
     if plots:
         out += ["## Curves", ""]
@@ -349,7 +350,7 @@ def render_report(rec: rec_mod.Record, runs: list[RunData], verdicts, plots, gen
     out += _alerts_section(runs) + [""] if any(r.alerts() for r in runs) else []
     out += _failed_section(runs) + [""]
     out += _detached_section(rec) + [""]
-    out += _provenance_section(rec, runs) + [""]
+    out += _provenance_section(rec, runs, early) + [""]
     out += ["---", f"Written by `moelab lab report {rec.id}`. Measured: computed from "
             "metrics.jsonl by the rule shown. Judgement: a reading of the measurements."]
     return "\n".join(out) + "\n"
