@@ -115,31 +115,39 @@ def test_a_resume_hides_the_steps_tensorboard_had_after_its_checkpoint(tmp_path)
     for step in range(1, 11):  # stopped at 10 (killed); the newest checkpoint is 6
         first.log(step, {"train/loss": 1.0})
     first.close()
-    again = TensorBoardTracker(tmp_path, purge_step=7)
+    again = TensorBoardTracker(tmp_path, purge_step=7)  # within the same second, likely
     again.log(7, {"train/loss": 0.5})
     again.close()
+    assert len(list(tmp_path.iterdir())) == 2  # the first start's file is kept, not replaced
+    steps = [e.step for e in _events(tmp_path) for _ in e.summary.value]
+    assert steps == [*range(1, 11), 7]  # in the order written
     starts = [e.step for e in _events(tmp_path)
               if e.HasField("session_log") and e.session_log.status == event_pb2.SessionLog.START]
     assert starts == [7]  # TensorBoard hides the first start's steps 7-10 from here
 
 
 
-def test_a_remote_run_s_tensorboard_file_holds_every_step_logged_before_a_checkpoint(tmp_path):
+def test_flush_puts_every_step_logged_on_disk_in_one_file(tmp_path):
+    """What the loop calls before each checkpoint (a remote run uploads the file then):
+    SummaryWriter's own flush left the events its queue held unwritten."""
     from moelab.run.logs import JsonlTracker
     from moelab.train.tracker import TensorBoardTracker, Trackers
 
     tb = tmp_path / "tensorboard"
     trackers = Trackers(JsonlTracker(tmp_path / "metrics.jsonl"),
-                        TensorBoardTracker(tb, purge_step=3, remote=True))
-    trackers.log(3, {"train/loss": 1.25})
-    trackers.flush()  # the loop's call before each checkpoint (a remote run uploads then)
+                        TensorBoardTracker(tb, purge_step=3))
 
     def scalars():
         return [(e.step, v.tag, v.simple_value) for e in _events(tb) for v in e.summary.value]
 
-    assert scalars() == [(3, "train/loss", 1.25)]  # on disk while training goes on
-    trackers.log(4, {"train/loss": 1.0})
+    trackers.log(3, {"train/loss": 1.25})
+    trackers.event("stage", 3, seq_len=512)
+    trackers.flush()
+    assert scalars()[0] == (3, "train/loss", 1.25)  # on disk while training goes on
+    trackers.log(4, {"train/loss": 1.0, "train/ok": True})  # a bool is no scalar
     trackers.close()
-    assert scalars() == [(3, "train/loss", 1.25), (4, "train/loss", 1.0)]  # files in order
+    assert [(s, t) for s, t, _ in scalars()] == [(3, "train/loss"), (3, "event/stage/text_summary"),
+                                                 (4, "train/loss")]
+    assert len(list(tb.iterdir())) == 1
     starts = [e.step for e in _events(tb) if e.HasField("session_log")]
-    assert starts == [3]  # the resume's purge marker once, not again in the next file
+    assert starts == [3]  # the resume's purge marker

@@ -181,8 +181,7 @@ def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, at: int | None = N
                     WandbTracker(t.wandb_project, run_dir, cfg.to_dict(),
                                  run_name(where), where)
                     if t.wandb else None,
-                    TensorBoardTracker(run_dir / "tensorboard", None if at is None else at + 1,
-                                       remote=url is not None)
+                    TensorBoardTracker(run_dir / "tensorboard", None if at is None else at + 1)
                     if t.tensorboard else None)
 
 

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,7 @@ if TYPE_CHECKING:  # peak imports JAX, which this module leaves to its callers
 
 WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # wandb.Settings.mode
 INIT_TIMEOUT_S = 60.0  # how long wandb.init waits for the W&B server (WANDB_INIT_TIMEOUT sets it)
+TB_FLUSH_S = 30.0  # how stale a live TensorBoard's view of the event file may get
 OFFLINE_FIX = "or set WANDB_MODE=offline to log locally and `wandb sync` later"
 
 
@@ -133,38 +135,54 @@ class WandbTracker:
 
 
 class TensorBoardTracker:
-    """Writes numeric metrics as TensorBoard scalars and events as text entries, in event files
-    under ``log_dir`` (tensorboardX: no TensorFlow needed)."""
+    """Writes numeric metrics as TensorBoard scalars and events as text entries, in one event
+    file under ``log_dir`` (tensorboardX's summaries and record writer: no TensorFlow needed).
+    Written in this thread, not through SummaryWriter's queue, whose flush leaves queued
+    events unwritten: ``flush`` puts everything logged so far on disk (a remote run uploads
+    the file with each checkpoint)."""
 
-    def __init__(self, log_dir: Path, purge_step: int | None = None, remote: bool = False):
-        # purge_step: a resume hides what an earlier start logged from there on (steps a stop
-        # did not save, trained again), as TensorBoard's own restart rule does
-        self.log_dir, self.remote, self.files = log_dir, remote, 1
-        self.writer = self._open(purge_step=purge_step)
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
+        from tensorboardX.event_file_writer import EventsWriter
 
-    def _open(self, **kw):
-        from tensorboardX import SummaryWriter
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # its name holds the second it was made; the nanoseconds after it keep a start within
+        # the same second (a quick resume) from replacing the file, in order
+        self.writer = EventsWriter(str(log_dir / "events"), f".{time.time_ns() % 10**9:09d}")
+        self.flushed = time.time()
+        if purge_step is not None:
+            # a resume hides what an earlier start logged from there on (steps a stop did not
+            # save, trained again), as TensorBoard's own restart rule does (SummaryWriter's)
+            from tensorboardX.proto.event_pb2 import Event, SessionLog
 
-        return SummaryWriter(str(self.log_dir), flush_secs=30, **kw)
+            self._write(Event(step=purge_step, file_version="brain.Event:2"))
+            self._write(Event(step=purge_step,
+                              session_log=SessionLog(status=SessionLog.START)))
+
+    def _write(self, event) -> None:
+        event.wall_time = time.time()
+        self.writer.write_event(event)
+        if event.wall_time - self.flushed >= TB_FLUSH_S:  # a live TensorBoard sees it
+            self.flush()
 
     def log(self, step: int, metrics: dict) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
         for k, v in metrics.items():
             v = clean_value(v)
             if isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.writer.add_scalar(k, v, int(step))
+                self._write(Event(step=int(step), summary=scalar(k, float(v))))
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
-        self.writer.add_text(f"event/{kind}", json.dumps(fields, default=str), int(step))
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import text
+
+        self._write(Event(step=int(step), summary=text(f"event/{kind}",
+                                                       json.dumps(fields, default=str))))
 
     def flush(self) -> None:
-        """A remote run's (uploaded with each checkpoint): everything logged so far on disk.
-        tensorboardX's own flush leaves what its writer thread has not dequeued, so the file
-        is closed (that drains it) and the next logs go to a new one, which TensorBoard reads
-        after it."""
-        if self.remote:
-            self.writer.close()
-            self.writer = self._open(filename_suffix=f".{self.files}")
-            self.files += 1
+        self.writer.flush()
+        self.flushed = time.time()
 
     def close(self) -> None:
         self.writer.close()
@@ -185,8 +203,8 @@ class Trackers:
             t.event(kind, step, **fields)
 
     def flush(self) -> None:
-        """Onto disk what a tracker still buffers (TensorBoard: up to 30 s), so a checkpoint's
-        upload to a remote run carries the curves up to it."""
+        """Onto disk what a tracker still buffers (TensorBoard: up to TB_FLUSH_S), so a
+        checkpoint's upload to a remote run carries the curves up to it."""
         for t in self.trackers:
             if hasattr(t, "flush"):
                 t.flush()
