@@ -347,6 +347,11 @@ def _override_key(item: str) -> list[str]:
     return parts
 
 
+def override_field(item: str) -> str:
+    """The field a dotted override sets: ``"train.steps=5"`` -> ``"train.steps"``."""
+    return ".".join(_override_key(item))
+
+
 def _check_once(overrides: list[str]) -> None:
     """Each field is set once. A field given twice (or a mapping and a key inside it) is an
     error rather than "the last one wins": a YAML file may not repeat a key either, and a

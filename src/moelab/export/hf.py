@@ -225,18 +225,18 @@ def export_hf(run_dir: Path | str, out: Path, step: int | None = None) -> tuple[
 
     check_out(out)
     _save_file()  # a missing extra stops here, before the checkpoint is read
-    files, title = Path(run_dir) if not is_url(run_dir) else None, None
-    if files is None:  # the run's other files (tokenizer, summary, evaluations) read here too
+    files = Path(run_dir)  # the run's other files: tokenizer, summary, evaluations
+    if is_url(run_dir):
         from moelab.run.remote import fetch_run
 
-        files, title = fetch_run(str(run_dir), checkpoint=False), run_name(run_dir)
+        files = fetch_run(str(run_dir), checkpoint=False)
     run = load_run(run_dir, step=step)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _staging(out)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        n = write_folder(tmp, run, files, str(out), title)
+        n = write_folder(tmp, run, files, str(out), run_name(run_dir))
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

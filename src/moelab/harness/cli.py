@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from moelab.config.errors import require
-from moelab.util import check_writable, is_url
+from moelab.util import check_writable, info, is_url
 
 
 def cmd_eval(args) -> int:
@@ -44,14 +43,14 @@ def _save_to_run_url(url: str, results: dict, rel: Path) -> str:
     from moelab.run.remote import Mirror, staging_dir
 
     try:
-        Mirror(url, staging_dir(url, ".read")).write(rel.as_posix(), results_json(
-            results).encode())
-        return f"{url.rstrip('/')}/{rel.as_posix()}"
+        mirror = Mirror(url, staging_dir(url, ".read"))
+        mirror.write(rel.as_posix(), results_json(results).encode())
+        return f"{mirror.url}/{rel.as_posix()}"
     except Exception as e:  # noqa: BLE001 -- any failure of the store: keep the results here
         local = Path(f"{run_name(url)}-{rel.name}")
         save_results(results, local)
-        print(f"moelab: saving the results in {url} failed ({type(e).__name__}: {e}); saved "
-              f"here instead", file=sys.stderr)
+        info(f"moelab: saving the results in {url} failed ({type(e).__name__}: {e}); saved here "
+             "instead")
         return str(local)
 
 

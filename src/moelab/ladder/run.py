@@ -164,13 +164,14 @@ def _run_target(lad: Ladder, status: dict, guard, poll_s: float, say) -> None:
             guard(run_dir)
         return
     pred = lad.root / "prediction.json"
-    left = _left_out_of_fit(lad)
-    if pred.exists() and not (run_dir / "prediction.json").exists() and left:
-        say(f"ladder: {pred} was fitted before rungs {', '.join(left)} finished: not given to "
-            f"the target; `moelab ladder fit {lad.root}` fits the whole ladder and gives it")
-    elif pred.exists() and not (run_dir / "prediction.json").exists():
-        run_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(pred, run_dir / "prediction.json")
+    if pred.exists() and not (run_dir / "prediction.json").exists():
+        left = _left_out_of_fit(lad)
+        if left:
+            say(f"ladder: {pred} was fitted before rungs {', '.join(left)} finished: not given "
+                f"to the target; `moelab ladder fit {lad.root}` fits the whole ladder and gives it")
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(pred, run_dir / "prediction.json")
     _run_pool([("target", lad.config_path("target"), run_dir, steps)], 1, status, guard,
               poll_s, say)
 

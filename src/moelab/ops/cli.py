@@ -26,7 +26,7 @@ from moelab.ops.schedule import (
 )
 from moelab.train.changes import Change, PlanError
 from moelab.train.cli import add_accept_data_change
-from moelab.util import atomic_write_text, info, is_url, url_fs
+from moelab.util import atomic_write_text, info, is_url
 
 WHY = "why (recorded in the run's operations log)"
 
@@ -263,10 +263,10 @@ def cmd_history(args) -> int:
 
 
 def _remote_files(url: str) -> Path:
-    """A local copy of the run at ``url`` without its checkpoints: its config and logs."""
+    """A local copy of the run at ``url`` without its checkpoints: its config and logs (an
+    unknown protocol or a missing package is said as such: ``util.url_fs``)."""
     from moelab.run.remote import fetch_run
 
-    url_fs(url)  # an unknown protocol or a missing package: said as such
     return fetch_run(url, checkpoint=False)
 
 

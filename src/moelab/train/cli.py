@@ -13,6 +13,7 @@ from moelab.config import load_config, split_overrides
 from moelab.config.cli import EPILOG_OVERRIDES, config_epilog
 from moelab.config.docs import describe_config
 from moelab.config.errors import require
+from moelab.config.io import override_field
 from moelab.data.prepare import resolve_config, with_tokenizer_vocab
 from moelab.util import info, is_url, silence_gone_console, url_fs, writable
 
@@ -66,8 +67,7 @@ def cmd_train(args, attach_record) -> int:
     cfg = _resolved_vocab(cfg, run_dir)
     for note in unread_fields(cfg, overrides):
         info(note)
-    if not is_url(run_dir) and any(o.split("=", 1)[0].strip() == "train.steps"
-                                   for o in overrides):
+    if not is_url(run_dir) and "train.steps" in map(override_field, overrides):
         check_given_end(cfg, run_dir)
     if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
         from moelab.parallel.distributed import initialize

@@ -23,6 +23,7 @@ from moelab.config import (
     load_run_config,
 )
 from moelab.config.errors import INT32_MAX
+from moelab.config.run import TRANSPORT_KNOBS
 from moelab.run.checkpoint import Checkpointer
 from moelab.run.identity import checkpoint_config
 from moelab.run.logs import log_operation, read_metrics
@@ -52,9 +53,7 @@ RESUMABLE_CHANGES = {"train.steps", "train.log_every", "train.eval_every", "trai
                      "parallel.replace_every",
                      # the transport and its capacities set drops, as parallel.expert does; a
                      # move to another EP degree may need other waves or budget groups
-                     "parallel.transport", "parallel.capacity_factor", "parallel.sender_cf",
-                     "parallel.global_sender_cf", "parallel.receiver_cf", "parallel.waves",
-                     "parallel.budget_group", "parallel.fair_blocks",
+                     "parallel.transport", *(f"parallel.{k}" for k in TRANSPORT_KNOBS),
                      # where the data is may change; what it is, is checked by its fingerprints
                      "data.data_dir", "data.tokenizer", "data.source"}
 # Why a field that is no new model still may not change on resume, where the generic reason

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from moelab.config.data import MAX_CF, STAGE_CAPACITY
+from moelab.config.io import override_field
 from moelab.config.run import TRANSPORT_KNOBS as KNOBS
 from moelab.model.axes import DATA, EXPERT
 from moelab.model.experts import DropCounts, drop_fractions, drop_totals, grouped_kernel
@@ -84,11 +85,11 @@ def unread_fields(cfg: RunConfig, given) -> list[str]:
     why = (f"at parallel.expert=1 nothing travels and the dropless {DROPLESS} trains; set "
            "parallel.expert > 1 to use it"
            if par.expert == 1 else f"{name} reads {', '.join(TRANSPORTS[name].fields)}")
-    keys = [k.split("=", 1)[0].strip() for k in given]
+    keys = [override_field(k) for k in given]
     notes = [f"note: parallel.transport={par.transport} is not used ({why})"
              for k in keys if k == "parallel.transport" and par.transport != name]
     notes += [f"note: {k} is not read ({why})" for k in keys
-              if k.startswith("parallel.") and k[9:] in KNOBS and k[9:] not in reads]
+              if k.removeprefix("parallel.") in set(KNOBS) - reads]
     return notes + [f"note: parallel.{f}={getattr(par, f):g} is not used from step {c.step} on, "
                     f"where data.context_stages[{i}].parallel sets {f}={c.parallel[f]:g}"
                     for i, c in enumerate(cfg.data.context_stages) if c.decision != "stay"
