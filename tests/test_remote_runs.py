@@ -182,6 +182,11 @@ def test_a_url_run_started_twice_on_one_machine_is_refused_by_its_url(cache):
                 pass
     assert str(e.value).startswith(f"{url} is in use by pid "), e.value
     assert "moelab train first" in str(e.value) and str(cache) not in str(e.value)
+    with mirrored_run(url, "moelab train first"):  # a trailing / names the same run
+        with pytest.raises(RunLocked):
+            with mirrored_run(url + "/", "moelab train second"):
+                pass
+    assert staging_dir(url + "/", ".read") == staging_dir(url, ".read")
 
 
 @pytest.mark.parametrize("url, message", [

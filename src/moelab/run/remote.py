@@ -51,11 +51,11 @@ READ_FILES = ("config.yaml", "tokenizer.json", "provenance.json")  # a reader ne
 
 def staging_dir(url: str, suffix: str = "") -> Path:
     """The local copy of the run at ``url``: ``$MOELAB_RUN_CACHE`` (or ~/.cache/moelab/runs)
-    / a name made from the URL."""
+    / a name made from the URL (``gs://b/r/`` is ``gs://b/r``: one copy, one local lock)."""
     env = os.environ.get(CACHE_ENV)
     root = (Path(env).expanduser() if env else
             Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "moelab" / "runs")
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", url).strip("_.")[:80]
+    name, url = re.sub(r"[^A-Za-z0-9._-]+", "_", url).strip("_.")[:80], url.rstrip("/")
     return root / f"{name}-{sha256(url.encode()).hexdigest()[:8]}{suffix}"
 
 
