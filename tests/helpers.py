@@ -249,3 +249,20 @@ def signals_after_step(monkeypatch, k: int, *signals) -> None:
         return step, eval_fn
 
     monkeypatch.setattr(train_setup, "_step_functions", step_functions)
+
+
+def tb_events(folder: Path) -> list:
+    """The events of every TensorBoard event file in ``folder`` (TFRecord framing: length,
+    its CRC, the record, its CRC)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out = []
+    for path in sorted(folder.iterdir()):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
+            i += 12 + n + 4
+    return out

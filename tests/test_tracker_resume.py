@@ -18,6 +18,7 @@ import types
 
 import pytest
 
+from helpers import tb_events
 from moelab.train.tracker import STEP_KEY, WandbTracker
 
 
@@ -89,23 +90,6 @@ def test_a_run_on_a_url_is_one_w_and_b_run_from_any_machine(fake_wandb, tmp_path
     assert first == second != local and first.startswith("r1-")
 
 
-def _events(folder) -> list:
-    """The events of every TensorBoard event file in ``folder`` (TFRecord framing: length,
-    its CRC, the record, its CRC)."""
-    import struct
-
-    from tensorboardX.proto import event_pb2
-
-    out = []
-    for path in sorted(folder.iterdir()):
-        data, i = path.read_bytes(), 0
-        while i < len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
-            i += 12 + n + 4
-    return out
-
-
 def test_a_resume_hides_the_steps_tensorboard_had_after_its_checkpoint(tmp_path):
     from tensorboardX.proto import event_pb2
 
@@ -115,13 +99,14 @@ def test_a_resume_hides_the_steps_tensorboard_had_after_its_checkpoint(tmp_path)
     for step in range(1, 11):  # stopped at 10 (killed); the newest checkpoint is 6
         first.log(step, {"train/loss": 1.0})
     first.close()
-    again = TensorBoardTracker(tmp_path, purge_step=7)  # within the same second, likely
+    again = TensorBoardTracker(tmp_path)  # within the same second, likely
+    again.event("resume", 6)
     again.log(7, {"train/loss": 0.5})
     again.close()
     assert len(list(tmp_path.iterdir())) == 2  # the first start's file is kept, not replaced
-    steps = [e.step for e in _events(tmp_path) for _ in e.summary.value]
-    assert steps == [*range(1, 11), 7]  # in the order written
-    starts = [e.step for e in _events(tmp_path)
+    steps = [e.step for e in tb_events(tmp_path) for _ in e.summary.value]
+    assert steps == [*range(1, 11), 6, 7]  # in the order written (6: the resume's event)
+    starts = [e.step for e in tb_events(tmp_path)
               if e.HasField("session_log") and e.session_log.status == event_pb2.SessionLog.START]
     assert starts == [7]  # TensorBoard hides the first start's steps 7-10 from here
 
@@ -134,20 +119,21 @@ def test_flush_puts_every_step_logged_on_disk_in_one_file(tmp_path):
     from moelab.train.tracker import TensorBoardTracker, Trackers
 
     tb = tmp_path / "tensorboard"
-    trackers = Trackers(JsonlTracker(tmp_path / "metrics.jsonl"),
-                        TensorBoardTracker(tb, purge_step=3))
+    trackers = Trackers(JsonlTracker(tmp_path / "metrics.jsonl"), TensorBoardTracker(tb))
+    trackers.event("resume", 2)
 
     def scalars():
-        return [(e.step, v.tag, v.simple_value) for e in _events(tb) for v in e.summary.value]
+        return [(e.step, v.tag, v.simple_value) for e in tb_events(tb) for v in e.summary.value]
 
     trackers.log(3, {"train/loss": 1.25})
     trackers.event("stage", 3, seq_len=512)
     trackers.flush()
-    assert scalars()[0] == (3, "train/loss", 1.25)  # on disk while training goes on
+    assert scalars()[1] == (3, "train/loss", 1.25)  # on disk while training goes on
     trackers.log(4, {"train/loss": 1.0, "train/ok": True})  # a bool is no scalar
     trackers.close()
-    assert [(s, t) for s, t, _ in scalars()] == [(3, "train/loss"), (3, "event/stage/text_summary"),
+    assert [(s, t) for s, t, _ in scalars()] == [(2, "event/resume/text_summary"),
+                                                 (3, "train/loss"), (3, "event/stage/text_summary"),
                                                  (4, "train/loss")]
     assert len(list(tb.iterdir())) == 1
-    starts = [e.step for e in _events(tb) if e.HasField("session_log")]
+    starts = [e.step for e in tb_events(tb) if e.HasField("session_log")]
     assert starts == [3]  # the resume's purge marker

@@ -32,6 +32,7 @@ from helpers import (
     micro_dict,
     shared_run,
     subprocess_env,
+    tb_events,
     write_config_yaml,
 )
 from moelab.config import ConfigError, OptimConfig, config_from_dict
@@ -438,12 +439,14 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(resume_runs, d
     n_events = len(events(run))
 
     with pytest.warns(CheckpointWarning, match="step 12"):
-        summary = quiet_train(resume_cfg(data_dir), run)
+        summary = quiet_train(resume_cfg(data_dir, tensorboard=True), run)
     err = capsys.readouterr().err
     assert "WARNING" in err and "step_00000012" in err
 
     new_events = events(run)[n_events:]
     assert (new_events[0]["event"], new_events[0]["step"]) == ("resume", 8)
+    # TensorBoard hides an earlier start's steps from 9, the first trained again (not from 13)
+    assert [e.step for e in tb_events(run / "tensorboard") if e.HasField("session_log")] == [9]
     assert summary["step"] == 12
     la, lr = losses(resume_runs["A"]), losses(run)
     for s in range(9, 13):  # retrained from step 8: the same losses as the original run

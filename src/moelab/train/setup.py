@@ -168,11 +168,10 @@ def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: d
     commit_pending(run_dir, cfg)  # a replan applied by this resume: log it, drop the request
 
 
-def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, at: int | None = None,
+def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool,
                    url: str | None = None) -> Trackers:
     """The run's trackers (the main process's only). W&B knows a run by its folder, or by its
-    URL where it has one (not by this machine's copy of it); TensorBoard hides what an earlier
-    start logged after ``at``, the checkpoint a resume starts from, which it trains again."""
+    URL where it has one (not by this machine's copy of it)."""
     if not main:
         return Trackers()
     t = cfg.train
@@ -181,7 +180,7 @@ def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool, at: int | None = N
                     WandbTracker(t.wandb_project, run_dir, cfg.to_dict(),
                                  run_name(where), where)
                     if t.wandb else None,
-                    TensorBoardTracker(run_dir / "tensorboard", None if at is None else at + 1)
+                    TensorBoardTracker(run_dir / "tensorboard")
                     if t.tensorboard else None)
 
 
@@ -392,7 +391,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     if mirror is not None:
         mirror.attach(ckpt)
     put_batch = (lambda b: jnp.asarray(b)) if mesh is None else (lambda b: shard_batch(b, mesh))
-    trackers = _open_trackers(cfg, run_dir, main, at, mirror.url if mirror else None)
+    trackers = _open_trackers(cfg, run_dir, main, mirror.url if mirror else None)
     restored = _restore(ckpt, state, trackers)
     start, meta = 0, {}
     if restored is not None:

@@ -141,22 +141,16 @@ class TensorBoardTracker:
     events unwritten: ``flush`` puts everything logged so far on disk (a remote run uploads
     the file with each checkpoint)."""
 
-    def __init__(self, log_dir: Path, purge_step: int | None = None):
+    def __init__(self, log_dir: Path):
         from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event
 
         log_dir.mkdir(parents=True, exist_ok=True)
         # its name holds the second it was made; the nanoseconds after it keep a start within
         # the same second (a quick resume) from replacing the file, in order
         self.writer = EventsWriter(str(log_dir / "events"), f".{time.time_ns() % 10**9:09d}")
         self.flushed = time.time()
-        if purge_step is not None:
-            # a resume hides what an earlier start logged from there on (steps a stop did not
-            # save, trained again), as TensorBoard's own restart rule does (SummaryWriter's)
-            from tensorboardX.proto.event_pb2 import Event, SessionLog
-
-            self._write(Event(step=purge_step, file_version="brain.Event:2"))
-            self._write(Event(step=purge_step,
-                              session_log=SessionLog(status=SessionLog.START)))
+        self._write(Event(file_version="brain.Event:2"))  # TensorBoard then reads restarts
 
     def _write(self, event) -> None:
         event.wall_time = time.time()
@@ -177,6 +171,14 @@ class TensorBoardTracker:
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.summary import text
 
+        if kind in ("start", "resume"):
+            # from the step trained next, TensorBoard hides what an earlier start logged (steps
+            # that one trained past the checkpoint this start is from), as its restart rule
+            # does for SummaryWriter's purge_step
+            from tensorboardX.proto.event_pb2 import SessionLog
+
+            self._write(Event(step=int(step) + 1,
+                              session_log=SessionLog(status=SessionLog.START)))
         self._write(Event(step=int(step), summary=text(f"event/{kind}",
                                                        json.dumps(fields, default=str))))
 
