@@ -255,7 +255,7 @@ def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
         with_tokenizer_vocab(load_config("tiny", [f"data.data_dir={out_dir}"]))
 
 
-def test_data_build_with_nothing_usable_fails_clearly(tmp_path, capsys):
+def test_data_build_with_nothing_usable_fails_clearly(tmp_path, capsys, monkeypatch):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "empty.txt").write_text("")
     rc, _, err = run_main(["data", "build", str(tmp_path / "in"), "--out", str(tmp_path / "o")],
@@ -264,6 +264,21 @@ def test_data_build_with_nothing_usable_fails_clearly(tmp_path, capsys):
     rc, _, err = run_main(["data", "build", str(tmp_path / "nope"), "--out", str(tmp_path / "o")],
                           capsys)
     assert rc == 2 and "not found" in err
+    # each kind of skip comes with its fix; a folder with nothing to read says so; a failed
+    # first build leaves no output folder behind
+    (tmp_path / "in" / "recs.jsonl").write_text('{"content": "a text", "id": 1}\n')
+    (tmp_path / "in" / "utf16.txt").write_bytes("a text".encode("utf-16"))
+    (tmp_path / "none" / ".git").mkdir(parents=True)
+    (tmp_path / "none" / ".git" / "HEAD").write_text("ref")
+    for src, said in [("in", "recs.jsonl line 1: missing field 'text' (fields: content, id); "),
+                      ("in", "utf16.txt: UTF-16 text (not UTF-8); "),
+                      ("in", "; --text-field (data.text_field) names the field holding the text"),
+                      ("in", "; convert such files to UTF-8 (e.g. iconv -f latin1 -t utf-8, or "),
+                      ("none", "no usable documents in none: no files there to read (hidden")]:
+        monkeypatch.chdir(tmp_path)
+        rc, _, err = run_main(["data", "build", src, "--out", str(tmp_path / "o")], capsys)
+        assert rc == 2 and said in err, err
+        assert not (tmp_path / "o").exists()
 
 
 # ---------------------------------------------------------------------------------------------

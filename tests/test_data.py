@@ -133,7 +133,7 @@ def test_user_corpus_skips_bad_inputs(tmp_path, capsys):
     skipped = {item.split(": ", 1)[0]: item.split(": ", 1)[1] for item in m["skipped"]["items"]}
     assert skipped == {
         "inputs/mydomain/blob.bin": "unknown file type '.bin'",
-        "inputs/mydomain/docs.jsonl line 2": "missing field 'text'",
+        "inputs/mydomain/docs.jsonl line 2": "missing field 'text' (fields: title)",
         "inputs/mydomain/docs.jsonl line 3": "not valid JSON",
         "inputs/mydomain/docs.jsonl line 4": "field 'text' is not a string",
         "inputs/mydomain/docs.jsonl line 6": "binary content (NUL bytes)",

@@ -177,6 +177,25 @@ def test_context_stages_keep_tokens_per_batch_and_the_sampler_is_pure(data_dir):
     assert sampler.change_at(3)["seq_len"] == 64 and sampler.change_at(4) is None
 
 
+def test_a_context_stage_names_the_domains_it_leaves_out(data_dir):  # noqa: F811
+    """A domain whose train stream is shorter than a stage's window leaves a proportional
+    mixture at the stage: the stage's record and console line name it."""
+    from moelab.train.tracker import stage_text
+
+    base = micro_config(data_dir)
+    store = TokenStore(prepare_data(base.data, base.model.vocab_size, verbose=False).store_dir)
+    sizes = {d: store.n_tokens("train", d) for d in store.domains("train")}
+    short = min(sizes, key=sizes.get)
+    cfg = micro_config(data_dir, data={"context_stages": [{"step": 2, "seq_len": sizes[short],
+                                                          "batch_size": 1}]})
+    change = SteppedSampler(store, cfg.data).change_at(2)
+    assert change["left_out"] == [short] and short not in change["mixture"]
+    assert stage_text(2, change).endswith(f"; not trained on from here: {short} (train stream "
+                                          f"shorter than one {sizes[short] + 1:,}-token window)")
+    assert "left_out" not in SteppedSampler(store, micro_config(data_dir, data={
+        "context_stages": [{"step": 2, "seq_len": 64}]}).data).change_at(2)
+
+
 def test_a_mixture_change_takes_effect_at_its_step_only(data_dir):  # noqa: F811
     base = micro_config(data_dir)
     changed = micro_config(data_dir, data={"mixture_schedule": [{"step": 3,

@@ -50,12 +50,15 @@ def test_a_rebuild_from_other_inputs_is_refused_and_force_retrains(tmp_path, cap
     assert sha256_file(tok) == first  # nothing touched
     # a killed build's temp files are removed by the next one (under the lock)
     stale = [out / "corpus" / ".docs.x1.tmp", next(out.glob("tokens-*")) / "train" / ".a.bin.x.tmp"]
-    for p in stale:
+    mine = out / "notes" / ".draft.tmp"  # a file of the user's in the folder: not a build's
+    mine.parent.mkdir()
+    for p in [*stale, mine]:
         p.write_bytes(b"x" * 100)
     rc, err = _build(capsys, str(b), "--out", str(out), "--force")
     assert rc == 0, err
     assert "training a 300-token" in err and "removed tokenizer-300.json" in err
     assert sha256_file(tok) != first and not any(p.exists() for p in stale)
+    assert mine.read_bytes() == b"x" * 100
     assert json.loads((out / "corpus" / "manifest.json").read_text())["sources"] == [str(b)]
     # the same inputs with other text: the tokenizer trained on the old text is not reused
     second = sha256_file(tok)
@@ -164,7 +167,7 @@ def _stalled_build(patch: str, marker: str, *argv: str) -> subprocess.Popen:
 
 def test_sigterm_during_data_build_leaves_no_temp_files(tmp_path):
     """SIGTERM while the corpus is being written: the build ends with its message and exit
-    code, and no temp file or half corpus is left."""
+    code, and no temp file, half corpus or empty folder is left."""
     src, out = _texts(tmp_path / "src", "kiwi"), tmp_path / "o"
     proc = _stalled_build("import moelab.data.corpus as c\n"
                           "real = c._first_pass\n"
@@ -181,9 +184,8 @@ def test_sigterm_during_data_build_leaves_no_temp_files(tmp_path):
     rest = proc.stderr.read()
     assert proc.wait(timeout=120) == 143, rest
     assert rest.strip().splitlines() == ["moelab: terminated (SIGTERM)"]
-    assert not list(out.rglob(".*.tmp")) and not list(out.rglob(".hf-cache.*"))
-    assert not (out / "corpus" / "manifest.json").exists()
-    assert (out / ".lock").read_text() == ""  # released
+    # a first build stopped before it wrote anything leaves no folder (no lock, no temp file)
+    assert not out.exists()
 
 
 def test_your_files_never_go_to_the_builtin_folder_nor_train_a_default_run(tmp_path, capsys,
@@ -222,6 +224,33 @@ def test_a_rebuild_names_what_differs_order_and_tokenizer(tmp_path, capsys):
                            str(out / "tokenizer-300.json"), "--no-progress"], capsys)
     assert rc == 0, err  # the same tokenizer, given by path: nothing changes
     assert _build(capsys, str(a), str(b), "--out", str(out))[0] == 0 and sha256_file(own) == first
+
+
+def test_a_build_stopped_while_tokenizing_keeps_the_folders_own_tokenizer(tmp_path, capsys,
+                                                                         monkeypatch):
+    """tokenizer.json (what runs on the folder use) is written before tokenizing and never
+    removed by a rebuild that keeps it: a stopped build leaves it, so a run with
+    model.vocab_size=0 uses it, never a tokenizer of the default size trained on the side."""
+    import moelab.data.prepare as prep
+    from moelab.config import DataConfig
+
+    def stopped(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    src, out = _texts(tmp_path / "src", "lime"), tmp_path / "o"
+    own, real = out / "tokenizer.json", prep.store.ensure_token_store
+    monkeypatch.setattr(prep.store, "ensure_token_store", stopped)
+    assert _build(capsys, str(src), "--out", str(out))[0] == 130  # a first build
+    assert sha256_file(own) == sha256_file(out / "tokenizer-300.json")
+    monkeypatch.setattr(prep.store, "ensure_token_store", real)
+    assert _build(capsys, str(src), "--out", str(out))[0] == 0
+    first = sha256_file(own)
+    for s in out.glob("tokens-*"):  # a rebuild that tokenizes again
+        shutil.rmtree(s)
+    monkeypatch.setattr(prep.store, "ensure_token_store", stopped)
+    assert _build(capsys, str(src), "--out", str(out))[0] == 130
+    assert sha256_file(own) == first
+    assert prep.given_tokenizer(DataConfig(data_dir=str(out))) == own
 
 
 def test_a_build_skips_the_data_folders_inside_its_inputs(tmp_path, capsys):

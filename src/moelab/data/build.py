@@ -176,13 +176,27 @@ def discard_derived(out: Path, why: str, keep: Path | None = None) -> None:
 
 
 def remove_stale_temps(out: Path) -> None:
-    """Temp files of a build that was killed (held under the lock, so none is in use)."""
-    stale = [p for p in out.rglob(".*.tmp") if p.is_file()]
+    """Temp files of a build that was killed (held under the lock, so none is in use), in the
+    folders a build writes (``out``, its corpus and token stores), never elsewhere in ``out``."""
+    # only where a build writes: a folder of your own given as --out keeps its other files
+    places = [out, out / "corpus", *out.glob("tokens-*"), *out.glob("tokens-*/*")]
+    stale = [p for d in places if d.is_dir() for p in d.glob(".*.tmp") if p.is_file()]
     stale += [p for p in (out / "corpus").glob(".hf-cache.*") if p.is_dir()]
     for p in stale:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     if stale:
         info(f"{out}: removed {len(stale)} temp file(s) left by an interrupted build")
+
+
+def remove_if_unused(out: Path) -> None:
+    """Remove ``out`` if it holds nothing but its lock file and empty folders (a build that
+    made it and failed before writing anything); called under its lock."""
+    parts = sorted(out.rglob("*"), key=lambda p: len(p.parts), reverse=True)  # deepest first
+    if any(p != out / LOCK_FILE and (p.is_symlink() or not p.is_dir()) for p in parts):
+        return
+    for p in parts:
+        p.unlink() if p.is_file() else p.rmdir()
+    out.rmdir()
 
 
 def take_data_lock(out: Path, command: str) -> int:

@@ -41,10 +41,16 @@ def cmd_data_build(args) -> int:
     build.check_inputs(args.inputs, out)
     if args.inputs:  # paths, types and extras before the folder (and its lock) is made
         corpus.check_user_inputs(args.inputs, args.format, args.text_field, args.split)
+    made = not out.exists()
     # SIGTERM unwinds like Ctrl-C (moelab.cli): temp files go and the lock is released
     with build.data_lock(out, shlex.join(getattr(args, "argv", ["moelab"]))):
         build.remove_stale_temps(out)
-        return _build(args, out, vocab)
+        try:
+            return _build(args, out, vocab)
+        except BaseException:
+            if made:  # a first build that failed before writing anything: no folder left
+                build.remove_if_unused(out)
+            raise
 
 
 def _build(args, out: Path, vocab: int) -> int:
@@ -64,19 +70,29 @@ def _build(args, out: Path, vocab: int) -> int:
                               keep=Path(args.tokenizer) if args.tokenizer else None)
     print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
     own = out / build.OWN_TOKENIZER
-    own.unlink(missing_ok=True)  # a rebuild chooses its tokenizer again
+    # the folder's own tokenizer (training uses it) is written as soon as it is known, before
+    # tokenizing; one still here is the one this build uses (check_own_tokenizer, else
+    # discard_derived removed it), so an interrupted rebuild never leaves the folder without it
+    keep_own = bool(args.inputs or args.tokenizer)
     prep = prepare_data(DataConfig(data_dir=str(out), tokenizer=args.tokenizer or ""), vocab,
                         progress=not args.no_progress, lock=False,  # held above
-                        workers=args.workers)
+                        workers=args.workers,
+                        on_tokenizer=(lambda tok: _write_own(own, tok)) if keep_own else None)
     print(f"corpus: {prep.corpus_dir}\ntokenizer: {prep.tokenizer_path}\n"
           f"token store: {prep.store_dir}")
     for note in short_heldout_notes(TokenStore(prep.store_dir)):
         print(note)
-    if args.inputs or args.tokenizer:  # the folder's own tokenizer: training uses it
-        atomic_write_bytes(own, prep.tokenizer_path.read_bytes())
+    if keep_own:
         vocab = vocab_needed(load_tokenizer(own))
         print(f"train on it with: moelab train tiny data.data_dir={out} model.vocab_size={vocab}")
     return 0
+
+
+def _write_own(own: Path, tok: Path) -> None:
+    """Make ``tok`` the data folder's own tokenizer (``own``), unless it is already."""
+    data = tok.read_bytes()
+    if not own.is_file() or own.read_bytes() != data:
+        atomic_write_bytes(own, data)
 
 
 # data.seq_len + 1 of the longest preset: a domain holding out fewer tokens is refused by such

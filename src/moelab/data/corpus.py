@@ -36,7 +36,7 @@ from typing import Iterable, Iterator
 from moelab.config.data import DATA_FORMATS
 from moelab.config.errors import need_extra
 from moelab.data.builtin_docs import CODE_CAP, bible_docs, code_docs, prose_docs, shakespeare_docs
-from moelab.data.errors import DataError, Skips, read_json
+from moelab.data.errors import DataError, Skips, read_json, skip_summary
 from moelab.data.hf_docs import hf_docs
 from moelab.data.user_docs import (
     bounded_docs,
@@ -230,7 +230,9 @@ def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             n_docs, has_heldout, first_id, any_id, chars = _first_pass(docs, heldout_fraction, f)
         if not n_docs:
-            raise DataError(f"no usable documents in {what}" + _skip_summary(skipped, prefix="; "))
+            raise DataError(f"no usable documents in {what}" + (
+                skip_summary(skipped, prefix="; ") or ": no files there to read (hidden files "
+                "and folders are not read)"))
         forced = {first_id[d] for d in n_docs if d not in has_heldout and n_docs[d] >= 2}
         lone = {any_id[d] for d in n_docs if n_docs[d] == 1}  # split, wherever its id falls
 
@@ -271,14 +273,6 @@ def _skip_record(skipped: Skips, keep: int = 200) -> dict:
             # counted by reason without details: "unreadable file (...)" -> "unreadable file"
             "by_reason": dict(sorted(Counter(r.split(" (")[0] for _, r in skipped).items())),
             "items": [f"{where}: {reason}" for where, reason in skipped[:keep]]}
-
-
-def _skip_summary(skipped: Skips, prefix: str = "", show: int = 8) -> str:
-    if not skipped:
-        return ""
-    items = "; ".join(f"{w}: {r}" for w, r in skipped[:show])
-    more = f"; ... and {len(skipped) - show} more" if len(skipped) > show else ""
-    return f"{prefix}skipped {len(skipped)} input{'s' * (len(skipped) != 1)}: {items}{more}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,5 +439,5 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     manifest = write_corpus(corpus_dir, head(docs, head_bytes) if head_bytes else docs,
                             heldout_fraction, fields, skips, what=", ".join(map(str, paths)))
     if skips:
-        info(_skip_summary(skips) + f" (details in {corpus_dir / 'manifest.json'})")
+        info(skip_summary(skips) + f" (details in {corpus_dir / 'manifest.json'})")
     return manifest

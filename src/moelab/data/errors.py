@@ -22,3 +22,24 @@ def read_json(path: Path | str, fix: str) -> object:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
         raise DataError(f"{path}: not valid JSON ({e}); {fix}") from None
+
+
+# the fix for each kind of skipped input (the starts of its reasons), said once after the list
+SKIP_FIXES: dict[str | tuple[str, ...], str] = {
+    "missing field": "--text-field (data.text_field) names the field holding the text",
+    ("not valid UTF-8", "UTF-16 text"): "convert such files to UTF-8 (e.g. iconv -f latin1 -t "
+                                        "utf-8, or -f utf-16)",
+    "unknown file type": "rename a text file to .txt (read .csv with --format hf-files)",
+}
+
+
+def skip_summary(skipped: Skips, prefix: str = "", show: int = 8) -> str:
+    """The skipped inputs in one line: the first ``show``, a count of the rest and the fix for
+    each kind there is (``SKIP_FIXES``)."""
+    if not skipped:
+        return ""
+    items = "; ".join(f"{w}: {r}" for w, r in skipped[:show])
+    more = f"; ... and {len(skipped) - show} more" if len(skipped) > show else ""
+    fixes = [fix for kind, fix in SKIP_FIXES.items() if any(r.startswith(kind) for _, r in skipped)]
+    return (f"{prefix}skipped {len(skipped)} input{'s' * (len(skipped) != 1)}: {items}{more}"
+            + "".join(f"; {fix}" for fix in fixes))

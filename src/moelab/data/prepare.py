@@ -28,7 +28,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from moelab.config import ConfigError, DataConfig, RunConfig, load_config, split_overrides
 from moelab.data import corpus, store, tokenizer
@@ -157,17 +157,19 @@ def check_builtin_kind(dcfg: DataConfig, m: dict | None = None) -> None:
 def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,
                  progress: bool = True, lock: bool = True,
                  hold: ExitStack | None = None,
-                 workers: int | None = None) -> PreparedData:
+                 workers: int | None = None,
+                 on_tokenizer: Callable[[Path], None] | None = None) -> PreparedData:
     """``progress``: a tokenizing progress bar on stderr (when verbose and a terminal);
     ``lock``: take the data folder's lock (False: the caller holds it, or only reads);
     ``hold``: mark the folder as read by this process until ``hold`` closes (a training run),
     so `moelab data build` refuses to change it meanwhile; ``workers``: tokenizer processes
-    (None: ``encode.default_workers()``)."""
+    (None: ``encode.default_workers()``); ``on_tokenizer``: called with the tokenizer's path
+    once it is ready, before the token store is built."""
     if not lock:
-        return _prepare(dcfg, vocab_size, verbose, progress, workers)
+        return _prepare(dcfg, vocab_size, verbose, progress, workers, on_tokenizer)
     root = Path(dcfg.data_dir)
     with _preparation_lock(root, info if verbose else (lambda _msg: None)) as locked:
-        data = _prepare(dcfg, vocab_size, verbose, progress, workers)
+        data = _prepare(dcfg, vocab_size, verbose, progress, workers, on_tokenizer)
         if hold is not None and locked:  # under the lock: no build slips in between
             hold.callback(hold_reader(root, _command()))
         return data
@@ -212,7 +214,7 @@ def _waits_for(holder: dict) -> bool:
 
 
 def _prepare(dcfg: DataConfig, vocab_size: int, verbose: bool, progress: bool,
-             workers: int | None) -> PreparedData:
+             workers: int | None, on_tokenizer: Callable[[Path], None] | None) -> PreparedData:
     root = Path(dcfg.data_dir)
     corpus_dir = root / "corpus"
     say = info if verbose else (lambda _msg: None)
@@ -235,6 +237,8 @@ def _prepare(dcfg: DataConfig, vocab_size: int, verbose: bool, progress: bool,
         raise ConfigError(f"model.vocab_size={vocab_size} is too small for the tokenizer "
                           f"{tok_path} (ids up to {needed - 1}); set model.vocab_size to at "
                           f"least {needed}")
+    if on_tokenizer is not None:
+        on_tokenizer(tok_path)
     store_dir = root / f"tokens-{sha256_file(tok_path)[:10]}"
     t = time.time()
     store.ensure_token_store(corpus_dir, tok, store_dir, progress and verbose,  # if stale

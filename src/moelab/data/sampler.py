@@ -231,10 +231,14 @@ class SteppedSampler:
         return self.at(step).batch_domains(step)
 
     def change_at(self, step: int) -> dict | None:
-        """What starts at ``step`` (seq_len, batch_size, probabilities), or None."""
+        """What starts at ``step`` (seq_len, batch_size, probabilities, and ``left_out``: the
+        domains a proportional mixture leaves out, shorter than one window), or None."""
         for g, s in zip(self.segments[1:], self._samplers[1:]):
             if g.start == step:
-                return {"seq_len": g.seq_len, "batch_size": g.batch_size, "mixture": s.probs}
+                short = [] if g.mixture else [d for d in s.store.domains(s.split)
+                                              if d not in s.probs]
+                return {"seq_len": g.seq_len, "batch_size": g.batch_size, "mixture": s.probs,
+                        **({"left_out": short} if short else {})}
         return None
 
     def state(self) -> dict:

@@ -195,6 +195,9 @@ def _text_file_docs(path: Input, name: str, domain: str, skips: Skips,
     if not raw.strip():
         skips.append((name, "empty file"))
         return
+    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # a byte-order mark: not binary
+        skips.append((name, "UTF-16 text (not UTF-8)"))
+        return
     if b"\x00" in raw:
         skips.append((name, "binary content (NUL bytes)"))
         return
@@ -214,7 +217,8 @@ def record_doc(rec: object, where: str, domain: str, skips: Skips,
         skips.append((where, "not a JSON object"))
         return None
     if field not in rec:
-        skips.append((where, f"missing field {field!r}"))
+        has = ", ".join(map(str, list(rec)[:8])) + (", ..." if len(rec) > 8 else "")
+        skips.append((where, f"missing field {field!r} (fields: {has or 'none'})"))
         return None
     if rec[field] is None:
         skips.append((where, "empty text (null)"))

@@ -312,6 +312,9 @@ def stage_text(step: int, change: dict) -> str:
             f"{change['batch_size']} ({change['seq_len'] * change['batch_size']:,} tokens/step)")
     if change.get("mixture"):
         text += ", mixture " + ", ".join(f"{d} {w:.0%}" for d, w in change["mixture"].items())
+    if change.get("left_out"):
+        text += (f"; not trained on from here: {', '.join(change['left_out'])} (train stream "
+                 f"shorter than one {change['seq_len'] + 1:,}-token window)")
     return text
 
 
