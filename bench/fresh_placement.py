@@ -100,7 +100,7 @@ def main() -> None:
     E = cfg.model.n_experts
     ext = extension(cfg.data.batch_size * cfg.data.seq_len)
     steps = [s for s in Checkpointer(ext / "checkpoints").steps() if s > BRANCH_AT]
-    spans, picked, rest, _ = heldout_batches(cfg, L, RANKS, PER_RANK, args.batches, args.seed)
+    spans, picked, rest = heldout_batches(cfg, L, RANKS, PER_RANK, args.batches, args.seed)
     fit_at = fit_spans(picked, rest)
     print(f"{len(picked)} spans of {L} in the forecast batches, {len(fit_at)} beside them to "
           f"fit on; checkpoints {steps}", flush=True)

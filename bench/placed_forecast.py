@@ -52,7 +52,7 @@ def main() -> None:
     cfg, base = at.cfg, at.cfg.data.seq_len
     pars = {n: p for n, p in transports(4).items() if n in PLACED}
     E, span = cfg.model.n_experts, max(args.lengths)
-    spans, picked, rest, _ = heldout_batches(cfg, span, RANKS, PER_RANK, args.batches, args.seed)
+    spans, picked, rest = heldout_batches(cfg, span, RANKS, PER_RANK, args.batches, args.seed)
     fit_on = spans[fit_spans(picked, rest)]
     route = routing_fn(cfg)
     now_fit = routed_ids(route, at.params, at.model_state, fit_on, base)

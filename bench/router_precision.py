@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 
 from common import count, print_table, save  # noqa: E402  (also puts src/ on sys.path)
 from moelab.model import transformer as tr  # noqa: E402
-from moelab.model.layers import rope_tables  # noqa: E402
+from moelab.model.layers import rope_at  # noqa: E402
 from moelab.model.router import quantile_bias  # noqa: E402
 from trained_router import heldout_batch, load, trained_run  # noqa: E402
 
@@ -40,7 +40,7 @@ def router_inputs(params, state, tokens_BT, m):
     B, T = tokens_BT.shape
     dt = jnp.dtype(m.compute_dtype)
     x = tr.embed_tokens(params, tokens_BT, m)
-    cos, sin = rope_tables(jnp.arange(T), int(m.head_dim * m.rope_fraction), m.rope_theta)
+    cos, sin = rope_at(jnp.arange(T), m)
     out = []
     for layer, (window, glob) in enumerate(zip(m.layer_windows(), m.layer_is_global())):
         pc = tr.layer_params({k: v[layer] for k, v in params["blocks"].items()}, dt)

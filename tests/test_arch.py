@@ -142,6 +142,14 @@ def test_global_options_act_only_on_global_layers():
     assert not np.allclose(run(cfg, jnp.bool_(True)), run(plain, jnp.bool_(True)), atol=1e-4)
 
 
+def _kv_head_map(cfg, is_global):
+    """The stored KV head each slot reads, as a take would index it (``layers.map_kv``'s
+    reference): local layers slot j -> head j; global layers slot j -> head j // (K / Kg)."""
+    K, Kg = cfg.n_kv_heads, cfg.kv_heads_global
+    local = jnp.arange(K)
+    return jnp.where(is_global, local // (K // Kg), local)
+
+
 def test_layer_kinds_follow_the_published_schedule():
     cfg = load_config("535b-a23b").model
     glob = cfg.layer_is_global()
@@ -149,8 +157,10 @@ def test_layer_kinds_follow_the_published_schedule():
     assert all(w == 2048 for w, g in zip(cfg.layer_windows(), glob) if not g)
     assert all(w == 0 for w, g in zip(cfg.layer_windows(), glob) if g)
     assert cfg.kv_heads_global == 6 and cfg.n_kv_heads == 12
-    np.testing.assert_array_equal(layers.kv_head_map(cfg, True), np.arange(12) // 2)
-    np.testing.assert_array_equal(layers.kv_head_map(cfg, False), np.arange(12))
+    heads = jnp.arange(12.0)[None, None, :, None]  # [B, T, K, Q]: each slot holds its index
+    for is_global, read in ((True, np.arange(12) // 2), (False, np.arange(12))):
+        np.testing.assert_array_equal(layers.map_kv(heads, heads, cfg, is_global)[0][0, 0, :, 0],
+                                      read)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,12 +345,12 @@ def test_every_option_on_trains_and_loss_falls(data_dir, tmp_path):  # noqa: F81
     assert np.mean(loss[-5:]) < np.mean(loss[:5]) - 0.5
 
 
-def test_map_kv_reads_the_heads_of_kv_head_map_values_and_gradients():
+def test_map_kv_reads_the_heads_of_the_kv_head_map_values_and_gradients():
     cfg = load_config("535b-a23b").model  # 12 stored KV heads, global layers read the first 6
     k, v = (jax.random.normal(jax.random.PRNGKey(i), (2, 5, 12, 4)) for i in (0, 1))
     for is_global in (jnp.bool_(True), jnp.bool_(False)):
-        ref = lambda k, v: (jnp.take(k, layers.kv_head_map(cfg, is_global), axis=2),  # noqa: E731
-                            jnp.take(v, layers.kv_head_map(cfg, is_global), axis=2))
+        ref = lambda k, v: (jnp.take(k, _kv_head_map(cfg, is_global), axis=2),  # noqa: E731
+                            jnp.take(v, _kv_head_map(cfg, is_global), axis=2))
         got = lambda k, v: layers.map_kv(k, v, cfg, is_global)  # noqa: E731
         jax.tree.map(np.testing.assert_array_equal, got(k, v), ref(k, v))
         loss = lambda f: lambda k, v: sum(jnp.sum(a * jnp.arange(12.0)[:, None])  # noqa: E731

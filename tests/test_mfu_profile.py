@@ -16,7 +16,7 @@ from helpers import micro_config, write_config_yaml
 from moelab.config import ConfigError, load_config
 from moelab.planner.counts import train_flops_per_token
 from moelab.run.logs import read_metrics
-from moelab.train.loop import format_summary, train
+from moelab.train.loop import train
 from moelab.train.peak import (
     CPU_FLOPS_PER_CORE,
     Peaks,
@@ -26,6 +26,7 @@ from moelab.train.peak import (
     rated_peak,
     run_peaks,
 )
+from moelab.train.tracker import format_summary
 
 
 @pytest.mark.parametrize("kind, platform, flops", [

@@ -629,7 +629,7 @@ def test_a_resume_says_what_it_changes(data_dir, tmp_path, capsys):  # noqa: F81
     summary = train(micro_config(data_dir, optim=optim, train={"steps": 4, "log_every": 2}),
                     tmp_path, sample_prompt=None)
     err = capsys.readouterr().err
-    from moelab.train.loop import format_summary
+    from moelab.train.tracker import format_summary
 
     per_step = summary["tokens_trained"] // 4  # the summary tells this start's share apart
     assert f"tokens trained   {4 * per_step:,} in all; {2 * per_step:,} from step 2 in " in \
@@ -666,8 +666,8 @@ def test_drops_are_on_the_progress_line_and_in_the_summary_where_routes_can_drop
     """Half of all routes dropped showed only in metrics.jsonl: the progress line and the
     summary now say the dropped share where the training transport can drop."""
     from moelab.config import load_config
-    from moelab.train.loop import format_summary
     from moelab.train.step import drops_text
+    from moelab.train.tracker import format_summary
 
     m = {"moe/drop_fraction": 0.5194, "moe/sender_drop_fraction": 0.2823,
          "moe/receiver_drop_fraction": 0.2371}

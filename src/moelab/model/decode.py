@@ -27,7 +27,7 @@ from moelab.model.layers import (
     causal_conv,
     map_kv,
     project_qkv,
-    rope_tables,
+    rope_at,
 )
 
 
@@ -115,13 +115,12 @@ def extend(params, state, cache: dict, tokens_BT, pos, n_valid, cfg: ModelConfig
     B, T = tokens_BT.shape
     dt = jnp.dtype(cfg.compute_dtype)
     x = tr.embed_tokens(params, tokens_BT, cfg)
-    cos, sin = rope_tables(pos + jnp.arange(T), int(cfg.head_dim * cfg.rope_fraction),
-                           cfg.rope_theta)
+    cos, sin = rope_at(pos + jnp.arange(T), cfg)
     # gathering k experts' weights per token beats the blocks kernel while it reads at most
     # all E experts' weights once
     experts_fn = chosen_experts if B * T * cfg.top_k <= cfg.n_experts else None
-    layers = (params["blocks"], state["router_bias"], jnp.asarray(cfg.layer_windows(), jnp.int32),
-              jnp.asarray(cfg.layer_is_global(), bool), jnp.arange(cfg.n_layers))
+    layers = (params["blocks"], state["router_bias"], *tr.layer_kinds(cfg),
+              jnp.arange(cfg.n_layers))
 
     def block(carry, layer):
         x_BTD, cache = carry

@@ -22,8 +22,15 @@ from typing import Callable, NamedTuple
 import jax.numpy as jnp
 
 from moelab.model.dispatch import take_rows
-from moelab.model.experts import GROUPED, UNPADDED, counts_layout, sum_blocks
-from moelab.model.grouped_gemm import GmmBlocks, GroupTiles, gmm_backend, group_tiles
+from moelab.model.experts import (
+    GROUPED,
+    UNPADDED,
+    counts_layout,
+    fold_tail,
+    layout_tiles,
+    sum_blocks,
+)
+from moelab.model.grouped_gemm import GmmBlocks, GroupTiles, gmm_backend
 from moelab.model.grouped_matmul import mgpu_backend, reference_backend
 
 
@@ -44,8 +51,7 @@ def padded_slots(R: int, counts_G, block: int):
     group_R = jnp.searchsorted(end, r, side="right").astype(jnp.int32)  # G past the sum: empty
     rank_R = r - (end - counts_G)[jnp.minimum(group_R, G - 1)]
     lay = counts_layout(group_R, rank_R, counts_G, "blocks", block)
-    n_blocks = lay.block_group.shape[0]
-    return lay.src_M, group_tiles(counts_G, n_blocks, lay.src_M.shape[0] // n_blocks)
+    return lay.src_M, layout_tiles(lay, lay.src_M.shape[0])
 
 
 def padded_layout(x_RK, counts_G, block: int):
@@ -78,9 +84,9 @@ def blocks_legs() -> tuple[Callable, Callable, Callable]:
 
 
 def _fold_tail(x_RK, counts_G):
-    """``mgpu`` takes every row: rows past the counts' sum join the last group (they are zeros
-    in the model's layout, so they change nothing)."""
-    return x_RK, counts_G.at[-1].add(x_RK.shape[0] - jnp.sum(counts_G))
+    """``mgpu``'s layout: the rows as they are, the counts with the rows past their sum in the
+    last group (``experts.fold_tail``)."""
+    return x_RK, fold_tail(counts_G, x_RK.shape[0])
 
 
 def expert_legs(impl: str, block: int = 128, blocks: GmmBlocks = GmmBlocks()) -> ExpertLegs:

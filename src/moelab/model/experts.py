@@ -178,10 +178,12 @@ def swiglu_bank(x_ERH, w):
 
 
 class GroupLayout(NamedTuple):
-    """Where rows go when sorted by group (and, for ``blocks``, padded to whole blocks)."""
+    """Where rows go when sorted by group (and, for ``blocks`` and ``gmm``, padded to whole
+    blocks). ``sorted_swiglu`` reads only the counts, blocks and kernel: a transport whose rows
+    are already in place passes None for the two maps."""
 
-    dst_R: jax.Array  # row -> its slot in the sorted layout (n_slots = an empty row)
-    src_M: jax.Array  # slot -> the row it holds (R = an empty slot)
+    dst_R: jax.Array | None  # row -> its slot in the sorted layout (n_slots = an empty row)
+    src_M: jax.Array | None  # slot -> the row it holds (R = an empty slot)
     counts_G: jax.Array  # rows per group (int32)
     block_group: jax.Array | None  # blocks, gmm: the group of each block; UNPADDED: None
     kernel: str = "blocks"
@@ -247,11 +249,18 @@ def _block_weights_bwd(res, g_B):
 block_weights.defvjp(_block_weights_fwd, _block_weights_bwd)
 
 
-def _gmm_tiles(layout: GroupLayout, rows: int) -> GroupTiles:
-    """The ``gmm`` kernels' tile metadata of a padded layout of ``rows`` slots, computed once
-    for all its kernel calls."""
+def layout_tiles(layout: GroupLayout, rows: int) -> GroupTiles:
+    """The ``gmm`` kernels' tile metadata of a padded layout (``blocks``, ``gmm``) of ``rows``
+    slots, computed once for all its kernel calls (a transport's layout may carry only its
+    counts and blocks)."""
     n_blocks = layout.block_group.shape[0]
     return group_tiles(layout.counts_G, n_blocks, rows // n_blocks)
+
+
+def fold_tail(counts_G, rows: int):
+    """The counts of ``rows`` sorted rows for a kernel that takes every row (``mgpu``): rows
+    past the counts' sum (empty, zeros, sorted last) join the last group, where they give 0."""
+    return counts_G.at[-1].add(rows - jnp.sum(counts_G))
 
 
 def sorted_swiglu(xs_MH, layout: GroupLayout, w):
@@ -259,13 +268,14 @@ def sorted_swiglu(xs_MH, layout: GroupLayout, w):
 
     ``blocks``: one batched einsum over blocks with each block's expert weights
     (``block_weights``). ``gmm``: the grouped GEMM over the same blocks, with the blocks' tile
-    metadata computed once here for its eight kernel calls. ``ragged``, ``ragged_fusion``:
-    ``jax.lax.ragged_dot`` over the group counts."""
+    metadata computed once here for its eight kernel calls. ``mgpu``: JAX's Hopper kernels over
+    the group counts (``fold_tail``). ``ragged``, ``ragged_fusion``: ``jax.lax.ragged_dot``
+    over the group counts."""
     if layout.kernel == "gmm":
-        return grouped_swiglu_rows(xs_MH, w, _gmm_tiles(layout, xs_MH.shape[0]),
+        return grouped_swiglu_rows(xs_MH, w, layout_tiles(layout, xs_MH.shape[0]),
                                    gmm_swiglu_backend())
-    if layout.kernel == "mgpu":  # empty rows (zeros, sorted last) join the last group: output 0
-        c = layout.counts_G.at[-1].add(xs_MH.shape[0] - jnp.sum(layout.counts_G))
+    if layout.kernel == "mgpu":
+        c = fold_tail(layout.counts_G, xs_MH.shape[0])
         return grouped_swiglu_rows(xs_MH, w, c, mgpu_backend())
     if layout.block_group is None:
         c = layout.counts_G
@@ -317,7 +327,7 @@ def routed_experts(x_NH, expert_NK, weight_NK, w, cfg: ModelConfig, impl: str | 
     pos_NK = lay.dst_R.reshape(N, k)  # assignment a = n*k + j -> its slot
     tok_M = token_of(lay.src_M, k, N * k)  # slot -> the token row it holds
     if impl == "gmm":  # the kernels gather the token rows themselves
-        ys = gathered_swiglu(x_NH, tok_M, pos_NK, w, _gmm_tiles(lay, tok_M.shape[0]),
+        ys = gathered_swiglu(x_NH, tok_M, pos_NK, w, layout_tiles(lay, tok_M.shape[0]),
                              gmm_gather_backend())
     else:
         ys = sorted_swiglu(gather_rows(x_NH, tok_M, pos_NK), lay, w)

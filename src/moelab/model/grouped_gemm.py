@@ -155,15 +155,6 @@ def reference_wgrad(x_MK, dy_MN, tiles: GroupTiles):
     return jax.ops.segment_sum(g_T, seg, G, indices_are_sorted=True).astype(x_MK.dtype)
 
 
-# A rows kernel sums the products of ``pairs`` (x, w) operand pairs in one float32
-# accumulator: 1 for a grouped matmul, 2 for the SwiGLU's input data gradient
-# dx = dg @ w_gate^T + du @ w_up^T (``gmm_sum2``). On an H200 at d1024 (JAX 0.11.2) that kernel
-# took 1.27 ms a layer against 2 x 0.61 for two kernels, whose bf16 results then need a float32
-# sum (an elementwise pass over three [rows, width] arrays, about 0.4 ms at memory speed; not
-# measured apart): about even in time, and one rounding to bf16 instead of three. Forming the
-# gate's product or its gradients inside these kernels (a prologue or epilogue
-# with exp) made each kernel 2.5-3x slower there (1.48-1.64 ms against 0.51-0.61): XLA's
-# elementwise passes between the kernels are cheaper.
 def _gathered(x_ref, idx, ok, cols):
     """Rows ``idx`` of ``x_ref`` (columns ``cols``), zeros where not ``ok``: a gather load, each
     row's columns contiguous."""
@@ -176,6 +167,15 @@ def _source_rows(src, n_src: int):
     return jnp.minimum(src, n_src - 1), src < n_src
 
 
+# A rows kernel sums the products of ``pairs`` (x, w) operand pairs in one float32
+# accumulator: 1 for a grouped matmul, 2 for the SwiGLU's input data gradient
+# dx = dg @ w_gate^T + du @ w_up^T (``gmm_sum2``). On an H200 at d1024 (JAX 0.11.2) that kernel
+# took 1.27 ms a layer against 2 x 0.61 for two kernels, whose bf16 results then need a float32
+# sum (an elementwise pass over three [rows, width] arrays, about 0.4 ms at memory speed; not
+# measured apart): about even in time, and one rounding to bf16 instead of three. Forming the
+# gate's product or its gradients inside these kernels (a prologue or epilogue
+# with exp) made each kernel 2.5-3x slower there (1.48-1.64 ms against 0.51-0.61): XLA's
+# elementwise passes between the kernels are cheaper.
 def _rows_kernel(group_ref, used_ref, *refs, n_col, block_k, transpose_w, pairs, n_src):
     if n_src:  # the tile's rows are gathered from x by the slot -> row map (``gmm``'s ``src``)
         src_ref, refs = refs[0], refs[1:]

@@ -6,17 +6,17 @@ forward y = x @ w[g]; data gradient dx = dy @ w[g]^T; weight gradient dw[g] = x_
 (``grouped_matmul``); ``grouped_swiglu_rows`` assembles the SwiGLU's three grouped matmuls so,
 keeping only the rows, gate and up projection for the backward, and ``gathered_swiglu`` the
 same with the kernels gathering the rows themselves (``gmm`` with a slot -> row map).
-A backend's functions take the groups as its kernels want them: counts per group (``MGPU``,
-``REFERENCE``) or the tile metadata of a padded layout (``gmm``,
+A backend's functions take the groups as its kernels want them: counts per group
+(``mgpu_backend``, ``reference_backend``) or the tile metadata of a padded layout (``gmm``,
 ``moelab.model.grouped_gemm.gmm_backend``).
 
-- ``MGPU``: JAX's Hopper kernels (Mosaic GPU, wgmma): ``ragged_dot_mgpu.ragged_dot`` for the
-  forward and (with ``transpose_rhs``) the data gradient, ``transposed_ragged_dot_mgpu`` for
-  the weight gradient. Block sizes are the ``MgpuBlocks`` fields; bench/gpu_mfu.py --experts
-  measures them at the rung shapes. Runs on sm_90 GPUs only.
-- ``REFERENCE``: ``jax.lax.ragged_dot`` / ``ragged_dot_general``, on any backend: what the
-  tests run on CPU to check the VJP's assembly against autodiff (the kernels themselves are
-  checked on a GPU by bench/gpu_mfu.py --experts against this backend).
+- ``mgpu_backend``: JAX's Hopper kernels (Mosaic GPU, wgmma): ``ragged_dot_mgpu.ragged_dot``
+  for the forward and (with ``transpose_rhs``) the data gradient,
+  ``transposed_ragged_dot_mgpu`` for the weight gradient. Block sizes are the ``MgpuBlocks``
+  fields; bench/gpu_mfu.py --experts measures them at the rung shapes. Runs on sm_90 GPUs only.
+- ``reference_backend``: ``jax.lax.ragged_dot`` / ``ragged_dot_general``, on any backend: what
+  the tests run on CPU to check the VJP's assembly against autodiff (the kernels themselves
+  are checked on a GPU by bench/gpu_mfu.py --experts against this backend).
 """
 
 from __future__ import annotations

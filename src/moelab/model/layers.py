@@ -2,9 +2,9 @@
 (sliding window, q/k norm, XSA, per-head output gate, fewer KV heads on global layers), SwiGLU.
 The attention core (``attend``) is chunked or fused, as ``resolve_attention`` says.
 
-Shape suffixes: B batch, T query positions, S key positions, D model width, K kv heads,
-G query heads per kv head, H query heads, Q head dim, F feed-forward width, C channels,
-R GatedNorm rank.
+Shape suffixes: B batch, T query positions, S key positions, N tokens (B * T flattened),
+D model width, K kv heads (in the short convolutions' ``w_KC``: the kernel's taps), G query heads
+per kv head, H query heads, Q head dim, F feed-forward width, C channels, R GatedNorm rank.
 """
 
 from __future__ import annotations
@@ -146,6 +146,16 @@ def rope_tables(positions_T, rot_dims: int, theta: float):
     return jnp.cos(ang), jnp.sin(ang)
 
 
+def rope_dims(cfg: ModelConfig) -> int:
+    """Dims rotated in each head: ``model.rope_fraction`` of head_dim (the first ones)."""
+    return int(cfg.head_dim * cfg.rope_fraction)
+
+
+def rope_at(positions_T, cfg: ModelConfig):
+    """``rope_tables`` of the model's rotated dims (``rope_dims``) at these positions."""
+    return rope_tables(positions_T, rope_dims(cfg), cfg.rope_theta)
+
+
 def apply_rope(x_BTHQ, cos, sin, rot_dims: int):
     """Rotate pairs (i, i + rot/2) of the first ``rot_dims`` dims; the rest pass through."""
     if rot_dims == 0:
@@ -227,7 +237,7 @@ def _known(x):
 
 def _fused(q_BTKGQ, k_BSKQ, v_BSKQ, *, window: int, kv_stride: int, impl: str):
     """``jax.nn.dot_product_attention`` (XLA or cuDNN) with a static window; ``kv_stride`` r > 1
-    keeps slots 0, r, 2r, ...: a global layer's distinct KV heads (kv_head_map repeats each r
+    keeps slots 0, r, 2r, ...: a global layer's distinct KV heads (``map_kv`` repeats each r
     times), so the kernel runs plain GQA over them."""
     B, T, K, G, Q = q_BTKGQ.shape
     out = jax.nn.dot_product_attention(
@@ -243,7 +253,7 @@ def attend(q_BTKGQ, k_BTKQ, v_BTKQ, window, is_global, cfg: ModelConfig):
     computed by ``resolve_attention(cfg)``. The fused kernels need a static window: a traced one
     (the layer scan) is the config's window for the layer's kind, and with both kinds in the
     stack and a sliding window, one ``lax.cond`` on ``is_global`` picks the kind. ``k``, ``v``
-    as ``attention`` passes them: a global layer's slots already mapped by ``kv_head_map``."""
+    as ``attention`` passes them: a global layer's slots already mapped by ``map_kv``."""
     impl = resolve_attention(cfg)
     if impl == "chunked":
         return causal_attend(q_BTKGQ, k_BTKQ, v_BTKQ, window)
@@ -260,16 +270,6 @@ def attend(q_BTKGQ, k_BTKQ, v_BTKQ, window, is_global, cfg: ModelConfig):
     if kinds == {False} or cfg.sliding_window == 0:  # slots are mapped: full causal serves both
         return local(q_BTKGQ, k_BTKQ, v_BTKQ)
     return jax.lax.cond(is_global, full, local, q_BTKGQ, k_BTKQ, v_BTKQ)
-
-
-def kv_head_map(cfg: ModelConfig, is_global):
-    """Which stored KV head each of the n_kv_heads slots reads. Local layers: slot j -> head j.
-    Global layers with ``global_kv_heads`` = Kg < K: slot j -> head j // (K/Kg), so the query
-    heads of Kg consecutive groups share one of the first Kg heads (plain GQA with Kg heads).
-    ``map_kv`` applies it as a select between the two static maps."""
-    K, Kg = cfg.n_kv_heads, cfg.kv_heads_global
-    local = jnp.arange(K)
-    return jnp.where(is_global, local // (K // Kg), local)
 
 
 @recompute_inside
@@ -292,7 +292,7 @@ def site_conv(p: dict):
 def project_qkv(p: dict, x_BTD, cfg: ModelConfig, cos, sin, is_global=False, conv=None):
     """q [B, T, H, Q] and k, v [B, T, K, Q]: projected, short-convolved where configured
     (``conv(site, y)``, default ``site_conv(p)``), q/k-normed and rotated; k, v not yet mapped
-    by ``kv_head_map``."""
+    by ``map_kv``."""
     B, T, _ = x_BTD.shape
     H, K, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     conv = conv or site_conv(p)
@@ -308,7 +308,7 @@ def project_qkv(p: dict, x_BTD, cfg: ModelConfig, cos, sin, is_global=False, con
     if cfg.qk_norm:
         q = rms_norm(q, eps=cfg.norm_eps) * cfg.qk_norm_scale
         k = rms_norm(k, eps=cfg.norm_eps) * cfg.qk_norm_scale
-    rot = int(Q * cfg.rope_fraction)
+    rot = rope_dims(cfg)
     if not cfg.global_rope:
         # global layers keep q, k unrotated (no position signal but the causal mask): the
         # identity rotation, exact; choosing between whole rotated and plain tensors made XLA's
@@ -318,11 +318,13 @@ def project_qkv(p: dict, x_BTD, cfg: ModelConfig, cos, sin, is_global=False, con
 
 
 def map_kv(k_BTKQ, v_BTKQ, cfg: ModelConfig, is_global):
-    """k, v with each slot reading its stored head (``kv_head_map``; a no-op without
-    ``global_kv_heads``)."""
+    """k, v with each of the n_kv_heads = K slots reading its stored head. Local layers: slot
+    j reads head j. Global layers with ``global_kv_heads`` = Kg < K: slot j reads head
+    j // (K/Kg), so the query heads of K/Kg consecutive groups share one of the first Kg heads
+    (plain GQA with Kg heads). A no-op without ``global_kv_heads``."""
     if cfg.kv_heads_global == cfg.n_kv_heads:
         return k_BTKQ, v_BTKQ
-    # kv_head_map as a select between static maps: a take on the traced map is a gather whose
+    # a select between the two static maps: a take on a traced map is a gather whose
     # transpose is a scatter-add (0.9 ms a layer on an H200 at d1024; this, 0.15)
     Kg = cfg.kv_heads_global
     r = cfg.n_kv_heads // Kg

@@ -2,9 +2,11 @@
 shared SwiGLU experts on every token.
 
     x --router(x)--> top-k experts, weights
-    x --W_down--> RMSNorm --> routed experts (H wide) --W_up--> + shared(x)
+    x --lat_down--> RMSNorm --> routed experts (H wide) --lat_up--> + shared(x)
 
-The routed-expert compute itself (kernels ``blocks`` / ``ragged`` / ``dense``) lives in
+The latent projections exist only where ``model.latent_dim`` differs from ``d_model``
+(``ModelConfig.use_latent``); the shared experts only with ``model.n_shared`` > 0. The
+routed-expert compute itself (the ``model.moe_impl`` kernels) lives in
 ``moelab.model.experts``; expert-parallel transports plug in through ``experts_fn``.
 """
 

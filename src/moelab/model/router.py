@@ -30,7 +30,7 @@ class Routing(NamedTuple):
     expert_NK: jax.Array  # int32 chosen experts per token
     weight_NK: jax.Array  # float32 combine weights
     load_E: jax.Array  # float32 assignments per expert (valid tokens only)
-    aux_loss: jax.Array  # load-balance loss (computed for both rules; in the loss only for softmax)
+    aux_loss: jax.Array  # load-balance loss (computed for every rule; in the loss only for softmax)
     z_loss: jax.Array  # router z-loss: mean logsumexp(logits)^2
     entropy: jax.Array  # mean per-token entropy of softmax(logits), nats
     # int32 assignment and drop counts (moelab.model.experts.DropCounts); filled in by the MoE

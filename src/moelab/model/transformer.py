@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from moelab.config import ConfigError, ModelConfig
 from moelab.config.model import REMAT_CHOICES
 from moelab.model.axes import EXPERT
-from moelab.model.layers import attention, gated_norm, rms_norm, rope_tables, site_conv
+from moelab.model.layers import attention, gated_norm, rms_norm, rope_at, site_conv
 from moelab.model.loss import chunked_token_loss, head_logits, logit_sums, valid_weights
 from moelab.model.moe import moe_branch
 from moelab.model.router import KEEP_ROUTE, update_bias
@@ -225,6 +225,13 @@ def final_norm(params: dict, x_BTD, cfg: ModelConfig):
     return _pre_norm(x_BTD, _top_norms(params, jnp.dtype(cfg.compute_dtype)), "final", cfg)
 
 
+def layer_kinds(cfg: ModelConfig):
+    """(attention window [L] int32, is global [L] bool) of each layer, as the layer scan hands
+    them to the blocks."""
+    return (jnp.asarray(cfg.layer_windows(), jnp.int32),
+            jnp.asarray(cfg.layer_is_global(), bool))
+
+
 def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, experts_fn=None,
                    layer_hook=None):
     """Final hidden states [B, T, D] (after the final norm, compute dtype) and per-layer router
@@ -236,10 +243,9 @@ def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, ex
     B, T = tokens_BT.shape
     dt = jnp.dtype(cfg.compute_dtype)
     x = embed_tokens(params, tokens_BT, cfg)
-    cos, sin = rope_tables(jnp.arange(T), int(cfg.head_dim * cfg.rope_fraction), cfg.rope_theta)
+    cos, sin = rope_at(jnp.arange(T), cfg)
     valid_N = None if valid_BT is None else valid_BT.reshape(-1)
-    windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
-    is_global = jnp.asarray(cfg.layer_is_global(), bool)
+    windows, is_global = layer_kinds(cfg)
 
     def block(x_BTD, layer):
         pc, bias, window, glob = layer
@@ -252,8 +258,8 @@ def forward_hidden(params, state, tokens_BT, cfg: ModelConfig, valid_BT=None, ex
     # a layer (forward, recompute, backward) then slices the compute-dtype copy instead of
     # slicing the float32 one and casting it again, and the gradients are stacked in that
     # dtype (a layer's cotangent has it either way: autodiff gives a cast's input the cast's
-    # cotangent dtype, so the values are the same). Only the block scan: the chunked loss
-    # checkpoints the head itself (model.loss).
+    # cotangent dtype, so the values are the same). Only the blocks: the loss casts the head
+    # itself, once outside its chunk scan (model.loss).
     x, routing = jax.lax.scan(remat_block(block, cfg.remat), x,
                               (layer_params(params["blocks"], dt), state["router_bias"], windows,
                                is_global),

@@ -31,9 +31,10 @@ from moelab.parallel.transport import get
 from moelab.parallel.transport.simulate import simulate_drops
 
 
-def placements(n_spans: int, span: int, L: int, seed: int) -> np.ndarray:
+def dealt_order(n_spans: int, span: int, L: int, seed: int) -> np.ndarray:
     """Token order of a batch of ``n_spans`` spans cut into L-token sequences dealt in random
-    order: rank r holds the next tokens_per_rank of the result."""
+    order: rank r holds the next tokens_per_rank of the result (which tokens share a rank; not
+    an expert placement)."""
     n_seq = n_spans * span // L
     order = np.random.default_rng([seed, L]).permutation(n_seq)
     return (order[:, None] * L + np.arange(L)[None]).reshape(-1)
@@ -59,12 +60,11 @@ def fit_placements(ids_LNK: np.ndarray, n_experts: int, pars: dict[str, Parallel
 
 def heldout_batches(cfg: RunConfig, span: int, ranks: int, tokens_per_rank: int,
                     batches: int, seed: int, store=None):
-    """(held-out spans [n, span], the forecast's spans, the rest, spans per batch): the same
-    spans and order for the same span, batch shape and seed."""
+    """(held-out spans [n, span], the forecast's spans, the rest): the same spans and order
+    for the same span, batch shape and seed."""
     spans = heldout_spans(cfg, span, store)
-    per_batch = ranks * tokens_per_rank // span
-    picked, rest = pick_spans(len(spans), per_batch, batches, seed)
-    return spans, picked, rest, per_batch
+    picked, rest = pick_spans(len(spans), ranks * tokens_per_rank // span, batches, seed)
+    return spans, picked, rest
 
 
 def fit_spans(picked: np.ndarray, rest: np.ndarray) -> np.ndarray:
@@ -81,7 +81,7 @@ def batch_drops(ids_LBSK: np.ndarray, L: int, variants: dict[str, tuple], n_expe
     per_batch = ranks * tokens_per_rank // ids_LBSK.shape[2]
     totals = {name: np.zeros(3, np.int64) for name in variants}
     for b in range(ids_LBSK.shape[1] // per_batch):
-        order = placements(per_batch, ids_LBSK.shape[2], L, seed + b)
+        order = dealt_order(per_batch, ids_LBSK.shape[2], L, seed + b)
         batch = ids_LBSK[:, b * per_batch:(b + 1) * per_batch].reshape(
             ids_LBSK.shape[0], -1, ids_LBSK.shape[-1])[:, order]
         for name, (par, slots) in variants.items():
@@ -122,7 +122,7 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
             require(tokens_per_rank % L == 0, f"--seq-len {L}", "the forecast's batch per rank "
                     f"is by default the run's {tokens_per_rank:,} tokens per device, not a "
                     f"multiple of {L}: give --tokens-per-rank N, a multiple of every --seq-len")
-    spans, picked, rest, _ = heldout_batches(cfg, span, ranks, tokens_per_rank, batches, seed)
+    spans, picked, rest = heldout_batches(cfg, span, ranks, tokens_per_rank, batches, seed)
     route = routing_fn(cfg)
     if place:
         require(len(rest) * span >= 2 * max(lens), "--place", "no held-out text is left "

@@ -1,7 +1,9 @@
 """The one device mesh, axes ("data", "expert"), and the partition specs used with it.
 
 Tokens of a batch are sharded over both axes (every device holds its own tokens); routed-expert
-weights are sharded over "expert" on their leading E axis and replicated over "data". Each
+weights are sharded over "expert" on their E axis and replicated over "data"; with
+``parallel.fsdp`` every other parameter (and its optimizer moments) is also split over "data"
+(``param_specs``, ``state_shardings``) and gathered one layer at a time (``layer_gather``). Each
 expert-parallel group is the set of devices that share a "data" index; collectives of the
 transports run over "expert" only. "expert" is the inner (fastest-varying) axis so an EP group
 is a run of neighbouring devices (on GPU hosts: the NVLink-local ones).

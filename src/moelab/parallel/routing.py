@@ -1,10 +1,10 @@
 """A trained run's routing of held-out text: which experts its model picks for each token.
 
 The drop forecast (``moelab.parallel.forecast``), the expert placement
-(``moelab.parallel.placement``) and
-the transport benchmarks read routings through here, always from the model's own code:
-``routing_fn`` keeps the expert ids of ``forward_hidden``; ``layer_routings`` runs the model's
-blocks one layer at a time to hand out what reaches each layer's routed experts.
+(``moelab.parallel.placement``) and the transport benchmarks read routings through here, always
+from the model's own code: ``routing_fn`` keeps the expert ids of ``forward_hidden``;
+``layer_routings`` runs the model's blocks one layer at a time to hand out what reaches each
+layer's routed experts.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from moelab.data.sampler import eval_windows
 from moelab.data.store import TokenStore
 from moelab.model import transformer as tr
 from moelab.model.experts import DropCounts, routed_experts
-from moelab.model.layers import rope_tables
+from moelab.model.layers import rope_at
 
 MAX_TOKENS = 8192  # tokens per routing call
 
@@ -100,9 +100,8 @@ def layer_routings(params, state, tokens_BT, cfg: ModelConfig) -> list[tuple]:
     T = tokens_BT.shape[1]
     dt = jnp.dtype(cfg.compute_dtype)
     x = tr.embed_tokens(params, tokens_BT, cfg)
-    cos, sin = rope_tables(jnp.arange(T), int(cfg.head_dim * cfg.rope_fraction), cfg.rope_theta)
-    windows = jnp.asarray(cfg.layer_windows(), jnp.int32)
-    is_global = jnp.asarray(cfg.layer_is_global(), bool)
+    cos, sin = rope_at(jnp.arange(T), cfg)
+    windows, is_global = tr.layer_kinds(cfg)
     out = []
 
     def record(z, expert, weight, w, valid):

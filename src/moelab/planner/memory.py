@@ -25,7 +25,7 @@ from moelab.config.model import REMAT_POLICIES
 from moelab.model import layers
 from moelab.model import transformer as tr
 from moelab.model.experts import DropCounts, auto_impl
-from moelab.model.layers import causal_attend, rope_tables
+from moelab.model.layers import causal_attend, rope_at
 from moelab.model.loss import chunked_token_loss
 from moelab.parallel import transport
 from moelab.planner.counts import ROUTED, param_leaves, param_tree
@@ -244,8 +244,7 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
         if remat != "none":
             p1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], dt), params["blocks"])
             x = jax.ShapeDtypeStruct((batch, seq_len, m.d_model), dt)
-            cos, sin = rope_tables(jnp.arange(seq_len), int(m.head_dim * m.rope_fraction),
-                                   m.rope_theta)
+            cos, sin = rope_at(jnp.arange(seq_len), m)
             bias = jnp.zeros((m.n_experts,), jnp.float32)
             attn = _recomputed(lambda c: lambda x, p: tr.attention_branch(p, x, c, 0, cos, sin,
                                                                         False), m, x, p1)

@@ -144,8 +144,8 @@ class Adapter:
         routed at the context of step ``route_at``, in batches of the EP group at ``step``."""
         cfg = at_context(self.run.cfg, route_at)
         tpr = _tokens_per_rank(self.run.cfg, step, self.n_dev)
-        spans, picked, rest, _ = heldout_batches(cfg, L, par.expert, tpr, FORECAST_BATCHES,
-                                                 self.run.cfg.data.seed, self.run.store)
+        spans, picked, rest = heldout_batches(cfg, L, par.expert, tpr, FORECAST_BATCHES,
+                                              self.run.cfg.data.seed, self.run.store)
         route, now = self._route(cfg), cfg.data.seq_len
         args = (state["params"], state["model_state"])
         ids = route_spans(route, *args, spans[picked], now)

@@ -52,7 +52,6 @@ from moelab.train.tracker import (
     abort_text,
     check_trackers,
     fmt_time,
-    format_summary,  # noqa: F401  (scripts and tests import it from the loop)
     mfu_text,
     stage_text,
 )

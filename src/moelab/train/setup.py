@@ -29,6 +29,7 @@ from moelab.data.sampler import SteppedSampler
 from moelab.data.store import TokenStore
 from moelab.data.stream import StreamSampler
 from moelab.data.tokenizer import load_tokenizer
+from moelab.model.axes import DATA
 from moelab.parallel import transport
 from moelab.parallel.distributed import barrier, is_main
 from moelab.parallel.mesh import mesh_from_config, shard_batch
@@ -277,7 +278,7 @@ def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Call
     train_experts, eval_experts = transport_fns(cfg, mesh)
     step_fn = make_train_step(cfg, train_experts, mesh, state_sh)
     eval_fn = make_eval_step(cfg, eval_experts, mesh)
-    if cfg.parallel.fsdp and (mesh is None or mesh.shape["data"] == 1):
+    if cfg.parallel.fsdp and (mesh is None or mesh.shape[DATA] == 1):
         say("note: parallel.fsdp has no effect here: the mesh's data axis has one device")
     if mesh is not None:
         say(f"mesh: {dict(mesh.shape)}; transport "
@@ -341,8 +342,8 @@ def _checked_inputs(cfg: RunConfig, run_dir: Path, data: PreparedData, recorded:
     context stage the data cannot serve is refused here, not at its step)."""
     store = TokenStore(data.store_dir, vocab_size=cfg.model.vocab_size)  # ids < vocab
     check_heldout(cfg, store, data.corpus_dir, say)  # evaluation must not vanish at the end
-    check_adaptive_heldout(cfg, store, len(jax.devices()) if cfg.parallel.devices == 0
-                           else cfg.parallel.devices)  # gates and re-placement route it
+    # gates and re-placement route it, on the devices the mesh will span (0: every one)
+    check_adaptive_heldout(cfg, store, cfg.parallel.devices or len(jax.devices()))
     tok = load_tokenizer(data.tokenizer_path)
     now, changes = _checked_data(cfg, run_dir, recorded, store, tok, accept, say)
     sampler = (StreamSampler(cfg.data, tok, data.corpus_dir) if cfg.data.sampler == "stream"

@@ -1,6 +1,7 @@
-"""The jitted train and eval steps. Both return metrics; the host logs them (never inside jit).
-The train step also checks its loss and gradient norm for NaN/inf (``train/finite``), and with
-``train.on_nonfinite=skip`` keeps the previous state when the check fails."""
+"""The jitted train and eval steps. The train step returns its metrics, which the host logs
+(never inside jit); it also checks its loss and gradient norm for NaN/inf (``train/finite``),
+and with ``train.on_nonfinite=skip`` keeps the previous state when the check fails. The eval
+step returns a batch's summed next-token loss (``moelab.train.heldout`` averages it)."""
 
 from __future__ import annotations
 
