@@ -254,6 +254,8 @@ CASES = [
     (["train", "{d}/nobase.yaml"], 2,
      "config file {d}/missing_base.yaml (the base of {d}/nobase.yaml): not found"),
     (["train", "tiny", "train.wandb=maybe"], 2, "train.wandb: expected true or false"),
+    (["train", "tiny", "model.vocab_size=1"], 2,
+     "model.vocab_size=1: a new tokenizer needs at least 258 tokens"),
     (["train", "tiny", "train.steps=5", "train.steps=6"], 2,
      "override 'train.steps=6': train.steps is already set by 'train.steps=5'"),
     (["train", "{d}/list.yaml"], 2, "top level must be a mapping"),

@@ -274,9 +274,10 @@ def test_booleans_take_the_same_words_in_yaml_and_on_the_command_line(word, valu
 @pytest.mark.parametrize("word", ["maybe", "2", "1.0", "''", "[true]"])
 def test_other_boolean_values_are_refused_alike(word, tmp_path):
     path = _yaml(tmp_path / "b.yaml", f"train:\n  wandb: {word}\n")
-    for source, overrides in (("tiny", [f"train.wandb={word}"]), (path, [])):
-        with pytest.raises(ConfigError, match=r"^train.wandb: expected true or false \(or "
-                           r"yes/no, on/off, 1/0\), got "):
+    for source, overrides, where in (("tiny", [f"train.wandb={word}"], ""),
+                                     (path, [], f"config {path}: ")):  # a file names itself
+        with pytest.raises(ConfigError, match="^" + re.escape(where) + r"train.wandb: expected "
+                           r"true or false \(or yes/no, on/off, 1/0\), got "):
             load_config(source, overrides)
 
 
@@ -332,6 +333,32 @@ def test_an_unknown_field_names_its_file_in_a_base_chain(tmp_path):
     with pytest.raises(ConfigError, match=r"typo.yaml: model.n_expertz: unknown field; did you "
                                           r"mean model.n_experts\?"):
         load_config(str(tmp_path / "typo.yaml"))
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("model:\n", "model: expected a section of fields (indented lines such as `  vocab_size: "
+                 "...` below `model:`), got nothing (an empty value); give its fields, or remove "
+                 "the `model:` line"),
+    ("model: 3\n", "model: expected a section of fields"),
+    ("model:\n  - d_model: 64\n", "model: expected a section of fields"),
+    ("model:\n  d_model: big\n", "model.d_model: expected an integer, got 'big'"),
+    ("model:\n  d_model:\n", "model.d_model: expected an integer, got nothing (an empty value)"),
+])
+def test_a_wrong_section_or_value_names_its_file_in_a_base_chain(text, needle, tmp_path):
+    """A section left empty or given a value, or a field of the wrong type, is named with the
+    file that holds it (here the base of the file given), in words rather than Python's."""
+    _yaml(tmp_path / "base.yaml", "base: tiny\n" + text)
+    top = _yaml(tmp_path / "top.yaml", "base: base.yaml\ntrain:\n  steps: 5\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(top)
+    assert str(e.value).startswith(f"config {tmp_path / 'base.yaml'} (the base of {top}): ")
+    assert needle in str(e.value) and "NoneType" not in str(e.value)
+
+
+def test_an_empty_override_says_so():
+    with pytest.raises(ConfigError, match=r"^model.d_model: expected an integer, got nothing "
+                                          r"\(an empty value\)$"):
+        load_config("tiny", ["model.d_model="])
 
 
 def test_unknown_field_in_other_sections():

@@ -483,7 +483,10 @@ def test_the_transport_table_marks_what_training_refuses_at_this_ep():
 
 @pytest.mark.parametrize("option", [["--mfu", "0.2"], ["--ep", "8"], ["--fsdp", "4"],
                                     ["--offload", "master"], ["--waves", "2"],
-                                    ["--tokens-per-s", "5e6"]])
+                                    ["--tokens-per-s", "5e6"], ["--optimizer", "muon"],
+                                    ["--attention", "fused"], ["--loss", "fused"],
+                                    ["--hbm-gib", "10"], ["--cf", "1.5"],
+                                    ["--accelerator", "h100"], ["--peak-flops", "1e15"]])
 def test_cluster_options_without_devices_are_refused_not_ignored(option, capsys):
     from moelab.cli import main
 

@@ -126,6 +126,25 @@ def test_a_run_that_does_not_fit_stops_before_training(tmp_path, data_dir,  # no
     assert summary["step"] == 2
 
 
+def test_a_run_the_cpu_host_cannot_hold_is_refused_before_its_state(tmp_path, data_dir,  # noqa: F811
+                                                                    monkeypatch):
+    # a CPU reports no allocator limit: the plan against the host's memory decides, before the
+    # state is built (d768 on a 23 GiB host was killed by the system without a message)
+    def never(*_a, **_kw):
+        raise AssertionError("the train state was built before the refusal")
+
+    monkeypatch.setattr(setup, "init_sharded_state", never)
+    monkeypatch.setattr(preflight, "_host_memory", lambda: 2**20)
+    with pytest.raises(ConfigError, match=r"this run needs about [\d.]+ MiB of memory \([\d.]+ "
+                       r"MiB train state, .* activations with remat none\), but this host has "
+                       r"1.0 MiB. Fixes: model.remat=full; .*train.memory_check=false starts"):
+        train(micro_config(data_dir, train={"steps": 2}), tmp_path / "run", verbose=False)
+    assert not (tmp_path / "run").exists()
+    preflight.check_host_memory(micro_config(data_dir, train={"memory_check": False}))
+    monkeypatch.setattr(preflight, "_host_memory", lambda: 64 * GIB)
+    preflight.check_host_memory(micro_config(data_dir))  # fits: nothing said
+
+
 def test_a_stop_during_the_check_is_recorded(tmp_path, data_dir, monkeypatch):  # noqa: F811
     monkeypatch.setattr(util, "_abandoned", [])  # what a stop in native work marks (below)
     monkeypatch.setattr(preflight, "allocator_memory", lambda d: (64 * GIB, GIB))

@@ -156,8 +156,15 @@ def test_auto_skips_a_none_its_plan_cannot_fit(tmp_path, data_dir, monkeypatch):
 def test_auto_on_a_cpu_plans_against_the_host(tmp_path, data_dir, monkeypatch):  # noqa: F811
     train(_auto(data_dir), tmp_path / "host", verbose=False)  # no allocator limit: the plan
     assert _trained_remat(tmp_path / "host") == ("none", 1)
-    monkeypatch.setattr(preflight, "_host_memory", lambda: 2**20)
-    train(_auto(data_dir), tmp_path / "small", verbose=False)
+    # a host that holds the run with full remat (state, gradients, activations), and whose 70%
+    # does not hold none's plan
+    cfg = _auto(data_dir)
+    state = abstract_train_state(cfg)
+    host = (preflight.held_bytes(state) + preflight.held_bytes(state["params"])
+            + preflight.planned_none(cfg, None, "cpu", remat="full"))
+    assert 0.7 * host < preflight.held_bytes(state) + preflight.planned_none(cfg, None, "cpu")
+    monkeypatch.setattr(preflight, "_host_memory", lambda: host)
+    train(cfg, tmp_path / "small", verbose=False)
     assert _trained_remat(tmp_path / "small") == ("full", 1)
 
 

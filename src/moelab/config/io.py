@@ -8,7 +8,6 @@ import dataclasses
 import difflib
 import json
 import math
-import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, get_type_hints
@@ -17,12 +16,13 @@ import yaml
 
 from moelab.config.errors import ConfigError
 from moelab.config.run import RunConfig
+from moelab.config.yamltext import ConfigLoader, load_yaml
 from moelab.util import decode_utf8
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix}: expected a mapping, got {type(data).__name__}")
+        raise ConfigError(f"{prefix}: expected a mapping, got {_shown(data)}")
     hints = get_type_hints(cls)
     if unknown := _unknown_key(cls, data, prefix):
         raise ConfigError(unknown)
@@ -67,18 +67,33 @@ def _unknown_key(cls: type, data: dict, prefix: str) -> str | None:
 
 def _first_unknown(cls: type, data: Any, prefix: str = "") -> str | None:
     """The error for the first key of ``data`` (sections included) that no field of ``cls``
-    has, or None: each config file is checked so, and the error names that file."""
+    has, or for a section or field value of the wrong type, or None: each config file is
+    checked so, and the error names that file."""
     if not isinstance(data, dict):
         return None
     if unknown := _unknown_key(cls, data, prefix):
         return unknown
     hints = get_type_hints(cls)
     for key, value in data.items():
-        if dataclasses.is_dataclass(hints[key]):
-            found = _first_unknown(hints[key], value, f"{prefix}.{key}" if prefix else key)
-            if found:
-                return found
+        where = f"{prefix}.{key}" if prefix else key
+        if not dataclasses.is_dataclass(hints[key]):
+            try:
+                _coerce(value, hints[key], where)
+            except ConfigError as e:
+                return str(e)
+        elif not isinstance(value, dict):
+            return (f"{where}: expected a section of fields (indented lines such as "
+                    f"`  {dataclasses.fields(hints[key])[0].name}: ...` below `{key}:`), got "
+                    f"{_shown(value)}; give its fields, or remove the `{key}:` line")
+        elif found := _first_unknown(hints[key], value, where):
+            return found
     return None
+
+
+def _shown(value: Any) -> str:
+    """A config value as an error message shows it: a missing one (``key:`` or ``key=`` with
+    nothing after) as such, not as Python's None."""
+    return "nothing (an empty value)" if value is None else repr(value)
 
 
 def _number_text(value: Any) -> Any:
@@ -103,7 +118,8 @@ def _bool(value: Any, where: str) -> bool:
         return value
     if isinstance(value, (int, str)) and str(value).strip().lower() in BOOL_WORDS:
         return BOOL_WORDS[str(value).strip().lower()]
-    raise ConfigError(f"{where}: expected true or false (or yes/no, on/off, 1/0), got {value!r}")
+    raise ConfigError(f"{where}: expected true or false (or yes/no, on/off, 1/0), got "
+                      f"{_shown(value)}")
 
 
 def _coerce(value: Any, hint: Any, where: str) -> Any:
@@ -113,24 +129,25 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         value = _number_text(value)
         if (isinstance(value, bool) or not isinstance(value, (int, float))
                 or not math.isfinite(value) or int(value) != value):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+            raise ConfigError(f"{where}: expected an integer, got {_shown(value)}")
         return int(value)
     if hint is float:
         value = _number_text(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
+            raise ConfigError(f"{where}: expected a number, got {_shown(value)}")
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
+            raise ConfigError(f"{where}: expected a string, got {_shown(value)}")
         return value
     if getattr(hint, "__origin__", None) is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping like {{name: weight}}, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping like {{name: weight}}, got "
+                              f"{_shown(value)}")
         return {str(k): _coerce(v, float, f"{where}.{k}") for k, v in value.items()}
     if getattr(hint, "__origin__", None) is list:  # small dataclasses (operations), or values
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {_shown(value)}")
         item = hint.__args__[0]
         each = _build if dataclasses.is_dataclass(item) else (lambda c, v, w: _coerce(v, c, w))
         return [each(item, v, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -183,74 +200,6 @@ def _is_preset(name: str) -> bool:
 def preset_names() -> list[str]:
     files = resources.files("moelab") / "presets"
     return sorted(p.name[:-5] for p in files.iterdir() if p.name.endswith(".yaml"))
-
-
-# Aliases (*name) of a list or mapping a YAML file may hold. Nested ones expand exponentially:
-# 8 lines of them (a "billion laughs") took 33.8 s and 4.8 GB before any error. A few serve to
-# share a mixture or a section; this many expand a small file at most ~40x.
-MAX_ALIASES = 10
-
-
-class _SafeLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, except that a key given twice in one mapping is an error (PyYAML
-    keeps the last one silently, so a config would run with a value its author did not see), and
-    so are more than ``MAX_ALIASES`` aliases of a list or mapping (refused while composing,
-    before anything is expanded)."""
-
-    def __init__(self, stream):
-        super().__init__(stream)
-        self.collection_aliases = 0
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            if isinstance(self.anchors.get(event.anchor), yaml.CollectionNode):
-                self.collection_aliases += 1
-                if self.collection_aliases > MAX_ALIASES:
-                    raise ConfigError(f"line {event.start_mark.line + 1}: more than {MAX_ALIASES}"
-                                      " aliases (*name) of a list or mapping; write the values "
-                                      "out instead")
-        return super().compose_node(parent, index)
-
-    def resolve(self, kind, value, implicit):
-        """YAML 1.1 reads 10:20 as the base-60 number 620; YAML 1.2 has no such numbers, and a
-        config means the text (``train.profile_steps=10:20``)."""
-        if kind is yaml.ScalarNode and implicit[0] and _BASE60.match(value):
-            return yaml.resolver.BaseResolver.DEFAULT_SCALAR_TAG
-        return super().resolve(kind, value, implicit)
-
-
-_BASE60 = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?$")
-
-
-def _unique_mapping(loader: _SafeLoader, node: yaml.MappingNode, deep: bool = False):
-    seen = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        if not isinstance(key, (str, int, float, bool)):
-            continue  # an unhashable key: construct_mapping reports it
-        if key in seen:
-            raise ConfigError(f"line {key_node.start_mark.line + 1}: duplicate key {key!r}; "
-                              "keep one of them")
-        seen.add(key)
-    return loader.construct_mapping(node, deep)
-
-
-_SafeLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
-def load_yaml(text: str, source: str) -> Any:
-    """YAML text read safely, refusing duplicate keys and alias bombs; errors name ``source``."""
-    try:
-        return yaml.load(text, Loader=_SafeLoader)
-    except ConfigError as e:
-        raise ConfigError(f"{source}: {e}") from None
-    except yaml.MarkedYAMLError as e:  # on one line: where, and what is wrong there
-        mark = e.problem_mark or e.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ConfigError(f"{source}: invalid YAML: {where}{e.problem or e.context}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source}: invalid YAML: {' '.join(str(e).split())}") from None
 
 
 def _config_source(source: str, folder: Path | None) -> tuple[str, str, Path | None]:
@@ -381,7 +330,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         try:
-            node[parts[-1]] = yaml.load(raw, Loader=_SafeLoader)
+            node[parts[-1]] = yaml.load(raw, Loader=ConfigLoader)
         except ConfigError as e:
             raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError:
@@ -406,7 +355,7 @@ def load_run_config(run_dir: Path | str, overrides: list[str] | None = None) -> 
     try:  # the file alone first: its own fault is not one of the overrides'
         load_config(str(path))
     except ConfigError as e:
-        message = str(e) if str(e).startswith(str(path)) else f"{path}: {e}"
+        message = str(e) if str(e).startswith((str(path), f"config {path}")) else f"{path}: {e}"
         raise ConfigError(f"{message}. The run's config.yaml is damaged or was edited: restore "
                           "it; where the run has checkpoints, a resume without it takes the "
                           "config the newest was trained with (its meta.json)") from None

@@ -123,8 +123,8 @@ class TrainConfig:
     profile_steps: str = ""
     # Before the first step on an accelerator: compile each data stage's train step and stop,
     # naming the fixes, if one needs more memory than JAX may use on a device
-    # (moelab.train.preflight). false: start anyway (e.g. where a newer JAX grows its GPU pool
-    # beyond its initial share)
+    # (moelab.train.preflight); on a CPU, stop if the planned memory exceeds the host's.
+    # false: start anyway (e.g. where a newer JAX grows its GPU pool beyond its initial share)
     memory_check: bool = True
 
     def validate(self, p: str = "train") -> None:

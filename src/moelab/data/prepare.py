@@ -288,8 +288,12 @@ def with_tokenizer_vocab(cfg: RunConfig) -> RunConfig:
     of that size is trained (``DEFAULT_VOCAB`` when 0)."""
     check_builtin_kind(cfg.data)
     given, path = cfg.model.vocab_size, given_tokenizer(cfg.data)
-    if path is None:
+    if path is None:  # a tokenizer of this size is trained: refuse one too small before that
         size = given or DEFAULT_VOCAB
+        if size < tokenizer.MIN_VOCAB:
+            raise ConfigError(f"model.vocab_size={given}: a new tokenizer needs at least "
+                              f"{tokenizer.MIN_VOCAB} tokens (256 bytes, <|endoftext|> and a "
+                              "merge); give more, or 0 to take the data folder's tokenizer size")
     else:
         size = vocab_needed(tokenizer.load_tokenizer(path))
         if given and given != size:

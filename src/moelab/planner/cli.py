@@ -17,6 +17,9 @@ from moelab.data.prepare import resolve_config
 from moelab.planner.cluster import ACCELERATORS, accelerator
 from moelab.util import atomic_write_json, check_output_file
 
+DEFAULT_ACCELERATOR = "gb200"  # the reference cluster's
+DEFAULT_CF = (1.25, 2.0, 4.0)  # capacity factors a plan compares unless --cf gives others
+
 
 def _fake_devices_rerun(args) -> int | None:
     """``plan --xla --devices N`` on a CPU with fewer devices: the whole command again in a
@@ -71,18 +74,27 @@ def check_plan_options(args) -> None:
                 "must be a number >= 0 (0: not given)")
     for mfu in args.mfu:
         require(0 < mfu <= 1, f"--mfu {mfu:g}", "a fraction in (0, 1], e.g. 0.2 for 20%")
-    for cf in args.cf:
+    for cf in args.cf or []:
         require(math.isfinite(cf) and cf > 0, f"--cf {cf:g}", "capacity factors must be > 0, "
                 "e.g. 1.25 2.0")
     for waves in args.waves:
         require(waves >= 1, f"--waves {waves}", "wave counts must be >= 1")
-    unused = [o for o, given in (("--mfu", args.mfu), ("--tokens-per-s", args.tokens_per_s),
-                                 ("--ep", args.ep != 1), ("--fsdp", args.fsdp != 1),
-                                 ("--offload", args.offload), ("--waves", args.waves)) if given]
-    require(args.devices or not unused, unused[0] if unused else "", "needs --devices N too, "
-            "the devices that train (it plans a cluster's time or a device's memory)")
     if args.json:
         check_output_file(args.json, "--json")
+
+
+def check_needs_devices(args) -> None:
+    """Options that only the cluster's time or a device's memory reads are refused without
+    --devices, rather than ignored (checked after the values and the config themselves)."""
+    unused = [o for o, given in (
+        ("--mfu", args.mfu), ("--tokens-per-s", args.tokens_per_s), ("--ep", args.ep != 1),
+        ("--fsdp", args.fsdp != 1), ("--offload", args.offload), ("--waves", args.waves),
+        ("--cf", args.cf is not None), ("--accelerator", args.accelerator is not None),
+        ("--peak-flops", args.peak_flops), ("--hbm-gib", args.hbm_gib),
+        ("--optimizer", args.optimizer != "adamw"), ("--attention", args.attention),
+        ("--loss", args.loss)) if given]
+    require(args.devices or not unused, unused[0] if unused else "", "needs --devices N too, "
+            "the devices that train (it plans a cluster's time or a device's memory)")
 
 
 def cmd_plan(args, train_step) -> int:
@@ -94,13 +106,14 @@ def cmd_plan(args, train_step) -> int:
     if rerun is not None:
         return rerun
     source, cfg = resolve_config(args.config, args.overrides)
-    acc = accelerator(args.accelerator, args.peak_flops, args.hbm_gib)
+    acc = accelerator(args.accelerator or DEFAULT_ACCELERATOR, args.peak_flops, args.hbm_gib)
+    check_needs_devices(args)
     layout = transports = None
     if args.devices:
         layout = Layout(args.devices, args.ep, args.fsdp, args.optimizer, tuple(args.offload))
         par = cfg.parallel
         transports = transport_options(par, {
-            "capacity_factor": args.cf, "waves": args.waves or sorted({1, par.waves})})
+            "capacity_factor": args.cf or DEFAULT_CF, "waves": args.waves or sorted({1, par.waves})})
     result = build_plan(cfg, tokens=args.tokens, acc=acc, devices=args.devices,
                         mfus=tuple(args.mfu), tokens_per_s=args.tokens_per_s, layout=layout,
                         transports=transports, attention=args.attention,
@@ -109,6 +122,8 @@ def cmd_plan(args, train_step) -> int:
     if not args.devices:
         print("\n  (give --devices with --mfu or --tokens-per-s for time on a cluster, and "
               "--ep/--fsdp for memory per device)")
+    elif not (args.mfu or args.tokens_per_s):
+        print("\n  (give --mfu or --tokens-per-s for time on the cluster)")
     if args.xla:
         result["xla"] = _plan_xla(cfg, layout, train_step)
     if args.json:
@@ -126,11 +141,12 @@ def register(sub, train_step) -> None:
                         "the model's own parameter tree and residuals. Formulas: docs/plan.md.",
                         epilog=EPILOG_OVERRIDES)
     pl.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
-    pl.add_argument("overrides", nargs="*")
+    pl.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
     pl.add_argument("--tokens", type=float, default=0.0,
                     help="training tokens (default: train.steps x data.batch_size x seq_len)")
-    pl.add_argument("--accelerator", default="gb200",
-                    help=f"{', '.join(ACCELERATORS)} or custom (with --peak-flops)")
+    pl.add_argument("--accelerator", default=None,
+                    help=f"{', '.join(ACCELERATORS)} or custom (with --peak-flops); default "
+                    f"{DEFAULT_ACCELERATOR}")
     pl.add_argument("--peak-flops", type=float, default=0.0,
                     help="dense bf16 FLOP/s per device (overrides the accelerator's)")
     pl.add_argument("--hbm-gib", type=float, default=0.0, help="device memory in GiB")
@@ -156,8 +172,9 @@ def register(sub, train_step) -> None:
     pl.add_argument("--loss", default=None, choices=["materialized", "fused"],
                     help="loss memory: float32 logits or a chunked cross-entropy (default: "
                     "fused when model.loss_chunk > 0)")
-    pl.add_argument("--cf", type=float, nargs="*", default=[1.25, 2.0, 4.0],
-                    help="capacity factors to compare (transports with parallel.capacity_factor)")
+    pl.add_argument("--cf", type=float, nargs="*", default=None,
+                    help="capacity factors to compare (transports with "
+                    f"parallel.capacity_factor; default {' '.join(map(str, DEFAULT_CF))})")
     pl.add_argument("--waves", type=int, nargs="*", default=[],
                     help="pooled_wave wave counts to compare (default: 1 and parallel.waves)")
     pl.add_argument("--xla", action="store_true",

@@ -15,8 +15,9 @@ step that trains it later finds that executable in JAX's cache (no second compil
 checks it). With several processes all of them refuse together, from the fullest device of
 any. Where the devices report no allocator limit (a CPU; the GPU with
 ``XLA_PYTHON_CLIENT_ALLOCATOR=platform``) nothing is compiled or checked, nor with
-``train.memory_check=false``. Not checked: a step compiled later for a stage a gate decides
-during the run.
+``train.memory_check=false``; on a CPU the plan of the state and activations is checked against
+the host's memory instead (``check_host_memory``). Not checked: a step compiled later for a
+stage a gate decides during the run.
 
 ``model.remat=auto`` is decided here too (``choose_remat``): of no remat (on a GPU with the layer
 scan unrolled whole, the lowest roofline of XLA:GPU's compile) and full remat, the first whose
@@ -270,10 +271,11 @@ def held_bytes(state) -> int:
                else a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
 
 
-def planned_none(cfg: RunConfig, mesh, platform: str, start: int = 0) -> float:
-    """The planner's activation bytes per device of ``cfg`` without remat, at the largest
-    micro-step of the data stages from ``start`` on (the kernels the platform runs: its
-    attention and expert kernels, the chunked loss where model.loss_chunk is set)."""
+def planned_none(cfg: RunConfig, mesh, platform: str, start: int = 0,
+                 remat: str = "none") -> float:
+    """The planner's activation bytes per device of ``cfg`` without remat (or under ``remat``),
+    at the largest micro-step of the data stages from ``start`` on (the kernels the platform
+    runs: its attention and expert kernels, the chunked loss where model.loss_chunk is set)."""
     from moelab.planner.memory import activation_memory, planned_attention, planned_experts
 
     m = cfg.model
@@ -286,7 +288,7 @@ def planned_none(cfg: RunConfig, mesh, platform: str, start: int = 0) -> float:
         seg = cfg.data.segment_at(step)
         seqs = (cfg.train.microbatch_tokens // seg.seq_len or seg.batch_size) // n_dev
         plans.append(activation_memory(m, max(1, seqs), seg.seq_len, cfg.parallel.expert == 1,
-                                       remat="none", attention=attention, loss=loss,
+                                       remat=remat, attention=attention, loss=loss,
                                        experts=experts)["peak"])
     return max(plans)
 
@@ -308,6 +310,33 @@ def _host_memory() -> int:
 
     mib = np.asarray([own / 2**20], np.float32)
     return int(np.min(np.asarray(multihost_utils.process_allgather(mib))) * 2**20)
+
+
+def check_host_memory(cfg: RunConfig, start: int = 0) -> None:
+    """On a CPU (no allocator limit; every device in the host's memory) refuse, before the train
+    state is built (after the data checks), a run whose train state, gradients and activations
+    (planned under its remat policy, ``full`` for auto: the least) need more than the host has:
+    it would otherwise end in XLA's out-of-memory error, or be killed by the system without a
+    word. Skipped with ``train.memory_check=false``."""
+    from moelab.train.step import abstract_train_state
+
+    if not cfg.train.memory_check or jax.default_backend() != "cpu":
+        return
+    abstract = abstract_train_state(cfg)
+    state, grads = held_bytes(abstract), held_bytes(abstract["params"])  # float32 gradients
+    remat = "full" if cfg.model.remat == "auto" else cfg.model.remat
+    acts = planned_none(cfg, None, "cpu", start, remat=remat)
+    need, host = state + grads + acts, _host_memory()
+    if need <= host:
+        return
+    fixes = ([] if remat == "full" else ["model.remat=full"]) + [
+        "train.microbatch_tokens (fewer tokens per micro-step)", "a smaller model or batch",
+        "an accelerator"]
+    raise ConfigError(
+        f"this run needs about {_size(need)} of memory ({_size(state)} train state, "
+        f"{_size(grads)} gradients, {_size(acts)} activations with remat {remat}), but this "
+        f"host has {_size(host)}. Fixes: {'; or '.join(fixes)}. `moelab plan CONFIG --devices "
+        "1` sizes each option; train.memory_check=false starts the run anyway")
 
 
 def choose_remat(cands: list[RunConfig], use: Callable[[RunConfig], Callable], state,

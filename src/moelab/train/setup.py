@@ -52,7 +52,12 @@ from moelab.run.provenance import provenance
 from moelab.train.adapt import check_adaptive, check_adaptive_heldout
 from moelab.train.heldout import check_heldout
 from moelab.train.peak import Peaks, format_flops, run_peaks
-from moelab.train.preflight import check_step_memory, choose_remat, remat_candidates
+from moelab.train.preflight import (
+    check_host_memory,
+    check_step_memory,
+    choose_remat,
+    remat_candidates,
+)
 from moelab.train.resume import (
     commit_pending,
     resolve_run_config,
@@ -380,6 +385,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     inputs = _checked_inputs(cfg, run_dir, data, recorded, accept_data_change, say)
     store, tok, sampler = inputs.store, inputs.tok, inputs.sampler
     mesh = mesh_from_config(cfg.parallel)  # refuses more devices than are visible
+    check_host_memory(cfg, at or 0)  # on a CPU, before the state is built: the planned memory
     state_sh = train_state_shardings(cfg, mesh)
     with native_work():  # compiles and first programs: a stop signal ends the process at once
         state = init_sharded_state(cfg, state_sh)
