@@ -406,6 +406,8 @@ def test_wrong_type_names_the_field(override, field, needle):
     (["model.latent_dim=999"], "model.latent_dim", "d_model"),
     (["model.rope_fraction=1.5"], "model.rope_fraction", "[0, 1]"),
     (["model.head_dim=30", "model.rope_fraction=0.1"], "model.rope_fraction", "even"),
+    (["model.head_dim=33"], "model.rope_fraction", "change head_dim=33 or rope_fraction"),
+    (["model.norm_eps=0"], "model.norm_eps", "> 0"),
     (["model.compute_dtype=float16"], "model.compute_dtype", "bfloat16"),
     (["data.seq_len=0"], "data.seq_len", "> 0"),
     (["data.mixture={a: -1}"], "data.mixture.a", ">= 0"),

@@ -137,7 +137,8 @@ class ModelConfig:
         require(0.0 <= self.rope_fraction <= 1.0, f"{p}.rope_fraction", "must be in [0, 1]")
         rot = int(self.head_dim * self.rope_fraction)
         require(rot % 2 == 0, f"{p}.rope_fraction",
-                f"head_dim*rope_fraction={rot} must be even (RoPE rotates pairs)")
+                f"head_dim*rope_fraction={rot} must be even (RoPE rotates pairs): change "
+                f"head_dim={self.head_dim} or rope_fraction")
         require(self.sliding_window >= 0, f"{p}.sliding_window", "must be >= 0 (0 = no window)")
         require(self.global_every >= 0, f"{p}.global_every", "must be >= 0")
         require(0 <= self.latent_dim <= self.d_model, f"{p}.latent_dim",
@@ -192,5 +193,7 @@ class ModelConfig:
                 "must be >= 0 (tokens per chunk of the head + loss on each device; 0 = all "
                 "logits at once)")
         for name in ("aux_loss_coef", "router_z_coef", "logit_z_coef", "bias_update_rate",
-                     "init_std", "norm_eps"):
+                     "init_std"):
             require(getattr(self, name) >= 0, f"{p}.{name}", "must be >= 0")
+        require(self.norm_eps > 0, f"{p}.norm_eps", "must be > 0 (RMSNorm divides by "
+                "sqrt(mean(x^2) + eps): 0 gives NaN on an all-zero row); e.g. 1e-5")

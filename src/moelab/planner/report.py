@@ -58,7 +58,7 @@ def format_plan(name: str, plan: dict) -> str:
     """``build_plan``'s dict as the text ``moelab plan`` prints."""
     m, p = plan["model"], plan["params"]
     lines = [f"{name}: total {_b(p['total'])} parameters, active {_b(p['active'])}; "
-             f"{m['n_layers']} layers, d_model {m['d_model']}, {m['n_experts']} experts "
+             f"{m['n_layers']} layers, d_model {m['d_model']}, {m['n_experts']} expert{'s' * (m['n_experts'] != 1)} "
              f"top-{m['top_k']}, seq {plan['seq_len']}", "",
              f"  {'parameters':<22}{'total':>24}{'active per token':>24}"]
     for comp, v in plan["breakdown"].items():
