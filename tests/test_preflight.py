@@ -10,7 +10,7 @@ from jax._src import monitoring
 
 from helpers import data_dir, micro_config  # noqa: F401 - data_dir is a fixture
 from moelab import util
-from moelab.config import ConfigError
+from moelab.config import ConfigError, load_config
 from moelab.run.logs import read_metrics
 from moelab.train import preflight, setup
 from moelab.train.loop import train
@@ -224,3 +224,17 @@ def test_moelab_train_claims_its_share_of_a_gpu_unless_given_one(no_share, monke
             monkeypatch.setenv(other, "")
         monkeypatch.setenv(var, "0.6")
         assert preflight.claim_gpu_share() is None and os.environ[var] == "0.6"
+
+
+def test_the_plan_on_a_gpu_follows_its_capability(monkeypatch):
+    """auto runs blocks before Hopper: the plan sizes the kernel that GPU runs, and an H200's
+    where none is attached (a deviceless compile)."""
+    from moelab.planner.memory import planned_experts
+
+    cfg = load_config("d1024")
+    plans = {}
+    for cap in (8.0, 9.0, 0.0):
+        monkeypatch.setattr(preflight, "cuda_capability", lambda cap=cap: cap)
+        plans[cap] = preflight.planned_none(cfg, None, "gpu")
+    assert (planned_experts(cfg.model, 8.0), planned_experts(cfg.model, 9.0)) == ("blocks", "gmm")
+    assert plans[8.0] != plans[9.0] == plans[0.0]

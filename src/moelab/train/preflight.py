@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding
 
 from moelab.config import ConfigError, RunConfig
 from moelab.config.run import check_microbatch
+from moelab.model.experts import cuda_capability
 from moelab.parallel.mesh import batch_spec
 from moelab.planner.cluster import GiB
 from moelab.planner.xla import xla_memory
@@ -280,7 +281,9 @@ def planned_none(cfg: RunConfig, mesh, platform: str, start: int = 0,
 
     m = cfg.model
     n_dev = 1 if mesh is None else mesh.devices.size
-    cuda = 9.0 if platform == "gpu" else 0.0
+    # the GPU's own capability (auto runs blocks before Hopper); 9.0 where a GPU is planned
+    # without one (bench/gpu_compile.py's deviceless compile for an H200)
+    cuda = (cuda_capability() or 9.0) if platform == "gpu" else 0.0
     experts, attention = planned_experts(m, cuda), planned_attention(m, cuda)
     loss = "fused" if m.loss_chunk else "materialized"
     plans = []
