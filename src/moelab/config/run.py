@@ -262,6 +262,13 @@ class RunConfig:
             sorted(row) == list(range(E)) for row in c.placement)), f"{q}.placement",
                 f"must hold {L} rows, each a permutation of the {E} experts (written by the run)")
 
+    def micro_seqs(self, step: int = 0) -> int:
+        """Sequences in one micro-step at ``step``, all devices together: those of
+        train.microbatch_tokens at the step's seq_len (whole ones: validated), else its data
+        stage's whole batch (step 0: the base ``data`` section's; stages start later)."""
+        seg = self.data.segment_at(step)
+        return self.train.microbatch_tokens // seg.seq_len or seg.batch_size
+
     def parallel_at(self, step: int) -> ParallelConfig:
         """The parallel config training at ``step``: a context stage's capacities override."""
         stage = self.data.stage_at(step)

@@ -119,5 +119,5 @@ def run_tokens_per_rank(cfg: RunConfig, visible: int) -> int:
     machine's, as a training start here would take) stands in, not 1, which made the whole
     batch one rank's."""
     d = cfg.data
-    tokens = cfg.train.microbatch_tokens or d.batch_size * d.seq_len
+    tokens = cfg.micro_seqs() * d.seq_len
     return max(tokens // (cfg.parallel.devices or max(visible, 1)), d.seq_len)

@@ -347,7 +347,7 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
     layout.validate(cfg)
     m = cfg.model
     # activations and transport buffers are those of one micro-step (train.microbatch_tokens)
-    seqs = cfg.train.microbatch_tokens // cfg.data.seq_len or cfg.data.batch_size
+    seqs = cfg.micro_seqs()
     batch = max(1, seqs // layout.devices)
     tokens = batch * cfg.data.seq_len
     local = layout.ep == 1

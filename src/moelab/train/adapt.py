@@ -76,8 +76,7 @@ def check_adaptive(cfg: RunConfig) -> None:
 def _tokens_per_rank(cfg: RunConfig, step: int, n_dev: int) -> int:
     """Tokens one device holds per (micro-)step at ``step`` (a pending stage's batch at its
     step: the segments count it)."""
-    seg = cfg.data.segment_at(step)
-    return (cfg.train.microbatch_tokens or seg.batch_size * seg.seq_len) // n_dev
+    return cfg.micro_seqs(step) * cfg.data.segment_at(step).seq_len // n_dev
 
 
 def check_adaptive_heldout(cfg: RunConfig, store, n_dev: int) -> None:

@@ -64,9 +64,7 @@ def _domain_eval(eval_fn, params, model_state, windows: np.ndarray, batch: int,
 def eval_batch(cfg: RunConfig) -> int:
     """Windows per evaluation batch: a training micro-step's sequences with gradient
     accumulation (what fits in memory), else the training batch."""
-    if cfg.train.microbatch_tokens:
-        return cfg.train.microbatch_tokens // cfg.data.seq_len
-    return cfg.data.batch_size
+    return cfg.micro_seqs()
 
 
 def evaluate(cfg: RunConfig, eval_fn, state: dict, store: TokenStore, max_tokens: int,

@@ -98,8 +98,7 @@ def _fraction_var() -> tuple[str, float | None]:
 def _smaller_microbatch(cfg: RunConfig, step: int, devices: int) -> int | None:
     """The largest ``train.microbatch_tokens`` below the micro-step at ``step`` that every data
     segment accepts (``config.run.check_microbatch``), or None."""
-    seg = cfg.data.segment_at(step)
-    seqs = (cfg.train.microbatch_tokens or seg.batch_size * seg.seq_len) // seg.seq_len
+    seg, seqs = cfg.data.segment_at(step), cfg.micro_seqs(step)
     for n in range(seqs - 1, 0, -1):
         try:
             for g in cfg.data.segments():
@@ -289,7 +288,7 @@ def planned_none(cfg: RunConfig, mesh, platform: str, start: int = 0,
     plans = []
     for step in stage_starts(cfg, start):
         seg = cfg.data.segment_at(step)
-        seqs = (cfg.train.microbatch_tokens // seg.seq_len or seg.batch_size) // n_dev
+        seqs = cfg.micro_seqs(step) // n_dev
         plans.append(activation_memory(m, max(1, seqs), seg.seq_len, cfg.parallel.expert == 1,
                                        remat=remat, attention=attention, loss=loss,
                                        experts=experts)["peak"])

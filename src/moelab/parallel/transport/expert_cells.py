@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
+from moelab.model.axes import EXPERT
 from moelab.model.dispatch import combine_rows, gather_rows, invert, rank_in_group, token_of
 from moelab.model.experts import DropCounts, swiglu_bank
 from moelab.parallel.transport.common import (
@@ -45,7 +46,7 @@ def cells_compute(x_arr_SLCH, w):
 
 
 def expert_cells(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
-                 valid_TK=None, axis: str = "expert"):
+                 valid_TK=None, axis: str = EXPERT):
     """Per-rank expert-cells transport; call inside shard_map over ``axis``."""
     T, H = z_TH.shape
     k = expert_TK.shape[1]

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
+from moelab.model.axes import EXPERT
 from moelab.model.dispatch import gather_rows, invert, rank_in_group, token_of, weighted_routes
 from moelab.model.experts import DropCounts, GroupLayout, counts_layout, sorted_swiglu
 from moelab.parallel.transport.common import (
@@ -137,7 +138,7 @@ def bank_swiglu(kernel: str):
 
 
 def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
-                  kernel: tuple = ("blocks", 128), valid_TK=None, axis: str = "expert"):
+                  kernel: tuple = ("blocks", 128), valid_TK=None, axis: str = EXPERT):
     """Per-rank pooled-global transport; call inside shard_map over ``axis``.
     Returns (out [T, H] in z's dtype, drop stats)."""
     T, H = z_TH.shape

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
+from moelab.model.axes import EXPERT
 from moelab.model.dispatch import combine_rows, gather_rows, invert, rank_in_group, token_of
 from moelab.model.experts import DropCounts, swiglu_bank
 from moelab.parallel.transport.common import (
@@ -89,7 +90,7 @@ def wave_compute(x_arr_MH, cpos_M, csrc_C, w):
 
 
 def pooled_wave(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
-                valid_TK=None, axis: str = "expert"):
+                valid_TK=None, axis: str = EXPERT):
     """Per-rank pooled-wave transport; call inside shard_map over ``axis``.
     Returns (out [T, H] in z's dtype, drop stats)."""
     T, H = z_TH.shape

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
+from moelab.model.axes import EXPERT
 from moelab.model.dispatch import combine_rows, gather_rows, invert, rank_in_group, token_of
 from moelab.model.experts import DropCounts, grouped_swiglu
 from moelab.parallel.transport.common import (
@@ -130,7 +131,7 @@ def ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, *, n_experts: in
 
 
 def ragged(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
-           kernel: tuple = ("blocks", 128), valid_TK=None, axis: str = "expert"):
+           kernel: tuple = ("blocks", 128), valid_TK=None, axis: str = EXPERT):
     """Per-rank dropless transport; call inside shard_map over ``axis``. ``kernel``: (grouped
     kernel, block rows) of the expert compute (``moelab.model.experts.grouped_kernel``)."""
     T = z_TH.shape[0]

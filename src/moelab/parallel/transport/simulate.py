@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from moelab.config import ParallelConfig
+from moelab.model.axes import EXPERT
 from moelab.model.experts import drop_totals
 from moelab.parallel.transport import get
 
@@ -35,9 +36,9 @@ def _counter(par: ParallelConfig, ranks: int, n_experts: int, tokens: int, k: in
     def rank(z_TH, expert_TK, valid_TK, w_local):
         weight = jnp.ones(expert_TK.shape, jnp.float32)
         return transport_run(z_TH, expert_TK, weight, w_local, n_experts=n_experts, par=par,
-                             valid_TK=valid_TK, axis="expert")[1]
+                             valid_TK=valid_TK, axis=EXPERT)[1]
 
-    run = jax.jit(jax.vmap(rank, axis_name="expert"))
+    run = jax.jit(jax.vmap(rank, axis_name=EXPERT))
     return lambda expert_STK, valid_STK: run(z, expert_STK, valid_STK, w)
 
 

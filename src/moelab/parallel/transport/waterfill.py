@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
+from moelab.model.axes import EXPERT
 from moelab.model.dispatch import rank_in_group
 from moelab.model.experts import DropCounts
 from moelab.parallel.transport import ragged
@@ -74,7 +75,7 @@ def source_share_SE(count_SE, keep_E, max_count: int):
 
 
 def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
-              kernel: tuple = ("blocks", 128), valid_TK=None, axis: str = "expert"):
+              kernel: tuple = ("blocks", 128), valid_TK=None, axis: str = EXPERT):
     """Per-rank waterfilling transport; call inside shard_map over ``axis``."""
     T = z_TH.shape[0]
     A = T * expert_TK.shape[1]
