@@ -12,14 +12,13 @@ without saves. Saves bench/results/ckpt_stall.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import tempfile
 import time
 from pathlib import Path
 
-from common import count, print_table, save
+from common import count, parser, print_table, run_main, save
 from moelab.config import load_config
 from moelab.train import loop
 from moelab.train.setup import setup_run
@@ -55,7 +54,7 @@ def time_loop(overrides: list[str]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "ckpt_stall.json")
     ap.add_argument("--steps", type=count, default=100)
     ap.add_argument("--batch", type=count, default=2, help="sequences per step (small: 32)")
     ap.add_argument("--every", type=count, default=50, help="steps between checkpoints")
@@ -94,4 +93,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -8,6 +8,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
@@ -25,6 +26,33 @@ def count(text: str) -> int:
     if n < 1:
         raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text}")
     return n
+
+
+def counts(text: str) -> list[int]:
+    """argparse type of a comma-separated list of counts: "1,2,4" -> [1, 2, 4]."""
+    try:
+        return [count(t) for t in text.split(",")]
+    except (argparse.ArgumentTypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"comma-separated whole numbers >= 1, got {text}") from None
+
+
+def parser(doc: str, results: str) -> argparse.ArgumentParser:
+    """A script's options: its docstring's first paragraph says what it measures, the epilog
+    where its results land (RESULTS: the file names under bench/results/)."""
+    return argparse.ArgumentParser(description=" ".join(doc.split("\n\n")[0].split()),
+                                   epilog=f"results: bench/results/{results}")
+
+
+def run_main(main: Callable[[], object]) -> None:
+    """A script's main(): a wrong input (a config field or preset, a missing file) ends with
+    its message and exit status 2, as a wrong option does, not with a traceback."""
+    from moelab.config import ConfigError
+
+    try:
+        main()
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def copy_result(src: Path, name: str) -> Path:

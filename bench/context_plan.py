@@ -31,11 +31,10 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
-import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 
-from common import RESULTS, count, print_table, save  # noqa: E402
+from common import RESULTS, count, parser, print_table, run_main, save  # noqa: E402
 from trained_router import run_overrides  # noqa: E402
 
 RANKS, PER_RANK = 8, 4096
@@ -96,13 +95,14 @@ def stage_rows(run, starts: list[int], steps: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "context_plan.json; its runs in context_plan_TRANSPORT_b<BASE>_s<STAGE>/")
     ap.add_argument("--base-steps", type=count, default=40, help="steps at 256 before the stages")
     ap.add_argument("--stage-steps", type=count, default=12, help="steps at each longer length")
     ap.add_argument("--max-drops", type=float, default=0.01, help="pooled_global's gate")
     ap.add_argument("--only", nargs="+", choices=list(TRANSPORTS), default=list(TRANSPORTS))
     args = ap.parse_args()
-    from moelab.train.loop import format_summary, train
+    from moelab.train.loop import train
+    from moelab.train.tracker import format_summary
 
     starts = stage_steps(args.base_steps, args.stage_steps)
     steps = starts[-1] + args.stage_steps
@@ -149,4 +149,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -22,7 +22,6 @@ proportion to its size.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import resource
@@ -32,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import count, print_table, save
+from common import count, parser, print_table, run_main, save
 
 WORDS = ("the of and to in is was that for it with as his on be at by had not are but from or "
          "have an they which one you were her all she there would their we him been has when who "
@@ -79,7 +78,7 @@ def run_build(src: Path, text: Path, out: Path, vocab: int, cap_gb: float) -> di
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, "data_memory[-TAG].json")
     p.add_argument("--mb", type=float, default=50.0)
     p.add_argument("--vocab", type=count, default=512)
     p.add_argument("--src", default=str(Path(__file__).resolve().parents[1] / "src"))
@@ -104,4 +103,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

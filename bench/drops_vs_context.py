@@ -28,12 +28,11 @@ pooled_global cf_s 2.0 / cf_r 1.10 in budget groups of 8, waterfill cf 1.10, exp
 
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import RESULTS, count, print_table, save
+from common import RESULTS, count, parser, print_table, run_main, save
 from moelab.config import ParallelConfig
 from moelab.parallel.forecast import fit_placements, forecast, pick_spans
 from moelab.parallel.routing import at_context, heldout_spans, routed_ids, routing_fn
@@ -92,7 +91,8 @@ def rates(rows: list[dict], L: int, names) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "drops_vs_context.{json,png} "
+                "(drops_vs_context_cf<CF>.{json,png} with --global-cf)")
     ap.add_argument("--lengths", type=count, nargs="+", default=[256, 512, 1024, 4096])
     ap.add_argument("--batches", type=count, default=4, help="batches of 8 x 4096 held-out tokens")
     ap.add_argument("--waves", type=count, default=4)
@@ -205,4 +205,4 @@ def plot(rows: list[dict], names: list[str], name: str):
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -13,7 +13,6 @@ difference from the first variant. Saves bench/results/expert_kernels_cpu.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -21,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from common import count, print_table, save
+from common import count, parser, print_table, run_main, save
 from moelab.config import load_config
 from moelab.model import experts
 
@@ -121,7 +120,7 @@ def measure(preset: str, reps: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "expert_kernels_cpu.json")
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
     ap.add_argument("--reps", type=count, default=10)
     args = ap.parse_args()
@@ -135,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

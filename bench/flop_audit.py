@@ -35,7 +35,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from common import print_table, save
+from common import parser, print_table, run_main, save
 from moelab.config import ConfigError, load_config
 from moelab.config.model import REMAT_POLICIES
 from moelab.model.experts import resolve_impl
@@ -159,7 +159,7 @@ def show_fp32(cfg, res: dict, v: dict) -> None:
 def parse(argv: list[str]) -> argparse.Namespace:
     """KEY=VALUE words are overrides wherever they stand, so ``--remat none full`` cannot
     swallow one."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "NAME.json (--name, default flop_audit)")
     ap.add_argument("config", help="preset name or YAML file; then KEY=VALUE overrides")
     ap.add_argument("--remat", nargs="+", default=["none", "full"],
                     choices=list(REMAT_POLICIES), help="remat policies (default: none full)")
@@ -197,4 +197,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -32,7 +32,6 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
-import argparse  # noqa: E402
 import json  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
@@ -40,7 +39,7 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from common import RESULTS, count, print_table, save  # noqa: E402
+from common import RESULTS, count, parser, print_table, run_main, save  # noqa: E402
 from drops_vs_context import BRANCH_AT, COOLDOWN_STEPS, PER_RANK, RANKS, transports  # noqa: E402
 from trained_router import RUN_DIR, STEPS, load, run_overrides, trained_run  # noqa: E402
 
@@ -77,7 +76,7 @@ def routed(run: Path, step: int, spans, window: int, routes: dict):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "fresh_placement.json")
     ap.add_argument("--every", type=count, nargs="+", default=[8, 24, 48])
     ap.add_argument("--batches", type=count, default=4)
     ap.add_argument("--cost-steps", type=count, default=8)
@@ -178,4 +177,4 @@ def replacement_cost(n_steps: int) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -12,13 +12,12 @@ must give the same tokens ("same" column). Saves bench/results/generate_speed.js
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import count, print_table, save
+from common import count, parser, print_table, run_main, save
 from moelab.config import load_config  # noqa: E402
 from moelab.generate import make_sampler  # noqa: E402
 from moelab.model import transformer as tr  # noqa: E402
@@ -47,7 +46,7 @@ def measure(preset: str, n_prompt: int, n_new: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "generate_speed.json")
     ap.add_argument("--presets", default="tiny,small", help="comma list of presets")
     ap.add_argument("--prompt", type=count, default=64, help="prompt tokens")
     ap.add_argument("--new", type=count, default=128, help="new tokens generated")
@@ -63,4 +62,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

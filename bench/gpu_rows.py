@@ -205,6 +205,10 @@ KINDS = {"peak": peak, "train": train, "legs": legs, "moelab_train": moelab_trai
 
 
 def main() -> None:
+    asked = sys.argv[1:] in (["-h"], ["--help"])
+    if asked or len(sys.argv) != 3:  # bench/gpu_mfu.py gives both arguments
+        print(__doc__, file=sys.stdout if asked else sys.stderr)
+        sys.exit(0 if asked else 2)
     spec, path = json.loads(sys.argv[1]), sys.argv[2]
     row = Row(path)
     row.save(jax_version=jax.__version__, backend=jax.default_backend(),

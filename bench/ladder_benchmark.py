@@ -20,14 +20,13 @@ method was designed; they are reported apart. Saves bench/results/ladder_benchma
 
 from __future__ import annotations
 
-import argparse
 import csv
 import time
 from pathlib import Path
 
 import numpy as np
 
-from common import RESULTS, print_table, save
+from common import RESULTS, count, parser, print_table, run_main, save
 from moelab.ladder.choose import choose, make_data
 from moelab.ladder.powerlaw import fit_with_bootstrap, make_law
 
@@ -94,10 +93,12 @@ def summary(rows: list[dict], label: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sets", nargs="*", help="data set names (default: every CSV in "
+    ap = parser(__doc__, "ladder_benchmark.json")
+    sets = sorted(p.stem for p in DATA.glob("*.csv"))
+    ap.add_argument("--sets", nargs="*", choices=sets, metavar="SET",
+                    help=f"data set names: {', '.join(sets)} (default: every CSV in "
                     f"{DATA.relative_to(DATA.parents[2])})")
-    ap.add_argument("--boot", type=int, default=200, help="approach 3's bootstrap resamples")
+    ap.add_argument("--boot", type=count, default=200, help="approach 3's bootstrap resamples")
     args = ap.parse_args()
     names = args.sets or sorted(p.stem for p in DATA.glob("*.csv"))
     rows = []
@@ -135,4 +136,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

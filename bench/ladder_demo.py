@@ -38,7 +38,6 @@ also the ladder folder under runs/), and ladder_points.json and ladder_points.cs
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -53,7 +52,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from common import RESULTS, copy_result, count, print_table, save
+from common import RESULTS, copy_result, count, parser, print_table, save
 from moelab.config import config_from_dict
 from moelab.ladder.fit import final_value
 from moelab.ladder.folder import load_ladder
@@ -370,7 +369,8 @@ def summarize(lad, fit: dict, stages: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "TAG.json, TAG_prediction.json and TAG.png (TAG: see --dir); "
+                "--part points: ladder_points.{json,csv}")
     ap.add_argument("--part", choices=("all", "points", "ladder"), default="all")
     ap.add_argument("--seed", type=int, default=0, help="train.seed of the rungs and target")
     ap.add_argument("--design", choices=sorted(DESIGNS), default="a",

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from common import print_table, save
+from common import parser, print_table, run_main, save
 from moelab.ladder.forecast import FRACTIONS, METHODS, evaluate, load_inputs
 
 
@@ -55,7 +55,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser(__doc__, "ladder_forecast[_TAG].json")
     ap.add_argument("runs", nargs="+", help="finished run folders")
     ap.add_argument("--ladder", help="ladder folder or prediction.json (default: each RUN's own)")
     ap.add_argument("--fractions", type=fractions, default=FRACTIONS,
@@ -85,4 +85,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -14,7 +14,6 @@ often slower); the dtypes of the products and the passes are what carry over.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import time
@@ -25,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from common import count, print_table, save  # noqa: E402  (also puts src/ on sys.path)
+from common import count, parser, print_table, run_main, save  # noqa: E402  (also puts src/ on sys.path)
 from moelab.model.loss import _chunks, chunked_token_loss, head_logits, logit_sums  # noqa: E402
 from moelab.planner.flop_audit import dot_flops  # noqa: E402
 
@@ -128,7 +127,7 @@ def measure(name, loss, dtype, chunk, args, repeat: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "loss_kernels.json")
     ap.add_argument("--tokens", type=count, default=8192)
     ap.add_argument("--rows", type=count, default=4, help="sequences (the batch axis)")
     ap.add_argument("--d-model", type=count, default=512)
@@ -159,4 +158,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

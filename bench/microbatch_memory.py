@@ -11,13 +11,12 @@ bench/results/microbatch_memory.json.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import jax
 
-from common import count, print_table, save
+from common import count, parser, print_table, run_main, save
 from moelab.config import ConfigError, load_config
 from moelab.planner.memory import planned_config
 from moelab.train.step import init_train_state, make_train_step
@@ -47,7 +46,7 @@ def measure(preset: str, micro: int, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "microbatch_memory.json")
     ap.add_argument("--preset", default="small")
     ap.add_argument("--steps", type=count, default=3)
     ap.add_argument("--micro", type=count, nargs="+", default=[8192, 4096, 2048, 1024],
@@ -72,4 +71,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -24,11 +24,10 @@ Saves bench/results/moe_vs_dense.json and moe_vs_dense.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
-from common import RESULTS, count, print_table, save
+from common import RESULTS, count, parser, print_table, save
 from ladder_demo import TARGET_STEPS, WARMUP, moelab, run_script, target_overrides
 from moelab.config import load_config
 
@@ -46,7 +45,7 @@ def plan(root: Path, overrides: list[str], widths: str, seeds: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "moe_vs_dense.{json,png}")
     ap.add_argument("--widths", default="32,48,64", help="rung widths, at least 3 (default "
                     "%(default)s: multiples of the head dimension 16)")
     ap.add_argument("--seeds", type=count, default=2, help="seeds per rung (default %(default)s)")

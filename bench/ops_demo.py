@@ -28,13 +28,12 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=4").strip()
 
-import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from common import RESULTS, print_table, save  # noqa: E402
+from common import RESULTS, parser, print_table, run_main, save  # noqa: E402
 from moelab.cli import main as moelab  # noqa: E402
 from moelab.config import load_config  # noqa: E402
 from moelab.ops.plot import plot_runs  # noqa: E402
@@ -69,7 +68,7 @@ def eval_at(run: Path, step: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "ops_demo.{json,png}")
     ap.add_argument("--out", default="runs/ops_demo", help="folder for the two runs (replaced)")
     args = ap.parse_args()
     out = Path(args.out)
@@ -136,4 +135,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -25,10 +25,9 @@ Saves bench/results/placed_forecast.json.
 
 from __future__ import annotations
 
-import argparse
 import time
 
-from common import count, print_table, save
+from common import count, parser, print_table, run_main, save
 from drops_vs_context import BRANCH_AT, PER_RANK, RANKS, extended_run, transports
 from moelab.parallel.forecast import batch_drops, fit_placements, fit_spans, heldout_batches
 from moelab.parallel.routing import at_context, route_spans, routed_ids, routing_fn
@@ -39,7 +38,7 @@ PLACED = ("pooled_global", "pooled_wave")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "placed_forecast.json")
     ap.add_argument("--lengths", type=count, nargs="+", default=[512, 1024, 4096])
     ap.add_argument("--stale-from", type=count, default=90, help="checkpoint of the aged fit")
     ap.add_argument("--batches", type=count, default=4)
@@ -98,4 +97,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -12,13 +12,12 @@ Results: bench/results/remat_memory.json.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import jax
 import jax.numpy as jnp
 
-from common import print_table, save
+from common import parser, print_table, run_main, save
 from moelab.config import load_config
 from moelab.config.model import REMAT_POLICIES
 from moelab.model import transformer as tr
@@ -34,7 +33,7 @@ def temp_bytes(m, batch: int, seq_len: int) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "remat_memory.json")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--layers", type=int, default=4, help="model.n_layers (default 4)")
     ap.add_argument("--unroll", type=int, nargs="+", default=[1, 2, 4],
@@ -58,4 +57,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

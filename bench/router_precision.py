@@ -16,7 +16,6 @@ histogram of margins) the largest change of a margin and of the next step's bias
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import count, print_table, save  # noqa: E402  (also puts src/ on sys.path)
+from common import count, parser, print_table, run_main, save  # noqa: E402  (also puts src/ on sys.path)
 from moelab.model import transformer as tr  # noqa: E402
 from moelab.model.layers import rope_at  # noqa: E402
 from moelab.model.router import quantile_bias  # noqa: E402
@@ -89,7 +88,7 @@ def compare(ref, got, bias_E, k: int, bins: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "router_precision.json")
     ap.add_argument("--seqs", type=count, default=16, help="held-out windows of seq_len tokens")
     args = ap.parse_args()
     run = trained_run()
@@ -121,4 +120,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -1,4 +1,4 @@
-"""Drop rates of the capacity-limited transports on a skewed synthetic routing (prints a table).
+"""Drop rates of the capacity-limited transports on a skewed synthetic routing.
 
     .venv/bin/python bench/skewed_drops.py [--zipf 0.6] [--source-pref 0.8]
 
@@ -10,10 +10,9 @@ source (correlated load), plus per-token noise. EP 8, 48 experts top-4, 256 toke
 
 from __future__ import annotations
 
-import argparse
 from collections import Counter
 
-import common  # noqa: F401  (puts src/ on sys.path)
+from common import parser, print_table, run_main, save  # also puts src/ on sys.path
 from moelab.config import ParallelConfig
 from moelab.parallel.transport.simulate import simulate_drops, skewed_routing
 
@@ -34,12 +33,12 @@ def measure_drops(cfgs: dict, ep: int = 8, T: int = 256, E: int = 48, k: int = 4
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description="drop rates of the capacity-limited transports")
+    ap = parser(__doc__, "skewed_drops.json")
     ap.add_argument("--zipf", type=float, default=0.6, help="global expert popularity skew")
     ap.add_argument("--source-pref", type=float, default=0.8,
                     help="per-source preference (correlated load); 0.2/0.3 = mild skew")
     args = ap.parse_args()
-    print(f"{'cf':>5} {'transport':>12} {'sender':>8} {'receiver':>9} {'total':>8}")
+    rows = []
     for cf in (1.05, 1.10, 1.25):
         cfgs = {"pooled_wave": ParallelConfig(transport="pooled_wave", sender_cf=cf,
                                               receiver_cf=cf),
@@ -48,9 +47,13 @@ def main() -> None:
         drops = measure_drops(cfgs, zipf=args.zipf, source_pref=args.source_pref)
         for name, t in drops.items():
             n = t["assignments"]
-            print(f"{cf:5.2f} {name:>12} {t['sender_dropped'] / n:8.2%} "
-                  f"{t['receiver_dropped'] / n:9.2%} {t['dropped'] / n:8.2%}")
-
+            rows.append({"cf": cf, "transport": name, "sender": t["sender_dropped"] / n,
+                         "receiver": t["receiver_dropped"] / n, "total": t["dropped"] / n})
+    print_table(rows, [("cf", "cf", ".2f"), ("transport", "transport", "s"),
+                       ("sender", "sender", ".2%"), ("receiver", "receiver", ".2%"),
+                       ("total", "total", ".2%")])
+    save("skewed_drops", rows, device_info=False, zipf=args.zipf, source_pref=args.source_pref,
+         ep=8, experts=48, top_k=4, tokens_per_source=256, sources=8)
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -21,7 +21,6 @@ both cores; a second process adds its start-up and its own tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -29,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import count, print_table, save
+from common import count, counts, parser, print_table, run_main, save
 from moelab.data import build_builtin_corpus, iter_documents, train_tokenizer
 from moelab.data.build import BUILTIN_OUT
 from moelab.data.corpus import write_corpus
@@ -81,19 +80,19 @@ def cpu_seconds() -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, "tokenize_speed[-TAG].json")
     p.add_argument("--mb", type=float, default=8.0, help="MB of the built-in corpus to tokenize")
-    p.add_argument("--workers", default="1,2", help="comma-separated worker counts")
+    p.add_argument("--workers", type=counts, default=[1, 2], help="comma-separated worker counts")
     p.add_argument("--repeats", type=count, default=2)
     p.add_argument("--vocab", type=count, default=4096)
     p.add_argument("--tag", default="")
     args = p.parse_args()
-    counts = [int(w) for w in args.workers.split(",")]
+    workers = args.workers
     with tempfile.TemporaryDirectory(prefix="tokenize_speed-") as tmp:
         out = Path(tmp)
         corpus = head_corpus(out, args.mb)
         tok = train_tokenizer(corpus, out / "tokenizer.json", vocab_size=args.vocab)
-        rows = [measure(corpus, tok, w, args.repeats, out) for w in counts]
+        rows = [measure(corpus, tok, w, args.repeats, out) for w in workers]
     same = all(r["arrays"] == rows[0]["arrays"] for r in rows)
     for r in rows:
         r["speedup"] = r["mb_per_s"] / rows[0]["mb_per_s"]
@@ -101,7 +100,7 @@ def main() -> None:
     print_table(rows, [("workers", "workers", "d"), ("text_mb", "text MB", ".1f"),
                        ("seconds", "best s", ".2f"), ("mb_per_s", "MB/s", ".2f"),
                        ("cpu_s", "CPU s", ".1f"), ("mb_per_cpu_s", "MB/CPU s", ".2f"),
-                       ("speedup", f"x {counts[0]} worker(s)", ".2f")])
+                       ("speedup", f"x {workers[0]} worker(s)", ".2f")])
     print(f"token stores byte-identical across worker counts: {same}")
     name = "tokenize_speed" + (f"-{args.tag}" if args.tag else "")
     save(name, rows, device_info=False, cores=usable_cores(), load=os.getloadavg(),
@@ -111,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -11,12 +11,11 @@ text.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import jax
 
-from common import count, print_table, save
+from common import count, parser, print_table, run_main, save
 from moelab.config import load_config
 from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.train.peak import device_peaks, format_flops, measure_peak_flops
@@ -101,10 +100,10 @@ def measure(preset: str, steps: int, overrides: list[str]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "NAME.json (--name, default train_throughput)")
     ap.add_argument("--presets", nargs="+", default=["tiny", "small"])
     ap.add_argument("--steps", type=count, default=5, help="timed steps per preset (after compile)")
-    ap.add_argument("--peak-dtype", default=None,
+    ap.add_argument("--peak-dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="dtype of the peak matmul (default: float32 on CPU, bfloat16 elsewhere)")
     ap.add_argument("--name", default="train_throughput", help="results file name")
     ap.add_argument("overrides", nargs="*", help="config overrides applied to every preset")
@@ -134,4 +133,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import RESULTS, count  # noqa: E402  (also puts src/ on sys.path)
+from common import RESULTS, count, parser, run_main  # noqa: E402  (also puts src/ on sys.path)
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_DIR = RESULTS / "router_run"
@@ -66,11 +66,12 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return s.get("step", 0) >= steps and not s.get("interrupted")
 
 
-def router_dir(experts: int = 64, seed: int = 0) -> Path:
-    """The default model's folder is router_run; another expert count or seed gets its own
-    (router_run_e<N>, router_run_s<SEED>)."""
+def router_dir(experts: int = 64, seed: int = 0, steps: int = STEPS) -> Path:
+    """The default model's folder is router_run; another expert count, seed or number of steps
+    gets its own (router_run_e<N>, router_run_s<SEED>, router_run_n<STEPS>): a shorter trial
+    run is never extended into the default model, nor the default model reused as it."""
     return Path(f"{RUN_DIR}" + (f"_e{experts}" if experts != 64 else "")
-                + (f"_s{seed}" if seed else ""))
+                + (f"_s{seed}" if seed else "") + (f"_n{steps}" if steps != STEPS else ""))
 
 
 def trained_run(steps: int = STEPS, run_dir: Path | str | None = None, experts: int = 64,
@@ -78,10 +79,11 @@ def trained_run(steps: int = STEPS, run_dir: Path | str | None = None, experts: 
     """The run folder of the trained router model (``router_dir``), training (or resuming) it
     if needed."""
     from moelab.config import load_config
-    from moelab.train.loop import format_summary, train
+    from moelab.train.loop import train
     from moelab.train.resume import resolve_run_config
+    from moelab.train.tracker import format_summary
 
-    run_dir = Path(run_dir or router_dir(experts, seed))
+    run_dir = Path(run_dir or router_dir(experts, seed, steps))
     cfg = load_config("tiny", run_overrides(steps, experts, seed))
     resolve_run_config(cfg, run_dir)  # a folder trained with another config: ConfigError
     if _finished(run_dir, steps):
@@ -152,9 +154,8 @@ def heldout_batch(run_dir: Path | str, n_seqs: int, seq_len: int, seed: int = 0)
 
 
 def main() -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="train (or reuse) the benchmarks' router model")
+    ap = parser(__doc__, "router_run[_e<EXPERTS>][_s<SEED>][_n<STEPS>]/, the run folder the "
+                "transport benchmarks reuse")
     ap.add_argument("--steps", type=count, default=STEPS)
     ap.add_argument("--experts", type=count, default=64)
     ap.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
@@ -170,4 +171,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

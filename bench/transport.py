@@ -51,7 +51,6 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
-import argparse  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections import Counter  # noqa: E402
@@ -61,14 +60,21 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.extend import core as jcore  # noqa: E402
 
-from common import count, print_table, save  # noqa: E402
+from common import count, parser, print_table, run_main, save  # noqa: E402
 from moelab.config import ParallelConfig  # noqa: E402
 from moelab.model.experts import drop_totals  # noqa: E402
 from moelab.parallel import transport  # noqa: E402
 from moelab.parallel.mesh import make_mesh, shard_batch, shard_expert_weights  # noqa: E402
 from moelab.parallel.transport.simulate import simulate_drops  # noqa: E402
 from moelab.planner.memory import transport_memory  # noqa: E402
-from trained_router import STEPS, heldout_batch, load, routing_all, trained_run  # noqa: E402
+from trained_router import (  # noqa: E402
+    STEPS,
+    heldout_batch,
+    load,
+    routing_all,
+    run_overrides,
+    trained_run,
+)
 
 KERNEL = ("blocks", 32)  # grouped expert compute of the dropless transports: blocks of 32 rows
 
@@ -297,13 +303,31 @@ def cf_sweep(layers, E: int, S: int, G: int, pooled_w: list[int]) -> list[dict]:
     return sweep
 
 
+def check_args(ap, args) -> None:
+    """Options the router model cannot serve, refused before it trains (minutes)."""
+    from moelab.config import load_config
+
+    cfg = load_config("tiny", run_overrides(args.router_steps, args.experts))
+    if args.experts % 8:
+        ap.error(f"--experts {args.experts}: a multiple of the 8 ranks (48 or 64)")
+    local = args.experts // 8
+    if bad := [w for w in args.waves if local % w]:
+        ap.error(f"--waves {' '.join(map(str, bad))}: each must divide the {local} experts per "
+                 f"rank (--experts {args.experts} / 8)")
+    if not 0 <= args.layer < cfg.model.n_layers:
+        ap.error(f"--layer {args.layer}: the router model has layers 0-{cfg.model.n_layers - 1}")
+    if 8 * args.tokens_per_rank % cfg.data.seq_len:
+        ap.error(f"--tokens-per-rank {args.tokens_per_rank}: 8 ranks' tokens must be whole "
+                 f"{cfg.data.seq_len}-token windows (a multiple of {cfg.data.seq_len // 8})")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "transport.json (transport_e<EXPERTS>.json with --experts)")
     ap.add_argument("--tokens-per-rank", type=count, default=1024)
     ap.add_argument("--layer", type=int, default=2, help="layer whose routing/weights are timed")
     ap.add_argument("--reps", type=count, default=5,
                     help="timed calls per transport and router (median)")
-    ap.add_argument("--dtype", default="float32", help="activation/expert-weight dtype "
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="activation/expert-weight dtype "
                     "(the trained model computes in float32; bfloat16 halves the payload)")
     ap.add_argument("--experts", type=count, default=64, help="routed experts of the router model "
                     "(64; 48 gives E_l = 6 per rank, the reference's split)")
@@ -321,6 +345,7 @@ def main() -> None:
                     help="time only these transports in Table 1 (pooled_wave is always timed: "
                     "the ratios are to it)")
     args = ap.parse_args()
+    check_args(ap, args)
     t_start = time.time()
 
     S = 8
@@ -519,4 +544,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -14,7 +14,6 @@ next to ``compiled.memory_analysis()``'s temp bytes. Saved as bench/results/tran
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 from pathlib import Path
 
@@ -25,7 +24,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
                            f"count=8 --xla_dump_to={DUMP} --xla_dump_hlo_as_text "
                            "--xla_dump_hlo_module_re=.*loss.*").strip()
 
-import argparse  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 from collections import defaultdict  # noqa: E402
@@ -34,7 +32,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from common import count, print_table, save  # noqa: E402
+from common import count, parser, print_table, run_main, save  # noqa: E402
 from moelab.config import ParallelConfig  # noqa: E402
 from moelab.parallel import transport  # noqa: E402
 from moelab.parallel.mesh import batch_spec, expert_weight_spec, make_mesh  # noqa: E402
@@ -129,7 +127,7 @@ def breakdown(name: str, tcfg: ParallelConfig, kernel, tokens_per_rank: int, top
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = parser(__doc__, "transport_buffers_t<TOKENS_PER_RANK>.json")
     ap.add_argument("--tokens-per-rank", type=count, default=1024)
     ap.add_argument("--top", type=count, default=12, help="shapes listed per transport")
     args = ap.parse_args()
@@ -145,4 +143,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

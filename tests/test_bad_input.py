@@ -255,7 +255,9 @@ CASES = [
      "config file {d}/missing_base.yaml (the base of {d}/nobase.yaml): not found"),
     (["train", "tiny", "train.wandb=maybe"], 2, "train.wandb: expected true or false"),
     (["train", "tiny", "model.vocab_size=1"], 2,
-     "model.vocab_size=1: a new tokenizer needs at least 258 tokens"),
+     "model.vocab_size=1: a new tokenizer needs at least 258 tokens (256 bytes, <|endoftext|> "
+     "and a merge), and this data folder has no tokenizer.json of its own; give more, or 0 for "
+     "the default 4096"),
     (["train", "tiny", "train.steps=5", "train.steps=6"], 2,
      "override 'train.steps=6': train.steps is already set by 'train.steps=5'"),
     (["train", "{d}/list.yaml"], 2, "top level must be a mapping"),

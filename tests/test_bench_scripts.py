@@ -5,7 +5,9 @@ function or a broken option shows here, not in the middle of a long measurement.
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -20,6 +22,23 @@ import common  # noqa: E402
 # bench/gpu_rows.py is the GPU driver's child (a JSON spec, no options: tests/test_gpu_bench.py)
 LIBRARIES = {"common", "gpu_legs", "gpu_profile", "gpu_rows"}
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in LIBRARIES)
+OWN_EPILOG = {"gpu_mfu", "gpu_compile"}  # their help lists rows; --name says where results go
+
+
+def run_script(name: str, argv: list[str], monkeypatch) -> int:
+    """The exit status of bench/NAME.py run as from a shell with ``argv``, in this process."""
+    env, path = dict(os.environ), list(sys.path)
+    try:
+        module = importlib.import_module(name)
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", *argv])
+        with pytest.raises(SystemExit) as e:
+            common.run_main(module.main)
+            raise SystemExit(0)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+    return e.value.code
 
 
 def test_every_script_is_listed():
@@ -30,18 +49,82 @@ def test_every_script_is_listed():
 def test_script_imports_and_answers_help(name, capsys, monkeypatch):
     # some scripts add XLA flags for their own processes, or bench/ first on sys.path, when
     # imported: both are put back
-    env, path = dict(os.environ), list(sys.path)
-    try:
-        module = importlib.import_module(name)
-        monkeypatch.setattr(sys, "argv", [f"{name}.py", "--help"])
-        with pytest.raises(SystemExit) as e:
-            module.main()
-    finally:
-        os.environ.clear()
-        os.environ.update(env)
-        sys.path[:] = path
-    assert e.value.code == 0
-    assert "usage:" in capsys.readouterr().out
+    assert run_script(name, ["--help"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert "usage:" in out
+    if name not in OWN_EPILOG:
+        assert "results: bench/results/" in out  # where the table's JSON lands
+
+
+def test_every_moelab_name_a_script_imports_exists():
+    """Imports inside functions too: they run only when the measurement gets there."""
+    missing = []
+    for path in sorted(BENCH.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("moelab"):
+                module = importlib.import_module(node.module)
+                missing += [f"{path.name}:{node.lineno} {node.module}.{a.name}"
+                            for a in node.names if not hasattr(module, a.name)]
+    assert not missing
+
+
+@pytest.mark.parametrize("name, argv", [("ladder_benchmark", ["--sets", "nope"]),
+                                        ("ladder_benchmark", ["--boot", "0"]),
+                                        ("tokenize_speed", ["--workers", "1,x"]),
+                                        ("train_throughput", ["--peak-dtype", "fp8"]),
+                                        ("transport", ["--layer", "9"]),
+                                        ("transport", ["--waves", "3"]),
+                                        ("transport", ["--tokens-per-rank", "100"])])
+def test_bad_options_are_refused_before_any_work(name, argv, capsys, monkeypatch):
+    assert run_script(name, argv, monkeypatch) == 2
+    err = capsys.readouterr().err
+    assert f"{name}.py: error:" in err and argv[0] in err and "Traceback" not in err
+
+
+def test_a_config_error_ends_with_its_message_not_a_traceback(capsys, monkeypatch):
+    from moelab.config import ConfigError
+
+    def main():
+        raise ConfigError("config 'nope': no such preset or file")
+
+    monkeypatch.setattr(sys, "argv", ["some_script.py"])
+    with pytest.raises(SystemExit) as e:
+        common.run_main(main)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "some_script.py: error: config 'nope': no such preset or file\n"
+
+
+def test_skewed_drops_saves_its_table(tmp_path, capsys, monkeypatch):
+    import skewed_drops
+
+    def drops(cfgs, **_):
+        return {n: {"assignments": 100, "sender_dropped": 1, "receiver_dropped": 2,
+                    "dropped": 3} for n in cfgs}
+
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(skewed_drops, "measure_drops", drops)
+    assert run_script("skewed_drops", ["--zipf", "0.2"], monkeypatch) == 0
+    saved = json.loads((tmp_path / "skewed_drops.json").read_text())
+    assert saved["zipf"] == 0.2 and len(saved["rows"]) == 9
+    assert saved["rows"][0] == {"cf": 1.05, "transport": "pooled_wave", "sender": 0.01,
+                                "receiver": 0.02, "total": 0.03}
+    assert "pooled_wave" in capsys.readouterr().out
+
+
+def test_a_router_model_of_other_steps_has_its_own_folder():
+    """A short trial (--steps 10) is neither extended into the benchmarks' model nor reused."""
+    import trained_router
+
+    assert trained_router.router_dir() == trained_router.RUN_DIR
+    assert trained_router.router_dir(steps=10) != trained_router.router_dir()
+    assert trained_router.router_dir(64, 1, 10) != trained_router.router_dir(64, 1)
+
+
+def test_the_gpu_row_child_answers_help(capsys, monkeypatch):
+    assert run_script("gpu_rows", ["--help"], monkeypatch) == 0
+    assert "SPEC_JSON RESULT_PATH" in capsys.readouterr().out
+    assert run_script("gpu_rows", [], monkeypatch) == 2
 
 
 @pytest.mark.parametrize("text, ok", [("1", 1), ("4096", 4096), ("0", None), ("-3", None),

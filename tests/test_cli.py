@@ -279,6 +279,12 @@ def test_data_build_with_nothing_usable_fails_clearly(tmp_path, capsys, monkeypa
         rc, _, err = run_main(["data", "build", src, "--out", str(tmp_path / "o")], capsys)
         assert rc == 2 and said in err, err
         assert not (tmp_path / "o").exists()
+    # nor the folders above it that it made; a folder that was there (empty) stays
+    (tmp_path / "mine").mkdir()
+    for out in ("o/new/data", "mine/new/data", "mine"):
+        assert run_main(["data", "build", "in", "--out", out], capsys)[0] == 2
+    assert not (tmp_path / "o").exists() and not (tmp_path / "mine" / "new").exists()
+    assert (tmp_path / "mine").is_dir()
 
 
 # ---------------------------------------------------------------------------------------------

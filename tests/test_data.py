@@ -39,6 +39,7 @@ from moelab.data import (
 from moelab.data.builtin_docs import gutenberg_books, split_paragraphs
 from moelab.data.corpus import is_heldout
 from moelab.data.encode import line_chunks, pool_size
+from moelab.data.errors import skip_summary
 from moelab.data.sampler import EpochSampler
 from moelab.data.user_docs import MAX_DOMAIN_CHARS, MAX_DOMAINS, clean_domain
 
@@ -144,6 +145,9 @@ def test_user_corpus_skips_bad_inputs(tmp_path, capsys):
     }
     assert m["skipped"]["count"] == 9
     assert "skipped 9 inputs" in capsys.readouterr().err
+    # a Parquet file without the text column gets the fix a JSON record without the field does
+    said = skip_summary([("notext.parquet", skipped["inputs/mydomain/notext.parquet"])])
+    assert said.endswith("; --text-field (data.text_field) names the field holding the text"), said
 
     docs = [d for s in ("train", "heldout") for d in iter_documents(tmp_path / "corpus", s)]
     by_text = {d["text"]: d["domain"] for d in docs}

@@ -145,6 +145,30 @@ def test_a_run_the_cpu_host_cannot_hold_is_refused_before_its_state(tmp_path, da
     preflight.check_host_memory(micro_config(data_dir))  # fits: nothing said
 
 
+def test_the_host_check_counts_what_every_cpu_device_holds(tmp_path, data_dir,  # noqa: F811
+                                                             monkeypatch):
+    # 8 fake CPU devices share the host's memory and each holds a copy of what is not split:
+    # a host that holds the state once, but not 8 copies of it, cannot hold the run
+    from moelab.train.step import abstract_train_state
+
+    def never(*_a, **_kw):
+        raise AssertionError("the train state was built before the refusal")
+
+    cfg = micro_config(data_dir, data={"batch_size": 8}, parallel={"devices": 8})
+    state = abstract_train_state(cfg)
+    once = (preflight.held_bytes(state) + preflight.held_bytes(state["params"])
+            + preflight.planned_none(cfg, None, "cpu"))
+    monkeypatch.setattr(setup, "init_sharded_state", never)
+    monkeypatch.setattr(preflight, "_host_memory", lambda: 2 * once)
+    with pytest.raises(ConfigError, match=r"activations with remat none, on its 8 devices "
+                       r"together\), but this host has .* fewer parallel.devices, or "
+                       r"parallel.fsdp=true .*`moelab plan CONFIG --devices 8 --accelerator "
+                       r"custom --peak-flops 1e12 --hbm-gib [\d.e-]+` sizes each option as this "
+                       r"check does"):
+        train(cfg, tmp_path / "run", verbose=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_stop_during_the_check_is_recorded(tmp_path, data_dir, monkeypatch):  # noqa: F811
     monkeypatch.setattr(util, "_abandoned", [])  # what a stop in native work marks (below)
     monkeypatch.setattr(preflight, "allocator_memory", lambda d: (64 * GIB, GIB))

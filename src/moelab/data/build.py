@@ -188,15 +188,35 @@ def remove_stale_temps(out: Path) -> None:
         info(f"{out}: removed {len(stale)} temp file(s) left by an interrupted build")
 
 
-def remove_if_unused(out: Path) -> None:
+def first_missing(out: Path) -> Path | None:
+    """The outermost folder on ``out``'s path (``out`` included) that does not exist yet, which
+    a build into ``out`` makes; None when ``out`` exists."""
+    made = None
+    for p in (out, *out.parents):
+        if p.exists() or p.is_symlink():
+            break
+        made = p
+    return made
+
+
+def remove_if_unused(out: Path, made: Path | None = None) -> None:
     """Remove ``out`` if it holds nothing but its lock file and empty folders (a build that
-    made it and failed before writing anything); called under its lock."""
+    made it and failed before writing anything), and the folders above it up to ``made`` (the
+    outermost one the build made, ``first_missing``) while they are empty; called under its
+    lock."""
     parts = sorted(out.rglob("*"), key=lambda p: len(p.parts), reverse=True)  # deepest first
     if any(p != out / LOCK_FILE and (p.is_symlink() or not p.is_dir()) for p in parts):
         return
     for p in parts:
         p.unlink() if p.is_file() else p.rmdir()
     out.rmdir()
+    for p in out.parents if made is not None and made != out else ():
+        try:
+            p.rmdir()  # an empty folder the build made; one something else wrote into stays
+        except OSError:
+            return
+        if p == made:
+            return
 
 
 def take_data_lock(out: Path, command: str) -> int:

@@ -26,7 +26,8 @@ def read_json(path: Path | str, fix: str) -> object:
 
 # the fix for each kind of skipped input (the starts of its reasons), said once after the list
 SKIP_FIXES: dict[str | tuple[str, ...], str] = {
-    "missing field": "--text-field (data.text_field) names the field holding the text",
+    ("missing field", "no '"): "--text-field (data.text_field) names the field holding the "
+                                "text",  # a JSON record's field, a Parquet file's column
     ("not valid UTF-8", "UTF-16 text"): "convert such files to UTF-8 (e.g. iconv -f latin1 -t "
                                         "utf-8, or -f utf-16)",
     "unknown file type": "rename a text file to .txt (read .csv with --format hf-files)",

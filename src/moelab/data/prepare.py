@@ -293,7 +293,8 @@ def with_tokenizer_vocab(cfg: RunConfig) -> RunConfig:
         if size < tokenizer.MIN_VOCAB:
             raise ConfigError(f"model.vocab_size={given}: a new tokenizer needs at least "
                               f"{tokenizer.MIN_VOCAB} tokens (256 bytes, <|endoftext|> and a "
-                              "merge); give more, or 0 to take the data folder's tokenizer size")
+                              "merge), and this data folder has no tokenizer.json of its "
+                              f"own; give more, or 0 for the default {DEFAULT_VOCAB}")
     else:
         size = vocab_needed(tokenizer.load_tokenizer(path))
         if given and given != size:

@@ -314,31 +314,57 @@ def _host_memory() -> int:
     return int(np.min(np.asarray(multihost_utils.process_allgather(mib))) * 2**20)
 
 
-def check_host_memory(cfg: RunConfig, start: int = 0) -> None:
+def host_bytes(tree, shardings=None) -> int:
+    """Bytes of ``tree`` (abstract arrays) held in this process's memory: each array whole
+    without ``shardings``, else its shard on every device of this process (a replicated
+    array once a device: on a CPU every device is in the host's memory)."""
+    if shardings is None:
+        return held_bytes(tree)
+    return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize * len(s.addressable_devices)
+               for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None) -> None:
     """On a CPU (no allocator limit; every device in the host's memory) refuse, before the train
     state is built (after the data checks), a run whose train state, gradients and activations
-    (planned under its remat policy, ``full`` for auto: the least) need more than the host has:
-    it would otherwise end in XLA's out-of-memory error, or be killed by the system without a
-    word. Skipped with ``train.memory_check=false``."""
+    (planned under its remat policy, ``full`` for auto: the least) need more than the host has,
+    summed over the devices of ``mesh`` (``state_sh``: the state's shardings on it): it would
+    otherwise end in XLA's out-of-memory error, or be killed by the system without a word.
+    Skipped with ``train.memory_check=false``."""
     from moelab.train.step import abstract_train_state
 
     if not cfg.train.memory_check or jax.default_backend() != "cpu":
         return
     abstract = abstract_train_state(cfg)
-    state, grads = held_bytes(abstract), held_bytes(abstract["params"])  # float32 gradients
+    state = host_bytes(abstract, state_sh)
+    grads = host_bytes(abstract["params"], None if state_sh is None else state_sh["params"])
     remat = "full" if cfg.model.remat == "auto" else cfg.model.remat
-    acts = planned_none(cfg, None, "cpu", start, remat=remat)
+    n_dev = 1 if mesh is None else len(mesh.local_devices)
+    acts = n_dev * planned_none(cfg, mesh, "cpu", start, remat=remat)
     need, host = state + grads + acts, _host_memory()
     if need <= host:
         return
     fixes = ([] if remat == "full" else ["model.remat=full"]) + [
         "train.microbatch_tokens (fewer tokens per micro-step)", "a smaller model or batch",
-        "an accelerator"]
+        "an accelerator"] + ([("fewer parallel.devices" if cfg.parallel.fsdp else "fewer "
+                               "parallel.devices, or parallel.fsdp=true") + " (each device "
+                              "holds its own copy of what is not split)"] if n_dev > 1 else [])
+    on = f", on its {n_dev} devices together" if n_dev > 1 else ""
     raise ConfigError(
         f"this run needs about {_size(need)} of memory ({_size(state)} train state, "
-        f"{_size(grads)} gradients, {_size(acts)} activations with remat {remat}), but this "
-        f"host has {_size(host)}. Fixes: {'; or '.join(fixes)}. `moelab plan CONFIG --devices "
-        "1` sizes each option; train.memory_check=false starts the run anyway")
+        f"{_size(grads)} gradients, {_size(acts)} activations with remat {remat}{on}), but this "
+        f"host has {_size(host)}. Fixes: {'; or '.join(fixes)}. {_cpu_plan(cfg, n_dev, host)} "
+        "sizes each option as this check does; train.memory_check=false starts the run anyway")
+
+
+def _cpu_plan(cfg: RunConfig, n_dev: int, host: int) -> str:
+    """The ``moelab plan`` command whose memory figures are this host check's: the CPU's
+    kernels (a custom accelerator) and each device's share of the host's memory."""
+    ep = cfg.parallel.expert
+    layout = f" --ep {ep}" * (ep > 1) + f" --fsdp {n_dev // ep}" * (cfg.parallel.fsdp
+                                                                    and n_dev // ep > 1)
+    return (f"`moelab plan CONFIG --devices {n_dev}{layout} --accelerator custom --peak-flops "
+            f"1e12 --hbm-gib {host / n_dev / 2**30:.4g}`")
 
 
 def choose_remat(cands: list[RunConfig], use: Callable[[RunConfig], Callable], state,

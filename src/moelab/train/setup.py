@@ -385,8 +385,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     inputs = _checked_inputs(cfg, run_dir, data, recorded, accept_data_change, say)
     store, tok, sampler = inputs.store, inputs.tok, inputs.sampler
     mesh = mesh_from_config(cfg.parallel)  # refuses more devices than are visible
-    check_host_memory(cfg, at or 0)  # on a CPU, before the state is built: the planned memory
     state_sh = train_state_shardings(cfg, mesh)
+    check_host_memory(cfg, at or 0, mesh, state_sh)  # on a CPU, before the state is built
     with native_work():  # compiles and first programs: a stop signal ends the process at once
         state = init_sharded_state(cfg, state_sh)
     prov = provenance(cfg, inputs.now)
