@@ -47,3 +47,29 @@ def test_specs_and_sharding():
     assert x.sharding.shard_shape(x.shape) == (8, 4)
     w = shard_expert_weights({"w_gate": jnp.zeros((8, 4, 2))}, mesh)
     assert w["w_gate"].sharding.shard_shape((8, 4, 2)) == (2, 4, 2)
+
+
+def _devices(processes: int, per_process: int) -> list:
+    """Stand-ins for jax.devices() of a multi-controller run: ids in process order."""
+    from types import SimpleNamespace
+
+    return [SimpleNamespace(id=i, process_index=i // per_process)
+            for i in range(processes * per_process)]
+
+
+@pytest.mark.parametrize("devices", [1, 4])
+def test_a_device_count_that_leaves_out_a_process_is_refused(devices):
+    """With several processes, parallel.devices=1 (the default) trained one copy of the model
+    per process and failed at the first checkpoint; a mesh on process 0's devices alone, too."""
+    from moelab.config import ConfigError, config_from_dict
+    from moelab.parallel.mesh import check_device_count
+
+    cfg = config_from_dict({"parallel": {"devices": devices}})
+    with pytest.raises(ConfigError, match=rf"parallel.devices={devices}: takes the first "
+                       rf"{devices} of the 8 devices, those of process\(es\) \[0\]; a run of 2 "
+                       r"processes .* use parallel.devices=0"):
+        check_device_count(cfg, _devices(2, 4))
+    for ok in (0, 8, 6):  # every process has devices in the mesh (6: 4 of one, 2 of the other)
+        check_device_count(config_from_dict({"data": {"batch_size": 48},
+                                             "parallel": {"devices": ok}}), _devices(2, 4))
+    check_device_count(cfg, _devices(1, 8))  # one process: any count it has

@@ -399,6 +399,23 @@ def test_plan_notes_only_fsdp_degrees_training_cannot_run(capsys):
         assert ("is a what-if" in capsys.readouterr().out) == noted, fsdp
 
 
+def test_plan_takes_the_layout_the_config_trains_on(capsys):
+    """The train command's parallel.* settings plan its own mesh: they planned one device (no
+    memory per device), or EP 1 and FSDP 1 with --devices alone; an option given wins."""
+    mesh = ["parallel.devices=8", "parallel.expert=4", "parallel.fsdp=true"]
+    assert main(["plan", "tiny", *mesh]) == 0
+    out = capsys.readouterr().out
+    assert ("layout from the config: --devices 8 (parallel.devices), --ep 4 (parallel.expert), "
+            "--fsdp 2 (parallel.fsdp=true)") in out
+    assert "memory per device: 8 devices, expert-parallel 4, FSDP 2;" in out
+    assert main(["plan", "tiny", "--devices", "8", "--ep", "1", "--fsdp", "1", *mesh]) == 0
+    out = capsys.readouterr().out
+    assert "memory per device: 8 devices, expert-parallel 1, FSDP 1;" in out
+    assert "layout from the config" not in out
+    assert main(["plan", "tiny", "--devices", "16", "parallel.devices=0", "parallel.expert=2"]) == 0
+    assert "16 devices, expert-parallel 2, FSDP 1;" in capsys.readouterr().out
+
+
 def test_plan_command_errors_name_the_flag(capsys):
     assert main(["plan", "tiny", "--accelerator", "tpu9"]) == 2
     assert "--accelerator" in capsys.readouterr().err

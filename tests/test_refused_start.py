@@ -56,6 +56,19 @@ NEW_RUN_CASES = [  # (config sections, what the one error line says)
     ({"data": {"seq_len": 4096}}, "shorter than one evaluation window"),
     ({"data": {"batch_size": 16}, "parallel": {"devices": 16}},
      "parallel.devices=16: only 8 visible"),
+    # parallel.devices=0 (all 8) gets the checks of parallel.devices=8: these failed inside
+    # JAX's sharding, or said "expert=3" without the field
+    ({"data": {"batch_size": 12}, "parallel": {"devices": 0}},
+     "data.batch_size: must be divisible by parallel.devices=8 (each device gets rows) "
+     "(parallel.devices=0 trains on all 8 visible devices"),
+    ({"model": {"n_experts": 6}, "parallel": {"devices": 0, "expert": 3, "waves": 1}},
+     "parallel.expert: must divide parallel.devices=8"),
+    ({"model": {"n_experts": 16}, "parallel": {"devices": 0, "expert": 16, "waves": 1}},
+     "parallel.expert=16: more than the 8 visible device(s)"),
+    ({"data": {"batch_size": 8}, "train": {"microbatch_tokens": 128},
+      "parallel": {"devices": 0}},
+     "train.microbatch_tokens: 4 sequences per micro-step must be divisible by "
+     "parallel.devices=8"),
 ]
 
 

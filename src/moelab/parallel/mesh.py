@@ -11,12 +11,14 @@ is a run of neighbouring devices (on GPU hosts: the NVLink-local ones).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from moelab.config import ModelConfig
+from moelab.config import ConfigError, ModelConfig, RunConfig
 from moelab.model.axes import DATA, EXPERT
 from moelab.model.transformer import param_axes, param_fsdp_dims, param_shapes
 
@@ -124,13 +126,47 @@ def layer_gather(mesh: Mesh, cfg: ModelConfig):
     return lambda p: {k: jax.lax.with_sharding_constraint(v, specs[k]) for k, v in p.items()}
 
 
+_MORE_DEVICES = ("on CPU, more fake devices come from "
+                 "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+
+
+def check_device_count(cfg: RunConfig, devices: list) -> None:
+    """Refuse, before any work, a device count the run cannot use among ``devices`` (every
+    process's, as ``jax.devices()``): more than there are; one that leaves out a process (with
+    several, each trained a copy of its own and the first checkpoint failed); and with
+    ``parallel.devices=0`` (all of them) whatever the config's own checks refuse of that count
+    given outright (expert degree, batch and micro-step rows per device), which otherwise
+    failed inside JAX or trained without expert parallelism."""
+    par, visible = cfg.parallel, len(devices)
+    if par.devices > visible:
+        raise ConfigError(f"parallel.devices={par.devices}: only {visible} visible; use "
+                          f"parallel.devices=0 for all of them ({_MORE_DEVICES})")
+    processes = {d.process_index for d in devices}
+    used = {d.process_index for d in devices[:par.devices or visible]}
+    if used != processes:
+        raise ConfigError(f"parallel.devices={par.devices}: takes the first {par.devices} of the "
+                          f"{visible} devices, those of process(es) {sorted(used)}; a run of "
+                          f"{len(processes)} processes must train on devices of each (else each "
+                          "trains a copy of its own); use parallel.devices=0 (every device of "
+                          "every process)")
+    if par.devices:
+        return
+    if par.expert > visible:
+        raise ConfigError(f"parallel.expert={par.expert}: more than the {visible} visible "
+                          f"device(s) that parallel.devices=0 takes; lower it ({_MORE_DEVICES})")
+    try:
+        replace(cfg, parallel=replace(par, devices=visible)).validate()
+    except ConfigError as e:
+        raise ConfigError(f"{e} (parallel.devices=0 trains on all {visible} visible devices; "
+                          "or give parallel.devices a count that fits)") from None
+
+
 def mesh_from_config(par) -> Mesh | None:
     """The run's mesh from its ``ParallelConfig``; None for a plain single-device run."""
     n = par.devices or len(jax.devices())
     if n > len(jax.devices()):
         raise ValueError(f"parallel.devices={par.devices}: only {len(jax.devices())} visible; "
-                         "use parallel.devices=0 for all of them (on CPU, more fake devices "
-                         "come from XLA_FLAGS=--xla_force_host_platform_device_count=N)")
+                         f"use parallel.devices=0 for all of them ({_MORE_DEVICES})")
     if n == 1:
         return None
     return make_mesh(expert=par.expert, devices=jax.devices()[:n])

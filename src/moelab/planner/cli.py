@@ -26,7 +26,7 @@ def _fake_devices_rerun(args) -> int | None:
     child process with N fake CPU devices (XLA reads the flag only when JAX starts)."""
     import jax
 
-    n = args.devices
+    n = args.devices or 0
     if not (args.xla and n > len(jax.devices()) and jax.default_backend() == "cpu"):
         return None
     if os.environ.get("MOELAB_FAKE_DEVICES"):
@@ -87,8 +87,9 @@ def check_needs_devices(args) -> None:
     """Options that only the cluster's time or a device's memory reads are refused without
     --devices, rather than ignored (checked after the values and the config themselves)."""
     unused = [o for o, given in (
-        ("--mfu", args.mfu), ("--tokens-per-s", args.tokens_per_s), ("--ep", args.ep != 1),
-        ("--fsdp", args.fsdp != 1), ("--offload", args.offload), ("--waves", args.waves),
+        ("--mfu", args.mfu), ("--tokens-per-s", args.tokens_per_s),
+        ("--ep", args.ep not in (None, 1)), ("--fsdp", args.fsdp not in (None, 1)),
+        ("--offload", args.offload), ("--waves", args.waves),
         ("--cf", args.cf is not None), ("--accelerator", args.accelerator is not None),
         ("--peak-flops", args.peak_flops), ("--hbm-gib", args.hbm_gib),
         ("--optimizer", args.optimizer != "adamw"), ("--attention", args.attention),
@@ -97,17 +98,39 @@ def check_needs_devices(args) -> None:
             "the devices that train (it plans a cluster's time or a device's memory)")
 
 
+def config_layout(args, par) -> list[str]:
+    """--devices, --ep and --fsdp left out: the layout the config trains on (parallel.devices
+    above 1, parallel.expert, parallel.fsdp), so a plan of a run's own config sizes its mesh
+    (they planned one device, or EP 1 and FSDP 1 whatever the config said). Returns the options
+    taken, to be said."""
+    taken = []
+    if args.devices is None:
+        args.devices = par.devices if par.devices > 1 else 0
+        taken += [f"--devices {args.devices} (parallel.devices)"] if args.devices else []
+    if args.ep is None:
+        args.ep = par.expert if args.devices else 1
+        taken += [f"--ep {args.ep} (parallel.expert)"] if args.ep > 1 else []
+    if args.fsdp is None:
+        whole = par.fsdp and args.devices and args.devices % args.ep == 0
+        args.fsdp = args.devices // args.ep if whole else 1
+        taken += [f"--fsdp {args.fsdp} (parallel.fsdp=true)"] if args.fsdp > 1 else []
+    return taken
+
+
 def cmd_plan(args, train_step) -> int:
     from moelab.planner.memory import Layout, transport_options
     from moelab.planner.report import build_plan, format_plan
 
     check_plan_options(args)
+    source, cfg = resolve_config(args.config, args.overrides)
+    taken = config_layout(args, cfg.parallel)
+    acc = accelerator(args.accelerator or DEFAULT_ACCELERATOR, args.peak_flops, args.hbm_gib)
+    check_needs_devices(args)
     rerun = _fake_devices_rerun(args)
     if rerun is not None:
         return rerun
-    source, cfg = resolve_config(args.config, args.overrides)
-    acc = accelerator(args.accelerator or DEFAULT_ACCELERATOR, args.peak_flops, args.hbm_gib)
-    check_needs_devices(args)
+    if taken:
+        print(f"layout from the config: {', '.join(taken)}; give the options to plan another")
     layout = transports = None
     if args.devices:
         layout = Layout(args.devices, args.ep, args.fsdp, args.optimizer, tuple(args.offload))
@@ -150,16 +173,18 @@ def register(sub, train_step) -> None:
     pl.add_argument("--peak-flops", type=float, default=0.0,
                     help="dense bf16 FLOP/s per device (overrides the accelerator's)")
     pl.add_argument("--hbm-gib", type=float, default=0.0, help="device memory in GiB")
-    pl.add_argument("--devices", type=int, default=0, help="devices that train")
+    pl.add_argument("--devices", type=int, default=None,
+                    help="devices that train (default: parallel.devices where above 1)")
     pl.add_argument("--mfu", type=float, nargs="*", default=[],
                     help="model FLOP utilisation(s) to assume, e.g. 0.20 0.23")
     pl.add_argument("--tokens-per-s", type=float, default=0.0,
                     help="measured cluster-wide tokens/s (instead of an MFU)")
-    pl.add_argument("--ep", type=int, default=1, help="expert-parallel degree")
-    pl.add_argument("--fsdp", type=int, default=1,
+    pl.add_argument("--ep", type=int, default=None,
+                    help="expert-parallel degree (default: parallel.expert with --devices)")
+    pl.add_argument("--fsdp", type=int, default=None,
                     help="FSDP degree of the non-expert weights and optimizer state (moelab "
-                    "train runs 1, or --devices / --ep with parallel.fsdp=true; others plan a "
-                    "what-if)")
+                    "train runs 1, or --devices / --ep with parallel.fsdp=true, the default; "
+                    "others plan a what-if)")
     pl.add_argument("--optimizer", default="adamw",
                     help="adamw or muon: the optimizer state to size (muon plans the reference "
                     "system's MuonH state; moelab itself trains with AdamW)")

@@ -32,7 +32,7 @@ from moelab.data.tokenizer import load_tokenizer
 from moelab.model.axes import DATA
 from moelab.parallel import transport
 from moelab.parallel.distributed import barrier, is_main
-from moelab.parallel.mesh import mesh_from_config, shard_batch
+from moelab.parallel.mesh import check_device_count, mesh_from_config, shard_batch
 from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.run.checkpoint import Checkpointer, CheckpointError
 from moelab.run.identity import (
@@ -325,6 +325,7 @@ def _resolved(cfg: RunConfig, run_dir: Path, recorded: dict,
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
     cfg = transport.check_config(resolve_run_config(cfg, run_dir))
     transport.check_backend(cfg.parallel, jax.default_backend())
+    check_device_count(cfg, jax.devices())
     changed = resume_changes(run_dir, cfg)  # said, and kept in the resume event
     check_adaptive(cfg)
     return cfg, changed
