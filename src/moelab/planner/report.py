@@ -125,7 +125,8 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
 
     out = [f"  memory per device: {lay['devices']} device{'s' * (lay['devices'] != 1)}, "
            f"expert-parallel {lay['ep']}, "
-           f"FSDP {lay['fsdp']}; {mem['sequences_per_device']} sequences = "
+           f"FSDP {lay['fsdp']}; {mem['sequences_per_device']} sequence"
+           f"{'s' * (mem['sequences_per_device'] != 1)} = "
            f"{mem['tokens_per_device']:,} tokens per device; {wdt} compute; attention "
            f"{mem['attention']}, loss {mem['loss']}"
            + (f", experts {mem['experts']}" if lay["ep"] == 1 else ""),

@@ -272,8 +272,12 @@ def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, Peaks]:
     peak = run_peaks(cfg.train.peak_flops, cfg.model.compute_dtype, devices)
     measured = ("" if peak.measured is None or peak.rated_is_measured else
                 f"; measured {cfg.model.compute_dtype} matmul {format_flops(peak.measured)}")
+    micro = cfg.micro_seqs()  # train.microbatch_tokens: the step accumulates its micro-steps
+    accum = (f" in {cfg.data.batch_size // micro} micro-steps of {micro * cfg.data.seq_len}"
+             if micro < cfg.data.batch_size else "")
     say(f"model: {counts['total'] / 1e6:.2f}M parameters, {counts['active'] / 1e6:.2f}M active "
-        f"per token; {tokens_per_step} tokens/step; {flops_per_token / 1e6:.1f} MFLOP/token; "
+        f"per token; {tokens_per_step} tokens/step{accum}; {flops_per_token / 1e6:.1f} "
+        "MFLOP/token; "
         f"MFU against {format_flops(peak.rated)} ({peak.source}){measured}")
     return counts, peak
 
