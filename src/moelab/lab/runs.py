@@ -10,7 +10,6 @@ crashed when it is not (killed, out of memory), unknown when it ran on another h
 from __future__ import annotations
 
 import os
-import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,11 +17,10 @@ from pathlib import Path
 from moelab.config import load_yaml, migrate
 from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.observe import series as derived_series
-from moelab.run.logs import read_metrics
-from moelab.util import pid_alive, read_json_object, read_utf8
+from moelab.run.logs import read_metrics, run_status
+from moelab.util import read_json_object, read_utf8
 
 USABLE = ("finished", "running")  # statuses whose metrics verdicts may rest on
-_TERMINAL = ("finished", "diverged", "failed", "aborted", "interrupted")  # by precedence
 
 
 @dataclass
@@ -89,33 +87,6 @@ def first_start(events: list[dict]) -> float | None:
     times = [e["time"] for e in events if e.get("event") in ("start", "resume")
              and isinstance(e.get("time"), (int, float))]
     return min(times) if times else None
-
-
-def run_status(events: list[dict], summary: dict | None) -> tuple[str, str | None]:
-    """(status, error message or None) from the events of the last start/resume."""
-    starts = [i for i, e in enumerate(events) if e.get("event") in ("start", "resume")]
-    if not starts:
-        if summary is not None:  # an older run without events
-            return ("interrupted", f"stopped by {summary['interrupted']}") \
-                if summary.get("interrupted") else ("finished", None)
-        return "not started", None
-    start = events[starts[-1]]
-    after = {e["event"]: e for e in events[starts[-1] + 1:]}
-    for kind in _TERMINAL:
-        if kind in after:
-            e = after[kind]
-            error = (e.get("error") or after.get("failed", {}).get("error")
-                     or (f"loss is {e['loss']} at step {e['step']}" if kind == "diverged" else None)
-                     or (f"stopped by {e['signal']} at step {e['step']}; run again to resume"
-                         if kind == "interrupted" else None))
-            return kind, error
-    host, pid = start.get("host"), start.get("pid")
-    if host and host != socket.gethostname():
-        return "unknown", f"no final record; it runs or ran on host {host}"
-    if pid and pid_alive(int(pid)):
-        return "running", None
-    return "crashed", ("the process ended without a final record (killed, out of memory, or the "
-                       "machine stopped)")
 
 
 def _read_json(path: Path) -> dict | None:

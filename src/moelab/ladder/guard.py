@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +38,8 @@ from pathlib import Path
 import numpy as np
 
 from moelab.ladder.observe import EVAL_LOSS, rolling_median, run_records, series
-from moelab.run.logs import JsonlTracker
-from moelab.util import info, pid_alive
-
-LIFECYCLE = ("start", "resume", "finished", "interrupted", "diverged", "failed", "aborted")
-ENDS = LIFECYCLE[2:]  # the events a trainer writes when it stops, however it stops
+from moelab.run.logs import TERMINAL, JsonlTracker, run_status
+from moelab.util import info
 
 
 @dataclass(frozen=True)
@@ -238,11 +234,4 @@ def run_ended(events: list[dict]) -> bool:
     """Whether the run's last start has ended: a final event (a failed or aborted run too), or
     none while its process is gone from this machine (killed, out of memory), which writes
     none: a follower would otherwise wait forever."""
-    life = [e for e in events if e.get("event") in LIFECYCLE]
-    if not life:
-        return False
-    last = life[-1]
-    if last["event"] in ENDS:
-        return True
-    pid, host = last.get("pid"), last.get("host")
-    return bool(pid) and host == socket.gethostname() and not pid_alive(int(pid))
+    return run_status(events, None)[0] in (*TERMINAL, "crashed")

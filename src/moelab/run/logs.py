@@ -14,10 +14,13 @@ import json
 import math
 import os
 import shlex
+import socket
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from moelab.util import pid_alive
 
 OPS_LOG = "ops.jsonl"
 
@@ -128,3 +131,34 @@ def log_operation(run_dir: Path | str, kind: str, step: int, *, reason: str = ""
         tracker.event(kind, step, reason=reason, command=command or command_line(), **fields)
     finally:
         tracker.close()
+
+
+# a run's final events, by precedence (an interrupted start may also have failed to save)
+TERMINAL = ("finished", "diverged", "failed", "aborted", "interrupted")
+
+
+def run_status(events: list[dict], summary: dict | None) -> tuple[str, str | None]:
+    """(status, error message or None) from the events of the last start/resume."""
+    starts = [i for i, e in enumerate(events) if e.get("event") in ("start", "resume")]
+    if not starts:
+        if summary is not None:  # an older run without events
+            return ("interrupted", f"stopped by {summary['interrupted']}") \
+                if summary.get("interrupted") else ("finished", None)
+        return "not started", None
+    start = events[starts[-1]]
+    after = {e["event"]: e for e in events[starts[-1] + 1:]}
+    for kind in TERMINAL:
+        if kind in after:
+            e = after[kind]
+            error = (e.get("error") or after.get("failed", {}).get("error")
+                     or (f"loss is {e['loss']} at step {e['step']}" if kind == "diverged" else None)
+                     or (f"stopped by {e['signal']} at step {e['step']}; run again to resume"
+                         if kind == "interrupted" else None))
+            return kind, error
+    host, pid = start.get("host"), start.get("pid")
+    if host and host != socket.gethostname():
+        return "unknown", f"no final record; it runs or ran on host {host}"
+    if pid and pid_alive(int(pid)):
+        return "running", None
+    return "crashed", ("the process ended without a final record (killed, out of memory, or the "
+                       "machine stopped)")
