@@ -5,6 +5,7 @@ check's executables (no second compile), a later data stage's step checked up fr
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from jax._src import monitoring
 
@@ -167,6 +168,36 @@ def test_the_host_check_counts_what_every_cpu_device_holds(tmp_path, data_dir,  
                        r"check does"):
         train(cfg, tmp_path / "run", verbose=False)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_host_check_counts_the_gradient_sum_of_micro_steps(data_dir, monkeypatch):  # noqa: F811
+    # gradient accumulation keeps a float32 sum of the gradients beside each micro-step's (the
+    # plan's "gradient sum (micro-steps)"): a host that holds the rest but not it is refused
+    from types import SimpleNamespace
+
+    from moelab.train.step import abstract_train_state
+
+    micro = micro_config(data_dir, train={"microbatch_tokens": 64})  # 2 of the 4 sequences
+    state = abstract_train_state(micro)
+    grads = preflight.held_bytes(state["params"])
+    rest = (preflight.held_bytes(state) + grads
+            + preflight.planned_none(micro, None, "cpu", remat="none"))
+    monkeypatch.setattr(preflight, "_host_memory", lambda: rest + grads // 2)
+    with pytest.raises(ConfigError, match=r"MiB gradients, [\d.]+ MiB their sum over "
+                       r"micro-steps, [\d.]+ MiB activations"):
+        preflight.check_host_memory(micro)
+    whole = micro_config(data_dir)  # no micro-steps, no sum: the state, gradients and
+    monkeypatch.setattr(preflight, "_host_memory", lambda: (  # activations fit exactly
+        preflight.held_bytes(state) + grads + preflight.planned_none(whole, None, "cpu")))
+    preflight.check_host_memory(whole)
+    # with several processes the plan it names has every process's devices, and each device of
+    # this one its share of this host's memory
+    mesh = SimpleNamespace(devices=np.empty(8), local_devices=[None] * 4)
+    cfg = micro_config(data_dir, data={"batch_size": 8},
+                       parallel={"devices": 8, "expert": 2, "fsdp": True})
+    assert preflight._cpu_plan(cfg, mesh, 4 * GIB) == (
+        "`moelab plan CONFIG --devices 8 --ep 2 --fsdp 4 --accelerator custom --peak-flops 1e12 "
+        "--hbm-gib 1`")
 
 
 def test_a_stop_during_the_check_is_recorded(tmp_path, data_dir, monkeypatch):  # noqa: F811

@@ -338,10 +338,13 @@ def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None) 
     abstract = abstract_train_state(cfg)
     state = host_bytes(abstract, state_sh)
     grads = host_bytes(abstract["params"], None if state_sh is None else state_sh["params"])
+    # micro-steps keep a float32 sum of their gradients beside each one's (train.step)
+    summed = grads * any(cfg.micro_seqs(s) < cfg.data.segment_at(s).batch_size
+                         for s in stage_starts(cfg, start))
     remat = "full" if cfg.model.remat == "auto" else cfg.model.remat
     n_dev = 1 if mesh is None else len(mesh.local_devices)
     acts = n_dev * planned_none(cfg, mesh, "cpu", start, remat=remat)
-    need, host = state + grads + acts, _host_memory()
+    need, host = state + grads + summed + acts, _host_memory()
     if need <= host:
         return
     fixes = ([] if remat == "full" else ["model.remat=full"]) + [
@@ -352,19 +355,23 @@ def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None) 
     on = f", on its {n_dev} devices together" if n_dev > 1 else ""
     raise ConfigError(
         f"this run needs about {_size(need)} of memory ({_size(state)} train state, "
-        f"{_size(grads)} gradients, {_size(acts)} activations with remat {remat}{on}), but this "
-        f"host has {_size(host)}. Fixes: {'; or '.join(fixes)}. {_cpu_plan(cfg, n_dev, host)} "
+        f"{_size(grads)} gradients, " + (f"{_size(summed)} their sum over micro-steps, " if
+                                         summed else "") +
+        f"{_size(acts)} activations with remat {remat}{on}), but this host has {_size(host)}. "
+        f"Fixes: {'; or '.join(fixes)}. {_cpu_plan(cfg, mesh, host)} "
         "sizes each option as this check does; train.memory_check=false starts the run anyway")
 
 
-def _cpu_plan(cfg: RunConfig, n_dev: int, host: int) -> str:
+def _cpu_plan(cfg: RunConfig, mesh, host: int) -> str:
     """The ``moelab plan`` command whose memory figures are this host check's: the CPU's
-    kernels (a custom accelerator) and each device's share of the host's memory."""
+    kernels (a custom accelerator), the mesh's devices (every process's) and each of this
+    process's devices' share of the host's memory."""
+    n_dev, local = (1, 1) if mesh is None else (mesh.devices.size, len(mesh.local_devices))
     ep = cfg.parallel.expert
     layout = f" --ep {ep}" * (ep > 1) + f" --fsdp {n_dev // ep}" * (cfg.parallel.fsdp
                                                                     and n_dev // ep > 1)
     return (f"`moelab plan CONFIG --devices {n_dev}{layout} --accelerator custom --peak-flops "
-            f"1e12 --hbm-gib {host / n_dev / 2**30:.4g}`")
+            f"1e12 --hbm-gib {host / local / 2**30:.4g}`")
 
 
 def choose_remat(cands: list[RunConfig], use: Callable[[RunConfig], Callable], state,
