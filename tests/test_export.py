@@ -249,3 +249,37 @@ def test_an_empty_out_must_be_writable_itself_not_its_parent(tmp_path, monkeypat
     with pytest.raises(PermissionError, match=f"OUT {out}: not writable"):
         check_out(out)
     check_out(tmp_path / "new")  # a new OUT: its parent is what must be writable
+
+
+def test_the_card_says_which_parameter_count_holds_the_embedding_and_head():
+    """The total counts the embedding and LM head (as the exported safetensors hold them); the
+    card put "no embedding or head" after both numbers."""
+    from moelab.export.card import _model_lines
+    from moelab.planner.counts import param_counts
+
+    m = ModelConfig(vocab_size=2048, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                    head_dim=32, n_experts=4, top_k=2, expert_dim=64, latent_dim=32)
+    counts = param_counts(m)
+    assert counts["total"] > counts["active"] + counts["embed"] + counts["head"]
+    line = _model_lines(m, 256)[0]
+    assert line.startswith(f"- {counts['total']:,} parameters in all (embedding and LM head "
+                           f"included); {counts['active']:,} active per token (")
+
+
+def test_a_branch_s_card_names_its_parent_and_the_parent_s_code(tmp_path):
+    """A branch's provenance.json is its own start's; its first steps trained as the parent."""
+    from moelab.export.card import _lineage_lines
+
+    parent, branch = tmp_path / "base", tmp_path / "base-cooldown20"
+    parent.mkdir()
+    branch.mkdir()
+    assert _lineage_lines(branch) == []  # no branch
+    (branch / "lineage.json").write_text(json.dumps({
+        "parent": str(parent), "step": 20, "reason": "early cooldown"}))
+    assert _lineage_lines(branch) == [
+        "- a branch of run `base` at step 20 (early cooldown): the steps before it were "
+        "trained as that run"]
+    (parent / "provenance.json").write_text(json.dumps({
+        "git_commit": "abc123", "git_dirty": True, "config_hash": "cfg1"}))
+    assert _lineage_lines(branch)[0].endswith(
+        "that run (git commit `abc123` with uncommitted changes, config hash `cfg1`)")

@@ -261,6 +261,8 @@ def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch
         assert name in table, out
     saved = run_dir / "eval" / "moelab_local-step30.json"
     assert f"results: {saved}" in out
+    # the card shows them only from an export written after this
+    assert f"the model card of `moelab export {run_dir} --step 30 --to hf OUT` shows" in out
     res = json.loads(saved.read_text())
     assert res["moelab"]["step"] == 30
     assert 0 <= res["results"]["moelab_choice"]["acc,none"] <= 1

@@ -43,8 +43,9 @@ def read_json(path: Path) -> dict | None:
 
 def _model_lines(m, seq_len: int) -> list[str]:
     counts = param_counts(m)
-    return [f"- {counts['total']:,} parameters, {counts['active']:,} active per token "
-            "(attention, router, routed and shared experts; no embedding or head)",
+    return [f"- {counts['total']:,} parameters in all (embedding and LM head included); "
+            f"{counts['active']:,} active per token (attention, router, routed and shared "
+            "experts; no embedding or head)",
             f"- {m.n_layers} layers, width {m.d_model}, {m.n_heads} query / {m.n_kv_heads} "
             f"key-value heads of {m.head_dim}; {m.n_experts} routed experts, top-{m.top_k} "
             f"({m.router} router), {m.n_shared} shared",
@@ -126,6 +127,27 @@ def _harness_lines(run_dir: Path, step: int) -> list[str]:
             "| task | metric | value | examples |", "|---|---|---|---|", *rows]
 
 
+def _lineage_lines(run_dir: Path) -> list[str]:
+    """A branch (``moelab branch``): its parent and step; the steps before it trained as the
+    parent, whose code and config the branch's provenance.json does not record."""
+    lin = read_json(run_dir / "lineage.json") or {}
+    if not isinstance(lin.get("parent"), str):
+        return []
+    parent = Path(lin["parent"])
+    why = f" ({lin['reason']})" if lin.get("reason") else ""
+    line = (f"- a branch of run `{parent.name}` at step {lin.get('step', '?')}{why}: the steps "
+            "before it were trained as that run")
+    try:
+        pp = read_provenance(parent) if parent.is_dir() else {}
+    except ConfigError:
+        pp = {}
+    if pp:
+        line += (f" (git commit `{pp.get('git_commit') or 'unknown'}`"
+                 + (" with uncommitted changes" if pp.get("git_dirty") else "")
+                 + f", config hash `{pp.get('config_hash')}`)")
+    return [line]
+
+
 def _provenance_lines(prov: dict) -> list[str]:
     if not prov:
         return ["- no `provenance.json` in the run folder"]
@@ -152,7 +174,7 @@ def model_card(run, run_dir: Path, name: str, title: str | None = None) -> str:
         "", "## Held-out evaluation", "", *_heldout_lines(read_json(run_dir / "summary.json"),
                                                           step),
         *_harness_lines(run_dir, step),
-        "", "## Provenance", "", *_provenance_lines(prov),
+        "", "## Provenance", "", *_provenance_lines(prov), *_lineage_lines(Path(run_dir)),
         "", "## Use", "", USAGE.format(path=name),
         "", "## Limits", "",
         f"- Trained on {seq_len}-token windows. Past them, `generate` keeps the last {seq_len} "

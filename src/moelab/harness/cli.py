@@ -32,6 +32,10 @@ def cmd_eval(args) -> int:
             Path(args.run), tasks, results["moelab"]["step"])
         save_results(results, out)
     print(f"results: {out}")
+    if not args.output:  # the model card reads RUN/eval/ when it is written, not after
+        print(f"the model card of `moelab export {args.run} --step {results['moelab']['step']}"
+              " --to hf OUT` shows these scores; an export written before this evaluation "
+              "does not: export again")
     return 0
 
 

@@ -124,8 +124,7 @@ def cmd_attach(args) -> int:
 
 
 def attach_run(record_file: Path, run_dir: Path, arm: str | None) -> None:
-    from moelab.lab.runs import first_start
-    from moelab.run.logs import read_metrics
+    from moelab.lab.runs import first_trained
 
     rec = rec_mod.attach(record_file, run_dir, arm)
     ref = next(r for r in rec.runs if rec_mod.run_path(record_file, r) == run_dir.resolve())
@@ -133,9 +132,9 @@ def attach_run(record_file: Path, run_dir: Path, arm: str | None) -> None:
     print(f"run {run_dir} is attached to {rec.id} as arm {ref.arm!r}"
           + (" again (its detach stays in the record's history)"
              if again and again["event"] == rec_mod.REATTACHED else ""))
-    # its log alone: a note must not fail an attach already written (read_run also checks
-    # the run's prediction and config)
-    if rec_mod.started_before(rec, first_start(read_metrics(run_dir / "metrics.jsonl")[1])):
+    # its log (and a branch's parents') alone: a note must not fail an attach already written
+    # (read_run also checks the run's prediction and config)
+    if rec_mod.started_before(rec, first_trained(run_dir)):
         print(f"note: it started training before {rec.id} was created ({rec.created}): the "
               "record's criteria are not pre-registered for it, and its report says so")
 

@@ -109,11 +109,19 @@ def config_differences(runs: list[RunData]) -> dict[str, list[str]]:
                     if f.get(k) != base.get(k)] for r, f in zip(runs, flats)}
 
 
+def _not_preregistered(early: list[str], changed: list[str]) -> str:
+    """Why the criteria are not pre-registered for some runs, or "" when they are for all."""
+    why = ([f"{', '.join(early)} trained before it was written"] if early else []) + (
+        [f"its criteria changed after {', '.join(changed)} attached"] if changed else [])
+    return "; ".join(why)
+
+
 def _verdict_section(verdicts: list[tuple[Criterion, Verdict]], runs: list[RunData],
-                     early: list[str]) -> list[str]:
-    """The verdicts table; ``early``: runs that trained before the record (not pre-registered
-    for them)."""
+                     early: list[str], changed: list[str] = ()) -> list[str]:
+    """The verdicts table; ``early``: runs that trained before the record, ``changed``: arms
+    attached before the criteria changed (not pre-registered for either)."""
     names = {arm: r.name for arm, r in newest_usable(runs).items()}
+    not_pre = _not_preregistered(early, list(changed))
     rows = []
     for i, (c, v) in enumerate(verdicts, 1):
         value = "–" if v.value is None else fmt_value(v.value, c.success.percent)
@@ -121,16 +129,16 @@ def _verdict_section(verdicts: list[tuple[Criterion, Verdict]], runs: list[RunDa
                                                                         if v.short_run else "")
         rows.append([str(i), code_span(c), f"{ICONS[v.status]} {v.label()}", value, basis or "–"])
     out = ["## Verdicts (measured)", "", "Each verdict applies a criterion fixed before the runs "
-           "to the logged metrics." if not early else "Each verdict applies a criterion of the "
-           f"record to the logged metrics; {', '.join(early)} trained before it was written.", ""]
-    out += _table(["#", "criterion" + ("" if early else " (pre-registered)"), "verdict", "value",
-                   "runs"], rows)
+           "to the logged metrics." if not not_pre else "Each verdict applies a criterion of the "
+           f"record to the logged metrics; {not_pre}.", ""]
+    out += _table(["#", "criterion" + ("" if not_pre else " (pre-registered)"), "verdict",
+                   "value", "runs"], rows)
     out += ["", "How each value was measured:", ""]
     out += [f"{i}. {md_text(v.detail)}" for i, (_, v) in enumerate(verdicts, 1)]
     return out
 
 
-def _judgement(verdicts: list[tuple[Criterion, Verdict]]) -> str:
+def _judgement(verdicts: list[tuple[Criterion, Verdict]], pre_registered: bool = True) -> str:
     labels = [v.status for _, v in verdicts]
     if not labels:
         return "no criteria were registered, so the runs can support nothing by rule"
@@ -138,14 +146,16 @@ def _judgement(verdicts: list[tuple[Criterion, Verdict]]) -> str:
         return ("the hypothesis is contradicted: at least one criterion reached its "
                 "falsification threshold")
     if all(s == MET for s in labels):
-        return "the hypothesis is supported: every pre-registered criterion is met"
+        return ("the hypothesis is supported: every pre-registered criterion is met"
+                if pre_registered else "the hypothesis is supported: every criterion is met, "
+                "but not every one was pre-registered for the runs (see Provenance)")
     if NO_DATA in labels:
         return "undecided: some criteria lack data; run the missing arms or steps"
     return "undecided: some criteria are not met, none falsified"
 
 
-def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData], early: list[str]
-                 ) -> list[str]:
+def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData], early: list[str],
+                 changed: list[str] = ()) -> list[str]:
     summary = count_labels(v.label() for _, v in verdicts) or "no criteria"
     out = ["## Conclusions", "",
            f"- **Measured:** {len(verdicts)} criteria: {summary}."]
@@ -167,7 +177,10 @@ def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData], early: list
                    "pre-registered (see Provenance).")
     for caveat in comparability(runs):
         out.append(f"- **Measured:** {caveat}; part of any gap may come from that.")
-    out.append(f"- **Judgement (by rule):** {_judgement(verdicts)}.")
+    if changed:
+        out.append(f"- **Measured:** the criteria changed after {', '.join(changed)} "
+                   "attached: for them they are not pre-registered (see Provenance).")
+    out.append(f"- **Judgement (by rule):** {_judgement(verdicts, not (early or changed))}.")
     # the author's own words: the notes without the record's heading and the template's hint
     notes = "\n".join(line for line in rec.notes.replace(rec_mod.NOTES_HINT, "").splitlines()
                       if line != f"# {rec.title}").strip().splitlines()
@@ -204,9 +217,25 @@ def _runs_section(runs: list[RunData]) -> list[str]:
         out += ["", f"Configuration differences from {code_span(base)}:", ""]
         out += [f"- {code_span(arm)}: " + (", ".join(map(code_span, d_)) if d_ else "same")
                 for arm, d_ in diffs.items() if arm != base]
+    out += _branch_lines(runs)
     out += ["", "Run folders: " + ", ".join(f"{code_span(r.name)} {code_span(shown_path(r.path))}"
                                             for r in runs)]
     return out
+
+
+def _branch_lines(runs: list[RunData]) -> list[str]:
+    """Which runs are branches (``moelab branch``), of which run and step: their first steps,
+    curves before the branch and provenance of those steps are the parent's."""
+    lines = []
+    for r in runs:
+        lin = r.lineage or {}
+        if isinstance(lin.get("parent"), str):
+            why = f" ({md_text(lin['reason'])})" if lin.get("reason") else ""
+            lines.append(f"- {code_span(r.name)} is a branch of "
+                         f"{code_span(shown_path(Path(lin['parent'])))} at step "
+                         f"{md_text(lin.get('step', '?'))}{why}: the steps before it are that "
+                         "run's")
+    return ["", "Branches:", ""] + lines if lines else []
 
 
 def _alerts_section(runs: list[RunData]) -> list[str]:
@@ -288,7 +317,9 @@ def comparability(runs: list[RunData]) -> list[str]:
     used = list(newest_usable(runs).values())
     facts = (("code", lambda p: code_version(p)), ("data", lambda p: p.get("data_fingerprint")),
              ("library versions", lambda p: str(sorted((p.get("versions") or {}).items()))))
-    out = []
+    out = [f"{md_text(r.name)} trained with {len(r.commits())} code versions (git commit "
+           + ", ".join(f"{code_span(c[:10])} from step {s}" for s, c in r.commits())
+           + "; provenance.json records the newest)" for r in used if len(r.commits()) > 1]
     for what, get in facts:
         seen = {r.name: get(r.provenance or {}) for r in used}
         if len(set(seen.values())) > 1:
@@ -298,6 +329,12 @@ def comparability(runs: list[RunData]) -> list[str]:
                 out.append(f"the arms ran on different {what}: "
                            + ", ".join(f"{md_text(arm)} {code_span(v)}" for arm, v in seen.items()))
     return out
+
+
+def changed_arms(rec: rec_mod.Record) -> list[str]:
+    """The arms of runs attached before the record's criteria last changed."""
+    return list(dict.fromkeys(r.arm for r in rec_mod.live_runs(rec)
+                              if r.criteria_sha != rec.criteria_sha()))
 
 
 def _provenance_section(rec: rec_mod.Record, runs: list[RunData], early: list[str]
@@ -314,8 +351,7 @@ def _provenance_section(rec: rec_mod.Record, runs: list[RunData], early: list[st
     out = ["## Provenance", ""]
     out += _table(["arm", "git commit", "config hash", "data fingerprint", "versions",
                    "platform"], rows)
-    changed = list(dict.fromkeys(r.arm for r in rec_mod.live_runs(rec)
-                                 if r.criteria_sha != rec.criteria_sha()))
+    changed = changed_arms(rec)
     out += ["", f"Record created {rec.created}; criteria hash {rec.criteria_sha()}. "
             + (f"**The criteria changed after these runs were attached: "
                f"{', '.join(map(md_text, changed))}**; "
@@ -341,8 +377,9 @@ def render_report(rec: rec_mod.Record, runs: list[RunData], verdicts, plots, gen
            f"**Hypothesis.** {md_text(rec.hypothesis)}", "", f"**Goal.** {md_text(rec.goal)}", ""]
     # runs that trained before the record: its criteria are not pre-registered for them
     early = [md_text(r.name) for r in runs if rec_mod.started_before(rec, r.started)]
-    out += _verdict_section(verdicts, runs, early) + [""]
-    out += _conclusions(rec, verdicts, runs, early) + [""]
+    changed = [md_text(arm) for arm in changed_arms(rec)]
+    out += _verdict_section(verdicts, runs, early, changed) + [""]
+    out += _conclusions(rec, verdicts, runs, early, changed) + [""]
     out += _runs_section(runs) + [""] if runs else []
     if plots:
         out += ["## Curves", ""]

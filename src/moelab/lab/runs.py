@@ -35,6 +35,7 @@ class RunData:
     provenance: dict | None = None
     config: dict | None = None
     prediction: dict | None = None
+    lineage: dict | None = None  # a branch's lineage.json: parent, step, reason
     name: str = ""  # how reports show it: the arm, plus the folder when an arm has several runs
 
     def __post_init__(self):
@@ -70,12 +71,23 @@ class RunData:
 
     @property
     def started(self) -> float | None:
-        """When it first started training, if it did (``first_start``)."""
-        return first_start(self.events)
+        """When its weights first trained, if they did (``first_trained``): a branch's
+        parent's start, since the branch's first steps are its parent's."""
+        return first_trained(self.path, self.events)
 
     def keys(self) -> set[str]:
         keys = {k for r in self.records for k in r}
         return keys | {EVAL_LOSS} if any(k.startswith("eval/") for k in keys) else keys
+
+    def commits(self) -> list[tuple[int, str]]:
+        """(step, git commit) at each start or resume that changed the code the run trains
+        with; provenance.json holds only the newest start's."""
+        out: list[tuple[int, str]] = []
+        for e in self.events:
+            if e.get("event") in ("start", "resume") and isinstance(e.get("git_commit"), str):
+                if not out or out[-1][1] != e["git_commit"]:
+                    out.append((e.get("step", 0), e["git_commit"]))
+        return out
 
     def alerts(self) -> list[dict]:
         return [e for e in self.events if e.get("event") == "alert"]
@@ -86,6 +98,34 @@ def first_start(events: list[dict]) -> float | None:
     branch's log begins with a resume, from its parent's checkpoint)."""
     times = [e["time"] for e in events if e.get("event") in ("start", "resume")
              and isinstance(e.get("time"), (int, float))]
+    return min(times) if times else None
+
+
+def first_trained(path: Path | str, events: list[dict] | None = None) -> float | None:
+    """When the weights of the run in ``path`` first trained: its own first start, or for a
+    branch (``lineage.json``, written by ``moelab branch``) the earliest of that and its
+    parent's, back to the first run of the line. A parent folder that is gone or unreadable
+    counts as trained by the time the branch was made (lineage's ``time``): the branch's
+    weights were trained before that. ``events``: the run's own, if read already."""
+    path, seen, times = Path(path), set(), []
+    while path.resolve() not in seen:
+        seen.add(path.resolve())
+        try:
+            own = events if events is not None else read_metrics(path / "metrics.jsonl")[1]
+        except (OSError, ValueError):  # a parent's log that cannot be read: its lineage's time
+            own = []
+        events = None
+        times.append(first_start(own))
+        try:
+            lin = read_json_object(path / "lineage.json", "")
+        except ValueError:
+            lin = None
+        if not lin or not isinstance(lin.get("parent"), str):
+            break
+        if isinstance(lin.get("time"), (int, float)) and not isinstance(lin["time"], bool):
+            times.append(float(lin["time"]))
+        path = Path(lin["parent"])
+    times = [t for t in times if t is not None]
     return min(times) if times else None
 
 
@@ -140,7 +180,7 @@ def read_run(path: Path | str, arm: str | None = None) -> RunData:
     return RunData(path=path, arm=arm or path.name, status=status, error=error, records=records,
                    events=events, summary=summary, provenance=_read_json(path / "provenance.json"),
                    config=_read_config(path / "config.yaml"),
-                   prediction=pred)
+                   prediction=pred, lineage=_read_json(path / "lineage.json"))
 
 
 def shown_path(p: Path) -> str:
