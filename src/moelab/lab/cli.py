@@ -96,14 +96,15 @@ def cmd_show(args) -> int:
         print(f"  min steps   {rec.min_steps} (shorter runs are flagged)")
     runs, verdicts = evaluate_record(path, rec)
     print("runs:" if runs else "runs: none attached yet")
+    w = max([12] + [len(r.name) for r in runs] + [len(ref.arm) for ref in rec.runs])  # aligned
     for r in runs:
         steps = f"step {r.last_step}/{r.planned_steps or '?'}"
-        print(f"  {r.name:<12} {r.status:<12} {steps:<14} {shown_path(r.path)}"
-              + (f"\n  {'':<12} {r.error}" if r.error else ""))
+        print(f"  {r.name:<{w}} {r.status:<12} {steps:<14} {shown_path(r.path)}"
+              + (f"\n  {'':<{w}} {r.error}" if r.error else ""))
     for ref in rec.runs:  # not in the verdicts, but on record
         if (d := ref.detached()) is not None:
-            print(f"  {ref.arm:<12} {'detached':<12} {d['at']:<14} "
-                  f"{shown_path(rec_mod.run_path(path, ref))}\n  {'':<12} reason: {d['reason']}")
+            print(f"  {ref.arm:<{w}} {'detached':<12} {d['at']:<14} "
+                  f"{shown_path(rec_mod.run_path(path, ref))}\n  {'':<{w}} reason: {d['reason']}")
     print("criteria (verdicts on the attached runs now):")
     for c, v in verdicts:
         print(f"  [{v.label()}] {c}\n      {v.detail}" + ("  (short run)" if v.short_run else ""))
