@@ -18,7 +18,12 @@ from moelab.config import ParallelConfig, RunConfig
 from moelab.config.run import DataConfig, OptimConfig, TrainConfig
 from moelab.parallel.mesh import mesh_from_config, param_specs, shard_batch
 from moelab.train.setup import init_sharded_state
-from moelab.train.step import make_train_step, train_state_shardings, transport_fns
+from moelab.train.step import (
+    compile_train_step,
+    make_train_step,
+    train_state_shardings,
+    transport_fns,
+)
 
 B, T, STEPS = 16, 16, 3
 
@@ -86,3 +91,20 @@ def test_fsdp_leaves_indivisible_dimensions_replicated():
     specs = param_specs(mesh_from_config(cfg.parallel), m, fsdp=True)
     assert specs[("blocks", "wq")] == P(None, None, None)
     assert specs[("embed",)] == P("data", None)  # vocab 64 divides
+
+
+def step_flops(cfg: RunConfig) -> float:
+    """XLA's FLOPs of one device's compiled train step (abstract shapes: nothing runs)."""
+    ca = compile_train_step(cfg, mesh_from_config(cfg.parallel)).cost_analysis()
+    return (ca[0] if isinstance(ca, (list, tuple)) else ca)["flops"]
+
+
+def test_fsdp_runs_the_head_on_each_devices_own_tokens():
+    """The LM head is gathered before the loss (moelab.parallel.mesh.head_gather), so with EP 4
+    a device's step computes no more than without FSDP (a little less: its share of the
+    optimizer update). Left split over "data", the head ran on the hidden states of all 8
+    devices: 4 times the head's FLOPs and logits per device, 3.1 times the step's FLOPs here."""
+    require_devices()
+    wide = lambda c: dataclasses.replace(c, model=dataclasses.replace(c.model, vocab_size=4096))
+    plain, fsdp = (step_flops(wide(config(4, fsdp=f))) for f in (False, True))
+    assert fsdp < 1.05 * plain, (fsdp, plain)

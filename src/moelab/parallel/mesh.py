@@ -3,7 +3,8 @@
 Tokens of a batch are sharded over both axes (every device holds its own tokens); routed-expert
 weights are sharded over "expert" on their E axis and replicated over "data"; with
 ``parallel.fsdp`` every other parameter (and its optimizer moments) is also split over "data"
-(``param_specs``, ``state_shardings``) and gathered one layer at a time (``layer_gather``). Each
+(``param_specs``, ``state_shardings``) and gathered one layer at a time (``layer_gather``), the LM
+head before the loss (``head_gather``). Each
 expert-parallel group is the set of devices that share a "data" index; collectives of the
 transports run over "expert" only. "expert" is the inner (fastest-varying) axis so an EP group
 is a run of neighbouring devices (on GPU hosts: the NVLink-local ones).
@@ -124,6 +125,17 @@ def layer_gather(mesh: Mesh, cfg: ModelConfig):
     specs = {key[1]: NamedSharding(mesh, P(*spec[1:]))
              for key, spec in param_specs(mesh, cfg).items() if key[0] == "blocks"}
     return lambda p: {k: jax.lax.with_sharding_constraint(v, specs[k]) for k, v in p.items()}
+
+
+def head_gather(mesh: Mesh, cfg: ModelConfig):
+    """FSDP's gather of the LM head [D, V] before the loss, as ``layer_gather`` gathers a layer:
+    each device then runs the head on its own tokens. Left to itself, XLA kept the head split
+    over "data" and gathered every device's hidden states instead, so each device computed the
+    logits of all tokens on V / data columns: ``expert`` times the FLOPs and the float32 logits
+    of its own tokens."""
+    spec = NamedSharding(mesh, param_specs(mesh, cfg)[("head",)])
+    return lambda params: {**params, "head": jax.lax.with_sharding_constraint(params["head"],
+                                                                             spec)}
 
 
 _MORE_DEVICES = ("on CPU, more fake devices come from "

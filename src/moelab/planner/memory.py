@@ -105,6 +105,11 @@ def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
     if layout.fsdp > 1:  # the current and the next layer's gathered non-routed weights
         blocks = sum(math.prod(s) for name, b, s in param_leaves(m) if b and name not in ROUTED)
         out["fsdp_gather"] = 2 * wbytes * blocks / m.n_layers
+        # the LM head, gathered before the loss (moelab.parallel.mesh.head_gather), and its
+        # float32 gradient [D, V], which the loss forms whole in its forward and keeps until
+        # the backward reduce-scatters it: the gradients above hold 1 / fsdp of it
+        head = m.d_model * m.vocab_size
+        out["fsdp_head"] = wbytes * head + 4 * head * (1 - 1 / layout.fsdp)
     return out
 
 
@@ -332,9 +337,10 @@ def with_transport(acts: dict, t: dict, n_layers: int, remat: str) -> float:
     during its MoE branch (the block's recompute repeats the dispatch, a collective no policy
     saves); under none, and experts (whose checkpoint is around the single-device experts only:
     a transport is not recomputed), every layer keeps its ``kept`` rows and one wave is live."""
+    head = acts.get("fsdp_head", 0.0)  # live at the loss, when no layer runs (memory_report)
     if remat in tr.REMAT_SAVES:  # the block is checkpointed: its recompute repeats the dispatch
-        return acts["saved"] + max(acts["attention_layer"], acts["moe_layer"] + t["peak"])
-    return acts["saved"] + n_layers * t["kept"] + t["wave"]
+        return acts["saved"] + max(acts["attention_layer"], acts["moe_layer"] + t["peak"], head)
+    return acts["saved"] + n_layers * t["kept"] + max(t["wave"], head)
 
 
 def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None = None,
@@ -357,7 +363,14 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
     acts = {r: activation_memory(m, batch, cfg.data.seq_len, local, remat=r,
                                  attention=attention, loss=loss, experts=experts)
             for r in REMAT_POLICIES}
-    fixed = sum(v for k, v in state.items() if k not in ("params_per_device", "host"))
+    # FSDP's gathered head and its whole gradient live from the loss (the forward's end) to the
+    # start of the backward: beside every layer's saved residuals, never beside a layer's
+    # recompute or a transport's wave. Each policy's peak takes the larger.
+    head = state.get("fsdp_head", 0.0)
+    for a in acts.values():
+        a.update(fsdp_head=head, peak=a["saved"] + max(a["layer"], head))
+    fixed = sum(v for k, v in state.items() if k not in ("params_per_device", "host",
+                                                          "fsdp_head"))
     remat = planned_remat(m.remat, acts, fixed, hbm_bytes)
     rows = []
     for t in (transports or []) if not local else []:

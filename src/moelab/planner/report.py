@@ -145,6 +145,9 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
                "AdamW" if lay["optimizer"] == "muon" else "")]
     if "fsdp_gather" in st:
         out.append(row("FSDP gather (2 layers)", st["fsdp_gather"]))
+    if "fsdp_head" in st:
+        out.append(row("FSDP head + its gradient", st["fsdp_head"], "live at the loss: in the "
+                       "activations below, where larger than one layer"))
     if "gradient_sum" in st:
         out.append(row("gradient sum (micro-steps)", st["gradient_sum"]))
     if st["host"]:
@@ -152,6 +155,8 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
     for remat, a in acts.items():
         note = (f"saved {a['saved'] / GiB:.2f} + one layer {a['layer'] / GiB:.2f}"
                 if a["layer"] else "every layer's residuals")
+        if a.get("fsdp_head", 0) > a["layer"]:
+            note = f"saved {a['saved'] / GiB:.2f} + the FSDP head {a['fsdp_head'] / GiB:.2f}"
         hbm = mem["hbm_bytes"]
         mark = ("" if remat != mem["remat"] else "; the config's setting"
                 if mem.get("remat_setting", remat) != "auto" else "; what remat auto takes"

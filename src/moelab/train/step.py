@@ -21,7 +21,13 @@ from moelab.model import transformer as tr
 from moelab.model.experts import drop_fractions, grouped_kernel
 from moelab.model.loss import chunked_loss_sums
 from moelab.parallel import transport
-from moelab.parallel.mesh import BATCH_AXES, batch_spec, layer_gather, state_shardings
+from moelab.parallel.mesh import (
+    BATCH_AXES,
+    batch_spec,
+    head_gather,
+    layer_gather,
+    state_shardings,
+)
 from moelab.train.optim import lr_schedule, make_optimizer
 
 
@@ -135,6 +141,15 @@ def fsdp_hook(cfg: RunConfig, mesh):
     return layer_gather(mesh, cfg.model) if mesh is not None and cfg.parallel.fsdp else None
 
 
+def fsdp_head(cfg: RunConfig, mesh):
+    """``params -> params`` with the LM head gathered under ``parallel.fsdp`` on a mesh (each
+    device runs the head on its own tokens: ``moelab.parallel.mesh.head_gather``), else the
+    identity."""
+    if mesh is None or not cfg.parallel.fsdp:
+        return lambda params: params
+    return head_gather(mesh, cfg.model)
+
+
 # The finite check of every step: these metrics, NaN or inf in any means the step is bad.
 FINITE_CHECKED = ("train/loss", "train/total_loss", "train/grad_norm")
 
@@ -172,7 +187,7 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
     """The jitted step ``(state, batch [B, T+1]) -> (new state, metrics)``. On a mesh, with the
     state's shardings ``state_sh``: explicit in/out shardings (the state keeps its layout, the
     batch is split over the batch axes, metrics are replicated), and with ``parallel.fsdp``
-    each layer's weights are gathered inside the layer scan."""
+    each layer's weights are gathered inside the layer scan and the LM head before the loss."""
     if cfg.model.remat == "auto":
         raise ConfigError("model.remat=auto: moelab train picks the policy on the device, before "
                           "it builds the step (moelab.train.preflight.remat_candidates); here "
@@ -180,11 +195,11 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
     opt = make_optimizer(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     lr = lr_schedule(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     mcfg = loss_chunk_on(cfg.model, mesh)
-    hook = fsdp_hook(cfg, mesh)
+    hook, gather_head = fsdp_hook(cfg, mesh), fsdp_head(cfg, mesh)
 
     def step_fn(state: dict, batch_B1T):
         def loss_fn(params, tokens_B1T):
-            return tr.lm_loss(params, state["model_state"], tokens_B1T, mcfg,
+            return tr.lm_loss(gather_head(params), state["model_state"], tokens_B1T, mcfg,
                               experts_fn=experts_fn, layer_hook=hook)
 
         (loss, stats), grads = accumulated_grad(loss_fn, state["params"], batch_B1T,
@@ -218,16 +233,17 @@ def make_eval_step(cfg: RunConfig, experts_fn=None, mesh=None) -> Callable:
     """Summed next-token loss (nats) over the valid rows of a batch of windows [B, T+1]; the
     head + loss over chunks of ``model.loss_chunk`` tokens per device when it is > 0
     (moelab.model.loss); with ``parallel.fsdp`` on a mesh, each layer's weights gathered inside
-    the layer scan."""
+    the layer scan and the LM head before the loss."""
     mcfg = loss_chunk_on(cfg.model, mesh)
-    hook = fsdp_hook(cfg, mesh)
+    hook, gather_head = fsdp_hook(cfg, mesh), fsdp_head(cfg, mesh)
 
     def eval_fn(params, model_state, batch_B1T, row_valid_B):
         x, _ = tr.forward_hidden(params, model_state, batch_B1T[:, :-1], mcfg,
                                  experts_fn=experts_fn, layer_hook=hook)
         targets = batch_B1T[:, 1:]
         valid = jnp.broadcast_to(row_valid_B[:, None], targets.shape)
-        return chunked_loss_sums(x, params["head"], targets, valid, mcfg.loss_chunk)[1]  # ce
+        head = gather_head(params)["head"]
+        return chunked_loss_sums(x, head, targets, valid, mcfg.loss_chunk)[1]  # ce
 
     return jax.jit(eval_fn)
 
