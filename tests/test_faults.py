@@ -314,6 +314,23 @@ def test_sigterm_during_the_final_evaluation_stops_it_and_a_rerun_does_it(
     s = quiet_train(cfg, run)
     assert s["interrupted"] is None and 5 in eval_steps(run)
     assert [(e["event"], e["step"]) for e in events(run)][-2:] == [("resume", 5), ("finished", 5)]
+    # the rerun trains no step: its summary has the step's loss all the same
+    assert s["train/loss"] == losses(run)[5]
+
+
+def test_a_summary_left_by_an_earlier_start_is_not_taken_for_the_finished_run_s(
+        small_run, data_dir, tmp_path):  # noqa: F811
+    """Killed after logging "finished" but before writing its summary, a run keeps the summary
+    of an earlier, interrupted start: the rerun does not report that one as the run's end."""
+    run = copy_run(small_run, tmp_path)
+    done = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**done, "step": 2, "interrupted": "SIGINT"}))
+    s = quiet_train(micro_config(data_dir, train=SMALL), run)
+    assert (s["step"], s["interrupted"], s["train/loss"]) == (4, None, done["train/loss"])
+    assert {k: v for k, v in s.items() if k.startswith("eval/")} == \
+        {k: v for k, v in done.items() if k.startswith("eval/")}
+    assert json.loads((run / "summary.json").read_text())["step"] == 4
+    assert [e["event"] for e in events(run)][-2:] == ["resume", "finished"]
 
 
 # ---------------------------------------------------------------------------------------------

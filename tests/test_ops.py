@@ -596,3 +596,33 @@ def test_history_says_when_resumes_changed_the_expert_parallelism(tmp_path, chan
         log.log(step, {"train/loss": 5.0, "moe/drop_fraction": 0.1})
     log.close()
     assert said in format_history(run)
+
+
+@pytest.mark.parametrize("last_alive", [True, False])
+def test_history_names_the_starts_that_ended_with_no_final_record(tmp_path, last_alive):
+    """A start killed (kill -9, out of memory) writes no final event: history says it crashed,
+    at the last step it logged, unless its process still runs."""
+    import os
+    import socket
+
+    from moelab.config import load_config, save_config
+    from moelab.ops.record import format_history, history
+    from moelab.run.logs import JsonlTracker
+
+    run, gone = tmp_path / "run", 2**31 - 1  # no process has this id
+    run.mkdir()
+    save_config(load_config("tiny"), run / "config.yaml")
+    log, host = JsonlTracker(run / "metrics.jsonl"), socket.gethostname()
+    log.event("start", 0, host=host, pid=gone)
+    for step in range(1, 8):
+        log.log(step, {"train/loss": 5.0})
+    log.event("resume", 5, host=host, pid=gone)
+    log.log(6, {"train/loss": 5.0})
+    log.event("interrupted", 6, signal="SIGTERM")
+    log.event("resume", 6, host=host, pid=os.getpid() if last_alive else gone)
+    log.log(7, {"train/loss": 5.0})
+    log.close()
+    got = [(e["event"], e["step"]) for e in history(run)]
+    assert got == [("start", 0), ("crashed", 7), ("resume", 5), ("interrupted", 6),
+                   ("resume", 6)] + ([] if last_alive else [("crashed", 7)])
+    assert "why: the process ended without a final record (killed" in format_history(run)

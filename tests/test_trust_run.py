@@ -167,6 +167,17 @@ def test_a_finished_run_resumed_says_so_and_adds_nothing(run, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ckpts
 
 
+def test_a_start_removes_the_temporary_files_a_killed_start_left(run):
+    """kill -9 while summary.json (or another file of the run) was being written leaves its
+    temporary file; the next start removes it, and files of other writers stay."""
+    left = [run / ".summary.json.0a1b2c3d4e5f.tmp", run / ".config.yaml.ffeeddccbbaa.tmp"]
+    other = run / ".notes.txt.0a1b2c3d4e5f.tmp"
+    for p in [*left, other]:
+        p.write_text("{")
+    _setup(recovered_config(run), run)
+    assert not any(p.exists() for p in left) and other.exists()
+
+
 @pytest.mark.parametrize("text, what", [("{not json", "not valid JSON"),
                                         ("[1, 2]", "not a JSON object"),
                                         (b"\xff\xfe{}", "not valid JSON")])

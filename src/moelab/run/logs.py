@@ -133,6 +133,7 @@ def log_operation(run_dir: Path | str, kind: str, step: int, *, reason: str = ""
         tracker.close()
 
 
+CRASHED = "the process ended without a final record (killed, out of memory, or the machine stopped)"
 # a run's final events, by precedence (an interrupted start may also have failed to save)
 TERMINAL = ("finished", "diverged", "failed", "aborted", "interrupted")
 
@@ -160,5 +161,4 @@ def run_status(events: list[dict], summary: dict | None) -> tuple[str, str | Non
         return "unknown", f"no final record; it runs or ran on host {host}"
     if pid and pid_alive(int(pid)):
         return "running", None
-    return "crashed", ("the process ended without a final record (killed, out of memory, or the "
-                       "machine stopped)")
+    return "crashed", CRASHED

@@ -150,7 +150,8 @@ def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: 
     if run.restored and run.start >= run.cfg.train.steps:
         run.say(f"{run.run_dir} is at its last step {run.start}: nothing left to train; running "
                 "the final evaluation it has not recorded")
-    progress = _Progress(step=run.start, state=state, eval_pending=run.eval_pending)
+    progress = _Progress(step=run.start, state=state, metrics=run.metrics,
+                         eval_pending=run.eval_pending)
     del state  # the loop replaces the state every step: hold no reference to the first one
     t_run = time.time()
     with _StopFlag() as flag:
@@ -186,6 +187,12 @@ def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
     _, events = read_metrics(run_dir / "metrics.jsonl")
     if not any(e["event"] == "finished" and e["step"] == at for e in events):
         return None
+    try:  # an earlier start's summary (this one's was not written: killed) or a damaged one:
+        saved = json.loads(path.read_text())  # the final evaluation is done again
+    except ValueError:
+        return None
+    if not isinstance(saved, dict) or saved.get("step") != at or saved.get("interrupted"):
+        return None
     try:  # other data or settings: setup says what differs, the data first
         resolved = resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()), run_dir)
     except ConfigError:
@@ -199,7 +206,7 @@ def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
         return None  # damaged: the resume falls back to an older one and trains it again
     say(f"{run_dir} finished at step {at} already; nothing to train. To train it longer: "
         f"`moelab resume {run_dir} train.steps=N` with N above {at}")
-    return json.loads(path.read_text())
+    return saved
 
 
 def _record_end(run: RunSetup, kind: str, step: int, e: BaseException, **fields) -> None:

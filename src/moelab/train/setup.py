@@ -107,6 +107,7 @@ class RunSetup:
     start: int  # the step training starts from: 0, or the restored checkpoint's
     restored: bool  # whether a checkpoint was restored
     eval_pending: bool  # the restored checkpoint's scheduled evaluation was not done
+    metrics: dict  # the last metrics logged before it (meta.json), for a summary with no step
     trackers: Trackers
     hardware: HardwareMonitor
     counts: dict  # parameter counts: total, active per token
@@ -167,6 +168,9 @@ def _prepare(cfg: RunConfig, main: bool, verbose: bool, hold: ExitStack | None) 
 
 def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.yaml", "tokenizer.json", "provenance.json", "summary.json"):
+        for tmp in run_dir.glob(f".{name}.*.tmp"):  # a write of a killed start (open_atomic)
+            tmp.unlink(missing_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     # A copy of the tokenizer makes the run folder self-contained for `moelab generate`.
     atomic_write_bytes(run_dir / "tokenizer.json", data.tokenizer_path.read_bytes())
@@ -425,7 +429,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
         run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
                        tok=tok, tok_record=tokenizer_record(tok), sampler=sampler, ckpt=ckpt,
                        put_batch=put_batch, start=start, restored=restored is not None,
-                       eval_pending=bool(meta.get("eval_pending")), trackers=trackers,
+                       eval_pending=bool(meta.get("eval_pending")),
+                       metrics=dict(meta.get("metrics") or {}), trackers=trackers,
                        hardware=hardware, counts=counts, peak=peak, step_fn=step_fn,
                        eval_fn=eval_fn, mesh=mesh, state_sh=state_sh,
                        remat=((cands[0].model.remat, cands[0].model.scan_unroll)
