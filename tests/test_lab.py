@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -708,3 +709,16 @@ def test_an_unquoted_created_time_still_dates_the_record():
                         "created: 2024-01-01T00:00:00Z\n---\n")
     assert rec_mod.created_at(rec) == 1704067200.0
     assert rec_mod.started_before(rec, 1704067199.5)
+
+
+def test_show_keeps_the_runs_table_aligned_for_long_arm_names(lab, capsys):
+    runs = lab.parent.parent / "runs"
+    _write_run(runs / "long", arm_shift=0.0)
+    rec_mod.attach(lab, runs / "long", "shared-experts-at-half-width")
+    assert main(["lab", "show", "1", "--lab-dir", str(lab.parent)]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines()
+            if re.match(r"  \S+ +(finished|diverged|crashed|not started) ", line)]
+    assert len(rows) == 6
+    columns = {re.search(r" (finished|diverged|crashed|not started) ", r).start() for r in rows}
+    assert len(columns) == 1, rows  # every status in one column
