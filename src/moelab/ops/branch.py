@@ -18,12 +18,11 @@ from pathlib import Path
 
 from moelab.config import load_run_config, save_config
 from moelab.data.prepare import data_identity
-from moelab.ops.record import LINEAGE
 from moelab.ops.schedule import check_end, check_seq_len, steps_for_tokens
 from moelab.run.checkpoint import Checkpointer
 from moelab.run.identity import PROVENANCE, check_data, run_data_record
 from moelab.run.lock import LOCK_FILE, run_lock
-from moelab.run.logs import OPS_LOG, JsonlTracker, command_line, log_operation
+from moelab.run.logs import LINEAGE, OPS_LOG, JsonlTracker, command_line, log_operation
 from moelab.train.changes import Change, PlanError, apply_change
 from moelab.util import atomic_write_bytes, atomic_write_json, check_writable
 

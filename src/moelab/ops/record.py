@@ -21,9 +21,16 @@ import numpy as np
 from moelab.config import RunConfig, load_run_config
 from moelab.config.run import TRANSPORT_KNOBS
 from moelab.ops.schedule import check_run_folder
-from moelab.run.logs import CRASHED, OPS_LOG, TERMINAL, read_metrics, run_status
+from moelab.run.logs import (
+    CRASHED,
+    LINEAGE,
+    OPS_LOG,
+    TERMINAL,
+    log_lines,
+    read_metrics,
+    run_status,
+)
 
-LINEAGE = "lineage.json"
 # the resumable fields that change what travels between ranks, so the drops (not
 # parallel.replace_every, ragged_impl or fsdp, which a resume may change too)
 EP_FIELDS = {f"parallel.{k}" for k in ("expert", "devices", "transport", *TRANSPORT_KNOBS)}
@@ -38,28 +45,24 @@ def history(run_dir: Path | str) -> list[dict]:
     """Training events (start, resume, data stages, finished ...) and operations, by time; a
     start that ended with no final record is followed by a ``crashed`` entry."""
     run_dir = Path(run_dir)
-    train_events = [{**e, "log": "train"} for e in read_metrics(run_dir / "metrics.jsonl")[1]]
-    for at, entry in reversed(unrecorded_ends(run_dir / "metrics.jsonl")):
+    lines = log_lines(run_dir / "metrics.jsonl")
+    train_events = [{**e, "log": "train"} for e in lines if "event" in e]
+    for at, entry in reversed(unrecorded_ends(lines)):
         train_events.insert(at, {**entry, "log": "train"})  # before the next start (same time)
     ops_events = [{**e, "log": "ops"} for e in read_metrics(run_dir / OPS_LOG)[1]]
     return sorted(train_events + ops_events, key=lambda e: e.get("time", 0.0))
 
 
-def unrecorded_ends(path: Path) -> list[tuple[int, dict]]:
-    """A ``crashed`` entry for each start or resume in the metrics log ``path`` that ended with
-    no final record (killed, out of memory, the machine stopped): another start followed it,
-    or it is the last and its process is gone. Its step and time are the last it logged; each
-    comes with the number of the log's events up to it."""
+def unrecorded_ends(lines: list[dict]) -> list[tuple[int, dict]]:
+    """A ``crashed`` entry for each start or resume in a metrics log's ``lines``
+    (``log_lines``) that ended with no final record (killed, out of memory, the machine
+    stopped): another start followed it, or it is the last and its process is gone. Its step
+    and time are the last it logged; each comes with the number of the log's events up to it."""
     segments: list[list[dict]] = [[]]  # the first: what precedes any start
-    for raw in path.read_bytes().split(b"\n") if path.is_file() else []:
-        try:
-            rec = json.loads(raw)
-        except ValueError:  # a line cut short by a crash
-            continue
-        if isinstance(rec, dict) and rec.get("event") in ("start", "resume"):
+    for rec in lines:
+        if rec.get("event") in ("start", "resume"):
             segments.append([])
-        if isinstance(rec, dict):
-            segments[-1].append(rec)
+        segments[-1].append(rec)
     out, before = [], sum(1 for r in segments.pop(0) if "event" in r)
     for i, seg in enumerate(segments):
         events = [r for r in seg if "event" in r]

@@ -23,6 +23,7 @@ from typing import Any
 from moelab.util import pid_alive
 
 OPS_LOG = "ops.jsonl"
+LINEAGE = "lineage.json"  # in a branch (moelab branch): its parent, step and reason
 
 
 def clean_value(v: Any) -> Any:
@@ -90,15 +91,25 @@ def _check_line(rec: Any, path: Path, i: int) -> None:
 
 
 def read_metrics(path: Path | str) -> tuple[list[dict], list[dict]]:
-    """(metric records sorted by step, newest record per step wins; events in file order).
-
-    A truncated last line (a crash mid-write on a filesystem without atomic appends) is ignored.
-    """
+    """(metric records sorted by step, newest record per step wins; events in file order)."""
     records: dict[int, dict] = {}
     events: list[dict] = []
+    for rec in log_lines(path):
+        if "event" in rec:
+            events.append(rec)
+        else:
+            records.setdefault(rec["step"], {}).update(rec)
+    return [records[s] for s in sorted(records)], events
+
+
+def log_lines(path: Path | str) -> list[dict]:
+    """Every record of a JSONL log, metrics and events, in file order; none for a missing file.
+    A truncated last line (a crash mid-write on a filesystem without atomic appends) is
+    ignored."""
     p = Path(path)
     if not p.exists():
-        return [], []
+        return []
+    out = []
     lines = p.read_bytes().split(b"\n")
     for i, raw in enumerate(lines, 1):
         try:
@@ -111,11 +122,8 @@ def read_metrics(path: Path | str) -> tuple[list[dict], list[dict]]:
             raise ValueError(f"{p}: line {i}: not UTF-8 text; "
                              "remove the line or restore the file") from None
         _check_line(rec, p, i)
-        if "event" in rec:
-            events.append(rec)
-        else:
-            records.setdefault(rec["step"], {}).update(rec)
-    return [records[s] for s in sorted(records)], events
+        out.append(rec)
+    return out
 
 
 def command_line() -> str:
