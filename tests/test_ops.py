@@ -626,3 +626,25 @@ def test_history_names_the_starts_that_ended_with_no_final_record(tmp_path, last
     assert got == [("start", 0), ("crashed", 7), ("resume", 5), ("interrupted", 6),
                    ("resume", 6)] + ([] if last_alive else [("crashed", 7)])
     assert "why: the process ended without a final record (killed" in format_history(run)
+
+
+def test_a_damaged_lineage_is_named_by_every_reader(tmp_path):
+    """history and the model card refuse a damaged lineage.json naming it and the fix; the lab,
+    which only dates the branch from it, reads the run without it."""
+    from moelab.config import load_config, save_config
+    from moelab.export.card import _lineage_lines
+    from moelab.lab.runs import first_trained
+    from moelab.ops.record import format_history
+    from moelab.run.logs import JsonlTracker
+
+    run = tmp_path / "branch"
+    run.mkdir()
+    save_config(load_config("tiny"), run / "config.yaml")
+    log = JsonlTracker(run / "metrics.jsonl")
+    log.event("start", 0)
+    log.close()
+    (run / "lineage.json").write_text('{"parent": "base", "st')  # cut off mid-write
+    for read in (format_history, _lineage_lines):
+        with pytest.raises(ValueError, match=r"lineage\.json: not valid JSON .*restore it"):
+            read(run)
+    assert first_trained(run) is not None

@@ -10,7 +10,7 @@ from pathlib import Path
 from moelab.config import ConfigError
 from moelab.planner.counts import param_counts
 from moelab.run.identity import read_provenance
-from moelab.run.logs import LINEAGE
+from moelab.run.logs import read_lineage
 from moelab.util import read_json_object
 
 LICENSE = Path(__file__).parent / "LICENSE-2.0.txt"
@@ -131,7 +131,7 @@ def _harness_lines(run_dir: Path, step: int) -> list[str]:
 def _lineage_lines(run_dir: Path) -> list[str]:
     """A branch (``moelab branch``): its parent and step; the steps before it trained as the
     parent, whose code and config the branch's provenance.json does not record."""
-    lin = read_json(run_dir / LINEAGE) or {}
+    lin = read_lineage(run_dir) or {}
     if not isinstance(lin.get("parent"), str):
         return []
     parent = Path(lin["parent"])

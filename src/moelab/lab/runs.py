@@ -17,7 +17,7 @@ from pathlib import Path
 from moelab.config import load_yaml, migrate
 from moelab.ladder.observe import EVAL_LOSS
 from moelab.ladder.observe import series as derived_series
-from moelab.run.logs import LINEAGE, read_metrics, run_status
+from moelab.run.logs import read_lineage, read_metrics, run_status
 from moelab.util import read_json_object, read_utf8
 
 USABLE = ("finished", "running")  # statuses whose metrics verdicts may rest on
@@ -117,7 +117,7 @@ def first_trained(path: Path | str, events: list[dict] | None = None) -> float |
         events = None
         times.append(first_start(own))
         try:
-            lin = read_json_object(path / LINEAGE, "")
+            lin = read_lineage(path)
         except ValueError:
             lin = None
         if not lin or not isinstance(lin.get("parent"), str):
@@ -180,7 +180,7 @@ def read_run(path: Path | str, arm: str | None = None) -> RunData:
     return RunData(path=path, arm=arm or path.name, status=status, error=error, records=records,
                    events=events, summary=summary, provenance=_read_json(path / "provenance.json"),
                    config=_read_config(path / "config.yaml"),
-                   prediction=pred, lineage=_read_json(path / LINEAGE))
+                   prediction=pred, lineage=read_lineage(path))
 
 
 def shown_path(p: Path) -> str:

@@ -14,7 +14,6 @@ from pathlib import Path
 from moelab.config import ConfigError, config_from_dict
 from moelab.config.errors import INT32_MAX, require
 from moelab.config.io import apply_overrides
-from moelab.ops.record import lineage
 from moelab.ops.schedule import (
     check_end,
     check_run_folder,
@@ -24,6 +23,7 @@ from moelab.ops.schedule import (
     rope_note,
     step_arg,
 )
+from moelab.run.logs import read_lineage
 from moelab.train.changes import Change, PlanError
 from moelab.train.cli import add_accept_data_change
 from moelab.util import atomic_write_text, info, is_url
@@ -227,7 +227,7 @@ def cmd_branch(args) -> int:
     print(f"branch {child}: from step {args.at} of {parent} to step {after.train.steps} "
           f"(cooldown of {tokens:,} tokens); parent untouched but for one line in its ops.jsonl")
     if args.place_experts:
-        lin = lineage(child)["placement"]
+        lin = read_lineage(child)["placement"]
         print(f"experts re-placed for EP {lin['ranks']} ({lin['transport']}, groups of "
               f"{lin['group']}): load second moment {lin['moment_before']:.4g} -> "
               f"{lin['moment_after']:.4g} over {lin['unit']}-token sequences of held-out text")

@@ -23,10 +23,10 @@ from moelab.config.run import TRANSPORT_KNOBS
 from moelab.ops.schedule import check_run_folder
 from moelab.run.logs import (
     CRASHED,
-    LINEAGE,
     OPS_LOG,
     TERMINAL,
     log_lines,
+    read_lineage,
     read_metrics,
     run_status,
 )
@@ -34,11 +34,6 @@ from moelab.run.logs import (
 # the resumable fields that change what travels between ranks, so the drops (not
 # parallel.replace_every, ragged_impl or fsdp, which a resume may change too)
 EP_FIELDS = {f"parallel.{k}" for k in ("expert", "devices", "transport", *TRANSPORT_KNOBS)}
-
-
-def lineage(run_dir: Path | str) -> dict | None:
-    path = Path(run_dir) / LINEAGE
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def history(run_dir: Path | str) -> list[dict]:
@@ -136,7 +131,7 @@ def format_history(run_dir: Path | str, name: str | None = None) -> str:
     check_run_folder(run_dir)
     run_dir = Path(run_dir)
     lines = [f"run {name or run_dir}"]
-    lin = lineage(run_dir)
+    lin = read_lineage(run_dir)
     if lin:
         lines.append(f"  branch of {lin['parent']} at step {lin['step']}"
                      + (f": {lin['reason']}" if lin.get("reason") else ""))

@@ -20,10 +20,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from moelab.util import pid_alive
+from moelab.util import pid_alive, read_json_object
 
 OPS_LOG = "ops.jsonl"
 LINEAGE = "lineage.json"  # in a branch (moelab branch): its parent, step and reason
+
+
+def read_lineage(run_dir: Path | str) -> dict | None:
+    """A branch's ``lineage.json`` (None in a run that is no branch); a ValueError naming the
+    file when it is damaged, for a caller to raise or to read the run without it."""
+    return read_json_object(Path(run_dir) / LINEAGE, "restore it from a copy: it names the "
+                            "branch's parent, step and reason, which `moelab branch` wrote")
 
 
 def clean_value(v: Any) -> Any:
