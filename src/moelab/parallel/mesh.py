@@ -142,6 +142,12 @@ _MORE_DEVICES = ("on CPU, more fake devices come from "
                  "XLA_FLAGS=--xla_force_host_platform_device_count=N")
 
 
+def _check_visible(devices: int, visible: int) -> None:
+    if devices > visible:
+        raise ConfigError(f"parallel.devices={devices}: only {visible} visible; use "
+                          f"parallel.devices=0 for all of them ({_MORE_DEVICES})")
+
+
 def check_device_count(cfg: RunConfig, devices: list) -> None:
     """Refuse, before any work, a device count the run cannot use among ``devices`` (every
     process's, as ``jax.devices()``): more than there are; one that leaves out a process (with
@@ -150,9 +156,7 @@ def check_device_count(cfg: RunConfig, devices: list) -> None:
     given outright (expert degree, batch and micro-step rows per device), which otherwise
     failed inside JAX or trained without expert parallelism."""
     par, visible = cfg.parallel, len(devices)
-    if par.devices > visible:
-        raise ConfigError(f"parallel.devices={par.devices}: only {visible} visible; use "
-                          f"parallel.devices=0 for all of them ({_MORE_DEVICES})")
+    _check_visible(par.devices, visible)
     processes = {d.process_index for d in devices}
     used = {d.process_index for d in devices[:par.devices or visible]}
     if used != processes:
@@ -175,10 +179,8 @@ def check_device_count(cfg: RunConfig, devices: list) -> None:
 
 def mesh_from_config(par) -> Mesh | None:
     """The run's mesh from its ``ParallelConfig``; None for a plain single-device run."""
+    _check_visible(par.devices, len(jax.devices()))
     n = par.devices or len(jax.devices())
-    if n > len(jax.devices()):
-        raise ValueError(f"parallel.devices={par.devices}: only {len(jax.devices())} visible; "
-                         f"use parallel.devices=0 for all of them ({_MORE_DEVICES})")
     if n == 1:
         return None
     return make_mesh(expert=par.expert, devices=jax.devices()[:n])
