@@ -265,6 +265,8 @@ def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch
     assert f"the model card of `moelab export {run_dir} --step 30 --to hf OUT` shows" in out
     res = json.loads(saved.read_text())
     assert res["moelab"]["step"] == 30
+    from moelab.run.provenance import code_version  # the code that scored, as a run records it
+    assert {k: res["moelab"][k] for k in code_version()} == code_version()
     assert 0 <= res["results"]["moelab_choice"]["acc,none"] <= 1
     assert res["results"]["moelab_heldout"]["word_perplexity,none"] > 1
     assert res["results"]["moelab_complete"]["exact_match,none"] >= 0

@@ -105,6 +105,7 @@ def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None
     from moelab.harness.lm import MoelabLM
     from moelab.harness.registry import render_local_tasks, task_manager
     from moelab.run.load import load_run
+    from moelab.run.provenance import code_version
 
     # Offline only when the environment says so: moelab's local tasks read files beside the
     # package and need no network; the harness's built-ins download their datasets unless cached.
@@ -117,7 +118,9 @@ def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None
                                       task_manager=manager, log_samples=False)
         except ConnectionError as e:  # datasets: "Couldn't reach 'NAME' on the Hub (...)"
             raise unreachable_dataset(e, tasks) from None
-    results["moelab"] = {"run": str(run_dir), "step": run.step, "tasks": list(tasks)}
+    # the code that scored (the harness's own git_hash is the current folder's, if any)
+    results["moelab"] = {"run": str(run_dir), "step": run.step, "tasks": list(tasks),
+                         **code_version()}
     return results
 
 

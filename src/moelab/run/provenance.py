@@ -24,9 +24,16 @@ def _git(*args: str) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def provenance(cfg: RunConfig, data: dict) -> dict:
+def code_version() -> dict:
+    """The code running now: its git commit (None outside a git checkout), whether it has
+    uncommitted changes, and a hash of them."""
     commit = _git("rev-parse", "HEAD")
     diff = _git("diff", "HEAD")
+    return {"git_commit": commit.strip() if commit else None, "git_dirty": bool(diff),
+            "git_diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None}
+
+
+def provenance(cfg: RunConfig, data: dict) -> dict:
     versions = {}
     for lib in LIBRARIES:
         try:
@@ -34,9 +41,7 @@ def provenance(cfg: RunConfig, data: dict) -> dict:
         except metadata.PackageNotFoundError:
             versions[lib] = None
     return {
-        "git_commit": commit.strip() if commit else None,
-        "git_dirty": bool(diff),
-        "git_diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None,
+        **code_version(),
         "config_hash": cfg.hash(),
         **data,
         "python": sys.version.split()[0],
