@@ -38,6 +38,7 @@ from moelab.ladder.schedule_law import RunSchedule
 from moelab.ops.record import stage_report
 from moelab.ops.replan import PENDING, end_step, ladder_forecast, parse_deadline
 from moelab.ops.schedule import (
+    check_seq_len,
     parse_mixture,
     parse_tokens,
     rope_note,
@@ -648,3 +649,121 @@ def test_a_damaged_lineage_is_named_by_every_reader(tmp_path):
         with pytest.raises(ValueError, match=r"lineage\.json: not valid JSON .*restore it"):
             read(run)
     assert first_trained(run) is not None
+
+
+# ---------------------------------------------------------------------------------------------
+# operations on a run that is not as it trained: hand edits, staged batches, damaged checkpoints
+
+
+def test_a_new_context_keeps_the_tokens_per_batch_of_the_stage_it_replaces():
+    """A stage that set its own batch (64 x 4 = 256 tokens, not data's 32 x 4) keeps its tokens
+    per batch through a later --seq-len, as the option promises, and is checked against them."""
+    cfg = cfg_with(data={"context_stages": [{"step": 2, "seq_len": 64, "batch_size": 4}]})
+    new = apply_change(cfg, 5, Change(seq_len=128), keep_warmup=False)
+    seg = new.data.segment_at(5)
+    assert (seg.seq_len, seg.batch_size) == (128, 2)
+    check_seq_len(cfg, 256, at=5)  # 256 divides the stage's 256 tokens, not data's 128
+    with pytest.raises(ConfigError, match=r"--seq-len 96: must divide the run's 256 tokens per "
+                       r"batch at step 5 \(64 x 4"):
+        check_seq_len(cfg, 96, at=5)
+    # a run at data's own shape keeps batch_size 0 ("data's tokens per batch")
+    assert apply_change(cfg_with(), 5, Change(seq_len=64),
+                        keep_warmup=False).data.context_stages[-1].batch_size == 0
+
+
+def test_a_floor_above_the_lr_is_named_as_the_option_with_the_largest_that_works():
+    with pytest.raises(PlanError, match=r"floor: 0.9 x peak = 0.009 \(--floor\) is above the LR "
+                       r".* at step 11; a decay cannot raise the LR: give --floor at most 0.2"):
+        apply_change(cfg_with(), 11, Change(end=20, floor=0.9), keep_warmup=True)
+
+
+@pytest.mark.parametrize("op", ["replan", "branch"])
+def test_replan_and_branch_refuse_a_hand_edited_config(runs, tmp_path, capsys, op):
+    """They would plan from settings the run never trained with (the preview's LR would not be
+    the log's), and a branch would copy them into a folder `resume` then refuses."""
+    run = Path(shutil.copytree(runs / "parent", tmp_path / "run"))
+    text = (run / "config.yaml").read_text()
+    (run / "config.yaml").write_text(text.replace(f"lr: {PEAK}", f"lr: {PEAK * 2}"))
+    args = (["replan", str(run), "--end-steps", "9", "--plot", str(tmp_path / "p.png")]
+            if op == "replan" else ["branch", str(run), "--at", "3", "--cooldown", "512"])
+    assert main(args) == 2
+    assert (f"{run}/config.yaml: differs from the config the checkpoint of step 6 was trained "
+            "with (its meta.json): optim.lr") in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+
+def test_a_branch_copies_its_checkpoint_under_a_lease_and_refuses_a_damaged_one(
+        runs, tmp_path, capsys, monkeypatch):
+    from moelab.ops import branch as br
+    from moelab.run.ckpt_lease import leased_steps
+
+    parent = Path(shutil.copytree(runs / "parent", tmp_path / "parent"))
+    ckpts = parent / "checkpoints"
+    seen = []
+    copy = br._link_or_copy
+    monkeypatch.setattr(br, "_link_or_copy", lambda a, b: (seen.append(leased_steps(ckpts)),
+                                                           copy(a, b)))
+    assert main(["branch", str(parent), "--at", "3", "--cooldown", "512"]) == 0
+    assert seen and all(s == {3} for s in seen)  # a live trainer's prune skips it meanwhile
+    capsys.readouterr()
+    log = (parent / "ops.jsonl").read_bytes()
+    victim = max((p for p in (ckpts / "step_00000006").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    assert main(["branch", str(parent), "--at", "6", "--cooldown", "512"]) == 2
+    assert (f"--at 6: the checkpoint of {parent} at step 6 is unusable (checksum mismatch"
+            in capsys.readouterr().err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["parent", "parent-cooldown3"]
+    assert (parent / "ops.jsonl").read_bytes() == log
+
+
+def test_a_stop_as_a_branch_commits_leaves_it_with_both_log_lines(runs, tmp_path, monkeypatch,
+                                                                  capsys):
+    """Ctrl-C (or SIGTERM) right after the branch folder appears: it is acted on once the
+    branch's and the parent's log lines are written, not between them."""
+    import os
+    import signal
+
+    parent = Path(shutil.copytree(runs / "parent", tmp_path / "parent"))
+    rename = os.rename
+
+    def rename_then_stop(a, b):
+        rename(a, b)
+        os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(os, "rename", rename_then_stop)
+    assert main(["branch", str(parent), "--at", "3", "--cooldown", "512"]) == 130
+    monkeypatch.undo()
+    child = tmp_path / "parent-cooldown3"
+    assert [e["event"] for e in ops_events(child)] == ["branched_from"]
+    assert [e["event"] for e in ops_events(parent)][-1] == "branch"
+
+
+def test_an_operation_run_as_python_m_moelab_is_recorded_as_moelab(monkeypatch):
+    import sys
+
+    from moelab.run.logs import command_line
+
+    monkeypatch.setattr(sys, "argv", ["/x/src/moelab/__main__.py", "resume", "runs/a b"])
+    assert command_line() == "moelab resume 'runs/a b'"
+
+
+def test_a_stop_as_a_replan_is_requested_leaves_the_plan_with_its_request(runs, tmp_path,
+                                                                         monkeypatch):
+    import os
+    import signal
+
+    from moelab.ops import replan as rp
+
+    run = Path(shutil.copytree(runs / "stopped", tmp_path / "run"))
+    write = rp.atomic_write_json
+
+    def write_then_stop(path, obj):
+        write(path, obj)
+        os.kill(os.getpid(), signal.SIGINT)
+    monkeypatch.setattr(rp, "atomic_write_json", write_then_stop)
+    assert main(["replan", str(run), "--end-steps", "5", "--apply", "--plot",
+                 str(tmp_path / "p.png")]) == 130
+    assert (run / PENDING).is_file()
+    assert [e["event"] for e in ops_events(run)] == ["replan_requested"]

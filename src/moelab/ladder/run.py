@@ -16,16 +16,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from moelab.ladder.folder import Ladder
-from moelab.run.logs import read_metrics
-from moelab.util import Terminated, info, pid_alive, stop_signals
+from moelab.run.logs import read_metrics, stops_deferred
+from moelab.util import Terminated, info, pid_alive
 
 
 def is_finished(run_dir: Path, steps: int) -> bool:
@@ -83,26 +80,6 @@ class _Job:
     proc: subprocess.Popen
     log: object
     started: float = 0.0  # time.time() at the start
-
-
-@contextmanager
-def _signals_wait() -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP wait until the block ends, then land: a rung's folder is never
-    claimed, nor its trainer started, without the trainer being listed to be stopped. (A
-    signal mask would not do: another thread of this process may take the signal.)"""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got: list[int] = []
-    old = {s: signal.signal(s, lambda n, _f: got.append(n))
-           for s in (signal.SIGINT, *stop_signals())}
-    try:
-        yield
-    finally:
-        for s, handler in old.items():
-            signal.signal(s, handler)
-        if got:
-            signal.raise_signal(got[0])  # handled now, as if it came just after the block
 
 
 def _start(name: str, config: Path, run_dir: Path, steps: int, running: list[_Job]) -> None:
@@ -249,7 +226,9 @@ def _pool_loop(queue: list, running: list[_Job], jobs: int, status: dict, guard,
             if is_finished(run_dir, steps):  # finished meanwhile (another ladder process)
                 status[name] = "skipped"
                 continue
-            with _signals_wait():
+            # a rung's folder is never claimed, nor its trainer started, without the trainer
+            # being listed to be stopped
+            with stops_deferred():
                 if not claim(run_dir):
                     status[name] = "failed (another process is training it)"
                     say(f"ladder: {name} is being trained by another process "

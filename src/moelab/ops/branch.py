@@ -22,8 +22,16 @@ from moelab.ops.schedule import check_end, check_seq_len, steps_for_tokens
 from moelab.run.checkpoint import Checkpointer
 from moelab.run.identity import PROVENANCE, check_data, run_data_record
 from moelab.run.lock import LOCK_FILE, run_lock
-from moelab.run.logs import LINEAGE, OPS_LOG, JsonlTracker, command_line, log_operation
+from moelab.run.logs import (
+    LINEAGE,
+    OPS_LOG,
+    JsonlTracker,
+    command_line,
+    log_operation,
+    stops_deferred,
+)
 from moelab.train.changes import Change, PlanError, apply_change
+from moelab.train.resume import check_unedited
 from moelab.util import atomic_write_bytes, atomic_write_json, check_writable
 
 
@@ -43,12 +51,34 @@ def _clear_but_lock(folder: Path) -> None:
             p.unlink()
 
 
+def _copy_checkpoint(src: Path, dst_dir: Path, at: int, parent: Path) -> None:
+    """The parent's checkpoint of ``at`` into ``dst_dir``, read under a lease (a live parent's
+    trainer does not prune it meanwhile) and checked against its manifest, so a branch never
+    holds a damaged or half-copied checkpoint it would fail to resume from."""
+    from moelab.run.ckpt_lease import reading
+    from moelab.run.ckpt_target import CheckpointError
+
+    with reading(src.parent, at):
+        try:
+            shutil.copytree(src, dst_dir / src.name, copy_function=_link_or_copy)
+            Checkpointer(dst_dir).check_folder(dst_dir / src.name, at)
+        except (OSError, shutil.Error, CheckpointError) as e:
+            shutil.rmtree(dst_dir, ignore_errors=True)  # the branch folder goes with it
+            steps = Checkpointer(src.parent).steps()
+            left = [s for s in steps if s != at]
+            why = ("removed while it was copied (the run's trainer pruned it)" if at not in steps
+                   else f"unusable ({str(e)[:200]})")
+            raise PlanError(f"--at {at}: the checkpoint of {parent} at step {at} is {why}; "
+                            f"branch from another: {', '.join(map(str, left)) or 'none'}") from None
+
+
 def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: float | None = None,
                 mixture: dict | None = None, seq_len: int | None = None):
     """(the parent's config, the branch's config) for a cooldown from ``at``."""
     cfg = load_run_config(parent).with_absolute_data()  # the branch trains on the parent's data
+    check_unedited(parent)  # a hand edit would be copied into a branch that cannot resume
     if seq_len is not None:
-        check_seq_len(cfg, seq_len)
+        check_seq_len(cfg, seq_len, at)
     # checked on the numbers alone, before the checkpoint (tokens per batch stay the same)
     option = f"--cooldown {cooldown_tokens:,} tokens"
     check_end(steps_for_tokens(cfg, cfg.data.tokens_before(at) + cooldown_tokens), option)
@@ -186,7 +216,7 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     with run_lock(tmp, command):  # the branch's folder has one writer, locked as it appears
         _clear_but_lock(tmp)
         if placed is None:
-            shutil.copytree(src, tmp / "checkpoints" / src.name, copy_function=_link_or_copy)
+            _copy_checkpoint(src, tmp / "checkpoints", at, parent)
         else:  # new weights: written whole, never linked to the parent's
             write_placed(state, meta, at, placed["slots"], tmp / "checkpoints")
         if (parent / "tokenizer.json").is_file():
@@ -200,13 +230,14 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
             lin["placement"] = {**placed, "slots": placed["slots"].tolist()}
             change["place_experts"] = place_ranks
         atomic_write_json(tmp / LINEAGE, lin)
-        try:
-            os.rename(tmp, child)
-        except OSError:
-            raise PlanError(f"--out {child}: created by another process meanwhile; choose "
-                            "another folder") from None
-        log_operation(child, "branched_from", at, reason=reason, command=command,
-                      parent=str(parent.resolve()), **change)
-    log_operation(parent, "branch", at, reason=reason, command=command,
-                  child=str(child.resolve()), **change)
+        with stops_deferred():  # the branch appears with both log lines or not at all
+            try:
+                os.rename(tmp, child)
+            except OSError:
+                raise PlanError(f"--out {child}: created by another process meanwhile; choose "
+                                "another folder") from None
+            log_operation(child, "branched_from", at, reason=reason, command=command,
+                          parent=str(parent.resolve()), **change)
+            log_operation(parent, "branch", at, reason=reason, command=command,
+                          child=str(child.resolve()), **change)
     return child

@@ -130,18 +130,19 @@ def _replan(args) -> int:
     from moelab.config import load_run_config
     from moelab.ops import replan as rp
     from moelab.ops.plot import plot_replan
-    from moelab.train.resume import read_pending, resume_step
+    from moelab.train.resume import check_unedited, read_pending, resume_step
 
     check_change_args(args)
     check_run_folder(args.run)
     run = Path(args.run)
     cfg = load_run_config(run)
+    check_unedited(run)  # a hand edit would be planned from, then refused at the resume
     pending = read_pending(run)  # a damaged request is named before any planning
     if pending is not None and args.apply and not args.replace:
         raise PlanError(f"{run / rp.PENDING}: a plan is already pending ({_describe(pending)}); "
                         "add --replace to replace it with this one, or resume the run first")
     if args.seq_len is not None:
-        check_seq_len(cfg, args.seq_len)
+        check_seq_len(cfg, args.seq_len, resume_step(run) or 0)
     now = rp.progress(run)
     seconds = (rp.parse_deadline(args.deadline, dt.datetime.now().astimezone())
                if args.deadline else None)

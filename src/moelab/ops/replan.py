@@ -20,7 +20,7 @@ import numpy as np
 
 from moelab.config import RunConfig, load_run_config
 from moelab.ops.schedule import steps_for_tokens
-from moelab.run.logs import log_operation, read_metrics
+from moelab.run.logs import log_operation, read_metrics, stops_deferred
 from moelab.train.changes import Change, PlanError, apply_change, logged_lr
 from moelab.train.resume import PENDING, resume_step
 from moelab.util import atomic_write_json
@@ -76,9 +76,10 @@ def request(run_dir: Path | str, change: Change, *, at: int, reason: str = "",
             command: str | None = None) -> dict:
     """Write the pending plan (replacing an earlier one) and log the request."""
     pending = {"change": change.to_dict(), "requested_at_step": at, "reason": reason}
-    atomic_write_json(Path(run_dir) / PENDING, pending)
-    log_operation(run_dir, "replan_requested", at, reason=reason, command=command,
-                  change=change.to_dict())
+    with stops_deferred():  # a stop leaves neither the plan without its request nor the reverse
+        atomic_write_json(Path(run_dir) / PENDING, pending)
+        log_operation(run_dir, "replan_requested", at, reason=reason, command=command,
+                      change=change.to_dict())
     return pending
 
 

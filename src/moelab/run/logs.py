@@ -14,13 +14,16 @@ import json
 import math
 import os
 import shlex
+import signal
 import socket
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from moelab.util import pid_alive, read_json_object
+from moelab.util import pid_alive, read_json_object, stop_signals
 
 OPS_LOG = "ops.jsonl"
 LINEAGE = "lineage.json"  # in a branch (moelab branch): its parent, step and reason
@@ -134,8 +137,33 @@ def log_lines(path: Path | str) -> list[dict]:
 
 
 def command_line() -> str:
-    """The command being run, as a shell would repeat it."""
-    return shlex.join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    """The command being run, as a shell would repeat it (``python -m moelab`` as ``moelab``,
+    not its ``__main__.py``)."""
+    name = Path(sys.argv[0]).name
+    if name == "__main__.py" and Path(sys.argv[0]).parent.name == "moelab":
+        name = "moelab"
+    return shlex.join([name, *sys.argv[1:]])
+
+
+@contextmanager
+def stops_deferred() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP held back until the block ends, then acted on as usual: for
+    the few writes that must land together (a branch folder and the log lines that name it, a
+    pending replan and its request), so a stop never leaves one without the other. (A signal
+    mask would not do: another thread of this process may take the signal.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    sigs = [s for s in (signal.SIGINT, *stop_signals()) if signal.getsignal(s) != signal.SIG_IGN]
+    old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
+        if got:
+            signal.raise_signal(got[0])
 
 
 def log_operation(run_dir: Path | str, kind: str, step: int, *, reason: str = "",

@@ -84,6 +84,12 @@ def apply_change(cfg: RunConfig, at: int, change: Change, *, keep_warmup: bool) 
         floor = optim.floor if change.floor is None else change.floor
         if not 0 <= floor <= 1:
             raise PlanError(f"floor: {floor} must be a fraction of peak in [0, 1]")
+        lr0 = float(lr_curve(cfg, [start])[0])
+        if floor * optim.lr > lr0 * (1 + 1e-6):  # said as the option, not the decay entry
+            raise PlanError(f"floor: {floor} x peak = {floor * optim.lr:.3g} (" + (
+                "the run's optim.floor" if change.floor is None else "--floor") + f") is above "
+                f"the LR {lr0:.3g} the decay starts from at step {start}; a decay cannot raise "
+                f"the LR: give --floor at most {lr0 / optim.lr:.4g}")
         decays = [d for d in optim.decays if d.start < start] + [Decay(start, change.end, floor)]
         optim = dataclasses.replace(optim, decays=decays)
         train = dataclasses.replace(train, steps=change.end)
@@ -96,8 +102,15 @@ def apply_change(cfg: RunConfig, at: int, change: Change, *, keep_warmup: bool) 
         if change.seq_len == data.segment_at(at).seq_len:
             raise PlanError(f"seq_len: the run already trains at {change.seq_len} tokens at "
                             f"step {at}")
+        now = data.segment_at(at)  # its tokens per batch are kept (a stage may have set them)
+        tokens = now.seq_len * now.batch_size
+        if tokens % change.seq_len:
+            raise PlanError(f"seq_len: {change.seq_len} must divide the tokens per batch the "
+                            f"run trains at step {at} ({tokens:,}); choose a divisor")
+        batch = 0 if tokens == data.seq_len * data.batch_size else tokens // change.seq_len
         data = dataclasses.replace(data, context_stages=[
-            c for c in data.context_stages if c.step < at] + [ContextStage(at, change.seq_len)])
+            c for c in data.context_stages if c.step < at] + [ContextStage(at, change.seq_len,
+                                                                            batch)])
     new = dataclasses.replace(cfg, optim=optim, data=data, train=train).validate()
     lr_curve(new, [at])  # the schedule's own check: a decay may not raise the LR
     return new

@@ -235,6 +235,15 @@ def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
     check_future_only(trained, saved, step)  # an operation's past, edited by hand
 
 
+def check_unedited(run_dir: Path | str) -> RunConfig:
+    """The run's config.yaml, refused when edited by hand (``check_config_identity``): a replan
+    or a branch planned from it would show, and a branch copy, settings the run never trained
+    with."""
+    saved = as_started(load_run_config(run_dir).with_absolute_data())
+    check_config_identity(saved, Path(run_dir))
+    return saved
+
+
 def check_stop_step(saved: RunConfig, cfg: RunConfig, at: int, run_dir: Path) -> None:
     """A new train.steps at or below the step the run resumes from would train nothing."""
     steps = cfg.train.steps
