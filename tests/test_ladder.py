@@ -388,6 +388,10 @@ def test_ladder_fit_predicts_the_target_trajectory(ladder):
     saved = json.loads((lad.root / "prediction.json").read_text())
     for key in ("train/loss", EVAL_LOSS, "train/grad_norm", "moe/drop_fraction"):
         assert set(saved["metrics"][key]) == {"step", "lo", "mid", "hi"}
+    # what a guarded run must share with the target for the bands to be in its units
+    assert saved["comparable"] == {"model.vocab_size": 256,
+                                   "data.data_dir": str(Path("unused").resolve()),
+                                   "data.source": "", "data.tokenizer": ""}
     assert json.loads((lad.root / "fit.json").read_text())["cost"]["share"] < 1
     # the holdout refits without the largest rung and predicts it
     assert rep["holdout"]["rung"] == lad.rungs[-1].name

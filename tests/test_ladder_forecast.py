@@ -224,6 +224,38 @@ def write_runs_csv(path: Path, mult: float, alpha: float = 0.15, a: float = 200.
     return path
 
 
+def test_guard_and_forecast_refuse_a_prediction_for_another_vocabulary_or_data(tmp_path,
+                                                                                target, capsys):
+    """A run of the prediction's shape, tokens and steps on another vocabulary or data set: its
+    N (no embedding) and tokens match, but its losses are in other units; both commands refuse
+    it, naming the field, before the guard writes an alert into its log."""
+    import dataclasses
+
+    pred = {**synthetic_prediction(target, LADDER_LAW), "comparable": {  # as ladder fit writes
+        "model.vocab_size": 256, "data.data_dir": str(Path("unused").resolve()),
+        "data.source": "", "data.tokenizer": ""}}
+    atomic_write_json(tmp_path / "pred.json", pred)
+    for name, other, words in (
+            ("vocab", dataclasses.replace(target, model=dataclasses.replace(
+                target.model, vocab_size=128)), "model.vocab_size 256 there, 128 here"),
+            ("data", dataclasses.replace(target, data=dataclasses.replace(
+                target.data, data_dir=str(tmp_path / "other-data"))), "data.data_dir")):
+        assert run_stats(other)["params_active"] == run_stats(target)["params_active"]
+        run_dir = tmp_path / name
+        write_synthetic_run(run_dir, other, noise=0.01)
+        log = (run_dir / "metrics.jsonl").read_bytes()
+        for cmd in (["guard", str(run_dir), "--prediction"], ["forecast", str(run_dir),
+                                                              "--ladder"]):
+            rc, _, err = run_main(["ladder", *cmd, str(tmp_path / "pred.json")], capsys)
+            assert rc == 2 and "predicts another run" in err and words in err, err
+        assert (run_dir / "metrics.jsonl").read_bytes() == log
+    same = tmp_path / "same"  # the prediction's own config: accepted
+    write_synthetic_run(same, target, noise=0.01)
+    rc, out, err = run_main(["ladder", "guard", str(same), "--prediction",
+                             str(tmp_path / "pred.json")], capsys)
+    assert rc == 0 and "warning" not in out, err
+
+
 def test_compare_recovers_a_known_multiplier_and_flags_extrapolation(tmp_path, capsys):
     moe = write_runs_csv(tmp_path / "moe.csv", mult=1.0)
     dense = write_runs_csv(tmp_path / "dense.csv", mult=3.0, seed=1)

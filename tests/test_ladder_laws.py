@@ -84,6 +84,48 @@ def test_choice_extrapolates_tenfold_with_a_band_that_covers():
     assert np.all(near["hi"] / near["mid"] < (p["hi"] / p["mid"]).min())
 
 
+def test_a_member_degenerate_on_refit_is_set_aside_and_named(monkeypatch):
+    """The training loss is fitted with the laws the held-out loss chose; a member whose refit
+    is degenerate leaves the ensemble, as the warning says, and "every candidate law is
+    degenerate" is said only when every one is."""
+    import moelab.ladder.choose as choose_mod
+
+    X, y, C = isoflop_runs(np.geomspace(1e17, 1e19, 5), seed=2)
+    d = make_data(X, y, C)
+    ch = choose(d)
+    real = choose_mod.fit_candidate
+    bad = set()
+
+    class Degenerate:
+        def __init__(self, fit):
+            self.fit = fit
+
+        def predict(self, X):
+            return self.fit.predict(X)
+
+        def degenerate(self, y):
+            return ["E=0.002 ~ 0"]
+
+    def fit_candidate(c, *a, **k):
+        fit = real(c, *a, **k)
+        return Degenerate(fit) if c.name in bad else fit
+
+    monkeypatch.setattr(choose_mod, "fit_candidate", fit_candidate)
+    names = [m.candidate.name for m in ch.members]
+    bad.add(names[1])
+    re = ch.refit(d)
+    assert [m.candidate.name for m in re.members] == [names[0], names[2]]
+    assert re.warnings() == [f"1 of 3 candidate laws degenerate (a term or E ~ 0, or an "
+                             f"exponent at its bound; details under candidates), set aside: "
+                             f"{names[1]}"]
+    logs = [np.log(real(m.candidate, d.X, d.y, d.compute).predict(X)) for m in re.members]
+    assert re.predict(X, C)["mid"] == pytest.approx(np.exp(np.mean(logs, 0)), rel=1e-6)
+    bad.update(names)
+    re = ch.refit(d)
+    assert [m.candidate.name for m in re.members] == names[:1]
+    assert any(w.startswith("every candidate law is degenerate") for w in re.warnings())
+
+
 def test_plan_spreads_tokens_per_parameter_when_asked():
     target = micro_target()
     rule = LadderRule(rungs=3, widths=(32, 48, 64), depths=(2, 2, 3),

@@ -70,16 +70,24 @@ def test_guarded_target_waits_for_the_trainers_first_log(tmp_path, capsys, monke
                              "--poll", "0.01"], capsys)
     assert rc == 0, err
     assert "target                   done" in out
+    # trained, never fitted: the guard says it checks no band, and what gives it some
+    assert "the target has no prediction" in out + err and "no band" in out + err
+    assert f"moelab ladder fit {lad.root}" in out + err
+
+
+def _recording_start(procs: list):
+    """A stand-in for ladder.run._start: a fake trainer per rung, listed in ``procs``."""
+    def start(name, config, run_dir, steps, running):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        procs.append(_Proc())
+        running.append(_Job(name, run_dir, steps, procs[-1], open(run_dir / "log", "wb")))
+    return start
 
 
 def test_an_error_while_training_stops_the_trainers_it_started(tmp_path, monkeypatch):
     lad = _ladder(tmp_path / "lad", finished=4)
     procs = []
-
-    def start(name, config, run_dir, steps, running):
-        run_dir.mkdir(parents=True, exist_ok=True)
-        procs.append(_Proc())
-        running.append(_Job(name, run_dir, steps, procs[-1], open(run_dir / "log", "wb")))
+    start = _recording_start(procs)
 
     def guard(run_dir):
         raise RuntimeError("the guard broke")
@@ -192,3 +200,40 @@ def test_a_partial_fit_leaves_the_target_folder_alone_unless_named(tmp_path, cap
     assert rc == 0, err
     assert (lad.target_dir / "prediction.json").is_file()
     assert out.count(str(lad.target_dir.resolve() / "prediction.json")) == 1
+
+
+@pytest.mark.parametrize("argv, again", [
+    ([], ""), (["--jobs", "2"], " --jobs 2"), (["--target", "--guard"], " --target --guard"),
+    (["--rung", "RUNG"], " --rung RUNG")])
+def test_an_interrupted_ladder_run_names_the_command_that_continues_it(tmp_path, capsys,
+                                                                       monkeypatch, argv, again):
+    """Ctrl-C while the target trains: `moelab ladder run LADDER` alone would skip the rungs
+    and never take the target up again, so the command it names keeps --target (and the rest)."""
+    lad = _ladder(tmp_path / "lad", finished=4 if "--target" in argv else 0)
+    argv = [lad.rungs[0].name if a == "RUNG" else a for a in argv]
+    again = again.replace("RUNG", lad.rungs[0].name)
+    procs = []
+    start = _recording_start(procs)
+
+    def ctrl_c(_s):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("moelab.ladder.run._start", start)
+    monkeypatch.setattr("moelab.ladder.run.time.sleep", ctrl_c)
+    rc, _, err = run_main(["ladder", "run", str(lad.root), *argv], capsys)
+    assert rc == 130 and procs and all(p.signals == [signal.SIGTERM] for p in procs)
+    assert err.rstrip().endswith(f"run `moelab ladder run {lad.root}{again}` again to continue")
+
+
+def test_fit_names_a_finished_rung_whose_log_lost_its_last_evaluation(tmp_path, capsys):
+    """Its summary says finished, so `ladder run` skips it: the error names the rung, its log
+    and what mends it, instead of advising a rerun that does nothing."""
+    lad = _ladder(tmp_path / "lad", finished=4)
+    rung = lad.rungs[2]
+    log = lad.run_dir(rung.name) / "metrics.jsonl"
+    lines = log.read_text().splitlines()
+    log.write_text("\n".join(lines[: len(lines) // 2]) + "\n")  # cut short
+    rc, _, err = run_main(["ladder", "fit", str(lad.root), "--boot", "20"], capsys)
+    assert rc == 2 and f"{log}: rung {rung.name} finished" in err, err
+    assert f"last step {rung.cfg.train.steps}" in err
+    assert f"moelab ladder run {lad.root} --rung {rung.name}" in err

@@ -210,14 +210,17 @@ class Chosen:
 
     def refit(self, d: Data) -> "Chosen":
         """The same members fitted to other data of the same kind (e.g. the training loss of
-        the runs whose held-out loss chose them), with this choice's band."""
-        members = [Scored(m.candidate, fit_candidate(m.candidate, d.X, d.y, d.compute, d.anneal),
-                          m.score, []) for m in self.members]
-        for m in members:
+        the runs whose held-out loss chose them), with this choice's band. A member degenerate
+        on these data is set aside, as ``choose`` sets candidates aside (all degenerate: the
+        best is kept, and the warnings say so)."""
+        table = [Scored(m.candidate, fit_candidate(m.candidate, d.X, d.y, d.compute, d.anneal),
+                        m.score, []) for m in self.members]
+        for m in table:
             m.degenerate = m.fit.degenerate(d.y)
+        members = [m for m in table if not m.degenerate] or table[:1]
         boot = (None if self.scale is not None else
                 bootstrap_member(members[0], d, len(self.boot.thetas)))
-        return Chosen(members, members, self.scale, np.log(d.compute), self.level,
+        return Chosen(members, table, self.scale, np.log(d.compute), self.level,
                       self.residuals, self.leverages, boot)
 
     def warnings(self) -> list[str]:
@@ -225,7 +228,7 @@ class Chosen:
         out = [f"{len(bad)} of {len(self.table)} candidate laws degenerate (a term or E ~ 0, or "
                "an exponent at its bound; details under candidates), set aside: "
                + ", ".join(s.candidate.name for s in bad)] if bad else []
-        if any(m.degenerate for m in self.members):
+        if all(m.degenerate for m in self.members):
             out.append("every candidate law is degenerate: the prediction extrapolates a law "
                        "the data do not pin down; spread N and D more (more budgets, several "
                        "token multipliers per size)")

@@ -93,7 +93,7 @@ def best_runs(N, D, C, loss) -> tuple[np.ndarray, np.ndarray]:
 def check_comparable(a: Side, b: Side) -> None:
     """Held-out losses compare only on the same data and vocabulary (ladder folders say which
     they used; a CSV cannot)."""
-    from moelab.ladder.fit import COMPARABLE
+    from moelab.ladder.plan import COMPARABLE
 
     if a.target is None or b.target is None:
         return

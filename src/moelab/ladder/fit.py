@@ -28,7 +28,7 @@ from moelab.config import RunConfig
 from moelab.ladder import bands
 from moelab.ladder.folder import Ladder
 from moelab.ladder.observe import EVAL_LOSS, binned, eval_domains, run_records, series
-from moelab.ladder.plan import MIN_RUNS, run_stats
+from moelab.ladder.plan import COMPARABLE, MIN_RUNS, comparable_fields, run_stats
 from moelab.ladder.powerlaw import BootFit, fit_compute_law
 from moelab.ladder.run import is_finished
 from moelab.ladder.schedule_law import Curve, RunSchedule
@@ -57,6 +57,14 @@ def finished_rungs(lad: Ladder) -> list[RungData]:
         d = lad.run_dir(r.name)
         if is_finished(d, r.cfg.train.steps):
             out.append(RungData(r.name, r.cfg, r.stats, run_records(d)[0]))
+            # finished by its summary, so `ladder run` skips it: a log without the last
+            # evaluation (cut short, overwritten) is named here, with what mends it
+            if final_value(out[-1].records, EVAL_LOSS, r.cfg.train.steps) is None:
+                raise ValueError(
+                    f"{d / 'metrics.jsonl'}: rung {r.name} finished (summary.json) but its log "
+                    f"holds no held-out evaluation at its last step {r.cfg.train.steps}; "
+                    f"restore the log, or remove {d} and run `moelab ladder run {lad.root} "
+                    f"--rung {r.name}` to train it again")
     if len(out) < MIN_RUNS:
         raise ValueError(f"{lad.root}: {len(out)} of {len(lad.rungs)} rungs finished; the fit "
                          f"needs at least {MIN_RUNS}: run `moelab ladder run {lad.root}` first")
@@ -198,17 +206,12 @@ def predict(fit: LadderFit, cfg: RunConfig, source: str) -> dict:
     return {"source": source, "level": fit.level, "steps": steps_total,
             "config_hash": cfg.hash(),
             "target": {k: stats[k] for k in ("params_active", "tokens", "flops")},
-            "metrics": metrics, "final": final,
+            "comparable": comparable_fields(cfg), "metrics": metrics, "final": final,
             "definitions": {EVAL_LOSS: f"mean of eval/<domain>/loss over {', '.join(domains)}",
                             "lo/hi": f"{fit.level:.0%} band: loss, from the chosen law's errors "
                             "on left-out rungs, scaled by leverage in log compute; L(C), "
                             "bootstrap over rungs; grad norm and drops, rung envelope and scale "
                             "extrapolation"}}
-
-
-# what a run must share with the ladder's target for their held-out losses to be comparable
-COMPARABLE = (("model", "vocab_size"), ("data", "data_dir"), ("data", "source"),
-              ("data", "tokenizer"))
 
 
 def load_run_configs(run_dirs: list[Path], target: RunConfig) -> list[tuple[Path, RunConfig]]:

@@ -67,14 +67,18 @@ class GuardRules:
 
 def prediction_mismatch(pred: dict, cfg) -> list[str]:
     """How the run a prediction was made for differs from a run of ``cfg`` (active parameters,
-    tokens, steps; the seed may differ), one phrase each: empty when it predicts a run like it."""
-    from moelab.ladder.plan import run_stats
+    tokens, steps; vocabulary, data and tokenizer, whose losses do not compare; the seed may
+    differ), one phrase each: empty when it predicts a run like it."""
+    from moelab.ladder.plan import comparable_fields, run_stats
 
     s, t = run_stats(cfg), pred.get("target", {})
     diffs = [f"{k} {t.get(k)} there, {s[k]} here" for k in ("params_active", "tokens")
              if not (t.get(k) and math.isclose(t[k], s[k], rel_tol=1e-6))]
     if pred.get("steps") != cfg.train.steps:
         diffs.append(f"steps {pred.get('steps')} there, {cfg.train.steps} here")
+    mine = comparable_fields(cfg)  # a prediction written before they were recorded has none
+    diffs += [f"{k} {v!r} there, {mine[k]!r} here"
+              for k, v in (pred.get("comparable") or {}).items() if k in mine and v != mine[k]]
     return diffs
 
 

@@ -140,6 +140,18 @@ def run_stats(cfg: RunConfig) -> dict:
             "n_heads": cfg.model.n_heads}
 
 
+# what runs must share for their held-out losses (nats per token of one tokenizer, on one data
+# set) to be comparable
+COMPARABLE = (("model", "vocab_size"), ("data", "data_dir"), ("data", "source"),
+              ("data", "tokenizer"))
+
+
+def comparable_fields(cfg: RunConfig) -> dict:
+    """{"section.field": value} of COMPARABLE, data paths absolute (compared as files)."""
+    cfg = cfg.with_absolute_data()
+    return {f"{sec}.{field}": getattr(getattr(cfg, sec), field) for sec, field in COMPARABLE}
+
+
 def _scaled_width(value: int, d: int, d_target: int) -> int:
     """A width that keeps its ratio to d_model, as a multiple of 8 (at least 8)."""
     return max(8, 8 * round(value * d / d_target / 8))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -126,9 +127,20 @@ def run_ladder(lad: Ladder, jobs: int = 1, names: list[str] | None = None,
             else:
                 _run_target(lad, status, guard, poll_s, say)
     except KeyboardInterrupt as e:  # the trainers have stopped (_run_pool): say how to go on
-        raise type(e)(f"{str(e) or 'ladder stopped'}; run `moelab ladder run {lad.root}` again to "
+        raise type(e)(f"{str(e) or 'ladder stopped'}; run `"
+                      f"{again_command(lad, jobs, names, target, guard is not None)}` again to "
                       "continue") from None
     return status
+
+
+def again_command(lad: Ladder, jobs: int, names: list[str] | None, target: bool,
+                  guard: bool) -> str:
+    """The `moelab ladder run` that continues this one: without --target a rerun would not
+    take up an interrupted target, without --guard not guard it."""
+    return shlex.join(["moelab", "ladder", "run", str(lad.root),
+                       *(a for n in names or [] for a in ("--rung", n)),
+                       *(["--jobs", str(jobs)] if jobs > 1 else []),
+                       *(["--target"] if target else []), *(["--guard"] if guard else [])])
 
 
 def _run_target(lad: Ladder, status: dict, guard, poll_s: float, say) -> None:
@@ -149,6 +161,10 @@ def _run_target(lad: Ladder, status: dict, guard, poll_s: float, say) -> None:
         else:
             run_dir.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(pred, run_dir / "prediction.json")
+    if guard and not (run_dir / "prediction.json").exists():  # not a silent guard of no bands
+        say(f"ladder: the target has no prediction ({run_dir / 'prediction.json'}): the guard "
+            "checks only grad_norm_max and nonfinite, no band; `moelab ladder fit "
+            f"{lad.root}` gives it one, which the guard reads from its next check on")
     _run_pool([("target", lad.config_path("target"), run_dir, steps)], 1, status, guard,
               poll_s, say)
 
