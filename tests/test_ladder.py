@@ -314,6 +314,29 @@ def test_schedule_law_reproduces_constant_and_decayed_curves_from_one_fit():
     assert c["alpha"] == pytest.approx(0.3, abs=0.05) and c["beta"] == pytest.approx(0.3, abs=0.05)
 
 
+def test_a_lag_at_the_end_of_its_grid_is_named_among_the_warnings():
+    """Curves annealed with a lag longer than the grid's longest (300 steps) on runs longer
+    than it: the fit takes 300, and says the curves may want more; a lag inside the grid, not."""
+    from moelab.ladder.trajectory import fit_curves
+
+    def warnings(tau):
+        rng, curves, flops = np.random.default_rng(2), [], []
+        for n, steps in ((2e4, 600), (6e4, 800), (1.5e5, 1000)):
+            for r in (lr_shape(steps, 10, decay_start=steps), lr_shape(steps, 10)):
+                run, at = make_run(n, r), np.unique(np.linspace(0.1 * steps, steps, 12).astype(int))
+                loss = law_value(run, at, {**SCHED_TRUTH, "C": 1.5, "tau": tau})
+                curves.append(Curve(run, at, loss * np.exp(rng.normal(0, 0.001, len(at)))))
+                flops.append(6 * n * 1024 * steps)
+        fit = fit_curves(curves, flops, n_boot=5)
+        return fit.tau, [w for w in fit.report["method"]["warnings"] if "annealing lag" in w]
+
+    assert warnings(3000.0) == (300.0, [
+        "the annealing lag tau took its longest candidate (300 steps): the curves may want a "
+        "longer one, which this law cannot give"])
+    tau, said = warnings(10.0)
+    assert tau < 300 and said == []
+
+
 # ---------------------------------------------------------------------------------------------
 # the ladder on run folders (written from the law: no training)
 

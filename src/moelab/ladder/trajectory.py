@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from moelab.ladder.choose import Chosen, Data, choose, make_data, summary
-from moelab.ladder.schedule_law import Curve, RunSchedule, fit_schedule_law, stack_curves
+from moelab.ladder.schedule_law import (
+    TAUS,
+    Curve,
+    RunSchedule,
+    fit_schedule_law,
+    stack_curves,
+)
 
 
 @dataclass
@@ -59,4 +65,9 @@ def fit_curves(curves: list[Curve], flops: list[float], level: float = 0.9, n_bo
     tau = like.tau if like else fit_schedule_law(curves).tau
     d = curve_data(curves, flops, tau)
     ch = like.chosen.refit(d) if like else choose(d, level, n_boot=n_boot, seed=seed)
-    return CurveFit(ch, tau, d, summary(ch, d, n_boot, seed))
+    report = summary(ch, d, n_boot, seed)
+    if tau == max(TAUS) and max(len(c.run.r) for c in curves) > tau:
+        report["method"]["warnings"].append(
+            f"the annealing lag tau took its longest candidate ({tau:g} steps): the curves "
+            "may want a longer one, which this law cannot give")
+    return CurveFit(ch, tau, d, report)
