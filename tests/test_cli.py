@@ -338,6 +338,10 @@ def test_read_metrics_merges_per_step_and_ignores_a_truncated_last_line(tmp_path
     assert [(e["event"], e["step"]) for e in evs] == [("start", 0), ("interrupted", 2)]
     assert evs[1]["signal"] == "SIGTERM"
     assert read_metrics(tmp_path / "absent.jsonl") == ([], [])
+    with open(path, "a") as f:  # a later start ends the cut line; text no run wrote is named
+        f.write('\n{"step": 4, "train/loss": 1.8}\nhello\n')
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: line 9: not a metrics record"):
+        read_metrics(path)
 
 
 def test_records_after_a_truncated_line_are_not_lost(tmp_path):
