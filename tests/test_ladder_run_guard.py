@@ -237,3 +237,33 @@ def test_fit_names_a_finished_rung_whose_log_lost_its_last_evaluation(tmp_path, 
     assert rc == 2 and f"{log}: rung {rung.name} finished" in err, err
     assert f"last step {rung.cfg.train.steps}" in err
     assert f"moelab ladder run {lad.root} --rung {rung.name}" in err
+
+
+def test_a_trainer_stopped_from_outside_is_said_to_resume_not_to_have_failed(tmp_path, capsys,
+                                                                           monkeypatch):
+    """A rung's trainer killed with SIGTERM by someone else saves a checkpoint and exits 143:
+    the ladder names where it stopped and that a rerun resumes it, not a failure's log tail."""
+    import json
+
+    lad = _ladder(tmp_path / "lad", finished=0)
+    rung = lad.rungs[0]
+
+    class Stopped(_Proc):
+        def poll(self):
+            (lad.run_dir(rung.name) / "summary.json").write_text(
+                json.dumps({"interrupted": "SIGTERM", "step": 7}))
+            self.returncode = 143
+            return 143
+
+    def start(name, config, run_dir, steps, running):
+        run_dir.mkdir(parents=True, exist_ok=True)
+        running.append(_Job(name, run_dir, steps, Stopped(), open(run_dir / "log", "wb")))
+
+    monkeypatch.setattr("moelab.ladder.run._start", start)
+    rc, out, err = run_main(["ladder", "run", str(lad.root), "--rung", rung.name,
+                             "--poll", "0.01"], capsys)
+    assert rc == 1, err  # the rung did not finish
+    said = out + err
+    assert (f"{rung.name} was stopped by a signal this ladder did not send: {rung.name} at step "
+            f"7 of {rung.cfg.train.steps} (checkpoint saved); run this command again") in said
+    assert "FAILED" not in said and "last lines of its log" not in said

@@ -177,6 +177,10 @@ def _left_out_of_fit(lad: Ladder) -> list[str]:
         return []
 
 
+# a trainer's exit after a stop signal (SIGINT, SIGTERM, SIGHUP: 128 + its number)
+STOPPED = (130, 143, 129)
+
+
 def _stopped_at(job: _Job) -> str:
     """Where a trainer stopped by a signal is: the step of the checkpoint it saved on the
     signal (its summary, written after it started), or that it saved none."""
@@ -267,6 +271,10 @@ def _pool_loop(queue: list, running: list[_Job], jobs: int, status: dict, guard,
             if rc == 0 and is_finished(job.run_dir, job.steps):
                 status[job.name] = "done"
                 say(f"ladder: {job.name} finished")
+            elif rc in STOPPED:  # stopped from outside (kill, a scheduler): it saved first
+                status[job.name] = f"failed (rc {rc}: stopped by a signal)"
+                say(f"ladder: {job.name} was stopped by a signal this ladder did not send: "
+                    f"{_stopped_at(job)}; run this command again to resume it")
             else:
                 status[job.name] = f"failed (rc {rc})"
                 say(f"ladder: {job.name} FAILED (exit {rc}); last lines of its log:\n"
