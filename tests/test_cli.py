@@ -415,3 +415,18 @@ def test_a_finished_run_resumed_on_other_data_is_told_so(trained, tmp_path, caps
     rc, _, err = run_main(["resume", str(run), f"data.data_dir={other}", 'data.tokenizer=""'],
                           capsys)  # the folder's own tokenizer, as a run of its own data has
     assert rc == 2 and "is not what this run trained on" in err and "vocab_size" not in err, err
+
+
+def test_the_nul_bytes_a_machine_crash_leaves_in_a_log_are_skipped_as_a_cut_record(tmp_path):
+    """After a power loss a file may keep its new length with zeros where the data was due; the
+    next start ends that line, and the log still reads (text no run wrote is still named)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "train/loss": 3.0}\n' + b"\x00" * 40)
+    t = JsonlTracker(path)
+    t.log(2, {"train/loss": 2.0})
+    t.close()
+    assert [r["step"] for r in read_metrics(path)[0]] == [1, 2]
+    with open(path, "ab") as f:
+        f.write(b"\x00hello\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: line 4: not a metrics record"):
+        read_metrics(path)

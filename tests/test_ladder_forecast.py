@@ -256,6 +256,32 @@ def test_guard_and_forecast_refuse_a_prediction_for_another_vocabulary_or_data(t
     assert rc == 0 and "warning" not in out, err
 
 
+def test_a_run_whose_data_moved_is_still_the_predictions_run(tmp_path, target, capsys):
+    """The data folder moved (a resume with data.data_dir=NEW, checked against the run's
+    fingerprints): the run's provenance.json records the data the prediction's rungs trained
+    on, so guard and forecast accept it; other fingerprints there are still another run's."""
+    import dataclasses
+    import json
+
+    data = {"corpus_fingerprint": "c" * 64, "tokenizer_sha256": "t" * 64}
+    pred = {**synthetic_prediction(target, LADDER_LAW), "data": data, "comparable": {
+        "model.vocab_size": target.model.vocab_size,
+        "data.data_dir": str(tmp_path / "old-data"), "data.source": "", "data.tokenizer": ""}}
+    atomic_write_json(tmp_path / "pred.json", pred)
+    moved = dataclasses.replace(target, data=dataclasses.replace(
+        target.data, data_dir=str(tmp_path / "new-data")))
+    for name, record, ok in (("same", data, True),
+                             ("other", {**data, "corpus_fingerprint": "d" * 64}, False)):
+        run_dir = tmp_path / name
+        write_synthetic_run(run_dir, moved, noise=0.01)
+        (run_dir / "provenance.json").write_text(json.dumps(record))
+        for cmd in (["guard", str(run_dir), "--prediction"], ["forecast", str(run_dir),
+                                                              "--ladder"]):
+            rc, out, err = run_main(["ladder", *cmd, str(tmp_path / "pred.json")], capsys)
+            assert (rc == 0 and "predicts another" not in out + err) if ok else (
+                rc == 2 and "data.data_dir" in err), (name, cmd, out, err)
+
+
 def test_compare_recovers_a_known_multiplier_and_flags_extrapolation(tmp_path, capsys):
     moe = write_runs_csv(tmp_path / "moe.csv", mult=1.0)
     dense = write_runs_csv(tmp_path / "dense.csv", mult=3.0, seed=1)

@@ -4,6 +4,7 @@ rungs still unfinished, a mistyped --target-run. Run folders are written, nothin
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -148,8 +149,11 @@ def test_follow_ends_with_the_run_however_it_ends(tmp_path, monkeypatch, pid, en
 
 def test_fit_of_a_partly_trained_ladder_names_the_rungs_left_out(tmp_path):
     lad = _ladder(tmp_path / "lad", finished=3)
+    data = {"corpus_fingerprint": "c" * 64, "tokenizer_sha256": "t" * 64}  # the rungs' data
+    (lad.run_dir(lad.rungs[1].name) / "provenance.json").write_text(json.dumps(data))
     fit = fit_ladder(lad, n_boot=20)
-    rep, _ = target_outputs(lad, fit)
+    rep, pred = target_outputs(lad, fit)
+    assert pred["data"] == data  # what a run whose data moved is compared by (guard, forecast)
     assert rep["unfinished"] == [lad.rungs[3].name]
     text = format_report(rep)
     assert f"warning: 1 of 4 rungs not finished and left out of this fit ({lad.rungs[3].name})" \

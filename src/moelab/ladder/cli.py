@@ -207,7 +207,7 @@ def _predicts_another(run: str, pred: dict | None, pred_path: Path) -> list[str]
     from moelab.ladder.guard import prediction_mismatch
 
     try:  # the alerts are reported whatever the config says
-        return prediction_mismatch(pred, load_run_config(run))
+        return prediction_mismatch(pred, load_run_config(run), run)
     except (OSError, ValueError) as e:  # ConfigError included
         print(f"  warning: {pred_path} not checked against the run's config ({e})")
         return None

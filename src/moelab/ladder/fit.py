@@ -28,7 +28,12 @@ from moelab.config import RunConfig
 from moelab.ladder import bands
 from moelab.ladder.folder import Ladder
 from moelab.ladder.observe import EVAL_LOSS, binned, eval_domains, run_records, series
-from moelab.ladder.plan import COMPARABLE, MIN_RUNS, comparable_fields, run_stats
+from moelab.ladder.plan import (
+    MIN_RUNS,
+    comparable_fields,
+    recorded_data,
+    run_stats,
+)
 from moelab.ladder.powerlaw import BootFit, fit_compute_law
 from moelab.ladder.run import is_finished
 from moelab.ladder.schedule_law import Curve, RunSchedule
@@ -177,8 +182,9 @@ def prediction_steps(steps: int, n: int = PREDICTION_POINTS) -> np.ndarray:
     return np.unique(np.linspace(1, steps, n).round().astype(int))
 
 
-def predict(fit: LadderFit, cfg: RunConfig, source: str) -> dict:
-    """The prediction.json object for a run of config ``cfg`` (usually the target)."""
+def predict(fit: LadderFit, cfg: RunConfig, source: str, data: dict | None = None) -> dict:
+    """The prediction.json object for a run of config ``cfg`` (usually the target); ``data``:
+    the fingerprints of the data the rungs trained on (``plan.recorded_data``), if known."""
     steps_total = cfg.train.steps
     run = RunSchedule.from_config(cfg)
     at = prediction_steps(steps_total)
@@ -206,7 +212,8 @@ def predict(fit: LadderFit, cfg: RunConfig, source: str) -> dict:
     return {"source": source, "level": fit.level, "steps": steps_total,
             "config_hash": cfg.hash(),
             "target": {k: stats[k] for k in ("params_active", "tokens", "flops")},
-            "comparable": comparable_fields(cfg), "metrics": metrics, "final": final,
+            "comparable": comparable_fields(cfg), **({"data": data} if data else {}),
+            "metrics": metrics, "final": final,
             "definitions": {EVAL_LOSS: f"mean of eval/<domain>/loss over {', '.join(domains)}",
                             "lo/hi": f"{fit.level:.0%} band: loss, from the chosen law's errors "
                             "on left-out rungs, scaled by leverage in log compute; L(C), "
@@ -227,14 +234,11 @@ def load_run_configs(run_dirs: list[Path], target: RunConfig) -> list[tuple[Path
             raise FileNotFoundError(f"--predict-run {d}: {e}") from e
         except ConfigError as e:
             raise ValueError(f"--predict-run {d}: its config.yaml does not load: {e}") from e
-        mine_cfg, target_cfg = cfg.with_absolute_data(), target.with_absolute_data()
-        for sec, field in COMPARABLE:  # paths compared as files, not as the text typed
-            mine = getattr(getattr(mine_cfg, sec), field)
-            theirs = getattr(getattr(target_cfg, sec), field)
-            if mine != theirs:
-                raise ValueError(f"--predict-run {d}: {sec}.{field} is {mine!r}, the ladder's "
-                                 f"target has {theirs!r}; held-out losses on other data or "
-                                 "another vocabulary are not comparable")
+        mine, theirs = comparable_fields(cfg), comparable_fields(target)  # paths as files
+        for k in (k for k in mine if mine[k] != theirs[k]):
+            raise ValueError(f"--predict-run {d}: {k} is {mine[k]!r}, the ladder's target has "
+                             f"{theirs[k]!r}; held-out losses on other data or another "
+                             "vocabulary are not comparable")
         out.append((d, cfg))
     return out
 
@@ -343,8 +347,9 @@ def format_report(rep: dict) -> str:
 
 def target_outputs(lad: Ladder, fit: LadderFit) -> tuple[dict, dict]:
     """(report, prediction) of the ladder's target: what fit.json and prediction.json hold."""
+    data = next(filter(None, (recorded_data(lad.run_dir(r.name)) for r in fit.rungs)), None)
     pred = predict(fit, lad.target, f"moelab ladder fit {lad.root} ("
-                   + ", ".join(r.name for r in fit.rungs) + ")")
+                   + ", ".join(r.name for r in fit.rungs) + ")", data)
     return report(fit, lad, pred), pred
 
 

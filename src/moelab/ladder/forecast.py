@@ -119,14 +119,15 @@ def prediction_file(run_dir: Path, ladder: Path | str | None) -> Path:
     return ladder
 
 
-def check_prediction(pred: dict, cfg: RunConfig, path: Path) -> None:
-    """The prediction is of a run like this one (N, tokens, steps; any seed) and has the final
-    held-out loss with its band."""
+def check_prediction(pred: dict, cfg: RunConfig, path: Path, run_dir: Path | None = None
+                     ) -> None:
+    """The prediction is of a run like this one (N, tokens, steps, data; any seed: of
+    ``run_dir``, see ``prediction_mismatch``) and has the final held-out loss with its band."""
     final = pred.get("final", {}).get(EVAL_LOSS, {})
     if EVAL_LOSS not in pred["metrics"] or not {"mid", "lo", "hi"} <= set(final):
         raise ValueError(f"{path}: no {EVAL_LOSS} curve or final band; re-make it with "
                          "`moelab ladder fit LADDER`")
-    if diffs := prediction_mismatch(pred, cfg):
+    if diffs := prediction_mismatch(pred, cfg, run_dir):
         raise ValueError(f"{path} predicts another run ({'; '.join(diffs)}); forecast a run of "
                          "the config it was made for (any seed), or get a final loss for this "
                          "config with `moelab ladder fit LADDER --predict-run RUN`")
@@ -147,7 +148,7 @@ def load_inputs(run_dir: Path | str, ladder: Path | str | None = None
     cfg = load_run_config(run_dir)
     path = prediction_file(run_dir, ladder)
     pred = load_prediction(path)
-    check_prediction(pred, cfg, path)
+    check_prediction(pred, cfg, path, run_dir)
     return run_records(run_dir)[0], cfg, pred, path
 
 

@@ -65,11 +65,13 @@ class GuardRules:
         return lo - self.noise_z * noise, hi + self.noise_z * noise
 
 
-def prediction_mismatch(pred: dict, cfg) -> list[str]:
+def prediction_mismatch(pred: dict, cfg, run_dir: Path | str | None = None) -> list[str]:
     """How the run a prediction was made for differs from a run of ``cfg`` (active parameters,
     tokens, steps; vocabulary, data and tokenizer, whose losses do not compare; the seed may
-    differ), one phrase each: empty when it predicts a run like it."""
-    from moelab.ladder.plan import comparable_fields, run_stats
+    differ), one phrase each: empty when it predicts a run like it. The data's folder and
+    files may differ when ``run_dir`` recorded the data the prediction's rungs trained on
+    (its data moved since: a resume checks it is the same)."""
+    from moelab.ladder.plan import DATA_PLACES, comparable_fields, recorded_data, run_stats
 
     s, t = run_stats(cfg), pred.get("target", {})
     diffs = [f"{k} {t.get(k)} there, {s[k]} here" for k in ("params_active", "tokens")
@@ -77,8 +79,11 @@ def prediction_mismatch(pred: dict, cfg) -> list[str]:
     if pred.get("steps") != cfg.train.steps:
         diffs.append(f"steps {pred.get('steps')} there, {cfg.train.steps} here")
     mine = comparable_fields(cfg)  # a prediction written before they were recorded has none
+    moved = (run_dir is not None and pred.get("data") is not None
+             and recorded_data(run_dir) == pred["data"])
     diffs += [f"{k} {v!r} there, {mine[k]!r} here"
-              for k, v in (pred.get("comparable") or {}).items() if k in mine and v != mine[k]]
+              for k, v in (pred.get("comparable") or {}).items()
+              if k in mine and v != mine[k] and not (moved and k in DATA_PLACES)]
     return diffs
 
 

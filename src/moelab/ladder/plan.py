@@ -146,10 +146,27 @@ COMPARABLE = (("model", "vocab_size"), ("data", "data_dir"), ("data", "source"),
               ("data", "tokenizer"))
 
 
+# of those, where the data are rather than what they are: a run whose recorded data (its
+# provenance.json's fingerprints) are a prediction's may read them from another place
+DATA_PLACES = ("data.data_dir", "data.source", "data.tokenizer")
+
+
 def comparable_fields(cfg: RunConfig) -> dict:
     """{"section.field": value} of COMPARABLE, data paths absolute (compared as files)."""
     cfg = cfg.with_absolute_data()
     return {f"{sec}.{field}": getattr(getattr(cfg, sec), field) for sec, field in COMPARABLE}
+
+
+def recorded_data(run_dir) -> dict | None:
+    """The data a run trained on as its provenance.json fingerprints them (corpus, tokenizer);
+    None without both (not started yet, an older run, a damaged file)."""
+    from moelab.run.identity import DATA_FIELDS, read_provenance
+
+    try:
+        rec = read_provenance(run_dir)
+    except ValueError:  # ConfigError included: damaged, named where the run itself reads it
+        return None
+    return {f: rec[f] for f in DATA_FIELDS} if all(rec.get(f) for f in DATA_FIELDS) else None
 
 
 def _scaled_width(value: int, d: int, d_target: int) -> int:

@@ -115,7 +115,8 @@ def read_metrics(path: Path | str) -> tuple[list[dict], list[dict]]:
 def log_lines(path: Path | str) -> list[dict]:
     """Every record of a JSONL log, metrics and events, in file order; none for a missing file.
     A record cut short by a crash mid-write (the last line, or one a later start ended with a
-    newline: ``JsonlTracker``) is skipped; a line that is no record at all is an error."""
+    newline: ``JsonlTracker``) is skipped, as are the NUL bytes a machine crash can leave where
+    unwritten data was due; a line that is no record at all is an error."""
     p = Path(path)
     if not p.exists():
         return []
@@ -125,8 +126,8 @@ def log_lines(path: Path | str) -> list[dict]:
         try:
             rec = json.loads(raw.decode("utf-8"))
         except json.JSONDecodeError:
-            if raw.lstrip()[:1] in (b"", b"{"):
-                continue  # a record cut short by a crash
+            if raw.replace(b"\x00", b"").lstrip()[:1] in (b"", b"{"):
+                continue  # a record cut short by a crash (or its NUL-filled space)
             _check_line(None, p, i)  # text that no run wrote
         except UnicodeDecodeError:
             if i == len(lines):  # ... cut inside a character
