@@ -63,7 +63,7 @@ def _copy_checkpoint(src: Path, dst_dir: Path, at: int, parent: Path) -> None:
             shutil.copytree(src, dst_dir / src.name, copy_function=_link_or_copy)
             Checkpointer(dst_dir).check_folder(dst_dir / src.name, at)
         except (OSError, shutil.Error, CheckpointError) as e:
-            shutil.rmtree(dst_dir, ignore_errors=True)  # the branch folder goes with it
+            shutil.rmtree(dst_dir, ignore_errors=True)  # then run_lock removes the emptied folder
             steps = Checkpointer(src.parent).steps()
             left = [s for s in steps if s != at]
             why = ("removed while it was copied (the run's trainer pruned it)" if at not in steps
