@@ -158,7 +158,9 @@ def stops_deferred() -> Iterator[None]:
         yield
         return
     got: list[int] = []
-    sigs = [s for s in (signal.SIGINT, *stop_signals()) if signal.getsignal(s) != signal.SIG_IGN]
+    # ignored ones stay so; one whose handler Python did not install (None) cannot be restored
+    sigs = [s for s in (signal.SIGINT, *stop_signals())
+            if signal.getsignal(s) not in (signal.SIG_IGN, None)]
     old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in sigs}
     try:
         yield
