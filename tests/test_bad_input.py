@@ -507,6 +507,7 @@ BOUND_CASES = [  # int ranges, YAML aliases, coordinator, trackers
     (["train", "tiny", "--coordinator", "bogus:99999", "--num-processes", "2", "--process-id",
       "0"], 2, "--coordinator bogus:99999: not HOST:PORT with a port in 1-65535"),
     (["train", "tiny", "--coordinator", ":8476"], 2, "--coordinator :8476: not HOST:PORT"),
+    (["resume", "{d}/run", "--coordinator", ":8476"], 2, "--coordinator :8476: not HOST:PORT"),
     (["train", "tiny", "--coordinator", "localhost"], 2, "--coordinator localhost: not HOST:PORT"),
     (["train", "tiny", "--coordinator", "bogus.invalid:8476"], 2,
      "--coordinator bogus.invalid:8476: host 'bogus.invalid' not found"),

@@ -599,6 +599,42 @@ def test_history_says_when_resumes_changed_the_expert_parallelism(tmp_path, chan
     assert said in format_history(run)
 
 
+def test_history_shows_every_setting_a_resume_changed_and_the_devices(tmp_path, monkeypatch):
+    """A resume's changed settings are its record of a move to another mesh: shown in full
+    (not cut at a line's width); a run on all devices (parallel.devices=0) resumed on another
+    number of them names that as a change, which history counts as one of the parallelism."""
+    import moelab.train.resume as resume
+    from moelab.config import load_config, save_config
+    from moelab.ops.record import format_history
+    from moelab.run.logs import JsonlTracker
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config("tiny", ["parallel.devices=0", "parallel.expert=4"])
+    save_config(cfg, run / "config.yaml")
+    log = JsonlTracker(run / "metrics.jsonl")
+    log.event("start", 0, devices=8, processes=2)
+    for step in range(1, 11):
+        log.log(step, {"train/loss": 5.0})
+    log.event("finished", 10)
+    log.close()
+    monkeypatch.setattr(resume, "resume_step", lambda run_dir: 10)
+    cfg = resume.as_started(resume.recovered_config(run).with_absolute_data())  # as resumed
+    assert resume.resume_changes(run, cfg, 8) == []  # the same count: nothing changed
+    changed = resume.resume_changes(run, cfg, 4)
+    assert changed == ["parallel.devices 0 -> 0 (8 -> 4 devices)"]
+    changed += ["parallel.fsdp False -> True", "parallel.transport 'pooled_wave' -> 'ragged'",
+                "train.microbatch_tokens 0 -> 2048", "train.steps 300 -> 400"]
+    log = JsonlTracker(run / "metrics.jsonl")
+    log.event("resume", 10, changed=changed, devices=4, processes=1)
+    log.log(11, {"train/loss": 5.0})
+    log.close()
+    text = format_history(run)
+    assert " " * 38 + "changed: " + "; ".join(changed) in text.splitlines(), text
+    assert "devices=8, processes=2" in text and "devices=4, processes=1" in text
+    assert "since step 10; resumes at steps 10 changed the expert parallelism" in text
+
+
 @pytest.mark.parametrize("last_alive", [True, False])
 def test_history_names_the_starts_that_ended_with_no_final_record(tmp_path, last_alive):
     """A start killed (kill -9, out of memory) writes no final event: history says it crashed,

@@ -62,6 +62,35 @@ def test_expert_parallel_training_follows_single_device(tmp_path, data_dir, refe
         np.testing.assert_allclose(got[s]["train/grad_norm"], reference[s]["train/grad_norm"],
                                    rtol=1e-3)
         assert got[s]["moe/drop_fraction"] == 0.0
+    start = read_metrics(tmp_path / "ep" / "metrics.jsonl")[1][0]  # the devices it trained on
+    assert (start["event"], start["devices"], start["processes"]) == ("start",
+                                                                      parallel["devices"], 1)
+
+
+def test_a_resume_moves_the_run_to_another_mesh_and_back(tmp_path, data_dir, reference):
+    """Trained on one device, resumed on 8 with EP 4 and FSDP, then on one again: the losses
+    follow the uninterrupted run, and history records each move and the devices of each."""
+    from moelab.ops.record import format_history
+
+    moved = {"devices": 8, "expert": 4, "fsdp": True, "transport": "ragged"}
+    for steps, parallel in ((2, {}), (4, moved), (STEPS, {})):
+        cfg = micro_config(data_dir, model=MODEL, data=DATA, train={"steps": steps},
+                           parallel=parallel)
+        train(cfg, tmp_path / "moved", verbose=False, sample_prompt=None)
+    got = losses(tmp_path / "moved")
+    assert sorted(got) == sorted(reference)
+    for s in reference:
+        np.testing.assert_allclose(got[s]["train/loss"], reference[s]["train/loss"], rtol=2e-5)
+    text = format_history(tmp_path / "moved")
+    for line in ("changed: parallel.devices 1 -> 8; parallel.expert 1 -> 4; parallel.fsdp "
+                 "False -> True; parallel.transport 'pooled_wave' -> 'ragged'; train.steps 2 -> 4",
+                 "changed: parallel.devices 8 -> 1; parallel.expert 4 -> 1; parallel.fsdp "
+                 "True -> False; parallel.transport 'ragged' -> 'pooled_wave'; train.steps 4 -> "
+                 f"{STEPS}"):
+        assert line in text, text
+    starts = [e for e in read_metrics(tmp_path / "moved" / "metrics.jsonl")[1]
+              if e["event"] in ("start", "resume")]
+    assert [e["devices"] for e in starts] == [1, 8, 1]
 
 
 def test_pooled_wave_with_tight_capacity_reports_drops(tmp_path, data_dir, reference):

@@ -275,6 +275,7 @@ def test_metrics_log_has_the_expected_keys(run30):
     kinds = [e["event"] for e in evs]
     assert kinds[0] == "start" and kinds[-1] == "finished"
     assert evs[-1]["step"] == 30
+    assert (evs[0]["devices"], evs[0]["processes"]) == (1, 1)  # what it trained on
 
 
 def test_logged_lr_follows_the_schedule(run30):

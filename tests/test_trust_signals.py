@@ -228,11 +228,19 @@ def test_wandb_init_waits_a_bounded_time_and_says_what_to_do(tmp_path, monkeypat
         "WANDB_MODE=offline to log locally and `wandb sync` later")
 
 
-def test_a_coordinator_that_never_answers_is_one_line_after_the_timeout(capsys):
-    """Process 1 with nobody at --coordinator: JAX waited minutes, then aborted natively."""
+@pytest.mark.parametrize("command", ["train", "resume"])
+def test_a_coordinator_that_never_answers_is_one_line_after_the_timeout(command, tmp_path,
+                                                                       capsys):
+    """Process 1 with nobody at --coordinator: JAX waited minutes, then aborted natively.
+    `moelab resume` joins several processes as `moelab train` does."""
+    from moelab.config import save_config
+
+    (tmp_path / "run").mkdir()
+    save_config(load_config("tiny"), tmp_path / "run" / "config.yaml")
     t0 = time.perf_counter()
-    rc, _, err = run_main(["train", "tiny", "--coordinator", "127.0.0.1:1", "--num-processes",
-                           "2", "--process-id", "1", "--coordinator-timeout", "1.5"], capsys)
+    rc, _, err = run_main([command, "tiny" if command == "train" else str(tmp_path / "run"),
+                           "--coordinator", "127.0.0.1:1", "--num-processes", "2",
+                           "--process-id", "1", "--coordinator-timeout", "1.5"], capsys)
     assert rc == 2 and time.perf_counter() - t0 < 30, err
     assert err.splitlines() == [
         "waiting up to 1.5 s for the coordinator 127.0.0.1:1 (process 0) to answer",

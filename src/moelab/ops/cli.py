@@ -25,7 +25,7 @@ from moelab.ops.schedule import (
 )
 from moelab.run.logs import read_lineage
 from moelab.train.changes import Change, PlanError
-from moelab.train.cli import add_accept_data_change
+from moelab.train.cli import add_accept_data_change, add_process_options
 from moelab.util import atomic_write_text, info, is_url
 
 WHY = "why (recorded in the run's operations log)"
@@ -238,11 +238,12 @@ def cmd_branch(args) -> int:
 
 def cmd_resume(args) -> int:
     from moelab.parallel.transport import unread_fields
-    from moelab.train.cli import report_summary
+    from moelab.train.cli import check_process_options, join_processes, report_summary
     from moelab.train.loop import train
     from moelab.train.preflight import claim_gpu_share
     from moelab.train.resume import recovered_config
 
+    check_process_options(args)
     run = args.run if is_url(args.run) else Path(args.run)
     if is_url(run):  # its config from the remote; it trains in its staging copy, as `train`
         cfg = recovered_config(_remote_files(run), args.overrides)
@@ -252,6 +253,7 @@ def cmd_resume(args) -> int:
     for note in unread_fields(cfg, args.overrides):
         info(note)
     claim_gpu_share()  # as moelab train: before JAX's backend starts
+    join_processes(args)  # each process of a run on several hosts, as `moelab train`
     return report_summary(train(cfg, run, accept_data_change=args.accept_data_change), run)
 
 
@@ -387,6 +389,7 @@ def register(sub) -> None:
     s.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE for resumable fields, "
                    "e.g. train.log_every=5")
     add_accept_data_change(s)
+    add_process_options(s)
     s.set_defaults(fn=cmd_resume)
 
     h = sub.add_parser("history", help="a run's operations, events and per-stage drop rates",

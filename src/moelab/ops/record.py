@@ -135,7 +135,7 @@ def format_history(run_dir: Path | str, name: str | None = None) -> str:
     if lin:
         lines.append(f"  branch of {lin['parent']} at step {lin['step']}"
                      + (f": {lin['reason']}" if lin.get("reason") else ""))
-    skip = {"event", "step", "time", "log", "reason", "command"}
+    skip = {"event", "step", "time", "log", "reason", "command", "changed"}
     events = history(run_dir)
     for i, e in enumerate(events):
         when = _fmt_time(e.get("time"))
@@ -143,6 +143,8 @@ def format_history(run_dir: Path | str, name: str | None = None) -> str:
         if _replaced(events, i):
             extra += " (never applied: a later replan request followed it)"
         lines.append(f"  {when}  step {e['step']:>7}  {e['event']:<18} {extra}")
+        if e.get("changed"):  # each setting a resume changed, in full: its own record
+            lines.append(f"{'':>38}changed: " + "; ".join(map(str, e["changed"])))
         if e.get("reason"):
             lines.append(f"{'':>38}why: {e['reason']}")
         if e.get("command"):

@@ -18,8 +18,8 @@ from moelab.data.prepare import resolve_config, with_tokenizer_vocab
 from moelab.util import info, is_url, silence_gone_console, url_fs, writable
 
 
-def _check_options(args) -> None:
-    """Options that would fail only once work has started, or lose its results: checked first."""
+def check_process_options(args) -> None:
+    """The several-process options (``add_process_options``), checked before any work."""
     from moelab.parallel.distributed import check_coordinator
 
     if args.coordinator is not None:  # a bad one makes JAX wait minutes, then crash
@@ -27,6 +27,20 @@ def _check_options(args) -> None:
     require(args.coordinator_timeout is None or args.coordinator_timeout > 0,
             f"--coordinator-timeout {args.coordinator_timeout}", "seconds to wait for process 0 "
             "to answer: give a number > 0")
+
+
+def join_processes(args) -> None:
+    """Join JAX's multi-controller runtime when the several-process options ask for it."""
+    if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
+        from moelab.parallel.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id,
+                   timeout=args.coordinator_timeout)
+
+
+def _check_options(args) -> None:
+    """Options that would fail only once work has started, or lose its results: checked first."""
+    check_process_options(args)
     # memory:// is fsspec's in-process filesystem: fine from Python (tests), lost at exit here
     require(not str(args.run_dir).startswith("memory://"), f"--run-dir {args.run_dir}",
             "memory:// lives only inside this process, so the run would be gone when `moelab "
@@ -69,11 +83,7 @@ def cmd_train(args, attach_record) -> int:
         info(note)
     if not is_url(run_dir) and "train.steps" in map(override_field, overrides):
         check_given_end(cfg, run_dir)
-    if args.distributed or args.coordinator or args.num_processes or args.process_id is not None:
-        from moelab.parallel.distributed import initialize
-
-        initialize(args.coordinator, args.num_processes, args.process_id,
-                   timeout=args.coordinator_timeout)
+    join_processes(args)
     if args.record:
         attach_record(args.record, run_dir, args.arm)
     return report_summary(train(cfg, run_dir, accept_data_change=args.accept_data_change),
@@ -126,7 +136,13 @@ def register_train(sub, attach_record) -> None:
                    "file; see `moelab lab`)")
     t.add_argument("--arm", help="the run's arm name in the record (default: run folder name)")
     add_accept_data_change(t)
-    mp = t.add_argument_group("several processes (one per host or per GPU; see README)")
+    add_process_options(t)
+    t.set_defaults(fn=functools.partial(cmd_train, attach_record=attach_record))
+
+
+def add_process_options(p: argparse.ArgumentParser) -> None:
+    """--distributed, --coordinator ...: one process of several (``join_processes``)."""
+    mp = p.add_argument_group("several processes (one per host or per GPU; see README)")
     mp.add_argument("--distributed", action="store_true",
                     help="join JAX's multi-controller runtime, cluster detected by JAX (SLURM, "
                     "Open MPI, Kubernetes)")
@@ -137,7 +153,6 @@ def register_train(sub, attach_record) -> None:
     mp.add_argument("--coordinator-timeout", type=float, metavar="SECONDS",
                     help="how long the other processes wait for process 0 to answer at "
                     "--coordinator (default 300, JAX's own initialization timeout)")
-    t.set_defaults(fn=functools.partial(cmd_train, attach_record=attach_record))
 
 
 def register_config(sub) -> None:

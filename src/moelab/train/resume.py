@@ -198,10 +198,20 @@ def _differing(old: dict, new: dict, allowed) -> list[str]:
             if old.get(k) != new.get(k) and k not in allowed]
 
 
-def resume_changes(run_dir: Path | str, cfg: RunConfig) -> list[str]:
+def devices_in_use(run_dir: Path | str) -> int | None:
+    """How many devices the run's last start or resume trained on (its event's ``devices``;
+    None for a run that never recorded it)."""
+    events = read_metrics(Path(run_dir) / "metrics.jsonl")[1]
+    return next((e["devices"] for e in reversed(events) if e.get("event") in ("start", "resume")
+                 and isinstance(e.get("devices"), int)), None)
+
+
+def resume_changes(run_dir: Path | str, cfg: RunConfig, devices: int | None = None) -> list[str]:
     """What training ``cfg`` (as ``resolve_run_config`` resolved it) in ``run_dir`` changes
     against the run's config.yaml, one "field old -> new" each: the settings given now (a
-    preset's own train.steps included) and a pending replan. Empty for a run not started."""
+    preset's own train.steps included) and a pending replan. Empty for a run not started.
+    ``devices``: how many it trains on now; where parallel.devices is 0 (all) before or now,
+    a count other than the last start's is named with it (the same 0 on other machines)."""
     if resume_step(run_dir) is None:
         return []
     saved = as_started(recovered_config(run_dir).with_absolute_data())
@@ -211,7 +221,12 @@ def resume_changes(run_dir: Path | str, cfg: RunConfig) -> list[str]:
         text = repr(v)
         return text if len(text) <= 60 else text[:57] + "..."
 
-    return [f"{k} {short(old.get(k))} -> {short(new.get(k))}" for k in _differing(old, new, ())]
+    lines = {k: f"{k} {short(old.get(k))} -> {short(new.get(k))}"
+             for k in _differing(old, new, ())}
+    k, was = "parallel.devices", devices_in_use(run_dir)
+    if devices and was and was != devices and 0 in (old.get(k), new.get(k)):
+        lines[k] = f"{k} {old.get(k)!r} -> {new.get(k)!r} ({was} -> {devices} devices)"
+    return [lines[k] for k in sorted(lines)]
 
 
 def check_config_identity(saved: RunConfig, run_dir: Path) -> None:

@@ -334,7 +334,8 @@ def _resolved(cfg: RunConfig, run_dir: Path, recorded: dict,
     cfg = transport.check_config(resolve_run_config(cfg, run_dir))
     transport.check_backend(cfg.parallel, jax.default_backend())
     check_device_count(cfg, jax.devices())
-    changed = resume_changes(run_dir, cfg)  # said, and kept in the resume event
+    # said, and kept in the resume event
+    changed = resume_changes(run_dir, cfg, cfg.parallel.devices or len(jax.devices()))
     check_adaptive(cfg)
     return cfg, changed
 
@@ -417,6 +418,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     sampler.restore(start, meta.get("data"))
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"), **process_identity(),
+                   devices=1 if mesh is None else mesh.size, processes=jax.process_count(),
                    **({"changed": changed} if start and changed else {}))
     with _end_recorded(trackers, start), native_work():
         if inputs.changes:  # the run's record of what it trained on from here
