@@ -190,6 +190,15 @@ def spread(key: str, values) -> dict:
     return {key: statistics.median(v), f"{key}_lo": min(v), f"{key}_hi": max(v)}
 
 
+def split_at_median(rows: list[dict], total: str, parts: tuple[str, ...]) -> dict:
+    """``parts`` (sender and receiver drops) of the router whose ``total`` is the median (the
+    mean of the two middle ones for an even count), so that they add up to the median total:
+    medians taken part by part come from different routers and do not."""
+    rows = sorted(rows, key=lambda r: r[total])
+    mid = rows[(len(rows) - 1) // 2: len(rows) // 2 + 1]
+    return {p: statistics.fmean(r[p] for r in mid) for p in parts}
+
+
 def with_spread(rows: list[dict], key: str, fmt: str) -> None:
     """Adds ``key_str``: "median (lo-hi)" for a table cell (the median alone for one router)."""
     for r in rows:
@@ -263,16 +272,20 @@ def global_sender_sweep(layers, E: int, G: int, W: int) -> list[dict]:
 GLOBAL_SENDER_CFS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5)
 
 
-def merge_seeds(per_seed: dict, keys: tuple[str, ...]) -> list[dict]:
+def merge_seeds(per_seed: dict, keys: tuple[str, ...],
+                splits: dict[str, tuple[str, ...]] | None = None) -> list[dict]:
     """Rows of per-router tables (``{seed: [row, ...]}``, the same rows in the same order)
-    merged: each of ``keys`` becomes the median over routers with its spread; every router's
-    row is kept under "by_seed"."""
+    merged: each of ``keys`` becomes the median over routers with its spread, except that the
+    parts of a total in ``splits`` ({total: parts}) are the median-total router's
+    (``split_at_median``); every router's row is kept under "by_seed"."""
     seeds = list(per_seed)
     out = []
     for i, row in enumerate(per_seed[seeds[0]]):
         merged = {k: v for k, v in row.items() if k not in keys}
         for k in keys:
             merged.update(spread(k, (per_seed[s][i][k] for s in seeds)))
+        for total, parts in (splits or {}).items():
+            merged.update(split_at_median([per_seed[s][i] for s in seeds], total, parts))
         merged["by_seed"] = {s: per_seed[s][i] for s in seeds}
         out.append(merged)
     return out
@@ -445,6 +458,9 @@ def main() -> None:
         for key in ("sender_drop", "receiver_drop", "drop", "native_wire_mib"):
             if key in row["by_seed"][seeds[0]]:
                 row.update(spread(key, (row["by_seed"][s][key] for s in seeds)))
+        if "drop" in row["by_seed"][seeds[0]]:
+            row.update(split_at_median(list(row["by_seed"].values()), "drop",
+                                       ("sender_drop", "receiver_drop")))
         rows.append(row)
         print(f"  {name:<24} temp {row.get('temp_mib', -1):7.2f} MiB  wire "
               f"{row['wire_mib']:6.2f} MiB/rank  drops {row['drop']:.2%} "
@@ -466,14 +482,16 @@ def main() -> None:
 
     print("capacity-factor sweep and EP degrees (drop rules, all layers) ...", flush=True)
     pooled_w = [w for w in args.waves if w != 1][:1] + [1]
-    sweep_keys = tuple(f"{key}{part}" for key in [*(f"pooled_W{w}" for w in pooled_w), "global",
-                                                   "waterfill", "expert_cells"]
+    sweep_totals = [*(f"pooled_W{w}" for w in pooled_w), "global", "waterfill", "expert_cells"]
+    sweep_keys = tuple(f"{key}{part}" for key in sweep_totals
                        for part in ("", "_sender", "_receiver"))
-    sweep = merge_seeds({s: cf_sweep(layers[s], E, S, G, pooled_w) for s in seeds}, sweep_keys)
+    sweep = merge_seeds({s: cf_sweep(layers[s], E, S, G, pooled_w) for s in seeds}, sweep_keys,
+                        {key: (f"{key}_sender", f"{key}_receiver") for key in sweep_totals})
     by_ep = merge_seeds({s: ep_degrees(layers[s], E, G, args.waves[0]) for s in seeds},
                         ("global", "waterfill"))
     by_cf_s = merge_seeds({s: global_sender_sweep(layers[s], E, G, args.waves[0])
-                           for s in seeds}, ("sender", "receiver", "drop"))
+                           for s in seeds}, ("sender", "receiver", "drop"),
+                          {"drop": ("sender", "receiver")})
     runtime = time.time() - t_start
     meta = dict(by_ep=by_ep, by_global_sender_cf=by_cf_s, router_runs=runs,
                 router_seeds=seeds, router_steps=args.router_steps, ranks=S, n_experts=E,
@@ -481,7 +499,8 @@ def main() -> None:
                 dtype=args.dtype, timed_layer=args.layer, n_layers=n_layers,
                 seq_len=L_seq, seed=args.seed, reps=args.reps, sweep=sweep, runtime_s=runtime,
                 notes=["medians over the router seeds; *_lo / *_hi: the lowest and highest "
-                       "router (their own rows under by_seed)",
+                       "router (their own rows under by_seed); sender and receiver drops are "
+                       "the median-total router's, so that they add up to the total",
                        "8 fake CPU devices share the host's cores: step times are compute, "
                        "not interconnect",
                        "memory_analysis is per device (SPMD program)",

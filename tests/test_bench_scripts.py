@@ -112,6 +112,28 @@ def test_skewed_drops_saves_its_table(tmp_path, capsys, monkeypatch):
     assert "pooled_wave" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("seeds", [3, 4])
+def test_transport_drop_split_adds_up_to_the_median_total(seeds):
+    """bench/transport.py's tables give the median total drops over router models with its
+    sender + receiver split: part-by-part medians came from different routers and did not add
+    up (README: 3.08% total as 2.81 + 0.69); the split is now the median-total router's."""
+    env = dict(os.environ)
+    try:
+        import transport as bench_transport
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+    routers = [(0.0303, 0.0281, 0.0022), (0.0362, 0.0293, 0.0069), (0.0308, 0.0229, 0.0079),
+               (0.0400, 0.0100, 0.0300)][:seeds]
+    per_seed = {i: [{"drop": d, "sender": s, "receiver": r}] for i, (d, s, r) in enumerate(routers)}
+    row = bench_transport.merge_seeds(per_seed, ("sender", "receiver", "drop"),
+                                      {"drop": ("sender", "receiver")})[0]
+    assert row["sender"] + row["receiver"] == pytest.approx(row["drop"])
+    if seeds == 3:  # the middle router's parts; the spread is still each part's own
+        assert (row["drop"], row["sender"], row["receiver"]) == (0.0308, 0.0229, 0.0079)
+        assert (row["sender_lo"], row["sender_hi"]) == (0.0229, 0.0293)
+
+
 def test_a_router_model_of_other_steps_has_its_own_folder():
     """A short trial (--steps 10) is neither extended into the benchmarks' model nor reused."""
     import trained_router

@@ -501,6 +501,20 @@ def test_the_transport_table_marks_what_training_refuses_at_this_ep():
     assert "fits" not in wave[4]
 
 
+def test_the_transport_table_sizes_the_configured_capacity_factor(capsys):
+    """The capacity-factor sweep compared 1.25, 2 and 4 only: a config's own
+    parallel.capacity_factor (expert_cells, waterfill) got no row, while pooled_wave's factors
+    and wave count are the config's."""
+    from moelab.cli import main
+
+    assert main(["plan", "tiny", "parallel.devices=8", "parallel.expert=4",
+                 "parallel.capacity_factor=1.7"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("expert_cells", "waterfill"):
+        assert [line.split()[2] for line in out.splitlines()
+                if line.split()[:2] == [kind, "cf"]] == ["1.25", "1.70", "2.00", "4.00"]
+
+
 @pytest.mark.parametrize("option", [["--mfu", "0.2"], ["--ep", "8"], ["--fsdp", "4"],
                                     ["--offload", "master"], ["--waves", "2"],
                                     ["--tokens-per-s", "5e6"], ["--optimizer", "muon"],

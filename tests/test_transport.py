@@ -27,7 +27,7 @@ from moelab.parallel.transport.common import (
     encode_ids,
     id_digits,
 )
-from moelab.parallel.transport.simulate import skewed_routing
+from moelab.parallel.transport.simulate import simulate_drops, skewed_routing
 
 N_DEV = 8
 T, H, I, E, K = 32, 16, 8, 24, 3  # per-device tokens, widths, experts, routes
@@ -456,6 +456,28 @@ def test_config_validation():
         transport.check_config(RunConfig(parallel=tc(devices=4, expert=4, waves=3)))
 
 
+@pytest.mark.parametrize("kind,field", [
+    ("pooled_wave", "sender_cf"), ("pooled_wave", "receiver_cf"),
+    ("pooled_global", "global_sender_cf"), ("pooled_global", "receiver_cf"),
+    ("expert_cells", "capacity_factor"), ("waterfill", "capacity_factor")])
+def test_capacity_factor_with_too_many_decimals_is_refused_naming_the_field(kind, field):
+    """A factor whose exact ratio the traced ceiling cannot hold in int32 was accepted by every
+    check and failed when the step was traced, naming no field; the check names the field and
+    a rounding that fits, which then passes and gives the traced limit exactly."""
+    from moelab.config import ConfigError
+
+    model = ModelConfig(n_experts=E, top_k=K)
+    cfg = RunConfig(model=model, parallel=tc(kind, devices=8, expert=4, waves=2,
+                                             **{field: 0.3333333333}))
+    with pytest.raises(ConfigError, match=rf"parallel\.{field}: 0\.3333333333 has too many "
+                       r"decimals .*; give at most \d+ decimals \(e\.g\. 0\.3333+4?\)") as e:
+        transport.check_config(cfg)
+    fit = float(str(e.value).rsplit("e.g. ", 1)[1].rstrip(")"))
+    par = tc(kind, devices=8, expert=4, waves=2, **{field: fit})
+    transport.check_config(RunConfig(model=model, parallel=par))
+    assert simulate_drops(np.asarray(DATA["expert"]), E, par, 4)["assignments"] == N * K
+
+
 def test_pure_data_parallelism_runs_no_transport_checks():
     """EP 1: nothing travels, so the dropless transport trains and the configured transport's
     own checks (here: waves dividing the 8 local experts) do not apply."""
@@ -504,6 +526,15 @@ def test_native_ragged_path_traces(kind):
     # (JAX's transpose of ragged_all_to_all exchanges its int32 offsets with small all_to_alls.)
     assert n(grad, "ragged_all_to_all") == 5
     assert not [p for p, dt in grad if p == "all_to_all" and "float" in dt]
+
+
+def test_native_check_refuses_a_cpu_with_the_fix():
+    """python -m moelab.parallel.transport.native_check on a CPU died in XLA's
+    UNIMPLEMENTED ragged-all-to-all error, a raw traceback, after building its inputs."""
+    from moelab.parallel.transport import native_check
+
+    with pytest.raises(SystemExit, match="CPU backend has no ragged_all_to_all.*GPU or TPU"):
+        native_check.main()
 
 
 def test_a_native_ragged_exchange_is_refused_on_a_cpu_before_the_run():

@@ -177,12 +177,16 @@ class ParallelConfig:
     expert: int = 1  # expert-parallel degree (the mesh's "expert" axis); data = devices / expert
     transport: str = "pooled_wave"  # used when expert > 1; EP 1 never drops (dropless ragged)
     capacity_factor: float = 1.25  # expert_cells: rows per (sender, expert); waterfill: per expert
-    sender_cf: float = 1.10  # pooled_wave: rows per (sender, destination rank) per wave
+    # pooled_wave: send pool of ceil(cf * assignments / (ranks * waves)) rows per (sender,
+    # destination rank) per wave
+    sender_cf: float = 1.10
     # pooled_global: rows per (sender, destination rank) per wave; its pools are transient, so
     # 2.0 is cheap and left no sender drops up to 16x context (docs/transport.md); a config
     # naming pooled_global that gives sender_cf alone reads it as this (as before this field)
     global_sender_cf: float = 2.0
-    receiver_cf: float = 1.15  # pooled_*: rows per local expert per wave
+    # pooled_wave: ceil(cf * assignments / (local experts * waves)) rows per local expert per
+    # wave; pooled_global: each expert's budget, ceil(cf * assignments / local experts)
+    receiver_cf: float = 1.15
     waves: int = 3  # pooled_*: sequential waves (pooled_wave: local experts divide into them)
     budget_group: int = 2  # pooled_global: experts sharing one receive budget (fixed, not E_l)
     fair_blocks: int = 0  # pooled_global: token blocks sharing a busy expert; 0 = one per rank

@@ -136,7 +136,8 @@ def cmd_plan(args, train_step) -> int:
         layout = Layout(args.devices, args.ep, args.fsdp, args.optimizer, tuple(args.offload))
         par = cfg.parallel
         transports = transport_options(par, {
-            "capacity_factor": args.cf or DEFAULT_CF, "waves": args.waves or sorted({1, par.waves})})
+            "capacity_factor": args.cf or sorted({*DEFAULT_CF, par.capacity_factor}),
+            "waves": args.waves or sorted({1, par.waves})})
     result = build_plan(cfg, tokens=args.tokens, acc=acc, devices=args.devices,
                         mfus=tuple(args.mfu), tokens_per_s=args.tokens_per_s, layout=layout,
                         transports=transports, attention=args.attention,
@@ -199,7 +200,8 @@ def register(sub, train_step) -> None:
                     "fused when model.loss_chunk > 0)")
     pl.add_argument("--cf", type=float, nargs="*", default=None,
                     help="capacity factors to compare (transports with "
-                    f"parallel.capacity_factor; default {' '.join(map(str, DEFAULT_CF))})")
+                    f"parallel.capacity_factor; default {' '.join(map(str, DEFAULT_CF))} and "
+                    "parallel.capacity_factor)")
     pl.add_argument("--waves", type=int, nargs="*", default=[],
                     help="pooled_wave wave counts to compare (default: 1 and parallel.waves)")
     pl.add_argument("--xla", action="store_true",

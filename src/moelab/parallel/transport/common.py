@@ -72,7 +72,25 @@ def require_parallel(cond: bool, field: str, msg: str) -> None:
         raise ConfigError(f"parallel.{field}: {msg}")
 
 
+def require_cf(par: ParallelConfig, field: str, groups: int) -> None:
+    """A capacity factor > 0 whose limit ceil(cf * n / groups) the traced exact arithmetic
+    (``_ceil_mul``) can take: cf / groups needs a denominator below 2^30, so a factor with many
+    decimals (0.3333333333) is refused here, naming the field and a rounding that fits, rather
+    than when the step is traced. ``groups``: the largest divisor the transport uses with it."""
+    cf = getattr(par, field)
+    require_parallel(cf > 0, field, "must be > 0")
+    if (exact_ratio(cf) / groups).denominator < MAX_DENOMINATOR:
+        return
+    d = max(0, math.floor(math.log10(MAX_DENOMINATOR / groups)))
+    fit = max(round(cf * 10**d), 1) / 10**d
+    raise ConfigError(f"parallel.{field}: {cf!r} has too many decimals for exact capacity "
+                      f"rounding; give at most {d} decimals (e.g. {fit:.{d}f})")
+
+
 # ----------------------------------------------------------------------------- capacities
+
+MAX_DENOMINATOR = 2**30  # of cf / groups: _ceil_mul's running remainder stays below 2q in int32
+
 
 def exact_ratio(cf: float) -> Fraction:
     """The capacity factor as the decimal the user wrote (1.1 is 11/10, not the float nearest
@@ -95,7 +113,7 @@ def _ceil_mul(n, p: int, q: int):
     realistic sizes. Long multiplication over the bits of n with the static quotient and
     remainder of 2^i * p by q; the running remainder stays below 2q. Bits whose partial
     quotient passes int32 are skipped: with one of them set the result would not fit either."""
-    if q >= 2**30:
+    if q >= MAX_DENOMINATOR:
         raise ValueError(f"capacity ratio {p}/{q}: denominator too large for exact int32 "
                          "arithmetic; give the capacity factor with fewer decimals")
     quo = jnp.zeros_like(n)

@@ -22,12 +22,12 @@ from moelab.parallel.transport.common import (
     assignment_arrays,
     capacity,
     logical_capacity,
-    require_parallel,
+    require_cf,
 )
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require_parallel(par.capacity_factor > 0, "capacity_factor", "must be > 0")
+    require_cf(par, "capacity_factor", n_local * par.expert)
 
 
 def rows(par: ParallelConfig, A: int, S: int, E_l: int, H: int) -> BufferRows:

@@ -20,6 +20,11 @@ def main(T: int = 64, H: int = 32, I: int = 16, k: int = 4) -> None:
     from moelab.parallel.mesh import make_mesh
     from moelab.parallel.transport import make_transport_fn
 
+    if jax.default_backend() == "cpu":
+        raise SystemExit("native_check: XLA's CPU backend has no ragged_all_to_all, so there is "
+                         "no native path to compare here; run it on a GPU or TPU (on a CPU the "
+                         "transports use the emulation, which tests/test_transport.py checks "
+                         "against the dense reference)")
     n = len(jax.devices())
     E = 8 * n
     N = T * n

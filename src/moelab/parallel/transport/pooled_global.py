@@ -44,15 +44,16 @@ from moelab.parallel.transport.common import (
     assignment_arrays,
     capacity,
     logical_capacity,
+    require_cf,
     require_parallel,
 )
 from moelab.parallel.transport.waterfill import expert_keep_E, source_share_SE
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require_parallel(par.global_sender_cf > 0, "global_sender_cf", "must be > 0")
-    require_parallel(par.receiver_cf > 0, "receiver_cf", "must be > 0")
     require_parallel(par.waves >= 1, "waves", "must be >= 1")
+    require_cf(par, "global_sender_cf", par.expert * par.waves)
+    require_cf(par, "receiver_cf", n_local * par.expert)
     G = par.budget_group
     require_parallel(G >= 1 and n_local % G == 0, "budget_group",
                      f"{G} experts per budget group must divide the local experts "

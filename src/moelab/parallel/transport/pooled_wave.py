@@ -28,14 +28,16 @@ from moelab.parallel.transport.common import (
     encode_ids,
     header_rows,
     logical_capacity,
+    require_cf,
     require_parallel,
 )
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require_parallel(par.sender_cf > 0, "sender_cf", "must be > 0")
-    require_parallel(par.receiver_cf > 0, "receiver_cf", "must be > 0")
     require_parallel(par.waves >= 1, "waves", "must be >= 1")
+    S, W = par.expert, par.waves
+    require_cf(par, "sender_cf", S * W)
+    require_cf(par, "receiver_cf", n_local * S * W)
     require_parallel(n_local % par.waves == 0, "waves",
                      f"local experts E_l={n_local} must be divisible by waves={par.waves} "
                      f"(pooled_wave); set parallel.waves to one of "

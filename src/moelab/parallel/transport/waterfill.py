@@ -33,13 +33,13 @@ from moelab.parallel.transport.common import (
     assignment_arrays,
     capacity,
     logical_capacity,
-    require_parallel,
+    require_cf,
 )
 from moelab.parallel.transport.ragged import ragged_exchange, use_native
 
 
 def check(par: ParallelConfig, n_local: int) -> None:
-    require_parallel(par.capacity_factor > 0, "capacity_factor", "must be > 0")
+    require_cf(par, "capacity_factor", n_local * par.expert)
     ragged.check(par, n_local)
 
 
