@@ -59,7 +59,8 @@ NEW_RUN_CASES = [  # (config sections, what the one error line says)
     # parallel.devices=0 (all 8) gets the checks of parallel.devices=8: these failed inside
     # JAX's sharding, or said "expert=3" without the field
     ({"data": {"batch_size": 12}, "parallel": {"devices": 0}},
-     "data.batch_size: must be divisible by parallel.devices=8 (each device gets rows) "
+     "data.batch_size: 12 must be divisible by parallel.devices=8 (each device gets rows); "
+     "or give parallel.devices one that divides it: 1, 2, 3, 4, 6, 12 "
      "(parallel.devices=0 trains on all 8 visible devices"),
     ({"model": {"n_experts": 6}, "parallel": {"devices": 0, "expert": 3, "waves": 1}},
      "parallel.expert: must divide parallel.devices=8"),

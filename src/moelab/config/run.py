@@ -241,8 +241,12 @@ class RunConfig:
         par, m = self.parallel, self.model
         require(m.n_experts % par.expert == 0, "parallel.expert",
                 f"must divide model.n_experts={m.n_experts} (each rank holds n_experts/expert)")
+        fits = [n for n in range(1, min(self.data.batch_size, 64) + 1)
+                if self.data.batch_size % n == 0]
         require(par.devices == 0 or self.data.batch_size % par.devices == 0, "data.batch_size",
-                f"must be divisible by parallel.devices={par.devices} (each device gets rows)")
+                f"{self.data.batch_size} must be divisible by parallel.devices={par.devices} "
+                "(each device gets rows); or give parallel.devices one that divides it: "
+                + ", ".join(map(str, fits)))
         for i, c in enumerate(self.data.context_stages):
             require(par.devices == 0 or self.data.stage_batch(c) % par.devices == 0,
                     f"data.context_stages[{i}]", f"batch of {self.data.stage_batch(c)} sequences"
