@@ -149,7 +149,7 @@ def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: 
         raise
     if run.restored and run.start >= run.cfg.train.steps:
         run.say(f"{run.run_dir} is at its last step {run.start}: nothing left to train; running "
-                "the final evaluation it has not recorded")
+                "its final evaluation and writing its summary (a stop came before the summary)")
     progress = _Progress(step=run.start, state=state, metrics=run.metrics,
                          eval_pending=run.eval_pending)
     del state  # the loop replaces the state every step: hold no reference to the first one
