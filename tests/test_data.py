@@ -211,6 +211,23 @@ def test_odd_domain_values_build_and_too_many_are_refused(tmp_path, capsys):
         build_user_corpus([many], tmp_path / "c")
 
 
+def test_a_record_s_domain_that_is_no_name_is_skipped_with_its_reason():
+    """A number names a domain as its text would; a list or an object is no name, and the
+    record is skipped saying so (it was put in the folder's domain without a word)."""
+    from moelab.data.user_docs import record_doc
+
+    skips = []
+    assert record_doc({"text": "a", "domain": 2023}, "r 0", "folder", skips)["domain"] == "2023"
+    assert record_doc({"text": "a", "domain": None}, "r 1", "folder", skips)["domain"] == "folder"
+    assert record_doc({"text": "a", "domain": ["web"]}, "r 2", "folder", skips) is None
+    assert record_doc({"text": "a", "domain": True}, "r 3", "folder", skips) is None
+    assert skips == [
+        ("r 2", "its 'domain' is list ['web'], not a name (give a string, or leave it out for "
+         "the folder's name)"),
+        ("r 3", "its 'domain' is bool True, not a name (give a string, or leave it out for the "
+         "folder's name)")]
+
+
 def test_nothing_usable_is_a_clear_error(tmp_path):
     d = tmp_path / "bad"
     d.mkdir()

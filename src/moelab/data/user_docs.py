@@ -228,7 +228,13 @@ def record_doc(rec: object, where: str, domain: str, skips: Skips,
         skips.append((where, reason))
         return None
     dom = rec.get("domain")
-    dom = clean_domain(dom) if isinstance(dom, str) and dom.strip() else domain
+    if isinstance(dom, int) and not isinstance(dom, bool):
+        dom = str(dom)  # a numbered source names a domain as its text would
+    elif dom is not None and not isinstance(dom, str):
+        skips.append((where, f"its 'domain' is {type(dom).__name__} {str(dom)[:40]}, not a name "
+                      "(give a string, or leave it out for the folder's name)"))
+        return None
+    dom = clean_domain(dom) if dom and dom.strip() else domain
     return {"id": where, "domain": dom, "text": rec[field]}
 
 
