@@ -284,7 +284,7 @@ def test_data_build_with_nothing_usable_fails_clearly(tmp_path, capsys, monkeypa
     for out in ("o/new/data", "mine/new/data", "mine"):
         assert run_main(["data", "build", "in", "--out", out], capsys)[0] == 2
     assert not (tmp_path / "o").exists() and not (tmp_path / "mine" / "new").exists()
-    assert (tmp_path / "mine").is_dir()
+    assert (tmp_path / "mine").is_dir() and not any((tmp_path / "mine").iterdir())  # as given
 
 
 # ---------------------------------------------------------------------------------------------

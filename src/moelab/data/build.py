@@ -199,16 +199,18 @@ def first_missing(out: Path) -> Path | None:
     return made
 
 
-def remove_if_unused(out: Path, made: Path | None = None) -> None:
+def remove_if_unused(out: Path, made: Path | None = None, *, keep: bool = False) -> None:
     """Remove ``out`` if it holds nothing but its lock file and empty folders (a build that
     made it and failed before writing anything), and the folders above it up to ``made`` (the
-    outermost one the build made, ``first_missing``) while they are empty; called under its
-    lock."""
+    outermost one the build made, ``first_missing``) while they are empty; with ``keep``
+    (an empty folder given as --out) only what is in it. Called under its lock."""
     parts = sorted(out.rglob("*"), key=lambda p: len(p.parts), reverse=True)  # deepest first
     if any(p != out / LOCK_FILE and (p.is_symlink() or not p.is_dir()) for p in parts):
         return
     for p in parts:
         p.unlink() if p.is_file() else p.rmdir()
+    if keep:
+        return
     out.rmdir()
     for p in out.parents if made is not None and made != out else ():
         try:

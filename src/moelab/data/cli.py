@@ -42,14 +42,15 @@ def cmd_data_build(args) -> int:
     if args.inputs:  # paths, types and extras before the folder (and its lock) is made
         corpus.check_user_inputs(args.inputs, args.format, args.text_field, args.split)
     made = build.first_missing(out)  # the folders this build makes (None: out exists)
+    was_empty = made is None and out.is_dir() and not any(out.iterdir())
     # SIGTERM unwinds like Ctrl-C (moelab.cli): temp files go and the lock is released
     with build.data_lock(out, shlex.join(getattr(args, "argv", ["moelab"]))):
         build.remove_stale_temps(out)
         try:
             return _build(args, out, vocab)
         except BaseException:
-            if made is not None:  # a first build that failed before writing: no folder left
-                build.remove_if_unused(out, made)
+            if made is not None or was_empty:  # a first build that failed before writing
+                build.remove_if_unused(out, made, keep=was_empty)  # leaves no folder it made
             raise
 
 
