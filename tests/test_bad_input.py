@@ -280,6 +280,10 @@ CASES = [
     ([*GEN, "--max-tokens", "-5"], 2, "--max-tokens -5: must be >= 1"),
     ([*GEN, "--max-tokens", "0"], 2, "--max-tokens 0"),
     ([*GEN, "--step", "-1"], 2, "--step -1"),
+    ([*GEN, "--seed", "99999999999999999999"], 2, "--seed 99999999999999999999: must be in "
+     "0..4,294,967,295"),  # JAX's key overflowed (a traceback)
+    ([*GEN, "--seed", "4294967296"], 2, "--seed 4294967296"),  # would sample as seed 0
+    ([*GEN, "--seed", "-1"], 2, "--seed -1"),
     ([*GEN, "--max-tokens", "many"], 2, "argument --max-tokens: invalid int value"),
     (["generate", "{d}/nothing"], 2, "{d}/nothing: not a run folder"),
     (["generate", "{d}/afile"], 2, "{d}/afile: not a run folder"),

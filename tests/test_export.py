@@ -10,10 +10,21 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import warnings
 
 import numpy as np
 
-from export_fixtures import TOL, exports, load, max_diff, module_fixture, moelab_logits, tokenizer
+from export_fixtures import (
+    TOL,
+    exports,
+    load,
+    make_run,
+    max_diff,
+    module_fixture,
+    moelab_logits,
+    run_config,
+    tokenizer,
+)
 from helpers import data_dir  # noqa: F401 - a fixture
 from moelab.cli import main
 from moelab.config import ModelConfig
@@ -153,6 +164,26 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert main(["export", str(run), str(tmp_path / "a"), "--to", "hf"]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["busy", "run"]  # nothing half-written
+
+
+def test_a_damaged_checkpoint_is_said_once_not_again_as_a_python_warning(tmp_path, capfd):
+    """The checkpointer's WARNING line names a checkpoint it passes over; the command line
+    printed it a second time as Python's warning, with a line of moelab's source."""
+    run = tmp_path / "run"
+    make_run(run, run_config("softmax_router"))
+    (run / "checkpoints" / "step_00000007" / "manifest.json").unlink()
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")  # as a first warning from that line would show
+        assert main(["export", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 2
+    assert not [w for w in shown if "checkpoint step 7" in str(w.message)], shown
+    err = capfd.readouterr().err
+    assert err.count("WARNING: checkpoint step 7") == 1, err
+    assert "moelab: error: all 1 checkpoints" in err.splitlines()[-1]
+    # the same checkpoint named with --step: what to do about it, as without
+    assert main(["export", str(run), str(tmp_path / "hf"), "--to", "hf", "--step", "7"]) == 2
+    assert capfd.readouterr().err.strip().endswith("no manifest.json (deleted or damaged); "
+                                                   "restore it from a copy")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_the_card_names_a_corpus_of_your_own_files(data_dir, tmp_path):  # noqa: F811

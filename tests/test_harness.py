@@ -259,7 +259,7 @@ def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch
     table = "\n".join(line for line in out.splitlines() if line.startswith("|"))
     for name in LOCAL_TASKS + ["acc_norm", "word_perplexity", "bits_per_byte", "exact_match"]:
         assert name in table, out
-    saved = run_dir / "eval" / "moelab_local-step30.json"
+    saved = run_dir / "eval" / "moelab_local-step30-limit3.json"  # never a full run's file
     assert f"results: {saved}" in out
     # the card shows them only from an export written after this
     assert f"the model card of `moelab export {run_dir} --step 30 --to hf OUT` shows" in out
@@ -284,8 +284,9 @@ def test_a_run_url_s_results_land_in_its_eval_folder_or_here_if_the_upload_fails
     args = ["eval", url, "--tasks", "moelab_choice", "--limit", "2"]
     rc, out, err = run_main(args, capsys)
     assert rc == 0, err
-    assert f"results: {url}/eval/moelab_choice-step30.json" in out
-    saved = json.loads((tmp_path / "remote" / "eval" / "moelab_choice-step30.json").read_text())
+    assert f"results: {url}/eval/moelab_choice-step30-limit2.json" in out
+    saved = json.loads((tmp_path / "remote" / "eval" / "moelab_choice-step30-limit2.json")
+                       .read_text())
     assert saved["moelab"]["step"] == 30 and "moelab_choice" in saved["results"]
 
     def unreachable(self, rel, data):
@@ -295,9 +296,21 @@ def test_a_run_url_s_results_land_in_its_eval_folder_or_here_if_the_upload_fails
     rc, out, err = run_main(args, capsys)
     assert rc == 0, err
     assert "saving the results in" in err and "read-only bucket" in err
-    kept = tmp_path / "remote-moelab_choice-step30.json"
+    kept = tmp_path / "remote-moelab_choice-step30-limit2.json"
     assert f"results: {kept.name}" in out
     assert json.loads(kept.read_text())["results"] == saved["results"]
+
+
+def test_a_smoke_or_few_shot_evaluation_never_replaces_a_full_one_s_file(tmp_path):
+    """The default results file names --limit and --num-fewshot: `--limit 5` after a full
+    evaluation wrote beside it, not over it (the model card picks each task's fullest)."""
+    from moelab.harness.evaluate import default_output
+
+    names = {default_output(tmp_path, ["moelab_local"], 30, *opts).name
+             for opts in [(), (5,), (None, 0), (None, 5), (5, 5)]}
+    assert names == {"moelab_local-step30.json", "moelab_local-step30-limit5.json",
+                     "moelab_local-step30-0shot.json", "moelab_local-step30-5shot.json",
+                     "moelab_local-step30-limit5-5shot.json"}
 
 
 @pytest.mark.parametrize("extra, message", [

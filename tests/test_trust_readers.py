@@ -10,9 +10,9 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
-import pytest
 import yaml
 
 from helpers import micro_dict, subprocess_env, write_config_yaml
@@ -76,9 +76,13 @@ def test_generate_and_export_on_a_live_run_keeping_one_checkpoint_all_succeed(
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["model"]["expert_dim"] = 48
     (run / "config.yaml").write_text(yaml.safe_dump(cfg))
-    with pytest.warns(CheckpointWarning):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CheckpointWarning)  # said once, as a WARNING line
         code = cli.main(["generate", str(run), "--prompt", "The ", "--max-tokens", "2"])
-    (line,) = [x for x in capfd.readouterr().err.splitlines() if x.startswith("moelab: error:")]
+    err = capfd.readouterr().err
+    said = [x for x in err.splitlines() if x.startswith("WARNING: ")]  # one per checkpoint
+    assert "CheckpointWarning" not in err and said and len(said) == len(set(said)), err
+    (line,) = [x for x in err.splitlines() if x.startswith("moelab: error:")]
     assert code == 2 and "are intact, but were saved by a different config" in line, line
     assert "restore the run's config.yaml" in line and "new --run-dir" in line
     assert "checkpoint has (2, 4, 32, 32) float32, this config's state has (2, 4, 32, 48)" in line

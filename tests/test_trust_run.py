@@ -94,6 +94,22 @@ def test_a_deleted_config_yaml_is_recovered_from_the_newest_checkpoint(run):
         resolve_run_config(wider, run)
 
 
+def test_a_run_without_config_yaml_is_read_with_its_checkpoint_s_config(run, capsys):
+    """generate, eval and export read the config the checkpoint was trained with, as a resume
+    does; they called such a folder "not a run folder" and said to train one first."""
+    from moelab.run.load import load_run
+
+    trained = load_run_config(run)
+    (run / "config.yaml").unlink()
+    loaded = load_run(run, step=20)
+    assert (loaded.step, loaded.cfg) == (20, trained)
+    assert ("config.yaml: not found; using the config the checkpoint of step 20 was trained "
+            "with (its meta.json)") in capsys.readouterr().err
+    shutil.rmtree(run / "checkpoints")
+    with pytest.raises(FileNotFoundError, match="not a run folder"):
+        load_run(run)
+
+
 def test_a_hand_edited_config_names_the_field_not_unusable_checkpoints(run):
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     cfg["model"]["d_model"] = 64

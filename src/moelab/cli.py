@@ -15,6 +15,7 @@ import os
 import re
 import signal
 import sys
+import warnings
 
 from moelab import generate
 from moelab.config import ConfigError
@@ -27,7 +28,7 @@ from moelab.lab.cli import register as register_lab
 from moelab.ladder.cli import register as register_ladder
 from moelab.ops.cli import register as register_ops
 from moelab.planner.cli import register as register_plan
-from moelab.run.checkpoint import CheckpointError
+from moelab.run.checkpoint import CheckpointError, CheckpointWarning
 from moelab.train.cli import register_config, register_train
 from moelab.util import (
     Terminated,
@@ -178,7 +179,10 @@ def main(argv: list[str] | None = None) -> int:
         command.error(unrecognized(command, extra))
     args.argv = ["moelab", *argv]  # recorded by operations
     try:
-        with sigterm_raises():  # so that cleanup runs on SIGTERM and SIGHUP as on Ctrl-C
+        # so that cleanup runs on SIGTERM and SIGHUP as on Ctrl-C; a checkpoint passed over
+        # is said once, by the checkpointer's own WARNING line, not again as Python's warning
+        with sigterm_raises(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", CheckpointWarning)
             return args.fn(args)
     except BrokenPipeError as e:
         if not output_gone(sys.stdout):  # another pipe or socket broke: an error like any other

@@ -32,6 +32,7 @@ from moelab.model import transformer as tr
 from moelab.model.loss import head_logits
 
 MIN_BUCKET = 16  # smallest prefill length: shorter prompts share one compiled shape
+MAX_SEED = 2**32 - 1  # jax.random.PRNGKey keeps a seed's low 32 bits (without x64)
 
 
 def top_p_filter(logits_V, top_p: float):
@@ -162,6 +163,10 @@ def check_sampling(args) -> None:
             "token, 0.9 the most likely ones holding 90% of the probability")
     require(args.step is None or args.step >= 0, f"--step {args.step}",
             "must be a checkpoint step (>= 0); omit it for the newest")
+    # JAX keys take 32 bits of a seed (without x64): 2**32 would sample as 0 does, -1 as 2**32-1
+    require(0 <= args.seed <= MAX_SEED, f"--seed {args.seed}",
+            f"must be in 0..{MAX_SEED:,} (the sampler's key holds 32 bits; a larger or "
+            "negative seed would repeat another seed's samples)")
 
 
 def cmd_generate(args, load_run) -> int:
@@ -190,6 +195,7 @@ def register(sub, load_run) -> None:
     g.add_argument("--top-p", type=float, default=0.95,
                    help="in (0, 1]: sample from the most likely tokens holding this probability "
                    "(default 0.95)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help=f"sampling seed, 0..{MAX_SEED} (default 0; greedy ignores it)")
     g.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     g.set_defaults(fn=functools.partial(cmd_generate, load_run=load_run))

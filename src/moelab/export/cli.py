@@ -29,7 +29,7 @@ def register(sub) -> None:
                        "PyTorch modeling code (load with trust_remote_code=True), a model card "
                        "(README.md) and the Apache-2.0 LICENSE. Needs the hf extra: "
                        "pip install -e '.[hf]'.")
-    p.add_argument("run", help="run folder (e.g. runs/tiny)")
+    p.add_argument("run", help="run folder or URL (e.g. runs/tiny, gs://bucket/runs/tiny)")
     p.add_argument("out", help="output folder (new or empty)")
     p.add_argument("--to", required=True, help="format: hf (Hugging Face transformers)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")

@@ -24,12 +24,11 @@ def cmd_eval(args) -> int:
                            batch_size=args.batch_size, num_fewshot=args.num_fewshot,
                            step=args.step, include_paths=[Path(p) for p in args.include_path])
     print(format_results(results))
+    rel = default_output(Path(), tasks, results["moelab"]["step"], args.limit, args.num_fewshot)
     if is_url(args.run) and not args.output:
-        out = _save_to_run_url(args.run, results, default_output(Path(), tasks,
-                                                                 results["moelab"]["step"]))
+        out = _save_to_run_url(args.run, results, rel)
     else:
-        out = Path(args.output) if args.output else default_output(
-            Path(args.run), tasks, results["moelab"]["step"])
+        out = Path(args.output) if args.output else Path(args.run) / rel
         save_results(results, out)
     print(f"results: {out}")
     if not args.output:  # the model card reads RUN/eval/ when it is written, not after
@@ -90,5 +89,6 @@ def register(sub) -> None:
     e.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
     e.add_argument("--include-path", action="append", default=[], metavar="DIR",
                    help="a folder of extra task YAML files (repeatable)")
-    e.add_argument("--output", help="results JSON (default: RUN/eval/<tasks>-step<N>.json)")
+    e.add_argument("--output", help="results JSON (default: "
+                   "RUN/eval/<tasks>-step<N>.json; -limit<L> and -<K>shot added when given)")
     e.set_defaults(fn=cmd_eval)

@@ -146,10 +146,15 @@ def format_results(results: dict) -> str:
     return out
 
 
-def default_output(run_dir: Path, tasks: Sequence[str], step: int) -> Path:
-    """RUN/eval/<tasks>-step<N>.json (task names made file-safe and kept short)."""
+def default_output(run_dir: Path, tasks: Sequence[str], step: int, limit: int | None = None,
+                   num_fewshot: int | None = None) -> Path:
+    """RUN/eval/<tasks>-step<N>[-limit<L>][-<K>shot].json (task names made file-safe and kept
+    short): a --limit smoke run or another few-shot count never replaces a full evaluation's
+    file (the model card picks each task's fullest)."""
     name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", "+".join(tasks)).strip("._")[:120] or "tasks"
-    return Path(run_dir) / "eval" / f"{name}-step{step}.json"
+    name += f"-step{step}" + (f"-limit{limit}" if limit is not None else "")
+    return Path(run_dir) / "eval" / (name + (f"-{num_fewshot}shot" if num_fewshot is not None
+                                              else "") + ".json")
 
 
 def results_json(results: dict) -> str:

@@ -14,17 +14,17 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from moelab.config import ConfigError, RunConfig, load_run_config
+from moelab.config import ConfigError, RunConfig, config_from_dict, load_run_config
 from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
 from moelab.generate import make_sampler
 from moelab.model import transformer as tr
-from moelab.run.checkpoint import Checkpointer, CheckpointError
+from moelab.run.checkpoint import CheckpointDamaged, Checkpointer, CheckpointError
 from moelab.run.identity import (
     check_run_tokenizer,
     checkpoint_meta,
     missing_tokenizer_message,
 )
-from moelab.util import is_url
+from moelab.util import info, is_url
 
 
 def run_name(run: Path | str) -> str:
@@ -57,11 +57,7 @@ def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
 
         run_dir = fetch_run(str(run_dir), step)
     run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.yaml"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "
-                                "`moelab train` first")
-    cfg = load_run_config(run_dir)  # a damaged file: one line naming it
+    cfg = run_config(run_dir, step)
     tok_path = run_dir / "tokenizer.json"
     tok = load_tokenizer(tok_path) if tok_path.is_file() else None
     # another tokenizer, or none (with a checkpoint to name its hash), before any restoring
@@ -73,6 +69,20 @@ def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
     if tok is None:
         raise ConfigError(missing_tokenizer_message(run_dir, step, cfg.data.data_dir))
     return LoadedRun(cfg, step, state["params"], state["model_state"], tok)
+
+
+def run_config(run_dir: Path, step: int | None) -> RunConfig:
+    """The run's config.yaml; when it was deleted but checkpoints remain, the config that
+    checkpoint ``step`` (the newest by default) was trained with, as a resume recovers it."""
+    if (run_dir / "config.yaml").exists():
+        return load_run_config(run_dir)  # a damaged file: one line naming it
+    saved = checkpoint_meta(run_dir, step)
+    if saved is None:
+        raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "
+                                "`moelab train` first")
+    info(f"{run_dir}/config.yaml: not found; using the config the checkpoint of step "
+         f"{saved[0]} was trained with (its meta.json)")
+    return config_from_dict(saved[1]["config"])
 
 
 def inference_target(cfg: RunConfig) -> dict:
@@ -97,10 +107,16 @@ def restore_state(run_dir: Path, cfg, step: int | None = None,
                 raise FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint yet; train first")
             step, state, meta = got
         else:
-            if step not in ckpt.steps():
+            if not ckpt.step_dir(step).is_dir():  # one without its manifest: named damaged
                 raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: "
                                         f"{ckpt.steps()}")
-            state, meta = ckpt.restore(step, target, partial=partial)
+            try:
+                state, meta = ckpt.restore(step, target, partial=partial)
+            except CheckpointDamaged as e:
+                others = [s for s in ckpt.steps() if s != step]
+                raise CheckpointDamaged(f"{e}; restore it from a copy" + (
+                    f", or choose another --step ({', '.join(map(str, others))}; omit it for "
+                    "the newest usable)" if others else "")) from None
         steps = ckpt.steps()
     _refuse_nonfinite_weights(state["params"], run_dir, step, steps)
     return step, state, meta
