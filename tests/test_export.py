@@ -138,9 +138,10 @@ def test_model_card_and_license(exported, tmp_path):
     for needed in ("step 7 of 600", "7,168 tokens", "moelab's built-in corpus", "corp1",
                    "| prose | 2.5000 | 1.234 |", "| code | 1.5000 | 0.875 |",
                    "| moelab_choice | acc | 0.625 |", "`abc123` with uncommitted changes",
-                   "data fingerprint `data2`", "jax 0.10.2", f'path = "{out}"',
+                   "data fingerprint `data2`", "jax 0.10.2", 'path = "hf"',
                    "trust_remote_code=True"):
         assert needed in card, needed
+    assert str(tmp_path) not in card  # an absolute OUT is named by its last part
     assert "0.111" not in card and "stderr" not in card  # another step's scores, error bars
     assert hashlib.sha256((out / "LICENSE").read_bytes()).hexdigest() == APACHE_2_SHA256
     (run / "summary.json").write_text("{not json")

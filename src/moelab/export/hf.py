@@ -236,7 +236,10 @@ def export_hf(run_dir: Path | str, out: Path, step: int | None = None) -> tuple[
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        n = write_folder(tmp, run, files, str(out), run_name(run_dir))
+        # the card loads it as OUT as typed, but a card meant for a hub never names this
+        # machine's folders: an absolute OUT is named by its last part
+        n = write_folder(tmp, run, files, out.name if out.is_absolute() else str(out),
+                         run_name(run_dir))
         _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
