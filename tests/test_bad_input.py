@@ -391,7 +391,7 @@ CASES = [
     (["replan", RUN], 2, "nothing to change"),
     (["replan", RUN, "--end-steps", "-5"], 2, "--end-steps -5"),
     (["replan", RUN, "--end-tokens", "lots"], 2, "--end-tokens: 'lots'"),
-    (["replan", RUN, "--deadline", "soon"], 2, "deadline: 'soon'"),
+    (["replan", RUN, "--deadline", "soon"], 2, "--deadline soon: not '+36h'"),
     (["replan", RUN, "--mixture", "prose"], 2, "mixture: 'prose'"),
     (["replan", RUN, "--seq-len", "0"], 2, "--seq-len 0"),
     (["replan", RUN, "--end-steps", "20", "--floor", "2"], 2, "--floor 2"),

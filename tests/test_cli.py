@@ -56,6 +56,22 @@ def test_python_dash_m_moelab_is_the_command_and_says_its_version():
     assert p.stdout.strip() == f"moelab {version('moelab')}"
 
 
+def test_distributed_outside_a_cluster_is_one_line_naming_the_fix(tmp_path):
+    """`--distributed` where JAX detects no cluster: one line naming the option and what to give
+    instead, not JAX's bare "coordinator_address should be defined." (a child process: the
+    runtime is joined before JAX starts, which it has in this one)."""
+    env = {k: v for k, v in subprocess_env().items()
+           if not k.startswith(("SLURM_", "OMPI_", "PMI_", "JAX_COORDINATOR"))}
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "moelab", "train", "tiny", "--distributed",
+                        "--run-dir", str(run)], capture_output=True, text=True, timeout=120,
+                       env=env)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("moelab: error: --distributed: JAX detected no cluster to join"), last
+    assert "--coordinator HOST:PORT" in last and not run.exists()
+
+
 def test_train_help(capsys):
     rc, out, _ = run_main(["train", "--help"], capsys)
     assert rc == 0

@@ -116,7 +116,12 @@ def test_unknown_preset_name_lists_presets():
 def test_an_empty_yaml_file_is_refused_and_an_empty_mapping_gives_the_defaults(tmp_path):
     path = tmp_path / "empty.yaml"
     path.write_text("# nothing yet\n")  # most likely a mistake: say so rather than train defaults
-    with pytest.raises(ConfigError, match=f"config {path}: empty"):
+    with pytest.raises(ConfigError, match=f"config {path}: empty") as e:
+        load_config(str(path))
+    # the message names every section (parallel too) and how to ask for the defaults
+    assert "model, data, optim, train, parallel" in str(e.value) and "{}" in str(e.value)
+    path.write_text("[1, 2]\n")
+    with pytest.raises(ConfigError, match="optim, train, parallel"):
         load_config(str(path))
     path.write_text("{}\n")  # said explicitly
     assert load_config(str(path)) == RunConfig()

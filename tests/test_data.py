@@ -388,7 +388,11 @@ def test_data_build_workers_option(small, tmp_path, capsys):
     assert not (tmp_path / "d").exists()  # refused before anything is made
     assert main(["data", "build", str(src), "--out", str(tmp_path / "d"), "--workers", "1",
                  "--vocab", "300", "--no-progress"]) == 0
-    assert "MB/s, 1 worker)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "MB/s, 1 worker)" in err and "in 2 domains (" in err
+    assert main(["data", "build", str(src / "alpha"), "--out", str(tmp_path / "a"), "--workers",
+                 "1", "--vocab", "300", "--no-progress"]) == 0
+    assert "in 1 domain (" in capsys.readouterr().err  # one domain, not "1 domains"
 
 
 # ---------------------------------------------------------------------------------------------

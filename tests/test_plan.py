@@ -364,6 +364,25 @@ def test_sharded_xla_check_refuses_an_fsdp_degree_moelab_cannot_run():
 # command line
 
 
+def test_plan_xla_line_shows_the_sum_its_ratio_compares(monkeypatch, capsys):
+    """On CPU with FSDP the ratio compares the estimate plus XLA:CPU's full-size gradient
+    all-reduce with XLA's peak: the line shows that sum, not only the estimate (49.0 MiB against
+    XLA's 59.6 read as -17.8%, next to a ratio of -0.9%)."""
+    from moelab.planner import cli as plan_cli
+    from moelab.planner import xla
+
+    mib = 2**20
+    fake = {"estimate": 49.0 * mib, "cpu_gradient_all_reduce": 10.1 * mib,
+            "xla": {"peak": 59.6 * mib}, "ratio": 59.1 / 59.6, "transport": "pooled_wave",
+            "waves": 1}
+    monkeypatch.setattr(xla, "compare_sharded_with_xla", lambda *_: fake)
+    step = type("Step", (), {"compile_train_step": None})
+    plan_cli._plan_xla(load_config("tiny"), Layout(devices=8, ep=4, fsdp=2), lambda: step)
+    out = capsys.readouterr().out
+    assert ("estimate 49.0 + 10.1 for XLA:CPU's full-size gradient all-reduce (a GPU "
+            "reduce-scatters) = 59.1 MiB, XLA 59.6 MiB (-0.8%)") in out, out
+
+
 def test_plan_command_prints_the_published_figures(capsys, tmp_path):
     out_json = tmp_path / "plan.json"
     rc = main(["plan", "535b-a23b", "--devices", "704", "--mfu", "0.2", "0.23", "--ep", "64",

@@ -19,6 +19,8 @@ from moelab.config.run import RunConfig
 from moelab.config.yamltext import ConfigLoader, load_yaml
 from moelab.util import decode_utf8
 
+_SECTIONS = ", ".join(f.name for f in dataclasses.fields(RunConfig))
+
 
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     if not isinstance(data, dict):
@@ -237,11 +239,11 @@ def _read_one(name: str, path: Path | None, via: str | None) -> dict[str, Any]:
         text = res.read_text()
     data = load_yaml(text, f"config {name}")
     if data is None:
-        raise ConfigError(f"config {name}: empty; give the sections to change (model, data, "
-                          "optim, train), or a preset name")
+        raise ConfigError(f"config {name}: empty; give the sections to change ({_SECTIONS}), "
+                          "write {} for all defaults, or give a preset name")
     if not isinstance(data, dict):
         raise ConfigError(f"config {name}: top level must be a mapping of sections "
-                          "(model, data, optim, train)")
+                          f"({_SECTIONS})")
     return data
 
 

@@ -134,7 +134,8 @@ def build_token_store(corpus_dir: Path | str, tokenizer: Tokenizer | Path | str,
             n_tok = sum(s["n_tokens"] for s in splits[split].values())
             n_mb = sum(s["n_bytes"] for s in splits[split].values()) / 1e6
             info(f"tokenized {split}: {n_tok:,} tokens from {n_mb:.1f} MB in "
-                 f"{len(splits[split])} domains ({n_mb / (time.perf_counter() - t0):.2f} MB/s, "
+                 f"{len(splits[split])} domain{'s' * (len(splits[split]) != 1)} "
+                 f"({n_mb / (time.perf_counter() - t0):.2f} MB/s, "
                  f"{workers} worker{'s' * (workers > 1)})")
     for split in SPLITS:  # drop arrays of domains an earlier build had and this one does not
         for old in (store_dir / split).glob("*.bin"):

@@ -45,8 +45,8 @@ def parse_deadline(text: str, now: dt.datetime) -> float:
     try:
         when = dt.datetime.fromisoformat(text.strip())
     except ValueError:
-        raise PlanError(f"deadline: {text!r} is not '+36h', '+2d', '+90m' or an ISO date/time "
-                        "like 2025-07-01T12:00") from None
+        raise PlanError(f"--deadline {text}: not '+36h', '+2d', '+90m' or an ISO date/time; "
+                        "give one such as +36h or 2025-07-01T12:00") from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=now.tzinfo)
     return (when - now).total_seconds()

@@ -38,10 +38,20 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         if process_id != 0:  # process 0 starts the coordinator inside initialize
             wait_for_coordinator(coordinator, timeout)
     # CPU collectives across processes need gloo; the setting is ignored by GPU/TPU backends.
+    collectives = jax.config.jax_cpu_collectives_implementation
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # a longer wait lengthens JAX's own; a shorter one never cuts process 0's wait for the rest
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id,
-                               initialization_timeout=max(COORDINATOR_TIMEOUT_S, round(timeout)))
+    try:  # a longer wait lengthens JAX's own; a shorter one never cuts process 0's wait
+        jax.distributed.initialize(coordinator, num_processes=num_processes,
+                                   process_id=process_id,
+                                   initialization_timeout=max(COORDINATOR_TIMEOUT_S, round(timeout)))
+    except ValueError as e:  # JAX found no cluster: "coordinator_address should be defined."
+        jax.config.update("jax_cpu_collectives_implementation", collectives)
+        if coordinator is not None:
+            raise
+        raise ValueError("--distributed: JAX detected no cluster to join (SLURM, Open MPI, "
+                         f"Kubernetes, Cloud TPU) and says: {str(e).rstrip('.')}; elsewhere give "
+                         "--coordinator HOST:PORT of process 0 with --num-processes and "
+                         "--process-id") from e
 
 
 def split_address(address: str) -> tuple[str, int | None]:

@@ -54,14 +54,16 @@ def _plan_xla(cfg, layout, train_step) -> dict:
         cmp = compare_sharded_with_xla(small, layout, step.compile_train_step)
         where = (f"{layout.devices} devices, EP {layout.ep}, FSDP {layout.fsdp}, transport "
                  f"{cmp['transport']}" + (f" W={cmp['waves']}" if layout.ep > 1 else ""))
-        if cmp["cpu_gradient_all_reduce"]:
-            where += (f"; + {cmp['cpu_gradient_all_reduce'] / 2**20:.1f} MiB for XLA:CPU's "
-                      "full-size gradient all-reduce (a GPU reduce-scatters)")
+    estimate = f"{cmp['estimate'] / 2**20:.1f} MiB"
+    if extra := cmp.get("cpu_gradient_all_reduce", 0.0):  # in the ratio: shown in the sum
+        estimate = (f"{cmp['estimate'] / 2**20:.1f} + {extra / 2**20:.1f} for XLA:CPU's "
+                    "full-size gradient all-reduce (a GPU reduce-scatters) = "
+                    f"{(cmp['estimate'] + extra) / 2**20:.1f} MiB")
     m = small.model
     print(f"\n  XLA check at a scaled shape (d_model {m.d_model}, {m.n_layers} layers, "
           f"{m.n_experts} experts, {small.data.batch_size} x {small.data.seq_len} tokens, "
-          f"float32, remat {planned_config(small).model.remat}, {where}): estimate {cmp['estimate'] / 2**20:.1f} MiB, XLA "
-          f"{cmp['xla']['peak'] / 2**20:.1f} MiB ({cmp['ratio'] - 1:+.1%})")
+          f"float32, remat {planned_config(small).model.remat}, {where}): estimate {estimate}, "
+          f"XLA {cmp['xla']['peak'] / 2**20:.1f} MiB ({cmp['ratio'] - 1:+.1%})")
     return {"scaled_model": m.__dict__, "seq_len": small.data.seq_len,
             "batch": small.data.batch_size, **cmp}
 
