@@ -344,6 +344,8 @@ CASES = [
      "--predict 'N=1e7,D=2e8,X=3': expected N=...,D=... (those two only)"),
     (["ladder", "fit"], 2, "give a LADDER folder"),
     (["ladder", "fit", "{d}/nothing"], 2, "{d}/nothing"),
+    (["ladder", "plan"], 2, "ladder plan: give the TARGET config first"),
+    (["ladder", "plan", "train.steps=9"], 2, "ladder plan: give the TARGET config first"),
     (["ladder", "plan", "tiny", "--rungs", "0"], 2, "ladder.rungs: must be >= 2"),
     (["ladder", "plan", "tiny", "--spacing", "0.5"], 2, "ladder.spacing: must be > 1"),
     (["ladder", "plan", "tiny", "--top-share", "2"], 2, "ladder.top_share"),

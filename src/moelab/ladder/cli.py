@@ -7,7 +7,7 @@ import json
 import math
 from pathlib import Path
 
-from moelab.config.errors import require
+from moelab.config.errors import ConfigError, require
 
 EPILOG = ("Typical use: `moelab ladder plan TARGET --out runs/ladder`, `moelab ladder run "
           "runs/ladder`, `moelab ladder fit runs/ladder`, then train the target (`moelab ladder "
@@ -38,6 +38,11 @@ def cmd_plan(args) -> int:
     from moelab.ladder.folder import write_ladder
     from moelab.ladder.plan import LadderRule, format_ladder_plan, plan_ladder
 
+    if args.config is None or "=" in args.config:  # no default: tiny's rungs share one width
+        raise ConfigError("ladder plan: give the TARGET config first, a preset or YAML (e.g. "
+                          "`moelab ladder plan 535b-a23b`); a small target such as tiny needs "
+                          "--widths, since its rungs at --top-share of its compute would share "
+                          "one width")
     source, overrides = split_overrides(args.config, args.overrides)
     # data paths absolute, as each rung's run records them: `ladder run` from another
     # working folder trains on the same data, and fits compare runs by it
@@ -284,7 +289,7 @@ def _add_plan(sub) -> None:
                        "ratio to d_model; tokens per active parameter stay the target's. Prints "
                        "parameters, tokens, FLOPs and the ladder's cost share.",
                        epilog="Overrides (SECTION.FIELD=VALUE) after TARGET apply to the target.")
-    p.add_argument("config", nargs="?", help="target preset or YAML (default: tiny)")
+    p.add_argument("config", nargs="?", help="the target: preset or YAML, e.g. 535b-a23b")
     p.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides of the target")
     p.add_argument("--rungs", type=int, default=None,
                    help="number of rungs (default: one per --widths value, else 4)")
