@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from moelab.config import ConfigError
+from moelab.config import ConfigError, RunConfig, config_from_dict, load_run_config
+from moelab.config.io import apply_overrides
 from moelab.data.errors import DataError
 from moelab.data.prepare import vocab_needed
 from moelab.data.tokenizer import load_tokenizer, tokenizer_sha256
@@ -214,3 +215,15 @@ def checkpoint_config(run_dir: Path | str) -> tuple[int, dict] | None:
     one."""
     got = checkpoint_meta(run_dir)
     return (got[0], got[1]["config"]) if got else None
+
+
+def run_config_or_checkpoint(run_dir: Path | str, overrides: list[str] | None = None,
+                             step: int | None = None) -> tuple[RunConfig, int | None]:
+    """(the run's config.yaml with ``overrides``, None); when the file was deleted but
+    checkpoints remain, (the config checkpoint ``step``, the newest by default, was trained
+    with, that step): never a different one. Neither: ``load_run_config``'s error."""
+    run_dir = Path(run_dir)
+    got = None if (run_dir / "config.yaml").is_file() else checkpoint_meta(run_dir, step)
+    if got is None:
+        return load_run_config(run_dir, overrides), None
+    return config_from_dict(apply_overrides(got[1]["config"], overrides or [])), got[0]

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from moelab.config import ConfigError, RunConfig, config_from_dict, load_run_config
+from moelab.config import ConfigError, RunConfig
 from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
 from moelab.generate import make_sampler
 from moelab.model import transformer as tr
@@ -23,6 +23,7 @@ from moelab.run.identity import (
     check_run_tokenizer,
     checkpoint_meta,
     missing_tokenizer_message,
+    run_config_or_checkpoint,
 )
 from moelab.util import info, is_url
 
@@ -74,15 +75,15 @@ def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
 def run_config(run_dir: Path, step: int | None) -> RunConfig:
     """The run's config.yaml; when it was deleted but checkpoints remain, the config that
     checkpoint ``step`` (the newest by default) was trained with, as a resume recovers it."""
-    if (run_dir / "config.yaml").exists():
-        return load_run_config(run_dir)  # a damaged file: one line naming it
-    saved = checkpoint_meta(run_dir, step)
-    if saved is None:
+    try:
+        cfg, from_step = run_config_or_checkpoint(run_dir, step=step)
+    except FileNotFoundError:
         raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "
-                                "`moelab train` first")
-    info(f"{run_dir}/config.yaml: not found; using the config the checkpoint of step "
-         f"{saved[0]} was trained with (its meta.json)")
-    return config_from_dict(saved[1]["config"])
+                                "`moelab train` first") from None
+    if from_step is not None:
+        info(f"{run_dir}/config.yaml: not found; using the config the checkpoint of step "
+             f"{from_step} was trained with (its meta.json)")
+    return cfg
 
 
 def inference_target(cfg: RunConfig) -> dict:

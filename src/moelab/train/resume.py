@@ -17,7 +17,6 @@ from moelab.config import (
     OPERATION_FIELDS,
     ConfigError,
     RunConfig,
-    apply_overrides,
     config_from_dict,
     flatten_config,
     load_run_config,
@@ -25,7 +24,7 @@ from moelab.config import (
 from moelab.config.errors import INT32_MAX
 from moelab.config.run import TRANSPORT_KNOBS
 from moelab.run.checkpoint import Checkpointer
-from moelab.run.identity import checkpoint_config
+from moelab.run.identity import checkpoint_config, run_config_or_checkpoint
 from moelab.run.logs import log_operation, read_metrics
 from moelab.train.changes import (
     Change,
@@ -186,11 +185,7 @@ def with_sampler_of(cfg: RunConfig, saved: RunConfig | None) -> RunConfig:
 def recovered_config(run_dir: Path | str, overrides: list[str] | None = None) -> RunConfig:
     """The run's config.yaml with ``overrides``; when the file was deleted but checkpoints
     remain, the config the newest of them was trained with (never a different one)."""
-    run_dir = Path(run_dir)
-    saved = checkpoint_config(run_dir)
-    if (run_dir / "config.yaml").is_file() or saved is None:
-        return load_run_config(run_dir, overrides)
-    return config_from_dict(apply_overrides(saved[1], overrides or []))
+    return run_config_or_checkpoint(run_dir, overrides)[0]
 
 
 def _differing(old: dict, new: dict, allowed) -> list[str]:
