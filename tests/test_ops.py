@@ -755,20 +755,25 @@ def test_a_branch_copies_its_checkpoint_under_a_lease_and_refuses_a_damaged_one(
     assert (parent / "ops.jsonl").read_bytes() == log
 
 
+def _then_ctrl_c(fn):
+    """``fn``, then Ctrl-C to this process: a stop that lands right after that write."""
+    import os
+    import signal
+
+    def stopped(*args):
+        fn(*args)
+        os.kill(os.getpid(), signal.SIGINT)
+    return stopped
+
+
 def test_a_stop_as_a_branch_commits_leaves_it_with_both_log_lines(runs, tmp_path, monkeypatch,
                                                                   capsys):
     """Ctrl-C (or SIGTERM) right after the branch folder appears: it is acted on once the
     branch's and the parent's log lines are written, not between them."""
     import os
-    import signal
 
     parent = Path(shutil.copytree(runs / "parent", tmp_path / "parent"))
-    rename = os.rename
-
-    def rename_then_stop(a, b):
-        rename(a, b)
-        os.kill(os.getpid(), signal.SIGINT)
-    monkeypatch.setattr(os, "rename", rename_then_stop)
+    monkeypatch.setattr(os, "rename", _then_ctrl_c(os.rename))
     assert main(["branch", str(parent), "--at", "3", "--cooldown", "512"]) == 130
     monkeypatch.undo()
     child = tmp_path / "parent-cooldown3"
@@ -787,18 +792,10 @@ def test_an_operation_run_as_python_m_moelab_is_recorded_as_moelab(monkeypatch):
 
 def test_a_stop_as_a_replan_is_requested_leaves_the_plan_with_its_request(runs, tmp_path,
                                                                          monkeypatch):
-    import os
-    import signal
-
     from moelab.ops import replan as rp
 
     run = Path(shutil.copytree(runs / "stopped", tmp_path / "run"))
-    write = rp.atomic_write_json
-
-    def write_then_stop(path, obj):
-        write(path, obj)
-        os.kill(os.getpid(), signal.SIGINT)
-    monkeypatch.setattr(rp, "atomic_write_json", write_then_stop)
+    monkeypatch.setattr(rp, "atomic_write_json", _then_ctrl_c(rp.atomic_write_json))
     assert main(["replan", str(run), "--end-steps", "5", "--apply", "--plot",
                  str(tmp_path / "p.png")]) == 130
     assert (run / PENDING).is_file()
