@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import jax
 import pytest
 from jax._src import monitoring
 
 from helpers import data_dir, micro_config  # noqa: F401 - data_dir is a fixture
 from moelab.config import ConfigError, load_config
+from moelab.parallel.mesh import make_mesh
 from moelab.planner.memory import AUTO_FILL, planned_remat
 from moelab.planner.xla import xla_memory
 from moelab.run.identity import checkpoint_meta
@@ -166,6 +168,22 @@ def test_auto_on_a_cpu_plans_against_the_host(tmp_path, data_dir, monkeypatch): 
     monkeypatch.setattr(preflight, "_host_memory", lambda: host)
     train(cfg, tmp_path / "small", verbose=False)
     assert _trained_remat(tmp_path / "small") == ("full", 1)
+
+
+def test_auto_on_a_cpu_plans_every_device_of_the_host(tmp_path, data_dir,  # noqa: F811
+                                                    monkeypatch):
+    """Fake CPU devices share the host's memory: none's plan counts each device's copy."""
+    cfg = micro_config(data_dir, model={"remat": "auto", "scan_unroll": 1},
+                       train={"steps": 2}, parallel={"devices": 2})
+    mesh = make_mesh(devices=jax.devices()[:2])
+    state = abstract_train_state(cfg)
+    one = preflight.held_bytes(state) + preflight.held_bytes(state["params"])
+    host = 2 * (one + preflight.planned_none(cfg, mesh, "cpu", remat="full"))  # full fits
+    none = preflight.planned_none(cfg, mesh, "cpu")
+    assert one + none <= 0.7 * host < 2 * (one + none)  # one device's plan would fit
+    monkeypatch.setattr(preflight, "_host_memory", lambda: host)
+    train(cfg, tmp_path / "run", verbose=False)
+    assert _trained_remat(tmp_path / "run") == ("full", 1)
 
 
 def test_auto_without_the_check_takes_full_on_an_accelerator(data_dir, monkeypatch):  # noqa: F811

@@ -315,13 +315,28 @@ def _host_memory() -> int:
 
 
 def host_bytes(tree, shardings=None) -> int:
-    """Bytes of ``tree`` (abstract arrays) held in this process's memory: each array whole
-    without ``shardings``, else its shard on every device of this process (a replicated
-    array once a device: on a CPU every device is in the host's memory)."""
+    """Bytes of ``tree`` held in this process's memory: its arrays' shards on this process's
+    devices (an abstract array whole, or with ``shardings`` its shard on every device of this
+    process: a replicated array once a device; on a CPU every device is in the host's memory)."""
     if shardings is None:
-        return held_bytes(tree)
+        return sum(sum(s.data.nbytes for s in a.addressable_shards)
+                   if hasattr(a, "addressable_shards") else a.size * a.dtype.itemsize
+                   for a in jax.tree.leaves(tree))
     return sum(math.prod(s.shard_shape(a.shape)) * a.dtype.itemsize * len(s.addressable_devices)
                for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
+
+
+def _host_parts(cfg: RunConfig, start: int, mesh, state, state_sh, remat: str):
+    """(train state, gradients, their sum over micro-steps, activations planned under
+    ``remat``): the bytes a run's step holds in this process's memory on a CPU, summed over
+    its devices there (``state``: arrays, or abstract ones with their shardings ``state_sh``)."""
+    st = host_bytes(state, state_sh)
+    grads = host_bytes(state["params"], None if state_sh is None else state_sh["params"])
+    # micro-steps keep a float32 sum of their gradients beside each one's (train.step)
+    summed = grads * any(cfg.micro_seqs(s) < cfg.data.segment_at(s).batch_size
+                         for s in stage_starts(cfg, start))
+    n_dev = 1 if mesh is None else len(mesh.local_devices)
+    return st, grads, summed, n_dev * planned_none(cfg, mesh, "cpu", start, remat=remat)
 
 
 def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None) -> None:
@@ -335,15 +350,10 @@ def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None) 
 
     if not cfg.train.memory_check or jax.default_backend() != "cpu":
         return
-    abstract = abstract_train_state(cfg)
-    state = host_bytes(abstract, state_sh)
-    grads = host_bytes(abstract["params"], None if state_sh is None else state_sh["params"])
-    # micro-steps keep a float32 sum of their gradients beside each one's (train.step)
-    summed = grads * any(cfg.micro_seqs(s) < cfg.data.segment_at(s).batch_size
-                         for s in stage_starts(cfg, start))
     remat = "full" if cfg.model.remat == "auto" else cfg.model.remat
     n_dev = 1 if mesh is None else len(mesh.local_devices)
-    acts = n_dev * planned_none(cfg, mesh, "cpu", start, remat=remat)
+    state, grads, summed, acts = _host_parts(cfg, start, mesh, abstract_train_state(cfg),
+                                             state_sh, remat)
     need, host = state + grads + summed + acts, _host_memory()
     if need <= host:
         return
@@ -380,8 +390,9 @@ def choose_remat(cands: list[RunConfig], use: Callable[[RunConfig], Callable], s
     ``use(cfg)`` (which returns its ``step_at``); the last is checked as ``check_step_memory``
     does (refused if it does not fit). A candidate fits when its compiled steps fit JAX's
     limit (its plan above PLAN_SKIP x the limit skips the compile; a compile that fails moves
-    on). On a CPU (no limit reported) the plan against ``PLAN_FILL`` of the host's memory
-    decides; on another device without a limit, or with ``train.memory_check=false``, nothing
+    on). On a CPU (no limit reported) the plan of all the host's devices (train state,
+    gradients, activations, as ``check_host_memory`` sums them) against ``PLAN_FILL`` of the
+    host's memory decides; on another device without a limit, or with ``train.memory_check=false``, nothing
     is compiled and the last (full) is taken. Returns the reason, as said."""
     from moelab.planner.memory import PLAN_FILL
 
@@ -404,8 +415,8 @@ def choose_remat(cands: list[RunConfig], use: Callable[[RunConfig], Callable], s
                          else f"each {kind} reports no memory limit)"))
             continue
         step_at = use(cand)
-        if fullest is None:  # a CPU: the plan against the host's memory
-            plan = held_bytes(state) + planned_none(cand, mesh, platform, start)
+        if fullest is None:  # a CPU: the plan, all its devices', against the host's memory
+            plan = sum(_host_parts(cand, start, mesh, state, None, m.remat))
             host = _host_memory()
             if plan <= PLAN_FILL * host:
                 return taken(f"{name} (planned {_size(plan)} of the host's {_size(host)})")
