@@ -120,6 +120,18 @@ def test_load_run_and_generate_read_the_remote_run(memory_run, capsys):
     assert capsys.readouterr().out.startswith("The ")
 
 
+def test_a_url_run_whose_config_was_deleted_is_read_with_its_checkpoints(memory_run, capsys):
+    fs = fsspec.filesystem("memory")
+    fs.copy("/runs/a", "/runs/noconfig", recursive=True)
+    fs.rm("/runs/noconfig/config.yaml")
+    assert load_run("memory://runs/noconfig").step == STEPS  # as a local run's is
+    assert "config.yaml: not found; using the config the checkpoint of step 6" in \
+        capsys.readouterr().err
+    fs.rm("/runs/noconfig/checkpoints", recursive=True)
+    with pytest.raises(FileNotFoundError, match="not a run folder"):
+        load_run("memory://runs/noconfig")
+
+
 def test_history_and_resume_take_a_run_url(memory_run, capsys):
     fs = fsspec.filesystem("memory")
     fs.copy("/runs/a", "/runs/resumed", recursive=True)

@@ -429,16 +429,16 @@ def _push_kept(mirror: Mirror, what: str, checkpoints: bool = True) -> None:
 
 
 def fetch_run(url: str, step: int | None = None, checkpoint: bool = True) -> Path:
-    """A local reading copy of the run at ``url``: config, tokenizer and one checkpoint
-    (``step``, or the newest usable); ``checkpoint=False``: every file but the checkpoints
+    """A local reading copy of the run at ``url``: config (where deleted, a checkpoint's is
+    read), tokenizer and one checkpoint (``step``, or the newest usable); ``checkpoint=False``: every file but the checkpoints
     (its config, logs and records), in a copy of its own."""
     mirror = Mirror(url, staging_dir(url, ".read" if checkpoint else ".files"))
     files = READ_FILES if checkpoint else mirror._remote_files()
     mirror._pull_files(files)
-    if "config.yaml" not in mirror._synced:
+    manifests = mirror._remote_checkpoints()[0] if checkpoint else {}
+    if "config.yaml" not in mirror._synced and not manifests:  # else the checkpoint's config
         raise FileNotFoundError(f"{url}: not a run folder (no config.yaml); train one with "
                                 "`moelab train --run-dir URL` first")
-    manifests = mirror._remote_checkpoints()[0] if checkpoint else {}
     if checkpoint and step is None:
         step = mirror._fetch_newest(manifests)
     elif checkpoint and step not in manifests:
