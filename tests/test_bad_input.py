@@ -193,6 +193,7 @@ def where(tmp_path_factory, data_dir):  # noqa: F811
     (d / "cycle_b.yaml").write_text("base: cycle_a.yaml\ntrain: {steps: 5}\n")
     (d / "nobase.yaml").write_text("base: missing_base.yaml\n")
     (d / "latin1.yaml").write_bytes("train:\n  steps: 5 # caf\xe9\n".encode("latin-1"))
+    (d / "blank.txt").write_text("\n  \n\n")
     good = [(n, dd, round(_law(n, dd), 5)) for n, dd in POINTS]
     (d / "good.csv").write_text(_csv(good))
     (d / "same.csv").write_text(_csv([(1e6, 1e9, 3.0)] * 7))
@@ -285,6 +286,18 @@ CASES = [
     ([*GEN, "--seed", "4294967296"], 2, "--seed 4294967296"),  # would sample as seed 0
     ([*GEN, "--seed", "-1"], 2, "--seed -1"),
     ([*GEN, "--max-tokens", "many"], 2, "argument --max-tokens: invalid int value"),
+    ([*GEN, "--top-k", "0"], 2, "--top-k 0: must be >= 1 (1 = greedy)"),
+    ([*GEN, "--top-k", "-3"], 2, "--top-k -3"),
+    # a prompt file: read before the run (which has no checkpoint here) is loaded
+    ([*GEN, "--prompt-file", "{d}/none.txt"], 2, "--prompt-file {d}/none.txt: cannot be read "
+     "(No such file or directory); give a text file with one prompt per line"),
+    ([*GEN, "--prompt-file", "{d}/lab"], 2, "--prompt-file {d}/lab: cannot be read (Is a "
+     "directory)"),
+    ([*GEN, "--prompt-file", "{d}/blank.txt"], 2, "--prompt-file {d}/blank.txt: holds no "
+     "prompt"),
+    ([*GEN, "--prompt-file", "{d}/latin1.yaml"], 2, "--prompt-file {d}/latin1.yaml: not UTF-8"),
+    ([*GEN, "--prompt-file", "{d}/blank.txt", "--prompt", "x"], 2, "argument --prompt: not "
+     "allowed with argument --prompt-file"),
     (["generate", "{d}/nothing"], 2, "{d}/nothing: not a run folder"),
     (["generate", "{d}/afile"], 2, "{d}/afile: not a run folder"),
     # data build: options checked before any corpus is built

@@ -192,6 +192,27 @@ def test_generate_greedy_from_an_older_checkpoint(trained, capsys):
     assert rc == 2 and "no checkpoint at step 7" in err and "[10, 20, 30]" in err
 
 
+def test_generate_top_k_and_a_prompt_file(trained, tmp_path, capsys, monkeypatch):
+    """--top-k 1 samples the greedy text; --top-k past the vocabulary names the option and the
+    size; --prompt-file continues each non-blank line as --prompt LINE does, '-' from stdin."""
+    import io
+
+    base = ["generate", str(trained), "--max-tokens", "6", "--seed", "4"]
+    greedy = run_main([*base, "--prompt", "The cat", "--temperature", "0"], capsys)[1]
+    rc, out, err = run_main([*base, "--prompt", "The cat", "--top-k", "1"], capsys)
+    assert rc == 0 and out == greedy, err
+    vocab = load_config(trained / "config.yaml").model.vocab_size
+    rc, _, err = run_main([*base, "--top-k", str(vocab + 1)], capsys)
+    assert rc == 2 and f"--top-k {vocab + 1}: must be <= {vocab:,}, the vocabulary" in err
+    one = [run_main([*base, "--prompt", p], capsys)[1] for p in ("The cat", " def get_")]
+    (tmp_path / "prompts.txt").write_text("The cat\r\n\n  \n def get_\n")
+    rc, out, err = run_main([*base, "--prompt-file", str(tmp_path / "prompts.txt")], capsys)
+    assert rc == 0 and out == one[0] + "\n" + one[1], err
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"The cat\n")))
+    rc, out, err = run_main([*base, "--prompt-file", "-"], capsys)
+    assert rc == 0 and out == one[0], err
+
+
 def test_generate_on_a_non_run_folder_fails_clearly(tmp_path, capsys):
     rc, out, err = run_main(["generate", str(tmp_path)], capsys)
     assert rc == 2 and out == ""

@@ -34,7 +34,8 @@ def _rows(name: str, tokens: list[int]):
     every i), and one prefill of 5 tokens followed by single steps."""
     cfg, params, state = _model(name)
     prog = generate.programs(cfg, SEQ_LEN)
-    args = (jax.random.PRNGKey(0), jnp.float32(0.0), jnp.float32(1.0))
+    args = (jax.random.PRNGKey(0), jnp.float32(0.0), jnp.float32(1.0),
+            jnp.int32(cfg.vocab_size))
     full, prefilled, stepped = [], [], []
     for i in range(len(tokens)):
         ctx = tokens[:i + 1]
@@ -108,3 +109,44 @@ def test_prefill_bucket():
     assert [generate.prefill_bucket(n, 256) for n in (1, 16, 17, 100, 256)] == \
         [16, 16, 32, 128, 256]
     assert generate.prefill_bucket(5, 12) == 12
+
+
+def test_top_k_samples_only_the_k_most_likely_tokens():
+    """Sampled tokens lie among the K most likely (exactly K, ties kept by index), every one of
+    them is drawn, top-p then applies to the K renormalised; K = 1 is greedy."""
+    logits = jnp.asarray(np.random.default_rng(4).normal(0, 1, 64), jnp.float32)
+    keys = jax.random.split(jax.random.PRNGKey(0), 4000)
+
+    def drawn(row, top_k, top_p=1.0, temperature=1.0):
+        pick = jax.vmap(lambda k: generate.pick(row, k, temperature, top_p, top_k))
+        return set(np.asarray(pick(keys)).tolist())
+
+    top5 = set(np.argsort(-np.asarray(logits))[:5].tolist())
+    assert drawn(logits, 5) == top5
+    assert not drawn(logits, 64) <= top5  # without the cut, others are drawn
+    assert drawn(logits, 1, temperature=3.0) == {int(jnp.argmax(logits))}
+    assert drawn(jnp.zeros(64), 3) == {0, 1, 2}  # a tie: still 3 tokens
+    # top-p over the top K renormalised (as transformers): of 4 tokens 0.6 needs two, of the
+    # top 2 (0.625, 0.375) one
+    probs = jnp.log(jnp.asarray([0.5, 0.3, 0.1, 0.1]))
+    assert drawn(probs, 4, top_p=0.6) == {0, 1} and drawn(probs, 2, top_p=0.6) == {0}
+
+
+def test_top_k_in_the_sampler():
+    """Every token the compiled programs sample with top_k = K is among the K largest logits of
+    the row it was picked from; top_k = 1 at any temperature gives the greedy text."""
+    cfg, params, state = _model("all_options")
+    prog = generate.programs(cfg, SEQ_LEN)
+    tokens = generate.padded([5, 9, 2], SEQ_LEN)
+    how = jnp.float32(2.0), jnp.float32(1.0), jnp.int32(4)
+    for seed in range(12):
+        tok, row, _ = prog.prefill(params, state, tokens, 3, jax.random.PRNGKey(seed), *how)
+        assert int(tok) in np.argsort(-np.asarray(row))[:4]
+    sample = generate.make_sampler(cfg, SEQ_LEN)
+    greedy = sample(params, state, [1, 2, 3], 20, temperature=0.0)
+    hot = dict(temperature=2.0, top_p=1.0, seed=7)
+    assert sample(params, state, [1, 2, 3], 20, top_k=1, **hot) == greedy
+    assert sample(params, state, [1, 2, 3], 20, **hot) != greedy  # the test could fail
+    for bad in (0, cfg.vocab_size + 1):
+        with pytest.raises(ValueError, match=f"top_k={bad}: must be in 1..{cfg.vocab_size}"):
+            sample(params, state, [1], 1, top_k=bad)

@@ -315,3 +315,33 @@ def test_a_branch_s_card_names_its_parent_and_the_parent_s_code(tmp_path):
         "git_commit": "abc123", "git_dirty": True, "config_hash": "cfg1"}))
     assert _lineage_lines(branch)[0].endswith(
         "that run (git commit `abc123` with uncommitted changes, config hash `cfg1`)")
+
+
+def test_the_card_shows_the_held_out_figures_of_the_exported_step(tmp_path):
+    """An export of an earlier step (`--step N`) showed the final step's summary.json figures;
+    now those the metrics log recorded at step N, or that none were, naming the nearest."""
+    from moelab.export.card import _heldout_lines
+    from moelab.run.logs import JsonlTracker
+
+    assert _heldout_lines(tmp_path, 20)[0].startswith("No held-out evaluation recorded")
+    log = JsonlTracker(tmp_path / "metrics.jsonl")
+    log.log(10, {"train/loss": 4.0})
+    for step, bpb in ((20, 2.5), (40, 2.0), (50, 1.75)):
+        log.log(step, {"eval/prose/loss": bpb * 2, "eval/prose/bpb": bpb})
+    log.event("finished", 50)
+    log.close()
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"step": 50, "eval/prose/loss": 3.5, "eval/prose/bpb": 1.75}))
+    lines = _heldout_lines(tmp_path, 20)
+    assert lines[0] == ("From the run's `metrics.jsonl`, step 20 (a scheduled evaluation of "
+                        "`train.eval_tokens` tokens per domain):")
+    assert lines[-1] == "| prose | 5.0000 | 2.500 |" and "1.750" not in "".join(lines)
+    assert "end-of-run evaluation" in _heldout_lines(tmp_path, 50)[0]
+    assert _heldout_lines(tmp_path, 50)[-1] == "| prose | 3.5000 | 1.750 |"
+    assert _heldout_lines(tmp_path, 27) == [
+        "No held-out evaluation was recorded at step 27, the exported one; the nearest is at "
+        "step 20 (the run's `metrics.jsonl`)."]
+    assert "nearest is at step 40" in _heldout_lines(tmp_path, 45)[0]  # a tie: the earlier
+    (tmp_path / "metrics.jsonl").unlink()  # the summary alone: its step only
+    assert _heldout_lines(tmp_path, 50)[0].startswith("From the run's `summary.json`, step 50")
+    assert "nearest is at step 50 (the run's `summary.json`)" in _heldout_lines(tmp_path, 20)[0]

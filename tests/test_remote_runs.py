@@ -155,7 +155,8 @@ def test_export_takes_a_run_url(memory_run, tmp_path, capsys):
     assert json.loads((out / "config.json").read_text())["moelab_step"] == STEPS
     card = (out / "README.md").read_text()
     assert "# a: a moelab Mixture-of-Experts language model" in card  # the URL's name
-    assert f"From the run's `summary.json` (step {STEPS})" in card  # its files read too
+    assert (f"From the run's `metrics.jsonl`, step {STEPS} (the end-of-run evaluation"
+            in card)  # its files read too
 
 
 def test_a_damaged_remote_checkpoint_falls_back_to_the_previous_one(memory_run, capsys):

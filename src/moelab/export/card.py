@@ -1,7 +1,7 @@
 """The model card of a Hugging Face export (its README.md), read from the run folder: what the
-model is, what trained it (data, steps, held-out bits per byte, harness scores of the exported
-step), where it came from (the run's provenance), how to load it and its limits. The export's
-LICENSE is the Apache-2.0 text beside this module."""
+model is, what trained it (data, steps, held-out bits per byte and harness scores of the
+exported step), where it came from (the run's provenance), how to load it and its limits. The
+export's LICENSE is the Apache-2.0 text beside this module."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from moelab.config import ConfigError
 from moelab.planner.counts import param_counts
 from moelab.run.identity import read_provenance
-from moelab.run.logs import read_lineage
+from moelab.run.logs import read_lineage, read_metrics
 from moelab.util import read_json_object
 
 LICENSE = Path(__file__).parent / "LICENSE-2.0.txt"
@@ -84,18 +84,34 @@ def _training_lines(cfg, step: int, prov: dict) -> list[str]:
             f"- optimizer: AdamW, peak learning rate {cfg.optim.lr:g}"]
 
 
-def _heldout_lines(summary: dict | None, step: int) -> list[str]:
-    """Held-out loss and bits per byte per domain, from summary.json."""
-    domains = sorted({k.split("/")[1] for k in summary or {} if k.startswith("eval/")
-                      and k.endswith("/bpb")})
-    if not domains:
-        return ["No held-out evaluation recorded (the run's `summary.json` has none)."]
-    at = summary.get("step")
-    lines = [f"From the run's `summary.json` (step {at:,})"
-             + ("" if at == step else f"; this export is step {step:,}") + ":", "",
+def _eval_domains(rec: dict) -> list[str]:
+    return sorted({k.split("/")[1] for k in rec if k.startswith("eval/") and k.endswith("/bpb")})
+
+
+def _heldout_lines(run_dir: Path, step: int) -> list[str]:
+    """Held-out loss and bits per byte per domain recorded at the exported step: from the run's
+    metrics.jsonl (scheduled and end-of-run evaluations), else its summary.json (the last)."""
+    records, events = read_metrics(run_dir / "metrics.jsonl")
+    evals = {r["step"]: ("metrics.jsonl", r) for r in records if _eval_domains(r)}
+    summary = read_json(run_dir / "summary.json") or {}
+    if _eval_domains(summary) and isinstance(summary.get("step"), int):
+        evals.setdefault(summary["step"], ("summary.json", summary))
+    if not evals:
+        return ["No held-out evaluation recorded (the run's `metrics.jsonl` and `summary.json` "
+                "have none)."]
+    if step not in evals:
+        near = min(evals, key=lambda s: (abs(s - step), s))
+        return [f"No held-out evaluation was recorded at step {step:,}, the exported one; the "
+                f"nearest is at step {near:,} (the run's `{evals[near][0]}`)."]
+    source, rec = evals[step]
+    final = source == "summary.json" or any(
+        e["event"] == "finished" and e["step"] == step for e in events)
+    lines = [f"From the run's `{source}`, step {step:,} ("
+             + ("the end-of-run evaluation over the held-out split" if final else
+                "a scheduled evaluation of `train.eval_tokens` tokens per domain") + "):", "",
              "| domain | loss (nats/token) | bits per byte |", "|---|---|---|"]
-    lines += [f"| {d} | {summary.get(f'eval/{d}/loss', float('nan')):.4f} | "
-              f"{summary[f'eval/{d}/bpb']:.3f} |" for d in domains]
+    lines += [f"| {d} | {rec.get(f'eval/{d}/loss', float('nan')):.4f} | "
+              f"{rec[f'eval/{d}/bpb']:.3f} |" for d in _eval_domains(rec)]
     return lines
 
 
@@ -172,8 +188,7 @@ def model_card(run, run_dir: Path, name: str, title: str | None = None) -> str:
         "", "Trained with moelab and exported by `moelab export --to hf`.",
         "", "## Model", "", *_model_lines(cfg.model, seq_len),
         "", "## Training", "", *_training_lines(cfg, step, prov),
-        "", "## Held-out evaluation", "", *_heldout_lines(read_json(run_dir / "summary.json"),
-                                                          step),
+        "", "## Held-out evaluation", "", *_heldout_lines(Path(run_dir), step),
         *_harness_lines(run_dir, step),
         "", "## Provenance", "", *_provenance_lines(prov), *_lineage_lines(Path(run_dir)),
         "", "## Use", "", USAGE.format(path=name),

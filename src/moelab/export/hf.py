@@ -150,12 +150,12 @@ def check_out(out: Path) -> None:
     what = f"OUT {out}"
     require(not out.exists() or (out.is_dir() and not any(out.iterdir())), what,
             "exists and is not an empty folder; give a new folder (nothing is overwritten)")
-    above = out.parent
-    while not above.exists():
-        above = above.parent
-    require(above.is_dir(), what, f"{above} is a file, not a folder; give a folder path")
-    # an empty OUT is filled in place (_staging), so it, not its parent, must be writable: a
-    # mount point or a folder of one's own in a read-only parent is fine
+    # OUT under a file is said so, not only as "not writable" (what the check below finds)
+    above = next((p for p in out.parents if p.is_file()), None)
+    require(above is None, what, f"{above} is a file, not a folder; give a folder path")
+    # an empty OUT is filled in place (_staging), so it, not its parent, must be writable; a
+    # new OUT's nearest existing folder (util.writable looks up to it): a mount point or a
+    # folder of one's own in a read-only parent is fine
     check_writable(out if out.is_dir() else out.parent, what,
                    "give a folder in a place you can write")
 

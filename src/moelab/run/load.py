@@ -42,11 +42,11 @@ class LoadedRun:
     tokenizer: object
 
     def generate(self, prompt: str, max_tokens: int = 100, *, temperature: float = 0.8,
-                 top_p: float = 0.95, seed: int = 0) -> str:
+                 top_p: float = 0.95, top_k: int | None = None, seed: int = 0) -> str:
         sample = make_sampler(self.cfg.model, self.cfg.data.seq_len)
         ids = encode_batch(self.tokenizer, [prompt])[0]
         out = sample(self.params, self.model_state, ids, max_tokens, temperature=temperature,
-                     top_p=top_p, seed=seed, stop_id=eos_id(self.tokenizer))
+                     top_p=top_p, top_k=top_k, seed=seed, stop_id=eos_id(self.tokenizer))
         return decode(self.tokenizer, out)
 
 
