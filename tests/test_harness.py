@@ -153,12 +153,23 @@ def test_generate_until_stops_at_the_first_stop_string(run, lm):
     assert cut_at_stop("abc.def\n", ["\n", "."]) == 3 and cut_at_stop("abc", ["x"]) is None
 
 
+def test_a_tasks_top_k_reaches_the_sampler(lm):
+    greedy = lm.generate("The red cat", until=[], max_gen_toks=8, temperature=0.0, top_p=1.0)
+    hot = dict(until=[], max_gen_toks=8, temperature=50.0, top_p=1.0)
+    assert lm.generate("The red cat", top_k=1, **hot) == greedy  # the most likely token only
+    assert lm.generate("The red cat", top_k=10**9, **hot) == lm.generate("The red cat", **hot)
+    assert lm.generate("The red cat", **hot) != greedy  # so hot it would not be greedy
+
+
 def test_generation_options():
     opts = gen_options({"until": ["\n"], "max_gen_toks": 5, "temperature": 0.7}, 256, "<e>")
     assert opts == {"until": ["\n", "<e>"], "max_gen_toks": 5, "temperature": 0.0,
-                    "top_p": 1.0, "seed": 0}  # greedy unless do_sample
-    opts = gen_options({"do_sample": True, "temperature": 0.7, "top_p": 0.9}, 256, "<e>")
+                    "top_p": 1.0, "top_k": 0, "seed": 0}  # greedy unless do_sample
+    opts = gen_options({"do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 5}, 256,
+                       "<e>")
     assert opts["temperature"] == 0.7 and opts["top_p"] == 0.9 and opts["max_gen_toks"] == 256
+    assert opts["top_k"] == 5 and gen_options({"do_sample": True, "top_k": None}, 9, "")[
+        "top_k"] == 0  # none, as 0 in transformers: every token
     with pytest.raises(ValueError, match="max_gen_toks"):
         gen_options({"max_gen_toks": 0}, 256, "<e>")
 

@@ -93,7 +93,7 @@ class MoelabLM(LM):
         return self.tok_decode([self.eot])
 
     def generate(self, context: str, until: list[str], max_gen_toks: int, temperature: float,
-                 top_p: float, seed: int = 0) -> str:
+                 top_p: float, top_k: int = 0, seed: int = 0) -> str:
         """The continuation of ``context``, cut before the first of ``until``. Sampled in
         chunks so a stop string ends generation early (the same tokens for greedy decoding)."""
         ids = self.tok_encode([context])[0] if context else [self.eot]
@@ -102,6 +102,8 @@ class MoelabLM(LM):
             n = min(GEN_CHUNK, max_gen_toks - len(out))
             new = self._sample(self.run.params, self.run.model_state, (ids + out)[-self.seq_len:],
                                n, temperature=temperature, top_p=top_p, seed=seed + len(out),
+                               top_k=min(top_k, self.run.cfg.model.vocab_size) if top_k > 0
+                               else None,
                                stop_id=self.eot)
             out += new
             if len(new) < n or cut_at_stop(self.tok_decode(out), until) is not None:
@@ -122,7 +124,8 @@ def cut_at_stop(text: str, until: Sequence[str]) -> int | None:
 
 def gen_options(kwargs: dict, default_max: int, eot_text: str) -> dict:
     """A task's generation_kwargs as ``MoelabLM.generate`` arguments: greedy unless
-    ``do_sample`` is true (then ``temperature``, default 1, and ``top_p``)."""
+    ``do_sample`` is true (then ``temperature``, default 1, ``top_p`` and ``top_k``, which
+    as in transformers keeps every token at 0 or none)."""
     kwargs = dict(kwargs or {})
     until = kwargs.get("until", [])
     until = [until] if isinstance(until, str) else list(until)
@@ -136,4 +139,5 @@ def gen_options(kwargs: dict, default_max: int, eot_text: str) -> dict:
     temperature = float(kwargs.get("temperature", 1.0)) if sample else 0.0
     return {"until": until + [eot_text], "max_gen_toks": max_gen, "temperature": temperature,
             "top_p": float(kwargs.get("top_p", 1.0)) if sample else 1.0,
+            "top_k": int(kwargs.get("top_k") or 0) if sample else 0,
             "seed": int(kwargs.get("seed", 0))}
