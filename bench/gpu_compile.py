@@ -49,11 +49,8 @@ import gpu_profile as gp  # noqa: E402
 import gpu_rows  # noqa: E402
 from common import RESULTS, print_table, save  # noqa: E402 - puts src/ on the path
 from moelab.config import load_config  # noqa: E402
-from moelab.train.preflight import (  # noqa: E402
-    held_bytes,
-    plan_rules_out,
-    remat_candidates,
-)
+from moelab.train.planned import plan_rules_out  # noqa: E402
+from moelab.train.preflight import held_bytes, remat_candidates  # noqa: E402
 from moelab.train.step import abstract_train_state  # noqa: E402
 
 CUDA_INSTALL = ('python3 -m venv .venv-cuda && .venv-cuda/bin/pip install -c constraints.txt '

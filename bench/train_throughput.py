@@ -41,12 +41,8 @@ def fitting_step(cfg, skipped=lambda cand, why: None) -> tuple:
     plan far over it is not compiled), else the last; (the config taken, *compile_step).
     ``skipped(candidate, why)`` hears of each one passed over."""
     from moelab.planner.xla import xla_memory
-    from moelab.train.preflight import (
-        held_bytes,
-        plan_rules_out,
-        remat_candidates,
-        while_running,
-    )
+    from moelab.train.planned import plan_rules_out
+    from moelab.train.preflight import held_bytes, remat_candidates, while_running
     from moelab.train.tracker import allocator_memory
 
     device = jax.devices()[0]

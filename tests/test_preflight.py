@@ -5,6 +5,8 @@ check's executables (no second compile), a later data stage's step checked up fr
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from jax._src import monitoring
@@ -173,7 +175,6 @@ def test_the_host_check_counts_what_every_cpu_device_holds(tmp_path, data_dir,  
 def test_the_host_check_counts_the_gradient_sum_of_micro_steps(data_dir, monkeypatch):  # noqa: F811
     # gradient accumulation keeps a float32 sum of the gradients beside each micro-step's (the
     # plan's "gradient sum (micro-steps)"): a host that holds the rest but not it is refused
-    from types import SimpleNamespace
 
     from moelab.train.step import abstract_train_state
 
@@ -198,6 +199,29 @@ def test_the_host_check_counts_the_gradient_sum_of_micro_steps(data_dir, monkeyp
     assert preflight._cpu_plan(cfg, mesh, 4 * GIB) == (
         "`moelab plan CONFIG --devices 8 --ep 2 --fsdp 4 --accelerator custom --peak-flops 1e12 "
         "--hbm-gib 1`")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_the_plan_of_a_mesh_is_the_planners(data_dir, remat):  # noqa: F811
+    """The activations the host check and remat auto plan on a mesh are those `moelab plan`
+    counts for it: the transport's buffers and FSDP's gathered weights and head included."""
+    from moelab.planner import memory
+
+    cfg = micro_config(data_dir, model={"remat": remat},
+                       parallel={"devices": 4, "expert": 2, "fsdp": True, "waves": 2})
+    mesh = SimpleNamespace(devices=np.empty(4), local_devices=[None] * 4)
+    m = cfg.model
+    rows = [t for t in memory.transport_options(cfg.parallel) if t["kind"] ==
+            cfg.parallel.transport]
+    report = memory.memory_report(cfg, memory.Layout(devices=4, ep=2, fsdp=2), rows,
+                                  attention=memory.planned_attention(m),
+                                  loss="fused" if m.loss_chunk else "materialized",
+                                  experts=memory.planned_experts(m))
+    (row,) = report["transports"]
+    gather = report["state"]["fsdp_gather"]
+    assert gather > 0 and row["peak"] > 0
+    assert preflight.planned_none(cfg, mesh, "cpu", remat=remat) == pytest.approx(
+        row["total"] - report["fixed"] + gather)
 
 
 def test_a_stop_during_the_check_is_recorded(tmp_path, data_dir, monkeypatch):  # noqa: F811
@@ -285,11 +309,12 @@ def test_the_plan_on_a_gpu_follows_its_capability(monkeypatch):
     """auto runs blocks before Hopper: the plan sizes the kernel that GPU runs, and an H200's
     where none is attached (a deviceless compile)."""
     from moelab.planner.memory import planned_experts
+    from moelab.train import planned
 
     cfg = load_config("d1024")
     plans = {}
     for cap in (8.0, 9.0, 0.0):
-        monkeypatch.setattr(preflight, "cuda_capability", lambda cap=cap: cap)
-        plans[cap] = preflight.planned_none(cfg, None, "gpu")
+        monkeypatch.setattr(planned, "cuda_capability", lambda cap=cap: cap)
+        plans[cap] = planned.planned_none(cfg, None, "gpu")
     assert (planned_experts(cfg.model, 8.0), planned_experts(cfg.model, 9.0)) == ("blocks", "gmm")
     assert plans[8.0] != plans[9.0] == plans[0.0]

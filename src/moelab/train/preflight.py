@@ -38,10 +38,10 @@ from jax.sharding import NamedSharding
 
 from moelab.config import ConfigError, RunConfig
 from moelab.config.run import check_microbatch
-from moelab.model.experts import cuda_capability
 from moelab.parallel.mesh import batch_spec
 from moelab.planner.cluster import GiB
 from moelab.planner.xla import xla_memory
+from moelab.train.planned import plan_rules_out, planned_none, stage_starts
 from moelab.train.tracker import allocator_memory
 
 FRACTION_VARS = ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION")  # JAX reads both
@@ -75,12 +75,6 @@ def first_batch(cfg: RunConfig, step: int, mesh) -> jax.ShapeDtypeStruct:
     if mesh is None:
         return jax.ShapeDtypeStruct(shape, jnp.int32)
     return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, batch_spec(2)))
-
-
-def stage_starts(cfg: RunConfig, start: int) -> list[int]:
-    """The steps, from ``start`` on, at which a data segment (its own batch shape, a context
-    stage's capacities) starts training: ``start`` itself and each later segment's first."""
-    return [start] + [g.start for g in cfg.data.segments() if g.start > start]
 
 
 def _fraction_var() -> tuple[str, float | None]:
@@ -239,13 +233,6 @@ def check_step_memory(step_at: Callable[[int], Callable], state, cfg: RunConfig,
 
 # ----------------------------------------------------------------------------- model.remat=auto
 
-# The plan of remat none's activations (the layer scan, rolled) runs above XLA's compile of the
-# step unrolled (d1024 on an H200: 115.4 planned, 107.4-109.4 GiB compiled) and 3-7% under it
-# rolled; never 20% over. So a plan (held state + activations) above 1.2 x the limit cannot
-# fit, and its (long) unrolled compile is skipped.
-PLAN_SKIP = 1.2
-
-
 def remat_candidates(cfg: RunConfig, platform: str) -> list[RunConfig]:
     """The configs ``model.remat=auto`` tries, lowest roofline first; ``[cfg]`` for any other
     policy.
@@ -269,38 +256,6 @@ def held_bytes(state) -> int:
     state's whole arrays)."""
     return sum(a.addressable_shards[0].data.nbytes if hasattr(a, "addressable_shards")
                else a.size * a.dtype.itemsize for a in jax.tree.leaves(state))
-
-
-def planned_none(cfg: RunConfig, mesh, platform: str, start: int = 0,
-                 remat: str = "none") -> float:
-    """The planner's activation bytes per device of ``cfg`` without remat (or under ``remat``),
-    at the largest micro-step of the data stages from ``start`` on (the kernels the platform
-    runs: its attention and expert kernels, the chunked loss where model.loss_chunk is set)."""
-    from moelab.planner.memory import activation_memory, planned_attention, planned_experts
-
-    m = cfg.model
-    n_dev = 1 if mesh is None else mesh.devices.size
-    # the GPU's own capability (auto runs blocks before Hopper); 9.0 where a GPU is planned
-    # without one (bench/gpu_compile.py's deviceless compile for an H200)
-    cuda = (cuda_capability() or 9.0) if platform == "gpu" else 0.0
-    experts, attention = planned_experts(m, cuda), planned_attention(m, cuda)
-    loss = "fused" if m.loss_chunk else "materialized"
-    plans = []
-    for step in stage_starts(cfg, start):
-        seg = cfg.data.segment_at(step)
-        seqs = cfg.micro_seqs(step) // n_dev
-        plans.append(activation_memory(m, max(1, seqs), seg.seq_len, cfg.parallel.expert == 1,
-                                       remat=remat, attention=attention, loss=loss,
-                                       experts=experts)["peak"])
-    return max(plans)
-
-
-def plan_rules_out(cand: RunConfig, held: float, limit: float, mesh=None, platform: str = "gpu",
-                   start: int = 0) -> float | None:
-    """The plan of ``cand`` (``held`` bytes of train state + ``planned_none``) where it is over
-    PLAN_SKIP x ``limit``, so that its compile would be wasted; else None."""
-    plan = held + planned_none(cand, mesh, platform, start)
-    return plan if plan > PLAN_SKIP * limit else None
 
 
 def _host_memory() -> int:
