@@ -14,6 +14,7 @@ import datetime as dt
 import hashlib
 import json
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -38,19 +39,19 @@ from moelab.ladder.schedule_law import RunSchedule
 from moelab.ops.record import stage_report
 from moelab.ops.replan import PENDING, end_step, ladder_forecast, parse_deadline
 from moelab.ops.schedule import (
-    check_seq_len,
     parse_mixture,
     parse_tokens,
     rope_note,
     step_arg,
     steps_for_tokens,
 )
-from moelab.run.logs import read_metrics
+from moelab.run.logs import read_lineage, read_metrics
 from moelab.train.changes import (
     Change,
     PlanError,
     apply_change,
     check_future_only,
+    check_seq_len,
     inherit_operations,
     lr_curve,
 )
@@ -134,7 +135,7 @@ def test_branch_cooldown_decays_from_the_lr_it_finds_even_in_warmup():
     (0, Change(end=5), "no trained step yet"),
     (4, Change(floor=0.1), "needs a new end"),
     (4, Change(seq_len=32), "already trains at 32"),
-    (4, Change(seq_len=48), "must divide the tokens per batch"),
+    (4, Change(seq_len=48), "seq_len 48: must divide the run's 128 tokens per batch at step 4"),
     (4, Change(end=9, floor=1.5), "fraction of peak"),
 ])
 def test_impossible_plans_are_refused(at, change, message):
@@ -375,11 +376,14 @@ def test_replan_and_branch(runs, data_dir, tmp_path, capsys):  # noqa: F811
     assert after.pop("ops.jsonl") != snapshot.pop("ops.jsonl", None)
     assert after == snapshot  # checkpoints, metrics, config, summary: byte-identical
     (branch_event,) = ops_events(parent)
-    assert branch_event["event"] == "branch" and branch_event["child"] == str(child.resolve())
+    # each names the other relative to itself: the runs folder moved whole keeps the links
+    assert branch_event["event"] == "branch" and branch_event["child"] == "../parent-cooldown3"
     lineage = json.loads((child / "lineage.json").read_text())
     assert (lineage["parent"], lineage["step"], lineage["reason"]) == (
-        str(parent.resolve()), 3, "checkpoint for RL")
-    assert [e["event"] for e in ops_events(child)] == ["branched_from"]
+        "../parent", 3, "checkpoint for RL")
+    assert read_lineage(child)["parent"] == str(parent.resolve())
+    assert [(e["event"], e["parent"]) for e in ops_events(child)] == [("branched_from",
+                                                                       "../parent")]
 
     # both: the same config from step 3 on, so the same losses and final state
     cfg = load_run_config(child)
@@ -687,6 +691,107 @@ def test_a_damaged_lineage_is_named_by_every_reader(tmp_path):
     assert first_trained(run) is not None
 
 
+def test_a_branch_s_history_begins_with_its_parent_s_up_to_the_fork(tmp_path, monkeypatch):
+    """Before its fork a branch's steps are its parent's: history shows the parent's events
+    before the fork step and made before the fork (not the parent's later resume from an
+    earlier checkpoint), under the parent's name, and counts the branch's stage from the fork.
+    The parent is found relative to the branch, wherever the two were moved together."""
+    from moelab.config import load_config, save_config
+    from moelab.ops.record import format_history
+    from moelab.run.logs import JsonlTracker, log_operation
+
+    monkeypatch.chdir(tmp_path)
+    parent, child = Path("runs/base"), Path("runs/base-cooldown10")
+    for run in (parent, child):
+        run.mkdir(parents=True)
+        save_config(load_config("tiny"), run / "config.yaml")
+    log = JsonlTracker(parent / "metrics.jsonl")
+    log.event("start", 0)
+    log_operation(parent, "replan_requested", 4, reason="infrastructure late", change={})
+    log_operation(parent, "branch", 6, child="../base-cooldown6")  # another branch's past
+    for step in range(1, 21):
+        log.log(step, {"train/loss": 5.0})
+    log.event("finished", 20)
+    forked = time.time()
+    (child / "lineage.json").write_text(json.dumps({
+        "parent": "../base", "step": 10, "reason": "early cooldown", "time": forked}))
+    time.sleep(0.01)
+    log.event("resume", 5)  # after the fork: another past than the branch's
+    log.close()
+    log = JsonlTracker(child / "metrics.jsonl")
+    log.event("resume", 10)
+    for step in range(11, 16):
+        log.log(step, {"train/loss": 4.0})
+    log.event("finished", 15)
+    log.close()
+
+    lines = format_history(child).splitlines()
+    assert lines[:3] == ["run runs/base-cooldown10", "  branch of runs/base at step 10: early "
+                         "cooldown", "  parent runs/base, before step 10 (where "
+                         "runs/base-cooldown10 forked):"]
+    head = lines.index("  runs/base-cooldown10, from step 10:")
+    assert [ln.split()[4] for ln in lines[3:head] if "  step " in ln] == ["start",
+                                                                          "replan_requested"]
+    assert [ln.split()[4] for ln in lines[head:] if "  step " in ln] == ["resume", "finished"]
+    assert lines[-1].split()[:3] == ["256", "32", "10-15"]  # the branch's own steps
+
+    shutil.move("runs", "moved")  # the two moved together: still linked
+    text = format_history(Path("moved/base-cooldown10"))
+    assert "  parent moved/base, before step 10" in text and "replan_requested" in text
+    shutil.rmtree("moved/base")
+    assert ("  parent moved/base: not found here (moved apart from moved/base-cooldown10?); its "
+            "history before step 10 is not shown") in format_history(Path("moved/base-cooldown10"))
+    # a URL run's copy: its parent named by URL, its logs not fetched
+    assert ("  branch of gs://b/runs/base at step 10: early cooldown") in format_history(
+        Path("moved/base-cooldown10"), name="gs://b/runs/base-cooldown10")
+
+
+def test_the_preview_shows_the_plan_now_past_its_end_where_its_schedule_runs_on():
+    """A run that stops (train.steps 6) before its LR schedule ends (schedule_steps 12): the
+    'now' columns past step 6 show what that schedule would train, starred and said, up to
+    step 12; past it (where the schedule is at its floor) nothing."""
+    from moelab.ops.replan import format_preview, past_end_note, preview_rows
+
+    now = cfg_with(train={"steps": 6})
+    new = apply_change(now, 6, Change(end=16), keep_warmup=True)
+    rows = {r["step"]: r for r in preview_rows(now, new, 6)}
+    assert sorted(rows) == [5, 6, 8, 10, 12, 14, 16]
+    assert rows[10]["lr_before"] == pytest.approx(lr_curve(now, [9])[0])  # as the log shows
+    assert rows[10]["tokens_before"] == 10 * 128 and rows[10]["past_end"] == ["before"]
+    assert rows[14]["lr_before"] is None and rows[6]["past_end"] == []
+    table = format_preview(list(rows.values())).splitlines()
+    assert table[4].split()[2].endswith("*") and not table[2].split()[2].endswith("*")
+    assert table[6].split()[1:3] == ["-", "-"]
+    assert past_end_note(now, new) == [
+        "* (now) past step 6, where it ends (train.steps): what its LR schedule would train "
+        "there if it went on (`moelab resume RUN train.steps=N`), up to step 12, where the "
+        "schedule reaches its floor"]
+
+
+def test_a_branch_lists_the_parent_s_later_plan_and_drops_it_when_asked(runs, tmp_path,
+                                                                       capsys):
+    """The parent changes its mixture at step 3: a branch from step 3 keeps that change unless
+    it gives its own --mixture or --drop-planned, and its preview says which, by step."""
+    from moelab.ops.branch import plan_branch
+
+    parent, out = str(runs / "parent"), str(tmp_path / "b")
+    base = ["branch", parent, "--at", "3", "--cooldown", "512", "--dry-run", "--out", out]
+    assert main(base) == 0
+    text = capsys.readouterr().out
+    assert ("the parent's plan from step 3 on (a branch keeps what --mixture and --seq-len do "
+            "not replace, unless --drop-planned):\n  step 3: mixture code 0.50, prose 0.50 "
+            "(kept)") in text
+    assert main([*base, "--mixture", "prose=1"]) == 0
+    assert "  step 3: mixture code 0.50, prose 0.50 (dropped: --mixture replaces it)" in \
+        capsys.readouterr().out
+    assert main([*base, "--drop-planned"]) == 0
+    assert "  step 3: mixture code 0.50, prose 0.50 (dropped: --drop-planned)" in \
+        capsys.readouterr().out
+    kept = plan_branch(parent, 3, 512)[1].data.mixture_schedule
+    assert kept == [MixtureChange(3, MIX)]
+    assert plan_branch(parent, 3, 512, drop_planned=True)[1].data.mixture_schedule == []
+
+
 # ---------------------------------------------------------------------------------------------
 # operations on a run that is not as it trained: hand edits, staged batches, damaged checkpoints
 
@@ -699,9 +804,13 @@ def test_a_new_context_keeps_the_tokens_per_batch_of_the_stage_it_replaces():
     seg = new.data.segment_at(5)
     assert (seg.seq_len, seg.batch_size) == (128, 2)
     check_seq_len(cfg, 256, at=5)  # 256 divides the stage's 256 tokens, not data's 128
-    with pytest.raises(ConfigError, match=r"--seq-len 96: must divide the run's 256 tokens per "
-                       r"batch at step 5 \(64 x 4"):
-        check_seq_len(cfg, 96, at=5)
+    with pytest.raises(PlanError, match=r"--seq-len 96: must divide the run's 256 tokens per "
+                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 128, 256"):
+        check_seq_len(cfg, 96, at=5, option="--seq-len 96")
+    # the change itself is checked by the same rule, in the same words, named as its field
+    with pytest.raises(PlanError, match=r"^seq_len 96: must divide the run's 256 tokens per "
+                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 128, 256$"):
+        apply_change(cfg, 5, Change(seq_len=96), keep_warmup=False)
     # a run at data's own shape keeps batch_size 0 ("data's tokens per batch")
     assert apply_change(cfg_with(), 5, Change(seq_len=64),
                         keep_warmup=False).data.context_stages[-1].batch_size == 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from moelab.config import load_run_config, save_config
 from moelab.data.prepare import data_identity
-from moelab.ops.schedule import check_end, check_seq_len, steps_for_tokens
+from moelab.ops.schedule import check_end, steps_for_tokens
 from moelab.run.checkpoint import Checkpointer
 from moelab.run.identity import PROVENANCE, check_data, run_data_record
 from moelab.run.lock import LOCK_FILE, run_lock
@@ -27,10 +27,11 @@ from moelab.run.logs import (
     OPS_LOG,
     JsonlTracker,
     command_line,
+    link_to,
     log_operation,
     stops_deferred,
 )
-from moelab.train.changes import Change, PlanError, apply_change
+from moelab.train.changes import Change, PlanError, apply_change, check_seq_len
 from moelab.train.resume import check_unedited
 from moelab.util import atomic_write_bytes, atomic_write_json, check_writable
 
@@ -72,13 +73,26 @@ def _copy_checkpoint(src: Path, dst_dir: Path, at: int, parent: Path) -> None:
                             f"branch from another: {', '.join(map(str, left)) or 'none'}") from None
 
 
+def without_planned(cfg, at: int):
+    """``cfg`` without the mixture changes and context stages it plans from step ``at`` on:
+    from there it trains the mixture and context it trained before ``at``."""
+    d = cfg.data
+    return replace(cfg, data=replace(
+        d, mixture_schedule=[m for m in d.mixture_schedule if m.step < at],
+        context_stages=[c for c in d.context_stages if c.step < at])).validate()
+
+
 def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: float | None = None,
-                mixture: dict | None = None, seq_len: int | None = None):
-    """(the parent's config, the branch's config) for a cooldown from ``at``."""
-    cfg = load_run_config(parent).with_absolute_data()  # the branch trains on the parent's data
+                mixture: dict | None = None, seq_len: int | None = None,
+                drop_planned: bool = False):
+    """(the parent's config, the branch's config) for a cooldown from ``at``; the branch keeps
+    the parent's mixture changes and context stages planned from ``at`` on (but those a new
+    ``mixture`` or ``seq_len`` replaces) unless ``drop_planned``."""
+    parent_cfg = load_run_config(parent).with_absolute_data()  # the parent's data, as trained
     check_unedited(parent)  # a hand edit would be copied into a branch that cannot resume
+    cfg = without_planned(parent_cfg, at) if drop_planned else parent_cfg
     if seq_len is not None:
-        check_seq_len(cfg, seq_len, at)
+        check_seq_len(cfg, seq_len, at, f"--seq-len {seq_len}")
     # checked on the numbers alone, before the checkpoint (tokens per batch stay the same)
     option = f"--cooldown {cooldown_tokens:,} tokens"
     check_end(steps_for_tokens(cfg, cfg.data.tokens_before(at) + cooldown_tokens), option)
@@ -95,8 +109,8 @@ def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: flo
         raise PlanError(f"{option}: is {end - at} step of {per:,} tokens; a cooldown needs at "
                         f"least 2 steps to lower the LR (its first trains at the LR it starts "
                         f"from): give at least {2 * per:,} tokens")
-    return cfg, apply_change(cfg, at, Change(end=end, floor=floor, mixture=mixture,
-                                             seq_len=seq_len), keep_warmup=False)
+    return parent_cfg, apply_change(cfg, at, Change(end=end, floor=floor, mixture=mixture,
+                                                    seq_len=seq_len), keep_warmup=False)
 
 
 def parent_data(parent: Path | str, accept: bool = False) -> dict:
@@ -186,7 +200,7 @@ def write_placed(state: dict, meta: dict, at: int, slots_LE, ckpt_dir) -> None:
 def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str | None = None,
            floor: float | None = None, mixture: dict | None = None, seq_len: int | None = None,
            place_ranks: int | None = None, reason: str = "", command: str | None = None,
-           accept_data_change: bool = False) -> Path:
+           accept_data_change: bool = False, drop_planned: bool = False) -> Path:
     """Create the branch folder (it must not exist yet); returns its path. ``place_ranks``:
     re-place its experts for an EP group of that many ranks (``moelab.parallel.placement``).
     A parent whose data changed is refused unless ``accept_data_change``."""
@@ -196,7 +210,8 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     parent = Path(parent)
     data = parent_data(parent, accept_data_change)
     parent_cfg, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor,
-                                        mixture=mixture, seq_len=seq_len)
+                                        mixture=mixture, seq_len=seq_len,
+                                        drop_planned=drop_planned)
     child = branch_dir(parent, at, out)  # refused before any restoring or routing
     check_can_record(parent, child)
     placed = None
@@ -212,7 +227,8 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
                - child_cfg.data.tokens_before(at))
     change = {"end": child_cfg.train.steps, "floor": child_cfg.optim.decays[-1].floor,
               "mixture": mixture, "seq_len": seq_len, "cooldown_tokens": trained,
-              "cooldown_tokens_asked": cooldown_tokens}
+              "cooldown_tokens_asked": cooldown_tokens,
+              **({"drop_planned": True} if drop_planned else {})}
     with run_lock(tmp, command):  # the branch's folder has one writer, locked as it appears
         _clear_but_lock(tmp)
         if placed is None:
@@ -223,7 +239,7 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
             atomic_write_bytes(tmp / "tokenizer.json", (parent / "tokenizer.json").read_bytes())
         save_config(child_cfg, tmp / "config.yaml")
         _write_data_record(tmp, data, at)
-        lin = {"parent": str(parent.resolve()), "step": at, "reason": reason,
+        lin = {"parent": link_to(child, parent), "step": at, "reason": reason,
                "command": command, "time": time.time(), "cooldown_tokens": trained,
                "cooldown_tokens_asked": cooldown_tokens, "end": child_cfg.train.steps}
         if placed is not None:
@@ -237,7 +253,7 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
                 raise PlanError(f"--out {child}: created by another process meanwhile; choose "
                                 "another folder") from None
             log_operation(child, "branched_from", at, reason=reason, command=command,
-                          parent=str(parent.resolve()), **change)
+                          parent=link_to(child, parent), **change)
             log_operation(parent, "branch", at, reason=reason, command=command,
-                          child=str(child.resolve()), **change)
+                          child=link_to(parent, child), **change)
     return child

@@ -17,14 +17,13 @@ from moelab.config.io import apply_overrides
 from moelab.ops.schedule import (
     check_end,
     check_run_folder,
-    check_seq_len,
     parse_mixture,
     parse_tokens,
     rope_note,
     step_arg,
 )
 from moelab.run.logs import read_lineage
-from moelab.train.changes import Change, PlanError
+from moelab.train.changes import Change, PlanError, check_seq_len
 from moelab.train.cli import add_accept_data_change, add_process_options
 from moelab.util import atomic_write_text, info, is_url
 
@@ -142,7 +141,7 @@ def _replan(args) -> int:
         raise PlanError(f"{run / rp.PENDING}: a plan is already pending ({_describe(pending)}); "
                         "add --replace to replace it with this one, or resume the run first")
     if args.seq_len is not None:
-        check_seq_len(cfg, args.seq_len, resume_step(run) or 0)
+        check_seq_len(cfg, args.seq_len, resume_step(run) or 0, f"--seq-len {args.seq_len}")
     now = rp.progress(run)
     seconds = (rp.parse_deadline(args.deadline, dt.datetime.now().astimezone())
                if args.deadline else None)
@@ -168,7 +167,10 @@ def _replan(args) -> int:
         rate = args.tokens_per_s or now["tokens_per_s"]
         print(f"deadline in {seconds / 3600:,.2f} h at {rate:,.0f} tokens/s -> end step {end:,}")
     print(rp.format_preview(rp.preview_rows(before, after, at)))
-    for note in rp.plan_notes(before, after, at):
+    for note in [*rp.past_end_note(before, after), *rp.plan_notes(before, after, at),
+                 *rp.later_changes(before, after, at, f"the run's plan from step {at:,} on:",
+                                   {"mixture": "--mixture replaces it",
+                                    "context": "--seq-len replaces it"})]:
         print(note)
     if forecast:
         print(forecast)
@@ -205,13 +207,19 @@ def cmd_branch(args) -> int:
     if not args.dry_run:  # an unwritable one too where the branch would be made
         br.check_can_record(parent, child)
     before, after = br.plan_branch(parent, args.at, tokens, floor=args.floor, mixture=mixture,
-                                   seq_len=args.seq_len)
+                                   seq_len=args.seq_len, drop_planned=args.drop_planned)
     data_note = _check_data(after, args)  # refusals before anything is printed
     forecast = (rp.format_forecast(rp.ladder_forecast(args.ladder, {"parent": before,
                                                                     "branch": after}))
                 if args.ladder else None)
-    print(rp.format_preview(rp.preview_rows(before, after, args.at), ("parent", "branch")))
-    for note in rp.plan_notes(before, after, args.at):
+    names = ("parent", "branch")
+    print(rp.format_preview(rp.preview_rows(before, after, args.at), names))
+    header = (f"the parent's plan from step {args.at:,} on (a branch keeps what --mixture "
+              "and --seq-len do not replace, unless --drop-planned):")
+    dropped_by = {k: f"{opt} replaces it" if given else "--drop-planned" for k, opt, given in (
+        ("mixture", "--mixture", args.mixture), ("context", "--seq-len", args.seq_len))}
+    for note in [*rp.past_end_note(before, after, names), *rp.plan_notes(before, after, args.at),
+                 *rp.later_changes(before, after, args.at, header, dropped_by)]:
         print(note)
     if forecast:
         print(forecast)
@@ -223,7 +231,8 @@ def cmd_branch(args) -> int:
     child = br.branch(parent, args.at, tokens, out=args.out, floor=args.floor,
                       mixture=mixture, seq_len=args.seq_len, place_ranks=args.place_experts,
                       reason=args.reason, command=shlex.join(args.argv),
-                      accept_data_change=args.accept_data_change)
+                      accept_data_change=args.accept_data_change,
+                      drop_planned=args.drop_planned)
     tokens = after.data.tokens_before(after.train.steps) - after.data.tokens_before(args.at)
     print(f"branch {child}: from step {args.at} of {parent} to step {after.train.steps} "
           f"(cooldown of {tokens:,} tokens); parent untouched but for one line in its ops.jsonl")
@@ -378,6 +387,9 @@ def register(sub) -> None:
                    "for an EP group of RANKS ranks, so experts whose loads offset each other "
                    "share a capacity group (fewer drops, most at long contexts; see `moelab "
                    "drops --place`); the model computes the same function")
+    b.add_argument("--drop-planned", action="store_true", help="drop the parent's mixture "
+                   "changes and context stages planned from --at on (kept by default; the "
+                   "preview lists them): the mixture and context before --at go on")
     b.add_argument("--dry-run", action="store_true", help="print the plan, create nothing")
     add_accept_data_change(b)
     b.set_defaults(fn=cmd_branch)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ from moelab.run.logs import (
     read_metrics,
     run_status,
 )
+from moelab.util import is_url
 
 # the resumable fields that change what travels between ranks, so the drops (not
 # parallel.replace_every, ragged_impl or fsdp, which a resume may change too)
@@ -46,6 +48,29 @@ def history(run_dir: Path | str) -> list[dict]:
         train_events.insert(at, {**entry, "log": "train"})  # before the next start (same time)
     ops_events = [{**e, "log": "ops"} for e in read_metrics(run_dir / OPS_LOG)[1]]
     return sorted(train_events + ops_events, key=lambda e: e.get("time", 0.0))
+
+
+def ancestry(run_dir: Path | str) -> list[dict]:
+    """The runs a branch descends from, oldest first, each with the events of its ``history``
+    that precede its child's fork: before the fork's step and before the fork was made
+    (``lineage.json``'s time; a parent may train on, or resume from an earlier checkpoint,
+    afterwards), but for its other branches (their own past, not this run's). ``events`` is
+    None where the parent's folder is not found here."""
+    out, seen, child = [], set(), Path(run_dir)
+    while (lin := read_lineage(child)) and isinstance(lin.get("parent"), str):
+        parent, at, made = Path(lin["parent"]), lin.get("step", 0), lin.get("time")
+        if parent.resolve() in seen or parent.resolve() == child.resolve():
+            break
+        seen.add(parent.resolve())
+        found = (parent / "metrics.jsonl").is_file() or (parent / OPS_LOG).is_file()
+        made = made if isinstance(made, (int, float)) else math.inf
+        events = [e for e in history(parent) if e.get("event") != "branch"
+                  and e.get("step", 0) < at and e.get("time", 0.0) <= made] if found else None
+        out.insert(0, {"run": parent, "at": at, "child": child, "events": events})
+        if not found:
+            break
+        child = parent
+    return out
 
 
 def unrecorded_ends(lines: list[dict]) -> list[tuple[int, dict]]:
@@ -96,8 +121,11 @@ def stage_report(run_dir: Path | str) -> list[dict]:
     Drop fractions are means over the logged steps of the stage (each one a whole batch)."""
     cfg = load_run_config(run_dir)
     records = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl")[0] if "train/loss" in r]
+    lin = read_lineage(run_dir)
+    origin = lin.get("step", 0) if lin else 0  # a branch trains its own steps from its fork
     rows = []
     for start, end, seq_len in context_stages(cfg):
+        start = max(start, origin)
         # a record at step s reports the step s-1 -> s, trained at the stage of step s-1
         recs = [r for r in records if start < r["step"] <= (end if end is not None else 1e18)]
         if not recs:
@@ -127,28 +155,32 @@ def _as_float(v) -> float:
 
 def format_history(run_dir: Path | str, name: str | None = None) -> str:
     """The run's events, operations and context stages; ``name``: the run as the user named
-    it (a URL run's URL, not this machine's copy of it)."""
+    it (a URL run's URL, not this machine's copy of it). A branch's history begins with its
+    parents' up to the step it forked at, each under the parent's name."""
     check_run_folder(run_dir)
     run_dir = Path(run_dir)
     lines = [f"run {name or run_dir}"]
     lin = read_lineage(run_dir)
     if lin:
-        lines.append(f"  branch of {lin['parent']} at step {lin['step']}"
+        remote = name is not None and is_url(name)
+        parent = _remote_parent(name, lin) if remote else shown(lin["parent"])
+        lines.append(f"  branch of {parent} at step {lin['step']}"
                      + (f": {lin['reason']}" if lin.get("reason") else ""))
-    skip = {"event", "step", "time", "log", "reason", "command", "changed"}
+        if remote:  # its parents' logs are not fetched
+            lines.append(f"  its steps before {lin['step']} are the parent's: `moelab history "
+                         f"{parent}` shows them")
+        for a in [] if remote else ancestry(run_dir):
+            who, forked = shown(a["run"]), shown(a["child"])
+            if a["events"] is None:
+                lines.append(f"  parent {who}: not found here (moved apart from {forked}?); "
+                             f"its history before step {a['at']} is not shown")
+                continue
+            lines.append(f"  parent {who}, before step {a['at']} (where {forked} forked):")
+            lines += _event_lines(a["events"])
+        if not remote:
+            lines.append(f"  {name or run_dir}, from step {lin['step']}:")
     events = history(run_dir)
-    for i, e in enumerate(events):
-        when = _fmt_time(e.get("time"))
-        extra = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in skip)
-        if _replaced(events, i):
-            extra += " (never applied: a later replan request followed it)"
-        lines.append(f"  {when}  step {e['step']:>7}  {e['event']:<18} {extra}")
-        if e.get("changed"):  # each setting a resume changed, in full: its own record
-            lines.append(f"{'':>38}changed: " + "; ".join(map(str, e["changed"])))
-        if e.get("reason"):
-            lines.append(f"{'':>38}why: {e['reason']}")
-        if e.get("command"):
-            lines.append(f"{'':>38}by:  {e['command']}")
+    lines += _event_lines(events)
     rows = stage_report(run_dir)
     if rows:
         moved = [e["step"] for e in events if e.get("event") == "resume" and any(
@@ -167,6 +199,48 @@ def format_history(run_dir: Path | str, name: str | None = None) -> str:
                          f"{r['drop_max']:>7.2%} {r['sender_drop_mean']:>7.2%} "
                          f"{r['receiver_drop_mean']:>8.2%} {rate:>9} {r['loss_last']:>7.3f}")
     return "\n".join(lines)
+
+
+def _event_lines(events: list[dict]) -> list[str]:
+    """One line per event (what, when, its numbers), then what it changed, why and by which
+    command."""
+    skip = {"event", "step", "time", "log", "reason", "command", "changed"}
+    lines = []
+    for i, e in enumerate(events):
+        when = _fmt_time(e.get("time"))
+        extra = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in skip)
+        if _replaced(events, i):
+            extra += " (never applied: a later replan request followed it)"
+        lines.append(f"  {when}  step {e['step']:>7}  {e['event']:<18} {extra}")
+        if e.get("changed"):  # each setting a resume changed, in full: its own record
+            lines.append(f"{'':>38}changed: " + "; ".join(map(str, e["changed"])))
+        if e.get("reason"):
+            lines.append(f"{'':>38}why: {e['reason']}")
+        if e.get("command"):
+            lines.append(f"{'':>38}by:  {e['command']}")
+    return lines
+
+
+def shown(path: Path | str) -> str:
+    """A run folder as history names it: relative to the current folder when inside it."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def _remote_parent(url: str, lin: dict) -> str:
+    """A URL run's parent: a URL where the lineage names it relative to the branch."""
+    rel = lin.get("parent_link", "")
+    if Path(rel).is_absolute() or not rel:  # an older record: the folder it was made in
+        return lin["parent"]
+    parts = url.rstrip("/").split("/")
+    for part in Path(rel).parts:
+        if part == os.pardir and len(parts) <= 3:  # above the URL's host or bucket
+            return lin["parent"]
+        if part == os.pardir:
+            parts.pop()
+        elif part != os.curdir:
+            parts.append(part)
+    return "/".join(parts)
 
 
 def _replaced(events: list[dict], i: int) -> bool:

@@ -92,20 +92,45 @@ def planned(run_dir: Path | str, change: Change) -> tuple[RunConfig, RunConfig, 
     return before, apply_change(before, at, change, keep_warmup=True), at
 
 
+def lr_reach(cfg: RunConfig) -> int:
+    """The last step a plan's LR schedule defines: its end, or where a longer schedule
+    (``optim.schedule_steps`` past ``train.steps``) reaches its floor."""
+    return max(cfg.train.steps, cfg.floor_end[0])
+
+
 def preview_rows(before: RunConfig, after: RunConfig, at: int, n: int = 6) -> list[dict]:
-    """Before/after at the switch step, evenly between it and the later end, and both ends."""
+    """Before/after at the switch step, evenly between it and the later end, and both ends.
+    Past a plan's end each column shows what its schedule would train there, up to the step
+    its LR reaches the floor (``lr_reach``; flagged ``past_end``), then nothing."""
     last = max(before.train.steps, after.train.steps)
     steps = sorted({at - 1, at, before.train.steps, after.train.steps,
                     *np.linspace(at, last, n).round().astype(int).tolist()} - {-1})
     lr0, lr1 = logged_lr(before, steps), logged_lr(after, steps)  # as the log shows
-    return [{"step": s, "tokens_before": before.data.tokens_before(s) if s <= before.train.steps
-             else None, "lr_before": float(a) if s <= before.train.steps else None,
-             "tokens_after": after.data.tokens_before(s) if s <= after.train.steps else None,
-             "lr_after": float(b) if s <= after.train.steps else None,
-             # a row shows what the log shows at step s: the update that reached it
-             "seq_len_after": after.data.segment_at(max(s - 1, 0)).seq_len
-             if s <= after.train.steps else None}
-            for s, a, b in zip(steps, lr0, lr1)]
+    rows = []
+    for s, a, b in zip(steps, lr0, lr1):
+        row = {"step": s, "past_end": []}
+        for side, cfg, lr in (("before", before, a), ("after", after, b)):
+            shown = s <= lr_reach(cfg)
+            row[f"tokens_{side}"] = cfg.data.tokens_before(s) if shown else None
+            row[f"lr_{side}"] = float(lr) if shown else None
+            if shown and s > cfg.train.steps:
+                row["past_end"].append(side)
+        # a row shows what the log shows at step s: the update that reached it
+        row["seq_len_after"] = (after.data.segment_at(max(s - 1, 0)).seq_len
+                                if row["tokens_after"] is not None else None)
+        rows.append(row)
+    return rows
+
+
+def past_end_note(before: RunConfig, after: RunConfig,
+                  names: tuple[str, str] = ("now", "new")) -> list[str]:
+    """What the preview's starred values past a plan's end are."""
+    return [f"* ({name}) past step {cfg.train.steps:,}, where it ends (train.steps): what its "
+            f"LR schedule would train there if it went on (`moelab resume RUN train.steps=N`), "
+            f"up to step {lr_reach(cfg):,}, where the schedule reaches its floor"
+            for name, cfg in zip(names, (before, after))
+            if lr_reach(cfg) > cfg.train.steps and max(before.train.steps,
+                                                       after.train.steps) > cfg.train.steps]
 
 
 def _weights(mixture: dict) -> str:
@@ -138,17 +163,49 @@ def plan_notes(before: RunConfig, after: RunConfig, at: int) -> list[str]:
 
 
 def format_preview(rows: list[dict], names: tuple[str, str] = ("now", "new")) -> str:
-    def f(v, spec):
-        return "-" if v is None else format(v, spec)
+    def f(v, spec, star=None):  # an LR: a column of its own for the star past a plan's end
+        text = "-" if v is None else format(v, spec)
+        return text if star is None else f"{text:>11}" + ("*" if star else " ")
 
     a, b = (f"({n})" for n in names)
     lines = [f"{'step':>8} {'tokens ' + a:>16} {'LR ' + a:>12} {'tokens ' + b:>16} "
              f"{'LR ' + b:>12} {'seq_len':>8}"]
     for r in rows:
+        star = r.get("past_end", ())
         lines.append(f"{r['step']:>8} {f(r['tokens_before'], ','):>16} "
-                     f"{f(r['lr_before'], '.3e'):>12} {f(r['tokens_after'], ','):>16} "
-                     f"{f(r['lr_after'], '.3e'):>12} {f(r['seq_len_after'], 'd'):>8}")
+                     f"{f(r['lr_before'], '.3e', 'before' in star):>12} "
+                     f"{f(r['tokens_after'], ','):>16} "
+                     f"{f(r['lr_after'], '.3e', 'after' in star):>12} "
+                     f"{f(r['seq_len_after'], 'd'):>8}")
     return "\n".join(lines)
+
+
+def _stage(cfg: RunConfig, c) -> str:
+    rows = c.batch_size or cfg.data.seq_len * cfg.data.batch_size // c.seq_len
+    gate = (f", gated at drops <= {c.max_drops:g}" + (f", decided: {c.decision}" if c.decision
+                                                      else "") if c.max_drops else "")
+    return f"context {c.seq_len:,} tokens x {rows} rows{gate}"
+
+
+def later_changes(before: RunConfig, after: RunConfig, at: int, header: str,
+                  dropped_by: dict[str, str]) -> list[str]:
+    """The mixture changes and context stages ``before`` plans from step ``at`` on, each as
+    ``after`` keeps or drops it (``dropped_by``: the option that drops each kind, "mixture" and
+    "context"): a new end keeps them, a new mixture or context replaces those of its kind, and
+    a branch inherits its parent's (the preview's columns show only the context)."""
+    def entries(cfg):
+        d = cfg.data
+        return sorted([(m.step, "mixture", "mixture " + _weights(m.mixture), m)
+                       for m in d.mixture_schedule if m.step >= at]
+                      + [(c.step, "context", _stage(cfg, c), c)
+                         for c in d.context_stages if c.step >= at], key=lambda e: e[0])
+
+    new, end = [e[-1] for e in entries(after)], after.train.steps
+    lines = [f"  step {step:,}: {what} (" + (
+        f"dropped: {dropped_by[kind]}" if e not in new else "kept" + (
+            f"; after the end at step {end:,}, it trains only if the end moves past it"
+            if step >= end else "")) + ")" for step, kind, what, e in entries(before)]
+    return [header, *lines] if lines else []
 
 
 def ladder_forecast(ladder_dir: Path | str, plans: dict[str, RunConfig],

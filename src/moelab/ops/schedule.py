@@ -38,18 +38,6 @@ def check_end(end: int, option: str) -> int:
     return end
 
 
-def check_seq_len(cfg: RunConfig, seq_len: int, at: int = 0) -> None:
-    """A new context from step ``at`` must split the run's tokens per batch there into whole
-    rows (tokens per batch stay the same), named by the option the user typed rather than the
-    stage it becomes."""
-    seg = cfg.data.segment_at(at)
-    tokens = seg.seq_len * seg.batch_size
-    fits = [L for L in (seg.seq_len * 2**k for k in (1, 2, 3)) if tokens % L == 0]
-    require(tokens % seq_len == 0, f"--seq-len {seq_len}", f"must divide the run's {tokens:,} "
-            f"tokens per batch at step {at:,} ({seg.seq_len} x {seg.batch_size}, which stay "
-            "constant)" + (f", e.g. {', '.join(map(str, fits))}" if fits else ""))
-
-
 _NUMBER = r"\d+(?:\.\d*)?(?:[eE][+-]?\d+)?"
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
 

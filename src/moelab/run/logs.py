@@ -30,10 +30,27 @@ LINEAGE = "lineage.json"  # in a branch (moelab branch): its parent, step and re
 
 
 def read_lineage(run_dir: Path | str) -> dict | None:
-    """A branch's ``lineage.json`` (None in a run that is no branch); a ValueError naming the
-    file when it is damaged, for a caller to raise or to read the run without it."""
-    return read_json_object(Path(run_dir) / LINEAGE, "restore it from a copy: it names the "
-                            "branch's parent, step and reason, which `moelab branch` wrote")
+    """A branch's ``lineage.json`` (None in a run that is no branch): its ``parent`` is the
+    folder the record names (``linked_run``), ``parent_link`` the record as written. A
+    ValueError naming the file when it is damaged, for a caller to raise or to read the run
+    without it."""
+    lin = read_json_object(Path(run_dir) / LINEAGE, "restore it from a copy: it names the "
+                           "branch's parent, step and reason, which `moelab branch` wrote")
+    if lin and isinstance(lin.get("parent"), str):  # and as recorded: ``parent_link``
+        lin["parent_link"], lin["parent"] = lin["parent"], str(linked_run(run_dir, lin["parent"]))
+    return lin
+
+
+def link_to(run_dir: Path | str, other: Path | str) -> str:
+    """How a record in ``run_dir`` names the run folder ``other`` (a branch's parent, a
+    parent's branch): relative to ``run_dir``, so runs moved or copied together keep their
+    links, and no record names this machine's folders."""
+    return os.path.relpath(Path(other).resolve(), Path(run_dir).resolve())
+
+
+def linked_run(run_dir: Path | str, recorded: str) -> Path:
+    """The folder a record in ``run_dir`` names (``link_to``; older records: absolute)."""
+    return Path(os.path.normpath(Path(run_dir).resolve() / recorded))
 
 
 def clean_value(v: Any) -> Any:

@@ -61,6 +61,20 @@ def logged_lr(cfg: RunConfig, steps) -> np.ndarray:
     return lr_curve(cfg, np.maximum(np.asarray(steps, np.int64) - 1, 0))
 
 
+def check_seq_len(cfg: RunConfig, seq_len: int, at: int, option: str = "") -> None:
+    """A new context from step ``at`` must split the run's tokens per batch there into whole
+    rows (tokens per batch stay the same; a stage may have set them). ``option``: how the user
+    gave it (``--seq-len 96``), so a command refuses it before any work in its own terms."""
+    seg = cfg.data.segment_at(at)
+    tokens = seg.seq_len * seg.batch_size
+    if tokens % seq_len:
+        fits = [n for n in (seg.seq_len * 2**k for k in (1, 2, 3)) if tokens % n == 0]
+        raise PlanError(f"{option or f'seq_len {seq_len}'}: must divide the run's {tokens:,} "
+                        f"tokens per batch at step {at:,} ({seg.seq_len} x {seg.batch_size}, "
+                        "which stay constant)" + (f", e.g. {', '.join(map(str, fits))}"
+                                                  if fits else ""))
+
+
 def apply_change(cfg: RunConfig, at: int, change: Change, *, keep_warmup: bool) -> RunConfig:
     """``cfg`` with ``change`` taking effect at step ``at``; refuses impossible plans.
 
@@ -104,9 +118,7 @@ def apply_change(cfg: RunConfig, at: int, change: Change, *, keep_warmup: bool) 
                             f"step {at}")
         now = data.segment_at(at)  # its tokens per batch are kept (a stage may have set them)
         tokens = now.seq_len * now.batch_size
-        if tokens % change.seq_len:
-            raise PlanError(f"seq_len: {change.seq_len} must divide the tokens per batch the "
-                            f"run trains at step {at} ({tokens:,}); choose a divisor")
+        check_seq_len(cfg, change.seq_len, at)
         batch = 0 if tokens == data.seq_len * data.batch_size else tokens // change.seq_len
         data = dataclasses.replace(data, context_stages=[
             c for c in data.context_stages if c.step < at] + [ContextStage(at, change.seq_len,
