@@ -9,10 +9,19 @@ Each leg is timed alone (jitted, after a compile call) and checked against a pla
 matmul on the host: a few rows (or weight-gradient columns) of every group, and up to 512 rows
 and 64 columns of five (first, last, largest, smallest and a random one); never against
 another kernel or itself.
+
+bench/gpu_mfu.py measures these as its ``legs-*`` rows (``--experts``: those rows only), each in a
+process of its own (bench/gpu_rows.py), and saves them with its table. Run alone, it times the
+entries at one shape and prints a row per leg (nothing saved; without the XLA flags the driver
+gives its legs rows):
+
+    PYTHONPATH=src python3 bench/gpu_legs.py --shape 524288 512 512 384   # d1024's experts
+    PYTHONPATH=src python3 bench/gpu_legs.py --impls dense ceiling       # CPU: a tiny shape
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, fields
@@ -21,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from common import count  # puts src/ on the path before moelab is imported
 from moelab.model.dispatch import take_rows
 from moelab.model.expert_legs import expert_legs, padded_slots
 from moelab.model.grouped_gemm import GmmBlocks, gmm, tgmm
@@ -267,3 +277,36 @@ def run_impl(name: str, x, w, dy, counts, budget_s: float = 0.5) -> list[dict]:
         out.append(row)
         print(row, flush=True)
     return out
+
+
+def _kernel(name: str) -> str:
+    """argparse type of an expert kernel: a ``LEGS`` entry or a gmm variant."""
+    if name not in LEGS and not name.startswith("gmm["):
+        raise argparse.ArgumentTypeError(f"{name!r}: not one of {', '.join(LEGS)}, nor a "
+                                         "gmm[field=int,...] variant")
+    try:
+        name in LEGS or gmm_variant(name)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
+def main() -> None:
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(description=doc[0],  # how it is used: the epilog
+                                epilog="\n\n".join(doc[-2:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", nargs=4, type=count, default=[2048, 32, 64, 16],
+                   metavar=("ROWS", "K", "N", "GROUPS"), help="rows of K into N over GROUPS "
+                   "experts (default: 2048 32 64 16, the driver's dry run)")
+    p.add_argument("--impls", nargs="+", type=_kernel, default=list(LEGS), metavar="KERNEL",
+                   help=f"entries to time (default: all, {' '.join(LEGS)}; or gmm[...] variants)")
+    p.add_argument("--budget-s", type=float, default=0.5, help="seconds of timed calls per leg")
+    args = p.parse_args()
+    x, w, dy, counts = problem(*args.shape)
+    for impl in args.impls:
+        run_impl(impl, x, w, dy, counts, args.budget_s)
+
+
+if __name__ == "__main__":
+    main()

@@ -20,10 +20,18 @@ function it came from (``category``). Two views of one step:
   what slices skip and in-place updates leave) times the trip counts of the loops around it,
   and its roofline time at the given matmul peak and memory bandwidth. Always computed; it is
   the whole answer when no trace can be read (``summary`` says which source it used).
+
+A module, not a run of its own: bench/gpu_mfu.py's profiled rows call ``summary`` on the step
+they trace (in bench/gpu_rows.py), and bench/gpu_compile.py takes ``estimated_ops`` of the
+steps it compiles for a GPU; run those:
+
+    PYTHONPATH=src python3 bench/gpu_mfu.py --rows d1024      # a GPU: measured and estimated
+    .venv/bin/python bench/gpu_compile.py --dry-run            # CPU: the estimate
 """
 
 from __future__ import annotations
 
+import argparse
 import ast
 import glob
 import gzip
@@ -578,3 +586,15 @@ def summary(hlo_text: str, trace_dir: str | None, peak_flops: float, mem_bw: flo
                                for c, v in est.items()}}
     return {**out, "estimate": est, "instructions": len(hlo.ins),
             "with_stack": sum(1 for i in hlo.ins.values() if "stack_frame_id" in i.attrs)}
+
+
+def main() -> None:
+    doc = __doc__.split("\n\n")
+    p = argparse.ArgumentParser(description=doc[0], epilog="\n\n".join(doc[-2:]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.parse_args()
+    p.error("nothing to run alone: bench/gpu_mfu.py and bench/gpu_compile.py use it (--help)")
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,8 @@ sys.path.append(str(BENCH))  # after everything else: bench/ holds generic names
 
 import common  # noqa: E402
 
-# bench/gpu_rows.py is the GPU driver's child (a JSON spec, no options: tests/test_gpu_bench.py)
+# bench/gpu_rows.py is the GPU driver's child (a JSON spec, no options: tests/test_gpu_bench.py);
+# gpu_legs and gpu_profile are its modules (their --help says how they are run: below)
 LIBRARIES = {"common", "gpu_legs", "gpu_profile", "gpu_rows"}
 SCRIPTS = sorted(p.stem for p in BENCH.glob("*.py") if p.stem not in LIBRARIES)
 OWN_EPILOG = {"gpu_mfu", "gpu_compile"}  # their help lists rows; --name says where results go
@@ -147,6 +148,25 @@ def test_the_gpu_row_child_answers_help(capsys, monkeypatch):
     assert run_script("gpu_rows", ["--help"], monkeypatch) == 0
     assert "SPEC_JSON RESULT_PATH" in capsys.readouterr().out
     assert run_script("gpu_rows", [], monkeypatch) == 2
+
+
+@pytest.mark.parametrize("name", ["gpu_legs", "gpu_profile"])
+def test_the_gpu_driver_s_modules_say_how_they_are_run(name, capsys, monkeypatch):
+    """`--help` printed nothing: they are modules of bench/gpu_mfu.py, and said so nowhere."""
+    assert run_script(name, ["--help"], monkeypatch) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and "bench/gpu_mfu.py" in out and "bench/gpu_rows.py" in out
+    if name == "gpu_profile":  # nothing of its own to run
+        assert run_script(name, [], monkeypatch) == 2
+        assert "nothing to run alone" in capsys.readouterr().err
+        return
+    argv = ["--shape", "64", "8", "8", "2", "--impls", "dense", "--budget-s", "0.01"]
+    assert run_script(name, argv, monkeypatch) == 0  # alone: one kernel's legs, printed
+    out = capsys.readouterr().out
+    legs = [ast.literal_eval(line)["leg"] for line in out.splitlines()]
+    assert legs == ["fwd", "dgrad", "wgrad"], out
+    assert run_script(name, ["--impls", "nope"], monkeypatch) == 2
+    assert "'nope': not one of ceiling," in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text, ok", [("1", 1), ("4096", 4096), ("0", None), ("-3", None),

@@ -22,6 +22,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "moelab"
 RANKS = {
     "moelab": 0,  # the package's own __init__: imports nothing, so `import moelab` stays light
     "util": 0,
+    "tempfiles": 0,  # the removal of a killed atomic write's temp files
     "config": 1,
     "data": 2,
     "model": 2,

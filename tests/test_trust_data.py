@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import subprocess_env
+from helpers import micro_dict, subprocess_env, write_config_yaml
 from moelab.data.build import data_lock
 from moelab.data.corpus import build_user_corpus, iter_documents
 from moelab.data.errors import DataError
@@ -408,3 +408,65 @@ def test_a_build_refuses_the_folder_a_run_trains_on(data_dir, tmp_path, capsys):
         run.ckpt.close()
         assert [h["pid"] for h in live_readers(data_dir)] == [os.getpid()]
     assert live_readers(data_dir) == []
+
+
+def test_a_failed_first_build_through_dotdot_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    """`--out x/../y/z`: a failed first build left the folder x, made on the way (the kernel
+    needs x to step back out of it) and never removed."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "empty.txt").write_text("")
+    monkeypatch.chdir(tmp_path)
+    rc, err = _build(capsys, "in", "--out", "x/../y/z")
+    assert rc == 2 and "no usable documents" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
+    _texts(tmp_path / "in", "fig")
+    assert _build(capsys, "in", "--out", "x/../y/z")[0] == 0
+    assert (tmp_path / "y" / "z" / "tokenizer.json").is_file() and not (tmp_path / "x").exists()
+
+
+def test_a_first_build_stopped_before_its_tokenizer_is_not_trained_on(tmp_path, capsys,
+                                                                      monkeypatch):
+    """A first build stopped while training its tokenizer left the corpus without
+    tokenizer.json; a run on the folder then trained a tokenizer of the default size on the
+    side and trained on it. It is refused, naming the build that finishes the folder."""
+    import moelab.data.tokenizer as tk
+    from moelab.config import config_from_dict
+    from moelab.data.prepare import with_tokenizer_vocab
+
+    def stopped(_corpus):  # Ctrl-C while the tokenizer trains
+        raise KeyboardInterrupt
+        yield
+
+    src, out, run = _texts(tmp_path / "src", "lime"), tmp_path / "o", tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(tk, "_text_batches", stopped)
+        assert _build(capsys, str(src), "--out", str(out))[0] == 130
+    assert (out / "corpus" / "manifest.json").is_file() and not list(out.glob("tokenizer*"))
+    cfg = micro_dict(out, model={"vocab_size": 0})
+    rc, _, err = run_main(["train", str(write_config_yaml(tmp_path / "m.yaml", cfg)),
+                           "--run-dir", str(run)], capsys)
+    assert rc == 2 and f"{out}: its `moelab data build` stopped before writing" in err, err
+    assert f"data build {src} --out {out} --vocab 300 --no-progress" in err
+    assert not run.exists() and not list(out.glob("tokenizer*")), "nothing trained"
+    assert _build(capsys, str(src), "--out", str(out))[0] == 0  # the same build finishes it
+    assert with_tokenizer_vocab(config_from_dict(cfg)).model.vocab_size < 300
+
+
+def test_one_function_removes_a_killed_write_s_temp_files(tmp_path, monkeypatch):
+    """The data build and a run's start each had their own glob for them."""
+    from moelab.data import build
+    from moelab.tempfiles import remove_temp_files
+    from moelab.train import setup
+
+    for name in (".config.yaml.ab12.tmp", ".docs.x1.tmp", ".x.tmp", "mine.tmp", ".config.yaml"):
+        (tmp_path / name).write_text("x")
+    (tmp_path / ".a.b.tmp").mkdir()
+    assert remove_temp_files(tmp_path, ("config.yaml", "summary.json")) == 1
+    assert remove_temp_files(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".a.b.tmp", ".config.yaml", "mine.tmp"]
+    seen = []
+    monkeypatch.setattr(build, "remove_temp_files", lambda d, names=None: seen.append(d) or 0)
+    (tmp_path / "corpus").mkdir()
+    build.remove_stale_temps(tmp_path)
+    assert seen == [tmp_path, tmp_path / "corpus"]
+    assert setup.remove_temp_files is remove_temp_files

@@ -10,34 +10,17 @@ a layer it needs is handed that piece here: ``train --record`` attaches through 
 from __future__ import annotations
 
 import argparse
+import atexit
 import difflib
 import os
 import re
 import signal
 import sys
+import threading
 import warnings
 
-from moelab import generate
-from moelab.config import ConfigError
-from moelab.config.cli import register_presets
-from moelab.data.cli import register as register_data
-from moelab.export.cli import register as register_export
-from moelab.harness.cli import register as register_eval
-from moelab.lab.cli import attach_from_train
-from moelab.lab.cli import register as register_lab
-from moelab.ladder.cli import register as register_ladder
-from moelab.ops.cli import register as register_ops
-from moelab.planner.cli import register as register_plan
-from moelab.run.checkpoint import CheckpointError, CheckpointWarning
-from moelab.train.cli import register_config, register_train
-from moelab.util import (
-    Terminated,
-    exit_if_abandoned,
-    info,
-    output_gone,
-    sigterm_raises,
-    stop_said,
-)
+# Only the standard library here: a Ctrl-C while the rest loads (JAX takes a second) reaches
+# main(), which ends quietly; the packages are imported where the parser is built.
 
 
 def _train_step():
@@ -81,6 +64,18 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moelab import generate
+    from moelab.config.cli import register_presets
+    from moelab.data.cli import register as register_data
+    from moelab.export.cli import register as register_export
+    from moelab.harness.cli import register as register_eval
+    from moelab.lab.cli import attach_from_train
+    from moelab.lab.cli import register as register_lab
+    from moelab.ladder.cli import register as register_ladder
+    from moelab.ops.cli import register as register_ops
+    from moelab.planner.cli import register as register_plan
+    from moelab.train.cli import register_config, register_train
+
     p = Parser(prog="moelab", description="Train sparse Mixture-of-Experts language models in "
                "the open.")
     p.add_argument("--version", action="version", version=f"moelab {_version()}")
@@ -169,8 +164,53 @@ def unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``moelab`` command: its exit status. Without ``argv`` it is the program itself (the
+    console script, ``python -m moelab``): a Ctrl-C while Python still loads ends it quietly
+    (130), as one during the command does, and one while the interpreter shuts down after the
+    command (a second Ctrl-C after a stop saved its checkpoint) leaves the status as it is."""
+    program = argv is None and threading.current_thread() is threading.main_thread()
+    if program:  # registered before JAX loads, so it runs after JAX's own exit handlers
+        atexit.register(signal.signal, signal.SIGINT, signal.SIG_IGN)  # and through teardown
+    try:
+        code = _main(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt as e:  # before the command ran, or while it said why it stopped
+        code = 128 + signal.Signals[getattr(e, "signal_name", "SIGINT")]
+        _say(f"\nmoelab: {getattr(e, 'said', 'aborted')}")
+    if program:  # until the last exit handler: end at once with the status already decided
+        signal.signal(signal.SIGINT, lambda *_: _exit_now(code))
+    return code
+
+
+def _say(msg: str) -> None:
+    """``msg`` on stderr, if the terminal is still there."""
+    try:
+        print(msg, file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a console gone or closed
+        pass
+
+
+def _exit_now(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _main(argv: list[str]) -> int:
+    from moelab.config import ConfigError
+    from moelab.run.checkpoint import CheckpointError, CheckpointWarning
+    from moelab.util import (
+        Terminated,
+        exit_if_abandoned,
+        info,
+        output_gone,
+        sigterm_raises,
+        stop_said,
+    )
+
     parser = build_parser()
-    argv = sys.argv[1:] if argv is None else argv
     kept, pulled = split_off_overrides(parser, argv)
     args, extra = parser.parse_known_args(kept)
     extra = place_overrides(args, [*extra, *pulled])
@@ -200,7 +240,6 @@ def main(argv: list[str] | None = None) -> int:
         info(f"\nmoelab: {str(e) or stop_said(e)}")  # info: the terminal may have gone (SIGHUP)
         exit_if_abandoned(code)  # a native worker still runs: end now
         return code
-
 
 if __name__ == "__main__":
     sys.exit(main())

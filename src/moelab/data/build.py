@@ -25,8 +25,10 @@ from typing import Callable, Iterator
 from moelab.data.corpus import load_manifest, normalize_source
 from moelab.data.errors import DataError
 from moelab.data.tokenizer import load_tokenizer
+from moelab.tempfiles import remove_temp_files
 from moelab.util import (
     LockHeld,
+    atomic_write_text,
     describe_holder,
     holder_record,
     info,
@@ -43,6 +45,8 @@ LOCK_FILE = ".lock"
 READERS = ".readers"  # one flocked file per live run reading the folder
 _reader_ids = itertools.count()  # several runs of one process (in-process ladders)
 OWN_TOKENIZER = "tokenizer.json"  # a data folder's own tokenizer: training uses it
+# a build that gives the folder its own tokenizer, until it has written it: the command
+UNFINISHED = ".build-unfinished"
 
 
 def is_builtin_folder(folder: Path | str) -> bool:
@@ -53,13 +57,14 @@ def is_builtin_folder(folder: Path | str) -> bool:
 
 def output_folder(inputs: list[str], out: str | None) -> Path:
     """``--out``, or the built-in corpus' folder for a build of the built-in corpus. Your own
-    files never go to that folder: the default presets would train on them."""
+    files never go to that folder: the default presets would train on them. A path through
+    ``..`` is resolved (``x/../y`` is ``y``), so a build makes no folder ``x`` on the way."""
     if inputs and out and is_builtin_folder(out):
         raise DataError(f"--out {out}: the built-in corpus' folder ({BUILTIN_OUT}), which the "
                         "default presets train on; give a folder of your own for your files, "
                         "e.g. --out data/mine")
     if out:
-        return Path(out)
+        return Path(out).resolve() if ".." in Path(out).parts else Path(out)
     if inputs:
         raise DataError(f"--out: required with INPUT paths ({BUILTIN_OUT}, the default, holds "
                         "the built-in corpus the default presets train on); give a folder of "
@@ -180,12 +185,31 @@ def remove_stale_temps(out: Path) -> None:
     folders a build writes (``out``, its corpus and token stores), never elsewhere in ``out``."""
     # only where a build writes: a folder of your own given as --out keeps its other files
     places = [out, out / "corpus", *out.glob("tokens-*"), *out.glob("tokens-*/*")]
-    stale = [p for d in places if d.is_dir() for p in d.glob(".*.tmp") if p.is_file()]
-    stale += [p for p in (out / "corpus").glob(".hf-cache.*") if p.is_dir()]
-    for p in stale:
-        shutil.rmtree(p) if p.is_dir() else p.unlink()
-    if stale:
-        info(f"{out}: removed {len(stale)} temp file(s) left by an interrupted build")
+    caches = [p for p in (out / "corpus").glob(".hf-cache.*") if p.is_dir()]
+    for p in caches:
+        shutil.rmtree(p)
+    n = len(caches) + sum(remove_temp_files(d) for d in places if d.is_dir())
+    if n:
+        info(f"{out}: removed {n} temp file(s) left by an interrupted build")
+
+
+def mark_unfinished(out: Path, command: str) -> None:
+    """Say in ``out`` that this build (``command``) is to write its own tokenizer: until it
+    has, the corpus there has none, and a run would train another on the side."""
+    atomic_write_text(out / UNFINISHED, command + "\n")
+
+
+def check_finished(data_dir: Path | str) -> None:
+    """Refuse to train on a data folder whose build stopped before it wrote the folder's own
+    tokenizer (``mark_unfinished``); the same build run again finishes it."""
+    root = Path(data_dir)
+    if (root / OWN_TOKENIZER).is_file() or not (root / UNFINISHED).is_file():
+        return
+    command = (root / UNFINISHED).read_text(encoding="utf-8", errors="replace").strip()
+    raise DataError(f"{root}: its `moelab data build` stopped before writing the folder's "
+                    f"tokenizer ({root / OWN_TOKENIZER}), which runs on it use; run that build "
+                    f"again to finish it ({command or 'moelab data build ... --out ' + str(root)}"
+                    "), then train")
 
 
 def first_missing(out: Path) -> Path | None:
@@ -200,12 +224,14 @@ def first_missing(out: Path) -> Path | None:
 
 
 def remove_if_unused(out: Path, made: Path | None = None, *, keep: bool = False) -> None:
-    """Remove ``out`` if it holds nothing but its lock file and empty folders (a build that
-    made it and failed before writing anything), and the folders above it up to ``made`` (the
-    outermost one the build made, ``first_missing``) while they are empty; with ``keep``
-    (an empty folder given as --out) only what is in it. Called under its lock."""
+    """Remove ``out`` if it holds nothing but its lock file, the build's ``UNFINISHED`` mark and
+    empty folders (a build that made it and failed before writing anything), and the folders
+    above it up to ``made`` (the outermost one the build made, ``first_missing``) while they
+    are empty; with ``keep`` (an empty folder given as --out) only what is in it. Called under
+    its lock."""
     parts = sorted(out.rglob("*"), key=lambda p: len(p.parts), reverse=True)  # deepest first
-    if any(p != out / LOCK_FILE and (p.is_symlink() or not p.is_dir()) for p in parts):
+    ours = (out / LOCK_FILE, out / UNFINISHED)
+    if any(p not in ours and (p.is_symlink() or not p.is_dir()) for p in parts):
         return
     for p in parts:
         p.unlink() if p.is_file() else p.rmdir()

@@ -44,22 +44,26 @@ def cmd_data_build(args) -> int:
     made = build.first_missing(out)  # the folders this build makes (None: out exists)
     was_empty = made is None and out.is_dir() and not any(out.iterdir())
     # SIGTERM unwinds like Ctrl-C (moelab.cli): temp files go and the lock is released
-    with build.data_lock(out, shlex.join(getattr(args, "argv", ["moelab"]))):
+    command = shlex.join(getattr(args, "argv", ["moelab"]))
+    with build.data_lock(out, command):
         build.remove_stale_temps(out)
         try:
-            return _build(args, out, vocab)
+            return _build(args, out, vocab, command)
         except BaseException:
             if made is not None or was_empty:  # a first build that failed before writing
                 build.remove_if_unused(out, made, keep=was_empty)  # leaves no folder it made
             raise
 
 
-def _build(args, out: Path, vocab: int) -> int:
+def _build(args, out: Path, vocab: int, command: str) -> int:
     """The build itself, under the folder's lock."""
     request = build.build_request(args.inputs, args.format, args.text_field, args.split,
                                   args.heldout)
     old = build.check_rebuild(out, request, args.force)
     build.check_own_tokenizer(out, *_new_own_tokenizer(args, out, vocab), args.force)
+    keep_own = bool(args.inputs or args.tokenizer)
+    if keep_own:  # until its tokenizer is written, runs refuse the folder (check_finished)
+        build.mark_unfinished(out, command)
     if args.inputs:  # strings: Path() would mangle gs://, memory:// URLs
         manifest = corpus.build_user_corpus(args.inputs, out / "corpus",
                                             heldout_fraction=args.heldout, fmt=args.format,
@@ -74,7 +78,6 @@ def _build(args, out: Path, vocab: int) -> int:
     # the folder's own tokenizer (training uses it) is written as soon as it is known, before
     # tokenizing; one still here is the one this build uses (check_own_tokenizer, else
     # discard_derived removed it), so an interrupted rebuild never leaves the folder without it
-    keep_own = bool(args.inputs or args.tokenizer)
     prep = prepare_data(DataConfig(data_dir=str(out), tokenizer=args.tokenizer or ""), vocab,
                         progress=not args.no_progress, lock=False,  # held above
                         workers=args.workers,
@@ -94,6 +97,7 @@ def _write_own(own: Path, tok: Path) -> None:
     data = tok.read_bytes()
     if not own.is_file() or own.read_bytes() != data:
         atomic_write_bytes(own, data)
+    (own.parent / build.UNFINISHED).unlink(missing_ok=True)  # runs may use the folder now
 
 
 # data.seq_len + 1 of the longest preset: a domain holding out fewer tokens is refused by such

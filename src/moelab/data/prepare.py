@@ -8,6 +8,8 @@ Layout under ``data.data_dir``::
     tokenizer.json      the folder's own tokenizer, written by `moelab data build` for your
                         corpus; training uses it (the built-in corpus keeps one per size)
     tokens-<hash>/      memory-mapped token store for that tokenizer
+    .build-unfinished   a `moelab data build` that has not written tokenizer.json yet:
+                        runs refuse the folder until that build, run again, has
 
 ``model.vocab_size`` 0 takes the size of the tokenizer that will be used; a size that disagrees
 with an existing tokenizer is an error, so a forgotten size never trains a second tokenizer.
@@ -35,6 +37,7 @@ from moelab.data import corpus, store, tokenizer
 from moelab.data.build import (
     BUILTIN_OUT,
     OWN_TOKENIZER,
+    check_finished,
     hold_reader,
     is_builtin_folder,
     lock_error,
@@ -165,6 +168,8 @@ def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,
     so `moelab data build` refuses to change it meanwhile; ``workers``: tokenizer processes
     (None: ``encode.default_workers()``); ``on_tokenizer``: called with the tokenizer's path
     once it is ready, before the token store is built."""
+    if lock and not dcfg.tokenizer:  # a run's (a build passes lock=False)
+        check_finished(dcfg.data_dir)
     if not lock:
         return _prepare(dcfg, vocab_size, verbose, progress, workers, on_tokenizer)
     root = Path(dcfg.data_dir)
@@ -289,6 +294,7 @@ def with_tokenizer_vocab(cfg: RunConfig) -> RunConfig:
     check_builtin_kind(cfg.data)
     given, path = cfg.model.vocab_size, given_tokenizer(cfg.data)
     if path is None:  # a tokenizer of this size is trained: refuse one too small before that
+        check_finished(cfg.data.data_dir)  # nor on a folder still to get its own
         size = given or DEFAULT_VOCAB
         if size < tokenizer.MIN_VOCAB:
             raise ConfigError(f"model.vocab_size={given}: a new tokenizer needs at least "

@@ -49,6 +49,7 @@ from moelab.run.identity import (
 from moelab.run.load import run_name
 from moelab.run.logs import JsonlTracker
 from moelab.run.provenance import provenance
+from moelab.tempfiles import remove_temp_files
 from moelab.train.adapt import check_adaptive, check_adaptive_heldout
 from moelab.train.heldout import check_heldout
 from moelab.train.peak import Peaks, format_flops, run_peaks
@@ -168,9 +169,9 @@ def _prepare(cfg: RunConfig, main: bool, verbose: bool, hold: ExitStack | None) 
 
 def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("config.yaml", "tokenizer.json", "provenance.json", "summary.json"):
-        for tmp in run_dir.glob(f".{name}.*.tmp"):  # a write of a killed start (open_atomic)
-            tmp.unlink(missing_ok=True)
+    # the writes of a start that was killed (none of another writer's: the run folder's lock)
+    remove_temp_files(run_dir, ("config.yaml", "tokenizer.json", "provenance.json",
+                                "summary.json"))
     save_config(cfg, run_dir / "config.yaml")
     # A copy of the tokenizer makes the run folder self-contained for `moelab generate`.
     atomic_write_bytes(run_dir / "tokenizer.json", data.tokenizer_path.read_bytes())
