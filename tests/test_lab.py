@@ -373,15 +373,20 @@ def test_report_from_a_fixture_lab_with_a_failed_run(lab):
     assert (lab.parent / stored["path"]).resolve() == report.resolve()
 
 
+def _report_text(lab) -> str:
+    """The report of the record ``lab`` as it is now, without plots."""
+    rec = rec_mod.load(lab)
+    runs, verdicts = evaluate_record(lab, rec)
+    return render_report(rec, runs, verdicts, plots=[], generated="now")
+
+
 def test_changed_criteria_and_author_notes_in_the_report(lab):
     rec = rec_mod.load(lab)
     assert "author's notes" not in render_report(rec, [], [], plots=[], generated="now")
     notes = rec.notes + "\nThe gap is small; I would not drop the shared expert on this.\n"
     rec_mod.save(rec_mod.Record(**{**rec.__dict__, "criteria": rec.criteria[:1],
                                    "notes": notes}), lab)
-    rec = rec_mod.load(lab)
-    runs, verdicts = evaluate_record(lab, rec)
-    text = render_report(rec, runs, verdicts, plots=[], generated="now")
+    text = _report_text(lab)
     assert "The criteria changed after these runs were attached: shared, routed" in text
     assert ("- **Judgement (author's notes, not measured):**\n\n  > The gap is small; I would "
             "not drop the shared expert on this.\n") in text
@@ -562,14 +567,21 @@ def test_charts_use_a_log_axis_only_for_a_wide_range():
 
 
 def test_live_server_errors_name_the_fix(lab, tmp_path):
+    run = str(tmp_path / "runs" / "shared")
     with pytest.raises(FileNotFoundError, match="not a run folder or record id"):
-        make_server([str(tmp_path / "nope"), str(tmp_path)], port=0)
+        make_server([str(tmp_path / "nope"), run], port=0)
+    # a folder of runs (or any folder) would serve an empty page: its run folders are named
+    with pytest.raises(FileNotFoundError, match=r"runs: not a run folder \(no config.yaml or "
+                       r"metrics.jsonl.*\); the run folders in it: .*runs/killed, .*runs/routed"):
+        make_server([run, str(tmp_path / "runs")], port=0)
+    with pytest.raises(FileNotFoundError, match="give run folders"):
+        make_server([str(tmp_path / "lab")], port=0)
     with pytest.raises(ValueError, match="--refresh"):
-        make_server([str(tmp_path)], port=0, refresh_s=0)
-    busy = make_server([str(tmp_path)], port=0)
+        make_server([run], port=0, refresh_s=0)
+    busy = make_server([run], port=0)
     try:
         with pytest.raises(ValueError, match="--port 0 for any free one"):
-            make_server([str(tmp_path)], port=busy.server_address[1])
+            make_server([run], port=busy.server_address[1])
     finally:
         busy.server_close()
 
@@ -722,3 +734,74 @@ def test_show_keeps_the_runs_table_aligned_for_long_arm_names(lab, capsys):
     assert len(rows) == 6
     columns = {re.search(r" (finished|diverged|crashed|not started) ", r).start() for r in rows}
     assert len(columns) == 1, rows  # every status in one column
+
+
+# ---------------------------------------------------------------- writes from several commands
+
+
+def _slow_saves(monkeypatch, seconds: float = 0.3) -> None:
+    """Every record write waits first: a second command's read falls between another's read
+    and write, as when arms start at once."""
+    save = rec_mod.save
+
+    def slow(rec, path):
+        time.sleep(seconds)
+        save(rec, path)
+    monkeypatch.setattr(rec_mod, "save", slow)
+
+
+def _at_once(*jobs) -> None:
+    threads = [threading.Thread(target=job) for job in jobs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def test_attaches_and_new_records_at_once_lose_nothing(tmp_path, monkeypatch):
+    path, _ = rec_mod.new_record(tmp_path / "lab", "Race", "h", "g", ["train/loss last <= 2"])
+    _slow_saves(monkeypatch)
+    _at_once(*[lambda a=a: rec_mod.attach(path, tmp_path / "runs" / a, a) for a in "abc"])
+    assert sorted(r.arm for r in rec_mod.load(path).runs) == ["a", "b", "c"]
+    _at_once(*[lambda t=t: rec_mod.new_record(tmp_path / "lab", t, "h", "g",
+                                              ["train/loss last <= 2"]) for t in ("x", "y")])
+    assert sorted(r.title for _, r in rec_mod.list_records(tmp_path / "lab")) == [
+        "Race", "x", "y"]
+
+
+def test_a_report_keeps_a_run_attached_while_it_was_written(lab, monkeypatch):
+    import moelab.lab.report as report_mod
+
+    plot = report_mod.plot_charts
+
+    def plot_while_a_run_attaches(charts, out):  # `train --record` of another arm meanwhile
+        rec_mod.attach(lab, lab.parent.parent / "runs" / "meanwhile", "meanwhile")
+        return plot(charts, out)
+    monkeypatch.setattr(report_mod, "plot_charts", plot_while_a_run_attaches)
+    write_report(lab, rec_mod.load(lab), lab.parent / "report")
+    rec = rec_mod.load(lab)
+    assert "meanwhile" in [r.arm for r in rec.runs] and rec.report["verdicts"]
+
+
+def test_new_refuses_a_criterion_given_twice(tmp_path):
+    with pytest.raises(ValueError, match="the same as 'train/loss last <= 2.0' .*give each "
+                                         "criterion once"):
+        rec_mod.new_record(tmp_path, "t", "h", "g", ["train/loss last <= 2.0",
+                                                     "moe/drop_fraction max <= 1%",
+                                                     "train/loss <= 2"])
+    assert not list(tmp_path.iterdir())
+
+
+def test_verdicts_on_a_run_still_training_are_called_provisional(lab):
+    _write_run(lab.parent.parent / "runs" / "routed-2", arm_shift=0.0, stop_at=30, end="none")
+    rec_mod.attach(lab, lab.parent.parent / "runs" / "routed-2", "routed")
+    text = _report_text(lab)
+    assert "| shared, routed · routed-2 · **short run** · **running** |" in text
+    assert ("rest on runs still training (steps routed · routed-2: 30/40): provisional; report "
+            "again when they end.") in text
+
+
+def test_report_refuses_issue_without_publish(lab, capsys):
+    assert main(["lab", "report", "1", "--lab-dir", str(lab.parent), "--issue", "12"]) == 2
+    assert "--issue 12: only --publish posts to an issue" in capsys.readouterr().err
+    assert not (lab.parent / rec_mod.load(lab).id).exists()

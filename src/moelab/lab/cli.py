@@ -166,6 +166,8 @@ def attach_from_train(record: str, run_dir: Path, arm: str | None) -> None:
 def cmd_report(args) -> int:
     from moelab.lab.report import publish, write_report
 
+    require(args.publish or not args.issue, f"--issue {args.issue}", "only --publish posts "
+            "to an issue; add --publish, or leave --issue out to write the report only")
     path, rec = rec_mod.find(args.id, args.lab_dir)
     out = Path(args.out) if args.out else path.parent / rec.id
     require(not out.exists() or out.is_dir(), f"--out {out}", "a file is in the way; give a "

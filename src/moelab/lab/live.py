@@ -39,7 +39,20 @@ def run_sources(targets: list[str], lab: str | None = None
     if missing:
         raise FileNotFoundError(f"{missing[0]}: not a run folder or record id; give run folders "
                                 "(e.g. runs/tiny) or one record id")
+    for t in targets:  # a folder of runs, or any other, would serve an empty page
+        if not is_run_folder(Path(t)):
+            inside = sorted(str(p) for p in Path(t).iterdir() if is_run_folder(p))
+            raise FileNotFoundError(
+                f"{t}: not a run folder (no config.yaml or metrics.jsonl, which `moelab train` "
+                "writes first); " + (f"the run folders in it: {', '.join(inside[:8])}"
+                                     + (" ..." if len(inside) > 8 else "") if inside else
+                                     "give run folders (e.g. runs/tiny) or one record id"))
     return ", ".join(targets), lambda: [read_run(Path(t)) for t in targets]
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether ``path`` holds a run, or the start of one: what `moelab train` writes first."""
+    return path.is_dir() and any((path / f).is_file() for f in ("config.yaml", "metrics.jsonl"))
 
 
 def _json_safe(x):

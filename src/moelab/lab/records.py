@@ -12,6 +12,7 @@ it leaves the verdicts but stays on record, and attaching it again adds to the s
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import hashlib
 import os
@@ -201,6 +202,27 @@ def save(rec: Record, path: Path) -> None:
     atomic_write_text(path, render(rec))
 
 
+@contextlib.contextmanager
+def locked(directory: Path):
+    """Hold the lab folder's lock while a record is read, changed and written back: arms
+    trained at once (``moelab train --record`` each) attach to one record, and a report
+    writes its verdicts, without one write losing another's change, nor two ``lab new`` taking
+    one number. An advisory lock on the folder itself (no lock file to commit); where the
+    system has no POSIX locks, nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
 def record_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("[0-9]*.md")) if directory.is_dir() else []
 
@@ -269,15 +291,22 @@ def new_record(directory: Path, title: str, hypothesis: str, goal: str, criteria
     if min_steps < 0:
         raise ValueError("--min-steps: must be >= 0")
     canonical = tuple(str(parse_criterion(c)) for c in criteria)
-    # numbered after every record file, damaged ones too, so no id is given twice
-    numbers = [int(m.group(1)) for p in record_files(directory)
-               if (m := re.match(r"(\d+)", p.name))]
-    rec_id = f"{max(numbers, default=0) + 1:04d}-{slugify(title)}"
-    rec = Record(id=rec_id, title=title.strip(), hypothesis=hypothesis.strip(), goal=goal.strip(),
-                 criteria=canonical, min_steps=min_steps, created=now_utc(), issue=issue,
-                 notes=NOTES_TEMPLATE.format(title=title.strip()))
-    path = record_path(directory, rec_id)
-    save(rec, path)
+    for i, c in enumerate(canonical):  # the record keeps its verdicts by criterion
+        if c in canonical[:i]:
+            first = criteria[canonical.index(c)]
+            raise ValueError(f"criterion {criteria[i]!r}: the same as {first!r} (both read "
+                             f"{c!r}); give each criterion once")
+    with locked(directory):
+        # numbered after every record file, damaged ones too, so no id is given twice
+        numbers = [int(m.group(1)) for p in record_files(directory)
+                   if (m := re.match(r"(\d+)", p.name))]
+        rec_id = f"{max(numbers, default=0) + 1:04d}-{slugify(title)}"
+        rec = Record(id=rec_id, title=title.strip(), hypothesis=hypothesis.strip(),
+                     goal=goal.strip(), criteria=canonical, min_steps=min_steps,
+                     created=now_utc(), issue=issue,
+                     notes=NOTES_TEMPLATE.format(title=title.strip()))
+        path = record_path(directory, rec_id)
+        save(rec, path)
     return path, rec
 
 
@@ -303,6 +332,11 @@ def _with_run(rec: Record, i: int, ref: RunRef) -> Record:
 def attach(record_file: Path, run_dir: Path, arm: str | None = None) -> Record:
     """Attach a run folder (it may not exist yet) to the record; attaching again is a no-op,
     and attaching a detached run again clears its mark, adding the event to its history."""
+    with locked(record_file.parent):
+        return _attach(record_file, run_dir, arm)
+
+
+def _attach(record_file: Path, run_dir: Path, arm: str | None) -> Record:
     rec = load(record_file)
     i = _find_run(record_file, rec, run_dir)
     detached = i is not None and rec.runs[i].detached() is not None
@@ -334,6 +368,11 @@ def detach(record_file: Path, run_dir: Path, reason: str) -> Record:
     """Mark an attached run detached, with the reason and the time: it leaves the verdicts but
     stays in the record (and in every report), since a run that quietly disappeared from a
     pre-registered experiment could hide a failure."""
+    with locked(record_file.parent):
+        return _detach(record_file, run_dir, reason)
+
+
+def _detach(record_file: Path, run_dir: Path, reason: str) -> Record:
     rec = load(record_file)
     if not (reason or "").strip():
         raise ValueError(f"--reason: must not be empty; say why {run_dir} leaves {rec.id}, e.g. "

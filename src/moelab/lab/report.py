@@ -121,12 +121,14 @@ def _verdict_section(verdicts: list[tuple[Criterion, Verdict]], runs: list[RunDa
     """The verdicts table; ``early``: runs that trained before the record, ``changed``: arms
     attached before the criteria changed (not pre-registered for either)."""
     names = {arm: r.name for arm, r in newest_usable(runs).items()}
+    running = {r.arm for r in still_running(runs)}
     not_pre = _not_preregistered(early, list(changed))
     rows = []
     for i, (c, v) in enumerate(verdicts, 1):
         value = "–" if v.value is None else fmt_value(v.value, c.success.percent)
         basis = ", ".join(md_text(names.get(a, a)) for a in v.runs) + (" · **short run**"
                                                                         if v.short_run else "")
+        basis += " · **running**" if running & set(v.runs) else ""
         rows.append([str(i), code_span(c), f"{ICONS[v.status]} {v.label()}", value, basis or "–"])
     out = ["## Verdicts (measured)", "", "Each verdict applies a criterion fixed before the runs "
            "to the logged metrics." if not not_pre else "Each verdict applies a criterion of the "
@@ -136,6 +138,11 @@ def _verdict_section(verdicts: list[tuple[Criterion, Verdict]], runs: list[RunDa
     out += ["", "How each value was measured:", ""]
     out += [f"{i}. {md_text(v.detail)}" for i, (_, v) in enumerate(verdicts, 1)]
     return out
+
+
+def still_running(runs: list[RunData]) -> list[RunData]:
+    """The runs verdicts rest on that are still training: their verdicts may yet change."""
+    return [r for r in newest_usable(runs).values() if r.status == "running"]
 
 
 def _judgement(verdicts: list[tuple[Criterion, Verdict]], pre_registered: bool = True) -> str:
@@ -171,6 +178,11 @@ def _conclusions(rec: rec_mod.Record, verdicts, runs: list[RunData], early: list
         steps = ", ".join(f"{md_text(r.name)}: {r.last_step}" for r in short)
         out.append(f"- **Measured:** these verdicts rest on short runs (steps {steps}; the record "
                    f"asks for at least {rec.min_steps}). Read them as a pilot, not a result.")
+    if live := still_running(runs):
+        steps = ", ".join(f"{md_text(r.name)}: {r.last_step}/{r.planned_steps or '?'}"
+                          for r in live)
+        out.append(f"- **Measured:** these verdicts rest on runs still training (steps {steps}): "
+                   "provisional; report again when they end.")
     if early:
         out.append(f"- **Measured:** {', '.join(early)} started training before this record was "
                    "created: its criteria were written after, so for them they are not "
@@ -403,9 +415,11 @@ def write_report(record_file: Path, rec: rec_mod.Record, out_dir: Path
     report_file = out_dir / "report.md"
     atomic_write_text(report_file, render_report(rec, runs, verdicts, plots, generated))
     rel = os.path.relpath(report_file.resolve(), record_file.parent.resolve())
-    rec = dataclasses.replace(rec, report={"path": rel, "generated": generated,
-                                           "verdicts": {str(c): v.label() for c, v in verdicts}})
-    rec_mod.save(rec, record_file)
+    with rec_mod.locked(record_file.parent):  # as it is now: a run may have attached meanwhile
+        rec = dataclasses.replace(rec_mod.load(record_file), report={
+            "path": rel, "generated": generated,
+            "verdicts": {str(c): v.label() for c, v in verdicts}})
+        rec_mod.save(rec, record_file)
     return report_file, verdicts
 
 
