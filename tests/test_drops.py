@@ -58,7 +58,13 @@ def test_forecast_refuses_bad_lengths_and_fields(trained, capsys):
                          # named, not the option it stands for
                          (["parallel.waves=1", "--seq-len", "65536"], "--seq-len 65536: the "
                           "forecast's batch per rank is by default the run's"),
-                         (["model.d_model=8", "--seq-len", "64"], "only parallel.* fields")):
+                         (["model.d_model=8", "--seq-len", "64"], "only parallel.* fields"),
+                         # blocks that cannot cut a rank's tokens: refused before any routing
+                         (["parallel.fair_blocks=6", "--transport", "pooled_global",
+                           "--seq-len", "64", "--ranks", "2", "--tokens-per-rank", "128"],
+                          "parallel.fair_blocks=6: its 3 blocks per rank (of 2 expert-parallel "
+                          "ranks) must divide the 128 tokens a rank holds in a micro-step "
+                          "(--tokens-per-rank 128); nearest valid: 4 or 8")):
         rc = main(["drops", str(trained), *argv])
         err = capsys.readouterr().err
         assert rc == 2 and phrase in err, err

@@ -124,12 +124,13 @@ def test_plan_notes_rungs_that_warm_up_too_briefly():
         if not n_short:
             assert warmup_note(rungs) is None and last.startswith("ladder cost")
             continue
-        assert last == warmup_note(rungs)
+        assert last == warmup_note(rungs, target.schedule_steps)
         names = ", ".join(r.name for r in short)
         assert last.startswith(f"note: {n_short} rung(s) ({names}) warm up over") and "-s1" not in last
         assert "= 20" in last and "optim.warmup_steps" in last
         need = math.ceil(100 * 20 / min(r.cfg.train.steps for r in short))
-        assert f"{need}% of the target's steps" in last
+        # the value to give, not a percentage to convert into the field's steps
+        assert f"optim.warmup_steps={20 * need} ({need}% of the target's steps;" in last
         # the fraction it names is enough: re-planned with it, no rung is short
         fixed = load_config("tiny", base + [f"optim.warmup_steps={20 * need}"])
         assert warmup_note(plan_ladder(fixed.with_frozen_schedule(), rule)) is None
@@ -187,6 +188,36 @@ def test_plan_errors_name_the_field():
         plan_ladder(target, LadderRule(spacing=1.0))
     with pytest.raises(ConfigError, match="land on the same width"):
         plan_ladder(load_config("tiny"), LadderRule(rungs=6, top_share=0.5, spacing=1.2))
+    # a rung wider than the target costs more than it: left out by no cap the user set
+    with pytest.raises(ConfigError, match=re.escape(
+            "ladder.widths: rungs costing more than the target itself are left out (each its "
+            "cost against the target's: d160 3x), which leaves 2 run(s) of 2 width(s), and a "
+            "fit needs at least 3 runs of 2 widths: give widths (and depths) below the "
+            "target's (d_model=128, n_layers=4)")):
+        plan_ladder(load_config("tiny"), LadderRule(rungs=3, widths=(32, 64, 160)))
+
+
+def test_plan_prints_a_small_tokens_per_parameter_ratio_in_significant_digits():
+    target = load_config("tiny", ["data.batch_size=4", "data.seq_len=24"])
+    rule = LadderRule(rungs=3, widths=(32, 64, 96))
+    text = format_ladder_plan("tiny", target, plan_ladder(target, rule))
+    assert "tokens per active parameter 0.0437" in text and "target's 0.0437 x" in text
+
+
+def test_plan_refuses_fair_blocks_the_target_or_rungs_cannot_cut():
+    """pooled_global's fair_blocks must cut each rank's tokens: refused when the ladder is
+    planned, naming the rungs' --batch-size where it is theirs, not when a rung starts."""
+    ep = ["parallel.devices=2", "parallel.expert=2", "parallel.transport=pooled_global"]
+    rule = LadderRule(rungs=3, widths=(32, 64, 96), depths=(1, 2, 2))
+    target = load_config("tiny", [*ep, "data.seq_len=24", "data.batch_size=4",
+                                  "parallel.fair_blocks=32"])  # 16 blocks of 48 tokens: fit
+    assert len(plan_ladder(target, rule)) == 3
+    with pytest.raises(ConfigError, match=r"^ladder rungs at --batch-size 6: parallel\."
+                       r"fair_blocks=32: .* the 72 tokens .* nearest valid: 24 or 36"):
+        plan_ladder(target, dataclasses.replace(rule, batch_size=6))
+    with pytest.raises(ConfigError, match=r"^parallel\.fair_blocks=10: .* the 48 tokens"):
+        plan_ladder(dataclasses.replace(target, parallel=dataclasses.replace(
+            target.parallel, fair_blocks=10)), rule)
 
 
 # ---------------------------------------------------------------------------------------------

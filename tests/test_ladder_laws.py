@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from moelab.config import ConfigError
-from moelab.ladder.choose import budget_groups, choose, folds, make_data
+from moelab.ladder.choose import budget_groups, choose, conformal_scale, folds, make_data
 from moelab.ladder.plan import LadderRule, plan_ladder
 from moelab.ladder.powerlaw import fit_law, make_law
 from test_ladder import micro_target
@@ -120,6 +120,15 @@ def test_a_member_degenerate_on_refit_is_set_aside_and_named(monkeypatch):
                              f"{names[1]}"]
     logs = [np.log(real(m.candidate, d.X, d.y, d.compute).predict(X)) for m in re.members]
     assert re.predict(X, C)["mid"] == pytest.approx(np.exp(np.mean(logs, 0)), rel=1e-6)
+    # its band is calibrated on the validation errors of the ensemble that predicts (the two
+    # members kept), not on those of the three the held-out loss chose
+    fs = folds(d)
+    kept = [m for m in ch.members if m.candidate.name != names[1]]
+    res = np.concatenate([np.mean([m.fold_logpreds[i] for m in kept], 0) - np.log(d.y[t])
+                          for i, (_, t, _) in enumerate(fs)])
+    want = conformal_scale(res, ch.leverages, ch.level)
+    assert want != pytest.approx(ch.scale) and re.scale == pytest.approx(want, rel=1e-9)
+    assert re.refit(d).scale == pytest.approx(want, rel=1e-9)  # a refit of the refit keeps it
     bad.update(names)
     re = ch.refit(d)
     assert [m.candidate.name for m in re.members] == names[:1]

@@ -269,5 +269,40 @@ def test_a_trainer_stopped_from_outside_is_said_to_resume_not_to_have_failed(tmp
     assert rc == 1, err  # the rung did not finish
     said = out + err
     assert (f"{rung.name} was stopped by a signal this ladder did not send: {rung.name} at step "
-            f"7 of {rung.cfg.train.steps} (checkpoint saved); run this command again") in said
+            f"7 of {rung.cfg.train.steps} (checkpoint saved); run `moelab ladder run {lad.root} "
+            f"--rung {rung.name}` again to resume it") in said
     assert "FAILED" not in said and "last lines of its log" not in said
+
+
+def test_a_rung_held_by_another_process_names_the_command_to_rerun(tmp_path, capsys):
+    """A rung folder another live process trains is skipped, with the rerun spelled out."""
+    import os
+
+    from moelab.ladder.run import LOCK
+
+    lad = _ladder(tmp_path / "lad", finished=0)
+    rung = lad.rungs[1]
+    lad.run_dir(rung.name).mkdir(parents=True)
+    (lad.run_dir(rung.name) / LOCK).write_text(str(os.getpid()))  # a live process holds it
+    rc, out, err = run_main(["ladder", "run", str(lad.root), "--rung", rung.name, "--jobs", "2",
+                             "--poll", "0.01"], capsys)
+    assert rc == 1, err
+    assert (f"skipped: run `moelab ladder run {lad.root} --rung {rung.name} --jobs 2` again "
+            "when it is done") in out + err
+
+
+def test_a_ladder_run_that_finishes_every_rung_names_the_fit_next(tmp_path, capsys):
+    lad = _ladder(tmp_path / "lad", finished=4)
+    rc, out, err = run_main(["ladder", "run", str(lad.root)], capsys)
+    assert rc == 0, err
+    assert out.rstrip().endswith(f"every rung finished; next: moelab ladder fit {lad.root}")
+
+
+@pytest.mark.parametrize("command", ["guard", "forecast"])
+def test_guard_and_forecast_of_a_ladder_folder_name_its_runs(tmp_path, capsys, command):
+    """A ladder folder given where a run goes: said as such, with the runs it holds."""
+    lad = _ladder(tmp_path / "lad", finished=0)
+    rc, _, err = run_main(["ladder", command, str(lad.root)], capsys)
+    assert rc == 2 and (f"{lad.root} is a ladder folder; give one of its runs, e.g. its target "
+                        f"{lad.root / 'target'} (`moelab ladder run {lad.root} --target` "
+                        "trains it)") in err, err

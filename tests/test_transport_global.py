@@ -6,7 +6,9 @@ invariants (dense parity, determinism, collective counts, fairness) are in test_
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 from fractions import Fraction
 
 import jax
@@ -267,3 +269,57 @@ def test_simulated_drops_equal_the_sharded_run(kind):
     (real,) = forwards(group_mesh(4), expert, [cfg])
     assert real["dropped"] > 0
     assert simulate_drops(expert, E, cfg, 4) == real
+
+
+def _global_cfg(*over):
+    from moelab.config import load_config
+
+    return load_config("tiny", ["parallel.expert=2", "parallel.transport=pooled_global",
+                                "data.batch_size=4", "data.seq_len=24", *over])
+
+
+def test_fair_blocks_that_do_not_cut_a_rank_s_tokens_are_refused_before_training():
+    """fair_blocks 10 at EP 2: 5 blocks per rank cannot cut a rank's 48 tokens. The trace
+    refused it after start-up, without a value that would do; the config check names the
+    tokens, where they come from and the nearest valid values."""
+    check = transport.check_config
+    with pytest.raises(ConfigError, match=re.escape(
+            "parallel.fair_blocks=10: its 5 blocks per rank (of 2 expert-parallel ranks) must "
+            "divide the 48 tokens a rank holds in a micro-step (data.batch_size=4 x "
+            "data.seq_len=24 / parallel.devices=2); nearest valid: 8 or 12 (or 0")):
+        check(_global_cfg("parallel.devices=2", "parallel.fair_blocks=10"))
+    check(_global_cfg("parallel.devices=2", "parallel.fair_blocks=12"))
+    with pytest.raises(ConfigError, match=re.escape(  # micro-steps of 2 sequences
+            "24 tokens a rank holds in a micro-step (train.microbatch_tokens=48 / "
+            "parallel.devices=2); nearest valid: 8 or 12")):
+        check(_global_cfg("parallel.devices=2", "parallel.fair_blocks=10",
+                          "train.microbatch_tokens=48"))
+    with pytest.raises(ConfigError, match=re.escape(  # a context stage's own batch
+            "72 tokens a rank holds in a micro-step (a batch of 2 x "
+            "data.context_stages[0].seq_len=72 / parallel.devices=2); nearest valid: 24 or 36")):
+        check(_global_cfg("parallel.devices=2", "parallel.fair_blocks=32", "train.steps=10",
+                          "data.context_stages=[{step: 5, seq_len: 72, batch_size: 2}]"))
+    # parallel.devices=0: the devices seen at start-up, named as such; unknown (a plan): not
+    cfg = _global_cfg("parallel.devices=0", "parallel.fair_blocks=10")
+    check(cfg)
+    with pytest.raises(ConfigError, match=re.escape("/ 4 visible devices (parallel.devices=0)")):
+        check(cfg, 4)
+    # another transport reads no fair_blocks
+    check(dataclasses.replace(cfg, parallel=dataclasses.replace(
+        cfg.parallel, devices=2, transport="pooled_wave")))
+
+
+def test_a_train_with_fair_blocks_that_do_not_fit_stops_before_anything_is_built(
+        tmp_path, data_dir, capsys):  # noqa: F811
+    from helpers import micro_dict, write_config_yaml
+    from test_cli import run_main
+
+    d = micro_dict(data_dir, data={"batch_size": 8}, parallel={
+        "devices": 0, "expert": 2, "transport": "pooled_global", "fair_blocks": 6})
+    run = tmp_path / "run"
+    rc, _, err = run_main(["train", str(write_config_yaml(tmp_path / "m.yaml", d)),
+                           "--run-dir", str(run)], capsys)
+    assert rc == 2 and ("parallel.fair_blocks=6: its 3 blocks per rank (of 2 expert-parallel "
+                        "ranks) must divide the 32 tokens") in err, err
+    assert "nearest valid: 4 or 8" in err
+    assert not (run / "metrics.jsonl").exists()

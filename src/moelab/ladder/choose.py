@@ -191,6 +191,9 @@ class Chosen:
     residuals: np.ndarray  # the ensemble's validation log errors, and their folds' leverage
     leverages: np.ndarray
     boot: BootFit | None = None  # the first member's bootstrap when scale is None
+    # each member's validation log errors [members, points]: their mean is ``residuals``, and
+    # a refit that sets members aside calibrates its band on the mean of those it keeps
+    member_residuals: np.ndarray | None = None
 
     def predict(self, X, compute, level: float | None = None) -> dict:
         X = np.atleast_2d(np.asarray(X, float))
@@ -217,11 +220,17 @@ class Chosen:
                         m.score, []) for m in self.members]
         for m in table:
             m.degenerate = m.fit.degenerate(d.y)
-        members = [m for m in table if not m.degenerate] or table[:1]
+        kept = [i for i, m in enumerate(table) if not m.degenerate] or [0]
+        members = [table[i] for i in kept]
         boot = (None if self.scale is not None else
                 bootstrap_member(members[0], d, len(self.boot.thetas)))
-        return Chosen(members, table, self.scale, np.log(d.compute), self.level,
-                      self.residuals, self.leverages, boot)
+        # the band of the ensemble that predicts: its kept members' validation errors
+        mres = None if self.member_residuals is None else self.member_residuals[kept]
+        res = self.residuals if mres is None else mres.mean(0)
+        scale = (self.scale if self.scale is None or mres is None else
+                 conformal_scale(res, self.leverages, self.level))
+        return Chosen(members, table, scale, np.log(d.compute), self.level, res,
+                      self.leverages, boot, mres)
 
     def warnings(self) -> list[str]:
         bad = [s for s in self.table if s.degenerate]
@@ -261,14 +270,12 @@ def choose(d: Data, level: float = 0.9, top_k: int = TOP_K, n_folds=N_FOLDS,
                       np.empty(0), boot)
     table = score_candidates(d, candidates, n_folds)
     members = [s for s in table if not s.degenerate][:top_k] or table[:1]
-    res, lev = [], []
-    for i, (_, test_m, fold_lev) in enumerate(fs):
-        ens = np.mean([m.fold_logpreds[i] for m in members], 0)
-        res.append(ens - np.log(d.y[test_m]))
-        lev.append(np.full(test_m.sum(), fold_lev))
-    res, lev = np.concatenate(res), np.concatenate(lev)
+    mres = np.array([np.concatenate([m.fold_logpreds[i] - np.log(d.y[test_m])
+                                     for i, (_, test_m, _) in enumerate(fs)]) for m in members])
+    lev = np.concatenate([np.full(test_m.sum(), fold_lev) for _, test_m, fold_lev in fs])
+    res = mres.mean(0)  # the ensemble's (geometric mean) log errors
     return Chosen(members, table, conformal_scale(res, lev, level), np.log(d.compute), level,
-                  res, lev)
+                  res, lev, None, mres)
 
 
 def bootstrap_member(s: Scored, d: Data, n_boot: int, seed: int = 0) -> BootFit:

@@ -84,7 +84,11 @@ def cmd_run(args) -> int:
                         guard=guard, poll_s=args.poll)
     for name, s in status.items():
         print(f"{name:<24} {s}")
-    return 1 if any(s.startswith("failed") for s in status.values()) else 0
+    if any(s.startswith("failed") for s in status.values()):
+        return 1
+    if not args.target and not args.rung:  # every rung finished: what comes next
+        print(f"every rung finished; next: moelab ladder fit {lad.root}")
+    return 0
 
 
 def check_fit_options(args) -> None:

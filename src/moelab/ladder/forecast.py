@@ -48,7 +48,7 @@ import numpy as np
 from moelab.config import RunConfig
 from moelab.ladder.fit import LOSS_KEYS, MIN_PROGRESS, final_value
 from moelab.ladder.guard import prediction_mismatch
-from moelab.ladder.observe import EVAL_LOSS, bin_stats, run_records, series
+from moelab.ladder.observe import EVAL_LOSS, bin_stats, require_log, run_records, series
 from moelab.ladder.powerlaw import bootstrap, percentile_band
 from moelab.ladder.schedule_law import RunSchedule, ScheduleFit, fit_run_law
 
@@ -141,10 +141,7 @@ def load_inputs(run_dir: Path | str, ladder: Path | str | None = None
     from moelab.ladder.guard import load_prediction
 
     run_dir = Path(run_dir)
-    if not (run_dir / "metrics.jsonl").is_file():
-        raise FileNotFoundError(f"{run_dir / 'metrics.jsonl'}: not found; RUN must be a run "
-                                "folder that `moelab train` (or `moelab ladder run --target`) "
-                                "has logged to")
+    require_log(run_dir)
     cfg = load_run_config(run_dir)
     path = prediction_file(run_dir, ladder)
     pred = load_prediction(path)

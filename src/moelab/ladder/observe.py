@@ -43,11 +43,23 @@ def _finite(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def run_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+def require_log(run_dir: Path) -> Path:
+    """RUN/metrics.jsonl, or FileNotFoundError saying what RUN should be (a ladder folder given
+    for a run is named as such, with its runs)."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no metrics log; is {run_dir} a moelab run folder?")
-    return read_metrics(path)
+    if path.is_file():
+        return path
+    if (Path(run_dir) / "ladder.json").is_file():
+        raise FileNotFoundError(
+            f"{path}: not found: {run_dir} is a ladder folder; give one of its runs, e.g. "
+            f"its target {Path(run_dir) / 'target'} (`moelab ladder run {run_dir} --target` "
+            "trains it) or a rung under its rungs/")
+    raise FileNotFoundError(f"{path}: not found; RUN must be a run folder that `moelab "
+                            "train` (or `moelab ladder run --target`) has logged to")
+
+
+def run_records(run_dir: Path) -> tuple[list[dict], list[dict]]:
+    return read_metrics(require_log(run_dir))
 
 
 def binned(steps: np.ndarray, values: np.ndarray, total: int, bins: int,

@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass, field
 
 from moelab.config import ConfigError, ModelConfig, RunConfig
+from moelab.parallel.transport import check_config
 from moelab.planner.counts import param_counts, run_tokens, train_flops_per_token
 
 MIN_RUNS = 3  # finished rung runs a ladder fit needs (a plan with fewer could never be fit)
@@ -292,9 +293,23 @@ def replicate_name(base: str, r: int) -> str:
     return base if r == 0 else f"{base}-s{r}"
 
 
+def _check_transport(target: RunConfig, rule: LadderRule) -> None:
+    """The transport checks of the target and of its rungs (their batch, no context stages,
+    the same parallel config), before a plan: not when a rung or the target starts training."""
+    check_config(target)
+    if rule.batch_size:
+        data = dataclasses.replace(target.data, batch_size=rule.batch_size, context_stages=[],
+                                   mixture_schedule=[])
+        try:
+            check_config(dataclasses.replace(target, data=data).validate())
+        except ConfigError as e:
+            raise ConfigError(f"ladder rungs at --batch-size {rule.batch_size}: {e}") from None
+
+
 def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung]:
     """The rungs, smallest first, each with its stats and its FLOPs share of the target."""
     rule.validate()
+    _check_transport(target, rule)
     widths = list(rule.widths) or _search_widths(target, rule)
     depths = list(rule.depths) or [_depth(target.model, d, rule) for d in widths]
     t = run_stats(target)
@@ -314,6 +329,14 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
             rep = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=seed))
             rungs.append(Rung(replicate_name(base, r), rep, {**stats, "replicate": r}))
     left = {r.stats["params_active"] for r in rungs}
+    if (len(rungs) < MIN_RUNS or len(left) < 2) and over and rule.max_run_share >= 1:
+        raise ConfigError(  # not a cap the user set: rungs that cost more than the target
+            "ladder.widths: rungs costing more than the target itself are left out (each "
+            f"its cost against the target's: {', '.join(over)}), which leaves {len(rungs)} "
+            f"run(s) of {len(left)} width(s), and a fit needs at least {MIN_RUNS} runs of 2 "
+            "widths: give widths "
+            f"(and depths) below the target's (d_model={target.model.d_model}, "
+            f"n_layers={target.model.n_layers})")
     if len(rungs) < MIN_RUNS or len(left) < 2:
         raise ConfigError(
             f"ladder.max_run_share: {rule.max_run_share:g} of the target's FLOPs leaves "
@@ -355,8 +378,8 @@ def format_ladder_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -
     per_active = t["tokens"] / t["params_active"]
     lines.append(f"ladder cost: {100 * share:.3f}% of the target's training FLOPs "
                  f"({sum(r.stats['flops'] for r in rungs):.3g} of {t['flops']:.3g}); "
-                 f"tokens per active parameter {per_active:,.1f}")
-    notes = [min_steps_note(rungs, per_active), warmup_note(rungs)]
+                 f"tokens per active parameter {_ratio(per_active)}")
+    notes = [min_steps_note(rungs, per_active), warmup_note(rungs, target.schedule_steps)]
     return "\n".join(lines + [n for n in notes if n])
 
 
@@ -369,17 +392,17 @@ def min_steps_note(rungs: list[Rung], per_active: float) -> str | None:
     ratios = ", ".join(f"{r.stats['tokens'] / r.stats['params_active']:.3g}" for r in raised)
     return (f"note: {len(raised)} rung(s) ({', '.join(r.name for r in raised)}) train the "
             f"minimum of {raised[0].cfg.train.steps} steps, more than their tokens per active "
-            f"parameter ask ({ratios} against the target's {per_active:,.1f} x their "
+            f"parameter ask ({ratios} against the target's {_ratio(per_active)} x their "
             "multiplier): the fit sees them where they are; a smaller --batch-size or a target "
             "that trains longer gives them their ratio")
 
 
-def warmup_note(rungs: list[Rung]) -> str | None:
+def warmup_note(rungs: list[Rung], schedule_steps: int = 0) -> str | None:
     """A note naming the rungs whose warmup is shorter than Adam's second-moment horizon
     1 / (1 - b2) steps: their first full-LR steps use unsettled moment estimates, and the end
     loss then varies with the seed (1.1% seed sd at 4 warmup steps, 0.4% at 40, measured in
     examples/lab/0003-ladder-design-1-warmup-10-one-lr.md). None when every rung warms up long
-    enough."""
+    enough. ``schedule_steps``: the target's schedule, to name the warmup that would do."""
     short = [r for r in rungs if r.stats["replicate"] == 0
              and r.cfg.optim.warmup_steps < 1 / (1 - r.cfg.optim.b2)]
     if not short:
@@ -387,7 +410,10 @@ def warmup_note(rungs: list[Rung]) -> str | None:
     horizon = 1 / (1 - short[0].cfg.optim.b2)
     steps = sorted({r.cfg.optim.warmup_steps for r in short})
     need = math.ceil(100 * horizon / min(r.cfg.train.steps for r in short))  # % that would do
-    fix = (f"{need}% of the target's steps as warmup (optim.warmup_steps; rungs keep the "
+    fix = (f"optim.warmup_steps={math.ceil(need / 100 * schedule_steps)} ({need}% of the "
+           f"target's steps; rungs keep the fraction) gives every rung {horizon:.0f}"
+           if need <= 50 and schedule_steps else
+           f"{need}% of the target's steps as warmup (optim.warmup_steps; rungs keep the "
            f"fraction) gives every rung {horizon:.0f}" if need <= 50 else
            f"the shortest would need {need}% of its steps: plan longer rungs (a larger "
            "--top-share or token multiplier)")
@@ -395,6 +421,11 @@ def warmup_note(rungs: list[Rung]) -> str | None:
             f"{steps[0]}" + (f"-{steps[-1]}" if len(steps) > 1 else "") + " step(s), fewer than "
             f"Adam's second-moment horizon 1 / (1 - b2) = {horizon:.0f}; their losses carry more "
             f"seed noise; {fix}")
+
+
+def _ratio(x: float) -> str:
+    """Tokens per parameter to one decimal, or 3 significant digits below 1 (not 0.0)."""
+    return f"{x:,.1f}" if x >= 1 else f"{x:.3g}"
 
 
 def _si(x: float) -> str:

@@ -119,17 +119,16 @@ def run_ladder(lad: Ladder, jobs: int = 1, names: list[str] | None = None,
             say(f"ladder: {item[0]} already finished ({item[2]})")
         else:
             pending.append(item)
+    again = again_command(lad, jobs, names, target, guard is not None)
     try:
-        _run_pool(pending, jobs, status, None, poll_s, say)
+        _run_pool(pending, jobs, status, None, poll_s, say, again)
         if target:
             if any(v.startswith("failed") for v in status.values()):
                 say("ladder: not starting the target: a rung failed")
             else:
-                _run_target(lad, status, guard, poll_s, say)
+                _run_target(lad, status, guard, poll_s, say, again)
     except KeyboardInterrupt as e:  # the trainers have stopped (_run_pool): say how to go on
-        raise type(e)(f"{str(e) or 'ladder stopped'}; run `"
-                      f"{again_command(lad, jobs, names, target, guard is not None)}` again to "
-                      "continue") from None
+        raise type(e)(f"{str(e) or 'ladder stopped'}; run `{again}` again to continue") from None
     return status
 
 
@@ -143,7 +142,7 @@ def again_command(lad: Ladder, jobs: int, names: list[str] | None, target: bool,
                        *(["--target"] if target else []), *(["--guard"] if guard else [])])
 
 
-def _run_target(lad: Ladder, status: dict, guard, poll_s: float, say) -> None:
+def _run_target(lad: Ladder, status: dict, guard, poll_s: float, say, again: str) -> None:
     steps = lad.target.train.steps
     run_dir = lad.target_dir
     if is_finished(run_dir, steps):
@@ -166,7 +165,7 @@ def _run_target(lad: Ladder, status: dict, guard, poll_s: float, say) -> None:
             "checks only grad_norm_max and nonfinite, no band; `moelab ladder fit "
             f"{lad.root}` gives it one, which the guard reads from its next check on")
     _run_pool([("target", lad.config_path("target"), run_dir, steps)], 1, status, guard,
-              poll_s, say)
+              poll_s, say, again)
 
 
 def _left_out_of_fit(lad: Ladder) -> list[str]:
@@ -220,12 +219,15 @@ def _stop(running: list[_Job], say) -> list[str]:
     return [_stopped_at(job) for job in running]
 
 
-def _run_pool(items: list, jobs: int, status: dict, guard, poll_s: float, say) -> None:
+def _run_pool(items: list, jobs: int, status: dict, guard, poll_s: float, say,
+              again: str) -> None:
     """Run ``items`` ``jobs`` at a time; on Ctrl-C or SIGTERM, stop the trainers first (no
-    orphan keeps training or holds a folder) and raise again, saying where they stopped."""
+    orphan keeps training or holds a folder) and raise again, saying where they stopped.
+    ``again`` is the command that continues the ladder (`again_command`), named where a
+    trainer ends unfinished."""
     running: list[_Job] = []
     try:
-        _pool_loop(list(items), running, jobs, status, guard, poll_s, say)
+        _pool_loop(list(items), running, jobs, status, guard, poll_s, say, again)
     except KeyboardInterrupt as e:
         where = "; ".join(_stop(running, say)) or "no rung was training"
         sig = e.signal_name if isinstance(e, Terminated) else "SIGINT"
@@ -238,7 +240,7 @@ def _run_pool(items: list, jobs: int, status: dict, guard, poll_s: float, say) -
 
 
 def _pool_loop(queue: list, running: list[_Job], jobs: int, status: dict, guard, poll_s: float,
-               say) -> None:
+               say, again: str) -> None:
     t0 = time.time()
     while queue or running:
         while queue and len(running) < jobs:
@@ -252,7 +254,7 @@ def _pool_loop(queue: list, running: list[_Job], jobs: int, status: dict, guard,
                 if not claim(run_dir):
                     status[name] = "failed (another process is training it)"
                     say(f"ladder: {name} is being trained by another process "
-                        f"({run_dir / LOCK}); skipped: run this command again when it is done")
+                        f"({run_dir / LOCK}); skipped: run `{again}` again when it is done")
                     continue
                 say(f"ladder: starting {name} ({steps} steps) -> {run_dir}/train.log")
                 _start(name, config, run_dir, steps, running)
@@ -274,7 +276,7 @@ def _pool_loop(queue: list, running: list[_Job], jobs: int, status: dict, guard,
             elif rc in STOPPED:  # stopped from outside (kill, a scheduler): it saved first
                 status[job.name] = f"failed (rc {rc}: stopped by a signal)"
                 say(f"ladder: {job.name} was stopped by a signal this ladder did not send: "
-                    f"{_stopped_at(job)}; run this command again to resume it")
+                    f"{_stopped_at(job)}; run `{again}` again to resume it")
             else:
                 status[job.name] = f"failed (rc {rc})"
                 say(f"ladder: {job.name} FAILED (exit {rc}); last lines of its log:\n"

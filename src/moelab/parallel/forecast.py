@@ -122,6 +122,10 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
             require(tokens_per_rank % L == 0, f"--seq-len {L}", "the forecast's batch per rank "
                     f"is by default the run's {tokens_per_rank:,} tokens per device, not a "
                     f"multiple of {L}: give --tokens-per-rank N, a multiple of every --seq-len")
+    for par in pars.values():  # a transport's rule on a rank's tokens, before any routing
+        get(par.transport).check_tokens(par, tokens_per_rank, (
+            f"--tokens-per-rank {tokens_per_rank}" if per_rank_given else "by default the "
+            "run's tokens per device; --tokens-per-rank N gives another"))
     spans, picked, rest = heldout_batches(cfg, span, ranks, tokens_per_rank, batches, seed)
     route = routing_fn(cfg)
     if place:

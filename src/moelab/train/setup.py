@@ -332,7 +332,7 @@ def _resolved(cfg: RunConfig, run_dir: Path, recorded: dict,
     anything is built, from the config and what the data folder holds now."""
     _check_resume_data(cfg, run_dir, recorded, accept)
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
-    cfg = transport.check_config(resolve_run_config(cfg, run_dir))
+    cfg = transport.check_config(resolve_run_config(cfg, run_dir), len(jax.devices()))
     transport.check_backend(cfg.parallel, jax.default_backend())
     check_device_count(cfg, jax.devices())
     # said, and kept in the resume event

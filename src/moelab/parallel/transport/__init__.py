@@ -40,7 +40,7 @@ DROPLESS = "ragged"  # what runs where nothing may drop: evaluation, and EP 1
 
 __all__ = ["DROPLESS", "TRANSPORTS", "BufferRows", "DropCounts", "Transport", "check_backend",
            "check_config", "drop_fractions", "drop_totals", "get", "make_transport_fn",
-           "training_transport", "unread_fields"]
+           "rank_tokens", "training_transport", "unread_fields"]
 
 
 def get(name: str) -> Transport:
@@ -56,10 +56,12 @@ def training_transport(par: ParallelConfig) -> str:
     return par.transport if par.expert > 1 else DROPLESS
 
 
-def check_config(cfg: RunConfig) -> RunConfig:
+def check_config(cfg: RunConfig, devices: int = 0) -> RunConfig:
     """The checks of the transports a run uses (the training one and the dropless one that
     evaluates), with errors naming the ``parallel.*`` field; the configured transport's own
-    checks (e.g. waves dividing the local experts) do not apply at EP 1, where it never runs."""
+    checks (e.g. waves dividing the local experts) do not apply at EP 1, where it never runs.
+    Where the devices are known (``parallel.devices``, else ``devices``: those visible), also
+    the tokens each rank holds in a micro-step of every data segment (``rank_tokens``)."""
     par = cfg.parallel
     get(par.transport)
     for f in STAGE_CAPACITY:  # the run's factors (a context stage's: config.data checks them)
@@ -68,7 +70,26 @@ def check_config(cfg: RunConfig) -> RunConfig:
                          "already keeps every row)")
     for name in dict.fromkeys((training_transport(par), DROPLESS)):
         TRANSPORTS[name].check(par, cfg.model.n_experts // par.expert)
+    for tokens, where in rank_tokens(cfg, par.devices or devices):
+        TRANSPORTS[training_transport(par)].check_tokens(par, tokens, where)
     return cfg
+
+
+def rank_tokens(cfg: RunConfig, devices: int) -> list[tuple[int, str]]:
+    """(tokens one device holds in a micro-step, how they come about) for each data segment
+    (context stages included) on ``devices`` devices; none where that is 0 (not known yet)."""
+    out = []
+    for seg in cfg.data.segments() if devices else []:
+        seqs = cfg.train.microbatch_tokens // seg.seq_len or seg.batch_size
+        given = (f"train.microbatch_tokens={cfg.train.microbatch_tokens}"
+                 if cfg.train.microbatch_tokens else
+                 f"data.batch_size={seqs} x data.seq_len={seg.seq_len}"
+                 if seg.seq_len_field == "data.seq_len" else
+                 f"a batch of {seqs} x {seg.seq_len_field}={seg.seq_len}")
+        over = (f"parallel.devices={devices}" if cfg.parallel.devices else
+                f"{devices} visible devices (parallel.devices=0)")
+        out.append((seqs * seg.seq_len // devices, f"{given} / {over}"))
+    return out
 
 
 def unread_fields(cfg: RunConfig, given) -> list[str]:

@@ -50,7 +50,9 @@ class Transport:
     group: ``group(par, n_local)``, how many consecutive experts share one capacity limit (a
       rank's send pool by default): what an expert placement groups (``moelab.parallel.placement``);
     takes_kernel: whether ``run`` also takes ``kernel``, the grouped expert compute (kernel,
-      block rows) of its receive buffer; fixed-layout transports compute without one."""
+      block rows) of its receive buffer; fixed-layout transports compute without one;
+    check_tokens: ``check_tokens(par, tokens, where)`` raises ConfigError when one rank's
+      micro-step of ``tokens`` tokens (``where`` says how they come about) cannot run."""
 
     name: str
     run: Callable
@@ -59,6 +61,7 @@ class Transport:
     check: Callable[[ParallelConfig, int], None] = lambda par, n_local: None
     group: Callable[[ParallelConfig, int], int] = lambda par, n_local: n_local
     takes_kernel: bool = False
+    check_tokens: Callable[[ParallelConfig, int, str], None] = lambda par, tokens, where: None
 
     def runner(self, kernel: tuple[str, int]) -> Callable:
         """``run`` with ``kernel`` bound when it takes one."""

@@ -31,10 +31,12 @@ all_to_alls, like pooled_wave. Memory: a wave keeps only its bank input and the 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from moelab.config import ParallelConfig
+from moelab.config import ConfigError, ParallelConfig
 from moelab.model.axes import EXPERT
 from moelab.model.dispatch import gather_rows, invert, rank_in_group, token_of, weighted_routes
 from moelab.model.experts import DropCounts, GroupLayout, counts_layout, sorted_swiglu
@@ -64,6 +66,32 @@ def check(par: ParallelConfig, n_local: int) -> None:
     require_parallel(B >= 0 and (B == 0 or B % par.expert == 0), "fair_blocks",
                      f"{B} must be 0 (one block per rank) or a multiple of "
                      f"parallel.expert={par.expert}")
+
+
+def fair_blocks_problem(par: ParallelConfig, ranks: int, tokens: int,
+                        where: str = "") -> str | None:
+    """Why ``parallel.fair_blocks`` cannot cut the ``tokens`` one of ``ranks`` ranks holds in
+    a micro-step (``where``: how they come about) into its blocks (the blocks per rank must
+    divide them), naming the nearest values that can; None when it can."""
+    B = par.fair_blocks or ranks
+    if B % ranks == 0 and tokens % (B // ranks) == 0:
+        return None
+    small = [d for d in range(1, math.isqrt(tokens) + 1) if tokens % d == 0]
+    fits = sorted({ranks * d for x in small for d in (x, tokens // x)})
+    near = sorted({max((f for f in fits if f < B), default=fits[0]),
+                   min((f for f in fits if f > B), default=fits[-1])})
+    return (f"parallel.fair_blocks={par.fair_blocks}: its {B / ranks:g} blocks per rank (of "
+            f"{ranks} expert-parallel ranks) must divide the {tokens} tokens a rank holds in a "
+            f"micro-step{f' ({where})' if where else ''}; nearest valid: "
+            f"{' or '.join(map(str, near))} (or 0: one block per rank)")
+
+
+def check_tokens(par: ParallelConfig, tokens: int, where: str) -> None:
+    """``fair_blocks`` against the tokens of one rank's micro-step (``where``: how they come
+    about), before a run starts: the trace would refuse it only after start-up."""
+    problem = fair_blocks_problem(par, par.expert, tokens, where)
+    if problem:
+        raise ConfigError(problem)
 
 
 def bank_rows(par: ParallelConfig, A: int, E_l: int) -> int:
@@ -148,11 +176,11 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
     S = jax.lax.axis_size(axis)
     E, E_l, W = n_experts, n_experts // S, par.waves
     check(par, E_l)
+    problem = fair_blocks_problem(par, S, T)  # refused before training: check_tokens
+    if problem:
+        raise ValueError(problem)
     B = par.fair_blocks or S
     b_l = B // S
-    if B % S or T % b_l:
-        raise ValueError(f"parallel.fair_blocks={B}: must be a multiple of the {S} ranks, "
-                         f"and the {b_l} blocks per rank must divide the {T} tokens of a rank")
     P = capacity(par.global_sender_cf, A, S * W)
     me = jax.lax.axis_index(axis)
 
@@ -206,5 +234,5 @@ def pooled_global(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: P
 
 TRANSPORT = Transport("pooled_global", pooled_global, rows,
                       ("global_sender_cf", "receiver_cf", "waves", "budget_group", "fair_blocks"),
-                      check,
-                      group=lambda par, n_local: par.budget_group, takes_kernel=True)
+                      check, group=lambda par, n_local: par.budget_group, takes_kernel=True,
+                      check_tokens=check_tokens)
