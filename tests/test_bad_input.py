@@ -110,7 +110,10 @@ def _identity_runs(d, data) -> None:
         return out
 
     run("edited", changed("model", d_model=64))
-    run("rebuilt", prov={"corpus_fingerprint": "0" * 16, "tokenizer_sha256": "1" * 64})
+    from moelab.data.tokenizer import load_tokenizer, tokenizer_sha256
+
+    own = tokenizer_sha256(load_tokenizer(data / "tokenizer-512.json"))
+    run("rebuilt", prov={"corpus_fingerprint": "0" * 16, "tokenizer_sha256": own})  # its corpus
     run("at30")
     run("nocfg", config=None)
     run("othertok", prov={"tokenizer_sha256": "1" * 64, "tokenizer_vocab": 512})
@@ -364,8 +367,9 @@ CASES = [
     (["ladder", "plan", "tiny", "--top-share", "2"], 2, "ladder.top_share"),
     (["ladder", "plan", "tiny", "--widths", "abc"], 2, "argument --widths"),
     (["ladder", "plan", "tiny", "--widths", "160,192,224", "--out", "{d}/lx"], 2,
-     "(left out, each its cost against the target's: d160 3x, d192 6.6x, d224 15x): give "
-     "smaller widths"),
+     "(each its cost against the target's: d160 3x, d192 6.6x, d224 15x), which leaves 0 "
+     "run(s) of 0 width(s), and a fit needs at least 3 runs of 2 widths: give widths (and "
+     "depths) below the target's (d_model=128, n_layers=4)"),
     (["ladder", "run", "{d}/nothing"], 2, "{d}/nothing"),
     (["ladder", "guard", "{d}/nothing"], 2, "{d}/nothing"),
     (["ladder", "guard", RUN, "--patience", "0"], 2, "--patience"),
@@ -476,14 +480,17 @@ RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
     (["generate", "{d}/smallvocab"], 2, "(512 tokens) here, a model of 300 tokens"),
     (["generate", "{d}/badcfg"], 2, "{d}/badcfg/config.yaml: invalid YAML: line 2"),
     (["export", "{d}/badcfg", "{d}/ex2", "--to", "hf"], 2, "{d}/badcfg/config.yaml: invalid YAML"),
-    # the data folder rebuilt with a tokenizer of another size: the data change first, then
-    # the size a resume cannot change (not a vocab_size to set)
+    # the data folder rebuilt with a tokenizer of another size: a tokenizer change, refused
+    # with --accept-data-change too (not a vocab_size to set)
     (["train", "{d}/vocab300/config.yaml", "--run-dir", "{d}/vocab300"], 2,
      "{d}/data300 is not what this run trained on: tokenizer sha256 "),
-    (["resume", "{d}/vocab300", "--accept-data-change"], 2, "{d}/data300/tokenizer.json: 300 "
-     "tokens, but the model of {d}/vocab300 has 512: a model's vocabulary cannot change on "
-     "resume; train this data in a new run (another --run-dir), or point data.tokenizer at "
-     "the run's own tokenizer ({d}/vocab300/tokenizer.json)"),
+    (["resume", "{d}/vocab300", "--accept-data-change"], 2, "The tokenizer cannot change, not "
+     "even with --accept-data-change: {d}/data300/tokenizer.json (300 tokens; the run's: 512) "
+     "would give the model's token ids other text. Tokenize this data with the run's own "
+     "tokenizer: data.tokenizer={d}/vocab300/tokenizer.json (`moelab resume {d}/vocab300 "
+     "data.tokenizer={d}/vocab300/tokenizer.json`); or train this data in a new run"),
+    (["branch", "{d}/vocab300", "--at", "30", "--cooldown", "1M", "--dry-run",
+      "--accept-data-change"], 2, "The tokenizer cannot change, not even with "),
     # a moved data folder: refused before the built-in corpus is built in its place
     (["resume", "{d}/moved"], 2, "data.data_dir={d}/movedaway: holds no corpus, so it is not "
      "the data {d}/moved trained on (recorded in {d}/movedaway); restore that folder, or "

@@ -292,6 +292,26 @@ def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
         with_tokenizer_vocab(load_config("tiny", [f"data.data_dir={out_dir}"]))
 
 
+def test_data_build_hint_fits_the_shortest_held_out_text(tmp_path, capsys):
+    """A corpus whose held-out text is shorter than the tiny preset's context: the printed
+    command sets a data.seq_len every domain can evaluate (tiny's 256 is refused at start)."""
+    from moelab.data.store import TokenStore
+
+    for name in ("a", "b"):
+        for i in range(3):
+            (tmp_path / "src" / name).mkdir(parents=True, exist_ok=True)
+            (tmp_path / "src" / name / f"{i}.txt").write_text(f"{name} text {i} " * (60 + i))
+    out_dir = tmp_path / "built"
+    rc, out, err = run_main(["data", "build", str(tmp_path / "src"), "--out", str(out_dir),
+                             "--vocab", "300", "--workers", "1"], capsys)
+    assert rc == 0, err
+    hint = next(line for line in out.splitlines() if line.startswith("train on it with:"))
+    cfg = load_config("tiny", hint.split("moelab train tiny ", 1)[1].split())
+    store = TokenStore(next(out_dir.glob("tokens-*")))
+    held = [store.n_tokens("heldout", d) for d in store.domains("heldout")]
+    assert min(held) < 257 and cfg.data.seq_len < min(held) <= 2 * cfg.data.seq_len, hint
+
+
 def test_data_build_with_nothing_usable_fails_clearly(tmp_path, capsys, monkeypatch):
     (tmp_path / "in").mkdir()
     (tmp_path / "in" / "empty.txt").write_text("")

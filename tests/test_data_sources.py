@@ -182,6 +182,31 @@ def test_missing_filesystem_package_and_bad_options(tmp_path, monkeypatch, capsy
         helpers.micro_config(tmp_path, data={"split": "train"})
 
 
+def test_an_unreachable_url_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """Without network hf:// (huggingface_hub) raised its HTTP client's ConnectError from the
+    existence check: a traceback and exit 1. Any filesystem's failure there is one line."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class ConnectError(Exception):  # as httpx's: not an OSError
+        pass
+
+    class Offline(MemoryFileSystem):
+        protocol = "offlinetest"
+
+        def exists(self, path, **kw):
+            raise ConnectError("Name or service not known")  # no network
+
+    monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "offlinetest", Offline)
+    for fmt in ("files", "hf-stream"):
+        rc = main(["data", "build", "offlinetest://owner/corpus", "--format", fmt,
+                   "--out", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert rc == 2 and err.count("\n") == 1, err
+        assert ("offlinetest://owner/corpus: cannot be reached (ConnectError: Name or "
+                "service not known); check the network") in err
+    assert not (tmp_path / "o").exists()
+
+
 # ---------------------------------------------------------------------------------------------
 # parallel tokenization
 

@@ -65,6 +65,7 @@ def test_a_rebuild_from_other_inputs_is_refused_and_force_retrains(tmp_path, cap
     _texts(b, "quince")
     rc, err = _build(capsys, str(b), "--out", str(out))
     assert rc == 0 and "the corpus changed" in err and "training a 300-token" in err
+    assert "resume one with its own: `moelab resume RUN data.tokenizer=RUN/tokenizer.json" in err
     third = sha256_file(tok)
     assert third != second
     rc, err = _build(capsys, str(b), "--out", str(out))  # unchanged: the tokenizer is kept
@@ -422,6 +423,21 @@ def test_a_failed_first_build_through_dotdot_leaves_no_folder(tmp_path, capsys, 
     _texts(tmp_path / "in", "fig")
     assert _build(capsys, "in", "--out", "x/../y/z")[0] == 0
     assert (tmp_path / "y" / "z" / "tokenizer.json").is_file() and not (tmp_path / "x").exists()
+
+
+def test_a_run_whose_source_fails_leaves_no_data_folder(tmp_path):
+    """A run building data.data_dir from data.source (unreachable, or nothing usable) left the
+    folder it made, holding only its lock file."""
+    from moelab.config import DataConfig
+    from moelab.data.prepare import prepare_data
+
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "empty.txt").write_text("")
+    for source in ("in", "absent"):
+        dcfg = DataConfig(data_dir=str(tmp_path / "x" / "d"), source=str(tmp_path / source))
+        with pytest.raises(DataError, match="no usable documents|not found"):
+            prepare_data(dcfg, 300, verbose=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["in"]
 
 
 def test_a_first_build_stopped_before_its_tokenizer_is_not_trained_on(tmp_path, capsys,

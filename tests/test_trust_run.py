@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -65,7 +66,8 @@ def test_an_older_run_resumes_from_its_own_folder_and_its_data_is_recorded(
     assert load_run_config(run).data.data_dir == str(data_dir)
 
 
-def test_a_data_change_is_refused_then_accepted_and_logged(run, data_dir, tmp_path):  # noqa: F811
+def test_a_data_change_is_refused_then_accepted_and_logged(run, data_dir, tmp_path,  # noqa: F811
+                                                           capsys):
     """The data folder rebuilt from other text (its corpus fingerprint changes): a resume names
     both fingerprints; --accept-data-change goes on, logs the change and records the new data."""
     other = shutil.copytree(data_dir, tmp_path / "other")
@@ -77,6 +79,8 @@ def test_a_data_change_is_refused_then_accepted_and_logged(run, data_dir, tmp_pa
     with pytest.raises(ConfigError, match=f"corpus fingerprint {was[:16]} recorded, ffffffff"):
         _setup(cfg, run)
     _setup(cfg, run, accept_data_change=True)
+    assert (f"data changed, accepted (--accept-data-change): corpus fingerprint {was[:16]} "
+            f"recorded, {'f' * 16} now\n") in capsys.readouterr().err  # not the raw record
     change = _events(run, "data_change")[-1]
     assert change["step"] == 30 and change["corpus_fingerprint"] == {"recorded": was,
                                                                      "now": "f" * 16}
@@ -149,23 +153,50 @@ def test_each_checkpoint_records_its_tokenizer_and_names_it_when_the_copy_is_gon
         load_run(run)
 
 
-def test_without_provenance_a_resume_compares_the_data_with_the_checkpoint_record(
-        run, data_dir, tmp_path):  # noqa: F811
-    """provenance.json deleted, the data folder's tokenizer replaced by another of the same
-    size: refused (the newest meta.json records the run's), and tokenizer.json kept."""
-    (run / "provenance.json").unlink()
-    other = shutil.copytree(data_dir, tmp_path / "other")
+def _swapped_tokenizer_copy(data_dir: Path, to: Path) -> Path:
+    """A copy of the data folder whose own tokenizer.json is the run's of the same size with
+    two ids swapped: another tokenizer that no size check tells apart."""
+    other = shutil.copytree(data_dir, to)
     tok = json.loads((other / "tokenizer-512.json").read_text())
     vocab = tok["model"]["vocab"]
     a, b = sorted(vocab, key=vocab.get)[300:302]
     vocab[a], vocab[b] = vocab[b], vocab[a]
     (other / "tokenizer.json").write_text(json.dumps(tok))
+    return other
+
+
+def test_without_provenance_a_resume_compares_the_data_with_the_checkpoint_record(
+        run, data_dir, tmp_path):  # noqa: F811
+    """provenance.json deleted, the data folder's tokenizer replaced by another of the same
+    size: refused (the newest meta.json records the run's), and tokenizer.json kept."""
+    (run / "provenance.json").unlink()
+    other = _swapped_tokenizer_copy(data_dir, tmp_path / "other")
     copy = (run / "tokenizer.json").read_bytes()
     cfg = recovered_config(run, [f"data.data_dir={other}"])
     with pytest.raises(ConfigError, match=r"tokenizer sha256 \w+ recorded, \w+ now \(the run's "
                                           r"record: the meta.json of step 30\)"):
         _setup(cfg, run)
     assert (run / "tokenizer.json").read_bytes() == copy
+
+
+def test_another_tokenizer_of_the_same_size_is_refused_even_when_the_change_is_accepted(
+        run, data_dir, tmp_path):  # noqa: F811
+    """The data folder rebuilt with a retrained tokenizer of the same size (two ids swapped):
+    --accept-data-change went on, training the model's ids on other text. Refused, naming the
+    file and the run's own tokenizer, with which (data.tokenizer) the change goes on."""
+    other = _swapped_tokenizer_copy(data_dir, tmp_path / "other")
+    cfg = recovered_config(run, [f"data.data_dir={other}"])
+    for accept in (False, True):
+        with pytest.raises(ConfigError) as e:
+            _setup(cfg, run, accept_data_change=accept)
+        assert (f"The tokenizer cannot change, not even with --accept-data-change: "
+                f"{other}/tokenizer.json (512 tokens; the run's: 512)") in str(e.value)
+        assert f"data.tokenizer={run}/tokenizer.json (`moelab resume {run} " in str(e.value)
+    assert not _events(run, "data_change")
+    own = recovered_config(run, [f"data.data_dir={other}", f"data.tokenizer={run}/tokenizer.json"])
+    _setup(own, run, accept_data_change=True)  # the corpus is the same: nothing to accept
+    assert read_provenance(run)["tokenizer_sha256"] == json.loads(
+        next(data_dir.glob("tokens-*/index.json")).read_text())["tokenizer_sha256"]
 
 
 def test_a_finished_run_resumed_says_so_and_adds_nothing(run, capsys):

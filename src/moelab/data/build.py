@@ -178,6 +178,9 @@ def discard_derived(out: Path, why: str, keep: Path | None = None) -> None:
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     if gone:
         info(f"{out}: {why}; removed {', '.join(p.name for p in gone)} (retrained below)")
+    if out / OWN_TOKENIZER in gone and keep is None:  # runs trained on it lose their tokenizer
+        info(f"note: runs trained on {out} refuse its new tokenizer; resume one with its own: "
+             "`moelab resume RUN data.tokenizer=RUN/tokenizer.json --accept-data-change`")
 
 
 def remove_stale_temps(out: Path) -> None:

@@ -84,12 +84,25 @@ def _build(args, out: Path, vocab: int, command: str) -> int:
                         on_tokenizer=(lambda tok: _write_own(own, tok)) if keep_own else None)
     print(f"corpus: {prep.corpus_dir}\ntokenizer: {prep.tokenizer_path}\n"
           f"token store: {prep.store_dir}")
-    for note in short_heldout_notes(TokenStore(prep.store_dir)):
+    store = TokenStore(prep.store_dir)
+    for note in short_heldout_notes(store):
         print(note)
     if keep_own:
         vocab = vocab_needed(load_tokenizer(own))
-        print(f"train on it with: moelab train tiny data.data_dir={out} model.vocab_size={vocab}")
+        print(f"train on it with: moelab train tiny data.data_dir={out} model.vocab_size={vocab}"
+              + _fitting_seq_len(store))
     return 0
+
+
+def _fitting_seq_len(store: TokenStore) -> str:
+    """`` data.seq_len=N`` (a power of two) when the tiny preset's context is longer than the
+    shortest domain's held-out text can evaluate (such a run is refused); else ""."""
+    from moelab.config import load_config
+
+    held = [store.n_tokens("heldout", d) for d in store.domains("heldout")]
+    if not held or min(held) > load_config("tiny").data.seq_len:
+        return ""
+    return f" data.seq_len={1 << max(0, (min(held) - 1).bit_length() - 1)}"
 
 
 def _write_own(own: Path, tok: Path) -> None:

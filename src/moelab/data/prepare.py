@@ -38,9 +38,11 @@ from moelab.data.build import (
     BUILTIN_OUT,
     OWN_TOKENIZER,
     check_finished,
+    first_missing,
     hold_reader,
     is_builtin_folder,
     lock_error,
+    remove_if_unused,
     take_data_lock,
 )
 from moelab.data.errors import DataError
@@ -173,8 +175,14 @@ def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,
     if not lock:
         return _prepare(dcfg, vocab_size, verbose, progress, workers, on_tokenizer)
     root = Path(dcfg.data_dir)
+    made = first_missing(root)  # the folders the lock makes: gone again if nothing is built
     with _preparation_lock(root, info if verbose else (lambda _msg: None)) as locked:
-        data = _prepare(dcfg, vocab_size, verbose, progress, workers, on_tokenizer)
+        try:
+            data = _prepare(dcfg, vocab_size, verbose, progress, workers, on_tokenizer)
+        except BaseException:
+            if made is not None:  # a source not found or unusable: no empty folder stays
+                remove_if_unused(root, made)
+            raise
         if hold is not None and locked:  # under the lock: no build slips in between
             hold.callback(hold_reader(root, _command()))
         return data
@@ -274,9 +282,9 @@ def tokenizer_path(dcfg: DataConfig, vocab_size: int) -> Path:
 
 
 def data_identity(dcfg: DataConfig, vocab_size: int) -> dict:
-    """The corpus fingerprint and tokenizer hash the data folder holds now, read without building
-    anything (so a changed folder is refused before any work); a part not built yet is left
-    out: ``prepare_data`` builds it, and the token store's record is compared then."""
+    """The corpus fingerprint and tokenizer hash (and file) the data folder holds now, read
+    without building anything (so a changed folder is refused before any work); a part not
+    built yet is left out: ``prepare_data`` builds it, and the token store's record is compared then."""
     out = {}
     corpus_dir = Path(dcfg.data_dir) / "corpus"
     if (corpus_dir / "manifest.json").is_file():
@@ -284,6 +292,7 @@ def data_identity(dcfg: DataConfig, vocab_size: int) -> dict:
     tok = tokenizer_path(dcfg, vocab_size)
     if tok.is_file():
         out["tokenizer_sha256"] = tokenizer.tokenizer_sha256(tokenizer.load_tokenizer(tok))
+        out["tokenizer_file"] = str(tok)  # named when it is not the run's
     return out
 
 

@@ -68,7 +68,13 @@ def resolve_input(path: Path | str) -> Input | None:
     if not is_url(path):
         return Path(path) if Path(path).exists() else None
     fs, inner = url_fs(str(path))
-    return RemoteFile(fs, inner) if fs.exists(inner) else None
+    try:
+        found = fs.exists(inner)
+    except Exception as e:  # noqa: BLE001 - each filesystem raises its own (httpx, botocore)
+        raise DataError(f"{path}: cannot be reached ({type(e).__name__}: {e}); check the "
+                        "network, the URL and its credentials, or copy the data to this "
+                        "machine and give its local path") from None
+    return RemoteFile(fs, inner) if found else None
 
 
 def is_folder(path: Input) -> bool:

@@ -2,9 +2,11 @@
 before anything trains on the run or reads it.
 
 - Data: ``provenance.json`` records the corpus fingerprint, the tokenizer hash (and size) and the
-  absolute data folder. A resume or a branch on other data is refused unless the change is
-  accepted (``--accept-data-change``), and then it is logged; a run recorded by an older moelab
-  has no such record: its data is "unknown", recorded at its next start.
+  absolute data folder. A resume or a branch on another corpus is refused unless the change
+  is accepted (``--accept-data-change``), and then it is logged; on another tokenizer always
+  (its ids would mean other text to the model): ``data.tokenizer`` gives it the run's own. A
+  run recorded by an older moelab has no such record: its data is "unknown", recorded at its
+  next start.
 - Tokenizer: each checkpoint's ``meta.json`` also records the tokenizer it was trained with; the
   run folder's ``tokenizer.json`` (what generate, eval and export read) must be that one (or,
   for a checkpoint without it, the one in ``provenance.json``). Where ``provenance.json`` lost
@@ -92,23 +94,64 @@ def _short(v: str) -> str:
     return str(v)[:16]
 
 
-def data_change_message(run_dir: Path | str, recorded: dict, changes: dict, data_dir) -> str:
-    """One line: which fingerprint changed (recorded vs now), where, and the two ways on."""
-    what = "; ".join(f"{f.replace('_', ' ')} {_short(a)} recorded, {_short(b)} now"
+def changes_text(changes: dict) -> str:
+    """Which fingerprints changed, recorded vs now, shortened."""
+    return "; ".join(f"{f.replace('_', ' ')} {_short(a)} recorded, {_short(b)} now"
                      for f, (a, b) in changes.items())
+
+
+def _changed(run_dir: Path | str, recorded: dict, changes: dict, data_dir) -> str:
+    """Which fingerprint changed (recorded vs now), and where."""
+    what = changes_text(changes)
     if recorded.get("tokenizer_from"):
         what += f" (the run's record: {recorded['tokenizer_from']})"
     was = recorded.get("data_dir")
     where = f" (recorded in {was})" if was and str(was) != str(data_dir) else ""
-    return (f"{run_dir}: the data in {data_dir} is not what this run trained on{where}: {what}. "
-            "Give the run its own data back (the same corpus and tokenizer, or data.data_dir="
-            "the folder that holds them), or add " + ACCEPT + " to go on with this data (the "
+    return f"{run_dir}: the data in {data_dir} is not what this run trained on{where}: {what}"
+
+
+def data_change_message(run_dir: Path | str, recorded: dict, changes: dict, data_dir) -> str:
+    """One line: which fingerprint changed (recorded vs now), where, and the two ways on."""
+    return (_changed(run_dir, recorded, changes, data_dir) + ". Give the run its own data "
+            "back (the same corpus and tokenizer, or data.data_dir=the folder that holds "
+            "them), or add " + ACCEPT + " to go on with this data (the "
             "change is logged in metrics.jsonl)")
 
 
-def check_data(run_dir: Path | str, recorded: dict, now: dict, data_dir, accept: bool) -> dict:
-    """The changes of the run's data (see ``data_changes``); refused unless ``accept``."""
+def _own_tokenizer(run_dir: Path | str, sha: str, data_dir) -> str:
+    """Where the tokenizer with hash ``sha`` (the run's) is: the run's tokenizer.json, else
+    what ``_holder`` finds."""
+    own = Path(run_dir) / "tokenizer.json"
+    if _file_sha(own) == sha:
+        return f"data.tokenizer={own} (`moelab resume {run_dir} data.tokenizer={own}`)"
+    return f"data.tokenizer=the tokenizer.json with sha256 {sha}" + _holder(run_dir, sha,
+                                                                          data_dir)
+
+
+def tokenizer_change_message(run_dir: Path | str, recorded: dict, changes: dict, data_dir,
+                             tokenizer_file) -> str:
+    """The run's data has another tokenizer: never accepted (its ids would mean other text to
+    the model, even at the same size); which file, and the two ways on."""
+    path = Path(tokenizer_file) if tokenizer_file else None
+    size = vocab_needed(load_tokenizer(path)) if path and path.is_file() else None
+    was = recorded.get("tokenizer_vocab")
+    sizes = f" ({size} tokens; the run's: {was})" if size and was else ""
+    own = _own_tokenizer(run_dir, changes["tokenizer_sha256"][0], data_dir)
+    return (f"{_changed(run_dir, recorded, changes, data_dir)}. The tokenizer cannot change, "
+            f"not even with {ACCEPT}: {path or 'the data folder tokenizer'}{sizes} would give "
+            "the model's token ids other text. Tokenize this data with the run's own "
+            "tokenizer" + (f" (and {ACCEPT} for the corpus change)" if len(changes) > 1 else "")
+            + f": {own}; or train this data in a new run (another --run-dir)")
+
+
+def check_data(run_dir: Path | str, recorded: dict, now: dict, data_dir, accept: bool,
+               tokenizer_file=None) -> dict:
+    """The changes of the run's data (see ``data_changes``); refused unless ``accept``, and a
+    tokenizer change always (``tokenizer_file``, else ``now["tokenizer_file"]``, names it)."""
     changes = data_changes(recorded, now)
+    if "tokenizer_sha256" in changes:
+        raise ConfigError(tokenizer_change_message(
+            run_dir, recorded, changes, data_dir, tokenizer_file or now.get("tokenizer_file")))
     if changes and not accept:
         raise ConfigError(data_change_message(run_dir, recorded, changes, data_dir))
     return changes

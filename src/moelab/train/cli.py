@@ -116,9 +116,10 @@ def cmd_config(args) -> int:
 def add_accept_data_change(p: argparse.ArgumentParser) -> None:
     """The option that lets a run go on when its data folder changed (otherwise refused)."""
     p.add_argument("--accept-data-change", action="store_true",
-                   help="go on although the data folder's corpus or tokenizer differs from "
-                   "what the run recorded (provenance.json); the change is logged in "
-                   "metrics.jsonl")
+                   help="go on although the data folder's corpus differs from what the run "
+                   "recorded (provenance.json); the change is logged in metrics.jsonl. "
+                   "Another tokenizer is refused even so: data.tokenizer=RUN/tokenizer.json "
+                   "tokenizes the data with the run's own")
 
 
 def register_train(sub, attach_record) -> None:

@@ -32,12 +32,13 @@ def check_heldout(cfg: RunConfig, store: TokenStore, corpus_dir, say) -> None:
                         "held-out text; split a single huge document into several)")
     more = ("a larger data.stream_head_mb (the stream's local head, whose share is held out)"
             if cfg.data.sampler == "stream" else "the corpus rebuilt with a larger --heldout")
-    for d in held:
-        n = store.n_tokens("heldout", d)
-        if n < window:
-            raise DataError(f"held-out text of domain {d!r} in {corpus_dir} has {n} tokens, "
-                            f"shorter than one evaluation window (data.seq_len + 1 = {window}); "
-                            f"lower data.seq_len, or give it more: {more}")
+    n, d = min((store.n_tokens("heldout", d), d) for d in held)  # the shortest names the fix
+    if n < window:
+        others = sum(store.n_tokens("heldout", e) < window for e in held) - 1
+        raise DataError(f"held-out text of domain {d!r} in {corpus_dir} has {n} tokens, "
+                        f"shorter than one evaluation window (data.seq_len + 1 = {window})"
+                        + (f", as is that of {others} other domain(s)" if others else "")
+                        + f"; lower data.seq_len to at most {n - 1}, or give it more: {more}")
     missing = sorted(set(store.domains("train")) - set(held))
     if missing:
         say(f"note: no held-out text for {', '.join(missing)}: trained, never evaluated")

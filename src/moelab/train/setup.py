@@ -37,6 +37,7 @@ from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.run.checkpoint import Checkpointer, CheckpointError
 from moelab.run.identity import (
     DATA_FIELDS,
+    changes_text,
     check_data,
     check_data_found,
     check_vocab_kept,
@@ -303,14 +304,14 @@ def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Call
 
 
 def _checked_data(cfg: RunConfig, run_dir: Path, recorded: dict, store: TokenStore, tok,
-                  accept: bool, say) -> tuple[dict, dict]:
+                  tok_path: Path, accept: bool, say) -> tuple[dict, dict]:
     """(the data record, its accepted changes) of the data as prepared: a resume trains on what
     the run recorded, or on a change accepted with --accept-data-change."""
     now = data_record(store.index["corpus_fingerprint"], tok, store.fingerprint,
                       Path(cfg.data.data_dir))
-    changes = check_data(run_dir, recorded, now, cfg.data.data_dir, accept)
+    changes = check_data(run_dir, recorded, now, cfg.data.data_dir, accept, tok_path)
     if changes:
-        say(f"data changed, accepted (--accept-data-change): {changes}")
+        say(f"data changed, accepted (--accept-data-change): {changes_text(changes)}")
     return now, changes
 
 
@@ -361,7 +362,8 @@ def _checked_inputs(cfg: RunConfig, run_dir: Path, data: PreparedData, recorded:
     # gates and re-placement route it, on the devices the mesh will span (0: every one)
     check_adaptive_heldout(cfg, store, cfg.parallel.devices or len(jax.devices()))
     tok = load_tokenizer(data.tokenizer_path)
-    now, changes = _checked_data(cfg, run_dir, recorded, store, tok, accept, say)
+    now, changes = _checked_data(cfg, run_dir, recorded, store, tok, data.tokenizer_path,
+                                 accept, say)
     sampler = (StreamSampler(cfg.data, tok, data.corpus_dir) if cfg.data.sampler == "stream"
                else SteppedSampler(store, cfg.data))
     return _Inputs(store, tok, now, changes, sampler)
