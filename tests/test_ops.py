@@ -371,6 +371,14 @@ def test_replan_and_branch(runs, data_dir, tmp_path, capsys):  # noqa: F811
     assert main(["branch", str(parent), "--at", "3", "--cooldown", "512", "--seq-len", "64",
                  "--reason", "checkpoint for RL"]) == 0
     child = parent.with_name("parent-cooldown3")
+    # its provenance is its own (the branch's config), with the parent's data; the lineage
+    # keeps the code and config of the parent's steps before the fork
+    own, theirs = (json.loads((r / "provenance.json").read_text()) for r in (child, parent))
+    assert own["config_hash"] == load_run_config(child).with_absolute_data().hash()
+    assert own["config_hash"] != theirs["config_hash"]
+    assert all(own[k] == theirs[k] for k in ("corpus_fingerprint", "tokenizer_sha256"))
+    assert json.loads((child / "lineage.json").read_text())["parent_code"] == {
+        k: theirs[k] for k in ("git_commit", "git_dirty", "git_diff_sha256", "config_hash")}
     assert main(["resume", str(child), "train.keep_ckpts=1"]) == 0  # prunes its copy of step 3
     after = digest(parent)
     assert after.pop("ops.jsonl") != snapshot.pop("ops.jsonl", None)
@@ -576,31 +584,68 @@ def test_a_damaged_config_yaml_is_named_with_its_way_out(runs, tmp_path, capsys)
                "a resume without it takes the config the newest was trained with" in err
 
 
+def _ep_run(tmp_path, segments, overrides=("parallel.devices=8", "parallel.expert=8")):
+    """A run folder whose metrics log holds ``segments``: (resume step or None for the start,
+    its changed settings, {step: drop fraction})."""
+    from moelab.config import load_config, save_config
+    from moelab.run.logs import JsonlTracker
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(load_config("tiny", list(overrides)), run / "config.yaml")
+    log = JsonlTracker(run / "metrics.jsonl")
+    for at, changed, drops in segments:
+        if at is None:
+            log.event("start", 0, devices=8)
+        else:
+            log.event("resume", at, changed=changed, devices=8)
+        for step, d in drops.items():
+            log.log(step, {"train/loss": 5.0, "moe/drop_fraction": d})
+    log.close()
+    return run
+
+
 @pytest.mark.parametrize("changed, said", [
     (["parallel.expert 4 -> 8", "parallel.waves 2 -> 1"],
-     "context stages (pooled_wave EP8 since step 10; resumes at steps 10 changed the expert "
-     "parallelism, and the rows span them; drop ="),
+     "context stages, split where a resume changed what travels between ranks (at step 10; "
+     "drops under another layout do not compare); drop ="),
     # replace_every, fsdp and ragged_impl change no drops: not a change of expert parallelism
     (["parallel.replace_every 0 -> 50", "parallel.fsdp False -> True", "train.steps 300 -> 400"],
      "context stages (pooled_wave EP8; drop ="),
 ])
 def test_history_says_when_resumes_changed_the_expert_parallelism(tmp_path, changed, said):
-    from moelab.config import load_config, save_config
     from moelab.ops.record import format_history
-    from moelab.run.logs import JsonlTracker
 
-    run = tmp_path / "run"
-    run.mkdir()
-    save_config(load_config("tiny", ["parallel.devices=8", "parallel.expert=8"]),
-                run / "config.yaml")
-    log = JsonlTracker(run / "metrics.jsonl")
-    log.event("start", 0)
-    for step in range(1, 21):
-        if step == 11:
-            log.event("resume", 10, changed=changed)
-        log.log(step, {"train/loss": 5.0, "moe/drop_fraction": 0.1})
-    log.close()
+    run = _ep_run(tmp_path, [(None, [], {s: 0.1 for s in range(1, 11)}),
+                             (10, changed, {s: 0.1 for s in range(11, 21)})])
     assert said in format_history(run)
+
+
+def test_the_stage_table_splits_where_a_resume_changed_the_expert_parallelism(tmp_path):
+    """Drops under another EP degree, transport or capacity do not compare: a context stage
+    gets a row per layout a resume trained it with, each labelled; a resume from an earlier
+    checkpoint (after a crash) replaces the steps it trains again, as their newest records."""
+    from moelab.ops.record import format_history
+
+    run = _ep_run(tmp_path, [
+        (None, [], {s: 0.1 for s in range(1, 21)}),  # EP4, crashed after step 20
+        (10, ["parallel.expert 4 -> 2", "parallel.waves 3 -> 1"],  # from the checkpoint of 10
+         {s: 0.3 for s in range(11, 31)}),
+        (30, ["parallel.receiver_cf 1.15 -> 1.5", "train.steps 30 -> 40"],
+         {s: 0.2 for s in range(31, 41)}),
+        (40, ["train.steps 40 -> 50"], {s: 0.2 for s in range(41, 51)}),  # the same layout
+    ], overrides=("parallel.devices=8", "parallel.expert=2", "parallel.waves=1",
+                  "parallel.receiver_cf=1.5"))
+    rows = stage_report(run)
+    assert [(r["first_step"], r["last_step"], r["logged_steps"], r["transport"]) for r in rows] \
+        == [(0, 10, 10, "pooled_wave EP4 receiver_cf=1.15 waves=3"),
+            (10, 30, 20, "pooled_wave EP2 receiver_cf=1.15 waves=1"),
+            (30, 50, 20, "pooled_wave EP2 receiver_cf=1.5 waves=1")]
+    assert [r["drop_mean"] for r in rows] == pytest.approx([0.1, 0.3, 0.2])
+    lines = format_history(run).splitlines()
+    assert lines[-4].endswith("  trained with")
+    assert lines[-3].split()[2:4] == ["0-10", "10.00%"]
+    assert lines[-3].endswith("  pooled_wave EP4 receiver_cf=1.15 waves=3")
 
 
 def test_history_shows_every_setting_a_resume_changed_and_the_devices(tmp_path, monkeypatch):
@@ -636,7 +681,9 @@ def test_history_shows_every_setting_a_resume_changed_and_the_devices(tmp_path, 
     text = format_history(run)
     assert " " * 38 + "changed: " + "; ".join(changed) in text.splitlines(), text
     assert "devices=8, processes=2" in text and "devices=4, processes=1" in text
-    assert "since step 10; resumes at steps 10 changed the expert parallelism" in text
+    assert "split where a resume changed what travels between ranks (at step 10;" in text
+    assert [ln.split("  ")[-1] for ln in text.splitlines()[-2:]] == [
+        "pooled_wave EP4 on 8 devices", "pooled_wave EP4 on 4 devices"]
 
 
 @pytest.mark.parametrize("last_alive", [True, False])
@@ -744,6 +791,28 @@ def test_a_branch_s_history_begins_with_its_parent_s_up_to_the_fork(tmp_path, mo
     # a URL run's copy: its parent named by URL, its logs not fetched
     assert ("  branch of gs://b/runs/base at step 10: early cooldown") in format_history(
         Path("moved/base-cooldown10"), name="gs://b/runs/base-cooldown10")
+
+
+def test_history_names_a_branch_s_runs_from_the_current_folder(tmp_path, monkeypatch):
+    """The branch and branched_from lines named the other run as their logs record it,
+    relative to the run's own folder (``../base``), and printed the unset options
+    (``mixture=None``): now as from the current folder, and without them."""
+    from moelab.config import load_config, save_config
+    from moelab.ops.record import format_history
+    from moelab.run.logs import log_operation
+
+    monkeypatch.chdir(tmp_path)
+    parent, child = Path("runs/base"), Path("runs/base-cooldown10")
+    for run in (parent, child):
+        run.mkdir(parents=True)
+        save_config(load_config("tiny"), run / "config.yaml")
+    (child / "lineage.json").write_text(json.dumps({"parent": "../base", "step": 10}))
+    log_operation(parent, "branch", 10, child="../base-cooldown10", mixture=None, end=20)
+    log_operation(child, "branched_from", 10, parent="../base", mixture=None, end=20)
+    (line,) = [ln for ln in format_history(parent).splitlines() if " branch " in ln]
+    assert line.endswith("branch             child=runs/base-cooldown10, end=20"), line
+    (line,) = [ln for ln in format_history(child).splitlines() if "branched_from" in ln]
+    assert line.endswith("branched_from      end=20, parent=runs/base"), line
 
 
 def test_the_preview_shows_the_plan_now_past_its_end_where_its_schedule_runs_on():

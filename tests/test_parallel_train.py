@@ -70,7 +70,7 @@ def test_expert_parallel_training_follows_single_device(tmp_path, data_dir, refe
 def test_a_resume_moves_the_run_to_another_mesh_and_back(tmp_path, data_dir, reference):
     """Trained on one device, resumed on 8 with EP 4 and FSDP, then on one again: the losses
     follow the uninterrupted run, and history records each move and the devices of each."""
-    from moelab.ops.record import format_history
+    from moelab.ops.record import format_history, stage_report
 
     moved = {"devices": 8, "expert": 4, "fsdp": True, "transport": "ragged"}
     for steps, parallel in ((2, {}), (4, moved), (STEPS, {})):
@@ -91,6 +91,10 @@ def test_a_resume_moves_the_run_to_another_mesh_and_back(tmp_path, data_dir, ref
     starts = [e for e in read_metrics(tmp_path / "moved" / "metrics.jsonl")[1]
               if e["event"] in ("start", "resume")]
     assert [e["devices"] for e in starts] == [1, 8, 1]
+    # drops under each layout in a row of their own, labelled
+    assert [(r["first_step"], r["transport"]) for r in stage_report(tmp_path / "moved")] == [
+        (0, "single expert group (dropless)"), (2, "ragged EP4 on 8 devices"),
+        (4, "single expert group (dropless)")]
 
 
 def test_pooled_wave_with_tight_capacity_reports_drops(tmp_path, data_dir, reference):

@@ -31,6 +31,7 @@ from moelab.run.logs import (
     log_operation,
     stops_deferred,
 )
+from moelab.run.provenance import CODE_FIELDS, branch_provenance
 from moelab.train.changes import Change, PlanError, apply_change, check_seq_len
 from moelab.train.resume import check_unedited
 from moelab.util import atomic_write_bytes, atomic_write_json, check_writable
@@ -125,12 +126,13 @@ def parent_data(parent: Path | str, accept: bool = False) -> dict:
     return {**recorded, **{f: b for f, (_, b) in changes.items()}, "changes": changes}
 
 
-def _write_data_record(folder: Path, record: dict, at: int) -> None:
-    """The branch's provenance (its parent's data, which its first start compares with) and,
-    when a data change was accepted, that change as its first event."""
+def _write_data_record(folder: Path, record: dict, at: int, cfg) -> None:
+    """The branch's own provenance (``branch_provenance``: the code and config that made it,
+    with its parent's data, which its first start compares with) and, when a data change was
+    accepted, that change as its first event."""
+    record = dict(record)
     changes = record.pop("changes")
-    if record:
-        atomic_write_json(folder / PROVENANCE, record)
+    atomic_write_json(folder / PROVENANCE, branch_provenance(cfg, record))
     if changes:
         t = JsonlTracker(folder / "metrics.jsonl")
         try:
@@ -238,10 +240,12 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
         if (parent / "tokenizer.json").is_file():
             atomic_write_bytes(tmp / "tokenizer.json", (parent / "tokenizer.json").read_bytes())
         save_config(child_cfg, tmp / "config.yaml")
-        _write_data_record(tmp, data, at)
+        _write_data_record(tmp, data, at, child_cfg)
         lin = {"parent": link_to(child, parent), "step": at, "reason": reason,
                "command": command, "time": time.time(), "cooldown_tokens": trained,
-               "cooldown_tokens_asked": cooldown_tokens, "end": child_cfg.train.steps}
+               "cooldown_tokens_asked": cooldown_tokens, "end": child_cfg.train.steps,
+               # the code and config of the parent's newest start: the steps before the fork
+               "parent_code": {k: data[k] for k in CODE_FIELDS if k in data}}
         if placed is not None:
             lin["placement"] = {**placed, "slots": placed["slots"].tolist()}
             change["place_experts"] = place_ranks

@@ -405,10 +405,11 @@ def register(sub) -> None:
     s.set_defaults(fn=cmd_resume)
 
     h = sub.add_parser("history", help="a run's operations, events and per-stage drop rates",
-                       description="A run's history: its starts and resumes (with the settings "
-                       "each changed), operations (replans, branches, data stages), stops and "
-                       "alerts, then drop rates per context stage.")
-    h.add_argument("run", help="run folder")
+                       description="A run's starts and resumes (devices, changed settings), "
+                       "operations, stops, alerts and crashes (a start with no final record), "
+                       "oldest first; a branch's begins with its parent's before the fork. Then "
+                       "drops per context stage, a row per EP layout a resume changed.")
+    h.add_argument("run", help="run folder, or a URL such as gs://bucket/runs/x (logs only)")
     h.set_defaults(fn=cmd_history)
 
     _add_drops(sub)

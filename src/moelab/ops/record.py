@@ -12,6 +12,7 @@ each context length.
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -26,6 +27,7 @@ from moelab.run.logs import (
     CRASHED,
     OPS_LOG,
     TERMINAL,
+    linked_run,
     log_lines,
     read_lineage,
     read_metrics,
@@ -104,6 +106,64 @@ def transport_label(cfg: RunConfig) -> str:
     return f"{par.transport} EP{par.expert}"
 
 
+LAYOUT = ("expert", "devices", "transport", *TRANSPORT_KNOBS)  # EP_FIELDS, without "parallel."
+
+
+def layouts(lines: list[dict], cfg: RunConfig) -> list[dict]:
+    """What travels between ranks in each start or resume of a metrics log's ``lines``
+    (``log_lines``), in file order: ``LAYOUT``'s settings, the run's config for the last and,
+    before each resume, the settings its ``changed`` ("parallel.FIELD old -> new") names set
+    back to their old values; ``devices`` is the count the start names (its ``devices``) where
+    it does, as ``parallel.devices=0`` trains on every visible device."""
+    now = {k: getattr(cfg.parallel, k) for k in LAYOUT}
+    out = []
+    for e in reversed([r for r in lines if r.get("event") in ("start", "resume")]):
+        out.insert(0, {**now, **({"devices": e["devices"]} if e.get("devices") else {})})
+        for c in e.get("changed") or []:
+            key, _, values = str(c).partition(" ")
+            if key in EP_FIELDS:
+                old = values.split(" -> ", 1)[0]
+                try:
+                    now[key.removeprefix("parallel.")] = ast.literal_eval(old)
+                except (ValueError, SyntaxError):
+                    now[key.removeprefix("parallel.")] = old  # as logged (cut short)
+    return out
+
+
+def layout_labels(found: list[dict]) -> list[str]:
+    """Each layout of ``found`` as a row of the stage table names it: its transport and EP
+    degree, and the device count and transport settings where the run's layouts differ in
+    them; at EP 1 or on one device nothing travels (no drops)."""
+    varied = [k for k in LAYOUT[3:] + ("devices",) if len({str(f[k]) for f in found}) > 1]
+    out = []
+    for f in found:
+        if f["expert"] == 1 or f["devices"] == 1:
+            out.append("single expert group (dropless)")
+            continue
+        extra = [f"on {f[k]} devices" if k == "devices" else f"{k}={f[k]}" for k in varied]
+        out.append(" ".join([f"{f['transport']} EP{f['expert']}", *extra]))
+    return out
+
+
+def trained_records(run_dir: Path | str, cfg: RunConfig) -> list[tuple[dict, str, int]]:
+    """(record, its layout's label, the step its start or resume began at) per trained step,
+    by step: the newest record of a step wins (as ``read_metrics``), with the layout of the
+    start or resume that wrote it."""
+    lines = log_lines(Path(run_dir) / "metrics.jsonl")
+    labels = layout_labels(layouts(lines, cfg)) or [transport_label(cfg)]
+    merged: dict[int, dict] = {}
+    by_step: dict[int, tuple[str, int]] = {}
+    seg, began = -1, 0
+    for rec in lines:
+        if rec.get("event") in ("start", "resume"):
+            seg, began = seg + 1, rec.get("step", 0)
+        elif "event" not in rec:
+            merged.setdefault(rec["step"], {}).update(rec)
+            if "train/loss" in rec:
+                by_step[rec["step"]] = (labels[max(seg, 0)], began)
+    return [(merged[s], *by_step[s]) for s in sorted(by_step)]
+
+
 def context_stages(cfg: RunConfig) -> list[tuple[int, int | None, int]]:
     """(first step, end step or None, seq_len) per context length, mixture changes merged."""
     out: list[list] = []
@@ -117,32 +177,42 @@ def context_stages(cfg: RunConfig) -> list[tuple[int, int | None, int]]:
 
 
 def stage_report(run_dir: Path | str) -> list[dict]:
-    """Per context stage of the run: steps, tokens, mean/max drop fractions, tokens/s, loss.
-    Drop fractions are means over the logged steps of the stage (each one a whole batch)."""
+    """Per context stage of the run and, within it, per layout of what travels between ranks
+    (a resume may change the EP degree, devices or transport: ``layouts``): steps, tokens,
+    mean/max drop fractions, tokens/s, loss, the layout's label (``transport``). Drop
+    fractions are means over the logged steps of the row (each one a whole batch)."""
     cfg = load_run_config(run_dir)
-    records = [r for r in read_metrics(Path(run_dir) / "metrics.jsonl")[0] if "train/loss" in r]
+    records = trained_records(run_dir, cfg)
     lin = read_lineage(run_dir)
     origin = lin.get("step", 0) if lin else 0  # a branch trains its own steps from its fork
     rows = []
     for start, end, seq_len in context_stages(cfg):
         start = max(start, origin)
         # a record at step s reports the step s-1 -> s, trained at the stage of step s-1
-        recs = [r for r in records if start < r["step"] <= (end if end is not None else 1e18)]
-        if not recs:
-            continue
-        drop = np.array([_as_float(r.get("moe/drop_fraction", 0.0)) for r in recs])
-        rate = [r["throughput/tokens_per_s"] for r in recs if r.get("throughput/tokens_per_s")]
-        rows.append({
-            "seq_len": seq_len, "first_step": start, "last_step": recs[-1]["step"],
-            "batch_size": cfg.data.segment_at(start).batch_size, "logged_steps": len(recs),
-            "drop_mean": float(drop.mean()), "drop_max": float(drop.max()),
-            "sender_drop_mean": float(np.mean([_as_float(r.get("moe/sender_drop_fraction", 0.0))
-                                               for r in recs])),
-            "receiver_drop_mean": float(np.mean([_as_float(r.get("moe/receiver_drop_fraction",
-                                                                 0.0)) for r in recs])),
-            "tokens_per_s": float(np.median(rate)) if rate else None,
-            "loss_last": _as_float(recs[-1]["train/loss"]), "transport": transport_label(cfg)})
+        recs = [r for r in records if start < r[0]["step"] <= (end if end is not None else 1e18)]
+        groups: list[list] = []
+        for rec, label, began in recs:
+            if not groups or groups[-1][0] != label:
+                groups.append([label, max(start, began) if groups else start, []])
+            groups[-1][2].append(rec)
+        rows += [_stage_row(cfg, seq_len, first, group, label)
+                 for label, first, group in groups]
     return rows
+
+
+def _stage_row(cfg: RunConfig, seq_len: int, first: int, recs: list[dict], label: str) -> dict:
+    drop = np.array([_as_float(r.get("moe/drop_fraction", 0.0)) for r in recs])
+    rate = [r["throughput/tokens_per_s"] for r in recs if r.get("throughput/tokens_per_s")]
+    return {
+        "seq_len": seq_len, "first_step": first, "last_step": recs[-1]["step"],
+        "batch_size": cfg.data.segment_at(first).batch_size, "logged_steps": len(recs),
+        "drop_mean": float(drop.mean()), "drop_max": float(drop.max()),
+        "sender_drop_mean": float(np.mean([_as_float(r.get("moe/sender_drop_fraction", 0.0))
+                                           for r in recs])),
+        "receiver_drop_mean": float(np.mean([_as_float(r.get("moe/receiver_drop_fraction",
+                                                             0.0)) for r in recs])),
+        "tokens_per_s": float(np.median(rate)) if rate else None,
+        "loss_last": _as_float(recs[-1]["train/loss"]), "transport": label}
 
 
 def _as_float(v) -> float:
@@ -176,39 +246,57 @@ def format_history(run_dir: Path | str, name: str | None = None) -> str:
                              f"its history before step {a['at']} is not shown")
                 continue
             lines.append(f"  parent {who}, before step {a['at']} (where {forked} forked):")
-            lines += _event_lines(a["events"])
+            lines += _event_lines(a["events"], a["run"])
         if not remote:
             lines.append(f"  {name or run_dir}, from step {lin['step']}:")
     events = history(run_dir)
-    lines += _event_lines(events)
-    rows = stage_report(run_dir)
-    if rows:
-        moved = [e["step"] for e in events if e.get("event") == "resume" and any(
-            str(c).split(" ", 1)[0] in EP_FIELDS for c in e.get("changed") or [])]
-        lines.append(f"  context stages ({rows[0]['transport']}"
-                     + (f" since step {moved[-1]}; resumes at steps "
-                        f"{', '.join(map(str, moved))} changed the expert parallelism, and the "
-                        "rows span them" if moved else "")
-                     + "; drop = dropped / routed assignments, mean over logged steps):")
-        lines.append(f"  {'seq_len':>8} {'batch':>6} {'steps':>13} {'drop':>7} {'max':>7} "
-                     f"{'sender':>7} {'receiver':>8} {'tokens/s':>9} {'loss':>7}")
-        for r in rows:
-            rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
-            lines.append(f"  {r['seq_len']:>8} {r['batch_size']:>6} "
-                         f"{r['first_step']:>6}-{r['last_step']:<6} {r['drop_mean']:>7.2%} "
-                         f"{r['drop_max']:>7.2%} {r['sender_drop_mean']:>7.2%} "
-                         f"{r['receiver_drop_mean']:>8.2%} {rate:>9} {r['loss_last']:>7.3f}")
+    lines += _event_lines(events, None if name is not None and is_url(name) else run_dir)
+    lines += _stage_lines(stage_report(run_dir), events)
     return "\n".join(lines)
 
 
-def _event_lines(events: list[dict]) -> list[str]:
-    """One line per event (what, when, its numbers), then what it changed, why and by which
-    command."""
+def _stage_lines(rows: list[dict], events: list[dict]) -> list[str]:
+    """The stage table: one row per context stage, split where a resume changed what travels
+    between ranks (drops under another EP degree or transport do not compare), each such row
+    labelled with its layout."""
+    if not rows:
+        return []
+    labels = list(dict.fromkeys(r["transport"] for r in rows))
+    moved = [e["step"] for e in events if e.get("event") == "resume" and any(
+        str(c).split(" ", 1)[0] in EP_FIELDS for c in e.get("changed") or [])]
+    how = "drop = dropped / routed assignments, mean over logged steps"
+    if len(labels) == 1:
+        head = f"  context stages ({labels[0]}; {how}):"
+    else:
+        head = (f"  context stages, split where a resume changed what travels between ranks "
+                f"(at step{'s' * (len(moved) > 1)} {', '.join(map(str, moved))}; drops under another layout do not "
+                f"compare); {how}:")
+    out = [head, f"  {'seq_len':>8} {'batch':>6} {'steps':>13} {'drop':>7} {'max':>7} "
+           f"{'sender':>7} {'receiver':>8} {'tokens/s':>9} {'loss':>7}"
+           + ("  trained with" if len(labels) > 1 else "")]
+    for r in rows:
+        rate = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"
+        out.append(f"  {r['seq_len']:>8} {r['batch_size']:>6} "
+                   f"{r['first_step']:>6}-{r['last_step']:<6} {r['drop_mean']:>7.2%} "
+                   f"{r['drop_max']:>7.2%} {r['sender_drop_mean']:>7.2%} "
+                   f"{r['receiver_drop_mean']:>8.2%} {rate:>9} {r['loss_last']:>7.3f}"
+                   + (f"  {r['transport']}" if len(labels) > 1 else ""))
+    return out
+
+
+def _event_lines(events: list[dict], run: Path | None = None) -> list[str]:
+    """One line per event (what, when, its numbers, but those it left unset), then what it
+    changed, why and by which command. ``run``: the folder whose logs hold them, where the
+    runs an operation names (a branch's ``child``, its ``parent``: relative to ``run``) are
+    shown as from the current folder."""
     skip = {"event", "step", "time", "log", "reason", "command", "changed"}
     lines = []
     for i, e in enumerate(events):
         when = _fmt_time(e.get("time"))
-        extra = ", ".join(f"{k}={_short(v)}" for k, v in e.items() if k not in skip)
+        linked = {k: shown(linked_run(run, e[k])) for k in ("child", "parent")
+                  if run is not None and isinstance(e.get(k), str)}
+        extra = ", ".join(f"{k}={_short(linked.get(k, v))}" for k, v in e.items()
+                          if k not in skip and v is not None)
         if _replaced(events, i):
             extra += " (never applied: a later replan request followed it)"
         lines.append(f"  {when}  step {e['step']:>7}  {e['event']:<18} {extra}")

@@ -1,5 +1,9 @@
 """Provenance of a run: code version, config hash, its data (corpus fingerprint, tokenizer hash
-and the absolute data folder: ``moelab.run.identity.data_record``), library versions."""
+and the absolute data folder: ``moelab.run.identity.data_record``), library versions.
+
+Each start or resume writes the record of the code that trains (``provenance.json``); a branch
+(``moelab branch``) gets its own when it is made (``branch_provenance``): the code and config
+that made it, with its parent's data record."""
 
 from __future__ import annotations
 
@@ -33,6 +37,12 @@ def code_version() -> dict:
             "git_diff_sha256": hashlib.sha256(diff.encode()).hexdigest()[:16] if diff else None}
 
 
+# what ``provenance`` records of the code and config, and with the machine's all it records of
+# its own (the rest: the data record)
+CODE_FIELDS = ("git_commit", "git_dirty", "git_diff_sha256", "config_hash")
+OWN_FIELDS = (*CODE_FIELDS, "python", "platform", "versions")
+
+
 def provenance(cfg: RunConfig, data: dict) -> dict:
     versions = {}
     for lib in LIBRARIES:
@@ -48,3 +58,10 @@ def provenance(cfg: RunConfig, data: dict) -> dict:
         "platform": platform.platform(),
         "versions": versions,
     }
+
+
+def branch_provenance(cfg: RunConfig, parent_record: dict) -> dict:
+    """A branch's provenance as ``moelab branch`` writes it: this code version, the branch's
+    config hash and the libraries, with the data of its parent's record (what its first start
+    compares the data with); the parent's code and config are not its own."""
+    return provenance(cfg, {k: v for k, v in parent_record.items() if k not in OWN_FIELDS})
