@@ -315,6 +315,12 @@ def test_a_branch_s_card_names_its_parent_and_the_parent_s_code(tmp_path):
         "git_commit": "abc123", "git_dirty": True, "config_hash": "cfg1"}))
     assert _lineage_lines(branch)[0].endswith(
         "that run (git commit `abc123` with uncommitted changes, config hash `cfg1`)")
+    # the parent's code when the branch was made, though the parent resumed on newer code since
+    (branch / "lineage.json").write_text(json.dumps({
+        "parent": "../base", "step": 20, "parent_code": {"git_commit": "old1",
+                                                         "git_dirty": False,
+                                                         "config_hash": "cfg0"}}))
+    assert _lineage_lines(branch)[0].endswith("that run (git commit `old1`, config hash `cfg0`)")
 
 
 def test_the_card_shows_the_held_out_figures_of_the_exported_step(tmp_path):

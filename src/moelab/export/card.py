@@ -146,7 +146,8 @@ def _harness_lines(run_dir: Path, step: int) -> list[str]:
 
 def _lineage_lines(run_dir: Path) -> list[str]:
     """A branch (``moelab branch``): its parent and step; the steps before it trained as the
-    parent, whose code and config the branch's provenance.json does not record."""
+    parent, with the parent's code and config when the branch was made (``parent_code`` in
+    lineage.json; older branches: the parent's provenance.json as it is now)."""
     lin = read_lineage(run_dir) or {}
     if not isinstance(lin.get("parent"), str):
         return []
@@ -154,8 +155,9 @@ def _lineage_lines(run_dir: Path) -> list[str]:
     why = f" ({lin['reason']})" if lin.get("reason") else ""
     line = (f"- a branch of run `{parent.name}` at step {lin.get('step', '?')}{why}: the steps "
             "before it were trained as that run")
+    pp = lin.get("parent_code")
     try:
-        pp = read_provenance(parent) if parent.is_dir() else {}
+        pp = pp if isinstance(pp, dict) else read_provenance(parent) if parent.is_dir() else {}
     except ConfigError:
         pp = {}
     if pp:
