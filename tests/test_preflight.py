@@ -224,6 +224,21 @@ def test_the_plan_of_a_mesh_is_the_planners(data_dir, remat):  # noqa: F811
         row["total"] - report["fixed"] + gather)
 
 
+def test_the_plan_of_a_context_stage_takes_its_own_capacities():
+    """A context stage that trains with its own receiver_cf (a drop gate's fallback writes one)
+    sizes its transport's buffers with it: the plan took the run's base capacities."""
+    base = ["parallel.devices=2", "parallel.expert=2", "parallel.transport=pooled_wave",
+            "data.batch_size=4", "data.seq_len=64", "train.steps=10"]
+    stage = "data.context_stages=[{step: 5, seq_len: 128, batch_size: 2%s}]"
+    own = load_config("tiny", [*base, stage % ", parallel: {receiver_cf: 8.0}"])
+    same = load_config("tiny", [*base, "parallel.receiver_cf=8.0", stage % ""])
+    mesh = SimpleNamespace(devices=np.empty(2), local_devices=[None] * 2)
+    plans = [preflight.planned_none(c, mesh, "cpu", start=5) for c in (own, same)]
+    assert plans[0] == pytest.approx(plans[1])
+    assert plans[0] > preflight.planned_none(load_config("tiny", [*base, stage % ""]), mesh,
+                                             "cpu", start=5)
+
+
 def test_a_stop_during_the_check_is_recorded(tmp_path, data_dir, monkeypatch):  # noqa: F811
     monkeypatch.setattr(util, "_abandoned", [])  # what a stop in native work marks (below)
     monkeypatch.setattr(preflight, "allocator_memory", lambda d: (64 * GIB, GIB))

@@ -181,7 +181,7 @@ def format_preview(rows: list[dict], names: tuple[str, str] = ("now", "new")) ->
 
 
 def _stage(cfg: RunConfig, c) -> str:
-    rows = c.batch_size or cfg.data.seq_len * cfg.data.batch_size // c.seq_len
+    rows = cfg.data.stage_batch(c)
     gate = (f", gated at drops <= {c.max_drops:g}" + (f", decided: {c.decision}" if c.decision
                                                       else "") if c.max_drops else "")
     return f"context {c.seq_len:,} tokens x {rows} rows{gate}"

@@ -430,8 +430,8 @@ def _push_kept(mirror: Mirror, what: str, checkpoints: bool = True) -> None:
 
 def fetch_run(url: str, step: int | None = None, checkpoint: bool = True) -> Path:
     """A local reading copy of the run at ``url``: config (where deleted, a checkpoint's is
-    read), tokenizer and one checkpoint (``step``, or the newest usable); ``checkpoint=False``: every file but the checkpoints
-    (its config, logs and records), in a copy of its own."""
+    read), tokenizer and one checkpoint (``step``, or the newest usable); ``checkpoint=False``:
+    every file but the checkpoints (its config, logs and records), in a copy of its own."""
     mirror = Mirror(url, staging_dir(url, ".read" if checkpoint else ".files"))
     files = READ_FILES if checkpoint else mirror._remote_files()
     mirror._pull_files(files)

@@ -46,14 +46,16 @@ def planned_none(cfg: RunConfig, mesh, platform: str, start: int = 0,
         seqs = max(1, cfg.micro_seqs(step) // n_dev)
         acts = activation_memory(m, seqs, seg.seq_len, cfg.parallel.expert == 1, remat=remat,
                                  attention=attention, loss=loss, experts=experts)
-        plans.append(_with_mesh(cfg, acts, seqs * seg.seq_len, n_dev, remat))
+        plans.append(_with_mesh(cfg, acts, seqs * seg.seq_len, n_dev, remat, step))
     return max(plans)
 
 
-def _with_mesh(cfg: RunConfig, acts: dict, tokens: int, n_dev: int, remat: str) -> float:
+def _with_mesh(cfg: RunConfig, acts: dict, tokens: int, n_dev: int, remat: str,
+               step: int = 0) -> float:
     """The peak of ``acts`` with what the mesh adds on each device, as ``moelab plan`` counts
     it (planner.memory.memory_report): FSDP's gathered layer weights and LM head, and an
-    expert-parallel transport's buffers for ``tokens`` per device."""
+    expert-parallel transport's buffers for ``tokens`` per device, at the capacities that
+    train at ``step`` (a context stage's own, ``parallel_at``)."""
     from moelab.parallel import transport
     from moelab.planner.memory import (
         CAPACITY_FIELDS,
@@ -63,7 +65,7 @@ def _with_mesh(cfg: RunConfig, acts: dict, tokens: int, n_dev: int, remat: str) 
         with_transport,
     )
 
-    par, m = cfg.parallel, cfg.model
+    par, m = cfg.parallel_at(step), cfg.model
     ep = par.expert
     mesh = state_memory(cfg, Layout(devices=n_dev, ep=ep, fsdp=n_dev // ep if par.fsdp else 1))
     acts = {**acts, "fsdp_head": mesh.get("fsdp_head", 0.0)}

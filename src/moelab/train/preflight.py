@@ -347,8 +347,9 @@ def choose_remat(cands: list[RunConfig], use: Callable[[RunConfig], Callable], s
     limit (its plan above PLAN_SKIP x the limit skips the compile; a compile that fails moves
     on). On a CPU (no limit reported) the plan of all the host's devices (train state,
     gradients, activations, as ``check_host_memory`` sums them) against ``PLAN_FILL`` of the
-    host's memory decides; on another device without a limit, or with ``train.memory_check=false``, nothing
-    is compiled and the last (full) is taken. Returns the reason, as said."""
+    host's memory decides; on another device without a limit, or with
+    ``train.memory_check=false``, nothing is compiled and the last (full) is taken. Returns the
+    reason, as said."""
     from moelab.planner.memory import PLAN_FILL
 
     cfg = cands[-1]

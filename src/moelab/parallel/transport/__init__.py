@@ -80,7 +80,7 @@ def rank_tokens(cfg: RunConfig, devices: int) -> list[tuple[int, str]]:
     (context stages included) on ``devices`` devices; none where that is 0 (not known yet)."""
     out = []
     for seg in cfg.data.segments() if devices else []:
-        seqs = cfg.train.microbatch_tokens // seg.seq_len or seg.batch_size
+        seqs = cfg.micro_seqs(seg.start)
         given = (f"train.microbatch_tokens={cfg.train.microbatch_tokens}"
                  if cfg.train.microbatch_tokens else
                  f"data.batch_size={seqs} x data.seq_len={seg.seq_len}"
