@@ -366,6 +366,16 @@ CASES = [
     (["ladder", "plan", "tiny", "--spacing", "0.5"], 2, "ladder.spacing: must be > 1"),
     (["ladder", "plan", "tiny", "--top-share", "2"], 2, "ladder.top_share"),
     (["ladder", "plan", "tiny", "--widths", "abc"], 2, "argument --widths"),
+    # a negative value is read as one (not as an option) and named; widths checked first
+    (["ladder", "plan", "tiny", "--widths", "64,96,128", "--token-multipliers", "-1,1"], 2,
+     "ladder.token_multipliers: -1: each multiplies the target's tokens per parameter; give "
+     "finite numbers > 0"),
+    (["ladder", "plan", "tiny", "--widths", "64,96,128", "--token-multipliers", "1,inf"], 2,
+     "ladder.token_multipliers: inf: each multiplies"),
+    (["ladder", "plan", "tiny", "--widths", "-64,96,128"], 2, "ladder.widths: values must be "
+     "positive"),
+    (["ladder", "plan", "tiny", "--widths", "30,64"], 2, "ladder.widths: 30 is not a multiple "
+     "of head_dim=32 (heads = d_model / head_dim); the nearest is 32"),
     (["ladder", "plan", "tiny", "--widths", "160,192,224", "--out", "{d}/lx"], 2,
      "(each its cost against the target's: d160 3x, d192 6.6x, d224 15x), which leaves 0 "
      "run(s) of 0 width(s), and a fit needs at least 3 runs of 2 widths: give widths (and "
@@ -394,7 +404,11 @@ CASES = [
       "--min-steps", "-1", *LAB], 2, "--min-steps: must be >= 0"),
     (["lab", "attach", "1", RUN, "--arm", "bad arm!", *LAB], 2, "--arm 'bad arm!'"),
     (["lab", "attach", "1", "{d}/nothing", *LAB], 2,
-     "{d}/nothing: not a run folder (no config.yaml): attach a folder `moelab train` wrote"),
+     "{d}/nothing: no such folder; the runs of 0001-shape: {d}/shape (arm shape) (`moelab lab "
+     "show 1` lists them); give a run folder `moelab train` wrote, or to attach a run before it "
+     "starts, train it with `moelab train CONFIG --record 1 --arm NAME`"),
+    (["lab", "attach", "1", "{d}/lab2", *LAB], 2,
+     "{d}/lab2: not a run folder (no config.yaml): attach a folder `moelab train` wrote"),
     (["lab", "live", "{d}/nothing", "{d}/run"], 2, "{d}/nothing: not a run folder or record"),
     (["lab", "live", RUN, "--refresh", "0"], 2, "--refresh"),
     (["lab", "live", RUN, "--port", "70000"], 2, "--port 70000"),

@@ -539,6 +539,22 @@ def test_a_folder_named_as_a_preset_does_not_hide_it(tmp_path, monkeypatch):
         load_config("./tiny")  # a path, said as one
 
 
+def test_a_run_folder_given_as_the_config_names_its_config_file(tmp_path, monkeypatch):
+    """`moelab plan runs/lo` (a run folder for a config file), on the command line or as a
+    base, points at runs/lo/config.yaml."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "lo").mkdir(parents=True)
+    save_config(load_config("tiny"), tmp_path / "runs" / "lo" / "config.yaml")
+    for given in ("runs/lo", "runs/lo/"):
+        with pytest.raises(ConfigError, match="config file runs/lo/?: a run folder, not a "
+                           "file; give its config, runs/lo/config.yaml$"):
+            load_config(given)
+    with pytest.raises(ConfigError, match=r"runs/lo \(the base of .*\): a run folder, not a "
+                       r"file; give its config, .*runs/lo/config.yaml$"):
+        load_config(str(_yaml(tmp_path / "t.yaml", "base: runs/lo\n")))
+    assert load_config("runs/lo/config.yaml") == load_config("tiny")
+
+
 def test_a_mistyped_preset_name_suggests_the_preset():
     with pytest.raises(ConfigError, match=r"presets: .*; did you mean '535b-a23b'\?"):
         load_config("535b-a32b")

@@ -136,6 +136,19 @@ def test_plan_notes_rungs_that_warm_up_too_briefly():
         assert warmup_note(plan_ladder(fixed.with_frozen_schedule(), rule)) is None
 
 
+def test_the_warmup_note_suggests_no_top_share_when_the_widths_are_given():
+    """--top-share sizes searched widths only: with --widths the note names what lengthens
+    the given rungs."""
+    target = load_config("tiny")
+    rule = LadderRule(rungs=3, widths=(64, 96, 128))
+    last = format_ladder_plan("tiny", target, plan_ladder(target, rule), rule).splitlines()[-1]
+    assert last.startswith("note: 3 rung(s)") and "--top-share" not in last, last
+    assert "plan longer rungs (wider --widths, a larger token multiplier or a smaller " \
+        "--batch-size)" in last
+    assert "(a larger --top-share or token multiplier)" in warmup_note(
+        plan_ladder(target, rule))  # searched widths: --top-share lengthens them
+
+
 def test_plan_names_rungs_raised_to_the_minimum_steps_and_refuses_duplicates():
     """A rung whose tokens would take fewer than min_steps steps trains min_steps: the plan
     says which (its tokens per parameter are not its multiplier's); two rungs that become the

@@ -445,6 +445,27 @@ def test_plan_command_errors_name_the_flag(capsys):
     assert "--devices 3" in capsys.readouterr().err
 
 
+def test_a_peak_without_an_accelerator_is_refused_not_put_on_the_default(capsys):
+    """--peak-flops alone printed "GB200 at 1 PFLOP/s" (and planned a GB200's memory); with
+    --accelerator custom, or a named one whose peak it replaces, it is taken."""
+    assert main(["plan", "tiny", "--devices", "8", "--mfu", "0.3", "--peak-flops", "1e15"]) == 2
+    assert ("--peak-flops 1e15: give --accelerator too: custom for a device of this peak"
+            in capsys.readouterr().err)
+    for acc, name in (("custom", "custom"), ("h100", "H100")):
+        assert main(["plan", "tiny", "--devices", "8", "--mfu", "0.3", "--peak-flops", "1e15",
+                     "--accelerator", acc]) == 0
+        assert f"cluster: 8 x {name} at 1 PFLOP/s" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("acc, gpu", [("h100", True), ("tpu-v5p", False), ("custom", False)])
+def test_the_memory_margin_cites_xla_gpu_on_nvidia_gpus_only(acc, gpu, capsys):
+    peak = ["--peak-flops", "1e15", "--hbm-gib", "16"] if acc == "custom" else []
+    assert main(["plan", "tiny", "--devices", "2", "--accelerator", acc, *peak]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "least recompute" in x)
+    assert ("below where XLA:GPU starts recomputing" in line) == gpu, line
+    assert ("a margin measured with XLA:GPU, not on this accelerator" in line) != gpu, line
+
+
 def test_scaled_config_keeps_the_options():
     big = load_config("535b-a23b")
     small = scaled_config(big)

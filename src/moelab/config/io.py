@@ -225,6 +225,9 @@ def _read_one(name: str, path: Path | None, via: str | None) -> dict[str, Any]:
     of = f" (the base of {via})" if via else ""
     if path is not None:
         if not path.is_file():
+            if path.is_dir() and (path / "config.yaml").is_file():  # a run folder
+                raise ConfigError(f"config file {name}{of}: a run folder, not a file; give "
+                                  f"its config, {Path(name) / 'config.yaml'}")
             what = "a folder, not a file" if path.is_dir() else "not found"
             raise ConfigError(f"config file {name}{of}: {what}; give a YAML path or a preset "
                               f"name ({', '.join(preset_names())})")

@@ -25,6 +25,11 @@ def cmd_new(args) -> int:
     for c in rec.criteria:
         print(f"  criterion: {c}")
     print(f"attach runs with: moelab train ... --record {rec.id.split('-')[0]} --arm NAME")
+    if same := rec_mod.namesakes(path.parent, rec):  # kept: a repeat may be meant
+        print(f"warning: {', '.join(same)} {'has' if len(same) == 1 else 'have'} the same "
+              f"name, {rec.id.split('-', 1)[-1]}; if {rec.id} repeats it by "
+              f"mistake, delete {path} and attach runs to {same[0]}; to tell a new experiment "
+              "apart, delete it and give `moelab lab new` another title")
     return 0
 
 
@@ -114,14 +119,30 @@ def cmd_show(args) -> int:
 
 
 def cmd_attach(args) -> int:
-    path, _ = rec_mod.find(args.id, args.lab_dir)
+    path, rec = rec_mod.find(args.id, args.lab_dir)
     run = Path(args.run)
     if not (run / "config.yaml").is_file():  # `train --record` attaches before the folder exists
-        raise FileNotFoundError(
-            f"{run}: not a run folder (no config.yaml): attach a folder `moelab train` wrote; "
-            f"to attach a run before it starts, train it with --record {args.id} --arm NAME")
+        raise FileNotFoundError(not_a_run(path, rec, run, args.id))
     attach_run(path, run, args.arm)
     return 0
+
+
+def not_a_run(record_file: Path, rec: rec_mod.Record, run: Path, ref: str) -> str:
+    """Why ``lab attach`` refuses ``run``: a folder with no config.yaml, or no folder at all
+    (a mistyped path: then the record's runs it could mean)."""
+    from moelab.lab.runs import shown_path  # as `lab show` names them
+
+    before = (f"to attach a run before it starts, train it with `moelab train CONFIG --record "
+              f"{ref} --arm NAME`")
+    if run.exists():
+        return (f"{run}: not a run folder (no config.yaml): attach a folder `moelab train` "
+                f"wrote; {before}")
+    runs = [f"{shown_path(rec_mod.run_path(record_file, r))} (arm {r.arm}"
+            + (", detached)" if r.detached() else ")") for r in rec.runs]
+    if not runs:
+        return f"{run}: no such folder; give a run folder `moelab train` wrote, or {before}"
+    return (f"{run}: no such folder; the runs of {rec.id}: {', '.join(runs)} (`moelab lab show "
+            f"{ref}` lists them); give a run folder `moelab train` wrote, or {before}")
 
 
 def attach_run(record_file: Path, run_dir: Path, arm: str | None) -> None:

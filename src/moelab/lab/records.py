@@ -310,6 +310,14 @@ def new_record(directory: Path, title: str, hypothesis: str, goal: str, criteria
     return path, rec
 
 
+def namesakes(directory: Path, rec: Record) -> list[str]:
+    """The ids of the other record files in ``directory`` with ``rec``'s slug (the same title,
+    or one that reads the same), oldest first: most often one experiment created twice."""
+    slug = rec.id.split("-", 1)[-1]
+    return [p.stem for p in record_files(directory)
+            if p.stem != rec.id and re.fullmatch(rf"\d+-{re.escape(slug)}", p.stem)]
+
+
 def run_path(record_file: Path, ref: RunRef) -> Path:
     return (record_file.parent / ref.path).resolve()
 

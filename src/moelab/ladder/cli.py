@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 
 from moelab.config.errors import ConfigError, require
@@ -55,7 +56,7 @@ def cmd_plan(args) -> int:
                       token_multipliers=args.token_multipliers or (1.0,), seeds=args.seeds,
                       lr_exp=args.lr_exp, max_run_share=args.max_run_share)
     rungs = plan_ladder(target, rule)
-    print(format_ladder_plan(Path(source).stem, target, rungs))
+    print(format_ladder_plan(Path(source).stem, target, rungs, rule))
     if args.out:
         lad = write_ladder(args.out, Path(source).stem, target, rule, rungs)
         print(f"ladder written to {lad.root}/ (ladder.json, configs/); next: "
@@ -293,6 +294,8 @@ def _add_plan(sub) -> None:
                        "ratio to d_model; tokens per active parameter stay the target's. Prints "
                        "parameters, tokens, FLOPs and the ladder's cost share.",
                        epilog="Overrides (SECTION.FIELD=VALUE) after TARGET apply to the target.")
+    # '-' and a digit start a value (`--token-multipliers -1,1`), as in Python 3.13's argparse
+    p._negative_number_matcher = re.compile(r"^-\.?\d")
     p.add_argument("config", nargs="?", help="the target: preset or YAML, e.g. 535b-a23b")
     p.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides of the target")
     p.add_argument("--rungs", type=int, default=None,

@@ -91,8 +91,11 @@ class LadderRule:
             need(all(v > 0 for v in vals), name, "values must be positive integers")
         need(self.batch_size >= 0, "batch_size", "must be >= 0 (0 = the target's)")
         tm = self.token_multipliers
-        need(len(tm) >= 1 and all(m > 0 for m in tm) and len(set(tm)) == len(tm),
-             "token_multipliers", f"give distinct positive multipliers, e.g. 0.5,1; got {tm}")
+        for m in tm or (0,):  # each value named
+            need(math.isfinite(m) and m > 0, "token_multipliers", f"{m:g}: each multiplies "
+                 "the target's tokens per parameter; give finite numbers > 0, e.g. "
+                 "--token-multipliers 0.5,1")
+        need(len(set(tm)) == len(tm), "token_multipliers", "give each multiplier once")
         need(0 < self.max_run_share <= 1, "max_run_share",
              f"must be a share of the target's FLOPs in (0, 1], got {self.max_run_share:g}")
         need(self.evals >= 2, "evals", "must be >= 2")
@@ -183,11 +186,16 @@ def _divisor_at_most(n: int, k: int) -> int:
     return k
 
 
+def check_width(target: ModelConfig, d: int) -> None:
+    """ConfigError unless ``d`` is a rung width: a multiple of head_dim (heads = d / head_dim)."""
+    if d % (hd := target.head_dim):
+        raise ConfigError(f"ladder.widths: {d} is not a multiple of head_dim={hd} (heads = "
+                          f"d_model / head_dim); the nearest is {max(hd, round(d / hd) * hd)}")
+
+
 def scale_model(target: ModelConfig, d: int, n_layers: int) -> ModelConfig:
     """The target's model at width ``d`` and depth ``n_layers`` (rule in the module docstring)."""
-    if d % target.head_dim:
-        raise ConfigError(f"ladder.widths: {d} is not a multiple of head_dim={target.head_dim} "
-                          "(heads = d_model / head_dim)")
+    check_width(target, d)
     heads = d // target.head_dim
     kv = _divisor_at_most(heads, heads * target.n_kv_heads // target.n_heads)
     gkv = 0
@@ -308,6 +316,8 @@ def _check_transport(target: RunConfig, rule: LadderRule) -> None:
 
 def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung]:
     """The rungs, smallest first, each with its stats and its FLOPs share of the target."""
+    for d in (d for d in rule.widths if d > 0):  # before the count of runs they make
+        check_width(target.model, d)
     rule.validate()
     _check_transport(target, rule)
     widths = list(rule.widths) or _search_widths(target, rule)
@@ -362,8 +372,9 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule()) -> list[Rung
     return sorted(rungs, key=lambda r: (r.stats["flops"], r.stats["replicate"]))
 
 
-def format_ladder_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -> str:
-    """The plan as a table: parameters, tokens, FLOPs and cost share per rung and in total."""
+def format_ladder_plan(target_name: str, target: RunConfig, rungs: list[Rung],
+                       rule: LadderRule = LadderRule()) -> str:
+    """The plan as a table: parameters, tokens, FLOPs, cost share per rung and in total."""
     t = run_stats(target)
     rows = [(r.name, r.stats, r.cfg.optim.lr) for r in rungs]
     rows.append((f"target {target_name}", {**t, "share": 1.0}, target.optim.lr))
@@ -379,7 +390,8 @@ def format_ladder_plan(target_name: str, target: RunConfig, rungs: list[Rung]) -
     lines.append(f"ladder cost: {100 * share:.3f}% of the target's training FLOPs "
                  f"({sum(r.stats['flops'] for r in rungs):.3g} of {t['flops']:.3g}); "
                  f"tokens per active parameter {_ratio(per_active)}")
-    notes = [min_steps_note(rungs, per_active), warmup_note(rungs, target.schedule_steps)]
+    notes = [min_steps_note(rungs, per_active),
+             warmup_note(rungs, target.schedule_steps, bool(rule.widths))]
     return "\n".join(lines + [n for n in notes if n])
 
 
@@ -397,12 +409,14 @@ def min_steps_note(rungs: list[Rung], per_active: float) -> str | None:
             "that trains longer gives them their ratio")
 
 
-def warmup_note(rungs: list[Rung], schedule_steps: int = 0) -> str | None:
+def warmup_note(rungs: list[Rung], schedule_steps: int = 0,
+                widths_given: bool = False) -> str | None:
     """A note naming the rungs whose warmup is shorter than Adam's second-moment horizon
     1 / (1 - b2) steps: their first full-LR steps use unsettled moment estimates, and the end
     loss then varies with the seed (1.1% seed sd at 4 warmup steps, 0.4% at 40, measured in
-    examples/lab/0003-ladder-design-1-warmup-10-one-lr.md). None when every rung warms up long
-    enough. ``schedule_steps``: the target's schedule, to name the warmup that would do."""
+    examples/lab/0003-ladder-design-1-warmup-10-one-lr.md). None when all warm up long enough.
+    ``schedule_steps``: the target's schedule, to name the warmup that would do; with
+    ``widths_given`` (--widths), --top-share lengthens no rung and is not suggested."""
     short = [r for r in rungs if r.stats["replicate"] == 0
              and r.cfg.optim.warmup_steps < 1 / (1 - r.cfg.optim.b2)]
     if not short:
@@ -415,8 +429,9 @@ def warmup_note(rungs: list[Rung], schedule_steps: int = 0) -> str | None:
            if need <= 50 and schedule_steps else
            f"{need}% of the target's steps as warmup (optim.warmup_steps; rungs keep the "
            f"fraction) gives every rung {horizon:.0f}" if need <= 50 else
-           f"the shortest would need {need}% of its steps: plan longer rungs (a larger "
-           "--top-share or token multiplier)")
+           f"the shortest would need {need}% of its steps: plan longer rungs ("
+           + ("wider --widths, a larger token multiplier or a smaller --batch-size)"
+              if widths_given else "a larger --top-share or token multiplier)"))
     return (f"note: {len(short)} rung(s) ({', '.join(r.name for r in short)}) warm up over "
             f"{steps[0]}" + (f"-{steps[-1]}" if len(steps) > 1 else "") + " step(s), fewer than "
             f"Adam's second-moment horizon 1 / (1 - b2) = {horizon:.0f}; their losses carry more "

@@ -87,7 +87,8 @@ def check_plan_options(args) -> None:
 
 def check_needs_devices(args) -> None:
     """Options that only the cluster's time or a device's memory reads are refused without
-    --devices, rather than ignored (checked after the values and the config themselves)."""
+    --devices, rather than ignored (checked after the values and the config themselves); and
+    --peak-flops without --accelerator."""
     unused = [o for o, given in (
         ("--mfu", args.mfu), ("--tokens-per-s", args.tokens_per_s),
         ("--ep", args.ep not in (None, 1)), ("--fsdp", args.fsdp not in (None, 1)),
@@ -98,6 +99,13 @@ def check_needs_devices(args) -> None:
         ("--loss", args.loss)) if given]
     require(args.devices or not unused, unused[0] if unused else "", "needs --devices N too, "
             "the devices that train (it plans a cluster's time or a device's memory)")
+    # a peak alone names no device: the default's name, memory and attention kernel with
+    # another peak would plan a device the peak says it is not
+    peak = f"{args.peak_flops:g}".replace("e+", "e")
+    require(args.accelerator or not args.peak_flops, f"--peak-flops {peak}", "give "
+            "--accelerator too: custom for a device of this peak (--hbm-gib for its memory), "
+            f"or the accelerator whose rated peak it replaces, e.g. --accelerator "
+            f"{DEFAULT_ACCELERATOR} (the default)")
 
 
 def config_layout(args, par) -> list[str]:

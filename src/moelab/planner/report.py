@@ -43,6 +43,7 @@ def build_plan(cfg: RunConfig, *, tokens: float = 0.0, acc: Accelerator | None =
                                       acc.hbm_bytes if acc is not None else 0.0,
                                       attention=attention or planned_attention(m, cuda),
                                       loss=loss, experts=planned_experts(m, cuda))
+        out["memory"]["nvidia_gpu"] = cuda > 0  # what the memory margin was measured on
     return out
 
 
@@ -166,9 +167,10 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
     out.append(row("sum (before transport buffers)", mem["base_total"]))
     if mem["hbm_bytes"]:
         best, fill = mem["least_recompute"], PLAN_FILL * mem["hbm_bytes"]
+        why = ("below where XLA:GPU starts recomputing to fit" if mem.get("nvidia_gpu", True)
+               else "a margin measured with XLA:GPU, not on this accelerator")
         out.append(f"    least recompute that fits {PLAN_FILL:.0%} of "
-                   f"{mem['hbm_bytes'] / GiB:.1f} GiB (below where XLA:GPU starts recomputing "
-                   "to fit): "
+                   f"{mem['hbm_bytes'] / GiB:.1f} GiB ({why}): "
                    + (f"model.remat={best} ({(mem['fixed'] + acts[best]['peak']) / GiB:.2f} "
                       "GiB before transport buffers)" if best else
                       f"no policy (full needs "
