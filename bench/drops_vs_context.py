@@ -2,6 +2,7 @@
 ``moelab drops`` forecasts them before the switch.
 
     .venv/bin/python bench/drops_vs_context.py [--lengths 256 512 1024 4096] [--batches 4]
+    .venv/bin/python bench/drops_vs_context.py --quick    # the code path at tiny sizes
 
 The reference system saw ~2.4-3.4% drops with pooled-wave at 4K context, 18% and rising at 262K
 (docs/reference.md#expert-parallel-transport): with a fixed number of tokens per rank, longer
@@ -24,6 +25,10 @@ tokens. Three routings per length:
 Transports (drops summed over all layers and batches): pooled_wave cf_s 1.10 / cf_r 1.15,
 pooled_global cf_s 2.0 / cf_r 1.10 in budget groups of 8, waterfill cf 1.10, expert_cells cf
 1.25; W = 4. Saves bench/results/drops_vs_context.{json,png}.
+
+``--quick`` runs the same steps on the small router of ``trained_router.py --quick`` (8 steps;
+branches from step 6, 2 steps at 512), 512 tokens per rank, one batch, lengths 256 and 512;
+saved as drops_vs_context_quick.{json,png}. Its figures are not the reference figures.
 """
 
 from __future__ import annotations
@@ -32,14 +37,24 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from common import RESULTS, count, parser, print_table, run_main, save
+from common import RESULTS, count, parse_args, parser, print_table, result_name, run_main, save
 from moelab.config import ParallelConfig
 from moelab.parallel.forecast import fit_placements, forecast, pick_spans
 from moelab.parallel.routing import at_context, heldout_spans, routed_ids, routing_fn
-from trained_router import RUN_DIR, STEPS, load, trained_run
+from trained_router import load, router_dir, short_final_eval, trained_run
 
 BRANCH_AT, COOLDOWN_STEPS = 135, 48
 RANKS, PER_RANK = 8, 4096
+# --quick: the small router's branches fork at step 6 of its 8 and train 2 steps; 512 tokens
+# per rank
+QUICK_BRANCH_AT, QUICK_COOLDOWN_STEPS, QUICK_PER_RANK = 6, 2, 512
+
+
+def schedule(quick: bool = False) -> tuple[int, int, int]:
+    """(the step branches fork at, their steps, tokens per rank) of a full or --quick run."""
+    if quick:
+        return QUICK_BRANCH_AT, QUICK_COOLDOWN_STEPS, QUICK_PER_RANK
+    return BRANCH_AT, COOLDOWN_STEPS, PER_RANK
 
 
 def transports(waves: int, global_cf: float = 1.10) -> dict[str, ParallelConfig]:
@@ -51,33 +66,37 @@ def transports(waves: int, global_cf: float = 1.10) -> dict[str, ParallelConfig]
             "expert_cells": mk(transport="expert_cells", capacity_factor=1.25)}
 
 
-def extended_run(L: int, tokens_per_step: int) -> Path:
+def extended_run(L: int, tokens_per_step: int, quick: bool = False) -> Path:
     """The router run's context-extension branch at L, trained (once) to its end."""
     from moelab.cli import main as moelab
 
-    out = Path(f"{RUN_DIR}-ctx{L}")
+    run = router_dir(quick=quick)
+    at, steps, _ = schedule(quick)
+    out = Path(f"{run}-ctx{L}")
     if not (out / "summary.json").exists():
         if not out.exists():
-            rc = moelab(["branch", str(RUN_DIR), "--at", str(BRANCH_AT), "--seq-len", str(L),
-                         "--cooldown", str(COOLDOWN_STEPS * tokens_per_step), "--out", str(out),
+            rc = moelab(["branch", str(run), "--at", str(at), "--seq-len", str(L),
+                         "--cooldown", str(steps * tokens_per_step), "--out", str(out),
                          "--reason", "drops_vs_context: context extension"])
             if rc:
                 raise SystemExit(f"branch to {L} failed")
-        print(f"training the context-{L} branch ({COOLDOWN_STEPS} steps) ...", flush=True)
-        if moelab(["resume", str(out)]):
-            raise SystemExit(f"training the context-{L} branch failed")
+        print(f"training the context-{L} branch ({steps} steps) ...", flush=True)
+        with short_final_eval(quick):
+            if moelab(["resume", str(out)]):
+                raise SystemExit(f"training the context-{L} branch failed")
     return out
 
 
 PLACED = ("pooled_global", "pooled_wave")  # the transports whose limits group experts
 
 
-def placements_per_length(cfg, params, state, pars, lengths, batches, seed) -> dict:
+def placements_per_length(cfg, params, state, pars, lengths, batches, seed,
+                          per_rank: int = PER_RANK) -> dict:
     """{L: {name: slots}}: what `moelab branch --seq-len L --place-experts 8` would fit, on
     the held-out spans the measured batches do not use, in units of L tokens."""
     span = max(lengths)
     spans = heldout_spans(cfg, span)
-    _, rest = pick_spans(len(spans), RANKS * PER_RANK // span, batches, seed)
+    _, rest = pick_spans(len(spans), RANKS * per_rank // span, batches, seed)
     ids = routed_ids(routing_fn(cfg), params, state, spans[rest], cfg.data.seq_len)
     placed = {n: pars[n] for n in PLACED}
     return {L: {n: f["slots"] for n, f in
@@ -92,28 +111,31 @@ def rates(rows: list[dict], L: int, names) -> dict:
 
 def main() -> None:
     ap = parser(__doc__, "drops_vs_context.{json,png} "
-                "(drops_vs_context_cf<CF>.{json,png} with --global-cf)")
-    ap.add_argument("--lengths", type=count, nargs="+", default=[256, 512, 1024, 4096])
+                "(drops_vs_context_cf<CF>.{json,png} with --global-cf; NAME_quick.{json,png} "
+                "with --quick)")
+    ap.add_argument("--lengths", type=count, nargs="+", default=[256, 512, 1024, 4096],
+                    help="sequence lengths, each a multiple of 256 dividing the longest")
     ap.add_argument("--batches", type=count, default=4, help="batches of 8 x 4096 held-out tokens")
-    ap.add_argument("--waves", type=count, default=4)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--waves", type=count, default=4, help="W of pooled_wave and pooled_global")
+    ap.add_argument("--seed", type=int, default=0, help="held-out span draw and dealing order")
     ap.add_argument("--global-cf", type=float, default=1.10,
                     help="pooled_global's receiver cf (another value saves "
                     "drops_vs_context_cf<CF>.{json,png})")
-    args = ap.parse_args()
+    args = parse_args(ap, quick=dict(lengths=[256, 512], batches=1))
     t_start = time.time()
-    run = str(trained_run(STEPS))
+    run = str(trained_run(quick=args.quick))
+    branch_at, cooldown, per_rank = schedule(args.quick)
     cfg, params, state = load(run)
     base, span = cfg.data.seq_len, max(args.lengths)
     pars = transports(args.waves, args.global_cf)
     name = "drops_vs_context" + ("" if args.global_cf == 1.10 else f"_cf{args.global_cf:g}")
     names = list(pars) + [f"{n} placed" for n in PLACED]
-    common = dict(ranks=RANKS, tokens_per_rank=PER_RANK, batches=args.batches, seed=args.seed,
+    common = dict(ranks=RANKS, tokens_per_rank=per_rank, batches=args.batches, seed=args.seed,
                   span=span)
     print(f"EP {RANKS} (simulated), {cfg.model.n_experts} experts top-{cfg.model.top_k}, "
-          f"{PER_RANK} tokens/rank, {args.batches} batches; trained at {base}", flush=True)
+          f"{per_rank} tokens/rank, {args.batches} batches; trained at {base}", flush=True)
     slots = placements_per_length(cfg, params, state, pars, args.lengths, args.batches,
-                                  args.seed)
+                                  args.seed, per_rank)
     forecasts = forecast(cfg, params, state, args.lengths, pars, placed=slots, **common)
     rows = []
     for L in args.lengths:
@@ -125,11 +147,12 @@ def main() -> None:
         if L == base:
             extended = fc
         else:
-            ecfg, eparams, estate = load(str(extended_run(L, cfg.data.batch_size * base)))
+            ecfg, eparams, estate = load(str(extended_run(L, cfg.data.batch_size * base,
+                                                          args.quick)))
             ecfg = at_context(ecfg, ecfg.train.steps)
             extended = rates(forecast(ecfg, eparams, estate, [L], pars, placed=slots,
                                       **common), L, names)
-        row = {"seq_len": L, "x_base": L // base, "seqs_per_rank": PER_RANK // L}
+        row = {"seq_len": L, "x_base": L // base, "seqs_per_rank": per_rank // L}
         for n in names:
             f = fc[n]
             row[f"{n}_forecast"], row[f"{n}_extended"] = f["drop"], extended[n]["drop"]
@@ -151,12 +174,12 @@ def main() -> None:
                                                  if first[f"{n}_extended"] else None)
     png = plot(rows, names, name)
     runtime = time.time() - t_start
-    save(name, rows, router_run=run, ranks=RANKS, tokens_per_rank=PER_RANK,
-         batches=args.batches, trained_seq_len=base, branch_at=BRANCH_AT,
-         cooldown_steps=COOLDOWN_STEPS, transports={k: vars(c) for k, c in pars.items()},
+    save(name, rows, router_run=run, ranks=RANKS, tokens_per_rank=per_rank,
+         batches=args.batches, trained_seq_len=base, branch_at=branch_at,
+         cooldown_steps=cooldown, transports={k: vars(c) for k, c in pars.items()},
          plot=str(png), runtime_s=runtime)
     print()
-    print(f"Drops vs context at {PER_RANK} tokens/rank, EP {RANKS}: measured on context-extension "
+    print(f"Drops vs context at {per_rank} tokens/rank, EP {RANKS}: measured on context-extension "
           "branches (extended), forecast from the 256-context routing, and the error of the "
           "forecast; growth = extended drops / drops at the base context")
     cols = [("seq_len", "seq len", "d"), ("x_base", "x", "d")]
@@ -198,7 +221,7 @@ def plot(rows: list[dict], names: list[str], name: str):
     ax.set_title("Drops vs context, EP 8, 64 experts top-8: measured on extension branches "
                  "and forecast", fontsize=9)
     fig.tight_layout()
-    out = RESULTS / f"{name}.png"
+    out = RESULTS / f"{result_name(name)}.png"
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out

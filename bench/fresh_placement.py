@@ -3,6 +3,7 @@
 step-time cost of a re-placement.
 
     .venv/bin/python bench/fresh_placement.py [--every 8 24 48] [--cost-steps 8] [--trajectory]
+    .venv/bin/python bench/fresh_placement.py --quick    # the code path at tiny sizes
 
 Setup as bench/drops_vs_context.py at 16x: EP 8 simulated on one device, 4,096 tokens per rank,
 pooled_global in budget groups of 8 (cf_s 2.0, cf_r 1.10, W = 4), 4 batches of held-out text;
@@ -23,6 +24,11 @@ force (drops_vs_context's "extended" measurement), or with --trajectory each che
 Cost: a fresh run of the router model's shape on 8 fake CPU devices (EP 8, pooled_global,
 16 x 256 tokens per step) with ``replace_every=2``: each ``replace_experts`` event's seconds
 against the median time of a step. Saves bench/results/fresh_placement.json.
+
+``--quick`` runs the same steps on the small router of ``trained_router.py --quick``: its
+branch to 512 (2x) from step 6, 2 steps with a checkpoint every 2, placements re-fitted every
+2 steps, one batch of 512 tokens per rank, and a 5-step cost run of 8 x 256 tokens per step;
+saved as fresh_placement_quick.json. Its figures are not the reference figures.
 """
 
 from __future__ import annotations
@@ -39,28 +45,49 @@ from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from common import RESULTS, count, parser, print_table, run_main, save  # noqa: E402
-from drops_vs_context import BRANCH_AT, COOLDOWN_STEPS, PER_RANK, RANKS, transports  # noqa: E402
-from trained_router import RUN_DIR, STEPS, load, run_overrides, trained_run  # noqa: E402
+from common import (  # noqa: E402
+    RESULTS,
+    count,
+    parse_args,
+    parser,
+    print_table,
+    result_name,
+    run_main,
+    save,
+)
+from drops_vs_context import RANKS, schedule, transports  # noqa: E402
+from trained_router import (  # noqa: E402
+    load,
+    router_dir,
+    run_overrides,
+    short_final_eval,
+    trained_run,
+)
 
-L = 4096
+L, EVERY = 4096, 8  # the extension's length and its checkpoints' interval
+QUICK_L, QUICK_EVERY = 512, 2
 NAME = "pooled_global"
 
 
-def extension(tokens_per_step: int) -> Path:
-    """The 4,096 branch of the router run, with a checkpoint every 8 steps (trained once)."""
+def extension(tokens_per_step: int, quick: bool = False) -> Path:
+    """The branch of the router run to L (QUICK_L with ``quick``), with a checkpoint every
+    EVERY steps (trained once)."""
     from moelab.cli import main as moelab
 
-    out = Path(f"{RUN_DIR}-ctx{L}-every8")
+    length, every = (QUICK_L, QUICK_EVERY) if quick else (L, EVERY)
+    at, steps, _ = schedule(quick)
+    run = router_dir(quick=quick)
+    out = Path(f"{run}-ctx{length}-every{every}")
     if not (out / "summary.json").exists():
         if not out.exists() and moelab(
-                ["branch", str(RUN_DIR), "--at", str(BRANCH_AT), "--seq-len", str(L),
-                 "--cooldown", str(COOLDOWN_STEPS * tokens_per_step), "--out", str(out),
+                ["branch", str(run), "--at", str(at), "--seq-len", str(length),
+                 "--cooldown", str(steps * tokens_per_step), "--out", str(out),
                  "--reason", "fresh_placement: context extension"]):
             raise SystemExit("branch failed")
-        print(f"training the context-{L} branch ({COOLDOWN_STEPS} steps) ...", flush=True)
-        if moelab(["resume", str(out), "train.ckpt_every=8", "train.keep_ckpts=10"]):
-            raise SystemExit("training the branch failed")
+        print(f"training the context-{length} branch ({steps} steps) ...", flush=True)
+        with short_final_eval(quick):
+            if moelab(["resume", str(out), f"train.ckpt_every={every}", "train.keep_ckpts=10"]):
+                raise SystemExit("training the branch failed")
     return out
 
 
@@ -76,16 +103,20 @@ def routed(run: Path, step: int, spans, window: int, routes: dict):
 
 
 def main() -> None:
-    ap = parser(__doc__, "fresh_placement.json")
-    ap.add_argument("--every", type=count, nargs="+", default=[8, 24, 48])
-    ap.add_argument("--batches", type=count, default=4)
-    ap.add_argument("--cost-steps", type=count, default=8)
+    ap = parser(__doc__, "fresh_placement.json (fresh_placement_quick.json with --quick)")
+    ap.add_argument("--every", type=count, nargs="+", default=[8, 24, 48],
+                    help="replace_every values compared (multiples of 8, the branch's checkpoints)")
+    ap.add_argument("--batches", type=count, default=4,
+                    help="forecast batches of 8 ranks x 4,096 held-out tokens")
+    ap.add_argument("--cost-steps", type=count, default=8,
+                    help="steps of the re-placement cost run (at least 5)")
     ap.add_argument("--trajectory", action="store_true", help="measure at every checkpoint of "
                     "the extension, not only at its end (a routing of 131K tokens each)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
-    if any(n % 8 for n in args.every):
-        ap.error(f"--every: multiples of 8 (the branch's checkpoints), got {args.every}")
+    ap.add_argument("--seed", type=int, default=0, help="held-out span draw and dealing order")
+    args = parse_args(ap, quick=dict(every=[QUICK_EVERY], batches=1, cost_steps=5))
+    every = QUICK_EVERY if args.quick else EVERY
+    if any(n % every for n in args.every):
+        ap.error(f"--every: multiples of {every} (the branch's checkpoints), got {args.every}")
     if args.cost_steps < 5:  # re-placements after steps 2 (compiling) and 4; a plain step 3 -> 4
         ap.error(f"--cost-steps: at least 5, got {args.cost_steps}")
     from moelab.parallel.forecast import batch_drops, fit_spans, heldout_batches
@@ -93,24 +124,26 @@ def main() -> None:
     from moelab.run.checkpoint import Checkpointer
 
     t0 = time.time()
-    base_run = trained_run(STEPS)
+    base_run = trained_run(quick=args.quick)
     cfg, _, _ = load(str(base_run))
     par = transports(4)[NAME]
     E = cfg.model.n_experts
-    ext = extension(cfg.data.batch_size * cfg.data.seq_len)
-    steps = [s for s in Checkpointer(ext / "checkpoints").steps() if s > BRANCH_AT]
-    spans, picked, rest = heldout_batches(cfg, L, RANKS, PER_RANK, args.batches, args.seed)
+    length = QUICK_L if args.quick else L
+    branch_at, _, per_rank = schedule(args.quick)
+    ext = extension(cfg.data.batch_size * cfg.data.seq_len, args.quick)
+    steps = [s for s in Checkpointer(ext / "checkpoints").steps() if s > branch_at]
+    spans, picked, rest = heldout_batches(cfg, length, RANKS, per_rank, args.batches, args.seed)
     fit_at = fit_spans(picked, rest)
-    print(f"{len(picked)} spans of {L} in the forecast batches, {len(fit_at)} beside them to "
-          f"fit on; checkpoints {steps}", flush=True)
+    print(f"{len(picked)} spans of {length} in the forecast batches, {len(fit_at)} beside them "
+          f"to fit on; checkpoints {steps}", flush=True)
 
     routes: dict = {}
 
     def fit(run, step, window):
         ids = routed(run, step, spans[fit_at], window, routes)
-        return fit_placement(ids.reshape(ids.shape[0], -1, ids.shape[-1]), E, 8, L)["slots"]
+        return fit_placement(ids.reshape(ids.shape[0], -1, ids.shape[-1]), E, 8, length)["slots"]
 
-    placed = {"before": fit(base_run, BRANCH_AT, cfg.data.seq_len)}  # the gate's place fallback
+    placed = {"before": fit(base_run, branch_at, cfg.data.seq_len)}  # the gate's place fallback
     policies = {"none": lambda t: None, "fitted before the switch": lambda t: placed["before"]}
     for n in args.every:
         def at(t, n=n):
@@ -118,25 +151,26 @@ def main() -> None:
             if k is None:
                 return placed["before"]
             if k not in placed:
-                placed[k] = fit(ext, k, L)
+                placed[k] = fit(ext, k, length)
             return placed[k]
         policies[f"replace_every={n}"] = at
     rows = []
     for t in (steps if args.trajectory else steps[-1:]):
-        ids = routed(ext, t, spans[picked], L, routes)
+        ids = routed(ext, t, spans[picked], length, routes)
         variants = {name: (par, pick(t)) for name, pick in policies.items()}
-        d = batch_drops(ids, L, variants, E, RANKS, PER_RANK, args.seed)
+        d = batch_drops(ids, length, variants, E, RANKS, per_rank, args.seed)
         rows.append({"step": t, **{name: d[name]["drop"] for name in policies}})
         print(f"  step {t}: " + ", ".join(f"{k} {v['drop']:.2%}" for k, v in d.items()),
               flush=True)
     mean = {"step": "mean", **{n: float(np.mean([r[n] for r in rows])) for n in policies}}
     rows += [mean] if len(rows) > 1 else []
-    cost = replacement_cost(args.cost_steps)
+    cost = replacement_cost(args.cost_steps, args.quick)
     runtime = time.time() - t0
     save("fresh_placement", rows, router_run=str(base_run), extension=str(ext),
-         transport=vars(par), ranks=RANKS, tokens_per_rank=PER_RANK, batches=args.batches,
+         transport=vars(par), ranks=RANKS, tokens_per_rank=per_rank, batches=args.batches,
          cost=cost, runtime_s=runtime)
-    print(f"\nDrops at {L} (16x) over the extension, {NAME} G=8 cf_r 1.10, EP {RANKS}:")
+    print(f"\nDrops at {length} ({length // cfg.data.seq_len}x) over the extension, {NAME} G=8 "
+          f"cf_r 1.10, EP {RANKS}:")
     print_table(rows, [("step", "step", "")] + [(n, n, ".2%") for n in policies])
     print(f"\nre-placement cost (EP 8 on 8 CPU devices, {cost['tokens_per_step']} tokens/step):"
           f" {cost['replace_s_median']:.2f} s per re-placement (first, compiling: "
@@ -144,23 +178,26 @@ def main() -> None:
           f"\ntotal runtime {runtime:.0f}s")
 
 
-def replacement_cost(n_steps: int) -> dict:
-    """Seconds of each re-placement and of each step in a short EP 8 run with replace_every=2."""
+def replacement_cost(n_steps: int, quick: bool = False) -> dict:
+    """Seconds of each re-placement and of each step in a short EP 8 run with replace_every=2
+    (the --quick router's small batches with ``quick``)."""
     from moelab.config import load_config
     from moelab.train.loop import train
 
-    run = RESULTS / "fresh_placement_cost_run"
+    run = RESULTS / result_name("fresh_placement_cost_run")
     shutil.rmtree(run, ignore_errors=True)
     # every step logged; no save before the end (a save inside a timed step would count as the
     # step's time)
-    keep = [o for o in run_overrides(n_steps)
-            if not o.startswith(("train.log_every", "train.ckpt_every"))]
-    cfg = load_config("tiny", keep + [
+    # quick: one 256-token row per device (8 rows: the 8 devices each get rows)
+    mine = ("train.log_every", "train.ckpt_every") + (("data.batch_size",) if quick else ())
+    keep = [o for o in run_overrides(n_steps, quick=quick) if not o.startswith(mine)]
+    cfg = load_config("tiny", keep + (["data.batch_size=8"] if quick else []) + [
         "train.log_every=1", f"train.ckpt_every={n_steps}", "parallel.devices=8",
         "parallel.expert=8", "parallel.transport=pooled_global", "parallel.budget_group=8",
         "parallel.waves=4", "parallel.receiver_cf=1.10", "parallel.global_sender_cf=2.0",
         "parallel.replace_every=2"])
-    train(cfg, run, sample_prompt=None)
+    with short_final_eval(quick):
+        train(cfg, run, sample_prompt=None)
     # each step's own record, read line by line: read_metrics merges the final evaluation's
     # record into the last step's, its time included
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -2,6 +2,7 @@
 switch, against what the run drops after training at the new length.
 
     .venv/bin/python bench/placed_forecast.py [--lengths 512 1024 4096] [--stale-from 90]
+    .venv/bin/python bench/placed_forecast.py --quick     # the code path at tiny sizes
 
 Setup as bench/drops_vs_context.py (EP 8 simulated on one device, 4,096 tokens per rank,
 4 batches of held-out text; pooled_global cf_s 2.0 / cf_r 1.10 in budget groups of 8 and
@@ -20,38 +21,44 @@ at its context 256, in units of L tokens), and three figures are set side by sid
   step-135 routing: the router's own drift over as many steps as the placement will serve,
   which the same-router forecast cannot see.
 
-Saves bench/results/placed_forecast.json.
+Saves bench/results/placed_forecast.json. ``--quick`` runs the same steps on the small router
+of ``trained_router.py --quick`` (switch at step 6, aged fit from step 4, one batch of 512 tokens
+per rank, length 512; drops_vs_context --quick's branch); saved as placed_forecast_quick.json,
+its figures are not the reference figures.
 """
 
 from __future__ import annotations
 
 import time
 
-from common import count, parser, print_table, run_main, save
-from drops_vs_context import BRANCH_AT, PER_RANK, RANKS, extended_run, transports
+from common import count, parse_args, parser, print_table, run_main, save
+from drops_vs_context import RANKS, extended_run, schedule, transports
 from moelab.parallel.forecast import batch_drops, fit_placements, fit_spans, heldout_batches
 from moelab.parallel.routing import at_context, route_spans, routed_ids, routing_fn
 from moelab.run.load import load_run
-from trained_router import STEPS, trained_run
+from trained_router import trained_run
 
 PLACED = ("pooled_global", "pooled_wave")
 
 
 def main() -> None:
-    ap = parser(__doc__, "placed_forecast.json")
-    ap.add_argument("--lengths", type=count, nargs="+", default=[512, 1024, 4096])
+    ap = parser(__doc__, "placed_forecast.json (placed_forecast_quick.json with --quick)")
+    ap.add_argument("--lengths", type=count, nargs="+", default=[512, 1024, 4096],
+                    help="context lengths switched to (extension branches, trained once)")
     ap.add_argument("--stale-from", type=count, default=90, help="checkpoint of the aged fit")
-    ap.add_argument("--batches", type=count, default=4)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    ap.add_argument("--batches", type=count, default=4,
+                    help="forecast batches of 8 ranks x 4,096 held-out tokens")
+    ap.add_argument("--seed", type=int, default=0, help="held-out span draw and dealing order")
+    args = parse_args(ap, quick=dict(lengths=[512], stale_from=4, batches=1))
     t0 = time.time()
-    run = trained_run(STEPS)
-    at = load_run(run, step=BRANCH_AT)
+    run = trained_run(quick=args.quick)
+    branch_at, _, per_rank = schedule(args.quick)
+    at = load_run(run, step=branch_at)
     old = load_run(run, step=args.stale_from)
     cfg, base = at.cfg, at.cfg.data.seq_len
     pars = {n: p for n, p in transports(4).items() if n in PLACED}
     E, span = cfg.model.n_experts, max(args.lengths)
-    spans, picked, rest = heldout_batches(cfg, span, RANKS, PER_RANK, args.batches, args.seed)
+    spans, picked, rest = heldout_batches(cfg, span, RANKS, per_rank, args.batches, args.seed)
     fit_on = spans[fit_spans(picked, rest)]
     route = routing_fn(cfg)
     now_fit = routed_ids(route, at.params, at.model_state, fit_on, base)
@@ -61,13 +68,13 @@ def main() -> None:
     for L in args.lengths:
         fresh = fit_placements(now_fit, E, pars, RANKS, L)
         aged = fit_placements(old_fit, E, pars, RANKS, L)
-        ext = load_run(extended_run(L, cfg.data.batch_size * base))
+        ext = load_run(extended_run(L, cfg.data.batch_size * base, args.quick))
         ecfg = at_context(ext.cfg, ext.cfg.train.steps)
         ext_ids = route_spans(routing_fn(ecfg), ext.params, ext.model_state, spans[picked], L)
         row = {"seq_len": L, "x": L // base}
         for n, par in pars.items():
             def drops(ids, slots, par=par):
-                return batch_drops(ids, L, {"x": (par, slots)}, E, RANKS, PER_RANK,
+                return batch_drops(ids, L, {"x": (par, slots)}, E, RANKS, per_rank,
                                    args.seed)["x"]["drop"]
             row[f"{n}_measured"] = drops(ext_ids, fresh[n]["slots"])
             row[f"{n}_measured_unplaced"] = drops(ext_ids, None)
@@ -81,8 +88,8 @@ def main() -> None:
         print(f"  L {L}: " + ", ".join(f"{n} measured {row[n + '_measured']:.2%} same "
                                        f"{row[n + '_same']:.2%} aged {row[n + '_aged']:.2%}"
                                        for n in pars), flush=True)
-    save("placed_forecast", rows, router_run=str(run), switch_step=BRANCH_AT,
-         stale_from=args.stale_from, ranks=RANKS, tokens_per_rank=PER_RANK,
+    save("placed_forecast", rows, router_run=str(run), switch_step=branch_at,
+         stale_from=args.stale_from, ranks=RANKS, tokens_per_rank=per_rank,
          batches=args.batches, runtime_s=time.time() - t0)
     for n in pars:
         print(f"\n{n}, experts placed at the switch (drops over all layers and batches):")

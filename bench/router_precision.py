@@ -1,6 +1,7 @@
 """Does the router need float32? Top-k choices and quantile-router margins of a bf16 router.
 
     .venv/bin/python bench/router_precision.py [--seqs 16]
+    .venv/bin/python bench/router_precision.py --quick   # the small router, 2 windows: the code path
 
 In a bf16 model the router's input is already bf16 (exact in float32), so a router with bf16
 inputs and float32 accumulation differs from the float32 one only by rounding the router
@@ -26,7 +27,14 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import count, parser, print_table, run_main, save  # noqa: E402  (also puts src/ on sys.path)
+from common import (  # noqa: E402  (also puts src/ on sys.path)
+    count,
+    parse_args,
+    parser,
+    print_table,
+    run_main,
+    save,
+)
 from moelab.model import transformer as tr  # noqa: E402
 from moelab.model.layers import rope_at  # noqa: E402
 from moelab.model.router import quantile_bias  # noqa: E402
@@ -88,10 +96,10 @@ def compare(ref, got, bias_E, k: int, bins: int) -> dict:
 
 
 def main() -> None:
-    ap = parser(__doc__, "router_precision.json")
+    ap = parser(__doc__, "router_precision.json (router_precision_quick.json with --quick)")
     ap.add_argument("--seqs", type=count, default=16, help="held-out windows of seq_len tokens")
-    args = ap.parse_args()
-    run = trained_run()
+    args = parse_args(ap, quick=dict(seqs=2))
+    run = trained_run(quick=args.quick)
     cfg, trained, state = load(str(run))
     m = dataclasses.replace(cfg.model, compute_dtype="bfloat16")
     toks = jnp.asarray(heldout_batch(run, args.seqs, cfg.data.seq_len), jnp.int32)

@@ -1,11 +1,16 @@
 """A small trained MoE whose router gives real routings for the transport benchmarks.
 
     .venv/bin/python bench/trained_router.py [--steps 180]     # train (or resume) it, then stop
+    .venv/bin/python bench/trained_router.py --quick           # the --quick modes' small one
 
 ``trained_run()`` trains, once, the ``tiny`` preset reshaped like the reference's routed path
 (64 experts top-8, latent width = expert width = d_model / 2, sigmoid-bias router with combine
 weights summing to 2.5) on the built-in corpus, in bench/results/router_run/ (resumable: a cut
 run continues where it stopped; a finished one is reused as it is).
+
+With ``quick`` the same model trains 8 steps of 2 x 256 tokens (checkpoints every 2 steps) in
+bench/results/router_run_quick/: the router every script's ``--quick`` mode uses, to check its
+code path in well under a minute; its routings are not the benchmarks' figures.
 
 ``routing_for(run_dir, tokens_BT, layer)`` runs that model on real text and returns one layer's
 routing as the transports see it: the latent inputs z [N, H], expert ids and combine weights
@@ -18,6 +23,7 @@ forward computes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import sys
@@ -35,11 +41,26 @@ from common import RESULTS, count, parser, run_main  # noqa: E402  (also puts sr
 REPO = Path(__file__).resolve().parents[1]
 RUN_DIR = RESULTS / "router_run"
 STEPS = 180
+QUICK_STEPS = 8
+# --quick: 2 x 256 tokens per step, a checkpoint every 2 steps (branches start at one), and
+# 2,048 held-out tokens per domain for every evaluation, the final one included
+QUICK = {"data.batch_size": 2, "train.ckpt_every": 2, "train.log_every": 2,
+         "train.eval_tokens": 2048}
 
 
-def run_overrides(steps: int = STEPS, experts: int = 64, seed: int = 0) -> list[str]:
+def run_overrides(steps: int = STEPS, experts: int = 64, seed: int = 0,
+                  quick: bool = False) -> list[str]:
     """The ``tiny`` preset with the reference's routed-path shape scaled to d_model 128;
-    ``seed`` sets the initialisation and the batch order (another router)."""
+    ``seed`` sets the initialisation and the batch order (another router); ``quick`` the
+    small batches of the --quick modes (``QUICK``)."""
+    full = _overrides(steps, experts, seed)
+    if not quick:
+        return full
+    return ([o for o in full if o.split("=")[0] not in QUICK]
+            + [f"{k}={v}" for k, v in QUICK.items()])
+
+
+def _overrides(steps: int, experts: int, seed: int) -> list[str]:
     d_model = 128
     return [f"train.seed={seed}", f"data.seed={seed}",
         f"model.d_model={d_model}",
@@ -66,32 +87,54 @@ def _finished(run_dir: Path, steps: int) -> bool:
     return s.get("step", 0) >= steps and not s.get("interrupted")
 
 
-def router_dir(experts: int = 64, seed: int = 0, steps: int = STEPS) -> Path:
-    """The default model's folder is router_run; another expert count, seed or number of steps
-    gets its own (router_run_e<N>, router_run_s<SEED>, router_run_n<STEPS>): a shorter trial
-    run is never extended into the default model, nor the default model reused as it."""
-    return Path(f"{RUN_DIR}" + (f"_e{experts}" if experts != 64 else "")
-                + (f"_s{seed}" if seed else "") + (f"_n{steps}" if steps != STEPS else ""))
+def router_dir(experts: int = 64, seed: int = 0, steps: int | None = None,
+               quick: bool = False) -> Path:
+    """The default model's folder is router_run (router_run_quick with ``quick``); another
+    expert count, seed or number of steps gets its own (router_run_e<N>, router_run_s<SEED>,
+    router_run_n<STEPS>): a shorter trial run is never extended into the default model, nor
+    the default model reused as it."""
+    default = QUICK_STEPS if quick else STEPS
+    steps = default if steps is None else steps
+    return Path(f"{RUN_DIR}" + ("_quick" if quick else "")
+                + (f"_e{experts}" if experts != 64 else "")
+                + (f"_s{seed}" if seed else "") + (f"_n{steps}" if steps != default else ""))
 
 
-def trained_run(steps: int = STEPS, run_dir: Path | str | None = None, experts: int = 64,
-                seed: int = 0) -> Path:
+@contextlib.contextmanager
+def short_final_eval(quick: bool):
+    """With ``quick``, a run's end-of-run evaluation reads ``train.eval_tokens`` per domain,
+    not the whole held-out split (which takes longer than the quick run itself)."""
+    from moelab.train import heldout
+
+    cap = heldout.FINAL_EVAL_CAP
+    if quick:
+        heldout.FINAL_EVAL_CAP = QUICK["train.eval_tokens"]
+    try:
+        yield
+    finally:
+        heldout.FINAL_EVAL_CAP = cap
+
+
+def trained_run(steps: int | None = None, run_dir: Path | str | None = None, experts: int = 64,
+                seed: int = 0, quick: bool = False) -> Path:
     """The run folder of the trained router model (``router_dir``), training (or resuming) it
-    if needed."""
+    if needed; ``quick``: the small one of the --quick modes (``QUICK_STEPS`` by default)."""
     from moelab.config import load_config
     from moelab.train.loop import train
     from moelab.train.resume import resolve_run_config
     from moelab.train.tracker import format_summary
 
-    run_dir = Path(run_dir or router_dir(experts, seed, steps))
-    cfg = load_config("tiny", run_overrides(steps, experts, seed))
+    steps = (QUICK_STEPS if quick else STEPS) if steps is None else steps
+    run_dir = Path(run_dir or router_dir(experts, seed, steps, quick))
+    cfg = load_config("tiny", run_overrides(steps, experts, seed, quick))
     resolve_run_config(cfg, run_dir)  # a folder trained with another config: ConfigError
     if _finished(run_dir, steps):
         return run_dir
     t = time.time()
     print(f"training the router model in {run_dir} ({steps} steps of "
           f"{cfg.data.batch_size} x {cfg.data.seq_len} tokens; one time, resumable) ...", flush=True)
-    summary = train(cfg, run_dir, sample_prompt=None)
+    with short_final_eval(quick):
+        summary = train(cfg, run_dir, sample_prompt=None)
     print(format_summary(summary), flush=True)
     print(f"router model ready in {time.time() - t:.0f}s", flush=True)
     if summary.get("interrupted"):
@@ -154,15 +197,18 @@ def heldout_batch(run_dir: Path | str, n_seqs: int, seq_len: int, seed: int = 0)
 
 
 def main() -> None:
-    ap = parser(__doc__, "router_run[_e<EXPERTS>][_s<SEED>][_n<STEPS>]/, the run folder the "
-                "transport benchmarks reuse")
-    ap.add_argument("--steps", type=count, default=STEPS)
-    ap.add_argument("--experts", type=count, default=64)
+    ap = parser(__doc__, "router_run[_quick][_e<EXPERTS>][_s<SEED>][_n<STEPS>]/, the run "
+                "folder the transport benchmarks reuse; prints each layer's expert load")
+    ap.add_argument("--steps", type=count, help=f"training steps (default: {STEPS}; "
+                    f"{QUICK_STEPS} with --quick)")
+    ap.add_argument("--experts", type=count, default=64, help="routed experts (top-8)")
     ap.add_argument("--seed", type=int, default=0, help="initialisation and batch order")
+    ap.add_argument("--quick", action="store_true", help=f"the small router of the --quick "
+                    f"modes: {QUICK_STEPS} steps of 2 x 256 tokens, in router_run_quick/")
     args = ap.parse_args()
-    run = trained_run(args.steps, experts=args.experts, seed=args.seed)
+    run = trained_run(args.steps, experts=args.experts, seed=args.seed, quick=args.quick)
     cfg, _, state = load(str(run))
-    toks = heldout_batch(run, 8, cfg.data.seq_len)
+    toks = heldout_batch(run, 2 if args.quick else 8, cfg.data.seq_len)
     for layer, (z, e, w, _) in enumerate(routing_all(run, toks)):
         load_E = np.bincount(np.asarray(e).reshape(-1), minlength=cfg.model.n_experts)
         print(f"layer {layer}: z {tuple(z.shape)}, max/mean expert load "

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/transport.py [--tokens-per-rank 1024] [--layer 2] [--reps 5]
         [--only pooled_global ...] [--global-sender-cf 1.10 2.0]
+    .venv/bin/python bench/transport.py --quick     # the same tables at tiny sizes, ~1 minute
 
 Runs on 8 fake CPU devices (EP 8; the script sets XLA_FLAGS itself). The routing is real: the
 router of a small trained MoE (bench/trained_router.py: 64 experts top-8, latent width H =
@@ -42,6 +43,10 @@ With 64 experts on 8 ranks, a rank holds E_l = 8 experts, which 3 waves cannot d
 reference's own split is ``--experts 48 --waves 3 1``: a second router model with 48 experts
 (top-8), E_l = 6 per rank in 3 waves of 2, exactly as 384 experts on 64 ranks; its tables are
 saved as transport_e48.json.
+
+``--quick`` checks the code path: one small router (bench/trained_router.py --quick, 8 steps),
+32 tokens per rank, W = 4, pooled_global at cf_s 2.0 only (no G = 2 row), one timed call and
+short sweeps; saved as transport_quick.json. Its figures are not the reference figures.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.extend import core as jcore  # noqa: E402
 
-from common import count, parser, print_table, run_main, save  # noqa: E402
+from common import count, parse_args, parser, print_table, run_main, save  # noqa: E402
 from moelab.config import ParallelConfig  # noqa: E402
 from moelab.model.experts import drop_totals  # noqa: E402
 from moelab.parallel import transport  # noqa: E402
@@ -68,6 +73,7 @@ from moelab.parallel.mesh import make_mesh, shard_batch, shard_expert_weights  #
 from moelab.parallel.transport.simulate import simulate_drops  # noqa: E402
 from moelab.planner.memory import transport_memory  # noqa: E402
 from trained_router import (  # noqa: E402
+    QUICK_STEPS,
     STEPS,
     heldout_batch,
     load,
@@ -255,11 +261,12 @@ def ep_degrees(layers, E: int, G: int, W: int) -> list[dict]:
     return out
 
 
-def global_sender_sweep(layers, E: int, G: int, W: int) -> list[dict]:
+def global_sender_sweep(layers, E: int, G: int, W: int,
+                        cfs=(1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5)) -> list[dict]:
     """pooled_global's drops (all layers, EP 8) over its send-pool factor at cf_r 1.10: the
     sender drops its transient pools add on top of the budget's receiver drops."""
     out = []
-    for cf in GLOBAL_SENDER_CFS:
+    for cf in cfs:
         tcfg = ParallelConfig(transport="pooled_global", global_sender_cf=cf, receiver_cf=1.10,
                               waves=W, budget_group=G)
         tot = drops_over_layers(layers, tcfg, E, 8)
@@ -267,9 +274,6 @@ def global_sender_sweep(layers, E: int, G: int, W: int) -> list[dict]:
         out.append({"global_sender_cf": cf, "sender": tot["sender_dropped"] / n,
                     "receiver": tot["receiver_dropped"] / n, "drop": tot["dropped"] / n})
     return out
-
-
-GLOBAL_SENDER_CFS = (1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5)
 
 
 def merge_seeds(per_seed: dict, keys: tuple[str, ...],
@@ -297,10 +301,11 @@ def drop_row(totals: Counter) -> dict:
             "receiver_drop": totals["receiver_dropped"] / n, "drop": totals["dropped"] / n}
 
 
-def cf_sweep(layers, E: int, S: int, G: int, pooled_w: list[int]) -> list[dict]:
-    """Drops (all layers) of the capacity-limited transports over one capacity factor."""
+def cf_sweep(layers, E: int, S: int, G: int, pooled_w: list[int],
+             cfs=(1.0, 1.05, 1.10, 1.25, 1.5)) -> list[dict]:
+    """Drops (all layers) of the capacity-limited transports over capacity factors."""
     sweep = []
-    for cf in (1.0, 1.05, 1.10, 1.25, 1.5):
+    for cf in cfs:
         row = {"cf": cf}
         cfgs = {f"pooled_W{w}": ParallelConfig(transport="pooled_wave", sender_cf=cf,
                                                 receiver_cf=cf, waves=w) for w in pooled_w}
@@ -320,7 +325,7 @@ def check_args(ap, args) -> None:
     """Options the router model cannot serve, refused before it trains (minutes)."""
     from moelab.config import load_config
 
-    cfg = load_config("tiny", run_overrides(args.router_steps, args.experts))
+    cfg = load_config("tiny", run_overrides(args.router_steps, args.experts, quick=args.quick))
     if args.experts % 8:
         ap.error(f"--experts {args.experts}: a multiple of the 8 ranks (48 or 64)")
     local = args.experts // 8
@@ -335,8 +340,10 @@ def check_args(ap, args) -> None:
 
 
 def main() -> None:
-    ap = parser(__doc__, "transport.json (transport_e<EXPERTS>.json with --experts)")
-    ap.add_argument("--tokens-per-rank", type=count, default=1024)
+    ap = parser(__doc__, "transport.json (transport_e<EXPERTS>.json with --experts; "
+                "transport[_e<EXPERTS>]_quick.json with --quick)")
+    ap.add_argument("--tokens-per-rank", type=count, default=1024,
+                    help="tokens per rank (8 ranks' tokens: whole 256-token windows)")
     ap.add_argument("--layer", type=int, default=2, help="layer whose routing/weights are timed")
     ap.add_argument("--reps", type=count, default=5,
                     help="timed calls per transport and router (median)")
@@ -346,7 +353,8 @@ def main() -> None:
                     "(64; 48 gives E_l = 6 per rank, the reference's split)")
     ap.add_argument("--waves", type=count, nargs="+", default=[4, 2, 1],
                     help="pooled_wave wave counts to time (each must divide E_l = experts / 8)")
-    ap.add_argument("--router-steps", type=count, default=STEPS)
+    ap.add_argument("--router-steps", type=count, default=STEPS,
+                    help="training steps of the router models")
     ap.add_argument("--router-seeds", type=int, nargs="+", default=[0, 1, 2],
                     help="router models (initialisation and batch order; each trained once): "
                     "tables give the median over them and the spread")
@@ -354,10 +362,17 @@ def main() -> None:
     ap.add_argument("--global-sender-cf", type=float, nargs="+", default=[1.10, 2.0],
                     help="pooled_global's parallel.global_sender_cf values to time (with the "
                     "largest budget group; the default also with budget_group 2)")
+    ap.add_argument("--sweep-cf", type=float, nargs="+", default=[1.0, 1.05, 1.10, 1.25, 1.5],
+                    help="capacity factors of Table 2")
+    ap.add_argument("--sweep-sender-cf", type=float, nargs="+",
+                    default=[1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5],
+                    help="pooled_global send-pool factors of Table 4")
     ap.add_argument("--only", nargs="+", choices=list(transport.TRANSPORTS),
                     help="time only these transports in Table 1 (pooled_wave is always timed: "
                     "the ratios are to it)")
-    args = ap.parse_args()
+    args = parse_args(ap, quick=dict(tokens_per_rank=32, reps=1, router_steps=QUICK_STEPS,
+                                     router_seeds=[0], waves=[4], global_sender_cf=[2.0],
+                                     sweep_cf=[1.1], sweep_sender_cf=[1.0, 2.0]))
     check_args(ap, args)
     t_start = time.time()
 
@@ -365,7 +380,8 @@ def main() -> None:
     if len(jax.devices()) < S:
         raise SystemExit(f"needs {S} devices, found {len(jax.devices())}")
     seeds = list(dict.fromkeys(args.router_seeds))
-    runs = {s: str(trained_run(args.router_steps, experts=args.experts, seed=s)) for s in seeds}
+    runs = {s: str(trained_run(args.router_steps, experts=args.experts, seed=s, quick=args.quick))
+            for s in seeds}
     cfg, _, _ = load(runs[seeds[0]])
     m = cfg.model
     L_seq = cfg.data.seq_len
@@ -402,7 +418,8 @@ def main() -> None:
     configs += [(f"pooled_global W={args.waves[0]} G={g}", f"cf_s {cs:.2f} / cf_r 1.10",
                  ParallelConfig(transport="pooled_global", global_sender_cf=cs, receiver_cf=1.10,
                                 waves=args.waves[0], budget_group=g))
-                for g, cs in [(G, cs) for cs in args.global_sender_cf] + [(2, default_cf)]]
+                for g, cs in [(G, cs) for cs in args.global_sender_cf]
+                + ([] if args.quick else [(2, default_cf)])]
     configs += [("waterfill", "cf 1.10", ParallelConfig(transport="waterfill", capacity_factor=1.10)),
                 ("ragged", "dropless", ParallelConfig(transport="ragged"))]
     if args.only:
@@ -480,18 +497,20 @@ def main() -> None:
         if r["waves"] and w1:
             r["w1_temp_over_this"] = w1 / r["temp_mib"] if r.get("temp_mib") else None
 
-    print("capacity-factor sweep and EP degrees (drop rules, all layers) ...", flush=True)
+    print(f"capacity-factor sweep and EP degrees (drop rules, all layers; "
+          f"{time.time() - t_start:.0f}s so far) ...", flush=True)
     pooled_w = [w for w in args.waves if w != 1][:1] + [1]
     sweep_totals = [*(f"pooled_W{w}" for w in pooled_w), "global", "waterfill", "expert_cells"]
     sweep_keys = tuple(f"{key}{part}" for key in sweep_totals
                        for part in ("", "_sender", "_receiver"))
-    sweep = merge_seeds({s: cf_sweep(layers[s], E, S, G, pooled_w) for s in seeds}, sweep_keys,
+    sweep = merge_seeds({s: cf_sweep(layers[s], E, S, G, pooled_w, args.sweep_cf) for s in seeds},
+                        sweep_keys,
                         {key: (f"{key}_sender", f"{key}_receiver") for key in sweep_totals})
     by_ep = merge_seeds({s: ep_degrees(layers[s], E, G, args.waves[0]) for s in seeds},
                         ("global", "waterfill"))
-    by_cf_s = merge_seeds({s: global_sender_sweep(layers[s], E, G, args.waves[0])
-                           for s in seeds}, ("sender", "receiver", "drop"),
-                          {"drop": ("sender", "receiver")})
+    by_cf_s = merge_seeds({s: global_sender_sweep(layers[s], E, G, args.waves[0],
+                                                  args.sweep_sender_cf) for s in seeds},
+                          ("sender", "receiver", "drop"), {"drop": ("sender", "receiver")})
     runtime = time.time() - t_start
     meta = dict(by_ep=by_ep, by_global_sender_cf=by_cf_s, router_runs=runs,
                 router_seeds=seeds, router_steps=args.router_steps, ranks=S, n_experts=E,

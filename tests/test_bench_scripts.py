@@ -9,6 +9,7 @@ import ast
 import importlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -177,3 +178,113 @@ def test_counts_are_whole_numbers_from_one(text, ok):
             common.count(text)
     else:
         assert common.count(text) == ok
+
+
+# --quick: the router-based scripts' tiny mode. Running one needs its small router model (~30 s
+# of training on 2 cores) and ~30-90 s of compiles, too much for CI: tested here is what makes a
+# quick run safe, its options, its file names and its labels.
+QUICK_SCRIPTS = ["drops_vs_context", "fresh_placement", "placed_forecast", "router_precision",
+                 "transport"]
+
+
+@pytest.mark.parametrize("name", QUICK_SCRIPTS + ["trained_router"])
+def test_router_scripts_offer_a_quick_mode(name, capsys, monkeypatch):
+    assert run_script(name, ["--help"], monkeypatch) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--quick" in out
+    if name != "trained_router":  # its quick run writes no table, only its run folder
+        assert "_quick." in out and "not the reference figures" in out
+
+
+def test_quick_sets_tiny_sizes_an_option_given_wins_and_the_run_says_so(capsys):
+    def ap():
+        p = common.parser("Measures a thing.", "thing.json")
+        p.add_argument("--reps", type=common.count, default=5)
+        p.add_argument("--waves", type=common.count, nargs="+", default=[4, 2, 1])
+        return p
+
+    quick = {"reps": 1, "waves": [4]}
+    try:
+        assert vars(common.parse_args(ap(), quick, [])) == {"reps": 5, "waves": [4, 2, 1],
+                                                            "quick": False}
+        assert capsys.readouterr().out == ""
+        got = common.parse_args(ap(), quick, ["--quick", "--reps", "3"])
+        assert (got.reps, got.waves) == (3, [4])
+        assert capsys.readouterr().out.startswith("QUICK MODE (--quick)")
+        with pytest.raises(SystemExit):
+            common.parse_args(ap(), quick, ["--help"])
+        shown = " ".join(capsys.readouterr().out.split())
+        assert "--quick the same code path at tiny sizes (--reps 1, --waves 4)" in shown
+    finally:
+        common._quick = False
+
+
+def test_a_quick_run_never_writes_the_reference_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(common, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["thing.py", "--quick"])
+
+    def main():
+        common.parse_args(common.parser("Measures a thing.", "thing.json"), {})
+        common.save("thing", [{"x": 1}], device_info=False)
+
+    common.run_main(main)
+    assert [p.name for p in tmp_path.iterdir()] == ["thing_quick.json"]
+    saved = json.loads((tmp_path / "thing_quick.json").read_text())
+    assert saved["quick"] is True and "not the reference figures" in saved["quick_note"]
+    out = capsys.readouterr().out.strip().splitlines()
+    assert "not the reference figures" in out[0] and "not the reference figures" in out[-1]
+    assert common.result_name("thing") == "thing"  # the mode ends with its run
+    common.save("thing", [{"x": 1}], device_info=False)
+    assert not json.loads((tmp_path / "thing.json").read_text()).get("quick")
+
+
+def test_the_quick_router_has_its_own_folder_and_small_batches():
+    import trained_router
+
+    quick = trained_router.router_dir(quick=True)
+    assert quick != trained_router.RUN_DIR and quick.name == "router_run_quick"
+    assert trained_router.router_dir(seed=1, quick=True).name == "router_run_quick_s1"
+    over = trained_router.run_overrides(trained_router.QUICK_STEPS, quick=True)
+    assert "data.batch_size=2" in over and "data.batch_size=16" not in over
+    fields = [o.split("=")[0] for o in over]
+    assert len(fields) == len(set(fields))  # each field once: load_config refuses repeats
+
+
+def test_help_gives_each_option_s_default(capsys):
+    p = common.parser("Measures a thing.", "thing.json")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--waves", type=int, nargs="+", default=[4, 2, 1], help="waves to time")
+    p.add_argument("--steps", type=int, default=9, help="steps (default 9; more is slower)")
+    p.add_argument("--tag", default="")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--seed SEED default: 0 " in out  # 0 is a default, not "none"
+    assert "waves to time (default: 4 2 1)" in out  # a list as typed
+    assert "steps (default 9; more is slower) --tag TAG results:" in out  # named once; "" none
+
+
+def _documented_options() -> dict[str, set[str]]:
+    """{script: options} of every `bench/NAME.py --option ...` command in README.md and docs/:
+    fenced blocks line by line (up to a # comment), inline code spans whole."""
+    repo, found = BENCH.parent, {}
+    for doc in [repo / "README.md", *sorted((repo / "docs").glob("*.md"))]:
+        text = doc.read_text()
+        fenced = re.findall(r"```[^\n]*\n(.*?)```", text, re.S)
+        commands = [ln.split(" #")[0] for block in fenced for ln in block.splitlines()]
+        commands += re.findall(r"`([^`]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+        for cmd in commands:
+            for name, rest in re.findall(r"bench/(\w+)\.py((?:\s+[^`]*)?)", cmd):
+                found.setdefault(name, set()).update(re.findall(r"(?<![\w-])--[a-z][\w-]*", rest))
+    return found
+
+
+def test_every_option_the_docs_give_a_script_exists(capsys, monkeypatch):
+    documented = _documented_options()
+    assert {"transport", "drops_vs_context", "trained_router"} <= documented.keys()
+    missing = []
+    for name, options in sorted(documented.items()):
+        assert run_script(name, ["--help"], monkeypatch) == 0
+        out = capsys.readouterr().out
+        missing += [f"bench/{name}.py {o}" for o in sorted(options) if o not in out]
+    assert not missing, "documented but not an option of the script: " + ", ".join(missing)
