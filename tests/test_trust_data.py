@@ -464,6 +464,16 @@ def test_a_first_build_stopped_before_its_tokenizer_is_not_trained_on(tmp_path, 
     assert rc == 2 and f"{out}: its `moelab data build` stopped before writing" in err, err
     assert f"data build {src} --out {out} --vocab 300 --no-progress" in err
     assert not run.exists() and not list(out.glob("tokenizer*")), "nothing trained"
+    from moelab.data.build import check_finished, take_data_lock
+    from moelab.data.errors import DataError
+    from moelab.util import release_lock
+
+    fd = take_data_lock(out, "moelab data build (still running)")  # a build writing it now
+    try:
+        with pytest.raises(DataError, match=r"moelab data build \(still running\)"):
+            check_finished(out)  # named as the build that holds it, not as one that stopped
+    finally:
+        release_lock(fd)
     assert _build(capsys, str(src), "--out", str(out))[0] == 0  # the same build finishes it
     assert with_tokenizer_vocab(config_from_dict(cfg)).model.vocab_size < 300
 

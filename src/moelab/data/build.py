@@ -204,10 +204,15 @@ def mark_unfinished(out: Path, command: str) -> None:
 
 def check_finished(data_dir: Path | str) -> None:
     """Refuse to train on a data folder whose build stopped before it wrote the folder's own
-    tokenizer (``mark_unfinished``); the same build run again finishes it."""
+    tokenizer (``mark_unfinished``); the same build run again finishes it. A build that still
+    runs (it holds the folder's lock) is named as the lock names it."""
     root = Path(data_dir)
     if (root / OWN_TOKENIZER).is_file() or not (root / UNFINISHED).is_file():
         return
+    try:
+        release_lock(take_data_lock(root, "a run checking its data folder"))
+    except LockHeld as e:
+        raise lock_error(root, e) from None
     command = (root / UNFINISHED).read_text(encoding="utf-8", errors="replace").strip()
     raise DataError(f"{root}: its `moelab data build` stopped before writing the folder's "
                     f"tokenizer ({root / OWN_TOKENIZER}), which runs on it use; run that build "
