@@ -978,3 +978,19 @@ def test_a_stop_as_a_replan_is_requested_leaves_the_plan_with_its_request(runs, 
                  str(tmp_path / "p.png")]) == 130
     assert (run / PENDING).is_file()
     assert [e["event"] for e in ops_events(run)] == ["replan_requested"]
+
+
+def test_a_url_branch_names_its_parent_by_url_or_as_recorded(tmp_path, monkeypatch):
+    """A branch read from a URL names its parent as a URL beside it; a link above the bucket
+    as recorded (it named this machine's copy of it), and a folder named ..x from here."""
+    from moelab.ops.record import _remote_parent
+    from moelab.run.logs import shown_path
+
+    local = "/cache/x/other/base"  # what read_lineage makes of the link on this machine
+    assert _remote_parent("gs://b/runs/base-c", {"parent": local, "parent_link": "../base"}) \
+        == "gs://b/runs/base"
+    assert _remote_parent("gs://b/base-c", {"parent": local, "parent_link": "../../o/base"}) \
+        == "../../o/base (relative to gs://b/base-c)"
+    monkeypatch.chdir(tmp_path)
+    assert shown_path(tmp_path / "..x" / "run") == "..x/run"
+    assert shown_path(tmp_path.parent / "elsewhere") == str(tmp_path.parent / "elsewhere")

@@ -124,8 +124,9 @@ def cut_at_stop(text: str, until: Sequence[str]) -> int | None:
 
 def gen_options(kwargs: dict, default_max: int, eot_text: str) -> dict:
     """A task's generation_kwargs as ``MoelabLM.generate`` arguments: greedy unless
-    ``do_sample`` is true (then ``temperature``, default 1, ``top_p`` and ``top_k``, which
-    as in transformers keeps every token at 0 or none)."""
+    ``do_sample`` is true (then ``temperature``, default 1, ``top_p`` and ``top_k``: 0 keeps
+    every token, as in transformers; so does a task that gives none, where transformers would
+    take its generation default, 50)."""
     kwargs = dict(kwargs or {})
     until = kwargs.get("until", [])
     until = [until] if isinstance(until, str) else list(until)

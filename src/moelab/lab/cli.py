@@ -90,7 +90,7 @@ def _field(name: str, text: str) -> str:
 
 def cmd_show(args) -> int:
     from moelab.lab.report import evaluate_record
-    from moelab.lab.runs import shown_path
+    from moelab.run.logs import shown_path
 
     path, rec = rec_mod.find(args.id, args.lab_dir)
     print(f"{rec.id}: {rec.title}\n{_field('file', str(path))}\n{_field('created', rec.created)}")
@@ -130,7 +130,7 @@ def cmd_attach(args) -> int:
 def not_a_run(record_file: Path, rec: rec_mod.Record, run: Path, ref: str) -> str:
     """Why ``lab attach`` refuses ``run``: a folder with no config.yaml, or no folder at all
     (a mistyped path: then the record's runs it could mean)."""
-    from moelab.lab.runs import shown_path  # as `lab show` names them
+    from moelab.run.logs import shown_path  # as `lab show` names them
 
     before = (f"to attach a run before it starts, train it with `moelab train CONFIG --record "
               f"{ref} --arm NAME`")

@@ -18,7 +18,8 @@ from typing import Callable
 from moelab.lab import records as rec_mod
 from moelab.lab.charts import COLORS, chart_data
 from moelab.lab.report import load_record_runs
-from moelab.lab.runs import RunData, read_run, shown_path
+from moelab.lab.runs import RunData, read_run
+from moelab.run.logs import shown_path
 
 
 def run_sources(targets: list[str], lab: str | None = None

@@ -401,7 +401,7 @@ def _detach(record_file: Path, run_dir: Path, reason: str) -> Record:
 
 def _not_attached(record_file: Path, rec: Record, run_dir: Path) -> str:
     """Why ``detach`` cannot find ``run_dir``, with the run folders it could mean."""
-    from moelab.lab.runs import shown_path  # as `lab show` names them
+    from moelab.run.logs import shown_path  # as `lab show` names them
 
     live = [f"{shown_path(run_path(record_file, r))} (arm {r.arm})" for r in live_runs(rec)]
     if not live:

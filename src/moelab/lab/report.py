@@ -36,8 +36,8 @@ from moelab.lab.runs import (
     name_runs,
     newest_usable,
     read_run,
-    shown_path,
 )
+from moelab.run.logs import shown_path
 from moelab.util import atomic_write_text
 
 ICONS = {MET: "✅", NOT_MET: "❌", NO_DATA: "❔"}

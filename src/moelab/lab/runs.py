@@ -9,7 +9,6 @@ crashed when it is not (killed, out of memory), unknown when it ran on another h
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,13 +180,6 @@ def read_run(path: Path | str, arm: str | None = None) -> RunData:
                    events=events, summary=summary, provenance=_read_json(path / "provenance.json"),
                    config=_read_config(path / "config.yaml"),
                    prediction=pred, lineage=read_lineage(path))
-
-
-def shown_path(p: Path) -> str:
-    """A run folder as reports show it: relative to the current folder when inside it (no
-    machine-specific absolute paths in a report meant for a repository)."""
-    rel = os.path.relpath(p, Path.cwd())
-    return str(p) if rel.startswith("..") else rel
 
 
 def name_runs(runs: list[RunData]) -> list[RunData]:

@@ -32,6 +32,7 @@ from moelab.run.logs import (
     read_lineage,
     read_metrics,
     run_status,
+    shown_path,
 )
 from moelab.util import is_url
 
@@ -65,7 +66,7 @@ def ancestry(run_dir: Path | str) -> list[dict]:
             break
         seen.add(parent.resolve())
         found = (parent / "metrics.jsonl").is_file() or (parent / OPS_LOG).is_file()
-        made = made if isinstance(made, (int, float)) else math.inf
+        made = made if isinstance(made, (int, float)) and not isinstance(made, bool) else math.inf
         events = [e for e in history(parent) if e.get("event") != "branch"
                   and e.get("step", 0) < at and e.get("time", 0.0) <= made] if found else None
         out.insert(0, {"run": parent, "at": at, "child": child, "events": events})
@@ -233,14 +234,14 @@ def format_history(run_dir: Path | str, name: str | None = None) -> str:
     lin = read_lineage(run_dir)
     if lin:
         remote = name is not None and is_url(name)
-        parent = _remote_parent(name, lin) if remote else shown(lin["parent"])
+        parent = _remote_parent(name, lin) if remote else shown_path(lin["parent"])
         lines.append(f"  branch of {parent} at step {lin['step']}"
                      + (f": {lin['reason']}" if lin.get("reason") else ""))
         if remote:  # its parents' logs are not fetched
             lines.append(f"  its steps before {lin['step']} are the parent's: `moelab history "
                          f"{parent}` shows them")
         for a in [] if remote else ancestry(run_dir):
-            who, forked = shown(a["run"]), shown(a["child"])
+            who, forked = shown_path(a["run"]), shown_path(a["child"])
             if a["events"] is None:
                 lines.append(f"  parent {who}: not found here (moved apart from {forked}?); "
                              f"its history before step {a['at']} is not shown")
@@ -293,7 +294,7 @@ def _event_lines(events: list[dict], run: Path | None = None) -> list[str]:
     lines = []
     for i, e in enumerate(events):
         when = _fmt_time(e.get("time"))
-        linked = {k: shown(linked_run(run, e[k])) for k in ("child", "parent")
+        linked = {k: shown_path(linked_run(run, e[k])) for k in ("child", "parent")
                   if run is not None and isinstance(e.get(k), str)}
         extra = ", ".join(f"{k}={_short(linked.get(k, v))}" for k, v in e.items()
                           if k not in skip and v is not None)
@@ -309,12 +310,6 @@ def _event_lines(events: list[dict], run: Path | None = None) -> list[str]:
     return lines
 
 
-def shown(path: Path | str) -> str:
-    """A run folder as history names it: relative to the current folder when inside it."""
-    rel = os.path.relpath(path)
-    return str(path) if rel.startswith("..") else rel
-
-
 def _remote_parent(url: str, lin: dict) -> str:
     """A URL run's parent: a URL where the lineage names it relative to the branch."""
     rel = lin.get("parent_link", "")
@@ -323,7 +318,7 @@ def _remote_parent(url: str, lin: dict) -> str:
     parts = url.rstrip("/").split("/")
     for part in Path(rel).parts:
         if part == os.pardir and len(parts) <= 3:  # above the URL's host or bucket
-            return lin["parent"]
+            return f"{rel} (relative to {url})"  # as recorded: no local copy's path
         if part == os.pardir:
             parts.pop()
         elif part != os.curdir:

@@ -41,6 +41,13 @@ def read_lineage(run_dir: Path | str) -> dict | None:
     return lin
 
 
+def shown_path(path: Path | str) -> str:
+    """A run folder as history and lab reports name it: relative to the current folder when
+    inside it (no machine's absolute paths in what is meant to be shared), else as given."""
+    rel = os.path.relpath(path)
+    return str(path) if rel.split(os.sep)[0] == os.pardir else rel
+
+
 def link_to(run_dir: Path | str, other: Path | str) -> str:
     """How a record in ``run_dir`` names the run folder ``other`` (a branch's parent, a
     parent's branch): relative to ``run_dir``, so runs moved or copied together keep their
