@@ -131,6 +131,8 @@ def test_presets_and_plan(capsys):
     (["train", "tiny", "model.d_modle=3"], "model.d_modle"),
     (["train", "tiny", "model.d_model=abc"], "model.d_model"),
     (["train", "tiny", "train.steps"], "override 'train.steps'"),
+    (["train", "tiny", "--arm", "b"], "--arm b: names the run in an experiment record: give "
+                                      "--record too"),  # not ignored
 ])
 def test_train_config_errors_are_one_clear_line(argv, field, capsys, tmp_path):
     rc, out, err = run_main(argv + ["--run-dir", str(tmp_path / "r")], capsys)
@@ -138,6 +140,17 @@ def test_train_config_errors_are_one_clear_line(argv, field, capsys, tmp_path):
     assert err.startswith(f"moelab: error: {field}"), err
     assert "Traceback" not in err and out == ""
     assert not (tmp_path / "r").exists()  # nothing was started
+
+
+def test_a_config_from_a_pipe_needs_a_run_dir(capsys, tmp_path):
+    """`moelab train <(...)` would train into runs/63 (the pipe's descriptor): refused before
+    the pipe is read, naming the option."""
+    import os
+
+    os.mkfifo(tmp_path / "63")
+    rc, _, err = run_main(["train", str(tmp_path / "63")], capsys)
+    assert rc == 2 and err.startswith(f"moelab: error: config {tmp_path / '63'}: is a pipe")
+    assert "give --run-dir" in err
 
 
 def test_train_missing_config_file(capsys, tmp_path):

@@ -287,12 +287,88 @@ def test_other_boolean_values_are_refused_alike(word, tmp_path):
 
 
 @pytest.mark.parametrize("item, needle", [
-    ("train.steps", "expected section.field=value"),
-    ("steps=5", "key must be section.field"),
+    ("train.steps", "expected section.field=value, e.g. train.steps=100 (no spaces around =)"),
+    ("steps=5", "key must be section.field, e.g. train.steps=5"),  # the field meant
+    (".steps=5", "key must be section.field, e.g. train.steps=5"),  # not ": unknown field"
+    ("train.=5", "key must be section.field, e.g. model.d_model"),
+    ("small", "a second config; give one config (preset or YAML file), before the overrides"),
+    ("optim.decays.start=5", "optim.decays is a list; give it whole, e.g. "
+                             "optim.decays=[{...}]"),  # not "expected a list, got {'start': 5}"
+    ("my.yaml", "a second config; give one config (preset or YAML file), before the overrides"),
 ])
 def test_malformed_overrides(item, needle):
-    with pytest.raises(ConfigError, match=needle):
+    with pytest.raises(ConfigError) as e:
         load_config("tiny", [item])
+    assert str(e.value) == f"override {item!r}: {needle}"
+
+
+def test_a_text_field_on_the_command_line_takes_the_text_typed(tmp_path):
+    """YAML would read 2024 as a number and an empty value as null: a text field given on the
+    command line takes the characters typed; a YAML file says to quote them."""
+    cfg = load_config("tiny", ["train.wandb_project=2024", "data.tokenizer="])
+    assert (cfg.train.wandb_project, cfg.data.tokenizer) == ("2024", "")
+    assert load_config("tiny", ["data.source=x.jsonl", "data.split= 007 ",
+                                "data.format=hf-files"]).data.split == "007"
+    with pytest.raises(ConfigError, match=r"^model.conv_sites: expected a string, got \['q'"):
+        load_config("tiny", ["model.conv_sites=[q, k]"])  # a list is not text
+    path = _yaml(tmp_path / "n.yaml", "base: tiny\ntrain:\n  wandb_project: 2024\n")
+    with pytest.raises(ConfigError, match=r"train.wandb_project: expected a string, got 2024; "
+                                          r"in YAML, quote text that reads as a number"):
+        load_config(path)
+    path = _yaml(tmp_path / "e.yaml", "base: tiny\ndata:\n  tokenizer:\n")
+    with pytest.raises(ConfigError, match=r"data.tokenizer: expected a string, got nothing "
+                                          r"\(an empty value\); write '' for an empty one"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("me/proj", "'me/proj': W&B project names cannot hold /; for entity/project set "
+                "WANDB_ENTITY=me and train.wandb_project=proj"),
+    ("a#b:c", "cannot hold # :"),
+    ("a\\b", "cannot hold \\"),
+    ("", "give a W&B project name of 1 to 128 characters"),
+    ("x" * 129, "of 1 to 128 characters"),
+])
+def test_a_wandb_project_name_w_and_b_refuses_is_refused_at_once(name, needle):
+    """wandb.init refuses these only once the run folder is made and the data prepared, with a
+    traceback; the config names the field at once (the same rule as the installed wandb's)."""
+    import wandb
+
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [f"train.wandb_project={name}"])
+    assert str(e.value).startswith("train.wandb_project: ") and needle in str(e.value)
+    if name:  # W&B itself takes "" (its default project), which names nothing here
+        with pytest.raises(wandb.errors.UsageError):
+            wandb.Settings(project=name)
+    for good in ("my proj-1.x", "x" * 128):
+        assert load_config("tiny", [f"train.wandb_project={good}"]).train.wandb_project == good
+        wandb.Settings(project=good)
+
+
+def test_a_config_from_a_pipe_is_read_and_a_run_folder_is_named(tmp_path, monkeypatch):
+    """`moelab train <(moelab config tiny ...)` reads a pipe, not a regular file; a run folder
+    given as the config says where its config is and how to continue it."""
+    import os
+    import threading
+
+    fifo = tmp_path / "cfg.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("base: tiny\ntrain:\n  steps: 7\n"),
+                              daemon=True)
+    writer.start()
+    try:
+        assert load_config(str(fifo)).train.steps == 7
+    finally:
+        if writer.is_alive():  # not read: let its open return instead of blocking for ever
+            os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        writer.join(5)
+    monkeypatch.chdir(tmp_path)
+    _yaml(tmp_path / "runs" / "r1" / "config.yaml", "{}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config("runs/r1")
+    assert str(e.value).startswith("config file runs/r1: a folder, not a file (a run folder: its "
+                                   "config is runs/r1/config.yaml; `moelab resume runs/r1` "
+                                   "continues the run); give a YAML path or a preset name")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,7 +466,7 @@ def test_unknown_section_is_named_without_a_stray_dot():
     ("model.d_model=true", "model.d_model", "expected an integer"),
     ("optim.lr=fast", "optim.lr", "expected a number"),
     ("train.wandb=maybe", "train.wandb", "expected true or false"),
-    ("model.router=3", "model.router", "expected a string"),
+    ("model.router=3", "model.router", "must be 'softmax_aux'"),  # the text 3 (a choice field)
     ("data.mixture=5", "data.mixture", "expected a mapping"),
     ("data.mixture={a: x}", "data.mixture.a", "expected a number"),
 ])
@@ -546,11 +622,11 @@ def test_a_run_folder_given_as_the_config_names_its_config_file(tmp_path, monkey
     (tmp_path / "runs" / "lo").mkdir(parents=True)
     save_config(load_config("tiny"), tmp_path / "runs" / "lo" / "config.yaml")
     for given in ("runs/lo", "runs/lo/"):
-        with pytest.raises(ConfigError, match="config file runs/lo/?: a run folder, not a "
-                           "file; give its config, runs/lo/config.yaml$"):
+        with pytest.raises(ConfigError, match="config file runs/lo/?: a folder, not a file "
+                           r"\(a run folder: its config is runs/lo/config.yaml;"):
             load_config(given)
-    with pytest.raises(ConfigError, match=r"runs/lo \(the base of .*\): a run folder, not a "
-                       r"file; give its config, .*runs/lo/config.yaml$"):
+    with pytest.raises(ConfigError, match=r"runs/lo \(the base of .*\): a folder, not a file "
+                       r"\(a run folder: its config is .*runs/lo/config.yaml;"):
         load_config(str(_yaml(tmp_path / "t.yaml", "base: runs/lo\n")))
     assert load_config("runs/lo/config.yaml") == load_config("tiny")
 

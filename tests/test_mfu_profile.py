@@ -85,7 +85,7 @@ def test_unknown_accelerator_and_the_peak_flops_setting():
 
 
 @pytest.mark.parametrize("value, message", [
-    ("7", "expected a string"),
+    ("7", "START:END"),  # the text typed: 7 is not a range
     ("0:3", "START:END"),
     ("4:4", "START:END"),
     ("a:b", "START:END"),

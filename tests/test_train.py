@@ -681,3 +681,8 @@ def test_drops_are_on_the_progress_line_and_in_the_summary_where_routes_can_drop
          "drops": drops_text(ep4, m)}
     assert ("  routes dropped   51.9% (sender 28.2%, receiver 23.7%) at the last logged step"
             in format_summary(s))
+    # the gzip line reads as model vs gzip (it read "gzip -9 model 3.206 vs gzip 3.195")
+    s.update({"eval/prose/loss": 2.0, "eval/prose/bpb": 3.2056,
+              "baseline/prose/gzip9_bpb": 3.1947})
+    assert format_summary(s).endswith("\n  prose vs gzip   model 3.206, gzip -9 3.195 bits/byte: "
+                                      "the model does NOT beat gzip")

@@ -124,7 +124,8 @@ class DataConfig:
     sampler: str = ""
     stream_head_mb: float = 16.0  # stream: MB of text at the source's start kept locally
     stream_shuffle: int = 1024  # stream: windows shuffled together (a bounded buffer)
-    # run operations: new mixtures and longer contexts from given steps on (see segments())
+    # new domain weights from given steps on: [{step, mixture}] (`moelab replan/branch
+    # --mixture` writes them; docs/operations.md)
     mixture_schedule: list[MixtureChange] = field(default_factory=list)
     # longer contexts: [{step, seq_len, batch_size}], each optionally drop-gated (max_drops,
     # fallbacks; docs/operations.md)

@@ -140,7 +140,10 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         return float(value)
     if hint is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {_shown(value)}")
+            fix = ("" if isinstance(value, (list, dict)) else "; write '' for an empty one"
+                   if value is None else "; in YAML, quote text that reads as a number or "
+                   "a boolean ('2024', 'yes')")
+            raise ConfigError(f"{where}: expected a string, got {_shown(value)}{fix}")
         return value
     if getattr(hint, "__origin__", None) is dict:
         if not isinstance(value, dict):
@@ -224,13 +227,13 @@ def _read_one(name: str, path: Path | None, via: str | None) -> dict[str, Any]:
     mapping of sections; ``via`` names the file whose base it is."""
     of = f" (the base of {via})" if via else ""
     if path is not None:
-        if not path.is_file():
-            if path.is_dir() and (path / "config.yaml").is_file():  # a run folder
-                raise ConfigError(f"config file {name}{of}: a run folder, not a file; give "
-                                  f"its config, {Path(name) / 'config.yaml'}")
+        # a pipe (`moelab train <(...)`, /dev/stdin) is read like a file
+        if not path.exists() or path.is_dir():
             what = "a folder, not a file" if path.is_dir() else "not found"
-            raise ConfigError(f"config file {name}{of}: {what}; give a YAML path or a preset "
-                              f"name ({', '.join(preset_names())})")
+            run = (f" (a run folder: its config is {path / 'config.yaml'}; `moelab resume "
+                   f"{name}` continues the run)" if (path / "config.yaml").is_file() else "")
+            raise ConfigError(f"config file {name}{of}: {what}{run}; give a YAML path or a "
+                              f"preset name ({', '.join(preset_names())})")
         text = decode_utf8(path.read_bytes(), f"config {name}")
     else:
         res = resources.files("moelab") / "presets" / f"{name}.yaml"
@@ -293,12 +296,31 @@ def _resolve(source: str, folder: Path | None, chain: tuple[tuple[str, str], ...
 
 def _override_key(item: str) -> list[str]:
     if "=" not in item:
-        raise ConfigError(f"override {item!r}: expected section.field=value, "
-                          "e.g. train.steps=100")
-    parts = item.split("=", 1)[0].strip().split(".")
-    if len(parts) < 2:
-        raise ConfigError(f"override {item!r}: key must be section.field, e.g. model.d_model")
+        config = _is_preset(item) or Path(item).suffix in (".yaml", ".yml")
+        raise ConfigError(f"override {item!r}: " + (
+            "a second config; give one config (preset or YAML file), before the overrides"
+            if config else "expected section.field=value, e.g. train.steps=100 (no spaces "
+            "around =)"))
+    key = item.split("=", 1)[0].strip()
+    parts = key.split(".")
+    if len(parts) < 2 or not all(p.strip() for p in parts):
+        name = ".".join(p.strip() for p in parts if p.strip())  # `steps=5`, `.steps=5`
+        meant = [f"{s}.{name}" for s, cls in get_type_hints(RunConfig).items()
+                 if name in get_type_hints(cls)]
+        raise ConfigError(f"override {item!r}: key must be section.field, e.g. "
+                          + (f"{meant[0]}={item.split('=', 1)[1]}" if meant else "model.d_model"))
     return parts
+
+
+def _field_type(parts: list[str]) -> Any:
+    """The type of the field a dotted key names (None past a section's field: a mapping key,
+    or a key no field has, which validation names)."""
+    hint: Any = RunConfig
+    for part in parts:
+        if not dataclasses.is_dataclass(hint) or part not in (hints := get_type_hints(hint)):
+            return None
+        hint = hints[part]
+    return hint
 
 
 def override_field(item: str) -> str:
@@ -330,16 +352,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     for item in overrides:
         parts, raw = _override_key(item), item.split("=", 1)[1]
         node = data
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
+            if getattr(_field_type(parts[:i + 1]), "__origin__", None) is list:
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:i + 1])} is a list; "
+                                  f"give it whole, e.g. {'.'.join(parts[:i + 1])}=[{{...}}]")
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part} is not a section")
         try:
-            node[parts[-1]] = yaml.load(raw, Loader=ConfigLoader)
+            value = yaml.load(raw, Loader=ConfigLoader)
         except ConfigError as e:
             raise ConfigError(f"override {item!r}: {e}") from None
         except yaml.YAMLError:
-            node[parts[-1]] = raw
+            value = raw
+        # a text field takes the text typed (train.wandb_project=2024, data.tokenizer= for "")
+        is_text = _field_type(parts) is str
+        scalar = value is None or isinstance(value, (bool, int, float))
+        node[parts[-1]] = raw.strip() if is_text and scalar else value
     return data
 
 

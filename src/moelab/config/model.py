@@ -29,7 +29,9 @@ class ModelConfig:
     rope_theta: float = 10_000.0  # RoPE base frequency
     rope_fraction: float = 1.0  # fraction of each head's dims that RoPE rotates (reference: 0.5)
     sliding_window: int = 0  # 0 = full causal everywhere
-    global_every: int = 0  # with a window: layers i with (i+1) % global_every == 0 are full causal
+    # layers i with (i+1) % global_every == 0 are global: full causal (no sliding_window), with
+    # global_kv_heads and global_rope; 0 = no global layers (those two then change nothing)
+    global_every: int = 0
     qk_norm: bool = False  # weightless RMS norm on q and k ...
     qk_norm_scale: float = 1.0  # ... then multiplied by this (reference: 1.3)
     global_kv_heads: int = 0  # KV heads a global layer uses (the first ones); 0 = all n_kv_heads
@@ -49,10 +51,11 @@ class ModelConfig:
     n_shared: int = 1  # shared experts every token passes through
     shared_dim: int = 256  # shared expert SwiGLU intermediate width
     router: str = "softmax_aux"  # "softmax_aux" | "sigmoid_bias" | "quantile"
-    aux_loss_coef: float = 0.01  # load-balance loss weight (softmax_aux; logged for both)
+    aux_loss_coef: float = 0.01  # load-balance loss weight (softmax_aux; logged for every router)
     router_z_coef: float = 0.0  # router z-loss weight in the loss (always logged)
     bias_update_rate: float = 1e-3  # sigmoid_bias: step size of the balancing bias
-    combine_sum: float = 0.0  # sigmoid routers: rescale the k weights to sum to this; 0 = raw
+    # sigmoid_bias and quantile: rescale the k weights to sum to this; 0 = raw sigmoids
+    combine_sum: float = 0.0
     qb_bins: int = 10_000  # quantile router: histogram bins of the balancing quantile
     # "auto" (gmm on a GPU when it fits, else blocks) | "blocks" | "gmm" (grouped GEMM; GPU)
     # | "ragged" | "ragged_fusion" (XLA's, GPU) | "mgpu" (Hopper GPUs) | "dense" (the reference)

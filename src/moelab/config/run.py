@@ -40,7 +40,9 @@ class OptimConfig:
     """The optimizer: AdamW and its LR schedule (warmup, linear decay to a floor)."""
 
     lr: float = 3e-3  # peak learning rate
-    warmup_steps: int = 0  # 0 = 1% of schedule_steps (as in the reference)
+    # steps of linear warmup; 0 = 1% of schedule_steps (as in the reference), at least 1;
+    # 1 = no warmup (the first step trains at the peak)
+    warmup_steps: int = 0
     schedule_steps: int = 0  # length of the LR schedule; 0 = train.steps
     floor: float = 0.05  # final LR as a fraction of peak
     weight_decay: float = 0.1  # AdamW decay of the matrices (not norms or embeddings)
@@ -94,10 +96,12 @@ class TrainConfig:
     """The training loop: steps, logging, evaluation, checkpoints, trackers."""
 
     steps: int = 600  # stop step (the schedule length is optim.schedule_steps)
-    seed: int = 0  # seed of the parameter initialisation
-    log_every: int = 10  # steps between metrics records
-    eval_every: int = 200  # steps between held-out evaluations
-    eval_tokens: int = 65_536  # held-out tokens per domain per evaluation
+    seed: int = 0  # seed of the parameter initialisation (and of the summary's sample)
+    log_every: int = 10  # steps between metrics records and progress lines (and the last step)
+    eval_every: int = 200  # steps between held-out evaluations (and one at the end)
+    # held-out tokens per domain per evaluation; the one at the run's end reads the whole
+    # held-out split, up to max(this, 1M), for the comparison with gzip
+    eval_tokens: int = 65_536
     ckpt_every: int = 200  # steps between checkpoints (and one at the end)
     keep_ckpts: int = 3  # checkpoints kept: the newest, then periodic ones before a stop's
     # MFU's denominator, FLOP/s of all devices together (then nothing is measured); 0 = the
@@ -105,7 +109,8 @@ class TrainConfig:
     # matmul peak measured at start shown beside it
     peak_flops: float = 0.0
     wandb: bool = False  # also log to W&B (set WANDB_MODE=offline to stay local)
-    wandb_project: str = "moelab"  # W&B project name
+    # W&B project name: 1 to 128 characters, none of / \ # ? % : (an entity goes in WANDB_ENTITY)
+    wandb_project: str = "moelab"
     tensorboard: bool = False  # also write TensorBoard event files to <run folder>/tensorboard
     async_ckpt: bool = True  # write checkpoints in the background while training goes on
     # Gradient accumulation: tokens per micro-step; each step runs its batch as
@@ -136,6 +141,7 @@ class TrainConfig:
             require_steps(getattr(self, name), f"{p}.{name}")
         require_seed(self.seed, f"{p}.seed")
         require(self.peak_flops >= 0, f"{p}.peak_flops", "must be >= 0 (0 = the rated peak)")
+        check_wandb_project(self.wandb_project, f"{p}.wandb_project")
         require(self.microbatch_tokens >= 0, f"{p}.microbatch_tokens", "must be >= 0 (tokens per micro-step; "
                 "0 = no gradient accumulation)")
         require(self.on_nonfinite in ("stop", "skip"), f"{p}.on_nonfinite",
@@ -147,6 +153,22 @@ class TrainConfig:
             require(traced[0] <= self.steps, f"{p}.profile_steps", f"{self.profile_steps}: "
                     f"starts after the run's last step ({p}.steps={self.steps}); trace steps "
                     "the run trains")
+
+
+# characters W&B refuses in a project name (wandb.init raises, once the run has started)
+WANDB_PROJECT_BAD = "/\\#?%:"
+
+
+def check_wandb_project(name: str, where: str) -> None:
+    """A project name W&B takes: not empty, at most 128 characters, none of ``/ \\ # ? % :``
+    (``entity/project`` names the entity apart, in WANDB_ENTITY)."""
+    bad = sorted({c for c in name if c in WANDB_PROJECT_BAD})
+    entity = name.count("/") == 1 and bad == ["/"] and all(name.split("/"))
+    require(not bad, where, f"{name!r}: W&B project names cannot hold {' '.join(bad)}" + (
+        f"; for entity/project set WANDB_ENTITY={name.split('/')[0]} and {where}="
+        f"{name.split('/')[1]}" if entity else ""))
+    require(0 < len(name.strip()) and len(name) <= 128, where, f"{name!r}: give a W&B project "
+            "name of 1 to 128 characters")
 
 
 def step_range(text: str, where: str) -> tuple[int, int] | None:

@@ -41,6 +41,8 @@ def join_processes(args) -> None:
 def _check_options(args) -> None:
     """Options that would fail only once work has started, or lose its results: checked first."""
     check_process_options(args)
+    require(not args.arm or args.record, f"--arm {args.arm}", "names the run in an experiment "
+            "record: give --record too, or drop --arm")
     # memory:// is fsspec's in-process filesystem: fine from Python (tests), lost at exit here
     require(not str(args.run_dir).startswith("memory://"), f"--run-dir {args.run_dir}",
             "memory:// lives only inside this process, so the run would be gone when `moelab "
@@ -66,6 +68,9 @@ def cmd_train(args, attach_record) -> int:
     claim_gpu_share()  # before JAX's backend starts: this process owns its GPUs
     _check_options(args)
     source, overrides = split_overrides(args.config, args.overrides)
+    piped = Path(source).exists() and not (Path(source).is_file() or Path(source).is_dir())
+    require(args.run_dir or not piped, f"config {source}", "is a pipe (`<(...)`, /dev/stdin), "
+            "whose name says nothing of the run: give --run-dir")
     cfg = load_config(source, overrides)
     if is_url(args.run_dir):  # gs://, s3://...: mirrored through a local copy (run/remote.py)
         url_fs(args.run_dir)  # an unknown protocol or a missing package, before any work

@@ -357,8 +357,8 @@ def format_summary(s: dict) -> str:
     if "baseline/prose/gzip9_bpb" in s:
         model = s.get("eval/prose/bpb", float("nan"))
         verdict = "beats" if model < s["baseline/prose/gzip9_bpb"] else "does NOT beat"
-        lines.append(f"  prose vs gzip -9 model {model:.3f} vs gzip {s['baseline/prose/gzip9_bpb']:.3f}"
-                     f" bits/byte: the model {verdict} gzip")
+        lines.append(f"  prose vs gzip   model {model:.3f}, gzip -9 "
+                     f"{s['baseline/prose/gzip9_bpb']:.3f} bits/byte: the model {verdict} gzip")
     if s.get("sample"):
         lines.append("  sample: " + s["sample"].replace("\n", " ")[:300])
     return "\n".join(lines)
