@@ -17,6 +17,7 @@ from moelab.config import ConfigError, load_config
 from moelab.run.logs import read_metrics
 from moelab.train import preflight, setup
 from moelab.train.loop import train
+from moelab.train.step import abstract_train_state
 
 GIB = 2**30
 
@@ -134,14 +135,25 @@ def test_a_run_the_cpu_host_cannot_hold_is_refused_before_its_state(tmp_path, da
     # a CPU reports no allocator limit: the plan against the host's memory decides, before the
     # state is built (d768 on a 23 GiB host was killed by the system without a message)
     def never(*_a, **_kw):
-        raise AssertionError("the train state was built before the refusal")
+        raise AssertionError("the data or train state was built before the refusal")
 
     monkeypatch.setattr(setup, "init_sharded_state", never)
-    monkeypatch.setattr(preflight, "_host_memory", lambda: 2**20)
+    cfg = micro_config(data_dir, train={"steps": 2})
+    state = abstract_train_state(cfg)
+    held = preflight.held_bytes(state) + preflight.held_bytes(state["params"])
+    monkeypatch.setattr(preflight, "_host_memory", lambda: held + 2**10)  # not the activations
     with pytest.raises(ConfigError, match=r"this run needs about [\d.]+ MiB of memory \([\d.]+ "
                        r"MiB train state, .* activations with remat none\), but this host has "
-                       r"1.0 MiB. Fixes: model.remat=full; .*train.memory_check=false starts"):
-        train(micro_config(data_dir, train={"steps": 2}), tmp_path / "run", verbose=False)
+                       r"[\d.]+ MiB. Fixes: model.remat=full; .*train.memory_check=false starts"):
+        train(cfg, tmp_path / "run", verbose=False)
+    assert not (tmp_path / "run").exists()
+    # a state the host cannot hold: refused before the data is prepared (a 535B-shaped run
+    # trained its 128K tokenizer first)
+    monkeypatch.setattr(setup, "_prepare", never)
+    monkeypatch.setattr(preflight, "_host_memory", lambda: held - 2**10)
+    with pytest.raises(ConfigError, match=r"MiB gradients, before any activation\), but this "
+                       r"host has [\d.]+ MiB. Fixes: a smaller model or batch; or an accelerator"):
+        train(cfg, tmp_path / "run", verbose=False)
     assert not (tmp_path / "run").exists()
     preflight.check_host_memory(micro_config(data_dir, train={"memory_check": False}))
     monkeypatch.setattr(preflight, "_host_memory", lambda: 64 * GIB)
@@ -152,10 +164,9 @@ def test_the_host_check_counts_what_every_cpu_device_holds(tmp_path, data_dir,  
                                                              monkeypatch):
     # 8 fake CPU devices share the host's memory and each holds a copy of what is not split:
     # a host that holds the state once, but not 8 copies of it, cannot hold the run
-    from moelab.train.step import abstract_train_state
 
     def never(*_a, **_kw):
-        raise AssertionError("the train state was built before the refusal")
+        raise AssertionError("the data or train state was built before the refusal")
 
     cfg = micro_config(data_dir, data={"batch_size": 8}, parallel={"devices": 8})
     state = abstract_train_state(cfg)
@@ -163,8 +174,8 @@ def test_the_host_check_counts_what_every_cpu_device_holds(tmp_path, data_dir,  
             + preflight.planned_none(cfg, None, "cpu"))
     monkeypatch.setattr(setup, "init_sharded_state", never)
     monkeypatch.setattr(preflight, "_host_memory", lambda: 2 * once)
-    with pytest.raises(ConfigError, match=r"activations with remat none, on its 8 devices "
-                       r"together\), but this host has .* fewer parallel.devices, or "
+    with pytest.raises(ConfigError, match=r"gradients, before any activation, on its 8 "
+                       r"devices together\), but this host has .* fewer parallel.devices, or "
                        r"parallel.fsdp=true .*`moelab plan CONFIG --devices 8 --accelerator "
                        r"custom --peak-flops 1e12 --hbm-gib [\d.e-]+` sizes each option as this "
                        r"check does"):

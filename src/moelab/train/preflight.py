@@ -281,9 +281,9 @@ def host_bytes(tree, shardings=None) -> int:
                for a, s in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)))
 
 
-def _host_parts(cfg: RunConfig, start: int, mesh, state, state_sh, remat: str):
+def _host_parts(cfg: RunConfig, start: int, mesh, state, state_sh, remat: str | None):
     """(train state, gradients, their sum over micro-steps, activations planned under
-    ``remat``): the bytes a run's step holds in this process's memory on a CPU, summed over
+    ``remat``, none without): the bytes a run's step holds in this process's memory on a CPU, summed over
     its devices there (``state``: arrays, or abstract ones with their shardings ``state_sh``)."""
     st = host_bytes(state, state_sh)
     grads = host_bytes(state["params"], None if state_sh is None else state_sh["params"])
@@ -291,15 +291,20 @@ def _host_parts(cfg: RunConfig, start: int, mesh, state, state_sh, remat: str):
     summed = grads * any(cfg.micro_seqs(s) < cfg.data.segment_at(s).batch_size
                          for s in stage_starts(cfg, start))
     n_dev = 1 if mesh is None else len(mesh.local_devices)
+    if remat is None:  # the state alone
+        return st, grads, summed, 0.0
     return st, grads, summed, n_dev * planned_none(cfg, mesh, "cpu", start, remat=remat)
 
 
-def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None) -> None:
-    """On a CPU (no allocator limit; every device in the host's memory) refuse, before the train
-    state is built (after the data checks), a run whose train state, gradients and activations
-    (planned under its remat policy, ``full`` for auto: the least) need more than the host has,
-    summed over the devices of ``mesh`` (``state_sh``: the state's shardings on it): it would
-    otherwise end in XLA's out-of-memory error, or be killed by the system without a word.
+def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None,
+                      activations: bool = True) -> None:
+    """On a CPU (no allocator limit; every device in the host's memory) refuse, before the
+    train state is built, a run whose train state, gradients and activations (planned under its
+    remat policy, ``full`` for auto: the least) need more than the host has, summed over the
+    devices of ``mesh`` (``state_sh``: the state's shardings on it): it would otherwise end in
+    XLA's out-of-memory error, or be killed by the system without a word. Without
+    ``activations``, before the data is prepared: the state and gradients alone (a model
+    far too large; the data's own checks come before the activations' shapes are judged).
     Skipped with ``train.memory_check=false``."""
     from moelab.train.step import abstract_train_state
 
@@ -308,13 +313,13 @@ def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None) 
     remat = "full" if cfg.model.remat == "auto" else cfg.model.remat
     n_dev = 1 if mesh is None else len(mesh.local_devices)
     state, grads, summed, acts = _host_parts(cfg, start, mesh, abstract_train_state(cfg),
-                                             state_sh, remat)
+                                             state_sh, remat if activations else None)
     need, host = state + grads + summed + acts, _host_memory()
     if need <= host:
         return
-    fixes = ([] if remat == "full" else ["model.remat=full"]) + [
+    fixes = ([] if remat == "full" or not activations else ["model.remat=full"]) + [
         "train.microbatch_tokens (fewer tokens per micro-step)", "a smaller model or batch",
-        "an accelerator"] + ([("fewer parallel.devices" if cfg.parallel.fsdp else "fewer "
+        "an accelerator"][0 if activations else 1:] + ([("fewer parallel.devices" if cfg.parallel.fsdp else "fewer "
                                "parallel.devices, or parallel.fsdp=true") + " (each device "
                               "holds its own copy of what is not split)"] if n_dev > 1 else [])
     on = f", on its {n_dev} devices together" if n_dev > 1 else ""
@@ -322,7 +327,8 @@ def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None) 
         f"this run needs about {_size(need)} of memory ({_size(state)} train state, "
         f"{_size(grads)} gradients, " + (f"{_size(summed)} their sum over micro-steps, " if
                                          summed else "") +
-        f"{_size(acts)} activations with remat {remat}{on}), but this host has {_size(host)}. "
+        (f"{_size(acts)} activations with remat {remat}" if activations else "before any "
+         "activation") + f"{on}), but this host has {_size(host)}. "
         f"Fixes: {'; or '.join(fixes)}. {_cpu_plan(cfg, mesh, host)} "
         "sizes each option as this check does; train.memory_check=false starts the run anyway")
 
