@@ -71,7 +71,7 @@ def naive_attention(x, p, cfg: ModelConfig, window: int, is_global: bool):
     v = project("v").reshape(B, T, K, Q)
     if cfg.qk_norm:
         q = q / np.sqrt(np.mean(q * q, -1, keepdims=True) + cfg.norm_eps) * cfg.qk_norm_scale
-        k = k / np.sqrt(np.mean(k * k, -1, keepdims=True) + cfg.norm_eps) * cfg.qk_norm_scale
+        k = k / np.sqrt(np.mean(k * k, -1, keepdims=True) + cfg.norm_eps)  # q alone is scaled
     if not (is_global and not cfg.global_rope):
         rot = int(Q * cfg.rope_fraction)
         q, k = naive_rope(q, rot, cfg.rope_theta), naive_rope(k, rot, cfg.rope_theta)
@@ -376,6 +376,19 @@ def test_global_layers_leave_q_and_k_unrotated():
     np.testing.assert_array_equal(q, q0)
     np.testing.assert_array_equal(k, k0)
     assert not np.allclose(q, q_rot)
+
+
+def test_qk_norm_scale_multiplies_the_attention_logits_once():
+    """The reference scales the normed q alone by 1.3: every q.k logit is 1.3 times the logit
+    with scale 1 (scaling q and k both would give 1.3^2 = 1.69)."""
+    cfg = ModelConfig(**{**BASE, "qk_norm": True, "qk_norm_scale": 1.3})
+    one = dataclasses.replace(cfg, qk_norm_scale=1.0)
+    p = _attn_params(cfg)
+    x = jax.random.normal(jax.random.PRNGKey(4), (1, 5, 16))
+    cos, sin = layers.rope_at(jnp.arange(5), cfg)
+    logits = lambda c: jnp.einsum(  # noqa: E731
+        "bthq,bskq->bhkts", *layers.project_qkv(p, x, c, cos, sin)[:2])
+    np.testing.assert_allclose(logits(cfg), 1.3 * logits(one), rtol=1e-5, atol=1e-6)
 
 
 def test_router_top_k_is_lax_top_k_ties_included(monkeypatch):

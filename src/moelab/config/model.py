@@ -33,7 +33,7 @@ class ModelConfig:
     # global_kv_heads and global_rope; 0 = no global layers (those two then change nothing)
     global_every: int = 0
     qk_norm: bool = False  # weightless RMS norm on q and k ...
-    qk_norm_scale: float = 1.0  # ... then multiplied by this (reference: 1.3)
+    qk_norm_scale: float = 1.0  # ... then q (not k) times this (reference: 1.3)
     global_kv_heads: int = 0  # KV heads a global layer uses (the first ones); 0 = all n_kv_heads
     global_rope: bool = True  # False: global (full-causal) layers use no RoPE (reference)
     xsa: bool = False  # exclusive self-attention: drop each head's output component along its v

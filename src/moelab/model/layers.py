@@ -305,9 +305,9 @@ def project_qkv(p: dict, x_BTD, cfg: ModelConfig, cos, sin, is_global=False, con
     q = proj["q"].reshape(B, T, H, Q)
     k = proj["k"].reshape(B, T, K, Q)
     v = proj["v"].reshape(B, T, K, Q)
-    if cfg.qk_norm:
+    if cfg.qk_norm:  # the scale multiplies q alone: the attention logits scale by it once
         q = rms_norm(q, eps=cfg.norm_eps) * cfg.qk_norm_scale
-        k = rms_norm(k, eps=cfg.norm_eps) * cfg.qk_norm_scale
+        k = rms_norm(k, eps=cfg.norm_eps)
     rot = rope_dims(cfg)
     if not cfg.global_rope:
         # global layers keep q, k unrotated (no position signal but the causal mask): the

@@ -168,9 +168,9 @@ class MoelabAttention(nn.Module):
         q = self._project("q", h_BTD, step).view(B, T, H, Q)
         k = self._project("k", h_BTD, step).view(B, T, K, Q)
         v = self._project("v", h_BTD, step).view(B, T, K, Q)
-        if c.qk_norm:
+        if c.qk_norm:  # the scale multiplies q alone: the attention logits scale by it once
             q = rms_norm(q, eps=c.rms_norm_eps) * c.qk_norm_scale
-            k = rms_norm(k, eps=c.rms_norm_eps) * c.qk_norm_scale
+            k = rms_norm(k, eps=c.rms_norm_eps)
         if self.rot:
             q, k = rope(q, *rope_cs, self.rot), rope(k, *rope_cs, self.rot)
         if self.kv_stride > 1:
