@@ -372,8 +372,10 @@ CASES = [
      "finite numbers > 0"),
     (["ladder", "plan", "tiny", "--widths", "64,96,128", "--token-multipliers", "1,inf"], 2,
      "ladder.token_multipliers: inf: each multiplies"),
-    (["ladder", "plan", "tiny", "--widths", "-64,96,128"], 2, "ladder.widths: values must be "
-     "positive"),
+    (["ladder", "plan", "tiny", "--widths", "-64,96,128"], 2, "ladder.widths: -64: give "
+     "positive integers"),
+    (["ladder", "plan", "tiny", "--widths", "64,96,128", "--depths", "2,0,2"], 2,
+     "ladder.depths: 0: give positive integers"),
     (["ladder", "plan", "tiny", "--widths", "30,64"], 2, "ladder.widths: 30 is not a multiple "
      "of head_dim=32 (heads = d_model / head_dim); the nearest is 32"),
     (["ladder", "plan", "tiny", "--widths", "160,192,224", "--out", "{d}/lx"], 2,

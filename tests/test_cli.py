@@ -298,6 +298,7 @@ def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
     argv = hint.split("moelab train ", 1)[1].split()
     cfg = with_tokenizer_vocab(load_config(argv[0], argv[1:]))
     assert Path(cfg.data.data_dir) == out_dir
+    assert f"tokenizer: {out_dir / 'tokenizer.json'}" in out.splitlines()  # the one runs read
     assert given_tokenizer(cfg.data) == out_dir / "tokenizer.json"
     assert (out_dir / "tokenizer.json").read_bytes() == (out_dir / "tokenizer-300.json").read_bytes()
     with pytest.raises(ConfigError, match=f"model.vocab_size=2048 disagrees .*tokenizer.json .*"

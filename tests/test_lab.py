@@ -792,13 +792,18 @@ def test_new_refuses_a_criterion_given_twice(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_verdicts_on_a_run_still_training_are_called_provisional(lab):
+def test_verdicts_on_a_run_still_training_are_called_provisional(lab, capsys):
     _write_run(lab.parent.parent / "runs" / "routed-2", arm_shift=0.0, stop_at=30, end="none")
     rec_mod.attach(lab, lab.parent.parent / "runs" / "routed-2", "routed")
     text = _report_text(lab)
     assert "| shared, routed · routed-2 · **short run** · **running** |" in text
     assert ("rest on runs still training (steps routed · routed-2: 30/40): provisional; report "
             "again when they end.") in text
+    capsys.readouterr()
+    assert main(["lab", "show", "1", "--lab-dir", str(lab.parent)]) == 0  # show says it too
+    marked = [line for line in capsys.readouterr().out.splitlines() if "provisional" in line]
+    assert len(marked) == 1 and "shared - routed" in marked[0]  # the verdict on routed-2 only
+    assert marked[0].endswith("(short run)  (running: provisional)")
 
 
 def test_report_refuses_issue_without_publish(lab, capsys):

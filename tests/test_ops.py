@@ -686,6 +686,24 @@ def test_history_shows_every_setting_a_resume_changed_and_the_devices(tmp_path, 
         "pooled_wave EP4 on 8 devices", "pooled_wave EP4 on 4 devices"]
 
 
+def test_a_resume_names_the_entries_a_list_setting_gained(tmp_path, monkeypatch):
+    """A replan appends to data.mixture_schedule: the resume's record names the new entry,
+    which a cut text of the whole list (the kept entries first) left out."""
+    import moelab.train.resume as resume
+    from moelab.config import load_config, save_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    kept = "data.mixture_schedule=[{step: 25, mixture: {prose: 1, code: 1}}]"
+    save_config(load_config("tiny", [kept]), run / "config.yaml")
+    monkeypatch.setattr(resume, "resume_step", lambda run_dir: 30)
+    added = kept[:-1] + ", {step: 30, mixture: {prose: 1, code: 3}}]"
+    cfg = resume.as_started(load_config("tiny", [added]).with_absolute_data())
+    assert resume.resume_changes(run, cfg) == [
+        "data.mixture_schedule [{'step': 25, 'mixture': {'prose': 1.0, 'code': 1.0}}] -> the "
+        "same + [{'step': 30, 'mixture': {'prose': 1.0, 'code': 3.0}}]"]
+
+
 @pytest.mark.parametrize("last_alive", [True, False])
 def test_history_names_the_starts_that_ended_with_no_final_record(tmp_path, last_alive):
     """A start killed (kill -9, out of memory) writes no final event: history says it crashed,

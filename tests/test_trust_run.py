@@ -191,12 +191,32 @@ def test_another_tokenizer_of_the_same_size_is_refused_even_when_the_change_is_a
             _setup(cfg, run, accept_data_change=accept)
         assert (f"The tokenizer cannot change, not even with --accept-data-change: "
                 f"{other}/tokenizer.json (512 tokens; the run's: 512)") in str(e.value)
-        assert f"data.tokenizer={run}/tokenizer.json (`moelab resume {run} " in str(e.value)
+        # the resume shown keeps the data folder asked for: without it, it would resume on
+        # the recorded folder, not this data
+        assert (f"data.tokenizer={run}/tokenizer.json (`moelab resume {run} "
+                f"data.data_dir={other} data.tokenizer={run}/tokenizer.json`)") in str(e.value)
     assert not _events(run, "data_change")
     own = recovered_config(run, [f"data.data_dir={other}", f"data.tokenizer={run}/tokenizer.json"])
     _setup(own, run, accept_data_change=True)  # the corpus is the same: nothing to accept
     assert read_provenance(run)["tokenizer_sha256"] == json.loads(
         next(data_dir.glob("tokens-*/index.json")).read_text())["tokenizer_sha256"]
+
+
+def test_the_tokenizer_refusal_shows_the_resume_that_takes_this_data(run, tmp_path):
+    """Another corpus and another tokenizer in another folder: the resume the refusal shows
+    names that folder and --accept-data-change, so it goes on with the data asked for."""
+    from moelab.run.identity import tokenizer_change_message
+
+    recorded = read_provenance(run)
+    sha = recorded["tokenizer_sha256"]
+    changes = {"corpus_fingerprint": (recorded["corpus_fingerprint"], "f" * 64),
+               "tokenizer_sha256": (sha, "e" * 64)}
+    msg = tokenizer_change_message(run, recorded, changes, tmp_path / "new", None)
+    assert (f"(`moelab resume {run} data.data_dir={tmp_path / 'new'} --accept-data-change "
+            f"data.tokenizer={run}/tokenizer.json`)") in msg
+    # the recorded folder itself (rebuilt in place): nothing to add but the corpus change
+    msg = tokenizer_change_message(run, recorded, changes, recorded["data_dir"], None)
+    assert f"(`moelab resume {run} --accept-data-change data.tokenizer=" in msg
 
 
 def test_a_finished_run_resumed_says_so_and_adds_nothing(run, capsys):

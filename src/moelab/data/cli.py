@@ -82,7 +82,8 @@ def _build(args, out: Path, vocab: int, command: str) -> int:
                         progress=not args.no_progress, lock=False,  # held above
                         workers=args.workers,
                         on_tokenizer=(lambda tok: _write_own(own, tok)) if keep_own else None)
-    print(f"corpus: {prep.corpus_dir}\ntokenizer: {prep.tokenizer_path}\n"
+    # the folder's own tokenizer.json is the one runs read (its tokenizer-<V>.json is the same)
+    print(f"corpus: {prep.corpus_dir}\ntokenizer: {own if keep_own else prep.tokenizer_path}\n"
           f"token store: {prep.store_dir}")
     store = TokenStore(prep.store_dir)
     for note in short_heldout_notes(store):

@@ -89,7 +89,7 @@ def _field(name: str, text: str) -> str:
 
 
 def cmd_show(args) -> int:
-    from moelab.lab.report import evaluate_record
+    from moelab.lab.report import evaluate_record, still_running
     from moelab.run.logs import shown_path
 
     path, rec = rec_mod.find(args.id, args.lab_dir)
@@ -111,8 +111,10 @@ def cmd_show(args) -> int:
             print(f"  {ref.arm:<{w}} {'detached':<12} {d['at']:<14} "
                   f"{shown_path(rec_mod.run_path(path, ref))}\n  {'':<{w}} reason: {d['reason']}")
     print("criteria (verdicts on the attached runs now):")
+    running = {r.arm for r in still_running(runs)}  # verdicts that may yet change
     for c, v in verdicts:
-        print(f"  [{v.label()}] {c}\n      {v.detail}" + ("  (short run)" if v.short_run else ""))
+        print(f"  [{v.label()}] {c}\n      {v.detail}" + ("  (short run)" if v.short_run else "")
+              + ("  (running: provisional)" if running & set(v.runs) else ""))
     if rec.report:
         print(f"last report: {rec.report.get('path')} ({rec.report.get('generated')})")
     return 0

@@ -88,7 +88,7 @@ class LadderRule:
             vals = getattr(self, name)
             need(not vals or len(vals) == self.rungs, name,
                  f"give one value per rung ({self.rungs}), got {len(vals)}")
-            need(all(v > 0 for v in vals), name, "values must be positive integers")
+            need(all(v > 0 for v in vals), name, f"{min(vals, default=1)}: give positive integers")
         need(self.batch_size >= 0, "batch_size", "must be >= 0 (0 = the target's)")
         tm = self.token_multipliers
         for m in tm or (0,):  # each value named

@@ -118,12 +118,13 @@ def data_change_message(run_dir: Path | str, recorded: dict, changes: dict, data
             "change is logged in metrics.jsonl)")
 
 
-def _own_tokenizer(run_dir: Path | str, sha: str, data_dir) -> str:
-    """Where the tokenizer with hash ``sha`` (the run's) is: the run's tokenizer.json, else
-    what ``_holder`` finds."""
+def _own_tokenizer(run_dir: Path | str, sha: str, data_dir, resume_args: str = "") -> str:
+    """Where the tokenizer with hash ``sha`` (the run's) is: the run's tokenizer.json (with the
+    resume that gives it, ``resume_args`` before it), else what ``_holder`` finds."""
     own = Path(run_dir) / "tokenizer.json"
     if _file_sha(own) == sha:
-        return f"data.tokenizer={own} (`moelab resume {run_dir} data.tokenizer={own}`)"
+        return (f"data.tokenizer={own} (`moelab resume {run_dir}{resume_args} "
+                f"data.tokenizer={own}`)")
     return f"data.tokenizer=the tokenizer.json with sha256 {sha}" + _holder(run_dir, sha,
                                                                           data_dir)
 
@@ -136,11 +137,17 @@ def tokenizer_change_message(run_dir: Path | str, recorded: dict, changes: dict,
     size = vocab_needed(load_tokenizer(path)) if path and path.is_file() else None
     was = recorded.get("tokenizer_vocab")
     sizes = f" ({size} tokens; the run's: {was})" if size and was else ""
-    own = _own_tokenizer(run_dir, changes["tokenizer_sha256"][0], data_dir)
+    # the resume shown keeps the data folder asked for (not the recorded one) and the corpus
+    # change this data brings, so it does what the refused command meant
+    moved = recorded.get("data_dir") and str(recorded["data_dir"]) != str(data_dir)
+    corpus = len(changes) > 1
+    args = (f" data.data_dir={data_dir}" if moved and data_dir else "") + (
+        f" {ACCEPT}" if corpus else "")
+    own = _own_tokenizer(run_dir, changes["tokenizer_sha256"][0], data_dir, args)
     return (f"{_changed(run_dir, recorded, changes, data_dir)}. The tokenizer cannot change, "
             f"not even with {ACCEPT}: {path or 'the data folder tokenizer'}{sizes} would give "
             "the model's token ids other text. Tokenize this data with the run's own "
-            "tokenizer" + (f" (and {ACCEPT} for the corpus change)" if len(changes) > 1 else "")
+            "tokenizer" + (f" (and {ACCEPT} for the corpus change)" if corpus else "")
             + f": {own}; or train this data in a new run (another --run-dir)")
 
 

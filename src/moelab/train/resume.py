@@ -216,8 +216,15 @@ def resume_changes(run_dir: Path | str, cfg: RunConfig, devices: int | None = No
         text = repr(v)
         return text if len(text) <= 60 else text[:57] + "..."
 
-    lines = {k: f"{k} {short(old.get(k))} -> {short(new.get(k))}"
-             for k in _differing(old, new, ())}
+    def change(k: str) -> str:
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, list) and isinstance(b, list) and a and b[:len(a)] == a:
+            # entries added (a replan's decay, mixture change or stage): name them, not the
+            # entries kept, which a cut text would show in their place
+            return f"{k} {short(a)} -> the same + {short(b[len(a):])}"
+        return f"{k} {short(a)} -> {short(b)}"
+
+    lines = {k: change(k) for k in _differing(old, new, ())}
     k, was = "parallel.devices", devices_in_use(run_dir)
     if devices and was and was != devices and 0 in (old.get(k), new.get(k)):
         lines[k] = f"{k} {old.get(k)!r} -> {new.get(k)!r} ({was} -> {devices} devices)"
