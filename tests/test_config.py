@@ -704,3 +704,17 @@ def test_a_decided_stage_s_capacity_wins_over_a_typed_one_and_says_so():
     with pytest.raises(ConfigError, match=r"fallbacks\[0\]\.receiver_cf: expert_cells does not "
                                           "read parallel.receiver_cf"):
         check_adaptive(cfg("", *moved))  # still to decide: its fallbacks must fit
+
+
+def test_a_value_the_file_holds_is_refused_naming_the_file(tmp_path):
+    """optim.lr: must be > 0 from a YAML file named the field alone; an override's own value
+    is still named as the override's, and an override that fixes the file's value loads."""
+    bad = _yaml(tmp_path / "bad.yaml", "base: tiny\noptim:\n  lr: -1\n")
+    with pytest.raises(ConfigError, match=f"^config {bad}: optim.lr: must be > 0"):
+        load_config(str(bad))
+    with pytest.raises(ConfigError, match=f"^config {bad}: optim.lr: must be > 0"):
+        load_config(str(bad), ["train.steps=5"])
+    assert load_config(str(bad), ["optim.lr=0.001"]).optim.lr == 0.001
+    good = _yaml(tmp_path / "good.yaml", "base: tiny\n")
+    with pytest.raises(ConfigError, match="^optim.lr: must be > 0"):
+        load_config(str(good), ["optim.lr=-2"])

@@ -4,6 +4,7 @@ the layers above share (operation fields, flattened field paths)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -374,8 +375,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 def load_config(source: str = "tiny", overrides: list[str] | None = None) -> RunConfig:
     """Load a preset name or YAML file (its ``base:`` chain followed), apply dotted overrides,
-    validate."""
-    return config_from_dict(apply_overrides(_resolve(source, Path()), overrides or []))
+    validate. A value the file (or its bases) holds that validation refuses is named with the
+    file; one the overrides bring is not."""
+    data = _resolve(source, Path())
+    try:
+        return config_from_dict(apply_overrides(copy.deepcopy(data), overrides or []))
+    except ConfigError as e:
+        name, _, path = _config_source(source, Path())
+        if path is None or str(e).startswith(("config ", "override ")):
+            raise
+        try:  # the file alone: its own fault, or the overrides'
+            config_from_dict(data)
+        except ConfigError as own:
+            raise ConfigError(f"config {name}: {own}") from None
+        raise
 
 
 def load_run_config(run_dir: Path | str, overrides: list[str] | None = None) -> RunConfig:
