@@ -367,8 +367,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         except yaml.YAMLError:
             value = raw
         # a text field takes the text typed (train.wandb_project=2024, data.tokenizer= for "")
-        is_text = _field_type(parts) is str
-        scalar = value is None or isinstance(value, (bool, int, float))
+        is_text = _field_type(parts) is str  # (a bool stays one: model.remat=false, the old form)
+        scalar = value is None or (isinstance(value, (int, float)) and not isinstance(value, bool))
         node[parts[-1]] = raw.strip() if is_text and scalar else value
     return data
 

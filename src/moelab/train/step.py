@@ -43,7 +43,9 @@ def init_train_state(cfg: RunConfig, key) -> dict:
 def abstract_train_state(cfg: RunConfig) -> dict:
     """The train state's structure, shapes and dtypes, nothing computed (e.g. a restore
     target for a whole checkpoint)."""
-    return jax.eval_shape(lambda key: init_train_state(cfg, key), jax.random.PRNGKey(0))
+    # the key made inside: nothing is compiled or run (a start checks the host's memory with
+    # this before its data's checks, which refuse bad input before XLA compiles anything)
+    return jax.eval_shape(lambda: init_train_state(cfg, jax.random.PRNGKey(0)))
 
 
 def train_state_shardings(cfg: RunConfig, mesh):
