@@ -284,7 +284,8 @@ def tokenizer_path(dcfg: DataConfig, vocab_size: int) -> Path:
 def data_identity(dcfg: DataConfig, vocab_size: int) -> dict:
     """The corpus fingerprint and tokenizer hash (and file) the data folder holds now, read
     without building anything (so a changed folder is refused before any work); a part not
-    built yet is left out: ``prepare_data`` builds it, and the token store's record is compared then."""
+    built yet is left out: ``prepare_data`` builds it, and the token store's record is compared
+    then."""
     out = {}
     corpus_dir = Path(dcfg.data_dir) / "corpus"
     if (corpus_dir / "manifest.json").is_file():

@@ -270,8 +270,8 @@ def _stage_lines(rows: list[dict], events: list[dict]) -> list[str]:
         head = f"  context stages ({labels[0]}; {how}):"
     else:
         head = (f"  context stages, split where a resume changed what travels between ranks "
-                f"(at step{'s' * (len(moved) > 1)} {', '.join(map(str, moved))}; drops under another layout do not "
-                f"compare); {how}:")
+                f"(at step{'s' * (len(moved) > 1)} {', '.join(map(str, moved))}; drops under "
+                f"another layout do not compare); {how}:")
     out = [head, f"  {'seq_len':>8} {'batch':>6} {'steps':>13} {'drop':>7} {'max':>7} "
            f"{'sender':>7} {'receiver':>8} {'tokens/s':>9} {'loss':>7}"
            + ("  trained with" if len(labels) > 1 else "")]

@@ -41,9 +41,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     collectives = jax.config.jax_cpu_collectives_implementation
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:  # a longer wait lengthens JAX's own; a shorter one never cuts process 0's wait
+        wait = max(COORDINATOR_TIMEOUT_S, round(timeout))
         jax.distributed.initialize(coordinator, num_processes=num_processes,
-                                   process_id=process_id,
-                                   initialization_timeout=max(COORDINATOR_TIMEOUT_S, round(timeout)))
+                                   process_id=process_id, initialization_timeout=wait)
     except ValueError as e:  # JAX found no cluster: "coordinator_address should be defined."
         jax.config.update("jax_cpu_collectives_implementation", collectives)
         if coordinator is not None:

@@ -283,8 +283,9 @@ def host_bytes(tree, shardings=None) -> int:
 
 def _host_parts(cfg: RunConfig, start: int, mesh, state, state_sh, remat: str | None):
     """(train state, gradients, their sum over micro-steps, activations planned under
-    ``remat``, none without): the bytes a run's step holds in this process's memory on a CPU, summed over
-    its devices there (``state``: arrays, or abstract ones with their shardings ``state_sh``)."""
+    ``remat``, none without): the bytes a run's step holds in this process's memory on a CPU,
+    summed over its devices there (``state``: arrays, or abstract ones with their shardings
+    ``state_sh``)."""
     st = host_bytes(state, state_sh)
     grads = host_bytes(state["params"], None if state_sh is None else state_sh["params"])
     # micro-steps keep a float32 sum of their gradients beside each one's (train.step)
@@ -317,11 +318,14 @@ def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None,
     need, host = state + grads + summed + acts, _host_memory()
     if need <= host:
         return
-    fixes = ([] if remat == "full" or not activations else ["model.remat=full"]) + [
-        "train.microbatch_tokens (fewer tokens per micro-step)", "a smaller model or batch",
-        "an accelerator"][0 if activations else 1:] + ([("fewer parallel.devices" if cfg.parallel.fsdp else "fewer "
-                               "parallel.devices, or parallel.fsdp=true") + " (each device "
-                              "holds its own copy of what is not split)"] if n_dev > 1 else [])
+    # activations: a policy that keeps less, smaller micro-steps; the state alone: neither helps
+    fixes = ([] if remat == "full" or not activations else ["model.remat=full"])
+    fixes += ["train.microbatch_tokens (fewer tokens per micro-step)"] if activations else []
+    fixes += ["a smaller model or batch", "an accelerator"]
+    if n_dev > 1:
+        fixes.append(("fewer parallel.devices" if cfg.parallel.fsdp else "fewer parallel.devices,"
+                      " or parallel.fsdp=true") + " (each device holds its own copy of what is "
+                     "not split)")
     on = f", on its {n_dev} devices together" if n_dev > 1 else ""
     raise ConfigError(
         f"this run needs about {_size(need)} of memory ({_size(state)} train state, "
