@@ -174,6 +174,13 @@ def test_missing_filesystem_package_and_bad_options(tmp_path, monkeypatch, capsy
         build_user_corpus(["nosuch://x"], tmp_path / "c")
     with pytest.raises(DataError, match="input path.* not found: memory:///absent"):
         build_user_corpus(["memory:///absent"], tmp_path / "c")
+    monkeypatch.chdir(tmp_path)  # a Hub dataset's id is not a path: its URL is named
+    with pytest.raises(DataError, match="not found: HuggingFaceFW/fineweb; .* by the URL of its "
+                       r"data files: hf://datasets/HuggingFaceFW/fineweb/PATH \(--format"):
+        build_user_corpus(["HuggingFaceFW/fineweb"], tmp_path / "c", fmt="hf-stream")
+    (tmp_path / "texts").mkdir()  # a missing file in a folder that exists is only missing
+    with pytest.raises(DataError, match=r"not found: texts/a.txt$"):
+        build_user_corpus(["texts/a.txt"], tmp_path / "c")
     with pytest.raises(DataError, match="format 'hf' .*must be one of files, hf-disk"):
         build_user_corpus([tmp_path], tmp_path / "c", fmt="hf")
     with pytest.raises(ConfigError, match="data.format: must be one of files, hf-disk"):

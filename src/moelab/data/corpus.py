@@ -45,6 +45,7 @@ from moelab.data.user_docs import (
     file_docs,
     folder_name,
     head,
+    hub_hint,
     input_files,
     is_folder,
     known_suffixes,
@@ -374,7 +375,7 @@ def check_user_inputs(paths: list[Path | str], fmt: str = "files", text_field: s
     inputs = [resolve_input(p) for p in paths]  # a URL's filesystem must be installed
     missing = [str(p) for p, i in zip(paths, inputs) if i is None]
     if missing:
-        raise DataError(f"input path(s) not found: {', '.join(missing)}")
+        raise DataError(f"input path(s) not found: {', '.join(missing)}{hub_hint(missing)}")
     if fmt != "files":
         need_extra("datasets", "datasets", f"--format {fmt}: reading Hugging Face datasets")
     else:

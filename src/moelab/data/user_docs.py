@@ -77,6 +77,15 @@ def resolve_input(path: Path | str) -> Input | None:
     return RemoteFile(fs, inner) if found else None
 
 
+def hub_hint(missing: list[str]) -> str:
+    """A missing OWNER/NAME whose OWNER folder is missing too reads like a Hub dataset id (a
+    config's data.source arrives here made absolute)."""
+    ids = ["/".join(Path(m).parts[-2:]) for m in missing if not is_url(m)
+           and not Path(m).parent.exists() and Path(m).parent.parent.exists()]
+    return (f"; a Hugging Face Hub dataset is read by the URL of its data files: hf://datasets/"
+            f"{ids[0]}/PATH (--format hf-files or hf-stream)" if ids else "")
+
+
 def is_folder(path: Input) -> bool:
     return path.fs.isdir(path.path) if isinstance(path, RemoteFile) else path.is_dir()
 
