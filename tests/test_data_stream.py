@@ -29,16 +29,19 @@ WORDS = "alpha beta gamma delta zeta theta kappa lambda sigma omega river stone"
 N_FILES, N_DOCS = 4, 60
 
 
-def write_source(root: str) -> tuple[str, int]:
+def write_source(root: str, bad_line: int = 0) -> tuple[str, int]:
     """N_FILES JSONL files of N_DOCS documents, each starting with its marker ``d<file>_<i>``;
-    (the source's URL, its text bytes)."""
+    (the source's URL, its text bytes). ``bad_line``: part1.jsonl's line of that number is
+    malformed JSON."""
     fs, rng, size = fsspec.filesystem("memory"), random.Random(0), 0
     for f in range(N_FILES):
         texts = [f"d{f}_{i} " + " ".join(rng.choices(WORDS, k=rng.randint(30, 80)))
                  for i in range(N_DOCS)]
         size += sum(len(t) for t in texts)
-        fs.pipe(f"/{root}/web/part{f}.jsonl",
-                "".join(json.dumps({"text": t}) + "\n" for t in texts).encode())
+        lines = [json.dumps({"text": t}) + "\n" for t in texts]
+        if f == 1 and bad_line:
+            lines.insert(bad_line - 1, '{"text": cut off\n')
+        fs.pipe(f"/{root}/web/part{f}.jsonl", "".join(lines).encode())
     return f"memory://{root}", size
 
 
@@ -97,6 +100,21 @@ def test_the_stream_is_every_training_document_in_order_then_again(streamed):
     np.testing.assert_array_equal(got[len(want): 2 * len(want)], want)  # the second pass
     markers = re.findall(r"d\d_\d+", decode(tok, got[: len(want)]))
     assert markers == [t.split()[0] for t in trained]
+
+
+def test_a_malformed_record_past_the_head_is_reported_once(tmp_path):
+    """The head's build never saw it; the stream skips it and says so once, not every pass."""
+    source, _ = write_source("stream-bad", bad_line=5)
+    data = stream_config(tmp_path / "data", source)
+    prep = prepare_data(data, 300, verbose=False)
+    s = StreamSampler(data, load_tokenizer(prep.tokenizer_path), prep.corpus_dir)
+    assert s.new_skips() == []
+    for step in range(2 * N_FILES * N_DOCS * 60 // (16 * 4)):  # two passes and more
+        s.batch(step)
+    assert s.stream.skipped.n >= 2  # met on each pass
+    assert s.new_skips() == [("stream-bad/web/part1.jsonl line 5", "not valid JSON")]
+    assert s.new_skips() == []
+    s.close()
 
 
 def test_shuffled_blocks_hold_the_stream_windows(streamed):
@@ -250,7 +268,7 @@ def test_training_killed_mid_stream_resumes_to_the_uninterrupted_losses(tmp_path
     after step 5 (its later checkpoints gone) resumes from step 3, mid-block, and trains steps
     4-8 to the same losses. The data folder holds the head only, while training read past it.
     (``data_dir``: the session's compilation cache, shared with the other micro runs.)"""
-    source, size = write_source("stream-train")
+    source, size = write_source("stream-train", bad_line=2)
     data = {"data_dir": str(tmp_path / "data"), "source": source, "sampler": "stream",
             "stream_head_mb": 0.003, "stream_shuffle": 5}
     cfg = micro_config(tmp_path, data=data, train={"steps": 8, "ckpt_every": 3})
@@ -273,6 +291,12 @@ def test_training_killed_mid_stream_resumes_to_the_uninterrupted_losses(tmp_path
         return {r["step"]: r["train/loss"] for r in recs if "train/loss" in r}
 
     assert sorted(losses(once)) == list(range(1, 9)) and losses(killed) == losses(once)
+    def skips(run):  # the malformed line past the head: said as it was read
+        return [(e["where"], e["reason"]) for e in read_metrics(run / "metrics.jsonl")[1]
+                if e["event"] == "data_skipped"]
+
+    bad = ("stream-train/web/part1.jsonl line 2", "not valid JSON")
+    assert skips(once) == [bad] and set(skips(killed)) == {bad}  # the resume says it again
     resumed = [e for e in read_metrics(log)[1] if e["event"] == "resume"]
     assert [e["step"] for e in resumed] == [3]
     head = load_manifest(tmp_path / "data" / "corpus")

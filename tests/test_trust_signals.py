@@ -73,6 +73,25 @@ def test_wandb_online_without_a_key_is_one_line_before_any_work(tmp_path, capsys
         "set WANDB_API_KEY), or set WANDB_MODE=offline to log locally and `wandb sync` later")
 
 
+def test_wandb_offline_saved_by_the_wandb_command_needs_no_key(tmp_path, monkeypatch,
+                                                              fresh_wandb):
+    """`wandb offline` writes its mode into ./wandb/settings, which wandb.init reads: a run
+    started there logs offline and needs no API key; without it the key is asked for."""
+    from moelab.config import ConfigError
+    from moelab.train.tracker import check_wandb_login
+
+    project = tmp_path / "project"
+    (project / "wandb").mkdir(parents=True)
+    monkeypatch.chdir(project)
+    with pytest.raises(ConfigError, match="no W&B API key"):
+        check_wandb_login()
+    (project / "wandb" / "settings").write_text("[default]\nmode = offline\n")
+    import wandb
+
+    wandb.teardown()  # a new process: it reads the settings anew
+    check_wandb_login()
+
+
 # `moelab eval` whose run load stalls (the harness's tasks are rendered into the temp folder
 # by then): the window in which a SIGTERM used to leave that folder behind
 STALLED_EVAL = """

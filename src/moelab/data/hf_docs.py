@@ -112,8 +112,12 @@ def data_file_docs(f: Input, name: str, domain: str | None, field: str, split: s
     except Exception as e:  # noqa: BLE001 - one unreadable file must not stop the build
         if isinstance(e, DataError):  # a wrong field or split: the user's to fix, not a skip
             raise
+        while e.__cause__ is not None:  # datasets wraps the reader's error (and its row)
+            e = e.__cause__
+        hint = ("; --format files reads JSON lines, skipping each malformed line"
+                if builder == "json" else "")
         skips.append((name, f"unreadable file ({type(e).__name__}: "
-                            f"{(str(e).splitlines() or [''])[0]})"))
+                            f"{(str(e).splitlines() or [''])[0]}){hint}"))
 
 
 @contextlib.contextmanager
@@ -121,11 +125,13 @@ def _quiet_datasets():
     """datasets' own progress bars off while it loads (moelab reports the build itself)."""
     from datasets.utils import logging as ds_logging
 
-    was = ds_logging.is_progress_bar_enabled()
+    was, level = ds_logging.is_progress_bar_enabled(), ds_logging.get_verbosity()
     ds_logging.disable_progress_bar()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)  # a file it cannot read is a skip we report
     try:
         yield
     finally:
+        ds_logging.set_verbosity(level)
         if was:
             ds_logging.enable_progress_bar()
 

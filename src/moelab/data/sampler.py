@@ -241,6 +241,10 @@ class SteppedSampler:
                         **({"left_out": short} if short else {})}
         return None
 
+    def new_skips(self) -> list[tuple[str, str]]:
+        """Nothing is skipped while training: the token store holds checked documents only."""
+        return []
+
     def state(self) -> dict:
         return {"segments": [{"start": g.start, **s.state()}
                              for g, s in zip(self.segments, self._samplers)]}

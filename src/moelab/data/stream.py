@@ -84,14 +84,18 @@ def heldout_ids(corpus_dir: Path) -> set[str]:
     return out
 
 
-class _Count:
-    """A skip list that only counts: a stream reads its bad records pass after pass."""
+class _Skipped:
+    """The stream's skip list: a count (saved with each checkpoint) and each input it skipped,
+    once (a stream meets its bad records again pass after pass), for the run to report."""
 
     def __init__(self):
-        self.n = 0
+        self.n, self.found, self._seen = 0, [], set()
 
-    def append(self, _item) -> None:
+    def append(self, item: tuple[str, str]) -> None:
         self.n += 1
+        if item[0] not in self._seen and len(self._seen) < 1000:
+            self._seen.add(item[0])
+            self.found.append(item)
 
     def __len__(self) -> int:
         return self.n
@@ -108,7 +112,7 @@ class SourceStream:
         inputs = check_user_inputs([data.source], data.format, data.text_field, data.split)
         self.files = input_files(inputs)  # (file, display name), in build order
         self.data, self.tok, self.eos = data, tok, eos_id(tok)
-        self.skipped = _Count()
+        self.skipped = _Skipped()
 
     def file_name(self, i: int) -> str:
         return self.files[i][1] if i < len(self.files) else ""
@@ -281,6 +285,7 @@ class StreamSampler:
         self._block: Block | None = None
         self._taken = 0  # rows of the block drawn
         self._blocks: _Prefetch | None = None
+        self._said = 0  # skips reported (new_skips)
 
     def at(self, step: int):
         return next(g for g in reversed(self.segments) if g.start <= step)
@@ -316,6 +321,13 @@ class StreamSampler:
             need -= k
         self._step += 1
         return np.concatenate(rows)
+
+    def new_skips(self) -> list[tuple[str, str]]:
+        """(where, why) of each record the stream skipped since the last call (a malformed
+        line; under hf-stream, the rest of a file datasets cannot read), each said once."""
+        found = self.stream.skipped.found
+        new, self._said = found[self._said:], len(found)
+        return new
 
     def state(self) -> dict:
         """The stream position after the batches drawn: saved with a checkpoint."""

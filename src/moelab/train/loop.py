@@ -264,6 +264,9 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
         step_fn = train_step_at(run, p.step)
         p.state, m = step_fn(p.state, run.put_batch(run.sampler.batch(p.step)))
         p.step += 1
+        for where, why in run.sampler.new_skips():  # a stream's bad records, each said once
+            run.say(f"note: the data stream skipped {where}: {why}")
+            run.trackers.event("data_skipped", p.step, where=where, reason=why)
         _paused(p, tracer.after, p.step, p.state)
         p.unchecked.append((p.step, _check_values(m)))
         stop = agree_any(flag.signal is not None)  # all processes stop at the same step
