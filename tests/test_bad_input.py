@@ -291,6 +291,8 @@ CASES = [
     ([*GEN, "--max-tokens", "many"], 2, "argument --max-tokens: invalid int value"),
     ([*GEN, "--top-k", "0"], 2, "--top-k 0: must be >= 1 (1 = greedy)"),
     ([*GEN, "--top-k", "-3"], 2, "--top-k -3"),
+    ([*GEN, "--top-k", "999999"], 2, "--top-k 999999: must be <= 512, the vocabulary of "
+     "this run's model"),  # its config.yaml names the vocabulary: no checkpoint read
     # a prompt file: read before the run (which has no checkpoint here) is loaded
     ([*GEN, "--prompt-file", "{d}/none.txt"], 2, "--prompt-file {d}/none.txt: cannot be read "
      "(No such file or directory); give a text file with one prompt per line"),

@@ -197,14 +197,29 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
+def check_top_k(top_k: int | None, vocab: int) -> None:
+    require(top_k is None or top_k <= vocab, f"--top-k {top_k}", f"must be <= {vocab:,}, the "
+            "vocabulary of this run's model; omit it to keep every token")
+
+
+def config_vocab(run: str) -> int | None:
+    """The vocabulary a local run folder's config.yaml names, read before its checkpoint is
+    loaded (None where it cannot be: a URL, no or a damaged file; the checkpoint's decides)."""
+    from moelab.config import load_run_config
+
+    try:
+        return load_run_config(run).model.vocab_size
+    except Exception:  # noqa: BLE001 - loading the run names what is wrong with it
+        return None
+
+
 def cmd_generate(args, load_run) -> int:
     check_sampling(args)
+    if args.top_k is not None and (vocab := config_vocab(args.run)) is not None:
+        check_top_k(args.top_k, vocab)  # before the checkpoint is read
     prompts = [args.prompt] if args.prompt_file is None else read_prompts(args.prompt_file)
     run = load_run(args.run, step=args.step)  # a folder or a run URL
-    vocab = run.cfg.model.vocab_size
-    require(args.top_k is None or args.top_k <= vocab, f"--top-k {args.top_k}",
-            f"must be <= {vocab:,}, the vocabulary of this run's model; omit it to keep every "
-            "token")
+    check_top_k(args.top_k, run.cfg.model.vocab_size)
     print(f"{args.run}: sampling from the checkpoint of step {run.step}", file=sys.stderr)
     ctx = run.cfg.data.seq_len
     for i, prompt in enumerate(prompts):
