@@ -349,3 +349,51 @@ def test_eval_unknown_task_says_where_tasks_come_from(trained, capsys, monkeypat
     assert "--tasks moelab_choise: unknown task (did you mean moelab_choice" in err
     assert "moelab_local" in err and "--include-path" in err and "Hugging Face cache" in err
     assert seen == [False, True]  # built-in tasks are searched only for a name not found
+
+
+@pytest.mark.parametrize("stop, code, said", [(KeyboardInterrupt, 130, "aborted"),
+                                              ("Terminated", 143, "terminated (SIGTERM)")])
+def test_a_stop_during_evaluation_says_nothing_was_saved(stop, code, said, tmp_path, capsys,
+                                                         monkeypatch):
+    import moelab.harness.evaluate as ev
+    from moelab import util
+
+    def stopped(*args, **kwargs):
+        raise getattr(util, stop) if isinstance(stop, str) else stop
+
+    monkeypatch.setattr(ev, "evaluate_run", stopped)
+    monkeypatch.setattr(util, "_abandoned", [])
+    ended = []  # the CLI's os._exit: XLA's threads may still run, shutdown could crash in them
+    monkeypatch.setattr(util, "exit_if_abandoned", lambda c: ended.append(util._abandoned and c))
+    (tmp_path / "run").mkdir()
+    rc, out, err = run_main(["eval", str(tmp_path / "run"), "--tasks", "moelab_local"], capsys)
+    assert rc == code and ended == [code]
+    assert (f"moelab: {said} during the evaluation; nothing was saved (the results are written "
+            "once every task has run): run the same command again") in err, err
+    assert not (tmp_path / "run" / "eval").exists()
+
+
+def test_results_are_saved_before_the_table_is_printed(tmp_path, capsys, monkeypatch):
+    """A Ctrl-C (or a closed pipe) while the table prints loses no evaluation."""
+    import moelab.harness.evaluate as ev
+
+    def table(results):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ev, "evaluate_run", lambda *a, **k: {"results": {"t": {"acc,none": 1}},
+                                                             "moelab": {"step": 7}})
+    monkeypatch.setattr(ev, "format_results", table)
+    (tmp_path / "run").mkdir()
+    rc, _, _ = run_main(["eval", str(tmp_path / "run"), "--tasks", "t"], capsys)
+    assert rc == 130
+    saved = json.loads((tmp_path / "run" / "eval" / "t-step7.json").read_text())
+    assert saved["results"] == {"t": {"acc,none": 1}}
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "missing"])
+def test_eval_of_what_is_no_run_folder_says_so(name, tmp_path, capsys):
+    (tmp_path / "config.yaml").write_text("model: {}\n")
+    rc, _, err = run_main(["eval", str(tmp_path / name), "--tasks", "moelab_local"], capsys)
+    assert rc == 2
+    assert f"moelab: error: {tmp_path / name}: not a run folder; give the folder" in err, err
+    assert "not writable" not in err

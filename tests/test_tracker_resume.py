@@ -40,8 +40,9 @@ class _Run:
         self.step = self.step if step is not None else self.step + 1
         self.rows.append(data)
 
-    def finish(self):
+    def finish(self, exit_code=None):
         self.store["resumed_at"] = self.step
+        self.store.setdefault("exit_codes", []).append(exit_code)
 
 
 @pytest.fixture
@@ -78,6 +79,20 @@ def test_the_installed_wandb_takes_the_arguments_used():
 
     params = inspect.signature(Run.define_metric).parameters
     assert "step_metric" in params and "name" in params
+    assert "exit_code" in inspect.signature(Run.finish).parameters
+
+
+def test_w_and_b_marks_finished_only_a_run_that_finished(fake_wandb, tmp_path):
+    """W&B shows a run "finished" for exit code 0 and "failed" for any other: a run stopped by
+    a signal, failed or diverged is told so at its end, by the event that ended it."""
+    for kind, fields in [("finished", {}), ("interrupted", {"signal": "SIGTERM"}),
+                         ("interrupted", {"signal": "SIGINT"}), ("failed", {"error": "x"}),
+                         ("diverged", {"metric": "train/loss"}), ("aborted", {})]:
+        t = WandbTracker("p", tmp_path, {}, "run", str(tmp_path))
+        t.event("skipped", 3)  # no end: the code stays as it was
+        t.event(kind, 4, **fields)
+        t.close()
+    assert fake_wandb["exit_codes"] == [0, 143, 130, 1, 1, 1]
 
 
 def test_a_run_on_a_url_is_one_w_and_b_run_from_any_machine(fake_wandb, tmp_path):

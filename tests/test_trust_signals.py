@@ -113,6 +113,7 @@ def test_sigterm_during_eval_leaves_no_temporary_folder(tmp_path):
 
     temp = tmp_path / "tmp"
     temp.mkdir()
+    (tmp_path / "run").mkdir()  # its loading stalls (STALLED_EVAL)
     proc = subprocess.Popen([sys.executable, "-c", STALLED_EVAL, "eval", str(tmp_path / "run"),
                              "--tasks", "moelab_local"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=subprocess_env(TMPDIR=str(temp)))
@@ -123,7 +124,10 @@ def test_sigterm_during_eval_leaves_no_temporary_folder(tmp_path):
         _, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 143 and err.endswith("moelab: terminated (SIGTERM)\n"), err
+    assert proc.returncode == 143, err
+    assert err.endswith("moelab: terminated (SIGTERM) during the evaluation; nothing was saved "
+                        "(the results are written once every task has run): run the same "
+                        "command again\n"), err
     assert list(temp.iterdir()) == []
 
 

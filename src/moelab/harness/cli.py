@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moelab.config.errors import require
-from moelab.util import check_writable, info, is_url
+from moelab.util import check_writable, info, is_url, native_work, stop_said
 
 
 def cmd_eval(args) -> int:
@@ -19,17 +19,26 @@ def cmd_eval(args) -> int:
 
     tasks = split_tasks(args.tasks)
     check_output(args.run, args.output)
-    results = evaluate_run(args.run if is_url(args.run) else Path(args.run),
-                           tasks, limit=args.limit,
-                           batch_size=args.batch_size, num_fewshot=args.num_fewshot,
-                           step=args.step, include_paths=[Path(p) for p in args.include_path])
-    print(format_results(results))
+    try:
+        # XLA's threads may still run when a stop signal arrives: after its message the
+        # process ends at once, not through interpreter shutdown (a segmentation fault)
+        with native_work():
+            results = evaluate_run(args.run if is_url(args.run) else Path(args.run), tasks,
+                                   limit=args.limit, batch_size=args.batch_size,
+                                   num_fewshot=args.num_fewshot, step=args.step,
+                                   include_paths=[Path(p) for p in args.include_path])
+    except KeyboardInterrupt as e:  # the CLI prints the message and exits 128 + the signal
+        e.args = (f"{stop_said(e)} during the evaluation; nothing was saved (the results are "
+                  "written once every task has run): run the same command again",)
+        raise
     rel = default_output(Path(), tasks, results["moelab"]["step"], args.limit, args.num_fewshot)
+    # saved before the table is printed: a Ctrl-C or a closed pipe there loses nothing
     if is_url(args.run) and not args.output:
         out = _save_to_run_url(args.run, results, rel)
     else:
         out = Path(args.output) if args.output else Path(args.run) / rel
         save_results(results, out)
+    print(format_results(results))
     print(f"results: {out}")
     if not args.output:  # the model card reads RUN/eval/ when it is written, not after
         print(f"the model card of `moelab export {args.run} --step {results['moelab']['step']}"
@@ -65,6 +74,9 @@ def check_output(run: str, output: str | None) -> None:
         check_writable(Path(output).parent, f"--output {output}", "name a file in a folder "
                        "you can write")
     elif not is_url(run):
+        # else a file or a missing folder would be refused as an unwritable eval/ folder
+        require(Path(run).is_dir(), run, "not a run folder; give the folder `moelab train` "
+                "wrote (e.g. runs/tiny) or a run URL")
         folder = Path(run) / "eval"
         check_writable(folder, f"{folder} (where results are saved)",
                        "give --output FILE in a folder you can write")

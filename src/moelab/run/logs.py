@@ -125,14 +125,19 @@ def _check_line(rec: Any, path: Path, i: int) -> None:
 
 
 def read_metrics(path: Path | str) -> tuple[list[dict], list[dict]]:
-    """(metric records sorted by step, newest record per step wins; events in file order)."""
+    """(metric records sorted by step, newest record per step wins; events in file order).
+    A start or resume takes back the records of later steps: it went on from an older
+    checkpoint (after a kill or a crash), and what the stopped process logged past it is not
+    the run's until trained again (TensorBoard hides those steps too)."""
     records: dict[int, dict] = {}
     events: list[dict] = []
     for rec in log_lines(path):
-        if "event" in rec:
-            events.append(rec)
-        else:
+        if "event" not in rec:
             records.setdefault(rec["step"], {}).update(rec)
+            continue
+        events.append(rec)
+        if rec["event"] in ("start", "resume") and isinstance(rec.get("step"), int):
+            records = {s: r for s, r in records.items() if s <= rec["step"]}
     return [records[s] for s in sorted(records)], events
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from moelab.config import RunConfig
 from moelab.config.errors import ConfigError, need_extra, require
-from moelab.run.logs import clean_value
+from moelab.run.logs import TERMINAL, clean_value
 from moelab.util import stop_said
 
 if TYPE_CHECKING:  # peak imports JAX, which this module leaves to its callers
@@ -99,6 +100,21 @@ def wandb_start_error(e: BaseException, timeout: float) -> str:
 STEP_KEY = "train/step"  # W&B's x-axis: the training step of each row
 
 
+def wandb_exit_code(kind: str, fields: dict) -> int:
+    """The exit code W&B is told when the run's log ended with event ``kind``. W&B shows a
+    run "finished" only for 0, "failed" for any other code: a run that failed, diverged or was
+    stopped must not read as finished there (a resume continues it); a stop signal gives the
+    shell's code, 128 + its number."""
+    if kind == "finished":
+        return 0
+    if kind == "interrupted":
+        try:
+            return 128 + signal.Signals[str(fields.get("signal"))]
+        except KeyError:
+            return 128 + signal.SIGINT
+    return 1
+
+
 class WandbTracker:
     """Mirrors metrics and events to Weights & Biases (``WANDB_MODE=offline`` works)."""
 
@@ -123,15 +139,18 @@ class WandbTracker:
         # chart (W&B's define_metric), and W&B's step only counts rows
         self.run.define_metric(STEP_KEY)
         self.run.define_metric("*", step_metric=STEP_KEY)
+        self.exit_code = 0  # what finish() tells W&B: set by the event that ends the run
 
     def log(self, step: int, metrics: dict) -> None:
         self.run.log({**{k: clean_value(v) for k, v in metrics.items()}, STEP_KEY: int(step)})
 
     def event(self, kind: str, step: int, **fields: Any) -> None:
         self.run.log({f"event/{kind}": json.dumps(fields, default=str), STEP_KEY: int(step)})
+        if kind in TERMINAL:  # the events that end a run's log
+            self.exit_code = wandb_exit_code(kind, fields)
 
     def close(self) -> None:
-        self.run.finish()
+        self.run.finish(exit_code=self.exit_code)
 
 
 class TensorBoardTracker:
