@@ -27,28 +27,23 @@ Readers (an eval job, say) may open the same directory concurrently: only ``save
 
 A reader holds a lease on the checkpoint it reads, and pruning skips leased checkpoints
 (``moelab.run.ckpt_lease``); a reader that finds its checkpoint pruned anyway reads the newest.
-Failures are told apart (gone, damaged, another config's: ``moelab.run.ckpt_failures``).
-
-Why not orbax's ``CheckpointManager``: it has no place for a manifest of a step's files between
-writing and committing it, and prunes without read leases; here one rename commits the state with
-``meta.json`` and the manifest written last, and pruning skips a checkpoint being read. The folders are still ones a
-plain ``ocp.CheckpointManager(ckpt_dir, orbax_manager_options())`` lists and restores (item
-``state``; it does not check the manifest).
+Failures are told apart (gone, damaged, another config's: ``moelab.run.ckpt_failures``). Why
+not orbax's ``CheckpointManager`` (no place for a manifest between writing and committing, and
+pruning without read leases; it still reads these folders): ``moelab.run.ckpt_names``. A
+Ctrl-C in a save: ``moelab.run.ckpt_wait``.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import sys
-import threading
 import time
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import suppress
 from pathlib import Path
 from typing import Any, Callable
 
@@ -60,6 +55,7 @@ from moelab.run.ckpt_failures import (
     CheckpointDamaged,
     CheckpointGone,
     none_restored,
+    quiet_closed_loop_reports,
     restore_failure,
     save_failure,
     short,
@@ -76,6 +72,7 @@ from moelab.run.ckpt_target import (
     restore_entries,
     saved_entries,
 )
+from moelab.run.ckpt_wait import Aside, orbax_errors_quiet
 from moelab.util import atomic_write_json, info, sha256_file
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointDamaged", "CheckpointGone",
@@ -92,19 +89,6 @@ _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
 
 class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped in favour of an older one."""
-
-
-@contextmanager
-def _orbax_errors_quiet():
-    """Orbax logs each failed array write with a traceback from its worker threads (dozens on a
-    full disk) before ``save`` raises the first; that one error is reported, once."""
-    log = logging.getLogger("absl")
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
 
 
 def _fsync_path(path: Path) -> None:
@@ -136,7 +120,8 @@ class Checkpointer:
         self.asynchronous = asynchronous
         self.on_commit: Callable[[int], None] | None = None  # told each committed step; must not raise
         self._ocp: ocp.Checkpointer | None = None
-        self._pending: threading.Thread | None = None  # a save being written and committed
+        self._pending: Aside | None = None  # a save being written and committed
+        self._orbax_call: Aside | None = None  # one a Ctrl-C interrupted, still running
         self._failure: tuple[int, BaseException] | None = None  # how the last one failed
 
     # ------------------------------------------------------------------ plumbing
@@ -148,16 +133,33 @@ class Checkpointer:
             self._ocp = kind(ocp.StandardCheckpointHandler())
         return self._ocp
 
+    def _aside(self, fn: Callable[[], None], name: str) -> None:
+        """``fn`` (orbax's save, or wait) run aside: one a Ctrl-C interrupts is for ``_settle``."""
+        call = self._orbax_call = Aside(fn, name)
+        try:
+            call.start().wait()
+        finally:
+            if call.done:
+                self._orbax_call = None
+
     def _orbax_written(self) -> None:
         """Wait for orbax's background writes of the last save (none when synchronous)."""
         if isinstance(self._ocp, ocp.AsyncCheckpointer):
-            self._ocp.wait_until_finished()
+            self._aside(self._ocp.wait_until_finished, "orbax-writes")
+
+    def _settle(self) -> None:
+        """Wait for an abandoned save's writes to stop (errors moot) before its folder goes."""
+        with suppress(Exception), orbax_errors_quiet():  # the save is abandoned anyway
+            if self._orbax_call is not None:
+                self._orbax_call.settle()
+                self._orbax_call = None
+            self._orbax_written()
 
     def wait(self) -> None:
         """Wait until a background save is committed; when it failed, raise CheckpointError
         with its step, the cause and where a resume starts (nothing of it is left)."""
         if self._pending is not None:
-            self._pending.join()
+            self._pending.wait()  # never raises: _finish_in_background keeps its failure
             self._pending = None
         if self._failure is not None:
             step, e = self._failure
@@ -189,6 +191,9 @@ class Checkpointer:
     def _step_folders(self) -> dict[int, bool]:
         """{step: has a manifest} of every ``step_*`` folder."""
         if not self.dir.is_dir():
+            if self.dir.exists():  # refused before a run trains (it would fail at its first save)
+                raise CheckpointError(f"{self.dir}: a file is in the way of the checkpoints "
+                                      "folder; move it away, then run the command again")
             return {}
         out = {}
         for p in self.dir.iterdir():
@@ -224,6 +229,7 @@ class Checkpointer:
         except (TypeError, ValueError) as e:
             raise TypeError(f"checkpoint meta is not JSON-serialisable: {e}") from e
         self.wait()  # one save at a time: the previous one is committed first
+        quiet_closed_loop_reports()  # a failed write's (a full disk): the failure is reported
         background = not wait and self.asynchronous and jax.process_count() == 1
         main = jax.process_index() == 0
         if main:
@@ -237,19 +243,20 @@ class Checkpointer:
             tmp.mkdir()
         barrier(f"checkpoint-{step}-start")
         try:
-            with _orbax_errors_quiet():  # all processes
-                self._orbax.save(tmp / STATE_DIR, args=ocp.args.StandardSave(state))
+            with orbax_errors_quiet():  # all processes
+                self._aside(lambda: self._orbax.save(tmp / STATE_DIR,
+                                                     args=ocp.args.StandardSave(state)),
+                            f"orbax-save-{step}")
                 if not background:
                     self._orbax_written()
-        except BaseException:
+        except BaseException:  # a failure, or Ctrl-C: nothing of this save is kept
+            self._settle()
             if main:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
         if background:  # the state is in host memory now: the caller may change it
-            self._pending = threading.Thread(target=self._finish_in_background,
-                                             args=(step, tmp, final, meta), daemon=True,
-                                             name=f"checkpoint-{step}")
-            self._pending.start()
+            self._pending = Aside(lambda: self._finish_in_background(step, tmp, final, meta),
+                                  f"checkpoint-{step}").start()
             return final
         if main:
             self._commit(step, tmp, final, meta)
@@ -260,7 +267,7 @@ class Checkpointer:
         """The rest of a background save: orbax's writes, then the commit; a failure leaves
         nothing and is kept for ``wait`` to raise."""
         try:
-            with _orbax_errors_quiet():
+            with orbax_errors_quiet():
                 self._orbax_written()
             self._commit(step, tmp, final, meta)
         except BaseException as e:  # noqa: BLE001 -- reported by wait(), in the caller's thread

@@ -1,6 +1,11 @@
 """Checkpoint folder names (``step_00000120``) and the orbax options that read them: a plain
 ``ocp.CheckpointManager(ckpt_dir, orbax_manager_options())`` lists and restores moelab's
-checkpoints (item ``state``), read-only."""
+checkpoints (item ``state``, without checking the manifest), read-only.
+
+Why moelab saves without orbax's ``CheckpointManager``: it has no place for a manifest of a
+step's files between writing and committing it, and prunes without read leases; moelab's
+``Checkpointer`` commits the state with ``meta.json`` and the manifest written last in one
+rename, and pruning skips a checkpoint being read."""
 
 from __future__ import annotations
 

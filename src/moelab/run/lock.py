@@ -10,6 +10,7 @@ from here nobody can tell whether that holder still runs; the message says how t
 
 from __future__ import annotations
 
+import errno
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -44,12 +45,25 @@ def acquire(run_dir: Path | str, command: str | None = None, name: str | None = 
     run_dir = Path(run_dir)
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError(f"run folder {run_dir}: is a file; give a folder (new or a run's)")
-    run_dir.mkdir(parents=True, exist_ok=True)
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
         return take_lock(run_dir / LOCK_FILE, holder_record(command))
     except LockHeld as e:
         raise RunLocked(refusal(name or run_dir, run_dir / LOCK_FILE, e.holder,
                                 socket.gethostname())) from None
+    except OSError as e:  # a read-only mount, another user's folder, a full disk
+        raise ConfigError(unwritable(name or run_dir, e)) from None
+
+
+def unwritable(run_dir: Path | str, e: OSError) -> str:
+    """Why a run folder cannot be locked for writing, and the fix."""
+    if e.errno == errno.ENOSPC:
+        fix = "free space on its disk, then run the command again"
+    else:
+        fix = ("a run trains, resumes and changes only in a folder it can write: copy it to "
+               "one (a copy resumes from its checkpoints) or fix the permissions; generate, "
+               "eval and export read it as it is")
+    return f"run folder {run_dir}: cannot be written ({e.strerror or e}); {fix}"
 
 
 release = release_lock  # empty the lock file (no holder) and drop the lock
