@@ -189,3 +189,20 @@ def test_old_microbatch_key_still_loads():
     with pytest.raises(ConfigError, match="keep train.microbatch_tokens"):
         load_config("tiny", ["train.microbatch=64", "train.microbatch_tokens=64",
                              "data.seq_len=16", "data.batch_size=8"])
+
+
+@pytest.mark.parametrize("over, says", [
+    (["train.microbatch_tokens=24"], "24 tokens must be a whole number of sequences of 16"),
+    (["train.microbatch_tokens=48"], "3 sequences per micro-step must divide the batch of 8"),
+    (["train.microbatch_tokens=32", "parallel.devices=4"],
+     "2 sequences per micro-step must be divisible by parallel.devices=4"),
+])
+def test_a_refused_microbatch_lists_the_values_that_fit(over, says):
+    """The three refusals said what was wrong but not which values work (whole sequences, a
+    divisor of the batch, rows on every device): each lists them now."""
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", [*over, "data.seq_len=16", "data.batch_size=8"])
+    devices = 4 if "parallel.devices=4" in over else 1
+    fits = ", ".join(str(16 * s) for s in (1, 2, 4, 8) if s % devices == 0)
+    assert says in str(e.value)
+    assert str(e.value).endswith(f"; give one of {fits}, or 0 for the whole batch")

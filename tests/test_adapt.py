@@ -219,6 +219,10 @@ def test_bad_gates_are_refused_naming_the_field(data_dir, stage, parallel, messa
      "capacity_factor: pooled_global does not read parallel.capacity_factor"),
     ({}, {"transport": "expert_cells", "replace_every": 5},
      "parallel.replace_every: expert_cells limits each expert on its own"),
+    # ragged was accepted and re-placed the experts every N steps, each time forecasting
+    # 0% drops before and after
+    ({}, {"transport": "ragged", "replace_every": 5},
+     "parallel.replace_every: ragged drops nothing, so no placement changes its drops; set 0"),
 ])
 def test_what_a_transport_cannot_do_is_refused_before_training(data_dir, stage, parallel,
                                                                message):

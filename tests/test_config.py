@@ -718,3 +718,18 @@ def test_a_value_the_file_holds_is_refused_naming_the_file(tmp_path):
     good = _yaml(tmp_path / "good.yaml", "base: tiny\n")
     with pytest.raises(ConfigError, match="^optim.lr: must be > 0"):
         load_config(str(good), ["optim.lr=-2"])
+
+
+@pytest.mark.parametrize("over, says", [
+    (["parallel.devices=8", "parallel.expert=3"], "parallel.expert: must divide "
+     "parallel.devices=8, not 3: give one of 1, 2, 4, 8, or change parallel.devices"),
+    (["parallel.devices=8", "parallel.expert=8", "model.n_experts=12"], "parallel.expert: must "
+     "divide model.n_experts=12 (each rank holds n_experts/expert), not 8: give one of 1, 2, 4 "
+     "(dividing parallel.devices=8 too)"),
+    (["parallel.expert=2"], "or a multiple of 2, or parallel.expert=1 for one device"),
+])
+def test_an_expert_degree_that_does_not_divide_names_the_degrees_that_do(over, says):
+    """The refusal named the constraint but neither the value given nor one that fits."""
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", over)
+    assert says in str(e.value)

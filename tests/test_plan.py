@@ -240,6 +240,22 @@ def test_layout_errors_name_the_flag():
         Layout(devices=704, offload=("grads",)).validate(cfg)
 
 
+
+@pytest.mark.parametrize("over, says", [
+    (["train.microbatch_tokens=2048"], "(train.microbatch_tokens=2048 at seq_len 256"),
+    (["data.context_stages=[{step: 5, seq_len: 1024}]"], "(the batch at seq_len 1024 from "
+     "step 5"),
+])
+def test_devices_must_divide_every_micro_step(over, says):
+    """A micro-step of 8 sequences on 16 devices was planned as 1 sequence per device (the
+    integer division floored at 1), a layout moelab train refuses."""
+    cfg = load_config("tiny", over)  # 32 sequences a step: --devices 16 divides the batch
+    with pytest.raises(ConfigError) as e:
+        Layout(devices=16, ep=4).validate(cfg)
+    assert str(e.value).startswith("--devices 16: must divide the 8 sequences of a micro-step")
+    assert says in str(e.value) and "give one of 1, 2, 4, 8" in str(e.value)
+    Layout(devices=8, ep=4).validate(cfg)  # 1 sequence each
+
 @pytest.mark.parametrize("kind,caps", [
     ("expert_cells", dict(capacity_factor=1.25)),
     ("pooled_wave", dict(sender_cf=1.10, receiver_cf=1.15, waves=1)),
@@ -438,6 +454,16 @@ def test_plan_takes_the_layout_the_config_trains_on(capsys):
     assert "16 devices, expert-parallel 2, FSDP 1;" in capsys.readouterr().out
 
 
+def test_a_plan_of_every_visible_device_says_its_layout_needs_a_count(capsys):
+    """parallel.devices=0 with parallel.expert=4 planned one device and said only to give
+    --ep/--fsdp, as though the config had no layout; it names the count it needs now."""
+    assert main(["plan", "tiny", "parallel.devices=0", "parallel.expert=4"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per device:" not in out
+    assert ("(parallel.devices=0 trains on every device it finds, a count a plan cannot know: "
+            "give --devices N for memory per device with parallel.expert=4,") in out
+
+
 def test_plan_command_errors_name_the_flag(capsys):
     assert main(["plan", "tiny", "--accelerator", "tpu9"]) == 2
     assert "--accelerator" in capsys.readouterr().err
@@ -566,3 +592,21 @@ def test_cluster_options_without_devices_are_refused_not_ignored(option, capsys)
 
     assert main(["plan", "tiny", *option]) == 2
     assert f"{option[0]}: needs --devices N too" in capsys.readouterr().err
+
+
+def test_a_small_plan_is_printed_in_mib():
+    """tiny's memory plan read 0.00 GiB on every line, nothing to check against XLA or a run;
+    under a GiB it is printed in MiB, and a large one stays in GiB."""
+    from moelab.planner.memory import transport_options
+
+    cfg = load_config("tiny", ["parallel.devices=8", "parallel.expert=4"])
+    lines = format_plan("tiny", build_plan(cfg, layout=Layout(devices=8, ep=4),
+                                           transports=transport_options(cfg.parallel))
+                        ).splitlines()
+    state = next(x for x in lines if "optimizer state" in x)
+    assert state.split()[-2:] == [f"{8 * 1_185_152 / 2**20:.2f}", "MiB"]  # two fp32 moments
+    row = next(x for x in lines if x.split()[:1] == ["pooled_wave"])
+    assert float(row.split()[-2]) > 1.0 and "in MiB" in " ".join(lines)
+    big = load_config("d1024")
+    text = format_plan("d1024", build_plan(big, layout=Layout(devices=64, ep=8)))
+    assert "MiB" not in text.split("memory per device")[1] and " GiB" in text

@@ -228,22 +228,37 @@ class ParallelConfig:
         require(self.devices == 0 or self.devices % self.expert == 0, f"{p}.expert",
                 f"must divide parallel.devices={self.devices}"
                 + ("; set parallel.devices=0 (every visible device) or a multiple of "
-                   f"{self.expert}" if self.devices == 1 else ""))
+                   f"{self.expert}, or parallel.expert=1 for one device" if self.devices == 1
+                   else f", not {self.expert}: give one of {_listed(_divisors(self.devices))}"
+                   ", or change parallel.devices"))
         require(isinstance(self.transport, str) and self.transport != "", f"{p}.transport",
                 "must name a transport (docs/transport.md lists them)")
 
 
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _listed(values: list[int], most: int = 8) -> str:
+    """``values`` for an error line: all of them, or the first and last few of a long list."""
+    if len(values) > most:
+        return f"{_listed(values[:most // 2])}, ..., {_listed(values[-most // 2:])}"
+    return ", ".join(map(str, values))
+
+
 def check_microbatch(microbatch: int, seq_len: int, batch: int, devices: int) -> None:
     """A micro-step holds whole sequences, the batch splits into whole micro-steps, and every
-    device gets rows of each micro-step."""
+    device gets rows of each micro-step; each error lists the values that fit."""
     p = "train.microbatch_tokens"
+    fits = [s * seq_len for s in _divisors(batch) if devices == 0 or s % devices == 0]
+    fix = f"; give one of {_listed(fits)}, or 0 for the whole batch"
     require(microbatch % seq_len == 0, p, f"{microbatch} tokens must be a whole number of "
-            f"sequences of {seq_len} tokens")
+            f"sequences of {seq_len} tokens" + fix)
     seqs = microbatch // seq_len
     require(batch % seqs == 0, p, f"{seqs} sequences per micro-step must divide the batch of "
-            f"{batch} sequences (at seq_len {seq_len})")
+            f"{batch} sequences (at seq_len {seq_len})" + fix)
     require(devices == 0 or seqs % devices == 0, p, f"{seqs} sequences per micro-step must be "
-            f"divisible by parallel.devices={devices}")
+            f"divisible by parallel.devices={devices}" + fix)
 
 
 @dataclass(frozen=True)
@@ -261,8 +276,11 @@ class RunConfig:
         self.train.validate()
         self.parallel.validate()
         par, m = self.parallel, self.model
+        fit_ep = [d for d in _divisors(m.n_experts) if par.devices == 0 or par.devices % d == 0]
         require(m.n_experts % par.expert == 0, "parallel.expert",
-                f"must divide model.n_experts={m.n_experts} (each rank holds n_experts/expert)")
+                f"must divide model.n_experts={m.n_experts} (each rank holds n_experts/expert),"
+                f" not {par.expert}: give one of {_listed(fit_ep)}"
+                + (f" (dividing parallel.devices={par.devices} too)" if par.devices else ""))
         fits = [n for n in range(1, min(self.data.batch_size, 64) + 1)
                 if self.data.batch_size % n == 0]
         require(par.devices == 0 or self.data.batch_size % par.devices == 0, "data.batch_size",

@@ -127,6 +127,18 @@ def config_layout(args, par) -> list[str]:
     return taken
 
 
+def _devices_hint(par) -> str:
+    """What a plan without --devices leaves out; a config on every visible device
+    (parallel.devices=0) with a layout of its own is told that its layout waits for the count."""
+    if par.devices == 0 and (par.expert > 1 or par.fsdp):
+        return (f"(parallel.devices=0 trains on every device it finds, a count a plan cannot "
+                f"know: give --devices N for memory per device with parallel.expert="
+                f"{par.expert}{' and parallel.fsdp' * par.fsdp}, and --mfu or --tokens-per-s for "
+                "time on the cluster)")
+    return ("(give --devices with --mfu or --tokens-per-s for time on a cluster, and "
+            "--ep/--fsdp for memory per device)")
+
+
 def cmd_plan(args, train_step) -> int:
     from moelab.planner.memory import Layout, transport_options
     from moelab.planner.report import build_plan, format_plan
@@ -154,8 +166,7 @@ def cmd_plan(args, train_step) -> int:
                         loss=args.loss or ("fused" if cfg.model.loss_chunk else "materialized"))
     print(format_plan(source, result))
     if not args.devices:
-        print("\n  (give --devices with --mfu or --tokens-per-s for time on a cluster, and "
-              "--ep/--fsdp for memory per device)")
+        print("\n  " + _devices_hint(cfg.parallel))
     elif not (args.mfu or args.tokens_per_s):
         print("\n  (give --mfu or --tokens-per-s for time on the cluster)")
     if args.xla:

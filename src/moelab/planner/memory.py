@@ -63,6 +63,16 @@ class Layout:
         if cfg.data.batch_size % self.devices:
             raise ConfigError(f"--devices {self.devices}: must divide data.batch_size="
                               f"{cfg.data.batch_size} (each device trains whole sequences)")
+        for seg in cfg.data.segments():  # a micro-step's rows, as moelab train shards them
+            seqs, mb = cfg.micro_seqs(seg.start), cfg.train.microbatch_tokens
+            if seqs % self.devices:
+                given = (f"train.microbatch_tokens={mb} at seq_len {seg.seq_len}" if mb else
+                         f"the batch at seq_len {seg.seq_len} from step {seg.start}")
+                fits = [n for n in range(1, seqs + 1) if seqs % n == 0]
+                raise ConfigError(f"--devices {self.devices}: must divide the {seqs} sequences "
+                                  f"of a micro-step ({given}; each device trains whole "
+                                  f"sequences); give one of {', '.join(map(str, fits))}"
+                                  + (", or a larger train.microbatch_tokens" if mb else ""))
         if self.optimizer not in ("adamw", "muon"):
             raise ConfigError(f"--optimizer {self.optimizer}: use adamw or muon")
         bad = set(self.offload) - {"master", "opt"}

@@ -7,7 +7,7 @@ import dataclasses
 
 from moelab.config import RunConfig
 from moelab.parallel import transport
-from moelab.planner.cluster import Accelerator, GiB, cluster_estimate
+from moelab.planner.cluster import Accelerator, GiB, MiB, cluster_estimate
 from moelab.planner.counts import flops_report, param_breakdown, param_counts, run_tokens
 from moelab.planner.memory import (
     AUTO_FILL,
@@ -115,13 +115,22 @@ def _fsdp_note(lay: dict) -> list[str]:
             f"--devices / --ep = {data} ways with parallel.fsdp=true, or not at all)"]
 
 
+def _unit(mem: dict) -> tuple[float, str]:
+    """MiB where every figure is under a GiB (a small config's read 0.00 GiB throughout, which
+    no one can check against XLA or a run), else GiB; device memory is always in GiB."""
+    big = max([mem["base_total"], mem["state"]["host"],
+               *(t["total"] for t in mem["transports"] if "total" in t)])
+    return (GiB, "GiB") if big >= GiB else (MiB, "MiB")
+
+
 def _format_memory(mem: dict, m: dict) -> list[str]:
     lay, st, acts = mem["layout"], mem["state"], mem["activations"]
     wdt = "bf16" if m["compute_dtype"] == "bfloat16" else "fp32"
     host = set(lay["offload"])
+    U, un = _unit(mem)
 
     def row(label: str, nbytes: float | None, note: str = "") -> str:
-        value = f"{nbytes / GiB:10.2f} GiB" if nbytes is not None else f"{'-':>14}"
+        value = f"{nbytes / U:10.2f} {un}" if nbytes is not None else f"{'-':>14}"
         return f"    {label:<30}{value}  {note}".rstrip()
 
     out = [f"  memory per device: {lay['devices']} device{'s' * (lay['devices'] != 1)}, "
@@ -154,10 +163,10 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
     if st["host"]:
         out.append(row("(host memory per device)", st["host"]))
     for remat, a in acts.items():
-        note = (f"saved {a['saved'] / GiB:.2f} + one layer {a['layer'] / GiB:.2f}"
+        note = (f"saved {a['saved'] / U:.2f} + one layer {a['layer'] / U:.2f}"
                 if a["layer"] else "every layer's residuals")
         if a.get("fsdp_head", 0) > a["layer"]:
-            note = f"saved {a['saved'] / GiB:.2f} + the FSDP head {a['fsdp_head'] / GiB:.2f}"
+            note = f"saved {a['saved'] / U:.2f} + the FSDP head {a['fsdp_head'] / U:.2f}"
         hbm = mem["hbm_bytes"]
         mark = ("" if remat != mem["remat"] else "; the config's setting"
                 if mem.get("remat_setting", remat) != "auto" else "; what remat auto takes"
@@ -171,29 +180,36 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
                else "a margin measured with XLA:GPU, not on this accelerator")
         out.append(f"    least recompute that fits {PLAN_FILL:.0%} of "
                    f"{mem['hbm_bytes'] / GiB:.1f} GiB ({why}): "
-                   + (f"model.remat={best} ({(mem['fixed'] + acts[best]['peak']) / GiB:.2f} "
-                      "GiB before transport buffers)" if best else
+                   + (f"model.remat={best} ({(mem['fixed'] + acts[best]['peak']) / U:.2f} "
+                      f"{un} before transport buffers)" if best else
                       f"no policy (full needs "
                       f"{(mem['fixed'] + acts['full']['peak']) / GiB:.2f} GiB of {fill / GiB:.1f})"
                       "; fewer tokens per device would: micro-steps "
                       "(train.microbatch_tokens), a smaller batch, more devices (--devices "
                       "with --ep/--fsdp), or state on the host (--offload)"))
-    if mem["transports"]:
-        hbm = mem["hbm_bytes"]
-        out += ["", f"    transport buffers of one MoE layer per rank ({wdt} rows of the "
-                f"{m['latent_dim'] or m['d_model']}-wide latent); total = device total with "
-                f"remat {mem['remat']}" + (f"; HBM {hbm / GiB:.1f} GiB" if hbm else ""),
-                f"    {'design':<14}{'capacity':<16}{'W':>2}{'kept':>10}{'one wave':>10}"
-                f"{'peak':>10}{'bank rows':>12}{'total':>10}  fits"]
-        for t in mem["transports"]:
-            if "invalid" in t:  # training refuses it at this EP: no sizes
-                out.append(f"    {t['kind']:<14}{_capacity(t):<16}{t.get('waves', 1):>2}  "
-                           f"not runnable here: {t['invalid']}")
-                continue
-            out.append(f"    {t['kind']:<14}{_capacity(t):<16}{t['waves']:>2}"
-                       f"{t['kept'] / GiB:>10.2f}{t['wave'] / GiB:>10.2f}{t['peak'] / GiB:>10.2f}"
-                       f"{t['bank_rows']:>12,}{t['total'] / GiB:>10.2f}  "
-                       + (("yes" if t["fits"] else "NO") if hbm else "-"))
+    return out + _format_transports(mem, m, wdt, U, un)
+
+
+def _format_transports(mem: dict, m: dict, wdt: str, U: float, un: str) -> list[str]:
+    """The transport table: one MoE layer's buffers per rank and the device total, in ``un``."""
+    if not mem["transports"]:
+        return []
+    hbm = mem["hbm_bytes"]
+    width = m["latent_dim"] or m["d_model"]
+    out = ["", f"    transport buffers of one MoE layer per rank ({wdt} rows of the {width}-wide "
+           f"latent{', in MiB' * (un == 'MiB')}); total = device total with remat "
+           f"{mem['remat']}" + (f"; HBM {hbm / GiB:.1f} GiB" if hbm else ""),
+           f"    {'design':<14}{'capacity':<16}{'W':>2}{'kept':>10}{'one wave':>10}"
+           f"{'peak':>10}{'bank rows':>12}{'total':>10}  fits"]
+    for t in mem["transports"]:
+        if "invalid" in t:  # training refuses it at this EP: no sizes
+            out.append(f"    {t['kind']:<14}{_capacity(t):<16}{t.get('waves', 1):>2}  "
+                       f"not runnable here: {t['invalid']}")
+            continue
+        out.append(f"    {t['kind']:<14}{_capacity(t):<16}{t['waves']:>2}"
+                   f"{t['kept'] / U:>10.2f}{t['wave'] / U:>10.2f}{t['peak'] / U:>10.2f}"
+                   f"{t['bank_rows']:>12,}{t['total'] / U:>10.2f}  "
+                   + (("yes" if t["fits"] else "NO") if hbm else "-"))
     return out
 
 

@@ -38,7 +38,7 @@ from moelab.data.sampler import SteppedSampler
 from moelab.parallel.forecast import batch_drops, fit_spans, heldout_batches
 from moelab.parallel.placement import fit_placement, permute_experts
 from moelab.parallel.routing import at_context, route_spans, routed_ids, routing_fn
-from moelab.parallel.transport import get
+from moelab.parallel.transport import DROPLESS, get
 from moelab.train.changes import GATE_EVENT, decide_stage
 from moelab.train.step import fsdp_hook, transport_fns
 
@@ -57,6 +57,8 @@ def check_adaptive(cfg: RunConfig) -> None:
     par = cfg.parallel
     t = get(par.transport)
     groups = t.group(par, cfg.model.n_experts // par.expert) > 1
+    require(par.replace_every == 0 or par.transport != DROPLESS, "parallel.replace_every",
+            f"{DROPLESS} drops nothing, so no placement changes its drops; set 0")
     require(par.replace_every == 0 or groups, "parallel.replace_every", f"{par.transport} "
             "limits each expert on its own, so no placement changes its drops; set 0")
     for i, c in _gated(cfg):
