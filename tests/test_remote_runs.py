@@ -220,6 +220,34 @@ def test_unusable_urls_are_clear_errors(url, message, data_dir, capsys, monkeypa
     assert "moelab: error: " + url in capsys.readouterr().err
 
 
+class Unreachable(MemoryFileSystem):
+    """A store whose host cannot be reached: every read fails as a network error does."""
+
+    cachable = False
+
+    def cat_file(self, path, *args, **kwargs):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+
+def test_a_run_url_that_cannot_be_reached_is_named_by_every_command(cache, monkeypatch, capsys):
+    """Not "not a run folder" (or the network library's line without the URL): its storage
+    cannot be reached, named with the URL, before a staging copy is locked or pulled."""
+    registry = importlib.import_module("fsspec.registry")  # fsspec.registry is a read-only view
+    monkeypatch.setitem(registry.known_implementations, "unreach",
+                        {"class": f"{__name__}.Unreachable"})
+    url = "unreach://host/run"
+    for argv in (["history", url], ["generate", url], ["resume", url]):
+        assert cli.main(argv) != 0
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == (f"moelab: error: {url}: cannot be reached (ConnectionRefusedError: [Errno "
+                       "111] Connection refused); check the network, the URL and its "
+                       "credentials"), (argv, err)
+    assert cli.main(["train", "tiny", "--run-dir", "https://example.invalid/run"]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "--run-dir https://example.invalid/run: HTTP cannot store a run (it is read-only here); "
+        "train in gs://, s3://, file:// or a local folder")
+
+
 # ---------------------------------------------------------------------- staging and upload faults
 
 

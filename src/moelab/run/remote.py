@@ -14,16 +14,14 @@ exactly as in a local run folder, and the mirror copies it:
   ``train.keep_ckpts`` checkpoints the run keeps (``ckpt_lease.prunable``).
 
 Readers pull into copies of their own: ``load_run`` the config, tokenizer and one checkpoint
-(``<url name>.read``), ``resume`` and ``history`` every file but the checkpoints (``.files``).
-Locking: the staging folder's ``flock`` plus ``URL/.lock`` naming its holder, written and read
-back; best effort, as object stores have no atomic create-if-absent through fsspec (two starts
-in the same moment could both win; a holder killed on another host leaves it behind, and the
-message says how to remove it).
+(``<url name>.read``), ``resume`` and ``history`` all but the checkpoints (``.files``). Locking:
+the staging folder's ``flock`` plus ``URL/.lock`` naming its holder, written and read back; best
+effort, as object stores have no atomic create-if-absent through fsspec (two starts at once
+could both win; a holder killed on another host leaves it behind: the message says what to do).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -40,8 +38,9 @@ from moelab.config import ConfigError
 from moelab.run.checkpoint import MANIFEST_FILE, Checkpointer, CheckpointError, step_name, step_of
 from moelab.run.ckpt_failures import download_failure, manifest_files, none_restored
 from moelab.run.ckpt_lease import leased_steps, prunable
-from moelab.run.lock import LOCK_FILE, RunLocked, holder_record, refusal, run_lock
-from moelab.util import atomic_write_bytes, info, pid_alive, url_fs
+from moelab.run.lock import run_lock
+from moelab.run.remote_lock import RemoteLock
+from moelab.util import atomic_write_bytes, info, url_fs
 
 CACHE_ENV = "MOELAB_RUN_CACHE"
 CKPTS = "checkpoints"
@@ -73,7 +72,7 @@ def _hidden(rel: str) -> bool:
     return any(part.startswith(".") for part in rel.split("/"))
 
 
-class Mirror:
+class Mirror(RemoteLock):
     """The run at ``url`` and its local copy ``local``: pull, push, and the remote lock."""
 
     def __init__(self, url: str, local: Path):
@@ -91,6 +90,20 @@ class Mirror:
         self._synced: dict[str, tuple[int, int]] = {}  # file -> (size, mtime) when last synced
         self._manifests: dict[int, bytes] = {}  # the remote's complete checkpoints
         self._lock_data: bytes | None = None
+
+    def reach(self) -> Mirror:
+        """Fail at once, naming the URL, where its storage cannot be reached (no network, no
+        credentials, no such host): each filesystem raises its own error, deep in a pull (and
+        some, as HTTP's, take any failure of ``info`` for a missing file: a read tells)."""
+        try:
+            self.fs.cat_file(self._r("config.yaml"))
+        except FileNotFoundError:  # a run not started yet
+            pass
+        except Exception as e:  # noqa: BLE001 - gcsfs, s3fs, aiohttp: errors of their own
+            raise ConnectionError(f"{self.url}: cannot be reached ({type(e).__name__}: "
+                                  f"{' '.join(str(e).split())}); check the network, the URL "
+                                  "and its credentials") from None
+        return self
 
     def _r(self, rel: str) -> str:
         return f"{self.root}/{rel}"
@@ -346,44 +359,6 @@ class Mirror:
                 self.fs.rm(self._r(rel))
             del self._synced[rel]
 
-    # ------------------------------------------------------------------ the remote lock
-
-    def lock(self, command: str | None = None) -> None:
-        """Write ``URL/.lock`` naming this process; RunLocked if another one holds it."""
-        path = self._r(LOCK_FILE)
-        try:
-            raw = self.fs.cat_file(path)
-        except FileNotFoundError:
-            raw = b""
-        try:
-            held = json.loads(raw or b"{}")
-            if not isinstance(held, dict):
-                raise ValueError("not a JSON object")
-        except ValueError as e:
-            raise RunLocked(f"{self.url}/{LOCK_FILE} is damaged ({e}): if no other process "
-                            f"trains this run, delete {self.url}/{LOCK_FILE} and run this again"
-                            ) from e
-        me = {**holder_record(command), "staging": str(self.local)}
-        mine = held.get("host") == me["host"] and (held.get("pid") == me["pid"]
-                                                  or not pid_alive(int(held.get("pid") or 0)))
-        if held and not mine:
-            raise RunLocked(refusal(self.url, f"{self.url}/{LOCK_FILE}", held, me["host"]))
-        data = json.dumps(me).encode()
-        self.write(LOCK_FILE, data)
-        if self.fs.cat_file(path) != data:  # another start wrote it at the same moment
-            raise RunLocked(f"{self.url}: another process took the lock just now; run this "
-                            "again once it has ended")
-        self._lock_data = data
-
-    def unlock(self) -> None:
-        path = self._r(LOCK_FILE)
-        try:
-            if self._lock_data is not None and self.fs.cat_file(path) == self._lock_data:
-                self.fs.rm(path)
-        except OSError as e:
-            info(f"{self.url}: could not remove {LOCK_FILE} ({e}); delete it before the next run")
-        self._lock_data = None
-
 
 @contextmanager
 def mirrored_run(url: str, command: str | None = None) -> Iterator[Mirror]:
@@ -392,7 +367,7 @@ def mirrored_run(url: str, command: str | None = None) -> Iterator[Mirror]:
     if jax.process_count() > 1:
         raise ConfigError(f"--run-dir {url}: a run folder URL takes one process (its staging "
                           "copy is local); give several processes a shared filesystem path")
-    mirror = Mirror(url, staging_dir(url))
+    mirror = Mirror(url, staging_dir(url)).reach()
     with run_lock(mirror.local, command, name=url):
         mirror.lock(command)
         try:
@@ -432,7 +407,7 @@ def fetch_run(url: str, step: int | None = None, checkpoint: bool = True) -> Pat
     """A local reading copy of the run at ``url``: config (where deleted, a checkpoint's is
     read), tokenizer and one checkpoint (``step``, or the newest usable); ``checkpoint=False``:
     every file but the checkpoints (its config, logs and records), in a copy of its own."""
-    mirror = Mirror(url, staging_dir(url, ".read" if checkpoint else ".files"))
+    mirror = Mirror(url, staging_dir(url, ".read" if checkpoint else ".files")).reach()
     files = READ_FILES if checkpoint else mirror._remote_files()
     mirror._pull_files(files)
     manifests = mirror._remote_checkpoints()[0] if checkpoint else {}

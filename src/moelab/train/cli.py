@@ -73,7 +73,11 @@ def cmd_train(args, attach_record) -> int:
             "whose name says nothing of the run: give --run-dir")
     cfg = load_config(source, overrides)
     if is_url(args.run_dir):  # gs://, s3://...: mirrored through a local copy (run/remote.py)
-        url_fs(args.run_dir)  # an unknown protocol or a missing package, before any work
+        fs, _ = url_fs(args.run_dir)  # an unknown protocol or a missing package, before work
+        require(not {"http", "https"} & set(fs.protocol if isinstance(fs.protocol, tuple)
+                                            else [fs.protocol]), f"--run-dir {args.run_dir}",
+                "HTTP cannot store a run (it is read-only here); train in gs://, s3://, "
+                "file:// or a local folder")
         require(not args.record, f"--record {args.record}", "reads the run folder from this "
                 "disk; give a local --run-dir, or drop --record")
         run_dir = args.run_dir
