@@ -85,7 +85,7 @@ def test_place_from_fits_the_placement_on_an_earlier_checkpoint(trained, tmp_pat
     fitted on the routing of the checkpoint at STEP (the router's drift included), computed
     here again with the library; a step that is not an earlier checkpoint, the option without
     --place, and a re-placement in between are refused."""
-    from moelab.ops.cli import load_run_for_drops
+    from moelab.ops.drops_cli import load_run_for_drops
     from moelab.parallel.forecast import forecast
 
     argv = ["drops", str(trained), "parallel.waves=1", "--seq-len", "64", "--ranks", "2",

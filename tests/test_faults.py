@@ -82,6 +82,25 @@ time.sleep(120)
 """
 
 
+def test_resume_of_a_run_still_starting_names_its_holder(tmp_path, capsys):
+    """A first `moelab train` that has not written config.yaml yet (it prepares data): a
+    resume names that live start, not a missing config.yaml; without a holder, the file."""
+    run = tmp_path / "new"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(run)], stdout=subprocess.PIPE,
+                              text=True, env=subprocess_env())
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["resume", str(run)]) == 2
+        assert f"moelab: error: {run} is in use by pid {holder.pid} " in capsys.readouterr().err
+    finally:
+        holder.kill()
+        holder.wait()
+    (run / LOCK_FILE).unlink()
+    assert main(["resume", str(run)]) == 2
+    assert f"{run / 'config.yaml'}: not found" in capsys.readouterr().err
+    assert list(run.iterdir()) == []  # the check left no lock behind
+
+
 def test_a_locked_run_folder_refuses_writers_and_a_dead_holder_is_taken_over(
         small_run, data_dir, tmp_path, capsys):  # noqa: F811
     run = copy_run(small_run, tmp_path)
