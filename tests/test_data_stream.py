@@ -117,6 +117,24 @@ def test_a_malformed_record_past_the_head_is_reported_once(tmp_path):
     s.close()
 
 
+class _FoundWhileRead(list):
+    """A skip list to which the reading thread adds a skip while ``new_skips`` reads it."""
+
+    def __getitem__(self, i):
+        out = super().__getitem__(i)
+        if isinstance(i, slice) and len(self) == 1:
+            self.append(("b.jsonl line 2", "not valid JSON"))
+        return out
+
+
+def test_a_skip_found_while_the_skips_are_read_is_said_next_time(streamed):
+    s = sampler(streamed)
+    s.stream.skipped.found = _FoundWhileRead([("a.jsonl line 1", "not valid JSON")])
+    assert s.new_skips() == [("a.jsonl line 1", "not valid JSON")]
+    assert s.new_skips() == [("b.jsonl line 2", "not valid JSON")]
+    s.close()
+
+
 def test_shuffled_blocks_hold_the_stream_windows(streamed):
     in_order = sampler(streamed, stream_shuffle=1)
     shuffled = sampler(streamed, stream_shuffle=8)

@@ -648,6 +648,18 @@ def test_the_stage_table_splits_where_a_resume_changed_the_expert_parallelism(tm
     assert lines[-3].endswith("  pooled_wave EP4 receiver_cf=1.15 waves=3")
 
 
+def test_the_stage_table_leaves_out_the_steps_a_killed_start_logged_past_its_resume(tmp_path):
+    """A resume from the checkpoint of step 10 after a start killed at step 20, itself at step
+    15 now: steps 16-20 are not the run's until trained again (as ``read_metrics``)."""
+    run = _ep_run(tmp_path, [
+        (None, [], {s: 0.1 for s in range(1, 21)}),
+        (10, ["parallel.expert 4 -> 2"], {s: 0.3 for s in range(11, 16)}),
+    ], overrides=("parallel.devices=8", "parallel.expert=2"))
+    rows = stage_report(run)
+    assert [(r["first_step"], r["last_step"], r["logged_steps"], r["transport"]) for r in rows] \
+        == [(0, 10, 10, "pooled_wave EP4"), (10, 15, 5, "pooled_wave EP2")]
+
+
 def test_history_shows_every_setting_a_resume_changed_and_the_devices(tmp_path, monkeypatch):
     """A resume's changed settings are its record of a move to another mesh: shown in full
     (not cut at a line's width); a run on all devices (parallel.devices=0) resumed on another

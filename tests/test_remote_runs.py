@@ -229,7 +229,8 @@ class Unreachable(MemoryFileSystem):
         raise ConnectionRefusedError(111, "Connection refused")
 
 
-def test_a_run_url_that_cannot_be_reached_is_named_by_every_command(cache, monkeypatch, capsys):
+def test_a_run_url_that_cannot_be_reached_is_named_by_every_command(cache, monkeypatch, capsys,
+                                                                    tmp_path):
     """Not "not a run folder" (or the network library's line without the URL): its storage
     cannot be reached, named with the URL, before a staging copy is locked or pulled."""
     registry = importlib.import_module("fsspec.registry")  # fsspec.registry is a read-only view
@@ -242,6 +243,10 @@ def test_a_run_url_that_cannot_be_reached_is_named_by_every_command(cache, monke
         assert err == (f"moelab: error: {url}: cannot be reached (ConnectionRefusedError: [Errno "
                        "111] Connection refused); check the network, the URL and its "
                        "credentials"), (argv, err)
+    a_file = tmp_path / "notes.txt"  # reached: no run folder, not the network's fault
+    a_file.write_text("x")
+    assert cli.main(["history", f"file://{a_file}"]) == 2
+    assert capsys.readouterr().err.startswith(f"moelab: error: file://{a_file}: not a run folder")
     assert cli.main(["train", "tiny", "--run-dir", "https://example.invalid/run"]) == 2
     assert capsys.readouterr().err.strip().endswith(
         "--run-dir https://example.invalid/run: HTTP cannot store a run (it is read-only here); "

@@ -84,15 +84,19 @@ def test_the_installed_wandb_takes_the_arguments_used():
 
 def test_w_and_b_marks_finished_only_a_run_that_finished(fake_wandb, tmp_path):
     """W&B shows a run "finished" for exit code 0 and "failed" for any other: a run stopped by
-    a signal, failed or diverged is told so at its end, by the event that ended it."""
+    a signal, failed or diverged is told so at its end, by the event that ended it; an abort
+    (Ctrl-C twice, a stop signal during the setup) with the code the command exits with."""
     for kind, fields in [("finished", {}), ("interrupted", {"signal": "SIGTERM"}),
                          ("interrupted", {"signal": "SIGINT"}), ("failed", {"error": "x"}),
-                         ("diverged", {"metric": "train/loss"}), ("aborted", {})]:
+                         ("diverged", {"metric": "train/loss"}),
+                         ("aborted", {"error": "KeyboardInterrupt: aborted at step 3"}),
+                         ("aborted", {"error": "Terminated: terminated (SIGTERM)"}),
+                         ("aborted", {"error": "HungUp"}), ("aborted", {})]:
         t = WandbTracker("p", tmp_path, {}, "run", str(tmp_path))
         t.event("skipped", 3)  # no end: the code stays as it was
         t.event(kind, 4, **fields)
         t.close()
-    assert fake_wandb["exit_codes"] == [0, 143, 130, 1, 1, 1]
+    assert fake_wandb["exit_codes"] == [0, 143, 130, 1, 1, 130, 143, 129, 130]
 
 
 def test_a_run_on_a_url_is_one_w_and_b_run_from_any_machine(fake_wandb, tmp_path):

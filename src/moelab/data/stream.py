@@ -325,8 +325,8 @@ class StreamSampler:
     def new_skips(self) -> list[tuple[str, str]]:
         """(where, why) of each record the stream skipped since the last call (a malformed
         line; under hf-stream, the rest of a file datasets cannot read), each said once."""
-        found = self.stream.skipped.found
-        new, self._said = found[self._said:], len(found)
+        new = self.stream.skipped.found[self._said:]  # the reading thread may add one now:
+        self._said += len(new)  # it is said next time
         return new
 
     def state(self) -> dict:

@@ -79,8 +79,9 @@ def resolve_input(path: Path | str) -> Input | None:
 
 def hub_hint(missing: list[str]) -> str:
     """A missing OWNER/NAME whose OWNER folder is missing too reads like a Hub dataset id (a
-    config's data.source arrives here made absolute)."""
+    config's data.source arrives here made absolute); a file's name (``corpus.txt``) does not."""
     ids = ["/".join(Path(m).parts[-2:]) for m in missing if not is_url(m)
+           and Path(m).suffix.lower() not in set(KNOWN_SUFFIXES) - {""}
            and not Path(m).parent.exists() and Path(m).parent.parent.exists()]
     return (f"; a Hugging Face Hub dataset is read by the URL of its data files: hf://datasets/"
             f"{ids[0]}/PATH (--format hf-files or hf-stream)" if ids else "")

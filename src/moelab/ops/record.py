@@ -148,8 +148,8 @@ def layout_labels(found: list[dict]) -> list[str]:
 
 def trained_records(run_dir: Path | str, cfg: RunConfig) -> list[tuple[dict, str, int]]:
     """(record, its layout's label, the step its start or resume began at) per trained step,
-    by step: the newest record of a step wins (as ``read_metrics``), with the layout of the
-    start or resume that wrote it."""
+    by step: the newest record of a step wins and a start or resume takes back later steps (as
+    ``read_metrics``), with the layout of the start or resume that wrote it."""
     lines = log_lines(Path(run_dir) / "metrics.jsonl")
     labels = layout_labels(layouts(lines, cfg)) or [transport_label(cfg)]
     merged: dict[int, dict] = {}
@@ -158,6 +158,9 @@ def trained_records(run_dir: Path | str, cfg: RunConfig) -> list[tuple[dict, str
     for rec in lines:
         if rec.get("event") in ("start", "resume"):
             seg, began = seg + 1, rec.get("step", 0)
+            if isinstance(began, int):  # what a killed start logged past it is taken back
+                merged = {s: r for s, r in merged.items() if s <= began}
+                by_step = {s: b for s, b in by_step.items() if s <= began}
         elif "event" not in rec:
             merged.setdefault(rec["step"], {}).update(rec)
             if "train/loss" in rec:

@@ -97,7 +97,7 @@ class Mirror(RemoteLock):
         some, as HTTP's, take any failure of ``info`` for a missing file: a read tells)."""
         try:
             self.fs.cat_file(self._r("config.yaml"))
-        except FileNotFoundError:  # a run not started yet
+        except (FileNotFoundError, NotADirectoryError):  # not started yet; a file: not a run
             pass
         except Exception as e:  # noqa: BLE001 - gcsfs, s3fs, aiohttp: errors of their own
             raise ConnectionError(f"{self.url}: cannot be reached ({type(e).__name__}: "

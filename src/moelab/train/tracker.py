@@ -104,15 +104,22 @@ def wandb_exit_code(kind: str, fields: dict) -> int:
     """The exit code W&B is told when the run's log ended with event ``kind``. W&B shows a
     run "finished" only for 0, "failed" for any other code: a run that failed, diverged or was
     stopped must not read as finished there (a resume continues it); a stop signal gives the
-    shell's code, 128 + its number."""
+    shell's code, 128 + its number, as the command exits: an abort (Ctrl-C twice, or a stop
+    during the setup) names it by its error's type."""
     if kind == "finished":
         return 0
+    if kind == "aborted":
+        kind, fields = "interrupted", {"signal": _ABORTS.get(
+            str(fields.get("error")).split(":", 1)[0], "SIGINT")}
     if kind == "interrupted":
         try:
             return 128 + signal.Signals[str(fields.get("signal"))]
         except KeyError:
             return 128 + signal.SIGINT
     return 1
+
+
+_ABORTS = {"Terminated": "SIGTERM", "HungUp": "SIGHUP"}  # moelab.util's, else a Ctrl-C
 
 
 class WandbTracker:
