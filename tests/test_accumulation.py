@@ -37,7 +37,7 @@ def batch(seed: int = 0):
 def assert_trees_close(a, b, rtol, atol):
     """Leaf by leaf; ``atol`` is relative to the leaf's largest magnitude (float32 sums in
     another order differ by a few ulps of the largest terms)."""
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):  # no leaf unchecked
         y = np.asarray(y)
         np.testing.assert_allclose(np.asarray(x), y, rtol=rtol, atol=atol * np.abs(y).max())
 
@@ -50,12 +50,16 @@ def test_micro_step_gradient_equals_whole_batch(k, router):
     if router == "softmax_aux":  # its balance loss is per micro-batch: leave it out here
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, aux_loss_coef=0.0))
 
+    rows = []  # each trace's batch rows: the k-step gradient ran on micro-batches
+
     def loss_fn(params, tokens):
+        rows.append(tokens.shape[0])
         return tr.lm_loss(params, state["model_state"], tokens, cfg.model)
 
     x = batch()
     (l1, s1), g1 = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, 1))(state["params"])
     (lk, sk), gk = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, k))(state["params"])
+    assert rows == [B, B // k]
     np.testing.assert_allclose(lk, l1, rtol=1e-6)
     assert_trees_close(gk, g1, rtol=1e-5, atol=1e-6)
     # counts add up exactly; means over equal micro-batches are the batch's means
@@ -66,10 +70,12 @@ def test_micro_step_gradient_equals_whole_batch(k, router):
     np.testing.assert_allclose(sk["entropy_L"], s1["entropy_L"], rtol=1e-6)
 
 
-def test_train_step_with_micro_steps_matches_one_batch():
+def test_train_step_with_micro_steps_matches_one_batch(monkeypatch):
     """A whole step (AdamW update, balancing bias, metrics), three steps in a row."""
     tokens = B * T
-    runs = {}
+    runs, rows, lm_loss = {}, set(), tr.lm_loss  # rows: of each traced loss's batch
+    monkeypatch.setattr(tr, "lm_loss", lambda p, s, tokens_B1T, *a, **kw: rows.add(
+        tokens_B1T.shape[0]) or lm_loss(p, s, tokens_B1T, *a, **kw))
     for mb in (0, tokens // 4):
         cfg = config(microbatch=mb)
         step = make_train_step(cfg)
@@ -80,6 +86,7 @@ def test_train_step_with_micro_steps_matches_one_batch():
             metrics.append(jax.device_get(m))
         runs[mb] = (jax.device_get(state), metrics)
     (s1, m1), (s4, m4) = runs[0], runs[tokens // 4]
+    assert rows == {B, B // 4}  # the second run's step ran 4 micro-batches
     # gradients equal to ~1e-6 (above): after three Adam updates, parameters to ~1e-5
     assert_trees_close(s4["params"], s1["params"], rtol=1e-4, atol=2e-5)
     np.testing.assert_array_equal(s4["model_state"]["router_bias"],
@@ -128,7 +135,7 @@ def test_quantile_balancer_with_micro_steps_stays_close():
     (_, s1), _ = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, 1))(state["params"])
     (_, s2), _ = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, 2))(state["params"])
     spread = float(np.ptp(np.asarray(s1["qb_bias_LE"])))
-    assert spread > 0
+    assert spread > 0 and not np.array_equal(s2["qb_bias_LE"], s1["qb_bias_LE"])
     np.testing.assert_allclose(s2["qb_bias_LE"], s1["qb_bias_LE"], atol=0.25 * spread)
 
 

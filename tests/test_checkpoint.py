@@ -515,7 +515,7 @@ def test_rejects_bad_meta_without_writing(tmp_path):
     with pytest.raises(TypeError, match="JSON"):
         ck.save(1, make_state(1), {"obj": object()})
     assert ck.steps() == [] and not any(tmp_path.iterdir())
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="keep must be >= 1, got 0"):
         Checkpointer(tmp_path, keep=0)
 
 

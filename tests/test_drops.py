@@ -80,14 +80,20 @@ def test_the_readme_example_runs_on_a_run_trained_without_expert_parallelism(tra
     assert "parallel.waves 3 -> 1 for 1 local expert(s)" in out and "drop forecast at EP 4" in out
 
 
-def test_place_from_fits_the_placement_on_an_earlier_checkpoint(trained, tmp_path, capsys):
+def test_place_from_fits_the_placement_on_an_earlier_checkpoint(trained, tmp_path, capsys,
+                                                                monkeypatch):
     """``--place --place-from STEP``: the placed column is the forecast with the placement
     fitted on the routing of the checkpoint at STEP (the router's drift included), computed
     here again with the library; a step that is not an earlier checkpoint, the option without
     --place, and a re-placement in between are refused."""
+    import moelab.parallel.forecast as fc
     from moelab.ops.drops_cli import load_run_for_drops
     from moelab.parallel.forecast import forecast
 
+    fits = []  # the model each forecast fits its placement on: on this small run the steps-20
+    # and -30 placements forecast the same drops, so the drops alone cannot tell them apart
+    monkeypatch.setattr(fc, "forecast", lambda *a, **kw: fits.append(kw["fit_model"]) or
+                        forecast(*a, **kw))
     argv = ["drops", str(trained), "parallel.waves=1", "--seq-len", "64", "--ranks", "2",
             "--transport", "pooled_global", "--tokens-per-rank", "128", "--batches", "1"]
     out = tmp_path / "drops.json"
@@ -95,6 +101,10 @@ def test_place_from_fits_the_placement_on_an_earlier_checkpoint(trained, tmp_pat
     rows = json.loads(out.read_text())["rows"]
     cfg, now, pars = load_run_for_drops(trained, ["parallel.waves=1"], ["pooled_global"], 2)
     old = load_run_for_drops(trained, [], None, 2, step=20)[1]
+    same = lambda a, b: all(np.array_equal(x, y) for x, y in zip(  # noqa: E731
+        jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+    (fit,) = fits
+    assert same(fit[0], old.params) and not same(fit[0], now.params), "not fitted at step 20"
     again = forecast(cfg, now.params, now.model_state, [64], pars, 2, 128, 1, 0, place=True,
                      fit_model=(old.params, old.model_state))
     assert [r["pooled_global placed"] for r in rows] == [r["pooled_global placed"]

@@ -28,7 +28,7 @@ N_B, N_T, D, V = 2, 12, 16, 50  # 24 tokens
 
 def _close(got, want, rtol):
     """Every leaf within ``rtol`` of the largest magnitude of its reference."""
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
         assert g.shape == w.shape
         err, scale = np.max(np.abs(g - w)), np.max(np.abs(w))
