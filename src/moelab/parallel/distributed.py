@@ -4,13 +4,23 @@ Every process runs the same ``moelab train``; the mesh spans the devices of all 
 jitted step's collectives cross process boundaries (NCCL on GPU, gloo on CPU). Each process
 computes the same global batch on the host and hands each of its local devices only its own
 shard. Process 0 alone writes the run folder (config, metrics, summary); checkpoints are written
-by all of them together through orbax.
+by all of them together through orbax. Before any work they check that they share the run folder
+and were given the same config (``check_same_run``).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import os
+import re
+import signal
 import socket
+import sys
+import threading
 import time
+import uuid
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,6 +28,7 @@ import numpy as np
 from moelab.util import info
 
 COORDINATOR_TIMEOUT_S = 300  # jax.distributed.initialize's own initialization_timeout
+_options: dict = {}  # this process's --num-processes, compared with process 0's (check_same_run)
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -25,7 +36,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     """Join the multi-controller runtime. With no arguments JAX detects the cluster (SLURM,
     Open MPI, Kubernetes, Cloud TPU); otherwise give all three. Must run before any JAX
     computation. A process other than 0 first waits up to ``timeout`` seconds for the
-    coordinator to answer (JAX would abort natively when it never does); None: 300 s."""
+    coordinator to answer (JAX would abort natively when it never does); None: 300 s. Every
+    process then waits at least 300 s for all to join, and ends with one line if they do not.
+    Once joined, a collective that fails on an uncaught error (another process is gone) ends
+    this process at once (``lost_peer``)."""
     timeout = COORDINATOR_TIMEOUT_S if timeout is None else timeout
     given = [coordinator is not None, num_processes is not None, process_id is not None]
     if any(given) and not all(given):
@@ -40,10 +54,18 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     # CPU collectives across processes need gloo; the setting is ignored by GPU/TPU backends.
     collectives = jax.config.jax_cpu_collectives_implementation
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    try:  # a longer wait lengthens JAX's own; a shorter one never cuts process 0's wait
-        wait = max(COORDINATOR_TIMEOUT_S, round(timeout))
+    # a longer wait lengthens JAX's own; a shorter one never cuts process 0's wait
+    wait = max(COORDINATOR_TIMEOUT_S, round(timeout))
+    if process_id == 0:
+        info(f"waiting up to {wait} s for the other {num_processes - 1} process(es) to join at "
+             f"{coordinator}")
+    # JAX ends a process whose peers never join with a native crash: say why first and end
+    watchdog = threading.Timer(wait, abandon, (_never_joined(coordinator, num_processes, wait),))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
         jax.distributed.initialize(coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=wait)
+                                   process_id=process_id, initialization_timeout=wait + 30)
     except ValueError as e:  # JAX found no cluster: "coordinator_address should be defined."
         jax.config.update("jax_cpu_collectives_implementation", collectives)
         if coordinator is not None:
@@ -52,6 +74,51 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                          f"Kubernetes, Cloud TPU) and says: {str(e).rstrip('.')}; elsewhere give "
                          "--coordinator HOST:PORT of process 0 with --num-processes and "
                          "--process-id") from e
+    finally:
+        watchdog.cancel()
+    _options["--num-processes"] = num_processes  # JAX keeps process 0's count: compared later
+    sys.excepthook = functools.partial(_uncaught, sys.excepthook)
+
+
+_LOST = re.compile(r"(?i)connection|peer|socket|unavailable|gloo|nccl")  # not, e.g., an OOM
+
+
+def _uncaught(previous, kind, error, trace) -> None:
+    """A collective that failed because another process is gone: ``lost_peer``."""
+    if (issubclass(kind, jax.errors.JaxRuntimeError) and jax.process_count() > 1
+            and _LOST.search(str(error))):
+        lost_peer(error)
+    previous(kind, error, trace)
+
+
+def _never_joined(coordinator: str | None, num_processes: int | None, wait: int) -> str:
+    if coordinator is None:
+        return f"the processes of this cluster did not all join within {wait} s"
+    return (f"--coordinator {coordinator}: not all {num_processes} processes joined within "
+            f"{wait} s; start each (--process-id 0..{num_processes - 1}) with the same "
+            "--coordinator and --num-processes, or wait longer with --coordinator-timeout")
+
+
+def abandon(message: str, code: int = 2) -> None:
+    """Say ``message`` (``moelab: error: ...``) and end this process now, without JAX's exit
+    handlers: their shutdown barrier would wait minutes for a process that is gone, then crash
+    natively."""
+    try:
+        print(f"moelab: error: {message}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+    except (OSError, ValueError):  # a console gone
+        pass
+    os._exit(code)
+
+
+def lost_peer(error: Exception) -> None:
+    """End a process of several whose collective with the others failed (another process died,
+    was killed or became unreachable): one line instead of a traceback, then JAX's exit
+    handlers' minutes of waiting for the lost process and their crash."""
+    why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    abandon(f"process {jax.process_index()}: lost contact with another process of this run "
+            f"({why}); see the other processes' output for why it stopped, then start every "
+            "process again with the same command: the run resumes from its newest checkpoint", 1)
 
 
 def split_address(address: str) -> tuple[str, int | None]:
@@ -128,3 +195,91 @@ def broadcast_str(text: str, length: int = 32) -> str:
     buf[: len(raw)] = np.frombuffer(raw, np.uint8)
     out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
     return bytes(out[out > 0].astype(np.uint8)).decode("ascii")
+
+
+def processes_where(flag: bool) -> list[int]:
+    """The indices of the processes where ``flag`` is true, the same list on every process."""
+    if jax.process_count() == 1:
+        return [0] if flag else []
+    from jax.experimental import multihost_utils
+
+    flags = np.asarray(multihost_utils.process_allgather(np.int32(bool(flag))))
+    return [int(i) for i in np.flatnonzero(flags)]
+
+
+def agree_signal(name: str | None) -> str | None:
+    """The stop signal some process received (the lowest-numbered such process's), on every
+    process; None when none did. A process stopped by another's signal reports that one."""
+    if jax.process_count() == 1:
+        return name
+    from jax.experimental import multihost_utils
+
+    code = signal.Signals[name].value if name else 0
+    codes = np.asarray(multihost_utils.process_allgather(np.int32(code)))
+    first = next((int(c) for c in codes.ravel() if c), 0)
+    return signal.Signals(first).name if first else None
+
+
+def broadcast_bytes(data: bytes) -> bytes:
+    """Process 0's ``data``, of any length, on every process."""
+    if jax.process_count() == 1:
+        return data
+    from jax.experimental import multihost_utils
+
+    size = int(np.asarray(multihost_utils.broadcast_one_to_all(np.int32(len(data)))))
+    buf = np.zeros(max(size, 1), np.uint8)
+    if is_main():
+        buf[:size] = np.frombuffer(data, np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(buf))[:size].astype(np.uint8).tobytes()
+
+
+def check_same_run(settings: dict, run_dir: Path | str | None) -> None:
+    """Refuse, on every process at once, processes that do not share the run folder
+    ``run_dir`` (None: not checked), or that were given other ``settings`` (a flat
+    ``{field: value}`` of the config) or another --num-processes than process 0: they would
+    hang in their first checkpoint, or train apart."""
+    if jax.process_count() == 1:
+        return
+    if run_dir is not None:
+        _check_shared_folder(Path(run_dir))
+    norm = json.loads(json.dumps({**settings, **_options}, sort_keys=True, default=str))
+    first = json.loads(broadcast_bytes(json.dumps(norm, sort_keys=True).encode()))
+    diff = [f"{k} {norm.get(k)!r} here, {first.get(k)!r} on process 0"
+            for k in sorted(set(norm) | set(first)) if norm.get(k) != first.get(k)]
+    others = processes_where(bool(diff))
+    fix = "start every process with the same config, overrides and --num-processes"
+    if diff:
+        more = f" (and {len(diff) - 4} more)" if len(diff) > 4 else ""
+        raise ValueError(f"process {jax.process_index()} was started with other settings than "
+                         f"process 0: {'; '.join(diff[:4])}{more}; {fix}")
+    if others:
+        raise ValueError(f"process(es) {', '.join(map(str, others))} were started with other "
+                         f"settings than process 0 (each names them); {fix}")
+
+
+def _check_shared_folder(run_dir: Path) -> None:
+    """Process 0 leaves a file in ``run_dir``; every process must see it there."""
+    probe = run_dir / broadcast_str(f".shared-{uuid.uuid4().hex[:16]}")
+    made = False
+    if is_main():
+        made = not run_dir.exists()
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+    barrier("run-folder-probe")
+    unseen = processes_where(not probe.exists())
+    barrier("run-folder-probed")
+    if is_main():
+        probe.unlink(missing_ok=True)
+        if made:  # a refused start leaves no folder behind
+            try:
+                run_dir.rmdir()
+            except OSError:  # something else appeared there meanwhile: keep it
+                pass
+    fix = "give every process the same --run-dir, on a filesystem every host sees"
+    if jax.process_index() in unseen:
+        raise ValueError(f"--run-dir {run_dir}: process {jax.process_index()} does not see "
+                         f"the run folder process 0 writes (a file it put there is missing); "
+                         f"{fix}")
+    if unseen:
+        raise ValueError(f"--run-dir {run_dir}: process(es) {', '.join(map(str, unseen))} do "
+                         f"not see this run folder (each says so); {fix}")

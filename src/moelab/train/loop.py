@@ -33,9 +33,10 @@ from pathlib import Path
 import jax
 
 from moelab.config import ConfigError, RunConfig
+from moelab.config.io import flatten_config
 from moelab.data.prepare import with_tokenizer_vocab
 from moelab.data.sampler import heldout_text
-from moelab.parallel.distributed import agree_any, is_main
+from moelab.parallel.distributed import agree_any, agree_signal, check_same_run, is_main
 from moelab.planner.counts import train_flops_per_token
 from moelab.run.checkpoint import Checkpointer, CheckpointError, save_failure
 from moelab.run.lock import run_lock
@@ -120,6 +121,8 @@ def train(cfg: RunConfig, run_dir: Path | str, *, verbose: bool = True,
     (``moelab.run.remote``). ``accept_data_change``: resume on data other than the run
     recorded, logging the change (otherwise refused)."""
     check_trackers(cfg)  # before the run folder (or its local mirror) is made
+    # several processes: one run folder and one config, or they hang or train apart
+    check_same_run(flatten_config(cfg.to_dict()), None if is_url(run_dir) else run_dir)
     if is_url(run_dir):
         from moelab.run.remote import mirrored_run
 
@@ -280,8 +283,9 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
             stop = not _log_eval(run, p, flag)
         if not stop and p.step % cfg.train.ckpt_every == 0 and p.step < steps:
             _paused(p, _save, run, p, False)  # written in the background (train.async_ckpt)
-    if stop:
-        p.stop_signal = flag.signal or "SIGTERM"  # another process received it
+    if stop:  # every process takes part: it may have been another process's signal
+        agreed = agree_signal(flag.signal)
+        p.stop_signal = flag.signal or agreed or "SIGTERM"
 
 
 def _paused(p: _Progress, fn, *args):

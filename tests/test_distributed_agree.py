@@ -1,0 +1,113 @@
+"""The processes of a several-process run agree before any work (one run folder, one config,
+one --num-processes), stop with the signal one of them received, and one that loses another
+ends at once with one line. Each test stands in one process of two: the collectives answer as
+the other process would (tests/test_multiprocess.py runs real pairs)."""
+
+import sys
+
+import jax
+import pytest
+
+from moelab.parallel import distributed
+
+
+@pytest.fixture
+def two(monkeypatch):
+    """This process is one of two; ``as_process(i)`` makes it process i."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "barrier", lambda name: None)
+
+    def as_process(i: int, unseen: list[int] | None = None):
+        monkeypatch.setattr(jax, "process_index", lambda: i)
+        monkeypatch.setattr(distributed, "is_main", lambda: i == 0)
+        # processes_where: this process's flag, and the other's as ``unseen`` says
+        monkeypatch.setattr(distributed, "processes_where", lambda flag: sorted(
+            {*(unseen or []), *([i] if flag else [])}))
+    return as_process
+
+
+def test_other_config_is_refused_naming_the_field(two, monkeypatch):
+    two(1)
+    monkeypatch.setattr(distributed, "_options", {"--num-processes": 2})
+    first = b'{"--num-processes": 2, "model.d_model": 128, "train.steps": 12}'
+    monkeypatch.setattr(distributed, "broadcast_bytes", lambda data: first)
+    with pytest.raises(ValueError, match=r"^process 1 was started with other settings than "
+                       r"process 0: train\.steps 14 here, 12 on process 0; start every"):
+        distributed.check_same_run({"model.d_model": 128, "train.steps": 14}, None)
+
+
+def test_process_0_names_the_process_whose_config_differs(two, monkeypatch):
+    two(0, unseen=[1])
+    monkeypatch.setattr(distributed, "broadcast_bytes", lambda data: data)
+    with pytest.raises(ValueError, match=r"^process\(es\) 1 were started with other settings"):
+        distributed.check_same_run({"train.steps": 12}, None)
+
+
+def test_a_run_folder_process_0_does_not_write_is_refused(two, monkeypatch, tmp_path):
+    two(1)
+    monkeypatch.setattr(distributed, "broadcast_str", lambda text: ".shared-0123")
+    with pytest.raises(ValueError, match=r"^--run-dir .*mine: process 1 does not see the run "
+                       r"folder process 0 writes .*; give every process the same --run-dir"):
+        distributed.check_same_run({}, tmp_path / "mine")
+
+
+def test_process_0_leaves_no_folder_when_another_does_not_share_it(two, monkeypatch, tmp_path):
+    two(0, unseen=[1])
+    monkeypatch.setattr(distributed, "broadcast_str", lambda text: ".shared-0123")
+    with pytest.raises(ValueError, match=r"process\(es\) 1 do not see this run folder"):
+        distributed.check_same_run({}, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_shared_folder_passes_and_keeps_no_probe(two, monkeypatch, tmp_path):
+    two(0)
+    (tmp_path / "run").mkdir()
+    monkeypatch.setattr(distributed, "broadcast_str", lambda text: ".shared-0123")
+    monkeypatch.setattr(distributed, "broadcast_bytes", lambda data: data)
+    distributed.check_same_run({"train.steps": 12}, tmp_path / "run")
+    assert list((tmp_path / "run").iterdir()) == []
+
+
+def test_a_stop_names_the_signal_another_process_received(monkeypatch):
+    from jax.experimental import multihost_utils
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: [0, 2])  # SIGINT on 1
+    assert distributed.agree_signal(None) == "SIGINT"
+    monkeypatch.setattr(multihost_utils, "process_allgather", lambda x: [0, 0])
+    assert distributed.agree_signal(None) is None
+
+
+def test_a_lost_process_ends_the_others_at_once_with_one_line(monkeypatch, capsys):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(distributed.os, "_exit", exit_now)
+    error = jax.errors.JaxRuntimeError("UNKNOWN: Gloo AllGather failed: Connection closed by "
+                                       "peer [127.0.0.1]:39620")
+    with pytest.raises(SystemExit) as ended:
+        distributed._uncaught(lambda *a: pytest.fail("traceback printed"), type(error), error,
+                              None)
+    assert ended.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "lost contact with another process" in err
+    assert "start every process again with the same command" in err
+    seen = []  # an error of this process's own (an out-of-memory) keeps its traceback
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 8 GiB")
+    distributed._uncaught(lambda *a: seen.append(a[1]), type(oom), oom, None)
+    assert seen == [oom]
+
+
+def test_process_0_says_what_it_waits_for(monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a, **k: calls.append(k))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)  # gloo stays unset here
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # restored after the test
+    distributed.initialize("127.0.0.1:8476", 2, 0)
+    assert "waiting up to 300 s for the other 1 process(es) to join at 127.0.0.1:8476" in (
+        capsys.readouterr().err)
+    # JAX's own deadline comes after the one that says why, instead of a native crash
+    assert calls[0]["initialization_timeout"] > 300
+    assert "--coordinator-timeout" in distributed._never_joined("127.0.0.1:8476", 2, 300)
