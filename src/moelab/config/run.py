@@ -229,13 +229,13 @@ class ParallelConfig:
                 f"must divide parallel.devices={self.devices}"
                 + ("; set parallel.devices=0 (every visible device) or a multiple of "
                    f"{self.expert}, or parallel.expert=1 for one device" if self.devices == 1
-                   else f", not {self.expert}: give one of {_listed(_divisors(self.devices))}"
+                   else f", not {self.expert}: give one of {_listed(divisors(self.devices))}"
                    ", or change parallel.devices"))
         require(isinstance(self.transport, str) and self.transport != "", f"{p}.transport",
                 "must name a transport (docs/transport.md lists them)")
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -250,7 +250,7 @@ def check_microbatch(microbatch: int, seq_len: int, batch: int, devices: int) ->
     """A micro-step holds whole sequences, the batch splits into whole micro-steps, and every
     device gets rows of each micro-step; each error lists the values that fit."""
     p = "train.microbatch_tokens"
-    fits = [s * seq_len for s in _divisors(batch) if devices == 0 or s % devices == 0]
+    fits = [s * seq_len for s in divisors(batch) if devices == 0 or s % devices == 0]
     fix = f"; give one of {_listed(fits)}, or 0 for the whole batch"
     require(microbatch % seq_len == 0, p, f"{microbatch} tokens must be a whole number of "
             f"sequences of {seq_len} tokens" + fix)
@@ -276,13 +276,12 @@ class RunConfig:
         self.train.validate()
         self.parallel.validate()
         par, m = self.parallel, self.model
-        fit_ep = [d for d in _divisors(m.n_experts) if par.devices == 0 or par.devices % d == 0]
+        fit_ep = [d for d in divisors(m.n_experts) if par.devices == 0 or par.devices % d == 0]
         require(m.n_experts % par.expert == 0, "parallel.expert",
                 f"must divide model.n_experts={m.n_experts} (each rank holds n_experts/expert),"
                 f" not {par.expert}: give one of {_listed(fit_ep)}"
                 + (f" (dividing parallel.devices={par.devices} too)" if par.devices else ""))
-        fits = [n for n in range(1, min(self.data.batch_size, 64) + 1)
-                if self.data.batch_size % n == 0]
+        fits = [n for n in divisors(self.data.batch_size) if n <= 64]
         require(par.devices == 0 or self.data.batch_size % par.devices == 0, "data.batch_size",
                 f"{self.data.batch_size} must be divisible by parallel.devices={par.devices} "
                 "(each device gets rows); or give parallel.devices one that divides it: "

@@ -31,6 +31,7 @@ from moelab.run.logs import (
     log_lines,
     read_lineage,
     read_metrics,
+    restart_step,
     run_status,
     shown_path,
 )
@@ -158,9 +159,9 @@ def trained_records(run_dir: Path | str, cfg: RunConfig) -> list[tuple[dict, str
     for rec in lines:
         if rec.get("event") in ("start", "resume"):
             seg, began = seg + 1, rec.get("step", 0)
-            if isinstance(began, int):  # what a killed start logged past it is taken back
-                merged = {s: r for s, r in merged.items() if s <= began}
-                by_step = {s: b for s, b in by_step.items() if s <= began}
+            if (back := restart_step(rec)) is not None:  # as read_metrics takes them back
+                merged = {s: r for s, r in merged.items() if s <= back}
+                by_step = {s: b for s, b in by_step.items() if s <= back}
         elif "event" not in rec:
             merged.setdefault(rec["step"], {}).update(rec)
             if "train/loss" in rec:

@@ -177,24 +177,12 @@ def barrier(name: str) -> None:
 
 def agree_any(flag: bool) -> bool:
     """True on every process if it is true on any (e.g. a stop signal seen by one of them)."""
-    if jax.process_count() == 1:
-        return bool(flag)
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.int32(bool(flag)))))
+    return bool(processes_where(flag))
 
 
 def broadcast_str(text: str, length: int = 32) -> str:
     """Process 0's ``text`` (ASCII, at most ``length`` characters) on every process."""
-    if jax.process_count() == 1:
-        return text
-    from jax.experimental import multihost_utils
-
-    buf = np.zeros(length, np.uint8)
-    raw = text.encode("ascii")[:length]
-    buf[: len(raw)] = np.frombuffer(raw, np.uint8)
-    out = np.asarray(multihost_utils.broadcast_one_to_all(buf))
-    return bytes(out[out > 0].astype(np.uint8)).decode("ascii")
+    return broadcast_bytes(text.encode("ascii")[:length]).decode("ascii")
 
 
 def processes_where(flag: bool) -> list[int]:

@@ -22,6 +22,7 @@ from jax.extend import core as jcore
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from moelab.config.model import REMAT_POLICIES
+from moelab.config.run import divisors
 from moelab.model import layers
 from moelab.model import transformer as tr
 from moelab.model.experts import DropCounts, auto_impl
@@ -68,7 +69,7 @@ class Layout:
             if seqs % self.devices:
                 given = (f"train.microbatch_tokens={mb} at seq_len {seg.seq_len}" if mb else
                          f"the batch at seq_len {seg.seq_len} from step {seg.start}")
-                fits = [n for n in range(1, seqs + 1) if seqs % n == 0]
+                fits = divisors(seqs)
                 raise ConfigError(f"--devices {self.devices}: must divide the {seqs} sequences "
                                   f"of a micro-step ({given}; each device trains whole "
                                   f"sequences); give one of {', '.join(map(str, fits))}"

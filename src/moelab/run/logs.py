@@ -136,9 +136,15 @@ def read_metrics(path: Path | str) -> tuple[list[dict], list[dict]]:
             records.setdefault(rec["step"], {}).update(rec)
             continue
         events.append(rec)
-        if rec["event"] in ("start", "resume") and isinstance(rec.get("step"), int):
-            records = {s: r for s, r in records.items() if s <= rec["step"]}
+        if (back := restart_step(rec)) is not None:
+            records = {s: r for s, r in records.items() if s <= back}
     return [records[s] for s in sorted(records)], events
+
+
+def restart_step(rec: dict) -> int | None:
+    """The step a start or resume event went on from: records past it are taken back."""
+    step = rec.get("step")
+    return step if rec.get("event") in ("start", "resume") and isinstance(step, int) else None
 
 
 def log_lines(path: Path | str) -> list[dict]:

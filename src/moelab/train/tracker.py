@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from moelab.config import RunConfig
 from moelab.config.errors import ConfigError, need_extra, require
 from moelab.run.logs import TERMINAL, clean_value
-from moelab.util import stop_said
+from moelab.util import HungUp, Terminated, stop_said
 
 if TYPE_CHECKING:  # peak imports JAX, which this module leaves to its callers
     from moelab.train.peak import Peaks
@@ -119,7 +119,7 @@ def wandb_exit_code(kind: str, fields: dict) -> int:
     return 1
 
 
-_ABORTS = {"Terminated": "SIGTERM", "HungUp": "SIGHUP"}  # moelab.util's, else a Ctrl-C
+_ABORTS = {c.__name__: c.signal_name for c in (Terminated, HungUp)}  # else a Ctrl-C
 
 
 class WandbTracker:
