@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from unittest import mock
@@ -216,32 +217,34 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     """Activation bytes of one device's forward + backward at [batch, seq_len] under the block
     remat policy ``remat`` (model.remat: none, experts, dots or full; default the config's).
 
-    saved: what the whole loss keeps for the backward: every layer's residuals (none); all but
-    the routed experts' (experts); each layer's input, unbatched matmul outputs and route (dots);
-    each layer's input and route (full); plus the head. layer: what one layer's backward
-    recomputes on top (experts, dots, full): the larger of its two branches' residuals less
-    what the policy saved of them (the backward runs the MoE branch, frees it, then the
-    attention branch); peak = saved + layer. ``local_experts=False`` leaves the routed experts
-    out (an expert-parallel transport owns them; see transport_memory).
-    ``attention``/``loss``: "materialized" (this code's plain paths) or "fused". Fused
-    attention is measured in place, the attention core standing in as a fused kernel keeps it
-    (``_fused_attention_core``). The loss measures as fused (its residuals are dx, dW and a
-    loss per token, see materialized_loss_bytes); "materialized" adds the float32 logits
-    [B, T, V] that autodiff of the plain logits would keep. ``experts``: the expert kernel traced
-    (``planned_experts``).
-    """
+    saved: what the whole loss keeps for the backward, plus the head: every layer's residuals
+    (none); all but the routed experts' (experts); each layer's input, unbatched matmul outputs
+    and route (dots); each layer's input and route (full). layer: what one layer's backward
+    recomputes on top, the larger of its two branches' residuals less what the policy saved of
+    them (the backward runs the MoE branch, frees it, then attention); peak = saved + layer.
+    ``local_experts=False`` leaves out the routed experts (a transport's: transport_memory).
+    ``attention``/``loss``: "materialized" (this code's plain paths) or "fused". Fused attention
+    is measured in place (``_fused_attention_core``); the loss measures as fused (residuals dx,
+    dW and a loss per token), "materialized" adds the float32 logits [B, T, V] that autodiff of
+    the plain logits would keep (materialized_loss_bytes). ``experts``: the expert kernel
+    traced (``planned_experts``)."""
     for name, value in (("attention", attention), ("loss", loss)):
         if value not in KERNELS:
             raise ConfigError(f"--{name} {value}: use fused or materialized")
     remat = cfg.remat if remat is None else remat
     if remat not in REMAT_POLICIES:
         raise ConfigError(f"remat {remat!r}: use one of {', '.join(REMAT_POLICIES)}")
-    # the portable paths (any backend): fused kernels' savings are modelled by the options;
-    # the experts' kernel as ``planned_experts`` says (gmm traces in Pallas interpret form)
+    # portable paths (any backend): the options model fused kernels; gmm traces interpreted
     m = dataclasses.replace(cfg, remat=remat, loss_chunk=0, moe_impl=experts,
                             attention_impl="chunked")
-    dt = jnp.dtype(m.compute_dtype)
-    experts_fn = None if local_experts else _stub_experts
+    return dict(_measured(m, batch, seq_len, local_experts, attention, loss))
+
+
+# traced once per process: a plan and model.remat=auto measure the same shapes again (1 s each)
+@functools.lru_cache(maxsize=64)
+def _measured(m: ModelConfig, batch: int, seq_len: int, local_experts: bool, attention: str,
+              loss: str) -> dict[str, int]:
+    dt, experts_fn = jnp.dtype(m.compute_dtype), None if local_experts else _stub_experts
     # the block weights as the layer scan takes them, already in the compute dtype: their cast
     # (made once before the scan) is the compute-weight copy, which state_memory's gradient
     # bytes cover (see there), not an activation
@@ -257,7 +260,7 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
         if loss == "materialized":
             saved += materialized_loss_bytes(m, batch, seq_len)
         out = {"saved": saved, "layer": 0, "attention_layer": 0, "moe_layer": 0}
-        if remat != "none":
+        if m.remat != "none":
             p1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], dt), params["blocks"])
             x = jax.ShapeDtypeStruct((batch, seq_len, m.d_model), dt)
             cos, sin = rope_at(jnp.arange(seq_len), m)
