@@ -31,11 +31,11 @@ from moelab.planner.memory import (
     Layout,
     activation_memory,
     memory_report,
-    residual_bytes,
     state_memory,
     with_transport,
 )
 from moelab.planner.report import build_plan, format_plan
+from moelab.planner.residuals import residual_bytes
 from moelab.planner.xla import (
     compare_sharded_with_xla,
     compare_transport_with_xla,

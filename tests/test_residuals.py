@@ -24,9 +24,9 @@ from moelab.planner.memory import (
     memory_report,
     planned_attention,
     planned_experts,
-    residual_bytes,
 )
 from moelab.planner.report import build_plan, format_plan
+from moelab.planner.residuals import residual_bytes
 
 
 def plain_rms(x, scale=None, eps=1e-5):

@@ -10,27 +10,21 @@ activations, and an expert-parallel transport's buffers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
-from unittest import mock
 
-import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from moelab.config.model import REMAT_POLICIES
 from moelab.config.run import divisors
 from moelab.model import layers
 from moelab.model import transformer as tr
-from moelab.model.experts import DropCounts, auto_impl
-from moelab.model.layers import causal_attend, rope_at
-from moelab.model.loss import chunked_token_loss
+from moelab.model.experts import auto_impl
 from moelab.parallel import transport
-from moelab.planner.counts import ROUTED, param_leaves, param_tree
+from moelab.planner.counts import ROUTED, param_leaves
+from moelab.planner.residuals import measured
 
 
 @dataclass(frozen=True)
@@ -125,69 +119,6 @@ def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
     return out
 
 
-def residual_bytes(fn, *args) -> int:
-    """Bytes of the arrays ``jax.vjp(fn, *args)`` keeps for the backward pass, not counting the
-    arguments themselves (the weights are accounted for as weights). Abstract: ``args`` may be
-    ShapeDtypeStructs of any size."""
-    closed = jax.make_jaxpr(lambda *a: jax.vjp(fn, *a)[1])(*args)
-    inputs = {id(v) for v in closed.jaxpr.invars}
-    saved = {id(v): v.aval for v in closed.jaxpr.outvars
-             if isinstance(v, jcore.Var) and id(v) not in inputs}
-    return int(sum(math.prod(a.shape) * a.dtype.itemsize for a in saved.values()))
-
-
-def _stub_experts(z_NH, expert_NK, weight_NK, weights, valid_NK=None):
-    """Stands in for an expert-parallel transport when measuring the rest of the model: an
-    opaque op with no residuals (the transport's own buffers are counted from its formulas)."""
-    return _passthrough(z_NH, weight_NK), DropCounts.of(0)
-
-
-@jax.custom_vjp
-def _passthrough(z_NH, weight_NK):
-    return z_NH * jnp.sum(weight_NK, axis=-1, keepdims=True).astype(z_NH.dtype)
-
-
-_passthrough.defvjp(lambda z, w: (_passthrough(z, w), None),
-                    lambda _, g: (g, jnp.zeros(g.shape[:1] + (1,), g.dtype)))
-
-
-KERNELS = ("fused", "materialized")
-
-
-def materialized_loss_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
-    """What autodiff of float32 logits keeps beyond this code's head + loss, per device: the
-    logits [B, T, V]; the head + loss (a custom VJP, moelab.model.loss) forms its gradient in
-    the forward and keeps dx (the size of the final hidden state), dW [D, V] in float32 and a
-    float32 loss per token (>= 0)."""
-    dt = jnp.dtype(cfg.compute_dtype)
-    x = jax.ShapeDtypeStruct((batch, seq_len, cfg.d_model), dt)
-    head = jax.ShapeDtypeStruct((cfg.d_model, cfg.vocab_size), jnp.float32)
-    targets = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
-
-    def loss(x, w, t):
-        logits = jnp.einsum("btd,dv->btv", x, w.astype(dt), preferred_element_type=jnp.float32)
-        return tr.token_loss(logits, t)[0]
-
-    own = residual_bytes(lambda x, w, t: chunked_token_loss(x, w, t)[0], x, head, targets)
-    return max(0, residual_bytes(loss, x, head, targets) - (own - head_gradient_bytes(cfg)))
-
-
-def head_gradient_bytes(cfg: ModelConfig) -> int:
-    """The head's float32 gradient [D, V], which the loss forms in its forward (moelab.model.
-    loss) and keeps as a residual: the buffer of the head's gradient, already counted with the
-    gradients (``state_memory``), not an activation."""
-    return 4 * cfg.d_model * cfg.vocab_size
-
-
-def _recomputed(branch, m: ModelConfig, *args) -> int:
-    """Bytes of a block branch's residuals that its backward recomputes under ``m.remat``
-    (``branch(cfg)``: the branch's function of (x, params)): all of them without remat, less
-    what the policy saves (counted once per layer in the whole loss's residuals); for
-    "experts", the routed experts' own."""
-    plain = residual_bytes(branch(dataclasses.replace(m, remat="none")), *args)
-    return max(0, plain - residual_bytes(tr.remat_block(branch(m), m.remat), *args))
-
-
 def planned_attention(cfg: ModelConfig, cuda_capability: float = 0.0) -> str:
     """The attention kernel's memory the plan measures: "fused" where the config names cuDNN's
     kernel, or where ``auto`` picks it on the planned GPU (``model.layers.auto_attention``);
@@ -211,6 +142,9 @@ def planned_experts(cfg: ModelConfig, cuda_capability: float = 0.0) -> str:
     return "gmm" if named else "blocks"
 
 
+KERNELS = ("fused", "materialized")
+
+
 def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts: bool = True,
                       remat: str | None = None, attention: str = "materialized",
                       loss: str = "materialized", experts: str = "blocks") -> dict[str, int]:
@@ -224,10 +158,10 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     them (the backward runs the MoE branch, frees it, then attention); peak = saved + layer.
     ``local_experts=False`` leaves out the routed experts (a transport's: transport_memory).
     ``attention``/``loss``: "materialized" (this code's plain paths) or "fused". Fused attention
-    is measured in place (``_fused_attention_core``); the loss measures as fused (residuals dx,
-    dW and a loss per token), "materialized" adds the float32 logits [B, T, V] that autodiff of
-    the plain logits would keep (materialized_loss_bytes). ``experts``: the expert kernel
-    traced (``planned_experts``)."""
+    is measured in place (``residuals.fused_attention_core``); the loss measures as fused
+    (residuals dx, dW and a loss per token), "materialized" adds the float32 logits [B, T, V]
+    that autodiff of the plain logits would keep (``residuals.materialized_loss_bytes``).
+    ``experts``: the expert kernel traced (``planned_experts``)."""
     for name, value in (("attention", attention), ("loss", loss)):
         if value not in KERNELS:
             raise ConfigError(f"--{name} {value}: use fused or materialized")
@@ -237,69 +171,7 @@ def activation_memory(cfg: ModelConfig, batch: int, seq_len: int, local_experts:
     # portable paths (any backend): the options model fused kernels; gmm traces interpreted
     m = dataclasses.replace(cfg, remat=remat, loss_chunk=0, moe_impl=experts,
                             attention_impl="chunked")
-    return dict(_measured(m, batch, seq_len, local_experts, attention, loss))
-
-
-# traced once per process: a plan and model.remat=auto measure the same shapes again (1 s each)
-@functools.lru_cache(maxsize=64)
-def _measured(m: ModelConfig, batch: int, seq_len: int, local_experts: bool, attention: str,
-              loss: str) -> dict[str, int]:
-    dt, experts_fn = jnp.dtype(m.compute_dtype), None if local_experts else _stub_experts
-    # the block weights as the layer scan takes them, already in the compute dtype: their cast
-    # (made once before the scan) is the compute-weight copy, which state_memory's gradient
-    # bytes cover (see there), not an activation
-    params = param_tree(m)
-    params = {**params, "blocks": jax.eval_shape(lambda b: tr.layer_params(b, dt),
-                                                 params["blocks"])}
-    state = jax.eval_shape(lambda: tr.init_state(m))
-    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
-    with _fused_attention_core() if attention == "fused" else contextlib.nullcontext():
-        saved = residual_bytes(lambda p, s, t: tr.lm_loss(p, s, t, m, experts_fn=experts_fn)[0],
-                               params, state, tokens)
-        saved -= head_gradient_bytes(m)
-        if loss == "materialized":
-            saved += materialized_loss_bytes(m, batch, seq_len)
-        out = {"saved": saved, "layer": 0, "attention_layer": 0, "moe_layer": 0}
-        if m.remat != "none":
-            p1 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], dt), params["blocks"])
-            x = jax.ShapeDtypeStruct((batch, seq_len, m.d_model), dt)
-            cos, sin = rope_at(jnp.arange(seq_len), m)
-            bias = jnp.zeros((m.n_experts,), jnp.float32)
-            attn = _recomputed(lambda c: lambda x, p: tr.attention_branch(p, x, c, 0, cos, sin,
-                                                                        False), m, x, p1)
-            moe = _recomputed(lambda c: lambda x, p: tr.mixture_branch(p, x, bias, c, None,
-                                                                     experts_fn)[0], m, x, p1)
-            out.update(layer=max(attn, moe), attention_layer=attn, moe_layer=moe)
-    out["peak"] = out["saved"] + out["layer"]
-    return out
-
-
-@contextlib.contextmanager
-def _fused_attention_core():
-    """The model's attention core as a fused kernel keeps it for the backward: its inputs,
-    output and a float32 log-sum-exp per query and head (``_fused_like``), measured in place
-    (inside the layer scan, under each remat policy), not as a stand-alone difference."""
-    with mock.patch.object(layers, "causal_attend", _fused_like):
-        yield
-
-
-@jax.custom_vjp
-def _fused_like(q_BTKGQ, k_BTKQ, v_BTKQ, window):
-    return causal_attend(q_BTKGQ, k_BTKQ, v_BTKQ, window)
-
-
-def _fused_like_fwd(q, k, v, window):
-    out = causal_attend(q, k, v, window)
-    lse = jnp.sum(q.astype(jnp.float32), axis=-1)  # [B, T, K, G]: a log-sum-exp's shape
-    return out, (q, k, v, out, lse)
-
-
-def _fused_like_bwd(res, g):  # planning traces the forward only; zeros keep the VJP whole
-    q, k, v, _, _ = res
-    return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None
-
-
-_fused_like.defvjp(_fused_like_fwd, _fused_like_bwd)
+    return dict(measured(m, batch, seq_len, local_experts, attention, loss))
 
 
 def transport_memory(kind: str, *, tokens: int, top_k: int, n_experts: int, ranks: int,
