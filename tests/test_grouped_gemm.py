@@ -71,12 +71,17 @@ def test_expert_legs_match_per_row_reference(impl, counts):
     rows: zeros); every weight gradient, an empty expert's zeros included, equals x_g^T dy_g."""
     x, dy, w, c, group = sorted_rows(counts)
     legs = expert_legs(impl, block=TILE, blocks=SMALL)
-    x_M, groups = legs.layout(x, c)
-    dy_M, _ = legs.layout(dy, c)
     y, dx, dw = (jnp.asarray(a, jnp.float32) for a in per_row(x, dy, w, group))
-    np.testing.assert_allclose(legs.fwd(x_M, w, groups), legs.layout(y, c)[0], atol=1e-4)
-    np.testing.assert_allclose(legs.dgrad(dy_M, w, groups), legs.layout(dx, c)[0], atol=1e-4)
-    np.testing.assert_allclose(legs.wgrad(x_M, dy_M, groups), dw, atol=1e-4)
+
+    @jax.jit  # one compile for the three legs and the layouts, not one per operation
+    def legs_and_references(x, dy, y, dx, w, c):
+        (x_M, groups), (dy_M, _) = legs.layout(x, c), legs.layout(dy, c)
+        return ((legs.fwd(x_M, w, groups), legs.layout(y, c)[0]),
+                (legs.dgrad(dy_M, w, groups), legs.layout(dx, c)[0]),
+                (legs.wgrad(x_M, dy_M, groups), dw))
+
+    for got, want in legs_and_references(x, dy, y, dx, w, c):
+        np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 def test_gmm_grouped_matmul_vjp_matches_ragged_dot():
@@ -86,14 +91,19 @@ def test_gmm_grouped_matmul_vjp_matches_ragged_dot():
     x, g, _, c, _ = sorted_rows(COUNTS["empty experts, uneven tails"], K=16, N=16, seed=1)
     w = jnp.asarray(np.random.default_rng(2).standard_normal((5, 16, 16)), jnp.float32)
     legs = expert_legs("gmm", block=TILE)
-    x_M, tiles = legs.layout(x, c)
-    g_M, _ = legs.layout(g, c)
-    ours = lambda x, w: jnp.sum(grouped_matmul(x, w, tiles, gmm_backend(SMALL)) * g_M)
-    ref = lambda x, w: jnp.sum(jax.lax.ragged_dot(x, w, c) * g)
-    (v, (dx, dw)), (v_ref, (dx_ref, dw_ref)) = (jax.value_and_grad(f, (0, 1))(a, w)
-                                               for f, a in ((ours, x_M), (ref, x)))
+
+    @jax.jit  # one compile for both sides and the layouts, not one per operation
+    def both(x, g, w, c):
+        (x_M, tiles), (g_M, _) = legs.layout(x, c), legs.layout(g, c)
+        ours = lambda x, w: jnp.sum(grouped_matmul(x, w, tiles, gmm_backend(SMALL)) * g_M)
+        ref = lambda x, w: jnp.sum(jax.lax.ragged_dot(x, w, c) * g)
+        (v, (dx, dw)), (v_ref, (dx_ref, dw_ref)) = (jax.value_and_grad(f, (0, 1))(a, w)
+                                                   for f, a in ((ours, x_M), (ref, x)))
+        return v, dx, dw, v_ref, legs.layout(dx_ref, c)[0], dw_ref
+
+    v, dx, dw, v_ref, dx_ref, dw_ref = both(x, g, w, c)
     np.testing.assert_allclose(v, v_ref, rtol=1e-5)
-    np.testing.assert_allclose(dx, legs.layout(dx_ref, c)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, dx_ref, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, dw_ref, rtol=1e-5, atol=1e-5)
     assert not np.any(np.asarray(dw)[[1, 4]])
 
@@ -111,10 +121,12 @@ def routing(dtype, N=24, H=16, I=32, E=5, k=2, seed=3):
 
 
 def expert_grads(impl, x, expert, weight, w):
+    """Loss and gradients, jitted: one compile rather than one per operation (in interpret
+    mode each eager kernel call traces and compiles its kernel anew)."""
     cfg = ModelConfig(n_experts=w["w_gate"].shape[0], top_k=expert.shape[1], moe_block=TILE)
     loss = lambda x, wt, w: jnp.sum(jnp.sin(
         experts.routed_experts(x, expert, wt, w, cfg, impl).astype(jnp.float32)))
-    return jax.value_and_grad(loss, (0, 1, 2))(x, weight, w)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2)))(x, weight, w)
 
 
 def test_gmm_routed_experts_matches_dense_fp32():
@@ -183,12 +195,13 @@ def test_gathering_kernels_equal_the_kernels_on_the_gathered_rows(counts):
     x_M = take_rows(x_shuffled, src)
     np.testing.assert_array_equal(x_M, take_rows(x, src_sorted))  # the same sorted rows
     dy_M = take_rows(dy, src_sorted)
-    np.testing.assert_array_equal(gmm(x_shuffled, w, tiles, SMALL, src=src),
-                                  gmm(x_M, w, tiles, SMALL))
-    np.testing.assert_array_equal(tgmm(x_shuffled, dy_M, tiles, SMALL, src=src),
-                                  tgmm(x_M, dy_M, tiles, SMALL))
-    assert not np.any(np.asarray(tgmm(x_shuffled, dy_M, tiles, SMALL, src=src))[
-        [g for g, n in enumerate(counts) if n == 0]])
+    # each kernel on the sorted rows, computed once (an eager interpreted kernel call compiles
+    # anew): what every gathering call below must equal
+    y_M, dw_M = gmm(x_M, w, tiles, SMALL), tgmm(x_M, dy_M, tiles, SMALL)
+    np.testing.assert_array_equal(gmm(x_shuffled, w, tiles, SMALL, src=src), y_M)
+    dw_src = tgmm(x_shuffled, dy_M, tiles, SMALL, src=src)
+    np.testing.assert_array_equal(dw_src, dw_M)
+    assert not np.any(np.asarray(dw_src)[[g for g, n in enumerate(counts) if n == 0]])
     # inside shard_map (x varying over a mesh axis) the plain-JAX reference stands in for the
     # interpreted kernels: each device's copy of x gives the same result
     if len(jax.devices()) < 8:
@@ -196,19 +209,22 @@ def test_gathering_kernels_equal_the_kernels_on_the_gathered_rows(counts):
                     "XLA_FLAGS=--xla_force_host_platform_device_count=8")
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]), ("d",))
     P = jax.sharding.PartitionSpec
-    each = jax.shard_map(lambda x_, dy_: (gmm(x_, w, tiles, SMALL, src=src)[None],
-                                          tgmm(x_, dy_, tiles, SMALL, src=src)[None]),
-                         mesh=mesh, in_specs=(P("d"), P("d")), out_specs=(P("d"), P("d")))
+    # jitted: an eager shard_map runs (and compiles) its body operation by operation
+    each = jax.jit(jax.shard_map(lambda x_, dy_: (gmm(x_, w, tiles, SMALL, src=src)[None],
+                                                  tgmm(x_, dy_, tiles, SMALL, src=src)[None]),
+                                 mesh=mesh, in_specs=(P("d"), P("d")),
+                                 out_specs=(P("d"), P("d"))))
     y8, dw8 = each(jnp.tile(x_shuffled, (8, 1)), jnp.tile(dy_M, (8, 1)))
     # and where the slot -> row map alone varies over the mesh axis
-    by_src = jax.shard_map(lambda s: (gmm(x_shuffled, w, tiles, SMALL, src=s[0])[None],
-                                      tgmm(x_shuffled, dy_M, tiles, SMALL, src=s[0])[None]),
-                           mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d")))
+    by_src = jax.jit(jax.shard_map(
+        lambda s: (gmm(x_shuffled, w, tiles, SMALL, src=s[0])[None],
+                   tgmm(x_shuffled, dy_M, tiles, SMALL, src=s[0])[None]),
+        mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P("d"))))
     ys8, dws8 = by_src(jnp.tile(src[None], (8, 1)))
     for d in range(8):
         for y, dw in ((y8[d], dw8[d]), (ys8[d], dws8[d])):
-            np.testing.assert_allclose(y, gmm(x_M, w, tiles, SMALL), atol=1e-5)
-            np.testing.assert_allclose(dw, tgmm(x_M, dy_M, tiles, SMALL), atol=1e-5)
+            np.testing.assert_allclose(y, y_M, atol=1e-5)
+            np.testing.assert_allclose(dw, dw_M, atol=1e-5)
 
 
 def sorted_path(x, expert, weight, w, block):
@@ -236,11 +252,12 @@ def test_gathering_path_equals_the_sorted_path_bit_for_bit(N, k, dup, dtypes):
     weight = weight[:, :k]
     w = jax.tree.map(lambda a: a.astype(dtypes[1]), w)
     cfg = ModelConfig(n_experts=6, top_k=k, moe_block=TILE)
-    loss = lambda f: lambda x, wt, w: jnp.sum(jnp.sin(f(x, wt, w).astype(jnp.float32)))
-    new = jax.value_and_grad(loss(lambda x, wt, w: experts.routed_experts(
-        x, expert, wt, w, cfg, "gmm")), (0, 1, 2))(x, weight, w)
-    old = jax.value_and_grad(loss(lambda x, wt, w: sorted_path(x, expert, wt, w, TILE)),
-                             (0, 1, 2))(x, weight, w)
+    # each path jitted whole: one compile per path, not one per operation
+    grads = lambda f: jax.jit(jax.value_and_grad(
+        lambda x, wt, w: jnp.sum(jnp.sin(f(x, wt, w).astype(jnp.float32))), (0, 1, 2)))
+    new = grads(lambda x, wt, w: experts.routed_experts(x, expert, wt, w, cfg, "gmm"))(
+        x, weight, w)
+    old = grads(lambda x, wt, w: sorted_path(x, expert, wt, w, TILE))(x, weight, w)
     for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(old)):
         np.testing.assert_array_equal(a, b)
 
@@ -329,13 +346,16 @@ def test_gmm_reference_equals_the_kernels():
     computes what they compute (an unused tile: zeros; an empty expert: zero gradient)."""
     x, dy, w, c, _ = sorted_rows(COUNTS["empty experts, uneven tails"], K=16, N=16)
     legs = expert_legs("gmm", block=TILE, blocks=SMALL)
-    x_M, tiles = legs.layout(x, c)
-    dy_M, _ = legs.layout(dy, c)
-    np.testing.assert_allclose(reference_rows(x_M, w, tiles), legs.fwd(x_M, w, tiles), atol=1e-5)
-    np.testing.assert_allclose(reference_rows(dy_M, w, tiles, transpose_w=True),
-                               legs.dgrad(dy_M, w, tiles), atol=1e-5)
-    np.testing.assert_allclose(reference_wgrad(x_M, dy_M, tiles), legs.wgrad(x_M, dy_M, tiles),
-                               atol=1e-5)
+
+    @jax.jit  # one compile for the kernels and their references, not one per operation
+    def pairs(x, dy, w, c):
+        (x_M, tiles), (dy_M, _) = legs.layout(x, c), legs.layout(dy, c)
+        return ((reference_rows(x_M, w, tiles), legs.fwd(x_M, w, tiles)),
+                (reference_rows(dy_M, w, tiles, transpose_w=True), legs.dgrad(dy_M, w, tiles)),
+                (reference_wgrad(x_M, dy_M, tiles), legs.wgrad(x_M, dy_M, tiles)))
+
+    for ref, got in pairs(x, dy, w, c):
+        np.testing.assert_allclose(ref, got, atol=1e-5)
 
 
 def test_impls_on_cpu_and_their_checks(monkeypatch):
@@ -414,7 +434,7 @@ def test_gmm_sum2_is_two_data_gradients_in_one_accumulator(counts):
     xs = legs.layout(x, c)[0]
     loss = lambda backend: lambda xs, ws: jnp.sum(jnp.sin(
         grouped_swiglu_rows(xs, ws, tiles, backend)))
-    got = jax.grad(loss(gmm_swiglu_backend(SMALL)), (0, 1))(xs, ws)
-    ref = jax.grad(loss(gmm_backend(SMALL)), (0, 1))(xs, ws)
+    got = jax.jit(jax.grad(loss(gmm_swiglu_backend(SMALL)), (0, 1)))(xs, ws)
+    ref = jax.jit(jax.grad(loss(gmm_backend(SMALL)), (0, 1)))(xs, ws)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
