@@ -42,24 +42,36 @@ def assert_trees_close(a, b, rtol, atol):
         np.testing.assert_allclose(np.asarray(x), y, rtol=rtol, atol=atol * np.abs(y).max())
 
 
+# (rows of the traced batch, (loss, stats), gradients) of accumulated_grad per (router, micro
+# steps): the one-step reference of a router is compiled once for all its comparisons
+_GRADS: dict = {}
+
+
+def grads(router: str, k: int):
+    if (router, k) not in _GRADS:
+        cfg = config(router)
+        state = init_train_state(cfg, jax.random.PRNGKey(0))
+        if router == "softmax_aux":  # its balance loss is per micro-batch: leave it out here
+            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
+                                                                     aux_loss_coef=0.0))
+        rows = []  # each trace's batch rows: the k-step gradient ran on micro-batches
+
+        def loss_fn(params, tokens):
+            rows.append(tokens.shape[0])
+            return tr.lm_loss(params, state["model_state"], tokens, cfg.model)
+
+        x = batch()
+        out = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, k))(state["params"])
+        _GRADS[(router, k)] = (rows, *out)
+    return _GRADS[(router, k)]
+
+
 @pytest.mark.parametrize("k", [2, 4])
 @pytest.mark.parametrize("router", ["sigmoid_bias", "softmax_aux"])
 def test_micro_step_gradient_equals_whole_batch(k, router):
-    cfg = config(router)
-    state = init_train_state(cfg, jax.random.PRNGKey(0))
-    if router == "softmax_aux":  # its balance loss is per micro-batch: leave it out here
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, aux_loss_coef=0.0))
-
-    rows = []  # each trace's batch rows: the k-step gradient ran on micro-batches
-
-    def loss_fn(params, tokens):
-        rows.append(tokens.shape[0])
-        return tr.lm_loss(params, state["model_state"], tokens, cfg.model)
-
-    x = batch()
-    (l1, s1), g1 = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, 1))(state["params"])
-    (lk, sk), gk = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, k))(state["params"])
-    assert rows == [B, B // k]
+    rows1, (l1, s1), g1 = grads(router, 1)
+    rowsk, (lk, sk), gk = grads(router, k)
+    assert (rows1, rowsk) == ([B], [B // k])
     np.testing.assert_allclose(lk, l1, rtol=1e-6)
     assert_trees_close(gk, g1, rtol=1e-5, atol=1e-6)
     # counts add up exactly; means over equal micro-batches are the batch's means
@@ -70,23 +82,34 @@ def test_micro_step_gradient_equals_whole_batch(k, router):
     np.testing.assert_allclose(sk["entropy_L"], s1["entropy_L"], rtol=1e-6)
 
 
-def test_train_step_with_micro_steps_matches_one_batch(monkeypatch):
+# (final state, metrics per step, rows of each traced loss's batch) of three jitted train steps
+# per (microbatch_tokens, moment dtype): the float32 run with 4 micro-steps serves two tests
+_RUNS: dict = {}
+
+
+def three_steps(microbatch: int, moment_dtype: str = "float32"):
+    if (microbatch, moment_dtype) not in _RUNS:
+        cfg = config(microbatch=microbatch)
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
+                                                                 moment_dtype=moment_dtype))
+        rows, lm_loss = set(), tr.lm_loss
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(tr, "lm_loss", lambda p, s, tokens_B1T, *a, **kw: rows.add(
+                tokens_B1T.shape[0]) or lm_loss(p, s, tokens_B1T, *a, **kw))
+            step = make_train_step(cfg)
+            state = init_train_state(cfg, jax.random.PRNGKey(0))
+            metrics = []
+            for i in range(3):
+                state, m = step(state, batch(i))
+                metrics.append(jax.device_get(m))
+        _RUNS[(microbatch, moment_dtype)] = (jax.device_get(state), metrics, rows)
+    return _RUNS[(microbatch, moment_dtype)]
+
+
+def test_train_step_with_micro_steps_matches_one_batch():
     """A whole step (AdamW update, balancing bias, metrics), three steps in a row."""
-    tokens = B * T
-    runs, rows, lm_loss = {}, set(), tr.lm_loss  # rows: of each traced loss's batch
-    monkeypatch.setattr(tr, "lm_loss", lambda p, s, tokens_B1T, *a, **kw: rows.add(
-        tokens_B1T.shape[0]) or lm_loss(p, s, tokens_B1T, *a, **kw))
-    for mb in (0, tokens // 4):
-        cfg = config(microbatch=mb)
-        step = make_train_step(cfg)
-        state = init_train_state(cfg, jax.random.PRNGKey(0))
-        metrics = []
-        for i in range(3):
-            state, m = step(state, batch(i))
-            metrics.append(jax.device_get(m))
-        runs[mb] = (jax.device_get(state), metrics)
-    (s1, m1), (s4, m4) = runs[0], runs[tokens // 4]
-    assert rows == {B, B // 4}  # the second run's step ran 4 micro-batches
+    (s1, m1, rows1), (s4, m4, rows4) = three_steps(0), three_steps(B * T // 4)
+    assert (rows1, rows4) == ({B}, {B // 4})  # the second run's step ran 4 micro-batches
     # gradients equal to ~1e-6 (above): after three Adam updates, parameters to ~1e-5
     assert_trees_close(s4["params"], s1["params"], rtol=1e-4, atol=2e-5)
     np.testing.assert_array_equal(s4["model_state"]["router_bias"],
@@ -102,22 +125,16 @@ def test_train_step_keeps_bf16_moments():
     """optim.moment_dtype=bfloat16 through the jitted step with micro-steps: the state's moments
     stay bfloat16 step after step, and three updates land where float32 moments take them, to
     within a few percent of the distance the weights moved."""
-    runs = {}
-    for dtype in ("float32", "bfloat16"):
-        cfg = config(microbatch=B * T // 2)
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, moment_dtype=dtype))
-        step = make_train_step(cfg)
-        state = init_train_state(cfg, jax.random.PRNGKey(0))
-        start = jax.device_get(state["params"])
-        for i in range(3):
-            state, m = step(state, batch(i))
-            assert np.isfinite(float(m["train/loss"]))
-        runs[dtype] = jax.device_get(state)
-    floats = [a.dtype for a in jax.tree.leaves(runs["bfloat16"]["opt_state"])
+    runs = {dtype: three_steps(B * T // 4, dtype) for dtype in ("float32", "bfloat16")}
+    for _, metrics, rows in runs.values():
+        assert rows == {B // 4} and all(np.isfinite(float(m["train/loss"])) for m in metrics)
+    cfg = config()
+    start = jax.device_get(init_train_state(cfg, jax.random.PRNGKey(0))["params"])
+    floats = [a.dtype for a in jax.tree.leaves(runs["bfloat16"][0]["opt_state"])
               if jnp.issubdtype(a.dtype, jnp.floating)]
     assert floats and set(floats) == {jnp.dtype(jnp.bfloat16)}
-    for w0, w32, w16 in zip(*(jax.tree.leaves(t) for t in (start, runs["float32"]["params"],
-                                                           runs["bfloat16"]["params"]))):
+    for w0, w32, w16 in zip(*(jax.tree.leaves(t) for t in (start, runs["float32"][0]["params"],
+                                                           runs["bfloat16"][0]["params"]))):
         moved = np.abs(np.asarray(w32) - w0).max()
         assert np.abs(np.asarray(w16) - np.asarray(w32)).max() <= 0.05 * moved + 1e-7
 
@@ -125,15 +142,7 @@ def test_train_step_keeps_bf16_moments():
 def test_quantile_balancer_with_micro_steps_stays_close():
     """The quantile router's next bias is the mean of the micro-steps' histogram quantiles: not
     the whole batch's quantile, but close to it."""
-    cfg = config("quantile")
-    state = init_train_state(cfg, jax.random.PRNGKey(0))
-
-    def loss_fn(params, tokens):
-        return tr.lm_loss(params, state["model_state"], tokens, cfg.model)
-
-    x = batch()
-    (_, s1), _ = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, 1))(state["params"])
-    (_, s2), _ = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, 2))(state["params"])
+    (_, (_, s1), _), (_, (_, s2), _) = grads("quantile", 1), grads("quantile", 2)
     spread = float(np.ptp(np.asarray(s1["qb_bias_LE"])))
     assert spread > 0 and not np.array_equal(s2["qb_bias_LE"], s1["qb_bias_LE"])
     np.testing.assert_allclose(s2["qb_bias_LE"], s1["qb_bias_LE"], atol=0.25 * spread)

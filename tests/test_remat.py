@@ -46,30 +46,41 @@ def test_the_block_checkpoint_refuses_an_unknown_policy():
         tr.remat_block(lambda x, p: (x, p), "partial")
 
 
+# (loss, gradients, lowered text) of one step per config: each is compiled once in this module
+# (the reference, none with scan_unroll 1 on CFG, serves three tests)
+_STEPS: dict = {}
+
+
+def step_inputs(cfg: ModelConfig):
+    """(params, state, tokens) of the step compared under every variant of ``cfg``."""
+    p = tr.init_params(cfg, jax.random.PRNGKey(0))
+    toks = jax.random.randint(jax.random.PRNGKey(1), (B, T + 1), 0, cfg.vocab_size)
+    return p, tr.init_state(cfg), toks
+
+
+def step_of(cfg: ModelConfig):
+    if cfg not in _STEPS:
+        p, s, toks = step_inputs(cfg)
+        lowered = jax.jit(jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, cfg)[0])).lower(p)
+        _STEPS[cfg] = (*lowered.compile()(p), lowered.as_text())
+    return _STEPS[cfg]
+
+
 def assert_same_step(cfg: ModelConfig, a: dict, b: dict):
     """The loss and gradients of one step equal under ``cfg`` changed by ``a`` and by ``b``;
-    (params, state, tokens) of that step."""
-    p = tr.init_params(cfg, jax.random.PRNGKey(0))
-    s = tr.init_state(cfg)
-    toks = jax.random.randint(jax.random.PRNGKey(1), (B, T + 1), 0, cfg.vocab_size)
-
-    def loss_and_grad(changes):
-        c = dataclasses.replace(cfg, **changes)
-        return jax.jit(jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, c)[0]))(p)
-
-    (loss, grad), (loss_b, grad_b) = loss_and_grad(a), loss_and_grad(b)
+    the two steps' lowered texts."""
+    loss, grad, text = step_of(dataclasses.replace(cfg, **a))
+    loss_b, grad_b, text_b = step_of(dataclasses.replace(cfg, **b))
     np.testing.assert_allclose(loss_b, loss, rtol=1e-6)
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6),
                  grad_b, grad)
-    return p, s, toks
+    return text, text_b
 
 
 @pytest.mark.parametrize("remat", ["experts", "dots"])
 def test_a_policy_computes_the_loss_and_gradients_of_none(remat):
     """A policy only changes what the backward recomputes (full: as before this option)."""
-    cfg = ModelConfig(vocab_size=64, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1,
-                      head_dim=8, expert_dim=8, shared_dim=8, n_experts=4)
-    assert_same_step(cfg, {"remat": "none"}, {"remat": remat})
+    assert_same_step(CFG, {"remat": "none"}, {"remat": remat})
 
 
 def test_experts_computes_the_step_of_none_on_the_gpu_path():
@@ -85,11 +96,10 @@ def test_experts_computes_the_step_of_none_on_the_gpu_path():
 def test_an_unrolled_layer_scan_computes_the_same_step(remat):
     """model.scan_unroll changes how the layer scan compiles, not what it computes."""
     cfg = dataclasses.replace(CFG, remat=remat)
-    p, s, toks = assert_same_step(cfg, {"scan_unroll": 1}, {"scan_unroll": cfg.n_layers})
-    loops = {u: jax.jit(lambda p, u=u: tr.lm_loss(p, s, toks, dataclasses.replace(
-        cfg, scan_unroll=u))[0]).lower(p).as_text().count("stablehlo.while")
-        for u in (1, cfg.n_layers)}
-    assert loops[cfg.n_layers] == loops[1] - 1  # the layer loop is gone, the others stay
+    looped, unrolled = (text.count("stablehlo.while") for text in assert_same_step(
+        cfg, {"scan_unroll": 1}, {"scan_unroll": cfg.n_layers}))
+    # the layer loop and its backward are gone, the other loops stay
+    assert unrolled == looped - 2
 
 
 def grad_flops(cfg: ModelConfig) -> int:
