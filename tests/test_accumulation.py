@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,28 +43,23 @@ def assert_trees_close(a, b, rtol, atol):
         np.testing.assert_allclose(np.asarray(x), y, rtol=rtol, atol=atol * np.abs(y).max())
 
 
-# (rows of the traced batch, (loss, stats), gradients) of accumulated_grad per (router, micro
-# steps): the one-step reference of a router is compiled once for all its comparisons
-_GRADS: dict = {}
-
-
+@functools.cache
 def grads(router: str, k: int):
-    if (router, k) not in _GRADS:
-        cfg = config(router)
-        state = init_train_state(cfg, jax.random.PRNGKey(0))
-        if router == "softmax_aux":  # its balance loss is per micro-batch: leave it out here
-            cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model,
-                                                                     aux_loss_coef=0.0))
-        rows = []  # each trace's batch rows: the k-step gradient ran on micro-batches
+    """(rows of the traced batch, (loss, stats), gradients) of accumulated_grad in ``k`` micro
+    steps: the one-step reference of a router is compiled once for all its comparisons."""
+    cfg = config(router)
+    state = init_train_state(cfg, jax.random.PRNGKey(0))
+    if router == "softmax_aux":  # its balance loss is per micro-batch: leave it out here
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, aux_loss_coef=0.0))
+    rows = []  # each trace's batch rows: the k-step gradient ran on micro-batches
 
-        def loss_fn(params, tokens):
-            rows.append(tokens.shape[0])
-            return tr.lm_loss(params, state["model_state"], tokens, cfg.model)
+    def loss_fn(params, tokens):
+        rows.append(tokens.shape[0])
+        return tr.lm_loss(params, state["model_state"], tokens, cfg.model)
 
-        x = batch()
-        out = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, k))(state["params"])
-        _GRADS[(router, k)] = (rows, *out)
-    return _GRADS[(router, k)]
+    x = batch()
+    out = jax.jit(lambda p: accumulated_grad(loss_fn, p, x, k))(state["params"])
+    return (rows, *out)
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -82,33 +78,28 @@ def test_micro_step_gradient_equals_whole_batch(k, router):
     np.testing.assert_allclose(sk["entropy_L"], s1["entropy_L"], rtol=1e-6)
 
 
-# (final state, metrics per step, rows of each traced loss's batch) of three jitted train steps
-# per (microbatch_tokens, moment dtype): the float32 run with 4 micro-steps serves two tests
-_RUNS: dict = {}
-
-
-def three_steps(microbatch: int, moment_dtype: str = "float32"):
-    if (microbatch, moment_dtype) not in _RUNS:
-        cfg = config(microbatch=microbatch)
-        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim,
-                                                                 moment_dtype=moment_dtype))
-        rows, lm_loss = set(), tr.lm_loss
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(tr, "lm_loss", lambda p, s, tokens_B1T, *a, **kw: rows.add(
-                tokens_B1T.shape[0]) or lm_loss(p, s, tokens_B1T, *a, **kw))
-            step = make_train_step(cfg)
-            state = init_train_state(cfg, jax.random.PRNGKey(0))
-            metrics = []
-            for i in range(3):
-                state, m = step(state, batch(i))
-                metrics.append(jax.device_get(m))
-        _RUNS[(microbatch, moment_dtype)] = (jax.device_get(state), metrics, rows)
-    return _RUNS[(microbatch, moment_dtype)]
+@functools.cache
+def three_steps(microbatch: int, moment_dtype: str):
+    """(final state, metrics per step, rows of each traced loss's batch) of three jitted train
+    steps: the float32 run with 4 micro-steps serves two tests."""
+    cfg = config(microbatch=microbatch)
+    cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, moment_dtype=moment_dtype))
+    rows, lm_loss = set(), tr.lm_loss
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tr, "lm_loss", lambda p, s, tokens_B1T, *a, **kw: rows.add(
+            tokens_B1T.shape[0]) or lm_loss(p, s, tokens_B1T, *a, **kw))
+        step = make_train_step(cfg)
+        state = init_train_state(cfg, jax.random.PRNGKey(0))
+        metrics = []
+        for i in range(3):
+            state, m = step(state, batch(i))
+            metrics.append(jax.device_get(m))
+    return jax.device_get(state), metrics, rows
 
 
 def test_train_step_with_micro_steps_matches_one_batch():
     """A whole step (AdamW update, balancing bias, metrics), three steps in a row."""
-    (s1, m1, rows1), (s4, m4, rows4) = three_steps(0), three_steps(B * T // 4)
+    (s1, m1, rows1), (s4, m4, rows4) = (three_steps(mb, "float32") for mb in (0, B * T // 4))
     assert (rows1, rows4) == ({B}, {B // 4})  # the second run's step ran 4 micro-batches
     # gradients equal to ~1e-6 (above): after three Adam updates, parameters to ~1e-5
     assert_trees_close(s4["params"], s1["params"], rtol=1e-4, atol=2e-5)

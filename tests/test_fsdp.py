@@ -8,6 +8,7 @@ the executable that trains."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -53,15 +54,11 @@ def initial():
         cfg, mesh_from_config(cfg.parallel))))
 
 
-_COMPILED: dict = {}  # (ep, fsdp) -> the compiled train step
-
-
+@functools.cache
 def compiled_step(ep: int, fsdp: bool):
     """The real train step of ``config(ep, fsdp)`` on its mesh, compiled once per module."""
-    if (ep, fsdp) not in _COMPILED:
-        cfg = config(ep, fsdp)
-        _COMPILED[(ep, fsdp)] = compile_train_step(cfg, mesh_from_config(cfg.parallel))
-    return _COMPILED[(ep, fsdp)]
+    cfg = config(ep, fsdp)
+    return compile_train_step(cfg, mesh_from_config(cfg.parallel))
 
 
 def train_steps(ep: int, fsdp: bool, initial):

@@ -6,6 +6,7 @@ any policy. (Memory per policy against XLA: tests/test_plan.py.)"""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,11 +47,6 @@ def test_the_block_checkpoint_refuses_an_unknown_policy():
         tr.remat_block(lambda x, p: (x, p), "partial")
 
 
-# (loss, gradients, lowered text) of one step per config: each is compiled once in this module
-# (the reference, none with scan_unroll 1 on CFG, serves three tests)
-_STEPS: dict = {}
-
-
 def step_inputs(cfg: ModelConfig):
     """(params, state, tokens) of the step compared under every variant of ``cfg``."""
     p = tr.init_params(cfg, jax.random.PRNGKey(0))
@@ -58,12 +54,13 @@ def step_inputs(cfg: ModelConfig):
     return p, tr.init_state(cfg), toks
 
 
+@functools.cache
 def step_of(cfg: ModelConfig):
-    if cfg not in _STEPS:
-        p, s, toks = step_inputs(cfg)
-        lowered = jax.jit(jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, cfg)[0])).lower(p)
-        _STEPS[cfg] = (*lowered.compile()(p), lowered.as_text())
-    return _STEPS[cfg]
+    """(loss, gradients, lowered text) of one step of ``cfg``, compiled once in this module (the
+    reference, none with scan_unroll 1 on CFG, serves three tests)."""
+    p, s, toks = step_inputs(cfg)
+    lowered = jax.jit(jax.value_and_grad(lambda p: tr.lm_loss(p, s, toks, cfg)[0])).lower(p)
+    return (*lowered.compile()(p), lowered.as_text())
 
 
 def assert_same_step(cfg: ModelConfig, a: dict, b: dict):

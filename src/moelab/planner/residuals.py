@@ -60,7 +60,7 @@ def measured(m: ModelConfig, batch: int, seq_len: int, local_experts: bool, atte
     with fused_attention_core() if attention == "fused" else contextlib.nullcontext():
         saved = residual_bytes(lambda p, s, t: tr.lm_loss(p, s, t, m, experts_fn=experts_fn)[0],
                                params, state, tokens)
-    saved -= head_gradient_bytes(m)
+    saved -= head_gradient_bytes(m.d_model, m.vocab_size)
     if loss == "materialized":
         saved += materialized_loss_bytes(m.compute_dtype, m.d_model, m.vocab_size, batch,
                                          seq_len)
@@ -112,14 +112,14 @@ def materialized_loss_bytes(compute_dtype: str, d_model: int, vocab_size: int, b
         return tr.token_loss(logits, t)[0]
 
     own = residual_bytes(lambda x, w, t: chunked_token_loss(x, w, t)[0], x, head, targets)
-    return max(0, residual_bytes(loss, x, head, targets) - (own - 4 * d_model * vocab_size))
+    return max(0, residual_bytes(loss, x, head, targets) - (own - head_gradient_bytes(d_model, vocab_size)))
 
 
-def head_gradient_bytes(cfg: ModelConfig) -> int:
+def head_gradient_bytes(d_model: int, vocab_size: int) -> int:
     """The head's float32 gradient [D, V], which the loss forms in its forward (moelab.model.
     loss) and keeps as a residual: the buffer of the head's gradient, already counted with the
     gradients (``state_memory``), not an activation."""
-    return 4 * cfg.d_model * cfg.vocab_size
+    return 4 * d_model * vocab_size
 
 
 def stub_experts(z_NH, expert_NK, weight_NK, weights, valid_NK=None):
