@@ -209,7 +209,7 @@ def test_an_unreachable_url_is_one_line_not_a_traceback(tmp_path, monkeypatch, c
         protocol = "offlinetest"
 
         def exists(self, path, **kw):
-            raise ConnectError("Name or service not known")  # no network
+            raise ConnectError("Name or service\n  not known")  # no network; two lines
 
     monkeypatch.setitem(sys.modules["fsspec.registry"]._registry, "offlinetest", Offline)
     for fmt in ("files", "hf-stream"):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import numpy as np
@@ -110,10 +111,59 @@ def step_flops(ep: int, fsdp: bool) -> float:
 
 
 def test_fsdp_runs_the_head_on_each_devices_own_tokens():
-    """The LM head is gathered before the loss (moelab.parallel.mesh.head_gather), so with EP 4
+    """The LM head is gathered before the loss (moelab.parallel.mesh.outer_gather), so with EP 4
     a device's step computes no more than without FSDP (a little less: its share of the
     optimizer update). Left split over "data", the head ran on the hidden states of all 8
     devices: 4 times the head's FLOPs and logits per device, 3.1 times the step's FLOPs here."""
     require_devices()
     plain, fsdp = (step_flops(4, fsdp=f) for f in (False, True))
     assert fsdp < 1.05 * plain, (fsdp, plain)
+
+
+def collective_results(compiled) -> list[tuple[str, str]]:
+    """(collective, result shape) of each all-gather, all-reduce, reduce-scatter and all-to-all
+    in a compiled step's HLO (a tuple result: its parts)."""
+    ops = r"(all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?"
+    out = []
+    for m in re.finditer(rf"= (\(.*?\)|\S+) {ops}\(", compiled.as_text()):
+        out += [(m.group(2), s) for s in re.findall(r"[a-z]+\d*\[[\d,]*\]", m.group(1))]
+    return out
+
+
+def test_fsdp_moves_weights_not_the_batch():
+    """Without expert parallelism an FSDP step moves weights, never the batch's activations:
+    the embedding table is gathered whole before the lookup (moelab.parallel.mesh.outer_gather),
+    as the layers and the head are. Left split over "data", XLA gathered every device's tokens,
+    looked them up in each device's rows of the table and all-reduced the float32 embeddings of
+    the whole batch [B, T, D] (and gathered their cotangents in the backward): per step, on
+    every device, a transfer and a buffer that grow with the global batch."""
+    require_devices()
+    results = collective_results(compiled_step(1, fsdp=True))
+    d = small_model().d_model
+    assert ("all-gather", f"f32[{VOCAB},{d}]") in results, results  # the table, whole
+    batch = [r for r in results if r[1].split("[")[1].startswith(f"{B},{T},")]
+    assert not batch, batch
+
+
+def test_routing_held_out_text_under_fsdp_gathers_the_table(initial):
+    """Re-placement and drop forecasts route held-out text with the live FSDP state
+    (moelab.train.adapt): the same expert ids as the unsharded model, and, as in training, the
+    embedding table gathered rather than the batch's embeddings all-reduced."""
+    from moelab.parallel.routing import routing_fn
+    from moelab.train.step import fsdp_hook, fsdp_outer, transport_fns
+
+    require_devices()
+    cfg = config(1, fsdp=True)
+    mesh = mesh_from_config(cfg.parallel)
+    state = jax.device_put(initial, train_state_shardings(cfg, mesh))
+    route = routing_fn(cfg, mesh, transport_fns(cfg, mesh)[1], fsdp_hook(cfg, mesh),
+                       fsdp_outer(cfg, mesh))
+    tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(7), (B, T), 0, VOCAB))
+    ids = route(state["params"], state["model_state"], tokens)
+    ref = routing_fn(config(1, fsdp=False))(initial["params"], initial["model_state"], tokens)
+    np.testing.assert_array_equal(ids, np.asarray(ref))
+    compiled = route.jitted.lower(state["params"], state["model_state"],
+                                  shard_batch(tokens.astype(np.int32), mesh)).compile()
+    batch = [r for r in collective_results(compiled)
+             if r[1].split("[")[1].startswith(f"{B},{T},")]
+    assert not batch, batch

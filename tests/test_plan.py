@@ -256,6 +256,20 @@ def test_devices_must_divide_every_micro_step(over, says):
     assert says in str(e.value) and "give one of 1, 2, 4, 8" in str(e.value)
     Layout(devices=8, ep=4).validate(cfg)  # 1 sequence each
 
+
+def test_the_device_counts_offered_suit_every_data_stage():
+    """A stage of 12 sequences refuses --devices 8; of its divisors 3, 6 and 12 do not divide
+    the 32 sequences of the stage before it, so they were offered and then refused there."""
+    cfg = load_config("tiny", ["data.context_stages=[{step: 5, seq_len: 1024, batch_size: 12}]"])
+    with pytest.raises(ConfigError) as e:
+        Layout(devices=8).validate(cfg)
+    assert str(e.value).startswith("--devices 8: must divide the 12 sequences of a micro-step "
+                                   "(the batch at seq_len 1024 from step 5;")
+    assert str(e.value).endswith("give one of 1, 2, 4")
+    for n in (1, 2, 4):  # each one offered is taken
+        Layout(devices=n).validate(cfg)
+
+
 @pytest.mark.parametrize("kind,caps", [
     ("expert_cells", dict(capacity_factor=1.25)),
     ("pooled_wave", dict(sender_cf=1.10, receiver_cf=1.15, waves=1)),

@@ -183,6 +183,30 @@ def test_the_host_check_counts_what_every_cpu_device_holds(tmp_path, data_dir,  
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("devices", [1, 2])  # 2: a mesh, whose shardings need the shapes too
+def test_a_start_traces_the_abstract_train_state_once(tmp_path, data_dir, monkeypatch,  # noqa: F811
+                                                      devices):
+    # both host checks (before and after the data's) and the shardings share one trace of the
+    # whole model's init, not one each
+    from moelab.train import step
+
+    traced, init = [], step.init_train_state
+    monkeypatch.setattr(step, "init_train_state", lambda *a: traced.append(1) or init(*a))
+
+    class Built(Exception):
+        pass
+
+    def built(*_a):
+        raise Built
+
+    monkeypatch.setattr(setup, "init_sharded_state", built)  # both checks passed: stop here
+    monkeypatch.setattr(preflight, "_host_memory", lambda: 64 * GIB)
+    with pytest.raises(Built):
+        train(micro_config(data_dir, parallel={"devices": devices}), tmp_path / "run",
+              verbose=False)
+    assert len(traced) == 1
+
+
 def test_the_host_check_counts_the_gradient_sum_of_micro_steps(data_dir, monkeypatch):  # noqa: F811
     # gradient accumulation keeps a float32 sum of the gradients beside each micro-step's (the
     # plan's "gradient sum (micro-steps)"): a host that holds the rest but not it is refused

@@ -1,5 +1,6 @@
-"""The error every config check raises, the one-line check that raises it, and the check that
-an optional feature's extra is installed."""
+"""The error every config check raises, the one-line check that raises it, the check that an
+optional feature's extra is installed, and the message for a URL whose storage cannot be
+reached."""
 
 from __future__ import annotations
 
@@ -39,3 +40,10 @@ def need_extra(module: str, extra: str, what: str) -> None:
     if importlib.util.find_spec(module) is None:
         raise ConfigError(f"{what} needs {module}, which is not installed; install the "
                           f"{extra} extra: {extra_command(extra)}")
+
+
+def unreachable(url: str, e: Exception, fix: str = "") -> str:
+    """The one-line message for ``url`` whose storage ``e`` failed to reach (each filesystem
+    raises its own: gcsfs, s3fs, aiohttp, httpx), ``fix`` appended to the advice."""
+    return (f"{url}: cannot be reached ({type(e).__name__}: {' '.join(str(e).split())}); check "
+            f"the network, the URL and its credentials{fix}")

@@ -17,6 +17,7 @@ import unicodedata
 from pathlib import Path, PurePosixPath
 from typing import IO, Iterable, Iterator, Union
 
+from moelab.config.errors import unreachable
 from moelab.data.errors import DataError, Skips
 from moelab.util import is_url, url_fs
 
@@ -71,9 +72,8 @@ def resolve_input(path: Path | str) -> Input | None:
     try:
         found = fs.exists(inner)
     except Exception as e:  # noqa: BLE001 - each filesystem raises its own (httpx, botocore)
-        raise DataError(f"{path}: cannot be reached ({type(e).__name__}: {e}); check the "
-                        "network, the URL and its credentials, or copy the data to this "
-                        "machine and give its local path") from None
+        raise DataError(unreachable(path, e, ", or copy the data to this machine and give "
+                                    "its local path")) from None
     return RemoteFile(fs, inner) if found else None
 
 

@@ -3,8 +3,8 @@
 Tokens of a batch are sharded over both axes (every device holds its own tokens); routed-expert
 weights are sharded over "expert" on their E axis and replicated over "data"; with
 ``parallel.fsdp`` every other parameter (and its optimizer moments) is also split over "data"
-(``param_specs``, ``state_shardings``) and gathered one layer at a time (``layer_gather``), the LM
-head before the loss (``head_gather``). Each
+(``param_specs``, ``state_shardings``) and gathered one layer at a time (``layer_gather``), the
+embedding and the LM head before use (``outer_gather``). Each
 expert-parallel group is the set of devices that share a "data" index; collectives of the
 transports run over "expert" only. "expert" is the inner (fastest-varying) axis so an EP group
 is a run of neighbouring devices (on GPU hosts: the NVLink-local ones).
@@ -127,15 +127,19 @@ def layer_gather(mesh: Mesh, cfg: ModelConfig):
     return lambda p: {k: jax.lax.with_sharding_constraint(v, specs[k]) for k, v in p.items()}
 
 
-def head_gather(mesh: Mesh, cfg: ModelConfig):
-    """FSDP's gather of the LM head [D, V] before the loss, as ``layer_gather`` gathers a layer:
-    each device then runs the head on its own tokens. Left to itself, XLA kept the head split
-    over "data" and gathered every device's hidden states instead, so each device computed the
-    logits of all tokens on V / data columns: ``expert`` times the FLOPs and the float32 logits
-    of its own tokens."""
-    spec = NamedSharding(mesh, param_specs(mesh, cfg)[("head",)])
-    return lambda params: {**params, "head": jax.lax.with_sharding_constraint(params["head"],
-                                                                             spec)}
+def outer_gather(mesh: Mesh, cfg: ModelConfig):
+    """FSDP's gather of the weights used outside the layer scan (the embedding table before
+    the lookup, the LM head before the loss, the top norms), as ``layer_gather`` gathers a
+    layer: each device then embeds and runs the head on its own tokens. Left split over
+    "data", XLA moved activations instead of weights: the head ran on every device's hidden
+    states (``expert`` times its FLOPs and float32 logits), and the lookup gathered every
+    device's tokens, looked them up in its own rows of the table and summed the float32
+    embeddings of the whole batch over the devices (their cotangents gathered again in the
+    backward), each step and on every device."""
+    specs = {key[0]: NamedSharding(mesh, spec)
+             for key, spec in param_specs(mesh, cfg).items() if len(key) == 1}
+    return lambda params: {**params, **{k: jax.lax.with_sharding_constraint(params[k], s)
+                                        for k, s in specs.items()}}
 
 
 _MORE_DEVICES = ("on CPU, more fake devices come from "

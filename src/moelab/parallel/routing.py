@@ -26,13 +26,16 @@ from moelab.model.layers import rope_at
 MAX_TOKENS = 8192  # tokens per routing call
 
 
-def routing_fn(cfg: RunConfig, mesh=None, experts_fn=None, layer_hook=None):
+def routing_fn(cfg: RunConfig, mesh=None, experts_fn=None, layer_hook=None,
+               outer_gather=None):
     """(params, state, tokens [B, T] on the host) -> expert ids [layers, B * T, k] (the model's
     own forward; only the router's choices are kept). On a training ``mesh`` (a live run's
-    sharded state), with its dropless ``experts_fn`` and FSDP ``layer_hook`` as evaluation has
-    them: rows are padded to a multiple of the devices and the ids come back replicated, so
-    every process reads the same ones."""
+    sharded state), with its dropless ``experts_fn`` and FSDP's ``layer_hook`` and
+    ``outer_gather`` (params -> params: the embedding gathered) as evaluation has them: rows
+    are padded to a multiple of the devices and the ids come back replicated, so every process
+    reads the same ones."""
     def ids(p, s, t):
+        p = p if outer_gather is None else outer_gather(p)
         return tr.forward_hidden(p, s, t, cfg.model, experts_fn=experts_fn,
                                  layer_hook=layer_hook)[1].expert_NK
 
@@ -51,6 +54,7 @@ def routing_fn(cfg: RunConfig, mesh=None, experts_fn=None, layer_hook=None):
         padded = np.concatenate([t, np.repeat(t[-1:], -B % n_dev, 0)]).astype(np.int32)
         return np.asarray(route(p, s, shard_batch(padded, mesh)))[:, :B * T]  # replicated
 
+    on_mesh.jitted = route  # its program, for inspection
     return on_mesh
 
 

@@ -59,12 +59,14 @@ class Layout:
         if cfg.data.batch_size % self.devices:
             raise ConfigError(f"--devices {self.devices}: must divide data.batch_size="
                               f"{cfg.data.batch_size} (each device trains whole sequences)")
-        for seg in cfg.data.segments():  # a micro-step's rows, as moelab train shards them
+        segs = cfg.data.segments()
+        for seg in segs:  # a micro-step's rows, as moelab train shards them
             seqs, mb = cfg.micro_seqs(seg.start), cfg.train.microbatch_tokens
             if seqs % self.devices:
                 given = (f"train.microbatch_tokens={mb} at seq_len {seg.seq_len}" if mb else
                          f"the batch at seq_len {seg.seq_len} from step {seg.start}")
-                fits = divisors(seqs)
+                # counts that every stage accepts, not this one's alone
+                fits = divisors(math.gcd(*(cfg.micro_seqs(g.start) for g in segs)))
                 raise ConfigError(f"--devices {self.devices}: must divide the {seqs} sequences "
                                   f"of a micro-step ({given}; each device trains whole "
                                   f"sequences); give one of {', '.join(map(str, fits))}"
@@ -111,11 +113,13 @@ def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
     if layout.fsdp > 1:  # the current and the next layer's gathered non-routed weights
         blocks = sum(math.prod(s) for name, b, s in param_leaves(m) if b and name not in ROUTED)
         out["fsdp_gather"] = 2 * wbytes * blocks / m.n_layers
-        # the LM head, gathered before the loss (moelab.parallel.mesh.head_gather), and its
+        # the LM head, gathered before the loss (moelab.parallel.mesh.outer_gather), and its
         # float32 gradient [D, V], which the loss forms whole in its forward and keeps until
         # the backward reduce-scatters it: the gradients above hold 1 / fsdp of it
         head = m.d_model * m.vocab_size
         out["fsdp_head"] = wbytes * head + 4 * head * (1 - 1 / layout.fsdp)
+        # the embedding table, gathered for the lookup, is not kept; its whole gradient lives
+        # at the backward's end, beside no activations: neither sets the peak
     return out
 
 

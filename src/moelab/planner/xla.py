@@ -112,13 +112,14 @@ def compare_sharded_with_xla(cfg: RunConfig, layout: Layout, compile_fn: Callabl
     inputs = 4 * (cfg.data.batch_size // layout.devices) * (cfg.data.seq_len + 1)
     estimate = (rep["transports"][0]["total"] if S > 1 else rep["base_total"]) + inputs
     # XLA:CPU has no reduce-scatter: it all-reduces the FSDP-split block gradients at full size
-    # [L, ...] and then slices them, where a GPU reduce-scatters; the head's whole gradient
-    # (the plan's at the loss only) it keeps into the backward too. Counted here, for this check.
+    # [L, ...] and then slices them, where a GPU reduce-scatters; the head's and the embedding's
+    # whole gradients (the plan's head at the loss only; the embedding's at the backward's end,
+    # beside no activations) it keeps into the backward too. Counted here, for this check.
     cpu_extra = 0.0
     if layout.fsdp > 1 and jax.default_backend() == "cpu":
         m = cfg.model
         blocks = sum(math.prod(s) for name, b, s in param_leaves(m) if b and name not in ROUTED)
-        cpu_extra = 4 * (blocks + m.d_model * m.vocab_size) * (1 - 1 / layout.fsdp)
+        cpu_extra = 4 * (blocks + 2 * m.d_model * m.vocab_size) * (1 - 1 / layout.fsdp)
     total = estimate + cpu_extra
     return {"xla": xla, "estimate": estimate, "cpu_gradient_all_reduce": cpu_extra,
             "ratio": total / xla["peak"], "transport": kind, "waves": waves,

@@ -35,6 +35,7 @@ from typing import Iterator
 import jax
 
 from moelab.config import ConfigError
+from moelab.config.errors import unreachable
 from moelab.run.checkpoint import MANIFEST_FILE, Checkpointer, CheckpointError, step_name, step_of
 from moelab.run.ckpt_failures import download_failure, manifest_files, none_restored
 from moelab.run.ckpt_lease import leased_steps, prunable
@@ -100,9 +101,7 @@ class Mirror(RemoteLock):
         except (FileNotFoundError, NotADirectoryError):  # not started yet; a file: not a run
             pass
         except Exception as e:  # noqa: BLE001 - gcsfs, s3fs, aiohttp: errors of their own
-            raise ConnectionError(f"{self.url}: cannot be reached ({type(e).__name__}: "
-                                  f"{' '.join(str(e).split())}); check the network, the URL "
-                                  "and its credentials") from None
+            raise ConnectionError(unreachable(self.url, e)) from None
         return self
 
     def _r(self, rel: str) -> str:

@@ -40,7 +40,7 @@ from moelab.parallel.placement import fit_placement, permute_experts
 from moelab.parallel.routing import at_context, route_spans, routed_ids, routing_fn
 from moelab.parallel.transport import DROPLESS, get
 from moelab.train.changes import GATE_EVENT, decide_stage
-from moelab.train.step import fsdp_hook, transport_fns
+from moelab.train.step import fsdp_hook, fsdp_outer, transport_fns
 
 FORECAST_BATCHES = 4  # held-out batches a forecast draws, each one training batch's tokens
 
@@ -136,7 +136,7 @@ class Adapter:
         if L not in self._routes:
             mesh = self.run.mesh
             self._routes[L] = routing_fn(cfg, mesh, transport_fns(cfg, mesh)[1],
-                                         fsdp_hook(cfg, mesh))
+                                         fsdp_hook(cfg, mesh), fsdp_outer(cfg, mesh))
         return self._routes[L]
 
     def _sample(self, state, route_at: int, step: int, L: int, par):

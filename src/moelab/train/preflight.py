@@ -298,7 +298,7 @@ def _host_parts(cfg: RunConfig, start: int, mesh, state, state_sh, remat: str | 
 
 
 def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None,
-                      activations: bool = True) -> None:
+                      activations: bool = True, shapes: Callable[[], dict] | None = None) -> None:
     """On a CPU (no allocator limit; every device in the host's memory) refuse, before the
     train state is built, a run whose train state, gradients and activations (planned under its
     remat policy, ``full`` for auto: the least) need more than the host has, summed over the
@@ -306,6 +306,7 @@ def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None,
     XLA's out-of-memory error, or be killed by the system without a word. Without
     ``activations``, before the data is prepared: the state and gradients alone (a model
     far too large; the data's own checks come before the activations' shapes are judged).
+    ``shapes``: returns ``abstract_train_state(cfg)`` (a start's memo, shared by both checks).
     Skipped with ``train.memory_check=false``."""
     from moelab.train.step import abstract_train_state
 
@@ -313,8 +314,9 @@ def check_host_memory(cfg: RunConfig, start: int = 0, mesh=None, state_sh=None,
         return
     remat = "full" if cfg.model.remat == "auto" else cfg.model.remat
     n_dev = 1 if mesh is None else len(mesh.local_devices)
-    state, grads, summed, acts = _host_parts(cfg, start, mesh, abstract_train_state(cfg),
-                                             state_sh, remat if activations else None)
+    abstract = shapes() if shapes is not None else abstract_train_state(cfg)
+    state, grads, summed, acts = _host_parts(cfg, start, mesh, abstract, state_sh,
+                                             remat if activations else None)
     need, host = state + grads + summed + acts, _host_memory()
     if need <= host:
         return

@@ -67,6 +67,7 @@ from moelab.train.resume import (
     resume_step,
 )
 from moelab.train.step import (
+    abstract_train_state,
     init_train_state,
     make_eval_step,
     make_train_step,
@@ -395,14 +396,15 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
         say(f"{run_dir}: no record of the data it trained on (a run of an older moelab); "
             f"recording the corpus and tokenizer of {cfg.data.data_dir} as its data now")
     mesh = mesh_from_config(cfg.parallel)  # refuses more devices than are visible
-    state_sh = train_state_shardings(cfg, mesh)
+    shapes = functools.cache(functools.partial(abstract_train_state, cfg))  # traced once
+    state_sh = train_state_shardings(cfg, mesh, shapes)
     # on a CPU: a state the host cannot hold before the data is prepared (a 535B-shaped run
     # trained its 128K tokenizer first), the activations after the data's checks
-    check_host_memory(cfg, at or 0, mesh, state_sh, activations=False)
+    check_host_memory(cfg, at or 0, mesh, state_sh, activations=False, shapes=shapes)
     data = _prepare(cfg, main, verbose, hold)
     inputs = _checked_inputs(cfg, run_dir, data, recorded, accept_data_change, say)
     store, tok, sampler = inputs.store, inputs.tok, inputs.sampler
-    check_host_memory(cfg, at or 0, mesh, state_sh)  # before the state is built
+    check_host_memory(cfg, at or 0, mesh, state_sh, shapes=shapes)  # before the state is built
     with native_work():  # compiles and first programs: a stop signal ends the process at once
         state = init_sharded_state(cfg, state_sh)
     prov = provenance(cfg, inputs.now)

@@ -24,8 +24,8 @@ from moelab.parallel import transport
 from moelab.parallel.mesh import (
     BATCH_AXES,
     batch_spec,
-    head_gather,
     layer_gather,
+    outer_gather,
     state_shardings,
 )
 from moelab.train.optim import lr_schedule, make_optimizer
@@ -48,13 +48,15 @@ def abstract_train_state(cfg: RunConfig) -> dict:
     return jax.eval_shape(lambda: init_train_state(cfg, jax.random.PRNGKey(0)))
 
 
-def train_state_shardings(cfg: RunConfig, mesh):
+def train_state_shardings(cfg: RunConfig, mesh, shapes: Callable[[], dict] | None = None):
     """The train state's shardings on ``mesh`` (None without one): routed experts split over
     "expert", and with ``parallel.fsdp`` every other parameter split over "data" (where its
-    FSDP dimension divides evenly)."""
+    FSDP dimension divides evenly). ``shapes``: returns ``abstract_train_state(cfg)`` (a
+    start's memo of it, which its host memory checks share: one trace of the whole init)."""
     if mesh is None:
         return None
-    return state_shardings(mesh, abstract_train_state(cfg), cfg.model, cfg.parallel.fsdp)
+    state = shapes() if shapes is not None else abstract_train_state(cfg)
+    return state_shardings(mesh, state, cfg.model, cfg.parallel.fsdp)
 
 
 def router_metrics(stats: dict, prefix: str = "moe") -> dict:
@@ -143,13 +145,13 @@ def fsdp_hook(cfg: RunConfig, mesh):
     return layer_gather(mesh, cfg.model) if mesh is not None and cfg.parallel.fsdp else None
 
 
-def fsdp_head(cfg: RunConfig, mesh):
-    """``params -> params`` with the LM head gathered under ``parallel.fsdp`` on a mesh (each
-    device runs the head on its own tokens: ``moelab.parallel.mesh.head_gather``), else the
-    identity."""
+def fsdp_outer(cfg: RunConfig, mesh):
+    """``params -> params`` with the weights used outside the layer scan (embedding, LM head)
+    gathered under ``parallel.fsdp`` on a mesh, so each device embeds and runs the head on its
+    own tokens (``moelab.parallel.mesh.outer_gather``), else the identity."""
     if mesh is None or not cfg.parallel.fsdp:
         return lambda params: params
-    return head_gather(mesh, cfg.model)
+    return outer_gather(mesh, cfg.model)
 
 
 # The finite check of every step: these metrics, NaN or inf in any means the step is bad.
@@ -189,7 +191,8 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
     """The jitted step ``(state, batch [B, T+1]) -> (new state, metrics)``. On a mesh, with the
     state's shardings ``state_sh``: explicit in/out shardings (the state keeps its layout, the
     batch is split over the batch axes, metrics are replicated), and with ``parallel.fsdp``
-    each layer's weights are gathered inside the layer scan and the LM head before the loss."""
+    each layer's weights are gathered inside the layer scan, the embedding and the LM head
+    before use."""
     if cfg.model.remat == "auto":
         raise ConfigError("model.remat=auto: moelab train picks the policy on the device, before "
                           "it builds the step (moelab.train.preflight.remat_candidates); here "
@@ -197,11 +200,11 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
     opt = make_optimizer(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     lr = lr_schedule(cfg.optim, cfg.warmup_steps, cfg.schedule_steps)
     mcfg = loss_chunk_on(cfg.model, mesh)
-    hook, gather_head = fsdp_hook(cfg, mesh), fsdp_head(cfg, mesh)
+    hook, gather_outer = fsdp_hook(cfg, mesh), fsdp_outer(cfg, mesh)
 
     def step_fn(state: dict, batch_B1T):
         def loss_fn(params, tokens_B1T):
-            return tr.lm_loss(gather_head(params), state["model_state"], tokens_B1T, mcfg,
+            return tr.lm_loss(gather_outer(params), state["model_state"], tokens_B1T, mcfg,
                               experts_fn=experts_fn, layer_hook=hook)
 
         (loss, stats), grads = accumulated_grad(loss_fn, state["params"], batch_B1T,
@@ -235,17 +238,17 @@ def make_eval_step(cfg: RunConfig, experts_fn=None, mesh=None) -> Callable:
     """Summed next-token loss (nats) over the valid rows of a batch of windows [B, T+1]; the
     head + loss over chunks of ``model.loss_chunk`` tokens per device when it is > 0
     (moelab.model.loss); with ``parallel.fsdp`` on a mesh, each layer's weights gathered inside
-    the layer scan and the LM head before the loss."""
+    the layer scan, the embedding and the LM head before use."""
     mcfg = loss_chunk_on(cfg.model, mesh)
-    hook, gather_head = fsdp_hook(cfg, mesh), fsdp_head(cfg, mesh)
+    hook, gather_outer = fsdp_hook(cfg, mesh), fsdp_outer(cfg, mesh)
 
     def eval_fn(params, model_state, batch_B1T, row_valid_B):
+        params = gather_outer(params)
         x, _ = tr.forward_hidden(params, model_state, batch_B1T[:, :-1], mcfg,
                                  experts_fn=experts_fn, layer_hook=hook)
         targets = batch_B1T[:, 1:]
         valid = jnp.broadcast_to(row_valid_B[:, None], targets.shape)
-        head = gather_head(params)["head"]
-        return chunked_loss_sums(x, head, targets, valid, mcfg.loss_chunk)[1]  # ce
+        return chunked_loss_sums(x, params["head"], targets, valid, mcfg.loss_chunk)[1]  # ce
 
     return jax.jit(eval_fn)
 
