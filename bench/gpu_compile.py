@@ -3,6 +3,7 @@
     python3 -m venv .venv-cuda && .venv-cuda/bin/pip install -c constraints.txt -e ".[cuda]"
     .venv-cuda/bin/python bench/gpu_compile.py                     # gpu_mfu.py's default rows
     .venv-cuda/bin/python bench/gpu_compile.py d1024 d1024-remat-experts --set model.remat=dots
+    .venv-cuda/bin/python bench/gpu_compile.py d1024 --gpus 8 --set parallel.expert=8
     .venv/bin/python bench/gpu_compile.py --dry-run                # CPU, tiny shapes, no plugin
 
 XLA compiles each row's training step for an H200 without one (deviceless ahead-of-time
@@ -18,6 +19,14 @@ follow from it:
   bandwidth; bench/gpu_profile.estimated), by category and the heaviest ones by name, the
   names a GPU profile of the same code shows;
 - the row's model FLOPs and executed dot FLOPs.
+
+With ``--gpus N`` each row trains on N GPUs of one host (one mesh, "data" x "expert", each
+GPU with the row's own batch: data.batch_size times N), as ``--set parallel.expert=...
+parallel.fsdp=... parallel.transport=...`` lay it out; its expert-parallel transport is the
+one a GPU runs (``ragged``: ``ragged_all_to_all``, which XLA:CPU cannot run). Memory, FLOPs and
+the roofline are one GPU's; the roofline's ``collectives`` are the bytes each collective puts
+on the links at NVLink's rate, one way (an upper bound: ``gpu_profile.LINK_BYTES``), as if
+nothing overlapped them.
 
 The roofline is a lower bound per kernel, not a step time: no kernel reaches it. Against the
 one profiled H200 step of the same code (d1024 at 7393837), the estimate was 377 ms of 530 ms of
@@ -87,9 +96,12 @@ runtime_version { major: 12 minor: 8 }
 device_description_str: "NVIDIA H200"
 """}
 # the roofline: the bf16 matmul peak measured on an H200 (gpu_mfu.py's peak row, 788-791
-# TFLOP/s; rated 989: planner.cluster's table, what MFU is against) and the HBM bandwidth
-TARGET_PEAK = {"h200": (790e12, 4.8e12)}
-CPU_PEAK = (1e11, gpu_mfu.CPU_BW)
+# TFLOP/s; rated 989: planner.cluster's table, what MFU is against), the HBM bandwidth and the
+# links between GPUs
+# TFLOP/s, HBM bytes/s and, third, between GPUs of one host each way: NVLink 4's 900 GB/s per
+# H200 is both ways together
+TARGET_PEAK = {"h200": (790e12, 4.8e12, 450e9)}
+CPU_PEAK = (1e11, gpu_mfu.CPU_BW, gpu_mfu.CPU_BW)
 
 
 def parse_args(argv: list[str] | None, rows: dict) -> argparse.Namespace:
@@ -104,6 +116,10 @@ def parse_args(argv: list[str] | None, rows: dict) -> argparse.Namespace:
     ap.add_argument("--target", choices=sorted(TARGETS), default="h200", help="the GPU")
     ap.add_argument("--mem-fraction", type=float, default=0.92, help="the share of the GPU's "
                     "memory a row may use, as gpu_mfu.py gives its children (default 0.92)")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs of one host each row trains "
+                    "on, each with the row's batch (default 1; the layout: --set "
+                    "parallel.expert=... parallel.fsdp=...; a dry run takes as many CPU "
+                    "devices, XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     ap.add_argument("--top", type=int, default=12, help="heaviest kernels listed per row")
     ap.add_argument("--hlo", action="store_true", help="also save each row's optimized HLO "
                     "text (bench/results/NAME_hlo/ROW.txt)")
@@ -119,16 +135,19 @@ def parse_args(argv: list[str] | None, rows: dict) -> argparse.Namespace:
         ap.error(f"--mem-fraction: must be in (0, 1], got {args.mem_fraction}")
     if args.top < 0:
         ap.error(f"--top: must be >= 0, got {args.top}")
+    if args.gpus < 1:
+        ap.error(f"--gpus: must be >= 1, got {args.gpus}")
     args.name = args.name or ("gpu_compile_dry" if args.dry_run else "gpu_compile")
     if not re.fullmatch(r"[\w.-]+", args.name):
         ap.error(f"--name: letters, digits, '_', '.', '-' only, got {args.name!r}")
     args.rows = args.rows or [n for n in train if not rows[n].ask_only]
     for name in args.rows:
-        spec = rows[name].dry if args.dry_run else rows[name].spec
         try:
-            load_config(spec["preset"], spec["overrides"] + args.set)
+            row_config(rows[name].dry if args.dry_run else rows[name].spec, args)
         except Exception as e:  # noqa: BLE001 - ConfigError and friends
-            ap.error(f"row {name}{' with --set' if args.set else ''}: {e}")
+            given = " and ".join(o for o, v in (("--set", args.set), ("--gpus", args.gpus > 1))
+                                 if v)
+            ap.error(f"row {name}{' with ' + given if given else ''}: {e}")
     flags = {rows[n].spec.get("xla_flags", "") for n in args.rows} - {""}
     if flags and not args.dry_run:
         if len(flags) > 1 or len(args.rows) > 1:
@@ -138,8 +157,22 @@ def parse_args(argv: list[str] | None, rows: dict) -> argparse.Namespace:
     return args
 
 
-def gpu_device(target: str):
-    """The target GPU as a device of a deviceless topology (nothing is allocated on it)."""
+def row_overrides(spec: dict, args: argparse.Namespace) -> list[str]:
+    """A row's overrides, with ``--gpus`` N then N devices, each with the row's batch, then
+    ``--set``'s (a data.batch_size there is the whole batch)."""
+    if args.gpus == 1:
+        return spec["overrides"] + args.set
+    batch = load_config(spec["preset"], spec["overrides"]).data.batch_size
+    return gpu_mfu.over(spec["overrides"], [f"parallel.devices={args.gpus}",
+                                            f"data.batch_size={batch * args.gpus}"]) + args.set
+
+
+def row_config(spec: dict, args: argparse.Namespace):
+    return load_config(spec["preset"], row_overrides(spec, args))
+
+
+def gpu_devices(target: str, n: int = 1) -> list:
+    """``n`` target GPUs of one host, devices of a deviceless topology (nothing is allocated)."""
     try:
         import jax_plugins.xla_cuda12  # noqa: F401
     except ImportError:
@@ -149,22 +182,47 @@ def gpu_device(target: str):
     from jax.experimental import topologies
 
     topo = topologies.get_topology_desc(platform="cuda", target_config=TARGETS[target],
-                                        topology="1x1x1")
-    return topo.devices[0]
+                                        topology=f"1x1x{n}")
+    return list(topo.devices)
 
 
-def analyse(compiled, cfg, peak: tuple[float, float], rated: float, capacity: float,
+def cpu_devices(n: int) -> list:
+    """A dry run's ``n`` CPU devices (fake ones: XLA_FLAGS, set before JAX starts)."""
+    import jax
+
+    devices = jax.devices("cpu")
+    if len(devices) < n:
+        sys.exit(f"--gpus {n} --dry-run: {len(devices)} CPU device(s); run it with "
+                 f"XLA_FLAGS=--xla_force_host_platform_device_count={n}")
+    return devices[:n]
+
+
+def lowering(devices: list, platform: str):
+    """``cfg -> its train step lowered for platform``: on one device, or on a mesh of
+    ``devices`` laid out as ``cfg.parallel`` says (moelab train's mesh and shardings)."""
+    import jax
+
+    if len(devices) == 1:
+        one = jax.sharding.SingleDeviceSharding(devices[0])
+        return lambda cfg: gpu_rows.lowered_step(cfg, platform, one)
+    from moelab.parallel.mesh import make_mesh
+
+    return lambda cfg: gpu_rows.lowered_step(
+        cfg, platform, mesh=make_mesh(expert=cfg.parallel.expert, devices=devices))
+
+
+def analyse(compiled, cfg, peak: tuple[float, float, float], rated: float, capacity: float,
             top: int) -> dict:
     """Memory, XLA's remat clones, model and dot FLOPs, the roofline by category, the MFU a
     step at its roofline would reach (an upper bound) and the heaviest kernels of one compiled
-    step."""
+    step; on several devices (``cfg.parallel.devices``), one device's."""
     from moelab.planner.counts import train_flops_per_token
 
     mem = gpu_rows.xla_memory(compiled)
     hlo = gp.Hlo(compiled.as_text())
     ops = gp.estimated_ops(hlo, *peak)
     cats = gp.by_category(ops)
-    tokens = cfg.data.batch_size * cfg.data.seq_len
+    tokens = cfg.data.batch_size * cfg.data.seq_len / max(cfg.parallel.devices, 1)
     model = train_flops_per_token(cfg.model, cfg.data.seq_len) * tokens
     roofline_s = sum(c["ms"] for c in cats.values()) / 1e3
     heavy = sorted(ops.items(), key=lambda kv: -kv[1]["ms"])[:top]
@@ -184,34 +242,37 @@ def main(argv: list[str] | None = None) -> None:
     import jax
 
     if args.dry_run:
-        device, peak, capacity = jax.devices("cpu")[0], CPU_PEAK, float("inf")
+        devices, peak, capacity = cpu_devices(args.gpus), CPU_PEAK, float("inf")
         rated = CPU_PEAK[0]
     else:
         from moelab.planner.cluster import ACCELERATORS
 
-        device, peak = gpu_device(args.target), TARGET_PEAK[args.target]
+        devices, peak = gpu_devices(args.target, args.gpus), TARGET_PEAK[args.target]
         rated = ACCELERATORS[args.target].peak_flops
         capacity = args.mem_fraction * int(re.search(
             r"device_memory_size: (\d+)", TARGETS[args.target]).group(1))
-    print(f"{len(args.rows)} row(s) compiled for "
-          + ("this CPU (dry run)" if args.dry_run else f"an {args.target.upper()}, deviceless")
+    on = (f"{args.gpus} devices of this CPU (dry run)" if args.gpus > 1 else "this CPU (dry run)"
+          ) if args.dry_run else (f"{args.gpus} {args.target.upper()}s of one host" if
+                                  args.gpus > 1 else f"an {args.target.upper()}") + ", deviceless"
+    print(f"{len(args.rows)} row(s) compiled for {on}"
           + (f", with {' '.join(args.set)}" if args.set else ""), flush=True)
+    lower = lowering(devices, "cpu" if args.dry_run else "cuda")
     hlo_dir = RESULTS / f"{args.name}_hlo"
     records = []
     for name in args.rows:
         spec = rows[name].dry if args.dry_run else rows[name].spec
-        overrides = spec["overrides"] + args.set
+        overrides = row_overrides(spec, args)
         cands = remat_candidates(load_config(spec["preset"], overrides),
                                  "cpu" if args.dry_run else "gpu")
         for cfg in cands:  # model.remat=auto: the first that fits, as moelab train takes it
-            if cfg is not cands[-1] and plan_rules_out(
+            # (the plan's shortcut judges one device's whole state: one GPU's only)
+            if args.gpus == 1 and cfg is not cands[-1] and plan_rules_out(
                     cfg, held_bytes(abstract_train_state(cfg)), capacity):
                 print(f"{name}: remat {cfg.model.remat} planned far over the share; remat auto "
                       "takes the next", flush=True)
                 continue
             t = time.perf_counter()
-            compiled = gpu_rows.lowered_step(cfg, "cpu" if args.dry_run else "cuda",
-                                             jax.sharding.SingleDeviceSharding(device)).compile()
+            compiled = lower(cfg).compile()
             rec = {"row": name, "preset": spec["preset"], "overrides": overrides,
                    "remat": cfg.model.remat, "scan_unroll": cfg.model.scan_unroll,
                    "compile_s": time.perf_counter() - t,

@@ -45,7 +45,14 @@ from pathlib import Path
 
 ATTENTION, GROUPED, MATMUL = "attention", "grouped GEMM", "other matmuls"
 MOVES, ELEMENTWISE, OPTIMIZER = "sort/gather/scatter", "elementwise/other", "optimizer"
-CATEGORIES = (ATTENTION, GROUPED, MATMUL, MOVES, ELEMENTWISE, OPTIMIZER)
+COLLECTIVES = "collectives"  # between GPUs (a step on several: bench/gpu_compile.py --gpus)
+CATEGORIES = (ATTENTION, GROUPED, MATMUL, MOVES, ELEMENTWISE, OPTIMIZER, COLLECTIVES)
+# bytes a collective puts on the GPUs' links, per byte of its operand (an all-gather: of its
+# result), leaving out the (S - 1) / S kept at home; a ragged-all-to-all's, its smaller buffer
+# (input or output: its sizes are only known at run time; the larger is sized for the worst
+# case, every rank's rows on one, the smaller for the rows a balanced router moves)
+LINK_BYTES = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2, "all-to-all": 1,
+              "ragged-all-to-all": 1, "collective-permute": 1}
 
 # moelab functions whose every op is attention's core (model/layers.py); the projections
 # around them are ordinary matmuls
@@ -220,9 +227,28 @@ def _expert_file(path: str) -> bool:
     return base in EXPERT_FILES or ("/model/" in path and ("gmm" in base or "grouped" in base))
 
 
+def _collective(ins: Instr) -> str | None:
+    """The collective ``ins`` starts (an async pair's start, or a synchronous one), else None."""
+    op = ins.opcode.removesuffix("-start")
+    return op if op in LINK_BYTES else None
+
+
+def link_bytes(hlo: Hlo, ins: Instr) -> int:
+    """Bytes a collective puts on the links (``LINK_BYTES``)."""
+    op = _collective(ins)
+    if op == "all-gather":
+        return _bytes(ins.shape)
+    args = [_bytes(hlo.ins[o].shape) for o in ins.operands[:2] if o in hlo.ins]
+    if op == "ragged-all-to-all" and len(args) == 2:
+        return min(args)
+    return LINK_BYTES[op] * (args[0] if args else _bytes(ins.shape))
+
+
 def category(hlo: Hlo, ins: Instr) -> str:
     """What ``ins`` is: its own custom-call target, then the Python functions behind it, then
     the kind of work inside (a fusion's body counts)."""
+    if _collective(ins):
+        return COLLECTIVES
     if any(k in _target(ins) for k in ("fmha", "flash", "attention")):
         return ATTENTION
     ops = [ins, *hlo.body(ins)]
@@ -380,15 +406,23 @@ def _grouped_flops(hlo: Hlo, ins: Instr) -> float:
                      if len(dims) == 3 and t in ("bf16", "f32", "f16")))
 
 
-def estimated_ops(hlo: Hlo, peak_flops: float, mem_bw: float) -> dict[str, dict]:
+def estimated_ops(hlo: Hlo, peak_flops: float, mem_bw: float,
+                  link_bw: float = 0.0) -> dict[str, dict]:
     """Per executed instruction: category, runs, TFLOP, GB and roofline ms (max of compute and
-    memory time) per step."""
+    memory time) per step; a collective's GB are those it puts on the links (``link_bytes``),
+    its ms theirs at ``link_bw`` bytes/s, each way."""
     ops: dict[str, dict] = {}
     for name, n in hlo.executed().items():
         ins = hlo.ins[name]
-        if ins.opcode in STRUCTURAL:
+        # an async-start's computation is walked (``executed``): its collective counts there
+        if ins.opcode in STRUCTURAL or ins.opcode == "async-start":
             continue
         cat = category(hlo, ins)
+        if cat == COLLECTIVES:
+            moved = link_bytes(hlo, ins)
+            ops[name] = {"category": cat, "runs": n, "tflop": 0.0, "gb": n * moved / 1e9,
+                         "ms": n * 1e3 * moved / link_bw if link_bw else 0.0}
+            continue
         if ins.opcode == "custom-call" and cat == ATTENTION:
             flops = _attention_flops(hlo, ins)
         elif ins.opcode == "custom-call" and cat == GROUPED:

@@ -128,21 +128,33 @@ def train(spec: dict, row: Row) -> None:
         secondary(row, "profile", lambda: profile(compiled, state, batches[0], spec)[1])
 
 
-def lowered_step(cfg, platform: str = "cuda", sharding=None):
+def lowered_step(cfg, platform: str = "cuda", sharding=None, mesh=None):
     """A config's training step lowered for ``platform`` at its own shapes, nothing allocated;
     for "cuda" traced with a GPU's choices on any machine (``planner.as_gpu.traced_as_gpu``:
-    cuDNN attention, the expert kernel's GPU form). ``sharding``: where the state and batch
-    live (bench/gpu_compile.py: a deviceless GPU's), else the default device."""
+    cuDNN attention, the expert kernel's GPU form and expert-parallel transport). ``sharding``:
+    where the state and batch live (bench/gpu_compile.py: a deviceless GPU's), else the default
+    device; or on ``mesh``, laid out as moelab train lays a run out (its transport, FSDP)."""
     import contextlib
 
-    from moelab.planner.as_gpu import traced_as_gpu
-    from moelab.train.step import abstract_train_state, make_train_step
+    from jax.sharding import NamedSharding
 
-    on = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
+    from moelab.parallel.mesh import batch_spec, state_shardings
+    from moelab.planner.as_gpu import traced_as_gpu
+    from moelab.train.step import abstract_train_state, make_train_step, transport_fns
+
+    on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
     with traced_as_gpu() if platform == "cuda" else contextlib.nullcontext():
-        state = jax.tree.map(on, abstract_train_state(cfg))
-        batch = on(jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), "int32"))
-        return make_train_step(cfg).trace(state, batch).lower(lowering_platforms=(platform,))
+        shapes = abstract_train_state(cfg)
+        batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), "int32")
+        if mesh is None:
+            step = make_train_step(cfg)
+            state, batch = jax.tree.map(lambda a: on(a, sharding), shapes), on(batch, sharding)
+        else:
+            state_sh = state_shardings(mesh, shapes, cfg.model, cfg.parallel.fsdp)
+            step = make_train_step(cfg, transport_fns(cfg, mesh)[0], mesh, state_sh)
+            state = jax.tree.map(on, shapes, state_sh)
+            batch = on(batch, NamedSharding(mesh, batch_spec(2)))
+        return step.trace(state, batch).lower(lowering_platforms=(platform,))
 
 
 def lowered_for_cuda(spec: dict) -> str:

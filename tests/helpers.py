@@ -266,3 +266,20 @@ def tb_events(folder: Path) -> list:
             out.append(event_pb2.Event.FromString(data[i + 12:i + 12 + n]))
             i += 12 + n + 4
     return out
+
+
+def collective_results(compiled) -> list[tuple[str, str]]:
+    """(collective, result shape) of each all-gather, all-reduce, reduce-scatter and all-to-all
+    in a compiled step's HLO (a tuple result: its parts)."""
+    import re
+
+    ops = r"(all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?"
+    out = []
+    for m in re.finditer(rf"= (\(.*?\)|\S+) {ops}\(", compiled.as_text()):
+        out += [(m.group(2), s) for s in re.findall(r"[a-z]+\d*\[[\d,]*\]", m.group(1))]
+    return out
+
+
+def batch_shaped(results: list[tuple[str, str]], B: int, T: int) -> list[tuple[str, str]]:
+    """The collectives among ``results`` that move a batch's activations: shaped [B, T, ...]."""
+    return [r for r in results if r[1].split("[")[1].startswith(f"{B},{T},")]

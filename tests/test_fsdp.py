@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import small_model
+from helpers import batch_shaped, collective_results, small_model
 from moelab.config import ParallelConfig, RunConfig
 from moelab.config.run import DataConfig, OptimConfig, TrainConfig
 from moelab.parallel.mesh import mesh_from_config, param_specs, shard_batch
@@ -120,16 +119,6 @@ def test_fsdp_runs_the_head_on_each_devices_own_tokens():
     assert fsdp < 1.05 * plain, (fsdp, plain)
 
 
-def collective_results(compiled) -> list[tuple[str, str]]:
-    """(collective, result shape) of each all-gather, all-reduce, reduce-scatter and all-to-all
-    in a compiled step's HLO (a tuple result: its parts)."""
-    ops = r"(all-gather|all-reduce|reduce-scatter|all-to-all)(?:-start)?"
-    out = []
-    for m in re.finditer(rf"= (\(.*?\)|\S+) {ops}\(", compiled.as_text()):
-        out += [(m.group(2), s) for s in re.findall(r"[a-z]+\d*\[[\d,]*\]", m.group(1))]
-    return out
-
-
 def test_fsdp_moves_weights_not_the_batch():
     """Without expert parallelism an FSDP step moves weights, never the batch's activations:
     the embedding table is gathered whole before the lookup (moelab.parallel.mesh.outer_gather),
@@ -141,8 +130,7 @@ def test_fsdp_moves_weights_not_the_batch():
     results = collective_results(compiled_step(1, fsdp=True))
     d = small_model().d_model
     assert ("all-gather", f"f32[{VOCAB},{d}]") in results, results  # the table, whole
-    batch = [r for r in results if r[1].split("[")[1].startswith(f"{B},{T},")]
-    assert not batch, batch
+    assert not batch_shaped(results, B, T), results
 
 
 def test_routing_held_out_text_under_fsdp_gathers_the_table(initial):
@@ -164,6 +152,5 @@ def test_routing_held_out_text_under_fsdp_gathers_the_table(initial):
     np.testing.assert_array_equal(ids, np.asarray(ref))
     compiled = route.jitted.lower(state["params"], state["model_state"],
                                   shard_batch(tokens.astype(np.int32), mesh)).compile()
-    batch = [r for r in collective_results(compiled)
-             if r[1].split("[")[1].startswith(f"{B},{T},")]
+    batch = batch_shaped(collective_results(compiled), B, T)
     assert not batch, batch

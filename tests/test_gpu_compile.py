@@ -52,10 +52,46 @@ def test_the_dry_run_compiles_each_row_and_reports_its_kernels(tmp_path):
     assert "roofline MFU" in p.stdout and "d768-remat-none" in p.stdout
 
 
+def test_a_dry_run_on_several_devices_compiles_the_runs_layout():
+    """``--gpus 8``: the row on 8 devices (fake CPU ones in a dry run), each with the row's
+    batch, laid out as --set says (expert parallelism 4, FSDP); one device's memory, model
+    FLOPs and roofline, its collectives among the categories."""
+    from moelab.config import load_config
+    from moelab.planner.counts import train_flops_per_token
+
+    name = f"test_gpu_compile_gpus_{os.getpid()}"
+    out = ROOT / "bench" / "results" / f"{name}.json"
+    try:
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_compile.py"), "--dry-run",
+                            "d768", "--gpus", "8", "--set", "parallel.expert=4",
+                            "parallel.fsdp=true", "--top", "1", "--name", name],
+                           capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "PYTHONPATH": str(ROOT / "src"),
+                                "XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+        assert p.returncode == 0, p.stdout + p.stderr
+        (r,) = json.loads(out.read_text())["rows"]
+    finally:
+        out.unlink(missing_ok=True)
+    assert "8 devices of this CPU" in p.stdout
+    cfg = load_config("tiny", r["overrides"])
+    assert (cfg.parallel.devices, cfg.parallel.expert, cfg.parallel.fsdp) == (8, 4, True)
+    assert cfg.data.batch_size == 8 * 2  # the dry row's 2 sequences on each device
+    one_device = train_flops_per_token(cfg.model, cfg.data.seq_len) * 2 * cfg.data.seq_len
+    assert r["model_tflop"] == pytest.approx(one_device / 1e12)
+    coll = r["by_category"]["collectives"]
+    assert coll["gb"] > 0 and coll["ms"] > 0 and coll["tflop"] == 0
+
+
+def test_a_dry_run_needs_as_many_cpu_devices_as_gpus(gpu_compile):
+    with pytest.raises(SystemExit) as e:
+        gpu_compile.cpu_devices(9)  # the suite has 8
+    assert "--xla_force_host_platform_device_count=9" in str(e.value)
+
+
 def test_without_the_cuda_plugin_it_says_how_to_install_it(gpu_compile, monkeypatch):
     monkeypatch.setitem(sys.modules, "jax_plugins.xla_cuda12", None)  # import fails
     with pytest.raises(SystemExit) as e:
-        gpu_compile.gpu_device("h200")
+        gpu_compile.gpu_devices("h200")
     assert gpu_compile.CUDA_INSTALL in str(e.value) and "--dry-run" in str(e.value)
 
 
@@ -64,6 +100,8 @@ def test_without_the_cuda_plugin_it_says_how_to_install_it(gpu_compile, monkeypa
     (["d1024", "--set", "model.nope=1"], "row d1024 with --set"),
     (["--mem-fraction", "0"], "--mem-fraction: must be in (0, 1]"),
     (["--top", "-1"], "--top: must be >= 0"),
+    (["--gpus", "0"], "--gpus: must be >= 1"),
+    (["d1024", "--gpus", "8", "--set", "parallel.expert=16"], "row d1024 with --set and --gpus"),
     (["d1024-ragged-fusion", "d1024"], "rows with XLA flags of their own compile one at a time"),
 ])
 def test_bad_options_fail_before_anything_compiles(gpu_compile, capsys, args, message):

@@ -9,12 +9,16 @@ per kv head, H query heads, Q head dim, F feed-forward width, C channels, R Gate
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from moelab.config import ConfigError, ModelConfig
+from moelab.model.axes import DATA, EXPERT
 
 
 def rms_norm(x, scale=None, eps: float = 1e-5):
@@ -247,16 +251,53 @@ def _fused(q_BTKGQ, k_BSKQ, v_BSKQ, *, window: int, kv_stride: int, impl: str):
     return out.reshape(B, T, K, G, Q)
 
 
+# The mesh a sharded step is traced on (``sharded_attention``, which moelab.train.step enters):
+# there the fused attention core runs under shard_map, each device on its own rows. Left to
+# XLA's partitioner, a fused kernel inside the lax.cond that picks a layer's kind lost the
+# batch split: every GPU gathered the whole batch's q, k and v and ran attention on all of it
+# (bench/gpu_compile.py --gpus 8: d1024 at EP 8, 8 times the attention on each GPU).
+_STEP_MESH: contextvars.ContextVar = contextvars.ContextVar("step_mesh", default=None)
+
+
+@contextlib.contextmanager
+def sharded_attention(mesh):
+    """Trace the fused attention core on ``mesh`` (None or one device: as it is) per device,
+    over the rows the mesh's batch axes split."""
+    token = _STEP_MESH.set(mesh if mesh is not None and mesh.devices.size > 1 else None)
+    try:
+        yield
+    finally:
+        _STEP_MESH.reset(token)
+
+
 @jax.named_scope("attention_core")  # names its matmuls for planner.flop_audit
 def attend(q_BTKGQ, k_BTKQ, v_BTKQ, window, is_global, cfg: ModelConfig):
     """The attention core, softmax(q k / sqrt(Q)) v over causal keys within ``window`` (0 = all),
     computed by ``resolve_attention(cfg)``. The fused kernels need a static window: a traced one
     (the layer scan) is the config's window for the layer's kind, and with both kinds in the
-    stack and a sliding window, one ``lax.cond`` on ``is_global`` picks the kind. ``k``, ``v``
-    as ``attention`` passes them: a global layer's slots already mapped by ``map_kv``."""
+    stack and a sliding window, one ``lax.cond`` on ``is_global`` picks the kind; inside a
+    sharded step (``sharded_attention``) all of it per device. ``k``, ``v`` as ``attention``
+    passes them: a global layer's slots already mapped by ``map_kv``."""
     impl = resolve_attention(cfg)
     if impl == "chunked":
         return causal_attend(q_BTKGQ, k_BTKQ, v_BTKQ, window)
+    mesh = _STEP_MESH.get()
+    if mesh is None:
+        return _fused_kinds(q_BTKGQ, k_BTKQ, v_BTKQ, window, is_global, cfg, impl)
+    known = (_known(window), _known(is_global))  # stay static: not through shard_map
+
+    def per_device(q, k, v, w, g):
+        return _fused_kinds(q, k, v, window if known[0] is not None else w,
+                            is_global if known[1] is not None else g, cfg, impl)
+
+    rows = P((DATA, EXPERT))
+    return jax.shard_map(per_device, mesh=mesh, in_specs=(rows, rows, rows, P(), P()),
+                         out_specs=rows)(q_BTKGQ, k_BTKQ, v_BTKQ, jnp.asarray(window),
+                                         jnp.asarray(is_global))
+
+
+def _fused_kinds(q_BTKGQ, k_BTKQ, v_BTKQ, window, is_global, cfg: ModelConfig, impl: str):
+    """``attend``'s fused kernels, the layer's kind static where known, else one lax.cond."""
     stride = cfg.n_kv_heads // cfg.kv_heads_global
     glob, win = _known(is_global), _known(window)
     fused = functools.partial(_fused, impl=impl)

@@ -21,7 +21,7 @@ from moelab.data.sampler import eval_windows
 from moelab.data.store import TokenStore
 from moelab.model import transformer as tr
 from moelab.model.experts import DropCounts, routed_experts
-from moelab.model.layers import rope_at
+from moelab.model.layers import rope_at, sharded_attention
 
 MAX_TOKENS = 8192  # tokens per routing call
 
@@ -36,8 +36,9 @@ def routing_fn(cfg: RunConfig, mesh=None, experts_fn=None, layer_hook=None,
     reads the same ones."""
     def ids(p, s, t):
         p = p if outer_gather is None else outer_gather(p)
-        return tr.forward_hidden(p, s, t, cfg.model, experts_fn=experts_fn,
-                                 layer_hook=layer_hook)[1].expert_NK
+        with sharded_attention(mesh):
+            return tr.forward_hidden(p, s, t, cfg.model, experts_fn=experts_fn,
+                                     layer_hook=layer_hook)[1].expert_NK
 
     if mesh is None:
         route = jax.jit(ids)

@@ -19,6 +19,7 @@ from moelab.config import ConfigError, RunConfig
 from moelab.config.model import REMAT_POLICIES, ModelConfig
 from moelab.model import transformer as tr
 from moelab.model.experts import drop_fractions, grouped_kernel
+from moelab.model.layers import sharded_attention
 from moelab.model.loss import chunked_loss_sums
 from moelab.parallel import transport
 from moelab.parallel.mesh import (
@@ -204,8 +205,9 @@ def make_train_step(cfg: RunConfig, experts_fn=None, mesh=None, state_sh=None) -
 
     def step_fn(state: dict, batch_B1T):
         def loss_fn(params, tokens_B1T):
-            return tr.lm_loss(gather_outer(params), state["model_state"], tokens_B1T, mcfg,
-                              experts_fn=experts_fn, layer_hook=hook)
+            with sharded_attention(mesh):
+                return tr.lm_loss(gather_outer(params), state["model_state"], tokens_B1T,
+                                  mcfg, experts_fn=experts_fn, layer_hook=hook)
 
         (loss, stats), grads = accumulated_grad(loss_fn, state["params"], batch_B1T,
                                                 micro_steps(cfg, batch_B1T))
@@ -244,8 +246,9 @@ def make_eval_step(cfg: RunConfig, experts_fn=None, mesh=None) -> Callable:
 
     def eval_fn(params, model_state, batch_B1T, row_valid_B):
         params = gather_outer(params)
-        x, _ = tr.forward_hidden(params, model_state, batch_B1T[:, :-1], mcfg,
-                                 experts_fn=experts_fn, layer_hook=hook)
+        with sharded_attention(mesh):
+            x, _ = tr.forward_hidden(params, model_state, batch_B1T[:, :-1], mcfg,
+                                     experts_fn=experts_fn, layer_hook=hook)
         targets = batch_B1T[:, 1:]
         valid = jnp.broadcast_to(row_valid_B[:, None], targets.shape)
         return chunked_loss_sums(x, params["head"], targets, valid, mcfg.loss_chunk)[1]  # ce
