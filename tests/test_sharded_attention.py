@@ -68,5 +68,7 @@ def test_each_device_attends_over_its_own_rows_with_the_unsharded_result():
     state, m = step(placed, rows)
     for k in ("train/loss", "train/grad_norm"):
         np.testing.assert_allclose(m[k], ref_m[k], rtol=1e-5)
+    # Adam's first step moves a weight by up to lr = 1e-2, a nearly-zero gradient's by a
+    # fraction set by its ratio to epsilon: 2e-5 is 0.2% of a step
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref_state["params"])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-5)
