@@ -96,10 +96,9 @@ runtime_version { major: 12 minor: 8 }
 device_description_str: "NVIDIA H200"
 """}
 # the roofline: the bf16 matmul peak measured on an H200 (gpu_mfu.py's peak row, 788-791
-# TFLOP/s; rated 989: planner.cluster's table, what MFU is against), the HBM bandwidth and the
-# links between GPUs
-# TFLOP/s, HBM bytes/s and, third, between GPUs of one host each way: NVLink 4's 900 GB/s per
-# H200 is both ways together
+# TFLOP/s; rated 989: planner.cluster's table, what MFU is against), the HBM bandwidth in
+# bytes/s and the links between GPUs of one host, each way (NVLink 4's 900 GB/s per H200 is
+# both ways together)
 TARGET_PEAK = {"h200": (790e12, 4.8e12, 450e9)}
 CPU_PEAK = (1e11, gpu_mfu.CPU_BW, gpu_mfu.CPU_BW)
 
@@ -137,6 +136,10 @@ def parse_args(argv: list[str] | None, rows: dict) -> argparse.Namespace:
         ap.error(f"--top: must be >= 0, got {args.top}")
     if args.gpus < 1:
         ap.error(f"--gpus: must be >= 1, got {args.gpus}")
+    if any(o.split("=", 1)[0].strip() == "parallel.devices" for o in args.set):
+        # each row compiles for --gpus devices, its FLOPs per device divided by them
+        ap.error("--set parallel.devices: the devices a row compiles for are --gpus N's; "
+                 "give --gpus instead")
     args.name = args.name or ("gpu_compile_dry" if args.dry_run else "gpu_compile")
     if not re.fullmatch(r"[\w.-]+", args.name):
         ap.error(f"--name: letters, digits, '_', '.', '-' only, got {args.name!r}")
@@ -159,7 +162,7 @@ def parse_args(argv: list[str] | None, rows: dict) -> argparse.Namespace:
 
 def row_overrides(spec: dict, args: argparse.Namespace) -> list[str]:
     """A row's overrides, with ``--gpus`` N then N devices, each with the row's batch, then
-    ``--set``'s (a data.batch_size there is the whole batch)."""
+    ``--set``'s (a field the row sets already is refused: each is given once)."""
     if args.gpus == 1:
         return spec["overrides"] + args.set
     batch = load_config(spec["preset"], spec["overrides"]).data.batch_size

@@ -234,14 +234,16 @@ def _collective(ins: Instr) -> str | None:
 
 
 def link_bytes(hlo: Hlo, ins: Instr) -> int:
-    """Bytes a collective puts on the links (``LINK_BYTES``)."""
+    """Bytes a collective puts on the links (``LINK_BYTES``): all its operands (XLA's combiners
+    make one collective of several); an all-gather's results, which an async start's tuple
+    holds after its operands."""
     op = _collective(ins)
+    args = [_bytes(hlo.ins[o].shape) for o in ins.operands if o in hlo.ins]
     if op == "all-gather":
-        return _bytes(ins.shape)
-    args = [_bytes(hlo.ins[o].shape) for o in ins.operands[:2] if o in hlo.ins]
-    if op == "ragged-all-to-all" and len(args) == 2:
-        return min(args)
-    return LINK_BYTES[op] * (args[0] if args else _bytes(ins.shape))
+        return _bytes(ins.shape) - (sum(args) if ins.opcode.endswith("-start") else 0)
+    if op == "ragged-all-to-all" and len(args) >= 2:
+        return min(args[:2])  # input and output; then offsets and sizes
+    return LINK_BYTES[op] * (sum(args) if args else _bytes(ins.shape))
 
 
 def category(hlo: Hlo, ins: Instr) -> str:

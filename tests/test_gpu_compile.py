@@ -101,6 +101,8 @@ def test_without_the_cuda_plugin_it_says_how_to_install_it(gpu_compile, monkeypa
     (["--mem-fraction", "0"], "--mem-fraction: must be in (0, 1]"),
     (["--top", "-1"], "--top: must be >= 0"),
     (["--gpus", "0"], "--gpus: must be >= 1"),
+    (["d1024", "--set", "parallel.devices=8", "parallel.expert=8"],
+     "--set parallel.devices: the devices a row compiles for are --gpus N's"),
     (["d1024", "--gpus", "8", "--set", "parallel.expert=16"], "row d1024 with --set and --gpus"),
     (["d1024-ragged-fusion", "d1024"], "rows with XLA flags of their own compile one at a time"),
 ])
@@ -126,3 +128,34 @@ def test_a_row_fits_when_its_memory_is_within_the_share(gpu_compile):
     assert gpu_compile.analyse(*args, capacity=float("inf"), top=1)["fits"] is True
     small = gpu_compile.analyse(*args, capacity=total / 2, top=1)
     assert small["fits"] is False and small["memory_gib"] * 2**30 >= total
+
+
+COLLECTIVES_HLO = """HloModule links
+
+ENTRY %main (a: f32[4,8], b: f32[16], c: bf16[2,8], r: bf16[64,8], o: bf16[512,8], n: s64[8]) -> f32[4,8] {
+  %a = f32[4,8]{1,0} parameter(0)
+  %b = f32[16]{0} parameter(1)
+  %c = bf16[2,8]{1,0} parameter(2)
+  %r = bf16[64,8]{1,0} parameter(3)
+  %o = bf16[512,8]{1,0} parameter(4)
+  %n = s64[8]{0} parameter(5)
+  %ar = (f32[4,8]{1,0}, f32[16]{0}) all-reduce(%a, %b), to_apply=%add
+  %ag = (bf16[2,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(%c), dimensions={0}
+  %agd = bf16[16,8]{1,0} all-gather-done(%ag)
+  %sync = bf16[16,8]{1,0} all-gather(%c), dimensions={0}
+  %ra = ((bf16[64,8]{1,0}, bf16[512,8]{1,0}, s64[8]{0}, s64[8]{0}, s64[8]{0}, s64[8]{0}), bf16[512,8]{1,0}) ragged-all-to-all-start(%r, %o, %n, %n, %n, %n)
+  ROOT %out = f32[4,8]{1,0} add(%a, %a)
+}
+"""
+
+
+def test_link_bytes_count_every_operand_and_an_all_gathers_results():
+    """A combined all-reduce moves all its operands (twice: reduce, then broadcast); an
+    all-gather its result, whose async start also lists its operand; a ragged all-to-all its
+    smaller buffer."""
+    import gpu_profile as gp
+
+    h = gp.Hlo(COLLECTIVES_HLO)
+    moved = {n: gp.link_bytes(h, h.ins[n]) for n in ("ar", "ag", "sync", "ra")}
+    assert moved == {"ar": 2 * (4 * 8 * 4 + 16 * 4), "ag": 16 * 8 * 2, "sync": 16 * 8 * 2,
+                     "ra": 64 * 8 * 2}

@@ -253,7 +253,7 @@ def test_devices_must_divide_every_micro_step(over, says):
     with pytest.raises(ConfigError) as e:
         Layout(devices=16, ep=4).validate(cfg)
     assert str(e.value).startswith("--devices 16: must divide the 8 sequences of a micro-step")
-    assert says in str(e.value) and "give one of 1, 2, 4, 8" in str(e.value)
+    assert says in str(e.value) and "give one of 4, 8" in str(e.value)  # --ep 4 refuses 1, 2
     Layout(devices=8, ep=4).validate(cfg)  # 1 sequence each
 
 
@@ -268,6 +268,19 @@ def test_the_device_counts_offered_suit_every_data_stage():
     assert str(e.value).endswith("give one of 1, 2, 4")
     for n in (1, 2, 4):  # each one offered is taken
         Layout(devices=n).validate(cfg)
+
+
+def test_the_device_counts_offered_suit_the_expert_parallelism():
+    """With --ep 4, of the counts the stages accept (1, 2, 4) only 4 is taken: --ep refuses 1
+    and 2; with --ep 8 none is."""
+    cfg = load_config("tiny", ["data.context_stages=[{step: 5, seq_len: 1024, batch_size: 12}]"])
+    with pytest.raises(ConfigError) as e:
+        Layout(devices=8, ep=4).validate(cfg)
+    assert str(e.value).endswith("; give one of 4")
+    Layout(devices=4, ep=4).validate(cfg)
+    with pytest.raises(ConfigError) as e:
+        Layout(devices=16, ep=8).validate(cfg)
+    assert str(e.value).endswith("no count that divides them is a multiple of 8 (--ep, --fsdp)")
 
 
 @pytest.mark.parametrize("kind,caps", [

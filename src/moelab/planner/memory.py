@@ -65,11 +65,15 @@ class Layout:
             if seqs % self.devices:
                 given = (f"train.microbatch_tokens={mb} at seq_len {seg.seq_len}" if mb else
                          f"the batch at seq_len {seg.seq_len} from step {seg.start}")
-                # counts that every stage accepts, not this one's alone
-                fits = divisors(math.gcd(*(cfg.micro_seqs(g.start) for g in segs)))
+                # counts that every stage accepts, not this one's alone, and --ep and --fsdp
+                unit = math.lcm(self.ep, self.fsdp)
+                fits = [n for n in divisors(math.gcd(*(cfg.micro_seqs(g.start) for g in segs)))
+                        if n % unit == 0]
+                offer = (f"give one of {', '.join(map(str, fits))}" if fits else
+                         f"no count that divides them is a multiple of {unit} (--ep, --fsdp)")
                 raise ConfigError(f"--devices {self.devices}: must divide the {seqs} sequences "
                                   f"of a micro-step ({given}; each device trains whole "
-                                  f"sequences); give one of {', '.join(map(str, fits))}"
+                                  f"sequences); {offer}"
                                   + (", or a larger train.microbatch_tokens" if mb else ""))
         if self.optimizer not in ("adamw", "muon"):
             raise ConfigError(f"--optimizer {self.optimizer}: use adamw or muon")
