@@ -244,9 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv, rows)
     import jax
 
+    several = args.gpus > 1
     if args.dry_run:
         devices, peak, capacity = cpu_devices(args.gpus), CPU_PEAK, float("inf")
         rated = CPU_PEAK[0]
+        on = f"{args.gpus} devices of this CPU (dry run)" if several else "this CPU (dry run)"
     else:
         from moelab.planner.cluster import ACCELERATORS
 
@@ -254,9 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         rated = ACCELERATORS[args.target].peak_flops
         capacity = args.mem_fraction * int(re.search(
             r"device_memory_size: (\d+)", TARGETS[args.target]).group(1))
-    on = (f"{args.gpus} devices of this CPU (dry run)" if args.gpus > 1 else "this CPU (dry run)"
-          ) if args.dry_run else (f"{args.gpus} {args.target.upper()}s of one host" if
-                                  args.gpus > 1 else f"an {args.target.upper()}") + ", deviceless"
+        gpu = args.target.upper()
+        on = (f"{args.gpus} {gpu}s of one host" if several else f"an {gpu}") + ", deviceless"
     print(f"{len(args.rows)} row(s) compiled for {on}"
           + (f", with {' '.join(args.set)}" if args.set else ""), flush=True)
     lower = lowering(devices, "cpu" if args.dry_run else "cuda")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from moelab.config import ConfigError, ModelConfig
-from moelab.model.axes import DATA, EXPERT
+from moelab.model.axes import BATCH_AXES
 
 
 def rms_norm(x, scale=None, eps: float = 1e-5):
@@ -290,7 +290,7 @@ def attend(q_BTKGQ, k_BTKQ, v_BTKQ, window, is_global, cfg: ModelConfig):
         return _fused_kinds(q, k, v, window if known[0] is not None else w,
                             is_global if known[1] is not None else g, cfg, impl)
 
-    rows = P((DATA, EXPERT))
+    rows = P(BATCH_AXES)
     return jax.shard_map(per_device, mesh=mesh, in_specs=(rows, rows, rows, P(), P()),
                          out_specs=rows)(q_BTKGQ, k_BTKQ, v_BTKQ, jnp.asarray(window),
                                          jnp.asarray(is_global))

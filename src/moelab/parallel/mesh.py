@@ -20,10 +20,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from moelab.config import ConfigError, ModelConfig, RunConfig
-from moelab.model.axes import DATA, EXPERT
+from moelab.model.axes import BATCH_AXES, DATA, EXPERT
 from moelab.model.transformer import param_axes, param_fsdp_dims, param_shapes
-
-BATCH_AXES = (DATA, EXPERT)
 
 
 def make_mesh(data: int | None = None, expert: int = 1, devices=None) -> Mesh:
