@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -402,6 +403,36 @@ def test_a_failed_read_silences_only_the_closed_loop_reports(tmp_path, monkeypat
     sys.unraisablehook(SimpleNamespace(exc_value=RuntimeError("Event loop is closed")))
     sys.unraisablehook(SimpleNamespace(exc_value=ValueError("a real problem")))
     assert [str(r.exc_value) for r in seen] == ["a real problem"]
+
+
+def test_a_failed_save_silences_only_orbax_s_unretrieved_failures(tmp_path, caplog):
+    """The writes a full disk fails after the first (whose failure is reported) are logged by
+    asyncio as each of their futures is collected, a traceback apiece: those are dropped, by the
+    tensorstore error's status code or orbax's frames; anyone else's unretrieved failure, and
+    asyncio's other reports, pass."""
+    def orbax_write():
+        raise OSError("disk full inside orbax")  # its frames: this file, then orbax's below
+
+    orbax_write.__code__ = orbax_write.__code__.replace(
+        co_filename="/site-packages/orbax/checkpoint/_src/serialization/serialization.py")
+    errors = [ValueError('OUT_OF_RANGE: Error writing "w1/0.0" in OCDBT database'),
+              ValueError("a real problem"), RuntimeError("someone else's task")]
+    try:
+        orbax_write()
+    except OSError as e:
+        errors.append(e)
+    Checkpointer(tmp_path).save(1, make_state(1), {})  # any save sets the filter up
+    log = logging.getLogger("asyncio")
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        for e in errors:
+            log.error("Future exception was never retrieved\nfuture: <Future finished>",
+                      exc_info=(type(e), e, e.__traceback__))
+        log.error("Task was destroyed but it is pending!")
+    kept = [(r.getMessage().split("\n")[0], r.exc_info and str(r.exc_info[1]))
+            for r in caplog.records]
+    assert kept == [("Future exception was never retrieved", "a real problem"),
+                    ("Future exception was never retrieved", "someone else's task"),
+                    ("Task was destroyed but it is pending!", None)]
 
 
 def test_a_killed_readers_lease_stops_counting(tmp_path):

@@ -90,12 +90,14 @@ ck.close()
 
 def test_a_save_whose_writes_fail_reports_the_failure_alone(tmp_path):
     """Orbax's writes fail one after the other (a full disk): the first failure is the report,
-    not a traceback from each later write calling back into orbax's closed event loop."""
+    not a traceback from each later write calling back into orbax's closed event loop or
+    collected with its failure unretrieved (which of these a run shows varies with timing)."""
     out = subprocess.run([sys.executable, "-c", _FAILED_WRITES, str(tmp_path / "ck")],
                          capture_output=True, text=True, timeout=300,
                          env=subprocess_env(PYTHONPATH=SRC))
     assert "failed:" in out.stdout, out.stdout + out.stderr[-3000:]
-    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    for noise in ("Traceback", "never retrieved", "never awaited"):
+        assert noise not in out.stderr, out.stderr[-3000:]
 
 
 def test_a_file_in_the_way_of_the_checkpoints_is_refused_before_any_work(tmp_path, capsys):

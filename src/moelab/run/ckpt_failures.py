@@ -15,7 +15,11 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
+import re
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 from moelab.run.ckpt_target import CheckpointError, CheckpointMismatch
@@ -124,14 +128,17 @@ def none_restored(where: str, failures: dict[int, CheckpointError]) -> Checkpoin
 
 
 def quiet_closed_loop_reports() -> None:
-    """Drop the "Event loop is closed" reports of a failed read, from now on.
+    """Drop the reports of orbax's reads and writes left behind by a failed one, from now on.
 
-    Orbax reads a checkpoint as tensorstore futures awaited in an asyncio loop that it closes
-    as soon as one read fails; the other reads finish later, and each one's callback to the
-    closed loop is reported through ``sys.unraisablehook`` as a traceback (dozens of them, as
-    `moelab export` exits): after a checkpoint was removed under its reader, say. The failure
-    itself is reported, and the reader goes on to another checkpoint: those reports are noise.
-    Every other report passes.
+    Orbax reads and writes a checkpoint as tensorstore futures awaited in an asyncio loop that
+    it closes as soon as one of them fails; the others finish later. Each one's callback to the
+    closed loop is reported through ``sys.unraisablehook`` ("Event loop is closed"); each
+    future, task or gather that failed after the loop stopped is logged by ``asyncio`` when it
+    is collected ("... exception was never retrieved"), and a write never started is warned of
+    at exit ("coroutine ... was never awaited"): a traceback apiece, dozens of them as `moelab
+    export` exits after a checkpoint was removed under its reader, or as a full disk fails a
+    save's writes one after the other. The first failure itself is reported, and the caller
+    goes on: those reports are noise. Every other report passes.
     """
     previous = sys.unraisablehook
     if getattr(previous, "closed_loop_quiet", False):
@@ -144,3 +151,25 @@ def quiet_closed_loop_reports() -> None:
 
     hook.closed_loop_quiet = True
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_orbax_tasks_left_behind)
+    warnings.filterwarnings("ignore", r"coroutine 'async_serialize_from_host\.", RuntimeWarning)
+
+
+# The canonical status codes that start a tensorstore error's text (raised from C++: no frames).
+_TENSORSTORE_ERROR = re.compile(
+    r"(CANCELLED|UNKNOWN|INVALID_ARGUMENT|DEADLINE_EXCEEDED|NOT_FOUND|ALREADY_EXISTS|"
+    r"PERMISSION_DENIED|RESOURCE_EXHAUSTED|FAILED_PRECONDITION|ABORTED|OUT_OF_RANGE|"
+    r"UNIMPLEMENTED|INTERNAL|UNAVAILABLE|DATA_LOSS|UNAUTHENTICATED): ")
+
+
+def _orbax_tasks_left_behind(record: logging.LogRecord) -> bool:
+    """False (drop) for asyncio's report of a future, task or gather whose failure nobody
+    retrieved when that failure is orbax's or tensorstore's."""
+    if "exception was never retrieved" not in record.getMessage().split("\n", 1)[0]:
+        return True
+    error = record.exc_info[1] if record.exc_info else None
+    if error is None:
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return not (any("/orbax/checkpoint/" in f.filename.replace("\\", "/") for f in frames)
+                or _TENSORSTORE_ERROR.match(str(error)))
