@@ -111,7 +111,8 @@ def parse_args(argv: list[str] | None, rows: dict) -> argparse.Namespace:
     ap.add_argument("rows", nargs="*", metavar="ROW", help="rows to compile (default: the "
                     "training rows gpu_mfu.py runs by default)")
     ap.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                    help="config overrides applied to every row, after the row's own")
+                    help="config overrides applied to every row, replacing the row's own "
+                    "value of a field both set")
     ap.add_argument("--target", choices=sorted(TARGETS), default="h200", help="the GPU")
     ap.add_argument("--mem-fraction", type=float, default=0.92, help="the share of the GPU's "
                     "memory a row may use, as gpu_mfu.py gives its children (default 0.92)")
@@ -162,12 +163,13 @@ def parse_args(argv: list[str] | None, rows: dict) -> argparse.Namespace:
 
 def row_overrides(spec: dict, args: argparse.Namespace) -> list[str]:
     """A row's overrides, with ``--gpus`` N then N devices, each with the row's batch, then
-    ``--set``'s (a field the row sets already is refused: each is given once)."""
-    if args.gpus == 1:
-        return spec["overrides"] + args.set
-    batch = load_config(spec["preset"], spec["overrides"]).data.batch_size
-    return gpu_mfu.over(spec["overrides"], [f"parallel.devices={args.gpus}",
-                                            f"data.batch_size={batch * args.gpus}"]) + args.set
+    ``--set``'s, which replace the row's own value of a field they both set."""
+    own = spec["overrides"]
+    if args.gpus > 1:
+        batch = load_config(spec["preset"], own).data.batch_size
+        own = gpu_mfu.over(own, [f"parallel.devices={args.gpus}",
+                                 f"data.batch_size={batch * args.gpus}"])
+    return gpu_mfu.over(own, args.set)
 
 
 def row_config(spec: dict, args: argparse.Namespace):

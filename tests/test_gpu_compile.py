@@ -112,6 +112,21 @@ def test_bad_options_fail_before_anything_compiles(gpu_compile, capsys, args, me
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_set_replaces_a_field_the_row_sets_itself(gpu_compile):
+    """``--set model.remat=dots`` on a row that sets model.remat compiles dots (a config takes
+    each field once: the row's own value goes), and with ``--gpus`` the devices and batch stay."""
+    rows = gpu_compile.gpu_mfu.all_rows()
+    args = gpu_compile.parse_args(["d1024-remat-full", "--gpus", "8", "--set", "model.remat=dots",
+                                   "parallel.expert=8"], rows)
+    spec = rows["d1024-remat-full"].spec
+    assert "model.remat=full" in spec["overrides"]
+    overrides = gpu_compile.row_overrides(spec, args)
+    assert [o for o in overrides if o.startswith("model.remat=")] == ["model.remat=dots"]
+    assert "parallel.devices=8" in overrides and overrides[-1] == "parallel.expert=8"
+    cfg = gpu_compile.row_config(spec, args)
+    assert (cfg.model.remat, cfg.parallel.expert, cfg.parallel.devices) == ("dots", 8, 8)
+
+
 def test_a_row_fits_when_its_memory_is_within_the_share(gpu_compile):
     """``fits`` compares XLA's total (arguments + outputs - aliased + temporaries) with the
     share of the device given (the dry run's CPU has no limit, so it is tested here)."""
