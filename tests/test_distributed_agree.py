@@ -3,11 +3,14 @@ one --num-processes), stop with the signal one of them received, and one that lo
 ends at once with one line. Each test stands in one process of two: the collectives answer as
 the other process would (tests/test_multiprocess.py runs real pairs)."""
 
+import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import pytest
 
+from helpers import subprocess_env
 from moelab.parallel import distributed
 
 
@@ -111,3 +114,24 @@ def test_process_0_says_what_it_waits_for(monkeypatch, capsys):
     # JAX's own deadline comes after the one that says why, instead of a native crash
     assert calls[0]["initialization_timeout"] > 300
     assert "--coordinator-timeout" in distributed._never_joined("127.0.0.1:8476", 2, 300)
+
+
+_NEVER_JOINED = """
+import socket, sys
+from moelab.parallel import distributed
+distributed.COORDINATOR_TIMEOUT_S = 2  # the shortest wait is 300 s in a real run
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+distributed.initialize(f"127.0.0.1:{port}", 2, 0, timeout=2)
+print("joined", flush=True)
+"""
+
+
+def test_process_0_whose_peer_never_joins_ends_with_one_line_at_its_deadline():
+    """JAX itself would wait 30 s longer, then crash natively: the watchdog says why first."""
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    out = subprocess.run([sys.executable, "-c", _NEVER_JOINED], capture_output=True, text=True,
+                         timeout=120, env=subprocess_env(PYTHONPATH=src))
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 2 and "joined" not in out.stdout, out.stdout + out.stderr
+    assert last.startswith("moelab: error: --coordinator 127.0.0.1:") and (
+        "not all 2 processes joined within 2 s" in last and "--coordinator-timeout" in last)
