@@ -127,11 +127,14 @@ print("joined", flush=True)
 
 
 def test_process_0_whose_peer_never_joins_ends_with_one_line_at_its_deadline():
-    """JAX itself would wait 30 s longer, then crash natively: the watchdog says why first."""
+    """JAX itself would wait 30 s longer, then crash natively: the watchdog says why first,
+    naming the causes it cannot tell apart (a process not started, or one id given twice: JAX
+    ends the first process with that id natively, and the second waits)."""
     src = str(Path(__file__).resolve().parents[1] / "src")
     out = subprocess.run([sys.executable, "-c", _NEVER_JOINED], capture_output=True, text=True,
                          timeout=120, env=subprocess_env(PYTHONPATH=src))
     last = out.stderr.strip().splitlines()[-1]
     assert out.returncode == 2 and "joined" not in out.stdout, out.stdout + out.stderr
     assert last.startswith("moelab: error: --coordinator 127.0.0.1:") and (
-        "not all 2 processes joined within 2 s" in last and "--coordinator-timeout" in last)
+        "not all 2 processes joined within 2 s" in last and "--coordinator-timeout" in last
+        and "--process-id 0..1 once (a second process with one id ends the first)" in last)

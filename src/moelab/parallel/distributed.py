@@ -95,8 +95,9 @@ def _never_joined(coordinator: str | None, num_processes: int | None, wait: int)
     if coordinator is None:
         return f"the processes of this cluster did not all join within {wait} s"
     return (f"--coordinator {coordinator}: not all {num_processes} processes joined within "
-            f"{wait} s; start each (--process-id 0..{num_processes - 1}) with the same "
-            "--coordinator and --num-processes, or wait longer with --coordinator-timeout")
+            f"{wait} s; start each of --process-id 0..{num_processes - 1} once (a second "
+            "process with one id ends the first), all with the same --coordinator and "
+            "--num-processes, or wait longer with --coordinator-timeout")
 
 
 def abandon(message: str, code: int = 2) -> None:
