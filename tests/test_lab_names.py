@@ -1,10 +1,14 @@
-"""`moelab lab new` of a title a record already has, and `lab attach` of a folder that does not
-exist: each says what it found and what was probably meant."""
+"""`moelab lab new` of a title a record already has, `lab attach` of a folder that does not
+exist or is attached already, a lab folder that is a file, a criterion comparing an arm with
+itself: each says what it found and what was probably meant."""
 
 from __future__ import annotations
 
+import pytest
+
 from moelab.lab import records as rec_mod
 from test_cli import run_main
+from test_lab import _write_run
 
 NEW = ["lab", "new", "--hypothesis", "h", "--goal", "g", "--criterion", "train/loss <= 3"]
 
@@ -33,3 +37,45 @@ def test_attaching_a_folder_that_does_not_exist_says_so(tmp_path, capsys):
     assert (f"{tmp_path / 'nosuch'}: no such folder; give a run folder `moelab train` wrote, or "
             "to attach a run before it starts, train it with `moelab train CONFIG --record 1 "
             "--arm NAME`") in err
+
+
+def test_attaching_a_run_already_attached_says_nothing_changed(tmp_path, capsys):
+    lab = ["--lab-dir", str(tmp_path / "lab")]
+    assert run_main([*NEW, "t", *lab], capsys)[0] == 0
+    run = _write_run(tmp_path / "runs" / "a", arm_shift=0.0)
+    rc, out, _ = run_main(["lab", "attach", "1", str(run), *lab], capsys)
+    assert rc == 0 and f"run {run} is attached to 0001-t as arm 'a'" in out, out
+    record = next((tmp_path / "lab").glob("0001-*.md"))
+    before = record.read_text()
+    rc, out, _ = run_main(["lab", "attach", "1", str(run), *lab], capsys)
+    attached = rec_mod.load(record).runs[0].attached
+    assert rc == 0 and out.strip() == (f"run {run} was already attached to 0001-t as arm 'a' "
+                                       f"(since {attached}); nothing changed"), out
+    assert record.read_text() == before
+
+
+@pytest.mark.parametrize("where", ["--lab-dir", "MOELAB_LAB_DIR"])
+@pytest.mark.parametrize("command", [[*NEW, "t"], ["lab", "list"], ["lab", "show", "1"]])
+def test_a_lab_folder_that_is_a_file_is_named(tmp_path, capsys, monkeypatch, where, command):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    folder = blocker / "lab"
+    if where == "--lab-dir":
+        command = [*command, "--lab-dir", str(folder)]
+    else:
+        monkeypatch.setenv("MOELAB_LAB_DIR", str(folder))
+    rc, out, err = run_main(command, capsys)
+    assert rc == 2 and out == "", out  # `lab list` said "no records in ..." and exited 0
+    assert err.strip() == (f"moelab: error: {where}{' ' if where[0] == '-' else '='}{folder}: "
+                           f"{blocker} is a file, not a folder; give the folder of records "
+                           "(new or existing)"), err
+
+
+@pytest.mark.parametrize("combine", ["-", "/"])
+def test_a_criterion_comparing_an_arm_with_itself_is_refused(tmp_path, capsys, combine):
+    text = f"eval/prose/loss in shared {combine} shared <= 1"
+    rc, _, err = run_main(["lab", "new", "t", "--hypothesis", "h", "--goal", "g", "--criterion",
+                           text, "--lab-dir", str(tmp_path / "lab")], capsys)
+    assert rc == 2 and (f"criterion {text!r}: compares arm 'shared' with itself, which gives "
+                        f"{0 if combine == '-' else 1} whatever its runs log") in err, err
+    assert not (tmp_path / "lab").exists()

@@ -1,6 +1,7 @@
 """`moelab ladder run --target --guard`, `ladder guard --follow` and `ladder fit` on a ladder
 that is not all there yet: the trainer's log not written yet, a run that failed or was killed,
-rungs still unfinished, a mistyped --target-run. Run folders are written, nothing trains."""
+rungs still unfinished, a mistyped --target-run, a file or run folder where a ladder folder goes.
+Run folders are written, nothing trains."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 
 from moelab.ladder.fit import fit_ladder, format_report, target_outputs
 from moelab.ladder.folder import load_ladder, write_ladder
-from moelab.ladder.guard import follow
+from moelab.ladder.guard import follow, prediction_path
 from moelab.ladder.plan import LadderRule, plan_ladder
 from moelab.ladder.run import _Job, run_ladder
 from moelab.run.logs import JsonlTracker
@@ -306,3 +307,51 @@ def test_guard_and_forecast_of_a_ladder_folder_name_its_runs(tmp_path, capsys, c
     assert rc == 2 and (f"{lad.root} is a ladder folder; give one of its runs, e.g. its target "
                         f"{lad.root / 'target'} (`moelab ladder run {lad.root} --target` "
                         "trains it)") in err, err
+
+
+def test_a_file_where_the_ladder_folder_goes_is_named_before_the_plan(tmp_path, capsys):
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("x")
+    for out_dir in (blocker, blocker / "ladder"):
+        rc, out, err = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,1024,1536",
+                                 "--out", str(out_dir)], capsys)
+        assert rc == 2 and out == "", out  # the plan was printed, then "[Errno 20] Not a ..."
+        assert (f"--out {out_dir}: {blocker} is a file, not a folder; give a new folder, or a "
+                "ladder folder to plan again") in err, err
+
+
+@pytest.mark.parametrize("command", ["run", "fit"])
+def test_a_file_or_run_folder_given_for_a_ladder_is_said_to_be_one(tmp_path, capsys, command):
+    """Not "no ladder here; create one with `moelab ladder plan TARGET --out` it"."""
+    lad = _ladder(tmp_path / "lad", finished=1)
+    (tmp_path / "notes.txt").write_text("x")
+    rc, _, err = run_main(["ladder", command, str(tmp_path / "notes.txt")], capsys)
+    assert rc == 2 and f"{tmp_path / 'notes.txt'}: a file, not a ladder folder" in err, err
+    run = lad.run_dir(lad.rungs[0].name)
+    rc, _, err = run_main(["ladder", command, str(run)], capsys)
+    assert rc == 2 and f"{run}: a run folder, not a ladder folder (no ladder.json)" in err, err
+    assert "plan TARGET --out" not in err  # no advice to plan a ladder into a run folder
+
+
+def test_guard_takes_a_ladder_folder_for_its_prediction(tmp_path, capsys):
+    lad = _ladder(tmp_path / "lad", finished=1)
+    run = lad.run_dir(lad.rungs[0].name)
+    assert prediction_path(run, lad.root) == lad.root / "prediction.json"
+    assert prediction_path(run, tmp_path / "p.json") == tmp_path / "p.json"
+    assert prediction_path(run) == run / "prediction.json"
+    rc, _, err = run_main(["ladder", "guard", str(run), "--prediction", str(lad.root)], capsys)
+    assert rc == 2 and f"{lad.root / 'prediction.json'}: no prediction" in err, err  # not fitted
+
+
+def test_compare_refuses_a_plot_it_cannot_write_before_fitting(tmp_path, capsys, monkeypatch):
+    import moelab.ladder.compare as compare_mod
+
+    def no_fit(*a, **k):
+        raise AssertionError("fitted before the plot path was checked")
+    monkeypatch.setattr(compare_mod, "compare", no_fit)
+    (tmp_path / "notes.txt").write_text("x")
+    plot = tmp_path / "notes.txt" / "m.png"
+    scaling = Path(__file__).resolve().parents[1] / "bench" / "data" / "scaling"
+    rc, _, err = run_main(["ladder", "compare", str(scaling / "marin_dclm.csv"),
+                           str(scaling / "marin_comma.csv"), "--plot", str(plot)], capsys)
+    assert rc == 2 and f"--plot {plot}: cannot be written" in err, err

@@ -5,6 +5,7 @@ reached."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 from moelab.util import extra_command
 
@@ -47,3 +48,11 @@ def unreachable(url: str, e: Exception, fix: str = "") -> str:
     raises its own: gcsfs, s3fs, aiohttp, httpx), ``fix`` appended to the advice."""
     return (f"{url}: cannot be reached ({type(e).__name__}: {' '.join(str(e).split())}); check "
             f"the network, the URL and its credentials{fix}")
+
+
+def require_folder(path: Path | str, what: str, fix: str) -> None:
+    """Refuse a folder that a file stands at or above, before any work: the OS's own error
+    ("Not a directory", "File exists") names neither the option nor the file in the way."""
+    path = Path(path)
+    above = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    require(above is None, what, f"{above} is a file, not a folder; {fix}")

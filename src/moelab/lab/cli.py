@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moelab.config.errors import require
 from moelab.lab import records as rec_mod
-from moelab.lab.criteria import check_metric_family, count_labels, parse_criterion
+from moelab.lab.criteria import check_arms, check_metric_family, count_labels, parse_criterion
 from moelab.util import check_writable
 
 CRITERION_HELP = ("pre-registered criterion, repeatable: METRIC [AGG] [over steps A-B] "
@@ -19,6 +19,7 @@ CRITERION_HELP = ("pre-registered criterion, repeatable: METRIC [AGG] [over step
 def cmd_new(args) -> int:
     for text in args.criterion:  # a metric no run logs is refused before it is pre-registered
         check_metric_family(parse_criterion(text), text)
+        check_arms(parse_criterion(text), text)
     path, rec = rec_mod.new_record(rec_mod.lab_dir(args.lab_dir), args.title, args.hypothesis,
                                    args.goal, args.criterion, args.min_steps, args.issue or "")
     print(f"created {path}")
@@ -150,8 +151,13 @@ def not_a_run(record_file: Path, rec: rec_mod.Record, run: Path, ref: str) -> st
 def attach_run(record_file: Path, run_dir: Path, arm: str | None) -> None:
     from moelab.lab.runs import first_trained
 
+    old = rec_mod.run_entry(record_file, rec_mod.load(record_file), run_dir)
     rec = rec_mod.attach(record_file, run_dir, arm)
-    ref = next(r for r in rec.runs if rec_mod.run_path(record_file, r) == run_dir.resolve())
+    ref = rec_mod.run_entry(record_file, rec, run_dir)
+    if old is not None and old.detached() is None:  # a no-op, said as one
+        print(f"run {run_dir} was already attached to {rec.id} as arm {ref.arm!r} (since "
+              f"{ref.attached}); nothing changed")
+        return
     again = ref.history[-1] if ref.history else None  # a detached run attached again
     print(f"run {run_dir} is attached to {rec.id} as arm {ref.arm!r}"
           + (" again (its detach stays in the record's history)"
@@ -176,8 +182,7 @@ def attach_from_train(record: str, run_dir: Path, arm: str | None) -> None:
     A run detached from the record stays detached: re-running a run's command (to resume it)
     must not undo a detach; ``lab attach`` counts it again."""
     path, rec = rec_mod.find(record)
-    ref = next((r for r in rec.runs if rec_mod.run_path(path, r) == Path(run_dir).resolve()),
-               None)
+    ref = rec_mod.run_entry(path, rec, run_dir)
     gone = ref.detached() if ref is not None else None
     if gone is None:
         attach_run(path, run_dir, arm)

@@ -147,6 +147,15 @@ def check_metric_family(c: Criterion, text: str) -> None:
                          + f"; {family}/ holds {', '.join(METRIC_NAMES[family])}")
 
 
+def check_arms(c: Criterion, text: str) -> None:
+    """Refuse ``in A - A`` (or ``A / A``): an arm against itself gives 0 (or 1) whatever its
+    runs log, so a pre-registered typo would decide the criterion before any run."""
+    if len(c.arms) == 2 and c.arms[0] == c.arms[1]:
+        raise ValueError(f"criterion {text!r}: compares arm {c.arms[0]!r} with itself, which "
+                         f"gives {0 if c.combine == '-' else 1} whatever its runs log; name two "
+                         "different arms")
+
+
 def parse_criterion(text: str) -> Criterion:
     """Parse one criterion; ValueError says what is wrong and shows the grammar."""
     m = _PATTERN.match(text.strip())

@@ -23,6 +23,7 @@ from pathlib import Path
 import yaml
 
 from moelab.config import ConfigError, load_yaml
+from moelab.config.errors import require_folder
 from moelab.lab.criteria import parse_criterion
 from moelab.util import atomic_write_text, read_utf8
 
@@ -89,7 +90,13 @@ def started_before(rec: Record, started: float | None) -> bool:
 
 
 def lab_dir(path: str | Path | None = None) -> Path:
-    return Path(path or os.environ.get("MOELAB_LAB_DIR") or DEFAULT_LAB_DIR)
+    """The folder of records: ``path`` (--lab-dir), else $MOELAB_LAB_DIR, else experiments/;
+    one a file stands at or above is refused, naming where it came from."""
+    env = os.environ.get("MOELAB_LAB_DIR")
+    folder = Path(path or env or DEFAULT_LAB_DIR)
+    where = f"--lab-dir {path}" if path else f"MOELAB_LAB_DIR={env}" if env else str(folder)
+    require_folder(folder, where, "give the folder of records (new or existing)")
+    return folder
 
 
 def slugify(title: str, max_len: int = 40) -> str:
@@ -331,6 +338,12 @@ def _find_run(record_file: Path, rec: Record, run_dir: Path) -> int | None:
     """The index in ``rec.runs`` of the run folder ``run_dir``, or None."""
     return next((i for i, r in enumerate(rec.runs)
                  if run_path(record_file, r) == Path(run_dir).resolve()), None)
+
+
+def run_entry(record_file: Path, rec: Record, run_dir: Path) -> RunRef | None:
+    """The record's entry for the run folder ``run_dir`` (attached or detached), or None."""
+    i = _find_run(record_file, rec, run_dir)
+    return None if i is None else rec.runs[i]
 
 
 def _with_run(rec: Record, i: int, ref: RunRef) -> Record:

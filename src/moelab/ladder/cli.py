@@ -36,7 +36,7 @@ _floats = _list_of(float, "numbers", "0.5,1")
 def cmd_plan(args) -> int:
     from moelab.config import load_config, split_overrides
     from moelab.data.prepare import with_tokenizer_vocab
-    from moelab.ladder.folder import write_ladder
+    from moelab.ladder.folder import check_out, write_ladder
     from moelab.ladder.plan import LadderRule, format_ladder_plan, plan_ladder
 
     if args.config is None or "=" in args.config:  # no default: tiny's rungs share one width
@@ -49,6 +49,7 @@ def cmd_plan(args) -> int:
     # working folder trains on the same data, and fits compare runs by it
     target = with_tokenizer_vocab(load_config(source, overrides)).with_frozen_schedule()
     target = target.with_absolute_data()
+    check_out(args.out)  # a file in the way is refused before the plan is printed
     rungs = args.rungs if args.rungs is not None else len(args.widths or args.depths or ()) or 4
     rule = LadderRule(rungs=rungs, top_share=args.top_share, spacing=args.spacing,
                       depth_exp=args.depth_exp, widths=args.widths or (),
@@ -105,8 +106,7 @@ def cmd_fit(args) -> int:
     if args.points:
         from moelab.ladder.points import fit_points, format_points, parse_predict, read_points
 
-        if args.ladder:
-            raise ValueError("give either a LADDER folder or --points FILE.csv, not both")
+        require(not args.ladder, "--points", "give a LADDER folder or --points, not both")
         if args.predict_run:
             raise ValueError("--predict-run goes with a LADDER folder; with --points, --predict "
                              "N=...,D=...")
@@ -134,10 +134,9 @@ def cmd_fit(args) -> int:
     )
     from moelab.ladder.folder import load_ladder
 
-    if args.target_run:  # a mistyped folder would be skipped without a word
-        require(Path(args.target_run).is_dir(), f"--target-run {args.target_run}",
-                "no such run folder; give the target's run folder (create it first to place "
-                "the prediction before training)")
+    require(not args.target_run or Path(args.target_run).is_dir(),  # else skipped silently
+            f"--target-run {args.target_run}", "not a folder; give the target's run folder "
+            "(create it first to place the prediction before training)")
     lad = load_ladder(args.ladder)
     runs = load_run_configs(args.predict_run or [], lad.target)  # refused before the fit
     fit = fit_ladder(lad, n_boot=args.boot, level=args.level, seed=args.seed)
@@ -181,15 +180,15 @@ def cmd_forecast(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from moelab.ladder.compare import compare, default_plot_path, format_compare, plot_compare
+    from moelab.ladder.compare import compare, format_compare, plot_compare, plot_path
 
     check_fit_options(args)
     for c in args.compute or []:
         require(math.isfinite(c) and c > 0, f"--compute {c:g}", "training FLOPs, > 0, e.g. 1e18")
+    out = None if args.no_plots else plot_path(args.ladder_a, args.ladder_b, args.plot)
     rep, sides = compare(args.ladder_a, args.ladder_b, args.compute or (), n_boot=args.boot,
                          level=args.level, seed=args.seed)
-    if not args.no_plots:
-        out = args.plot or default_plot_path(args.ladder_a, args.ladder_b)
+    if out:
         rep["plot"] = str(plot_compare(rep, sides, out))
     print(json.dumps(rep) if args.json else format_compare(rep))
     if "plot" in rep and not args.json:
@@ -395,7 +394,8 @@ def _add_guard(sub) -> None:
                        "errors of the run's own noise, for 3 points in a row, from 20% of the "
                        "run; grad norm above 4; a non-finite loss.")
     g.add_argument("run", help="run folder")
-    g.add_argument("--prediction", help="prediction.json (default: RUN/prediction.json)")
+    g.add_argument("--prediction", help="prediction.json, or the ladder folder that holds it "
+                   "(default: RUN/prediction.json)")
     g.add_argument("--follow", action="store_true", help="keep watching until the run ends")
     g.add_argument("--interval", type=float, default=30.0,
                    help="seconds between checks (default 30)")

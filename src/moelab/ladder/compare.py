@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.ladder.powerlaw import BootFit, fit_compute_law, percentile_band
+from moelab.util import check_output_file
 
 MIN_BUDGETS = 3  # L(C) has three parameters
 MIN_RUNS = 4  # and one run more than that, or nothing is left to estimate its error
@@ -220,6 +221,14 @@ def default_plot_path(path_a: Path | str, path_b: Path | str) -> Path:
     if a.is_dir():
         return a / "plots" / f"compare_{name_b}.png"
     return a.with_name(f"{a.stem}_vs_{name_b}.png")
+
+
+def plot_path(path_a: Path | str, path_b: Path | str, plot: Path | str | None) -> Path:
+    """Where the plot goes (--plot, else beside A), checked before the fits: a plot that
+    cannot be written is refused before the bootstrap, not after it, with the OS's error."""
+    out = Path(plot) if plot else default_plot_path(path_a, path_b)
+    check_output_file(out, "--plot")
+    return out
 
 
 def plot_compare(rep: dict, sides: tuple, out: Path | str) -> Path:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moelab.config import RunConfig, config_from_dict, save_config
+from moelab.config.errors import require_folder
 from moelab.ladder.plan import LadderRule, Rung, run_stats
 from moelab.util import atomic_write_json
 
@@ -64,12 +65,32 @@ def write_ladder(root: Path | str, target_name: str, target: RunConfig, rule: La
     return lad
 
 
+def check_out(root: Path | str | None) -> None:
+    """``ladder plan --out`` (None: not given), refused before the plan when a file is in the
+    way."""
+    if root:
+        require_folder(root, f"--out {root}", "give a new folder, or a ladder folder to plan "
+                       "again")
+
+
+def _not_a_ladder(root: Path) -> str:
+    """Why ``root`` holds no ladder.json, and the fix: planning a ladder into a file or a run
+    folder is no fix."""
+    if root.exists() and not root.is_dir():
+        return (f"{root}: a file, not a ladder folder; give the folder `moelab ladder plan "
+                "--out` wrote")
+    if (root / "config.yaml").is_file() or (root / "metrics.jsonl").is_file():
+        return (f"{root}: a run folder, not a ladder folder (no ladder.json); give the folder "
+                "`moelab ladder plan --out` wrote, the one holding rungs/ and target/")
+    return (f"{root / 'ladder.json'}: no ladder here; create one with "
+            f"`moelab ladder plan TARGET --out {root}`")
+
+
 def load_ladder(root: Path | str) -> Ladder:
     root = Path(root)
     path = root / "ladder.json"
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no ladder here; create one with "
-                                f"`moelab ladder plan TARGET --out {root}`")
+    if not path.is_file():
+        raise FileNotFoundError(_not_a_ladder(root))
     try:
         d = json.loads(path.read_text())
         rungs = [Rung(r["name"], config_from_dict(r["config"]), r["stats"]) for r in d["rungs"]]

@@ -176,7 +176,11 @@ def format_alert(a: dict) -> str:
 
 
 def prediction_path(run_dir: Path | str, prediction: Path | str | None = None) -> Path:
-    return Path(prediction) if prediction else Path(run_dir) / "prediction.json"
+    """--prediction: the file, or a ladder folder's (as `ladder forecast --ladder` takes it);
+    RUN's own without it."""
+    if not prediction:
+        return Path(run_dir) / "prediction.json"
+    return Path(prediction) / "prediction.json" if Path(prediction).is_dir() else Path(prediction)
 
 
 def band_summary(records: list[dict], prediction: dict | None, path: Path) -> str:
