@@ -228,8 +228,10 @@ def register(sub) -> None:
     lsub = lab.add_subparsers(dest="lab_command", required=True, metavar="SUBCOMMAND")
 
     n = lsub.add_parser("new", parents=[common], help="create a record with pre-registered "
-                        "criteria")
-    n.add_argument("title")
+                        "criteria", description="Create a record (NNNN-title.md in the lab "
+                        "folder) before any of its runs: the hypothesis, the goal and the "
+                        "criteria its verdicts are judged by, fixed from now on.")
+    n.add_argument("title", help="the experiment's title; its words name the record file")
     n.add_argument("--hypothesis", required=True, help="what you expect and why")
     n.add_argument("--goal", required=True, help="what the experiment should settle or deliver")
     n.add_argument("--criterion", action="append", required=True, help=CRITERION_HELP)
