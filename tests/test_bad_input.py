@@ -304,7 +304,8 @@ CASES = [
     ([*GEN, "--prompt-file", "{d}/blank.txt", "--prompt", "x"], 2, "argument --prompt: not "
      "allowed with argument --prompt-file"),
     (["generate", "{d}/nothing"], 2, "{d}/nothing: not a run folder"),
-    (["generate", "{d}/afile"], 2, "{d}/afile: not a run folder"),
+    (["generate", "{d}/afile"], 2, "{d}/afile: a file, not a run folder; give the folder "
+     "`moelab train` or `moelab branch` wrote"),
     # data build: options checked before any corpus is built
     (["data", "build", "{d}/nothing", "--out", "{d}/o1"], 2, "not found: {d}/nothing"),
     (["data", "build", "--vocab", "0", "--out", "{d}/o2"], 2, "--vocab 0"),
@@ -444,6 +445,7 @@ CASES = [
      "branch work on a local run folder"),
     (["resume", RUN, "model.top_k=99"], 2, "model.top_k: must be <= n_experts=4"),
     (["history", "{d}/afile"], 2, "{d}/afile"),
+    (["history", "{d}/at30"], 0, "nothing logged yet (no metrics.jsonl, no ops.jsonl)"),
     # accepted: the phrase is in the output
     (["history", "{d}/diverged"], 0, "nan"),
     ([*FIT, "{d}/good.csv", "--boot", "20"], 0, "from 7 runs (central 90%"),
@@ -591,6 +593,27 @@ OPS_CASES = [  # replan, branch, drops, lab, guard messages
      "--seq-len 7: must divide"),
     (["branch", RUN, "--at", "7", "--cooldown", "1k", "--out", "{d}/afile/b"], 2,
      "branch folder {d}/afile/b: not writable"),
+    # a run's own file for its folder: named as a file, with the folder (said "no such folder",
+    # or a folder "with no config.yaml", before)
+    *[([cmd, "{d}/at30/config.yaml", *rest], 2, "{d}/at30/config.yaml: a file, not a run "
+       "folder; give its folder, {d}/at30") for cmd, *rest in (
+        ["generate"], ["history"], ["resume"], ["replan", "--end-steps", "40"],
+        ["branch", "--at", "30", "--cooldown", "1k"], ["drops", "--seq-len", "64"],
+        ["export", "{d}/ex9", "--to", "hf"])],
+    # --plot: checked before any work (a folder was written as FOLDER.png, said as FOLDER;
+    # another format failed after the preview with matplotlib's words)
+    (["replan", RUN, "--end-steps", "40", "--plot", "{d}/lab"], 2,
+     "--plot {d}/lab: a folder; name a file in it, e.g. {d}/lab/replan_preview.png"),
+    (["replan", RUN, "--end-steps", "40", "--plot", "{d}/lr.txt"], 2,
+     "--plot {d}/lr.txt: not an image format matplotlib writes; end the name with one of "),
+    (["replan", RUN, "--end-steps", "40", "--plot", "{d}/afile/lr.png"], 2,
+     "--plot {d}/afile/lr.png: cannot be written"),
+    # --place-experts: 0 made a branch without a placement; a count the experts do not divide
+    # into was refused only after the preview (and the parent's state restored)
+    (["branch", RUN, "--at", "7", "--cooldown", "1k", "--place-experts", "0"], 2,
+     "--place-experts 0: must be >= 2 ranks (an EP group)"),
+    (["branch", "{d}/at30", "--at", "30", "--cooldown", "1k", "--place-experts", "3",
+      "--dry-run"], 2, "--place-experts: 3 ranks must be >= 2 and divide model.n_experts=4"),
     (["drops", RUN, "--seq-len", "0"], 2, "--seq-len 0: must be >= 1"),
     ([*DROPS, "--batches", "0"], 2, "--batches 0: must be >= 1"),
     ([*DROPS, "--tokens-per-rank", "0"], 2, "--tokens-per-rank 0: must be >= 1"),

@@ -1024,3 +1024,29 @@ def test_a_url_branch_names_its_parent_by_url_or_as_recorded(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     assert shown_path(tmp_path / "..x" / "run") == "..x/run"
     assert shown_path(tmp_path.parent / "elsewhere") == str(tmp_path.parent / "elsewhere")
+
+
+def test_the_replan_plot_is_where_it_says(runs, tmp_path, capsys):
+    """`--plot NAME` without a suffix: matplotlib wrote NAME.png while the command said NAME."""
+    assert main(["replan", str(runs / "stopped"), "--end-steps", "6", "--plot",
+                 str(tmp_path / "lr")]) == 0
+    assert f"plot: {tmp_path / 'lr.png'}\n" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["lr.png"]  # whole: no temp file beside it
+
+
+def test_a_stop_while_experts_are_placed_ends_the_process_at_once(runs, tmp_path, monkeypatch):
+    """`branch --place-experts` runs the model: a stop there ended with a segmentation fault
+    (exit 139) as interpreter shutdown stopped XLA's threads, not at once with 130."""
+    from moelab import util
+    from moelab.ops import branch as br
+    from moelab.run import load
+
+    def stop(*_args, **_kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(util, "_abandoned", [])  # what a stop in native work marks
+    monkeypatch.setattr(load, "restore_state", stop)  # the parent's state, for the placement
+    with pytest.raises(KeyboardInterrupt):
+        br.branch(runs / "parent", 3, 1000, out=tmp_path / "b", place_ranks=2)
+    assert util._abandoned
+    assert not (tmp_path / "b").exists()

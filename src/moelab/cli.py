@@ -18,6 +18,8 @@ import signal
 import sys
 import threading
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 # Only the standard library here: a Ctrl-C while the rest loads (JAX takes a second) reaches
 # main(), which ends quietly; the packages are imported where the parser is built.
@@ -198,6 +200,32 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
+@contextmanager
+def stops_kept() -> Iterator[None]:
+    """Within: a stop raised inside a garbage collector's callback is raised again outside it.
+    Python drops an exception such a callback raises (printed as "Exception ignored"), and JAX
+    frees XLA's buffers in one at most collections: a Ctrl-C that landed there was lost, and
+    the command went on to its end. The signal is sent to the main thread again, from another
+    thread a moment later (sent from here it would be raised here, and dropped again)."""
+    before = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        stop = unraisable.exc_value
+        if not isinstance(stop, KeyboardInterrupt):  # Terminated and HungUp are ones too
+            return before(unraisable)
+        sig = signal.Signals[getattr(stop, "signal_name", "SIGINT")]
+        again = threading.Timer(0.01, signal.pthread_kill, (threading.main_thread().ident, sig))
+        again.daemon = True
+        again.start()
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        if sys.unraisablehook is hook:  # else a hook chained after it within stays in place
+            sys.unraisablehook = before
+
+
 def _main(argv: list[str]) -> int:
     from moelab.config import ConfigError
     from moelab.run.checkpoint import CheckpointError, CheckpointWarning
@@ -221,7 +249,7 @@ def _main(argv: list[str]) -> int:
     try:
         # so that cleanup runs on SIGTERM and SIGHUP as on Ctrl-C; a checkpoint passed over
         # is said once, by the checkpointer's own WARNING line, not again as Python's warning
-        with sigterm_raises(), warnings.catch_warnings():
+        with sigterm_raises(), stops_kept(), warnings.catch_warnings():
             warnings.simplefilter("ignore", CheckpointWarning)
             return args.fn(args)
     except BrokenPipeError as e:

@@ -31,7 +31,7 @@ from moelab.config.errors import require
 from moelab.model import decode
 from moelab.model import transformer as tr
 from moelab.model.loss import head_logits
-from moelab.util import decode_utf8
+from moelab.util import decode_utf8, native_work
 
 MIN_BUCKET = 16  # smallest prefill length: shorter prompts share one compiled shape
 MAX_SEED = 2**32 - 1  # jax.random.PRNGKey keeps a seed's low 32 bits (without x64)
@@ -218,7 +218,15 @@ def cmd_generate(args, load_run) -> int:
     if args.top_k is not None and (vocab := config_vocab(args.run)) is not None:
         check_top_k(args.top_k, vocab)  # before the checkpoint is read
     prompts = [args.prompt] if args.prompt_file is None else read_prompts(args.prompt_file)
-    run = load_run(args.run, step=args.step)  # a folder or a run URL
+    # XLA's threads may still run when a stop signal arrives: the process then ends at once
+    # after its message, not through interpreter shutdown (a segmentation fault, exit 139)
+    with native_work():
+        _sample_prompts(args, prompts, load_run(args.run, step=args.step))
+    return 0
+
+
+def _sample_prompts(args, prompts: list[str], run) -> None:
+    """Each prompt's sample on standard output, samples apart by an empty line."""
     check_top_k(args.top_k, run.cfg.model.vocab_size)
     print(f"{args.run}: sampling from the checkpoint of step {run.step}", file=sys.stderr)
     ctx = run.cfg.data.seq_len
@@ -231,7 +239,6 @@ def cmd_generate(args, load_run) -> int:
         text = run.generate(prompt, args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
         print(("\n" if i else "") + prompt + text)  # samples apart by an empty line
-    return 0
 
 
 def register(sub, load_run) -> None:

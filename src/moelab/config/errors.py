@@ -35,6 +35,15 @@ def require_seed(value: int, field_name: str) -> None:
     require(0 <= value <= INT32_MAX, field_name, f"{value} must be in [0, {INT32_MAX}]")
 
 
+def file_for_run_folder(path: Path | str) -> str:
+    """The one-line refusal of a file given where a run folder goes: a run's own file (its
+    config.yaml, say) names the folder holding it."""
+    parent = Path(path).parent
+    fix = (f"give its folder, {parent}" if (parent / "config.yaml").is_file()
+           else "give the folder `moelab train` or `moelab branch` wrote")
+    return f"{path}: a file, not a run folder; {fix}"
+
+
 def need_extra(module: str, extra: str, what: str) -> None:
     """Stop, naming the extra to install, when ``what`` needs a package that a plain install
     leaves out (found without importing it)."""

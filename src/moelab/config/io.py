@@ -15,7 +15,7 @@ from typing import Any, get_type_hints
 
 import yaml
 
-from moelab.config.errors import ConfigError
+from moelab.config.errors import ConfigError, file_for_run_folder
 from moelab.config.run import RunConfig
 from moelab.config.yamltext import ConfigLoader, load_yaml
 from moelab.util import decode_utf8
@@ -395,6 +395,8 @@ def load_run_config(run_dir: Path | str, overrides: list[str] | None = None) -> 
     """The config of a run folder (its config.yaml, written by `moelab train` or `moelab
     branch`), with dotted overrides; a missing file is an error naming the file, a damaged one
     a ConfigError naming the field."""
+    if Path(run_dir).is_file():  # else named as a folder without config.yaml, or missing
+        raise NotADirectoryError(file_for_run_folder(run_dir))
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: not found; give a run folder written by `moelab train` "

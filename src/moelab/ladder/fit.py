@@ -230,8 +230,8 @@ def load_run_configs(run_dirs: list[Path], target: RunConfig) -> list[tuple[Path
     for d in map(Path, run_dirs):
         try:
             cfg = load_run_config(d)
-        except FileNotFoundError as e:
-            raise FileNotFoundError(f"--predict-run {d}: {e}") from e
+        except (FileNotFoundError, NotADirectoryError) as e:
+            raise type(e)(f"--predict-run {d}: {e}") from e
         except ConfigError as e:
             raise ValueError(f"--predict-run {d}: its config.yaml does not load: {e}") from e
         mine, theirs = comparable_fields(cfg), comparable_fields(target)  # paths as files

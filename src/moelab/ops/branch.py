@@ -34,7 +34,7 @@ from moelab.run.logs import (
 from moelab.run.provenance import CODE_FIELDS, branch_provenance
 from moelab.train.changes import Change, PlanError, apply_change, check_seq_len
 from moelab.train.resume import check_unedited
-from moelab.util import atomic_write_bytes, atomic_write_json, check_writable
+from moelab.util import atomic_write_bytes, atomic_write_json, check_writable, native_work
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -165,13 +165,10 @@ def check_can_record(parent: Path | str, child: Path) -> None:
                    "make the parent run writable, or branch from a copy of it", append=True)
 
 
-def plan_for_branch(state: dict, at: int, parent_cfg, child_cfg, ranks: int) -> dict:
-    """The placement a branch from the parent's ``state`` at step ``at`` gets for an EP group
-    of ``ranks``: fitted on its routing of held-out text, in units of the branch's context,
-    grouping experts as the branch's transport shares capacity."""
+def placement_group(child_cfg, ranks: int) -> tuple[str, int]:
+    """(transport, experts sharing a capacity group) of a placement for an EP group of
+    ``ranks``; refused where no placement can change the drops (checked before any work)."""
     from moelab.config.errors import require
-    from moelab.parallel.placement import fit_placement
-    from moelab.parallel.routing import at_context, heldout_spans, routed_ids, routing_fn
     from moelab.parallel.transport import get
 
     E = child_cfg.model.n_experts
@@ -181,12 +178,24 @@ def plan_for_branch(state: dict, at: int, parent_cfg, child_cfg, ranks: int) -> 
     group = get(par.transport).group(par, E // ranks)
     require(group > 1, "--place-experts", f"parallel.transport={par.transport} limits each "
             "expert on its own: no placement changes its drops")
+    return par.transport, group
+
+
+def plan_for_branch(state: dict, at: int, parent_cfg, child_cfg, ranks: int) -> dict:
+    """The placement a branch from the parent's ``state`` at step ``at`` gets for an EP group
+    of ``ranks``: fitted on its routing of held-out text, in units of the branch's context,
+    grouping experts as the branch's transport shares capacity."""
+    from moelab.parallel.placement import fit_placement
+    from moelab.parallel.routing import at_context, heldout_spans, routed_ids, routing_fn
+
+    E = child_cfg.model.n_experts
+    transport, group = placement_group(child_cfg, ranks)
     cfg = at_context(parent_cfg, at)
     unit = child_cfg.data.segment_at(at).seq_len
     spans = heldout_spans(cfg, max(unit, cfg.data.seq_len))
     ids = routed_ids(routing_fn(cfg), state["params"], state["model_state"], spans,
                      cfg.data.seq_len)
-    return {"ranks": ranks, "group": group, "unit": unit, "transport": par.transport,
+    return {"ranks": ranks, "group": group, "unit": unit, "transport": transport,
             **fit_placement(ids, E, group, unit)}
 
 
@@ -217,10 +226,14 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
     child = branch_dir(parent, at, out)  # refused before any restoring or routing
     check_can_record(parent, child)
     placed = None
-    if place_ranks:  # the parent's state, restored once (finite, as loading a run checks)
-        # the whole train state (the optimizer's moments too): routed, then saved re-placed
-        _, state, meta = restore_state(parent, parent_cfg, at, abstract_train_state(parent_cfg))
-        placed = plan_for_branch(state, at, parent_cfg, child_cfg, place_ranks)
+    if place_ranks is not None:  # the parent's state, restored once (finite, as a load checks)
+        # the model runs: a stop there ends the process at once after its message, not through
+        # interpreter shutdown, which stops XLA's threads in native code (exit 139, not 130)
+        with native_work():
+            # the whole train state (the optimizer's moments too): routed, then saved re-placed
+            _, state, meta = restore_state(parent, parent_cfg, at,
+                                           abstract_train_state(parent_cfg))
+            placed = plan_for_branch(state, at, parent_cfg, child_cfg, place_ranks)
     command = command or command_line()
     src = Checkpointer(parent / "checkpoints").step_dir(at)
     tmp = child.with_name(f".{child.name}.tmp")  # the branch appears whole or not at all

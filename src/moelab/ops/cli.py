@@ -59,6 +59,9 @@ def check_change_args(args) -> None:
             "--end-tokens or --deadline")
     at = getattr(args, "at", None)
     require(at is None or at >= 0, f"--at {at}", "must be a checkpoint step (>= 0)")
+    ranks = getattr(args, "place_experts", None)
+    require(ranks is None or ranks >= 2, f"--place-experts {ranks}", "must be >= 2 ranks "
+            "(an EP group); leave it out to keep the experts where they are")
 
 
 def _mixture(args) -> dict | None:
@@ -125,12 +128,13 @@ def cmd_replan(args) -> int:
 def _replan(args) -> int:
     from moelab.config import load_run_config
     from moelab.ops import replan as rp
-    from moelab.ops.plot import plot_replan
+    from moelab.ops.plot import plot_file, plot_replan
     from moelab.train.resume import check_unedited, read_pending, resume_step
 
     check_change_args(args)
     check_run_folder(args.run)
     run = Path(args.run)
+    plot = plot_file(args.plot, run / "replan_preview.png")
     cfg = load_run_config(run)
     check_unedited(run)  # a hand edit would be planned from, then refused at the resume
     pending = read_pending(run)  # a damaged request is named before any planning
@@ -174,7 +178,7 @@ def _replan(args) -> int:
     print(data_note)
     if args.seq_len:
         print(rope_note(after))
-    print(f"plot: {plot_replan(before, after, at, args.plot or run / 'replan_preview.png')}")
+    print(f"plot: {plot_replan(before, after, at, plot)}")
     if not args.apply:
         print("dry run: the run's plan is unchanged; add --apply to apply it at the next resume"
               + (f" (a plan is pending: {_describe(pending)}; --apply --replace replaces it)"
@@ -191,6 +195,7 @@ def _replan(args) -> int:
 
 
 def cmd_branch(args) -> int:
+    from moelab.config import load_run_config
     from moelab.ops import branch as br
     from moelab.ops import replan as rp
 
@@ -198,6 +203,8 @@ def cmd_branch(args) -> int:
     check_run_folder(args.run)
     parent = Path(args.run)
     tokens = parse_tokens(args.cooldown, "--cooldown")
+    if args.place_experts is not None:  # before any planning or restoring: the parent's experts
+        br.placement_group(load_run_config(parent), args.place_experts)
     mixture = _mixture(args)
     br.parent_data(parent, args.accept_data_change)  # refused before any planning
     child = br.branch_dir(parent, args.at, args.out)  # a used folder: refused, dry run or not
@@ -233,7 +240,7 @@ def cmd_branch(args) -> int:
     tokens = after.data.tokens_before(after.train.steps) - after.data.tokens_before(args.at)
     print(f"branch {child}: from step {args.at} of {parent} to step {after.train.steps} "
           f"(cooldown of {tokens:,} tokens); parent untouched but for one line in its ops.jsonl")
-    if args.place_experts:
+    if args.place_experts is not None:
         lin = read_lineage(child)["placement"]
         print(f"experts re-placed for EP {lin['ranks']} ({lin['transport']}, groups of "
               f"{lin['group']}): load second moment {lin['moment_before']:.4g} -> "
@@ -306,7 +313,8 @@ def register(sub) -> None:
     r.add_argument("--apply", action="store_true", help="write the plan (default: dry run)")
     r.add_argument("--replace", action="store_true", help="with --apply: replace a plan that "
                    "is already pending (without it a second --apply is refused)")
-    r.add_argument("--plot", help="where to save the LR plot (default: RUN/replan_preview.png)")
+    r.add_argument("--plot", help="where to save the LR plot, a .png, .pdf, .svg ... file (no "
+                   "suffix: .png; default: RUN/replan_preview.png)")
     r.set_defaults(fn=cmd_replan)
 
     b = sub.add_parser(

@@ -10,7 +10,7 @@ from pathlib import Path
 from moelab.config import config_from_dict
 from moelab.config.errors import require
 from moelab.config.io import apply_overrides
-from moelab.util import atomic_write_text
+from moelab.util import atomic_write_text, native_work
 
 
 def load_run_for_drops(run: Path | str, overrides: list[str], transport: list[str] | None,
@@ -38,6 +38,20 @@ def load_run_for_drops(run: Path | str, overrides: list[str], transport: list[st
 
 
 def cmd_drops(args) -> int:
+    from moelab.ops import drops
+
+    drops.check_options(args.seq_len, args.transport, args.ranks, args.tokens_per_rank,
+                        args.batches, args.seed, args.json)
+    require(args.place_from is None or args.place, f"--place-from {args.place_from}",
+            "belongs to --place: add it")
+    # XLA's threads may still run when a stop signal arrives: the process then ends at once
+    # after its message, not through interpreter shutdown (a segmentation fault, exit 139)
+    with native_work():
+        return _forecast_run(args)
+
+
+def _forecast_run(args) -> int:
+    """The forecast of ``moelab drops``, its options checked: printed, and saved to --json."""
     import jax
 
     from moelab.ops import drops
@@ -45,10 +59,6 @@ def cmd_drops(args) -> int:
     from moelab.run.checkpoint import Checkpointer
     from moelab.run.load import load_run
 
-    drops.check_options(args.seq_len, args.transport, args.ranks, args.tokens_per_rank,
-                        args.batches, args.seed, args.json)
-    require(args.place_from is None or args.place, f"--place-from {args.place_from}",
-            "belongs to --place: add it")
     cfg, loaded, pars = load_run_for_drops(args.run, args.overrides, args.transport, args.ranks)
     ranks = next(iter(pars.values())).expert
     per_rank = args.tokens_per_rank or drops.run_tokens_per_rank(cfg, jax.device_count())

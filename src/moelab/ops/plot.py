@@ -7,8 +7,10 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import RunConfig, load_run_config
+from moelab.config.errors import require
 from moelab.run.logs import read_metrics
 from moelab.train.changes import logged_lr
+from moelab.util import check_output_file, open_atomic
 
 
 def _pyplot():
@@ -26,6 +28,25 @@ def lr_by_tokens(cfg: RunConfig, *steps: int) -> tuple[list[int], np.ndarray]:
     return [cfg.data.tokens_before(int(s)) for s in grid], logged_lr(cfg, grid)
 
 
+def plot_file(given: str | None, default: Path) -> Path:
+    """Where ``--plot`` saves the figure, checked before any work: a name without a suffix gets
+    ``.png`` (matplotlib's own choice, so the path said is the one written); a folder, a format
+    matplotlib cannot write or a place this user cannot write is refused."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    if given is None:
+        return default
+    path = Path(given)
+    require(not path.is_dir(), f"--plot {given}", f"a folder; name a file in it, e.g. "
+            f"{path / default.name}")
+    path = path if path.suffix else path.with_name(path.name + ".png")
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    require(path.suffix[1:].lower() in kinds, f"--plot {given}", "not an image format "
+            f"matplotlib writes; end the name with one of .{', .'.join(sorted(kinds))}")
+    check_output_file(path, "--plot")
+    return path
+
+
 def plot_replan(before: RunConfig, after: RunConfig, at: int, path: Path | str) -> Path:
     """LR against tokens for the plan now and the plan after the replan."""
     plt = _pyplot()
@@ -37,8 +58,8 @@ def plot_replan(before: RunConfig, after: RunConfig, at: int, path: Path | str) 
     ax.set(xlabel="tokens", ylabel="learning rate", title="moelab replan")
     ax.legend()
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    with open_atomic(path, "wb") as f:  # an interrupted save leaves the old plot, or none
+        fig.savefig(f, dpi=120, format=Path(path).suffix[1:].lower() or "png")
     plt.close(fig)
     return Path(path)
 

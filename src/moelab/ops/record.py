@@ -255,6 +255,9 @@ def format_history(run_dir: Path | str, name: str | None = None) -> str:
         if not remote:
             lines.append(f"  {name or run_dir}, from step {lin['step']}:")
     events = history(run_dir)
+    if not events and not lin:  # else the bare header reads as a failure to read the logs
+        lines.append("  nothing logged yet (no metrics.jsonl, no ops.jsonl): a start still "
+                     "preparing, or one stopped before its first record")
     lines += _event_lines(events, None if name is not None and is_url(name) else run_dir)
     lines += _stage_lines(stage_report(run_dir), events)
     return "\n".join(lines)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from moelab.config import RunConfig
-from moelab.config.errors import INT32_MAX, require
+from moelab.config.errors import INT32_MAX, file_for_run_folder, require
 from moelab.train.changes import PlanError
 from moelab.util import is_url
 
@@ -71,6 +71,8 @@ def check_run_folder(run: Path | str) -> None:
         raise FileNotFoundError(f"{run}: a URL; replan and branch work on a local run folder: "
                                 "copy the run here (`moelab resume URL` resumes it where it is, "
                                 "`moelab history URL` shows it)")
+    if Path(run).is_file():
+        raise NotADirectoryError(file_for_run_folder(run))
     if not Path(run).is_dir():
         raise FileNotFoundError(f"{run}: no such folder; give a run folder written by "
                                 "`moelab train` or `moelab branch`")
