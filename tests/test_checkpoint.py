@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -23,6 +24,7 @@ from moelab.run.checkpoint import (
     CheckpointWarning,
     orbax_manager_options,
 )
+from moelab.run.ckpt_failures import quiet_closed_loop_reports
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -433,6 +435,30 @@ def test_a_failed_save_silences_only_orbax_s_unretrieved_failures(tmp_path, capl
     assert kept == [("Future exception was never retrieved", "a real problem"),
                     ("Future exception was never retrieved", "someone else's task"),
                     ("Task was destroyed but it is pending!", None)]
+
+
+def test_the_filter_of_a_failed_save_s_unstarted_writes_outlives_the_command(monkeypatch,
+                                                                              capsys):
+    """Orbax's writes a full disk left unstarted are collected after `moelab train` returned,
+    each warned of ("coroutine ... was never awaited"): the filter the save set up stays, while
+    the command's own ignoring of CheckpointWarning ends with it."""
+    import moelab.config.cli as config_cli
+    from test_cli import run_main
+
+    def command(_args):
+        quiet_closed_loop_reports()
+        warnings.warn("a passed-over checkpoint", CheckpointWarning)  # said by its WARNING line
+        return 0
+
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)  # put back after
+    monkeypatch.setattr(config_cli, "cmd_presets", command)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always", CheckpointWarning)
+        assert run_main(["presets"], capsys)[0] == 0
+        warnings.warn("coroutine 'async_serialize_from_host.<locals>.write_fragment' was never "
+                      "awaited", RuntimeWarning)
+        warnings.warn("another checkpoint passed over", CheckpointWarning)
+    assert [str(w.message) for w in shown] == ["another checkpoint passed over"]
 
 
 def test_a_killed_readers_lease_stops_counting(tmp_path):

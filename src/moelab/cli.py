@@ -226,6 +226,21 @@ def stops_kept() -> Iterator[None]:
             sys.unraisablehook = before
 
 
+@contextmanager
+def ignored(category: type[Warning]) -> Iterator[None]:
+    """Within: ``category``'s warnings ignored. Only that filter goes after, unlike
+    ``warnings.catch_warnings``, which drops those added within too: the checkpointer's, for
+    the writes of a failed save that Python warns of after the command, as it collects them."""
+    ours = ("ignore", None, category, None, 0)
+    had = ours in warnings.filters
+    warnings.simplefilter("ignore", category)
+    try:
+        yield
+    finally:
+        if not had and ours in warnings.filters:
+            warnings.filters.remove(ours)  # an "ignore" leaves no registry entry to clear
+
+
 def _main(argv: list[str]) -> int:
     from moelab.config import ConfigError
     from moelab.run.checkpoint import CheckpointError, CheckpointWarning
@@ -249,8 +264,7 @@ def _main(argv: list[str]) -> int:
     try:
         # so that cleanup runs on SIGTERM and SIGHUP as on Ctrl-C; a checkpoint passed over
         # is said once, by the checkpointer's own WARNING line, not again as Python's warning
-        with sigterm_raises(), stops_kept(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", CheckpointWarning)
+        with sigterm_raises(), stops_kept(), ignored(CheckpointWarning):
             return args.fn(args)
     except BrokenPipeError as e:
         if not output_gone(sys.stdout):  # another pipe or socket broke: an error like any other
