@@ -330,7 +330,9 @@ CASES = [
     (["plan", "{d}/cycle_b.yaml"], 2, "base cycle {d}/cycle_b.yaml -> {d}/cycle_a.yaml -> "),
     (["plan", "tiny", "model.top_k=1", "model.top_k=2"], 2, "model.top_k is already set"),
     (["plan", "nopreset"], 2, "no such preset or file"),
-    (["plan", "tiny", "--devices", "-3"], 2, "--devices"),
+    (["plan", "tiny", "--devices", "-3"], 2, "--devices -3: must be >= 1"),
+    (["plan", "tiny", "--devices", "0"], 2, "--devices 0: must be >= 1 (leave --devices out"),
+    ([*PLAN8, "--fsdp", "0"], 2, "--fsdp 0: must be >= 1"),
     ([*PLAN8[:4], "--mfu", "1.5"], 2, "--mfu 1.5"),
     ([*PLAN8[:4], "--mfu", "-1"], 2, "--mfu"),
     ([*PLAN8, "--tokens-per-s", "-5"], 2, "--tokens-per-s"),
@@ -592,7 +594,7 @@ OPS_CASES = [  # replan, branch, drops, lab, guard messages
     (["branch", RUN, "--at", "7", "--cooldown", "1k", "--seq-len", "7", "--dry-run"], 2,
      "--seq-len 7: must divide"),
     (["branch", RUN, "--at", "7", "--cooldown", "1k", "--out", "{d}/afile/b"], 2,
-     "branch folder {d}/afile/b: not writable"),
+     "branch folder {d}/afile/b: {d}/afile is a file, not a folder"),
     # a run's own file for its folder: named as a file, with the folder (said "no such folder",
     # or a folder "with no config.yaml", before)
     *[([cmd, "{d}/at30/config.yaml", *rest], 2, "{d}/at30/config.yaml: a file, not a run "
@@ -630,7 +632,7 @@ OPS_CASES = [  # replan, branch, drops, lab, guard messages
     (["ladder", "guard", RUN, "--strict"], 2, "{d}/run/prediction.json: not found"),
     (["ladder", "guard", RUN], 0, "no band was checked"),
     (["eval", RUN, "--tasks", "moelab_local", "--output", "{d}/afile/r.json"], 2,
-     "--output {d}/afile/r.json: not writable"),
+     "--output {d}/afile/r.json: {d}/afile is a file, not a folder"),
 ]
 
 CASES += DATA_CASES + RUN_CASES + BOUND_CASES + OPS_CASES

@@ -12,10 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from lm_eval.api.instance import Instance  # a missing harness fails here, as it should
+from lm_eval.api.model import LM
 
 from helpers import shared_run
 from moelab.data.tokenizer import decode, encode_batch, eos_id
 from moelab.generate import padded, prefill_bucket
+from moelab.harness.evaluate import split_tasks
 from moelab.harness.lm import MoelabLM, cut_at_stop, gen_options
 from moelab.harness.registry import local_task_names
 from moelab.model import transformer as tr
@@ -397,3 +399,43 @@ def test_eval_of_what_is_no_run_folder_says_so(name, tmp_path, capsys):
     assert rc == 2
     assert f"moelab: error: {tmp_path / name}: not a run folder; give the folder" in err, err
     assert "not writable" not in err
+
+
+@pytest.mark.parametrize("where", ["--output", "eval"])
+def test_a_file_where_results_would_go_is_named_not_called_unwritable(where, tmp_path, capsys):
+    run, block = tmp_path / "run", tmp_path / "afile"
+    run.mkdir()
+    argv = ["--output", str(block / "r.json")] if where == "--output" else []
+    if where == "eval":
+        block = run / "eval"
+    block.write_text("x")
+    rc, _, err = run_main(["eval", str(run), "--tasks", "moelab_local", *argv], capsys)
+    assert rc == 2 and f"{block} is a file, not a folder" in err, err
+    assert "not writable" not in err
+
+
+def test_tasks_given_twice_run_once_and_a_group_beside_its_own_task_is_one_line(
+        tmp_path, capsys, monkeypatch):
+    import moelab.harness.lm
+    import moelab.run.load
+
+    assert split_tasks("moelab_choice, moelab_choice,,moelab_heldout") == ["moelab_choice",
+                                                                          "moelab_heldout"]
+    # the harness refuses the overlap before any request reaches the model (none is built here)
+    monkeypatch.setattr(moelab.run.load, "load_run", lambda run, step=None: None)
+    monkeypatch.setattr(moelab.harness.lm, "MoelabLM", lambda run, batch_size: NoModel())
+    (tmp_path / "run").mkdir()
+    rc, _, err = run_main(["eval", str(tmp_path / "run"), "--tasks", "moelab_local,moelab_choice"],
+                          capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "moelab: error: --tasks moelab_local,moelab_choice: Duplicate task 'moelab_choice'" in err
+    assert "give each task once" in err
+
+
+class NoModel(LM):
+    """A model no request may reach."""
+
+    def loglikelihood(self, requests):
+        raise AssertionError("a request reached the model")
+
+    loglikelihood_rolling = generate_until = loglikelihood

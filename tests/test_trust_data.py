@@ -72,6 +72,20 @@ def test_a_rebuild_from_other_inputs_is_refused_and_force_retrains(tmp_path, cap
     assert rc == 0 and "training a" not in err and sha256_file(tok) == third
 
 
+@pytest.mark.parametrize("lost", ["train.jsonl", "heldout.jsonl"])
+def test_a_lost_corpus_file_is_repaired_by_the_same_build(lost, tmp_path, capsys):
+    """verify names the file and the fix; the fix (the same build again) is not refused."""
+    a, out = _texts(tmp_path / "a", "apple"), tmp_path / "o"
+    assert _build(capsys, str(a), "--out", str(out))[0] == 0
+    (out / "corpus" / lost).unlink()
+    rc, _, err = run_main(["data", "verify", str(out)], capsys)
+    assert rc == 2 and f"{out / 'corpus' / lost}: missing; the corpus is damaged" in err, err
+    assert "run the `moelab data build` that made it again" in err
+    rc, err = _build(capsys, str(a), "--out", str(out))
+    assert rc == 0, err
+    assert run_main(["data", "verify", str(out)], capsys)[0] == 0
+
+
 def test_a_second_build_into_a_locked_folder_fails_at_once(tmp_path, capsys):
     a, out = _texts(tmp_path / "a", "apple"), tmp_path / "o"
     with data_lock(out, "moelab data build first"):  # a build that waited would never return

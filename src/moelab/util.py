@@ -369,9 +369,8 @@ def writable(folder: Path | str) -> bool:
 def appendable(path: Path | str) -> bool:
     """Whether a log at ``path`` can be appended to: the file opened for appending (nothing
     written), or its folder when it does not exist yet."""
-    path = Path(path)
-    if not path.exists():
-        return writable(path.parent)
+    if not Path(path).exists():
+        return writable(Path(path).parent)
     try:
         with open(path, "a"):
             return True
@@ -388,10 +387,12 @@ def check_output_file(path: Path | str, option: str) -> None:
 
 
 def check_writable(path: Path | str, what: str, fix: str, *, append: bool = False) -> None:
-    """Refuse, before any work, a command whose results could not be written: files made in
-    the folder ``path`` (or, with ``append``, lines added to the file ``path``)."""
+    """Refuse, before any work, results that could not be written: files made in the folder
+    ``path`` (with ``append``: lines added to the file ``path``); a file in the way is named."""
     if not (appendable(path) if append else writable(path)):
-        raise PermissionError(f"{what}: not writable by this user; {fix}")
+        block = next(p for p in (Path(path), *Path(path).parents)[append:] if p.exists())
+        why = "not writable by this user" if block.is_dir() else f"{block} is a file, not a folder"
+        raise PermissionError(f"{what}: {why}; {fix}")
 
 
 # --- installing what a feature needs ---

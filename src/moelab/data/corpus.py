@@ -56,14 +56,16 @@ from moelab.util import atomic_write_json, extra_command, info, is_url, open_ato
 
 SPLITS = ("train", "heldout")
 FORMAT = 1
-REBUILD = "rebuild it with `moelab data build` (from its sources)"
+REBUILD = ("rebuild it: run the `moelab data build` that made it again (the same inputs, options "
+           "and --out)")
 
 
 # ---------------------------------------------------------------------------------------------
 # reading a corpus
 
 
-def load_manifest(corpus_dir: Path | str) -> dict:
+def load_manifest(corpus_dir: Path | str, splits: bool = True) -> dict:
+    """The corpus' manifest; with ``splits``, its split files must be there too."""
     corpus_dir = Path(corpus_dir)
     path = corpus_dir / "manifest.json"
     if not path.is_file():
@@ -73,9 +75,10 @@ def load_manifest(corpus_dir: Path | str) -> dict:
     if not isinstance(manifest, dict):
         raise DataError(f"{path}: not a corpus manifest (a JSON object); "
                         f"{_rebuild_forced(corpus_dir)}")
-    for split in SPLITS:
+    for split in SPLITS if splits else ():
         if not (corpus_dir / f"{split}.jsonl").is_file():
-            raise DataError(f"corpus {corpus_dir}: {split}.jsonl missing; rebuild the corpus")
+            raise DataError(f"{corpus_dir / f'{split}.jsonl'}: missing; the corpus is damaged; "
+                            f"{REBUILD}")
     return manifest
 
 

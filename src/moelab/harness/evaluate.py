@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-from moelab.config.errors import need_extra, require
+from moelab.config.errors import ConfigError, need_extra, require
 from moelab.util import atomic_write_text
 
 
@@ -32,7 +32,8 @@ def check_options(tasks: Sequence[str], limit: int | None, batch_size: int,
 
 
 def split_tasks(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
+    """The names in ``--tasks``, each once (a repeat would run, and name the file, twice)."""
+    return list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
 
 
 def is_offline() -> bool:
@@ -118,6 +119,11 @@ def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None
                                       task_manager=manager, log_samples=False)
         except ConnectionError as e:  # datasets: "Couldn't reach 'NAME' on the Hub (...)"
             raise unreachable_dataset(e, tasks) from None
+        except ValueError as e:  # a group named beside one of its own tasks
+            if not str(e).startswith("Duplicate task"):
+                raise
+            raise ConfigError(f"--tasks {','.join(tasks)}: {e}; give each task once (a group "
+                              "runs all of its tasks)") from None
     # the code that scored (the harness's own git_hash is the current folder's, if any)
     results["moelab"] = {"run": str(run_dir), "step": run.step, "tasks": list(tasks),
                          **code_version()}

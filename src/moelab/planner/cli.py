@@ -74,6 +74,9 @@ def check_plan_options(args) -> None:
                           ("--hbm-gib", args.hbm_gib), ("--tokens-per-s", args.tokens_per_s)):
         require(math.isfinite(value) and value >= 0, f"{option} {value:g}",
                 "must be a number >= 0 (0: not given)")
+    for option, value in (("--devices", args.devices), ("--ep", args.ep), ("--fsdp", args.fsdp)):
+        require(value is None or value >= 1, f"{option} {value}", "must be >= 1"
+                + (" (leave --devices out to plan no cluster)" if option == "--devices" else ""))
     for mfu in args.mfu:
         require(0 < mfu <= 1, f"--mfu {mfu:g}", "a fraction in (0, 1], e.g. 0.2 for 20%")
     for cf in args.cf or []:
