@@ -191,6 +191,8 @@ def where(tmp_path_factory, data_dir):  # noqa: F811
     (d / "dup.yaml").write_text("train:\n  steps: 5\n  steps: 7\n")
     (d / "dup_section.yaml").write_text("train: {steps: 5}\nmodel: {}\ntrain: {steps: 6}\n")
     (d / "bad.yaml").write_text("train: [steps\n")
+    (d / "emptydir").mkdir()
+    (d / "tab.yaml").write_text("base: tiny\ntrain:\n\tsteps: 5\n")
     (d / "list.yaml").write_text("- train\n- model\n")
     (d / "cycle_a.yaml").write_text("base: cycle_b.yaml\n")
     (d / "cycle_b.yaml").write_text("base: cycle_a.yaml\ntrain: {steps: 5}\n")
@@ -253,6 +255,8 @@ CASES = [
     (["train", "{d}/dup.yaml"], 2, "{d}/dup.yaml: line 3: duplicate key 'steps'"),
     (["train", "{d}/dup_section.yaml"], 2, "{d}/dup_section.yaml: line 3: duplicate key 'train'"),
     (["train", "{d}/bad.yaml"], 2, "{d}/bad.yaml: invalid YAML"),
+    (["train", "{d}/tab.yaml"], 2, "{d}/tab.yaml: invalid YAML: line 3, column 1: found "
+     "character '\\t' that cannot start any token; indent with spaces, not tabs"),
     (["train", "{d}/cycle_a.yaml"], 2,
      "base cycle {d}/cycle_a.yaml -> {d}/cycle_b.yaml -> {d}/cycle_a.yaml; remove one"),
     (["train", "{d}/nobase.yaml"], 2,
@@ -331,6 +335,9 @@ CASES = [
     (["plan", "tiny", "model.top_k=1", "model.top_k=2"], 2, "model.top_k is already set"),
     (["plan", "nopreset"], 2, "no such preset or file"),
     (["plan", "tiny", "--devices", "-3"], 2, "--devices -3: must be >= 1"),
+    (["plan", "tiny", "--devices", "8", "--mfu"], 2, "argument --mfu: expected at least one"),
+    (["data", "verify", "{d}/afile"], 2, "{d}/afile: a file, not a folder; give a folder written "
+     "by `moelab data build`"),
     (["plan", "tiny", "--devices", "0"], 2, "--devices 0: must be >= 1 (leave --devices out"),
     ([*PLAN8, "--fsdp", "0"], 2, "--fsdp 0: must be >= 1"),
     ([*PLAN8[:4], "--mfu", "1.5"], 2, "--mfu 1.5"),
@@ -473,7 +480,8 @@ DATA_CASES = [  # data build, corpus and token store inputs
     (["train", "tiny", "data.data_dir={d}/badjsonl", "model.vocab_size=512", "--run-dir",
       "{d}/r3"], 2,
      "{d}/badjsonl/corpus/train.jsonl line 2: not valid JSON"),
-    (["data", "verify", "{d}/nothing"], 2, "{d}/nothing: no corpus or token store"),
+    (["data", "verify", "{d}/nothing"], 2, "{d}/nothing: no such folder; give a folder written"),
+    (["data", "verify", "{d}/emptydir"], 2, "{d}/emptydir: no corpus or token store here"),
     (["data", "verify", "{d}/badindex"], 2, "{d}/badindex/index.json: not valid JSON"),
     (["data", "verify", "{d}/nodtype"], 2, "{d}/nodtype/index.json: missing dtype"),
     (["data", "verify", "{d}/badmanifest"], 2, "badmanifest/corpus/manifest.json: not valid"),

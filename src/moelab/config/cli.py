@@ -60,5 +60,7 @@ def cmd_presets(_args) -> int:
 
 
 def register_presets(sub) -> None:
-    ps = sub.add_parser("presets", help="list the built-in presets")
+    ps = sub.add_parser("presets", help="list the built-in presets",
+                        description="List the built-in configs, one line each, smallest first: "
+                        "a preset's name is the CONFIG of `moelab train`, `config` and `plan`.")
     ps.set_defaults(fn=cmd_presets)

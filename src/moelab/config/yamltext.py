@@ -73,6 +73,8 @@ def load_yaml(text: str, source: str) -> Any:
     except yaml.MarkedYAMLError as e:  # on one line: where, and what is wrong there
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ConfigError(f"{source}: invalid YAML: {where}{e.problem or e.context}") from None
+        tab = "'\\t'" in str(e.problem)  # YAML indents with spaces only
+        raise ConfigError(f"{source}: invalid YAML: {where}{e.problem or e.context}"
+                          + ("; indent with spaces, not tabs" if tab else "")) from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: invalid YAML: {' '.join(str(e).split())}") from None

@@ -144,6 +144,9 @@ def _new_own_tokenizer(args, out: Path, vocab: int) -> tuple[Path | None, str]:
 def cmd_data_verify(args) -> int:
     """Check a data folder's corpus and every token store in it (or one store) in full."""
     root = Path(args.data_dir)
+    if not root.is_dir():
+        raise DataError(f"{root}: {'a file, not a' if root.exists() else 'no such'} folder; give "
+                        "a folder written by `moelab data build` (or one of its tokens-* folders)")
     stores = [root] if (root / "index.json").is_file() else sorted(root.glob("tokens-*"))
     manifest = root / "corpus" / "manifest.json"
     if not stores and not manifest.is_file():

@@ -200,7 +200,7 @@ def register(sub, train_step) -> None:
     pl.add_argument("--hbm-gib", type=float, default=0.0, help="device memory in GiB")
     pl.add_argument("--devices", type=int, default=None,
                     help="devices that train (default: parallel.devices where above 1)")
-    pl.add_argument("--mfu", type=float, nargs="*", default=[],
+    pl.add_argument("--mfu", type=float, nargs="+", default=[],
                     help="model FLOP utilisation(s) to assume, e.g. 0.20 0.23")
     pl.add_argument("--tokens-per-s", type=float, default=0.0,
                     help="measured cluster-wide tokens/s (instead of an MFU)")
