@@ -184,6 +184,35 @@ def test_generate_prints_the_prompt_and_a_continuation(trained, capsys):
     assert rc2 == 0 and out2 == out
 
 
+def test_generate_shows_the_sample_as_it_is_drawn(trained, capsys, monkeypatch):
+    """Each new token's text goes out as it comes (flushed), not the whole sample at its end;
+    the pieces together are the text returned, and the command prints what it printed before
+    (the prompt, the sample, a newline)."""
+    from moelab.run.load import load_run
+
+    run = load_run(trained)
+    pieces: list[str] = []
+    text = run.generate("The red cat", 12, seed=3, on_text=pieces.append)
+    assert len(pieces) > 1 and "".join(pieces) == text
+    assert text == run.generate("The red cat", 12, seed=3)  # streaming changes nothing drawn
+    flushes = []
+    monkeypatch.setattr(sys.stdout, "flush", lambda: flushes.append(True), raising=False)
+    rc, out, err = run_main(["generate", str(trained), "--prompt", "The red cat",
+                             "--max-tokens", "12", "--seed", "3"], capsys)
+    assert rc == 0 and out == "The red cat" + text + "\n", err
+    assert len(flushes) >= len(pieces) + 1  # the prompt, then each piece
+
+
+def test_a_streamed_sample_holds_back_a_character_still_incomplete():
+    from moelab.generate import unshown
+
+    assert unshown("caf", "") == "caf"
+    assert unshown("caf\ufffd", "caf") == ""  # é's first byte: its second is still to come
+    assert unshown("café!", "caf") == "é!"
+    assert unshown("a\ufffdb", "a") == "\ufffdb"  # an invalid byte, then more: shown
+    assert unshown("other", "caf") == ""
+
+
 def test_generate_greedy_from_an_older_checkpoint(trained, capsys):
     base = ["generate", str(trained), "--prompt", "def get_", "--max-tokens", "8",
             "--temperature", "0"]

@@ -122,15 +122,17 @@ def padded(ids: list[int], length: int):
 
 @functools.lru_cache(maxsize=8)
 def make_sampler(cfg: ModelConfig, seq_len: int, cache: bool = True):
-    """``sample(params, state, prompt_ids, n_new, *, temperature, top_p, top_k, seed, stop_id)``
-    -> the new token ids (stopping before ``stop_id``; ``top_k`` None: every token).
+    """``sample(params, state, prompt_ids, n_new, *, temperature, top_p, top_k, seed, stop_id,
+    on_token)`` -> the new token ids (stopping before ``stop_id``; ``top_k`` None: every token;
+    ``on_token``: called with the new ids so far after each one).
     ``cache=False``: the uncached reference. Memoised, so repeated callers (serve, evaluation)
     reuse the compiled programs."""
     prog = programs(cfg, seq_len)
 
     def sample(params, state, prompt_ids: list[int], n_new: int, *, temperature: float = 0.8,
                top_p: float = 0.95, top_k: int | None = None, seed: int = 0,
-               stop_id: int | None = None) -> list[int]:
+               stop_id: int | None = None,
+               on_token: Callable[[list[int]], None] | None = None) -> list[int]:
         if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
             raise ValueError(f"top_k={top_k}: must be in 1..{cfg.vocab_size} (the vocabulary)")
         # An empty prompt starts after a document separator, as the model saw in training.
@@ -156,6 +158,8 @@ def make_sampler(cfg: ModelConfig, seq_len: int, cache: bool = True):
                 break
             ids.append(int(tok))
             out.append(int(tok))
+            if on_token is not None:  # the new ids so far, as each comes (a stream)
+                on_token(out)
         return out
 
     return sample
@@ -225,8 +229,15 @@ def cmd_generate(args, load_run) -> int:
     return 0
 
 
+def unshown(text: str, shown: str) -> str:
+    """What of ``text`` (a sample decoded so far) follows ``shown``, less a character whose
+    bytes are still to come (decoded as U+FFFD at the end; a later token completes it)."""
+    return text[len(shown):].rstrip("\ufffd") if text.startswith(shown) else ""
+
+
 def _sample_prompts(args, prompts: list[str], run) -> None:
-    """Each prompt's sample on standard output, samples apart by an empty line."""
+    """Each prompt's sample on standard output as it is drawn, samples apart by an empty
+    line."""
     check_top_k(args.top_k, run.cfg.model.vocab_size)
     print(f"{args.run}: sampling from the checkpoint of step {run.step}", file=sys.stderr)
     ctx = run.cfg.data.seq_len
@@ -236,9 +247,11 @@ def _sample_prompts(args, prompts: list[str], run) -> None:
             which = "the prompt" if len(prompts) == 1 else f"prompt {i + 1}"
             print(f"{which} has {n:,} tokens; the model sees its last {ctx:,} (its trained "
                   "context)", file=sys.stderr)
-        text = run.generate(prompt, args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-        print(("\n" if i else "") + prompt + text)  # samples apart by an empty line
+        print(("\n" if i else "") + prompt, end="", flush=True)  # apart by an empty line
+        run.generate(prompt, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                     top_k=args.top_k, seed=args.seed,
+                     on_text=lambda piece: print(piece, end="", flush=True))
+        print()
 
 
 def register(sub, load_run) -> None:

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from moelab.config import ConfigError, RunConfig
 from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
-from moelab.generate import make_sampler
+from moelab.generate import make_sampler, unshown
 from moelab.model import transformer as tr
 from moelab.run.checkpoint import CheckpointDamaged, Checkpointer, CheckpointError
 from moelab.run.identity import (
@@ -42,12 +43,26 @@ class LoadedRun:
     tokenizer: object
 
     def generate(self, prompt: str, max_tokens: int = 100, *, temperature: float = 0.8,
-                 top_p: float = 0.95, top_k: int | None = None, seed: int = 0) -> str:
+                 top_p: float = 0.95, top_k: int | None = None, seed: int = 0,
+                 on_text: Callable[[str], None] | None = None) -> str:
+        """The sampled continuation of ``prompt``; ``on_text`` gets it in pieces as it is
+        drawn (together, the text returned)."""
         sample = make_sampler(self.cfg.model, self.cfg.data.seq_len)
         ids = encode_batch(self.tokenizer, [prompt])[0]
+        shown = [""]
+
+        def show(text: str) -> None:
+            if piece := unshown(text, shown[0]):
+                shown[0] += piece
+                on_text(piece)
+
         out = sample(self.params, self.model_state, ids, max_tokens, temperature=temperature,
-                     top_p=top_p, top_k=top_k, seed=seed, stop_id=eos_id(self.tokenizer))
-        return decode(self.tokenizer, out)
+                     top_p=top_p, top_k=top_k, seed=seed, stop_id=eos_id(self.tokenizer),
+                     on_token=(lambda new: show(decode(self.tokenizer, new))) if on_text else None)
+        text = decode(self.tokenizer, out)
+        if on_text is not None and text.startswith(shown[0]) and text != shown[0]:
+            on_text(text[len(shown[0]):])  # a last character left incomplete
+        return text
 
 
 def load_run(run_dir: Path | str, step: int | None = None) -> LoadedRun:
