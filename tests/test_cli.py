@@ -530,3 +530,11 @@ def test_the_nul_bytes_a_machine_crash_leaves_in_a_log_are_skipped_as_a_cut_reco
         f.write(b"\x00hello\n")
     with pytest.raises(ValueError, match=r"metrics\.jsonl: line 4: not a metrics record"):
         read_metrics(path)
+
+
+@pytest.mark.parametrize("command", ["train", "config", "plan"])
+def test_each_command_s_help_gives_its_own_override_example(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"e.g. `moelab {command} tiny train.steps=100 model.n_experts=16`" in out

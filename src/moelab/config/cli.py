@@ -14,9 +14,12 @@ from importlib import resources
 from moelab.config.docs import section_classes, section_doc
 from moelab.config.io import preset_names
 
-EPILOG_OVERRIDES = ("Override any config field with SECTION.FIELD=VALUE arguments after the "
-                    "config (before or after the options), e.g. `moelab train tiny "
-                    "train.steps=100 model.n_experts=16`; each field once.")
+
+def epilog_overrides(command: str) -> str:
+    """The help's line on overrides, its example in ``command`` (train, config, plan)."""
+    return ("Override any config field with SECTION.FIELD=VALUE arguments after the config "
+            f"(before or after the options), e.g. `moelab {command} tiny train.steps=100 "
+            "model.n_experts=16`; each field once.")
 
 
 def config_epilog() -> str:
@@ -26,7 +29,7 @@ def config_epilog() -> str:
     tail = ("`moelab config PRESET [KEY=VALUE ...]` prints every field of the resolved config "
             "with its value and meaning. A YAML file extends a preset or another file with "
             "`base: NAME_OR_PATH` (a path relative to the file): the fields it gives replace "
-            "the base's, section by section. " + EPILOG_OVERRIDES)
+            "the base's, section by section. " + epilog_overrides("train"))
     return "\n".join(["config sections (YAML keys; SECTION.FIELD=VALUE on the command line):",
                       *rows, "", textwrap.fill(tail, 88)])
 

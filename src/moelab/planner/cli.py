@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 from moelab.config import ConfigError
-from moelab.config.cli import EPILOG_OVERRIDES
+from moelab.config.cli import epilog_overrides
 from moelab.config.errors import require
 from moelab.data.prepare import resolve_config
 from moelab.planner.cluster import ACCELERATORS, accelerator
@@ -187,7 +187,7 @@ def register(sub, train_step) -> None:
                         description="Total and active parameters (per component), training "
                         "FLOPs, days on a cluster and memory per device of a config, read from "
                         "the model's own parameter tree and residuals. Formulas: docs/plan.md.",
-                        epilog=EPILOG_OVERRIDES)
+                        epilog=epilog_overrides("plan"))
     pl.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
     pl.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
     pl.add_argument("--tokens", type=float, default=0.0,

@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 
 from moelab.config import load_config, split_overrides
-from moelab.config.cli import EPILOG_OVERRIDES, config_epilog
+from moelab.config.cli import config_epilog, epilog_overrides
 from moelab.config.docs import describe_config
 from moelab.config.errors import require
 from moelab.config.io import override_field
@@ -169,7 +169,7 @@ def register_config(sub) -> None:
     c = sub.add_parser("config", help="print a resolved config with every field's meaning",
                        description="Print the config a preset or YAML file and overrides resolve "
                        "to, as YAML with each field's one-line doc; model.vocab_size 0 shows "
-                       "the tokenizer's size.", epilog=EPILOG_OVERRIDES)
+                       "the tokenizer's size.", epilog=epilog_overrides("config"))
     c.add_argument("config", nargs="?", help="preset name or YAML file (default: tiny)")
     c.add_argument("overrides", nargs="*", help="SECTION.FIELD=VALUE overrides")
     c.set_defaults(fn=cmd_config)
