@@ -18,8 +18,9 @@ CRITERION_HELP = ("pre-registered criterion, repeatable: METRIC [AGG] [over step
 
 def cmd_new(args) -> int:
     for text in args.criterion:  # a metric no run logs is refused before it is pre-registered
-        check_metric_family(parse_criterion(text), text)
-        check_arms(parse_criterion(text), text)
+        criterion = parse_criterion(text)
+        check_metric_family(criterion, text)
+        check_arms(criterion, text)
     path, rec = rec_mod.new_record(rec_mod.lab_dir(args.lab_dir), args.title, args.hypothesis,
                                    args.goal, args.criterion, args.min_steps, args.issue or "")
     print(f"created {path}")
