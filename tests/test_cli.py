@@ -204,13 +204,30 @@ def test_generate_shows_the_sample_as_it_is_drawn(trained, capsys, monkeypatch):
 
 
 def test_a_streamed_sample_holds_back_a_character_still_incomplete():
-    from moelab.generate import unshown
+    """Each byte a token of its own (a byte-level BPE with no merges): é's first byte shows
+    nothing, its second shows é; an invalid byte shows with the text after it, as decoded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    assert unshown("caf", "") == "caf"
-    assert unshown("caf\ufffd", "caf") == ""  # é's first byte: its second is still to come
-    assert unshown("café!", "caf") == "é!"
-    assert unshown("a\ufffdb", "a") == "\ufffdb"  # an invalid byte, then more: shown
-    assert unshown("other", "caf") == ""
+    from moelab.data.tokenizer import decode, decode_stream
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([], trainers.BpeTrainer(
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), vocab_size=300,
+        show_progress=False))
+
+    def pieces(ids: list[int]) -> list[str]:
+        got: list[str] = []
+        step = decode_stream(tok, got.append)
+        for i in ids:
+            step(i)
+        return got
+
+    ids = tok.encode("café!").ids
+    assert len(ids) == 6 and pieces(ids) == ["c", "a", "f", "é", "!"]
+    bad = [*tok.encode("a").ids, tok.encode("é").ids[1], *tok.encode("b").ids]
+    assert pieces(bad) == ["a", "\ufffdb"] and "".join(pieces(bad)) == decode(tok, bad)
 
 
 def test_generate_greedy_from_an_older_checkpoint(trained, capsys):

@@ -124,7 +124,7 @@ def padded(ids: list[int], length: int):
 def make_sampler(cfg: ModelConfig, seq_len: int, cache: bool = True):
     """``sample(params, state, prompt_ids, n_new, *, temperature, top_p, top_k, seed, stop_id,
     on_token)`` -> the new token ids (stopping before ``stop_id``; ``top_k`` None: every token;
-    ``on_token``: called with the new ids so far after each one).
+    ``on_token``: called with each new id as it is drawn).
     ``cache=False``: the uncached reference. Memoised, so repeated callers (serve, evaluation)
     reuse the compiled programs."""
     prog = programs(cfg, seq_len)
@@ -132,7 +132,7 @@ def make_sampler(cfg: ModelConfig, seq_len: int, cache: bool = True):
     def sample(params, state, prompt_ids: list[int], n_new: int, *, temperature: float = 0.8,
                top_p: float = 0.95, top_k: int | None = None, seed: int = 0,
                stop_id: int | None = None,
-               on_token: Callable[[list[int]], None] | None = None) -> list[int]:
+               on_token: Callable[[int], None] | None = None) -> list[int]:
         if top_k is not None and not 1 <= top_k <= cfg.vocab_size:
             raise ValueError(f"top_k={top_k}: must be in 1..{cfg.vocab_size} (the vocabulary)")
         # An empty prompt starts after a document separator, as the model saw in training.
@@ -158,8 +158,8 @@ def make_sampler(cfg: ModelConfig, seq_len: int, cache: bool = True):
                 break
             ids.append(int(tok))
             out.append(int(tok))
-            if on_token is not None:  # the new ids so far, as each comes (a stream)
-                on_token(out)
+            if on_token is not None:  # each new id as it comes (a stream)
+                on_token(out[-1])
         return out
 
     return sample
@@ -227,12 +227,6 @@ def cmd_generate(args, load_run) -> int:
     with native_work():
         _sample_prompts(args, prompts, load_run(args.run, step=args.step))
     return 0
-
-
-def unshown(text: str, shown: str) -> str:
-    """What of ``text`` (a sample decoded so far) follows ``shown``, less a character whose
-    bytes are still to come (decoded as U+FFFD at the end; a later token completes it)."""
-    return text[len(shown):].rstrip("\ufffd") if text.startswith(shown) else ""
 
 
 def _sample_prompts(args, prompts: list[str], run) -> None:

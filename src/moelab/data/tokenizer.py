@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -130,3 +130,16 @@ def encode_batch(tok: Tokenizer, texts: Sequence[str]) -> list[list[int]]:
 def decode(tok: Tokenizer, ids: Iterable[int]) -> str:
     """Text of ``ids``; special tokens such as <|endoftext|> are kept, so streams read back."""
     return tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+
+def decode_stream(tok: Tokenizer, on_text: Callable[[str], None]) -> Callable[[int], None]:
+    """A callback for each new token id of a sample that hands ``on_text`` its text as soon as
+    it is whole (a character split over tokens waits for its last byte), as ``decode`` reads
+    it: the tokenizers library's DecodeStream, which decodes a short window, not the sample."""
+    stream = decoders.DecodeStream(skip_special_tokens=False)
+
+    def step(token: int) -> None:
+        if (piece := stream.step(tok, int(token))) is not None:
+            on_text(piece)
+
+    return step

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ConfigError, RunConfig
-from moelab.data.tokenizer import decode, encode_batch, eos_id, load_tokenizer
-from moelab.generate import make_sampler, unshown
+from moelab.data.tokenizer import decode, decode_stream, encode_batch, eos_id, load_tokenizer
+from moelab.generate import make_sampler
 from moelab.model import transformer as tr
 from moelab.run.checkpoint import CheckpointDamaged, Checkpointer, CheckpointError
 from moelab.run.identity import (
@@ -49,19 +49,19 @@ class LoadedRun:
         drawn (together, the text returned)."""
         sample = make_sampler(self.cfg.model, self.cfg.data.seq_len)
         ids = encode_batch(self.tokenizer, [prompt])[0]
-        shown = [""]
+        pieces: list[str] = []
 
-        def show(text: str) -> None:
-            if piece := unshown(text, shown[0]):
-                shown[0] += piece
-                on_text(piece)
+        def show(piece: str) -> None:
+            pieces.append(piece)
+            on_text(piece)
 
         out = sample(self.params, self.model_state, ids, max_tokens, temperature=temperature,
                      top_p=top_p, top_k=top_k, seed=seed, stop_id=eos_id(self.tokenizer),
-                     on_token=(lambda new: show(decode(self.tokenizer, new))) if on_text else None)
+                     on_token=decode_stream(self.tokenizer, show) if on_text else None)
         text = decode(self.tokenizer, out)
-        if on_text is not None and text.startswith(shown[0]) and text != shown[0]:
-            on_text(text[len(shown[0]):])  # a last character left incomplete
+        shown = "".join(pieces)
+        if on_text is not None and text.startswith(shown) and text != shown:
+            on_text(text[len(shown):])  # a last character left incomplete
         return text
 
 
