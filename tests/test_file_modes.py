@@ -13,14 +13,13 @@ import pytest
 
 from helpers import build_data_dir, micro_config
 from moelab.cli import main
+from moelab.locks import release_lock, take_lock
 from moelab.run.logs import JsonlTracker
 from moelab.util import (
     atomic_write_json,
     atomic_write_text,
     chmod_as_created,
     current_umask,
-    release_lock,
-    take_lock,
 )
 
 

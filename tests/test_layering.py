@@ -23,6 +23,7 @@ RANKS = {
     "moelab": 0,  # the package's own __init__: imports nothing, so `import moelab` stays light
     "util": 0,
     "tempfiles": 0,  # the removal of a killed atomic write's temp files
+    "locks": 1,  # one writer per folder: the lock file naming its holder
     "config": 1,
     "data": 2,
     "model": 2,

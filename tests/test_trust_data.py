@@ -480,7 +480,7 @@ def test_a_first_build_stopped_before_its_tokenizer_is_not_trained_on(tmp_path, 
     assert not run.exists() and not list(out.glob("tokenizer*")), "nothing trained"
     from moelab.data.build import check_finished, take_data_lock
     from moelab.data.errors import DataError
-    from moelab.util import release_lock
+    from moelab.locks import release_lock
 
     fd = take_data_lock(out, "moelab data build (still running)")  # a build writing it now
     try:

@@ -3,8 +3,6 @@ console whose reader went away), folder locks, SIGTERM and SIGHUP as interrupts.
 
 from __future__ import annotations
 
-import datetime as dt
-import fcntl
 import hashlib
 import json
 import os
@@ -12,7 +10,6 @@ import secrets
 import select
 import shlex
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -262,81 +259,6 @@ def silence_gone_console() -> set[str]:
     return set(_silenced)
 
 
-# --- one writer per folder: an flock'ed lock file naming its holder ---
-
-
-class LockHeld(Exception):
-    """Another process holds the lock, or the lock file names another host (``flock`` is not
-    reliable across the hosts of a network filesystem). ``holder`` is what the file records."""
-
-    def __init__(self, holder: dict):
-        super().__init__(describe_holder(holder))
-        self.holder = holder
-
-
-def describe_holder(h: dict) -> str:
-    return (f"pid {h.get('pid', '?')} on {h.get('host', '?')} since {h.get('since', '?')} "
-            f"({h.get('command', 'command unknown')})")
-
-
-def lock_refusal(folder: Path | str, lock_path: Path | str, h: dict, here: str,
-                 stop: str = "") -> str:
-    """Why ``folder`` (its lock file at ``lock_path``) cannot be had now, and what to do;
-    ``stop``: how to stop the holder, e.g. "(Ctrl-C saves a checkpoint)"."""
-    if h.get("host", here) != here:
-        return (f"{folder} is locked by {describe_holder(h)}; from {here} it cannot be told "
-                f"whether that process still runs. If it does not, delete {lock_path} and "
-                "run this again")
-    return (f"{folder} is in use by {describe_holder(h)}; wait for it to end, or stop it"
-            f"{' ' + stop if stop else ''}, then run this again")
-
-
-def holder_record(command: str) -> dict:
-    """What a lock file says about its holder: this process, running ``command``."""
-    return {"pid": os.getpid(), "host": socket.gethostname(), "command": command,
-            "since": dt.datetime.now().astimezone().isoformat(timespec="seconds")}
-
-
-def recorded_holder(fd: int) -> dict:
-    """The holder recorded in the lock file ({} if none, or while it is being written)."""
-    try:
-        return json.loads(os.pread(fd, 4096, 0) or b"{}")
-    except ValueError:
-        return {}
-
-
-def take_lock(path: Path | str, record: dict) -> int:
-    """Lock the file ``path`` (created if missing) exclusively for this process and write
-    ``record`` into it; returns the descriptor. The kernel drops an ``flock`` when its process
-    exits, even on kill -9, so a file left on this host by a process that is gone is taken
-    over. Raises LockHeld if another process holds it or the file names another host."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    here, held = socket.gethostname(), True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        held = False
-    except BlockingIOError:
-        pass
-    old = recorded_holder(fd)
-    if held or old.get("host", here) != here:
-        os.close(fd)
-        raise LockHeld(old)
-    if old.get("pid") and not pid_alive(int(old["pid"])):
-        info(f"{Path(path).parent}: taking over the lock left by {describe_holder(old)}, "
-             "which is gone")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
-    return fd
-
-
-def release_lock(fd: int) -> None:
-    """Empty the lock file (no holder) and drop the lock."""
-    try:
-        os.ftruncate(fd, 0)
-    finally:
-        os.close(fd)
-
-
 def decode_utf8(data: bytes, source: str) -> str:
     """``data`` as text; a ValueError naming ``source`` and the line of the first bad byte."""
     try:
@@ -352,15 +274,19 @@ def read_utf8(path: Path | str, source: str | None = None) -> str:
     return decode_utf8(Path(path).read_bytes(), source or str(path))
 
 
+def nearest_existing(path: Path | str) -> Path:
+    """``path`` if it exists, else its nearest existing ancestor: where a folder still to be
+    made would be made, or the file that stands in its way."""
+    path = Path(path)
+    return next(p for p in (path, *path.parents) if p.exists())
+
+
 def writable(folder: Path | str) -> bool:
     """Whether this process can create files in ``folder``, or in its nearest existing
     ancestor when the folder is still to be made: a file is made there and removed. A probe,
     not permission bits, so root, ACLs and read-only mounts answer truthfully."""
-    folder = Path(folder)
-    while not folder.exists():
-        folder = folder.parent
     try:
-        with tempfile.TemporaryFile(dir=folder):
+        with tempfile.TemporaryFile(dir=nearest_existing(folder)):
             return True
     except OSError:
         return False
@@ -390,7 +316,7 @@ def check_writable(path: Path | str, what: str, fix: str, *, append: bool = Fals
     """Refuse, before any work, results that could not be written: files made in the folder
     ``path`` (with ``append``: lines added to the file ``path``); a file in the way is named."""
     if not (appendable(path) if append else writable(path)):
-        block = next(p for p in (Path(path), *Path(path).parents)[append:] if p.exists())
+        block = nearest_existing(Path(path).parent if append else path)
         why = "not writable by this user" if block.is_dir() else f"{block} is a file, not a folder"
         raise PermissionError(f"{what}: {why}; {fix}")
 

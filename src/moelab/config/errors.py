@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from moelab.util import extra_command
+from moelab.util import extra_command, nearest_existing
 
 # Steps and token counts reach jitted code (step counter, LR schedule) as int32: larger values
 # must be refused before any work, naming the option.
@@ -62,6 +62,5 @@ def unreachable(url: str, e: Exception, fix: str = "") -> str:
 def require_folder(path: Path | str, what: str, fix: str) -> None:
     """Refuse a folder that a file stands at or above, before any work: the OS's own error
     ("Not a directory", "File exists") names neither the option nor the file in the way."""
-    path = Path(path)
-    above = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
-    require(above is None, what, f"{above} is a file, not a folder; {fix}")
+    block = nearest_existing(path)
+    require(block.is_dir(), what, f"{block} is a file, not a folder; {fix}")

@@ -25,20 +25,17 @@ from typing import Callable, Iterator
 from moelab.data.corpus import load_manifest, normalize_source
 from moelab.data.errors import DataError
 from moelab.data.tokenizer import load_tokenizer
-from moelab.tempfiles import remove_temp_files
-from moelab.util import (
+from moelab.locks import (
     LockHeld,
-    atomic_write_text,
     describe_holder,
     holder_record,
-    info,
-    is_url,
     lock_refusal,
     recorded_holder,
     release_lock,
-    sha256_file,
     take_lock,
 )
+from moelab.tempfiles import remove_temp_files
+from moelab.util import atomic_write_text, info, is_url, sha256_file
 
 BUILTIN_OUT = "data/builtin"  # the built-in corpus: every default-preset run trains on it
 LOCK_FILE = ".lock"

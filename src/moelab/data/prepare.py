@@ -46,7 +46,8 @@ from moelab.data.build import (
     take_data_lock,
 )
 from moelab.data.errors import DataError
-from moelab.util import LockHeld, describe_holder, info, release_lock, sha256_file, writable
+from moelab.locks import LockHeld, describe_holder, release_lock
+from moelab.util import info, sha256_file, writable
 
 DEFAULT_VOCAB = 4096  # a new tokenizer's size when model.vocab_size is 0
 PREPARING = "preparing a run's data"  # a lock holder other preparations wait for

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Iterator
 
 from moelab.config import ConfigError
+from moelab.locks import LockHeld, lock_refusal, release_lock, take_lock
+from moelab.locks import holder_record as _record
 from moelab.run.logs import command_line
-from moelab.util import LockHeld, lock_refusal, release_lock, take_lock
-from moelab.util import holder_record as _record
 
 LOCK_FILE = ".lock"
 
