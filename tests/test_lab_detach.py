@@ -4,6 +4,7 @@ history."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 
 from moelab.cli import main
 from moelab.lab import records as rec_mod
-from moelab.lab.cli import attach_from_train
+from moelab.lab.cli import attach_from_train, attach_run
 from moelab.lab.criteria import MET, NO_DATA, NOT_MET
 from moelab.lab.live import run_sources
 from moelab.lab.report import evaluate_record, render_report, write_report
@@ -230,3 +231,42 @@ def test_show_list_and_the_live_page_leave_detached_runs_out(lab, capsys):  # no
     out = capsys.readouterr().out
     assert re.search(r"killed +detached +\S+Z .*killed\n +reason: killed by the test", out)
     assert "crashed" not in out
+
+
+def _detach_meanwhile(monkeypatch, record: Path, run: Path) -> None:
+    """The next command to lock the lab folder finds ``run`` detached by another command that
+    took the lock just before it (`lab detach` between the command's start and its write)."""
+    real, pending = rec_mod.locked, [True]
+
+    @contextlib.contextmanager
+    def locked(directory):
+        if pending and pending.pop():
+            with real(directory):
+                rec_mod._detach(record, run, "meanwhile")
+        with real(directory):
+            yield
+    monkeypatch.setattr(rec_mod, "locked", locked)
+
+
+@pytest.mark.parametrize("command", ["lab attach", "train --record"])
+def test_attach_says_what_it_did_to_the_record_read_under_the_lock(lab, capsys,  # noqa: F811
+                                                                  monkeypatch, command):
+    """A detach between an attach's start and its lock: `lab attach` attaches the run again
+    and says so (it said "nothing changed"); `train --record` leaves it detached (it undid
+    the detach)."""
+    shared = _runs(lab) / "shared"
+    _detach_meanwhile(monkeypatch, lab, shared)
+    if command == "lab attach":
+        attach_run(lab, shared, None)
+    else:
+        monkeypatch.setenv("MOELAB_LAB_DIR", str(lab.parent))
+        attach_from_train("1", shared, None)
+    out = capsys.readouterr().out
+    ref = rec_mod.run_entry(lab, rec_mod.load(lab), shared)
+    assert "nothing changed" not in out
+    if command == "lab attach":
+        assert "is attached to 0001-shared-experts-help as arm 'shared' again" in out
+        assert [e["event"] for e in ref.history] == ["detached", "reattached"]
+    else:
+        assert "stays detached from 0001-shared-experts-help ('meanwhile'" in out
+        assert ref.detached()["reason"] == "meanwhile"

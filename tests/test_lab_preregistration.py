@@ -3,9 +3,13 @@ a branch (`moelab branch`) whose parent trained before the record; a branch is n
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import time
+from types import SimpleNamespace
+
+import pytest
 
 from moelab.lab import records as rec_mod
 from moelab.lab.cli import attach_run
@@ -74,7 +78,6 @@ def test_a_branch_whose_parent_is_gone_dates_from_when_it_was_made(tmp_path):
 def test_a_branch_made_after_the_record_from_a_run_trained_after_it_is_pre_registered(
         tmp_path):
     path, _ = rec_mod.new_record(tmp_path / "lab", "t", "h", "g", ["train/loss last <= 9"])
-    time.sleep(1.1)  # the record's creation time has whole seconds
     _, branch = _branch(tmp_path, parent_started=time.time())
     rec_mod.attach(path, branch, "cd")
     assert not rec_mod.started_before(rec_mod.load(path), read_run(branch).started)
@@ -95,3 +98,30 @@ def test_a_run_resumed_under_other_code_says_so(lab):  # noqa: F811
     text = _report(lab)
     assert (f"shared trained with 2 code versions (git commit `{'a' * 10}` from step 0, "
             f"`{'b' * 10}` from step 20; provenance.json records the newest)") in text
+
+
+def test_a_run_started_in_the_second_the_record_was_created_is_told_apart(tmp_path,
+                                                                         monkeypatch):
+    """A run that started 0.2 s before the record, within the same second, is not
+    pre-registered (a creation time of whole seconds called it so); one 0.2 s after is."""
+    created = dt.datetime.now(dt.timezone.utc).replace(microsecond=700000)
+
+    class Frozen(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return created
+    monkeypatch.setattr(rec_mod, "dt", SimpleNamespace(datetime=Frozen, timezone=dt.timezone))
+    path, _ = rec_mod.new_record(tmp_path / "lab", "t", "h", "g", ["train/loss last <= 9"])
+    monkeypatch.undo()
+    rec = rec_mod.load(path)
+    for shift, before in ((-0.2, True), (0.2, False)):
+        run = tmp_path / "runs" / f"at{shift}"
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(json.dumps({
+            "event": "start", "step": 0, "time": created.timestamp() + shift,
+            "host": os.uname().nodename, "pid": os.getpid()}) + "\n")
+        assert rec_mod.started_before(rec, read_run(run).started) is before, shift
+    assert rec_mod.created_at(rec) == pytest.approx(created.timestamp(), abs=1e-6)
+    # a record of whole seconds (older ones) still reads and dates as it did
+    old = rec_mod.parse(rec_mod.render(rec).replace(rec.created, "2024-01-01T00:00:00Z"))
+    assert rec_mod.created_at(old) == 1704067200.0

@@ -343,3 +343,18 @@ def test_compare_ladder_folders_and_refuse_mismatched_inputs(tmp_path, target, c
     few = write_runs_csv(tmp_path / "few.csv", 1.0, budgets=[1e15, 1e16])
     rc, _, err = run_main(["ladder", "compare", str(few), str(a.root)], capsys)
     assert rc == 2 and "2 compute budget(s); the comparison fits L(C), which needs 4 or more runs at 3" in err
+
+
+def test_compare_names_the_problems_of_both_sides_before_fitting(tmp_path, capsys,
+                                                                 monkeypatch):
+    import moelab.ladder.compare as compare_mod
+
+    monkeypatch.setattr(compare_mod, "fit_compute_law", lambda *a, **k: pytest.fail("fitted"))
+    few = write_runs_csv(tmp_path / "few.csv", 1.0, budgets=[1e15, 1e16])
+    for sides in ([tmp_path / "nope", few], [few, tmp_path / "nope"]):
+        rc, _, err = run_main(["ladder", "compare", *map(str, sides), "--no-plots"], capsys)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 2, err
+        for side, line in zip(sides, lines):  # A's problem, then B's
+            why = "not found" if side.name == "nope" else "runs at 2 compute budget(s)"
+            assert f"{side.name}: " in line and why in line, err

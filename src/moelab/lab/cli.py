@@ -149,20 +149,27 @@ def not_a_run(record_file: Path, rec: rec_mod.Record, run: Path, ref: str) -> st
             f"{ref}` lists them); give a run folder `moelab train` wrote, or {before}")
 
 
-def attach_run(record_file: Path, run_dir: Path, arm: str | None) -> None:
+def attach_run(record_file: Path, run_dir: Path, arm: str | None,
+               keep_detached: bool = False) -> None:
+    """Attach and say what it did, as the record read under the lock has it (a detach or
+    attach by another command meanwhile is seen); ``keep_detached``: as ``attach_outcome``."""
     from moelab.lab.runs import first_trained
 
-    old = rec_mod.run_entry(record_file, rec_mod.load(record_file), run_dir)
-    rec = rec_mod.attach(record_file, run_dir, arm)
+    rec, done = rec_mod.attach_outcome(record_file, run_dir, arm, keep_detached)
     ref = rec_mod.run_entry(record_file, rec, run_dir)
-    if old is not None and old.detached() is None:  # a no-op, said as one
+    if done == rec_mod.DETACHED:
+        gone = ref.detached()
+        print(f"run {run_dir} stays detached from {rec.id} ({gone['reason']!r}, {gone['at']}): "
+              f"it trains outside the verdicts; `moelab lab attach {rec.id} {run_dir}` counts "
+              "it again")
+        return
+    if done == rec_mod.UNCHANGED:
         print(f"run {run_dir} was already attached to {rec.id} as arm {ref.arm!r} (since "
               f"{ref.attached}); nothing changed")
         return
-    again = ref.history[-1] if ref.history else None  # a detached run attached again
     print(f"run {run_dir} is attached to {rec.id} as arm {ref.arm!r}"
           + (" again (its detach stays in the record's history)"
-             if again and again["event"] == rec_mod.REATTACHED else ""))
+             if done == rec_mod.REATTACHED else ""))
     # its log (and a branch's parents') alone: a note must not fail an attach already written
     # (read_run also checks the run's prediction and config)
     if rec_mod.started_before(rec, first_trained(run_dir)):
@@ -182,14 +189,8 @@ def attach_from_train(record: str, run_dir: Path, arm: str | None) -> None:
     """``moelab train --record ID``: attach before training, so a failed run is reported too.
     A run detached from the record stays detached: re-running a run's command (to resume it)
     must not undo a detach; ``lab attach`` counts it again."""
-    path, rec = rec_mod.find(record)
-    ref = rec_mod.run_entry(path, rec, run_dir)
-    gone = ref.detached() if ref is not None else None
-    if gone is None:
-        attach_run(path, run_dir, arm)
-        return
-    print(f"run {run_dir} stays detached from {rec.id} ({gone['reason']!r}, {gone['at']}): it "
-          f"trains outside the verdicts; `moelab lab attach {rec.id} {run_dir}` counts it again")
+    path, _ = rec_mod.find(record)
+    attach_run(path, run_dir, arm, keep_detached=True)
 
 
 def cmd_report(args) -> int:

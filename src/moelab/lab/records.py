@@ -29,6 +29,7 @@ from moelab.util import atomic_write_text, read_utf8
 
 DEFAULT_LAB_DIR = "experiments"
 DETACHED, REATTACHED = "detached", "reattached"  # the events of a run's history
+ATTACHED, UNCHANGED = "attached", "unchanged"  # and what else an attach can do
 FIELDS = ("id", "title", "created", "issue", "hypothesis", "goal", "min_steps", "criteria",
           "runs", "report")
 
@@ -67,14 +68,18 @@ class Record:
         return hashlib.sha256("\n".join(self.criteria).encode()).hexdigest()[:12]
 
 
-def now_utc() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def now_utc(micro: bool = False) -> str:
+    """The UTC time as records write it: to the second, or with ``micro`` to the microsecond
+    (a record's creation, which runs' start times are compared with: a run that started in
+    the same second, before it, is not pre-registered)."""
+    return dt.datetime.now(dt.timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ")
 
 
 def created_at(rec: Record) -> float | None:
-    """The Unix time the record was created (to the second), None if it does not say. Also a
-    hand-edited unquoted ``created:``, which YAML reads as a date and ``parse`` writes back as
-    ``2024-01-01 00:00:00+00:00``; a time without a zone is UTC, as ``now_utc`` writes."""
+    """The Unix time the record was created (older records: to the second), None if it does
+    not say. Also a hand-edited unquoted ``created:``, which YAML reads as a date and ``parse``
+    writes back as ``2024-01-01 00:00:00+00:00``; a time without a zone is UTC."""
     try:
         when = dt.datetime.fromisoformat(rec.created)
     except ValueError:
@@ -310,7 +315,7 @@ def new_record(directory: Path, title: str, hypothesis: str, goal: str, criteria
         rec_id = f"{max(numbers, default=0) + 1:04d}-{slugify(title)}"
         rec = Record(id=rec_id, title=title.strip(), hypothesis=hypothesis.strip(),
                      goal=goal.strip(), criteria=canonical, min_steps=min_steps,
-                     created=now_utc(), issue=issue,
+                     created=now_utc(micro=True), issue=issue,
                      notes=NOTES_TEMPLATE.format(title=title.strip()))
         path = record_path(directory, rec_id)
         save(rec, path)
@@ -353,14 +358,26 @@ def _with_run(rec: Record, i: int, ref: RunRef) -> Record:
 def attach(record_file: Path, run_dir: Path, arm: str | None = None) -> Record:
     """Attach a run folder (it may not exist yet) to the record; attaching again is a no-op,
     and attaching a detached run again clears its mark, adding the event to its history."""
+    return attach_outcome(record_file, run_dir, arm)[0]
+
+
+def attach_outcome(record_file: Path, run_dir: Path, arm: str | None = None,
+                   keep_detached: bool = False) -> tuple[Record, str]:
+    """``attach``, and what it did, told from the one read made under the lock (a detach in
+    between must not turn an attach into a no-op): ATTACHED, REATTACHED, UNCHANGED (attached
+    already), or DETACHED (``keep_detached``: a detached run left as it is, as
+    ``train --record`` leaves one)."""
     with locked(record_file.parent):
-        return _attach(record_file, run_dir, arm)
+        return _attach(record_file, run_dir, arm, keep_detached)
 
 
-def _attach(record_file: Path, run_dir: Path, arm: str | None) -> Record:
+def _attach(record_file: Path, run_dir: Path, arm: str | None,
+            keep_detached: bool) -> tuple[Record, str]:
     rec = load(record_file)
     i = _find_run(record_file, rec, run_dir)
     detached = i is not None and rec.runs[i].detached() is not None
+    if detached and keep_detached:
+        return rec, DETACHED
     # a detached run comes back as the arm it left by default
     arm = arm or (rec.runs[i].arm if detached else Path(run_dir).resolve().name)
     if not re.fullmatch(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*", arm):
@@ -372,7 +389,7 @@ def _attach(record_file: Path, run_dir: Path, arm: str | None) -> Record:
                              f"{rec.runs[i].arm!r}; to count it as arm {arm!r}, detach it "
                              f"(`moelab lab detach {rec.id} {run_dir} --reason TEXT`: kept on "
                              "record) and attach it again with --arm")
-        return rec
+        return rec, UNCHANGED
     if i is not None:  # the same entry again: its first attachment and criteria hash stand
         event = {"event": REATTACHED, "at": now_utc(), "arm": arm}
         rec = _with_run(rec, i, replace(rec.runs[i], arm=arm,
@@ -382,7 +399,7 @@ def _attach(record_file: Path, run_dir: Path, arm: str | None) -> Record:
         ref = RunRef(path=rel, arm=arm, attached=now_utc(), criteria_sha=rec.criteria_sha())
         rec = replace(rec, runs=rec.runs + (ref,))
     save(rec, record_file)
-    return rec
+    return rec, REATTACHED if detached else ATTACHED
 
 
 def detach(record_file: Path, run_dir: Path, reason: str) -> Record:

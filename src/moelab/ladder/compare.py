@@ -77,6 +77,23 @@ def load_side(path: Path | str) -> Side:
     return side
 
 
+def load_sides(path_a, path_b) -> tuple[Side, Side]:
+    """Both sides, or the problems of each one that cannot be fitted, one line each (fixing
+    A's alone would only bring up B's on the next try)."""
+    sides, errors = [], []
+    for path in (path_a, path_b):
+        try:
+            sides.append(load_side(path))
+        except (OSError, ValueError) as e:
+            errors.append(e)
+    if len(errors) == 2 and str(errors[0]) != str(errors[1]):
+        kind = type(errors[0]) if type(errors[0]) is type(errors[1]) else ValueError
+        raise kind("\n".join(map(str, errors)))
+    if errors:
+        raise errors[0]
+    return sides[0], sides[1]
+
+
 def best_runs(N, D, C, loss) -> tuple[np.ndarray, np.ndarray]:
     """(C, loss) of the runs of each budget's best shape: runs of one N and D are replicates
     (seeds), a shape's loss is their mean, and of several shapes at one budget (an IsoFLOP
@@ -172,7 +189,7 @@ def compare(path_a, path_b, computes=(), n_boot: int = 200, level: float = 0.9,
             seed: int = 0) -> tuple[dict, tuple]:
     """(the report, (A, B, A's fit, B's fit) for the plot). ``computes`` default: the ladder
     folders' targets, else the largest fitted budget."""
-    a, b = load_side(path_a), load_side(path_b)
+    a, b = load_sides(path_a, path_b)
     check_comparable(a, b)
     fa = fit_compute_law(a.C, a.loss, n_boot, seed)
     fb = fit_compute_law(b.C, b.loss, n_boot, seed + 1)
