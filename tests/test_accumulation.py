@@ -213,3 +213,18 @@ def test_a_refused_microbatch_lists_the_values_that_fit(over, says):
     fits = ", ".join(str(16 * s) for s in (1, 2, 4, 8) if s % devices == 0)
     assert says in str(e.value)
     assert str(e.value).endswith(f"; give one of {fits}, or 0 for the whole batch")
+
+
+def test_a_refused_microbatch_lists_only_values_that_fit_every_stage():
+    """The values listed fit every data stage: listing the failing stage's alone offered 256,
+    which the first stage (6 sequences) refuses. With none in common, 0 is the one fix."""
+    stages = "data.context_stages=[{step: 5, seq_len: 128, batch_size: 4}]"
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["train.microbatch_tokens=64", "data.seq_len=64",
+                             "data.batch_size=6", stages])
+    assert "sequences of 128 tokens" in str(e.value)
+    assert str(e.value).endswith("; give one of 128, or 0 for the whole batch"), str(e.value)
+    with pytest.raises(ConfigError, match="no value fits every data stage: give 0"):
+        load_config("tiny", ["train.microbatch_tokens=96", "data.seq_len=96",
+                             "data.batch_size=1",
+                             "data.context_stages=[{step: 5, seq_len: 64, batch_size: 3}]"])

@@ -246,19 +246,33 @@ def _listed(values: list[int], most: int = 8) -> str:
     return ", ".join(map(str, values))
 
 
-def check_microbatch(microbatch: int, seq_len: int, batch: int, devices: int) -> None:
+def microbatch_fits(segments, devices: int) -> list[int]:
+    """The ``train.microbatch_tokens`` that every data segment (``DataConfig.segments``)
+    accepts: whole sequences of each one's seq_len, dividing each one's batch, a multiple of
+    the devices."""
+    def fits(seg) -> set[int]:
+        return {s * seg.seq_len for s in divisors(seg.batch_size)
+                if devices == 0 or s % devices == 0}
+    return sorted(set.intersection(*map(fits, segments)))
+
+
+def check_microbatch(microbatch: int, segments, devices: int) -> None:
     """A micro-step holds whole sequences, the batch splits into whole micro-steps, and every
-    device gets rows of each micro-step; each error lists the values that fit."""
+    device gets rows of each micro-step, in every data segment; each error lists the values
+    that fit all of them (a value that fits only the failing segment would fail another)."""
     p = "train.microbatch_tokens"
-    fits = [s * seq_len for s in divisors(batch) if devices == 0 or s % devices == 0]
-    fix = f"; give one of {_listed(fits)}, or 0 for the whole batch"
-    require(microbatch % seq_len == 0, p, f"{microbatch} tokens must be a whole number of "
-            f"sequences of {seq_len} tokens" + fix)
-    seqs = microbatch // seq_len
-    require(batch % seqs == 0, p, f"{seqs} sequences per micro-step must divide the batch of "
-            f"{batch} sequences (at seq_len {seq_len})" + fix)
-    require(devices == 0 or seqs % devices == 0, p, f"{seqs} sequences per micro-step must be "
-            f"divisible by parallel.devices={devices}" + fix)
+    fits = microbatch_fits(segments, devices)
+    fix = (f"; give one of {_listed(fits)}, or 0 for the whole batch" if fits else
+           "; no value fits every data stage: give 0 for the whole batch")
+    for seg in segments:
+        seq_len, batch = seg.seq_len, seg.batch_size
+        require(microbatch % seq_len == 0, p, f"{microbatch} tokens must be a whole number of "
+                f"sequences of {seq_len} tokens" + fix)
+        seqs = microbatch // seq_len
+        require(batch % seqs == 0, p, f"{seqs} sequences per micro-step must divide the batch "
+                f"of {batch} sequences (at seq_len {seq_len})" + fix)
+        require(devices == 0 or seqs % devices == 0, p, f"{seqs} sequences per micro-step must "
+                f"be divisible by parallel.devices={devices}" + fix)
 
 
 @dataclass(frozen=True)
@@ -294,8 +308,7 @@ class RunConfig:
         require(par.replace_every == 0 or par.expert > 1, "parallel.replace_every",
                 "expert placement needs expert parallelism: set parallel.expert > 1, or 0 here")
         if self.train.microbatch_tokens:
-            for seg in self.data.segments():
-                check_microbatch(self.train.microbatch_tokens, seg.seq_len, seg.batch_size, par.devices)
+            check_microbatch(self.train.microbatch_tokens, self.data.segments(), par.devices)
         require(self.warmup_steps <= self.schedule_steps, "optim.warmup_steps",
                 f"must be <= the schedule length ({self.schedule_steps} steps)")
         return self

@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from moelab.config import ConfigError, RunConfig
-from moelab.config.run import check_microbatch
+from moelab.config.run import microbatch_fits
 from moelab.parallel.mesh import batch_spec
 from moelab.planner.cluster import GiB
 from moelab.planner.xla import xla_memory
@@ -91,16 +91,10 @@ def _fraction_var() -> tuple[str, float | None]:
 
 def _smaller_microbatch(cfg: RunConfig, step: int, devices: int) -> int | None:
     """The largest ``train.microbatch_tokens`` below the micro-step at ``step`` that every data
-    segment accepts (``config.run.check_microbatch``), or None."""
-    seg, seqs = cfg.data.segment_at(step), cfg.micro_seqs(step)
-    for n in range(seqs - 1, 0, -1):
-        try:
-            for g in cfg.data.segments():
-                check_microbatch(n * seg.seq_len, g.seq_len, g.batch_size, devices)
-        except ConfigError:
-            continue
-        return n * seg.seq_len
-    return None
+    segment accepts (``config.run.microbatch_fits``), or None."""
+    below = cfg.micro_seqs(step) * cfg.data.segment_at(step).seq_len
+    return max((n for n in microbatch_fits(cfg.data.segments(), devices) if n < below),
+               default=None)
 
 
 def _share_fix(need: float, limit: float, device_kind: str) -> str | None:
