@@ -16,6 +16,7 @@ from helpers import shared_run, subprocess_env
 from moelab.cli import main
 from moelab.config import ConfigError, load_config
 from moelab.data.prepare import given_tokenizer, with_tokenizer_vocab
+from moelab.data.store import TokenStore
 from moelab.run.logs import JsonlTracker, read_metrics
 from moelab.train.tracker import Trackers
 
@@ -312,23 +313,56 @@ def test_data_build_with_user_inputs_reports_skipped(tmp_path, capsys):
                              "--out", str(out_dir), "--vocab", "300", "--heldout", "0.2"],
                             capsys)
     assert rc == 0, err
-    manifest_printed = json.loads(out[: out.index("\ncorpus:")])
-    assert sorted(manifest_printed["domains"]) == ["logs", "notes"]
-    assert manifest_printed["kind"] == "user"
-    assert "skipped" not in manifest_printed
-    assert manifest_printed["total"]["train"]["docs"] + \
-        manifest_printed["total"]["heldout"]["docs"] == 25  # 24 files + 1 good JSONL record
+    on_disk = json.loads((out_dir / "corpus" / "manifest.json").read_text())
+    assert sorted(on_disk["domains"]) == ["logs", "notes"] and on_disk["kind"] == "user"
+    # a short summary, not the manifest: what was built, its documents and tokens per domain
+    lines = out.splitlines()
+    kb = sum(on_disk["total"][s]["bytes"] for s in ("train", "heldout")) / 1e3
+    assert lines[0] == f"built {out_dir} from 2 inputs: 25 documents ({kb:.1f} kB of text) in " \
+        "2 domains"  # 24 files + 1 good JSONL record
+    assert "{" not in out and len(lines) <= 12, out  # the manifest alone was 40 lines
+    store = TokenStore(next(out_dir.glob("tokens-*")))
+    for d in ("logs", "notes", "all"):
+        names = ["logs", "notes"] if d == "all" else [d]
+        want = [d] + [f"{n:,}" for s in ("train", "heldout") for n in (
+            sum(on_disk["domains"][x][s]["docs"] for x in names),
+            sum(store.n_tokens(s, x) for x in names))]
+        assert [line.split() for line in lines[2:5]].count(want) == 1, (want, out)
+    assert f"corpus: {out_dir / 'corpus'} (its manifest.json records" in out
     # the skipped inputs are reported on stderr, by name and reason
     assert "skipped 5 inputs" in err
     for needle in ("binary.bin", "empty.txt", "latin1.txt", "records.jsonl line 2",
                    "records.jsonl line 3"):
         assert needle in err, needle
-    on_disk = json.loads((out_dir / "corpus" / "manifest.json").read_text())
     assert on_disk["skipped"]["count"] == 5
     assert (out_dir / "tokenizer-300.json").is_file()
     stores = list(out_dir.glob("tokens-*"))
     assert len(stores) == 1 and str(stores[0]) in out
     assert "train on it with: moelab train tiny" in out
+
+
+def test_a_build_of_many_domains_is_summed_up_in_a_few_lines():
+    from moelab.data.cli import SHOWN_DOMAINS, build_summary
+
+    class Store:  # every domain 10 tokens per document; "d00" holds nothing out
+        def domains(self, split):
+            return [f"d{i:02d}" for i in range(20) if i or split == "train"]
+
+        def n_tokens(self, split, domain):
+            return 10 * manifest["domains"][domain][split]["docs"]
+
+    manifest = {"kind": "builtin", "domains": {
+        f"d{i:02d}": {"train": {"docs": 3, "bytes": 9}, "heldout": {"docs": int(i > 0),
+                                                                    "bytes": 1}}
+        for i in range(20)}, "total": {"train": {"docs": 60, "bytes": 180_000},
+                                       "heldout": {"docs": 19, "bytes": 20_000}}}
+    lines = build_summary(Path("data/x"), manifest, Store())
+    assert lines[0] == ("built data/x from the built-in corpus: 79 documents (200.0 kB of text) "
+                        "in 20 domains")
+    assert len(lines) == 2 + SHOWN_DOMAINS + 2
+    assert lines[2].split() == ["d00", "3", "30", "0", "0"]
+    assert lines[-2].split() == ["(8", "more)", "24", "240", "8", "80"]
+    assert lines[-1].split() == ["all", "60", "600", "19", "190"]
 
 
 def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
@@ -355,8 +389,6 @@ def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
 def test_data_build_hint_fits_the_shortest_held_out_text(tmp_path, capsys):
     """A corpus whose held-out text is shorter than the tiny preset's context: the printed
     command sets a data.seq_len every domain can evaluate (tiny's 256 is refused at start)."""
-    from moelab.data.store import TokenStore
-
     for name in ("a", "b"):
         for i in range(3):
             (tmp_path / "src" / name).mkdir(parents=True, exist_ok=True)

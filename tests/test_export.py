@@ -151,8 +151,9 @@ def test_model_card_and_license(exported, tmp_path):
 
 def test_bad_input_exits_2(tmp_path, capsys):
     run = tmp_path / "run"
-    assert main(["export", str(tmp_path / "nope"), str(tmp_path / "a"), "--to", "hf"]) == 2
-    assert "not a run folder" in capsys.readouterr().err
+    for fmt in ("hf", "HF"):  # the format in any case; the run is what is wrong
+        assert main(["export", str(tmp_path / "nope"), str(tmp_path / "a"), "--to", fmt]) == 2
+        assert "not a run folder" in capsys.readouterr().err
     assert main(["export", str(run), str(tmp_path / "a"), "--to", "onnx"]) == 2
     assert "--to onnx: unknown format" in capsys.readouterr().err
     busy = tmp_path / "busy"

@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from lm_eval.api.instance import Instance  # a missing harness fails here, as it should
-from lm_eval.api.model import LM
 
 from helpers import shared_run
 from moelab.data.tokenizer import decode, encode_batch, eos_id
@@ -246,6 +245,9 @@ def test_an_uncached_dataset_says_how_to_pre_cache_it(trained, tmp_path, capsys,
     (tmp_path / "tasks" / "hub_probe.yaml").write_text(HUB_TASK)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     _hf_offline(monkeypatch, True)
+    import moelab.run.load
+
+    monkeypatch.setattr(moelab.run.load, "load_run", _never)  # said before the checkpoint loads
     rc, _, err = run_main(["eval", str(trained), "--tasks", "hub_probe", "--include-path",
                            str(tmp_path / "tasks"), "--output", str(tmp_path / "r.json")], capsys)
     assert rc == 2, err
@@ -265,9 +267,15 @@ def test_eval_command_runs_the_local_tasks(trained, tmp_path, capfd, monkeypatch
     run_dir = tmp_path / "run"
     shutil.copytree(trained, run_dir)
     monkeypatch.chdir(tmp_path)  # no git repository: git says nothing on stderr (capfd sees it)
+    from lm_eval.tasks import TaskManager
+
+    builds, build = [], TaskManager.load
+    monkeypatch.setattr(TaskManager, "load", lambda self, names: builds.append(names)
+                        or build(self, names))
     rc, out, err = run_main(["eval", str(run_dir), "--tasks", "moelab_local", "--limit", "3",
                              "--batch-size", "4"], capfd)
     assert rc == 0, err
+    assert builds == [["moelab_local"]]  # built once, before the checkpoint loads
     assert "fatal:" not in err, err
     table = "\n".join(line for line in out.splitlines() if line.startswith("|"))
     for name in LOCAL_TASKS + ["acc_norm", "word_perplexity", "bits_per_byte", "exact_match"]:
@@ -416,14 +424,17 @@ def test_a_file_where_results_would_go_is_named_not_called_unwritable(where, tmp
 
 def test_tasks_given_twice_run_once_and_a_group_beside_its_own_task_is_one_line(
         tmp_path, capsys, monkeypatch):
+    import lm_eval
+
     import moelab.harness.lm
     import moelab.run.load
 
     assert split_tasks("moelab_choice, moelab_choice,,moelab_heldout") == ["moelab_choice",
                                                                           "moelab_heldout"]
-    # the harness refuses the overlap before any request reaches the model (none is built here)
-    monkeypatch.setattr(moelab.run.load, "load_run", lambda run, step=None: None)
-    monkeypatch.setattr(moelab.harness.lm, "MoelabLM", lambda run, batch_size: NoModel())
+    # refused before the checkpoint loads: the tasks are built first
+    monkeypatch.setattr(moelab.run.load, "load_run", _never)
+    monkeypatch.setattr(moelab.harness.lm, "MoelabLM", _never)
+    monkeypatch.setattr(lm_eval, "simple_evaluate", _never)
     (tmp_path / "run").mkdir()
     rc, _, err = run_main(["eval", str(tmp_path / "run"), "--tasks", "moelab_local,moelab_choice"],
                           capsys)
@@ -432,10 +443,26 @@ def test_tasks_given_twice_run_once_and_a_group_beside_its_own_task_is_one_line(
     assert "give each task once" in err
 
 
-class NoModel(LM):
-    """A model no request may reach."""
+def _never(*args, **kwargs):
+    raise AssertionError("the checkpoint was loaded or the evaluation ran")
 
-    def loglikelihood(self, requests):
-        raise AssertionError("a request reached the model")
 
-    loglikelihood_rolling = generate_until = loglikelihood
+def test_a_group_s_yaml_file_named_by_its_path_says_to_name_the_group(tmp_path, capsys,
+                                                                      monkeypatch):
+    """The harness takes a group file's task list for its name and fails with a traceback
+    (TypeError: unhashable type: 'list'); moelab says how to name the group instead, before
+    the checkpoint loads. A task's file, harness tags and all, is still taken by its path."""
+    import moelab.run.load
+    from moelab.harness.registry import _group_file
+
+    monkeypatch.setattr(moelab.run.load, "load_run", _never)
+    (tmp_path / "g").mkdir()
+    group = tmp_path / "g" / "mine.yaml"
+    group.write_text("group: mine\ntask:\n  - moelab_choice\n  - moelab_heldout\n")
+    (tmp_path / "run").mkdir()
+    rc, _, err = run_main(["eval", str(tmp_path / "run"), "--tasks", str(group)], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--include-path {tmp_path / 'g'} --tasks mine" in err
+    task = tmp_path / "g" / "t.yaml"
+    task.write_text("task: t\ndataset_path: json\nprocess_docs: !function utils.docs\n")
+    assert _group_file(str(task)) is None and _group_file(str(group)) == "mine"

@@ -4,7 +4,6 @@ files against the checksums recorded when it was built."""
 
 from __future__ import annotations
 
-import json
 import shlex
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from moelab.config import DataConfig
 from moelab.config.data import DATA_FORMATS
 from moelab.config.errors import require
 from moelab.data import build, corpus
+from moelab.data.corpus import SPLITS
 from moelab.data.encode import MAX_DEFAULT_WORKERS
 from moelab.data.errors import DataError
 from moelab.data.prepare import prepare_data, vocab_needed
@@ -73,7 +73,6 @@ def _build(args, out: Path, vocab: int, command: str) -> int:
     if args.force or manifest["fingerprint"] != old:
         build.discard_derived(out, "--force" if args.force else "the corpus changed",
                               keep=Path(args.tokenizer) if args.tokenizer else None)
-    print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
     own = out / build.OWN_TOKENIZER
     # the folder's own tokenizer (training uses it) is written as soon as it is known, before
     # tokenizing; one still here is the one this build uses (check_own_tokenizer, else
@@ -82,10 +81,12 @@ def _build(args, out: Path, vocab: int, command: str) -> int:
                         progress=not args.no_progress, lock=False,  # held above
                         workers=args.workers,
                         on_tokenizer=(lambda tok: _write_own(own, tok)) if keep_own else None)
-    # the folder's own tokenizer.json is the one runs read (its tokenizer-<V>.json is the same)
-    print(f"corpus: {prep.corpus_dir}\ntokenizer: {own if keep_own else prep.tokenizer_path}\n"
-          f"token store: {prep.store_dir}")
     store = TokenStore(prep.store_dir)
+    print("\n".join(build_summary(out, manifest, store)))
+    # the folder's own tokenizer.json is the one runs read (its tokenizer-<V>.json is the same)
+    print(f"corpus: {prep.corpus_dir} (its manifest.json records the inputs, every count and "
+          f"the checksums)\ntokenizer: {own if keep_own else prep.tokenizer_path}\n"
+          f"token store: {prep.store_dir}")
     for note in short_heldout_notes(store):
         print(note)
     if keep_own:
@@ -93,6 +94,43 @@ def _build(args, out: Path, vocab: int, command: str) -> int:
         print(f"train on it with: moelab train tiny data.data_dir={out} model.vocab_size={vocab}"
               + _fitting_seq_len(store))
     return 0
+
+
+# a build may hold up to 256 domains: past this many, the summary counts the rest
+SHOWN_DOMAINS = 12
+
+
+def build_summary(out: Path, manifest: dict, store: TokenStore) -> list[str]:
+    """What a build made, in a few lines: its documents and tokens per domain and split (the
+    corpus's manifest.json holds every count, the inputs and the checksums)."""
+    n_in = len(manifest.get("sources", []))
+    origin = ("the built-in corpus" if manifest.get("kind") == "builtin"
+              else f"{n_in} input{'s' * (n_in != 1)}")
+    total, domains = manifest["total"], sorted(manifest["domains"])
+    head = (f"built {out} from {origin}: {sum(total[s]['docs'] for s in SPLITS):,} documents "
+            f"({_text_size(sum(total[s]['bytes'] for s in SPLITS))} of text) in "
+            f"{len(domains)} domain{'s' * (len(domains) != 1)}")
+    stored = {s: set(store.domains(s)) for s in SPLITS}  # a domain may hold out nothing
+
+    def row(name: str, names: list[str]) -> list[str]:
+        return [name] + [f"{n:,}" for s in SPLITS for n in (
+            sum(manifest["domains"][d][s]["docs"] for d in names),
+            sum(store.n_tokens(s, d) for d in names if d in stored[s]))]
+
+    rows = [["domain", "train docs", "tokens", "held-out docs", "tokens"]]
+    rows += [row(d, [d]) for d in domains[:SHOWN_DOMAINS]]
+    if len(domains) > SHOWN_DOMAINS:
+        rows.append(row(f"({len(domains) - SHOWN_DOMAINS} more)", domains[SHOWN_DOMAINS:]))
+    if len(domains) > 1:
+        rows.append(row("all", domains))
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [head] + ["  " + "  ".join([r[0].ljust(width[0])] + [c.rjust(w) for c, w in
+                                                                 zip(r[1:], width[1:])])
+                     for r in rows]
+
+
+def _text_size(n_bytes: int) -> str:
+    return f"{n_bytes / 1e6:.1f} MB" if n_bytes >= 1e6 else f"{n_bytes / 1e3:.1f} kB"
 
 
 def _fitting_seq_len(store: TokenStore) -> str:

@@ -248,5 +248,7 @@ def export_hf(run_dir: Path | str, out: Path, step: int | None = None) -> tuple[
 
 
 def export(run_dir: Path | str, fmt: str, out: Path, step: int | None = None) -> tuple[int, int]:
-    require(fmt in FORMATS, f"--to {fmt}", f"unknown format; use one of {', '.join(FORMATS)}")
+    # format names are not case-sensitive: --to HF is hf
+    require(fmt.lower() in FORMATS, f"--to {fmt}",
+            f"unknown format; use one of {', '.join(FORMATS)}")
     return export_hf(run_dir, out, step)

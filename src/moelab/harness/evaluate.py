@@ -61,6 +61,21 @@ def unreachable_dataset(error: ConnectionError, tasks: Sequence[str]) -> Connect
         "shared), then set HF_DATASETS_OFFLINE=1 to read only the cache")
 
 
+@contextlib.contextmanager
+def harness_errors(tasks: Sequence[str]):
+    """The harness's errors about ``tasks`` as one line each: a dataset out of reach, two names
+    that both run a task (a group and one of its own tasks)."""
+    try:
+        yield
+    except ConnectionError as e:  # datasets: "Couldn't reach 'NAME' on the Hub (...)"
+        raise unreachable_dataset(e, tasks) from None
+    except ValueError as e:
+        if not str(e).startswith("Duplicate task"):
+            raise
+        raise ConfigError(f"--tasks {','.join(tasks)}: {e}; give each task once (a group runs "
+                          "all of its tasks)") from None
+
+
 def git_hash() -> str | None:
     """The harness's git_hash entry (``git describe --always`` in the current folder, else the
     .git files it finds), without git's "fatal: not a git repository" on stderr."""
@@ -112,18 +127,17 @@ def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None
     # package and need no network; the harness's built-ins download their datasets unless cached.
     with quiet_git(), tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
         manager = task_manager(tasks, include_paths, render_local_tasks(Path(tmp)))
+        # The tasks are built (their data loaded) before the checkpoint, so that what the
+        # harness refuses as it builds them (a group beside one of its own tasks, a dataset out
+        # of reach) is said before that wait; simple_evaluate's own load gets the same tasks.
+        with harness_errors(tasks):
+            loaded = manager.load(list(tasks))
+        manager.load = lambda names: loaded
         run = load_run(run_dir, step=step)  # a folder or a run URL
-        try:
+        with harness_errors(tasks):
             results = simple_evaluate(MoelabLM(run, batch_size=batch_size), tasks=list(tasks),
                                       num_fewshot=num_fewshot, limit=limit,
                                       task_manager=manager, log_samples=False)
-        except ConnectionError as e:  # datasets: "Couldn't reach 'NAME' on the Hub (...)"
-            raise unreachable_dataset(e, tasks) from None
-        except ValueError as e:  # a group named beside one of its own tasks
-            if not str(e).startswith("Duplicate task"):
-                raise
-            raise ConfigError(f"--tasks {','.join(tasks)}: {e}; give each task once (a group "
-                              "runs all of its tasks)") from None
     # the code that scored (the harness's own git_hash is the current folder's, if any)
     results["moelab"] = {"run": str(run_dir), "step": run.step, "tasks": list(tasks),
                          **code_version()}

@@ -60,11 +60,36 @@ def _unknown(manager, names: Sequence[str]) -> list[str]:
     return [n for n in names if n not in known and not Path(n).is_file()]
 
 
+class _TaskYaml(yaml.SafeLoader):
+    """A task YAML file's plain fields; the harness's own tags (``!function``) read as None."""
+
+
+_TaskYaml.add_multi_constructor("!", lambda loader, suffix, node: None)
+
+
+def _group_file(name: str) -> str | None:
+    """The group a YAML file named in --tasks defines (None: not a file, or a task's file)."""
+    if not Path(name).is_file() or Path(name).suffix not in (".yaml", ".yml"):
+        return None
+    try:
+        cfg = yaml.load(Path(name).read_text(encoding="utf-8"), Loader=_TaskYaml)
+    except (yaml.YAMLError, UnicodeDecodeError):
+        return None  # the harness says what is wrong with it
+    group = cfg.get("group") if isinstance(cfg, dict) else None
+    return group if isinstance(group, str) and isinstance(cfg.get("task"), list) else None
+
+
 def task_manager(names: Sequence[str], include_paths: Sequence[Path], local_dir: Path):
     """A TaskManager that knows every name in ``names`` (task, group, tag or YAML file);
     an unknown name is a ConfigError saying where tasks come from."""
     from lm_eval.tasks import TaskManager
 
+    for name in names:  # the harness takes such a file's task list for its name and fails
+        group = _group_file(name)
+        if group is not None:
+            raise ConfigError(f"--tasks {name}: a group's YAML file is not taken by its path; "
+                              f"give its folder and the group's name: --include-path "
+                              f"{Path(name).parent} --tasks {group}")
     paths = [str(local_dir), *map(str, include_paths)]
     manager = TaskManager(include_path=paths, include_defaults=False)
     if _unknown(manager, names):
