@@ -177,9 +177,10 @@ def test_tensorboard_tracker_writes_scalars_and_events(tmp_path):
     trackers.event("finished", 3, reason="done")
     trackers.close()
     (events_file,) = (tmp_path / "tensorboard").glob("events.out.tfevents.*")
-    scalars, texts = {}, []
+    scalars, texts, versions = {}, [], []
     for record in _event_records(events_file):
         event = Event.FromString(record)
+        versions += [event.file_version] if event.file_version else []
         for v in event.summary.value:
             if v.HasField("simple_value"):
                 scalars[v.tag] = (event.step, v.simple_value)
@@ -187,3 +188,4 @@ def test_tensorboard_tracker_writes_scalars_and_events(tmp_path):
                 texts.append((event.step, v.tag))
     assert scalars == {"train/loss": (3, 2.5)}  # NaN (as text in the JSONL) and strings skipped
     assert (3, "event/finished/text_summary") in texts
+    assert versions == ["brain.Event:2"]  # once, first (TensorBoard's restart rule reads it)

@@ -169,14 +169,12 @@ class TensorBoardTracker:
 
     def __init__(self, log_dir: Path):
         from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event
 
         log_dir.mkdir(parents=True, exist_ok=True)
         # its name holds the second it was made; the nanoseconds after it keep a start within
         # the same second (a quick resume) from replacing the file, in order
         self.writer = EventsWriter(str(log_dir / "events"), f".{time.time_ns() % 10**9:09d}")
-        self.flushed = time.time()
-        self._write(Event(file_version="brain.Event:2"))  # TensorBoard then reads restarts
+        self.flushed = time.time()  # the writer has put the file's version record first
 
     def _write(self, event) -> None:
         event.wall_time = time.time()
