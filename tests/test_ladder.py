@@ -12,6 +12,7 @@ import json
 import math
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -358,12 +359,15 @@ def test_schedule_law_reproduces_constant_and_decayed_curves_from_one_fit():
     assert c["alpha"] == pytest.approx(0.3, abs=0.05) and c["beta"] == pytest.approx(0.3, abs=0.05)
 
 
-def test_a_lag_at_the_end_of_its_grid_is_named_among_the_warnings():
-    """Curves annealed with a lag longer than the grid's longest (300 steps) on runs longer
-    than it: the fit takes 300, and says the curves may want more; a lag inside the grid, not."""
+def test_a_lag_at_the_end_of_its_grid_goes_on_while_the_runs_are_longer():
+    """Curves annealed with a lag of 3,000 steps on runs of 600-1,000: the grid's longest
+    candidate, 300, fitted best, and the fit stopped there, warning that the curves may want
+    more. It goes on along the grid (1,000) while the runs outlast the lag; a lag inside the
+    grid is found as before."""
+    from moelab.ladder.schedule_law import TAUS, best_tau
     from moelab.ladder.trajectory import fit_curves
 
-    def warnings(tau):
+    def fitted(tau):
         rng, curves, flops = np.random.default_rng(2), [], []
         for n, steps in ((2e4, 600), (6e4, 800), (1.5e5, 1000)):
             for r in (lr_shape(steps, 10, decay_start=steps), lr_shape(steps, 10)):
@@ -372,13 +376,20 @@ def test_a_lag_at_the_end_of_its_grid_is_named_among_the_warnings():
                 curves.append(Curve(run, at, loss * np.exp(rng.normal(0, 0.001, len(at)))))
                 flops.append(6 * n * 1024 * steps)
         fit = fit_curves(curves, flops, n_boot=5)
-        return fit.tau, [w for w in fit.report["method"]["warnings"] if "annealing lag" in w]
+        assert not [w for w in fit.report["method"]["warnings"] if "annealing lag" in w]
+        return fit.tau
 
-    assert warnings(3000.0) == (300.0, [
-        "the annealing lag tau took its longest candidate (300 steps): the curves may want a "
-        "longer one, which this law cannot give"])
-    tau, said = warnings(10.0)
-    assert tau < 300 and said == []
+    assert fitted(3000.0) == 1000.0
+    assert fitted(10.0) < 300
+    tried = []
+
+    def fit_at(best):  # an objective whose minimum is at the lag ``best``
+        return lambda tau: tried.append(tau) or SimpleNamespace(objective=abs(np.log(tau / best)))
+
+    assert best_tau(fit_at(3000.0), steps=10**5).tau == 3000.0 and tried[-1] == 10000.0
+    assert best_tau(fit_at(3000.0), steps=1000).tau == 1000.0  # never past the runs
+    tried.clear()
+    assert best_tau(fit_at(30.0), steps=10**5).tau == 30.0 and tried == list(TAUS)
 
 
 # ---------------------------------------------------------------------------------------------

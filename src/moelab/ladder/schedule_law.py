@@ -128,10 +128,23 @@ class ScheduleFit:
         return {"mid": self.fit.predict(self.features(run, at))}
 
 
-def best_tau(fit_at, taus=TAUS) -> ScheduleFit:
-    """``fit_at(tau)`` (a LawFit) for each lag; the one with the lowest objective."""
+def best_tau(fit_at, taus=TAUS, steps: int = 0) -> ScheduleFit:
+    """``fit_at(tau)`` (a LawFit) for each lag; the one with the lowest objective. A best lag
+    at the grid's end goes on along it (1, 3, 10, 30, ...) while a longer one fits better and
+    stays within the longest run's ``steps`` (a lag the runs never outlast is not told apart
+    from a longer one)."""
     fits = [ScheduleFit(fit_at(tau), tau) for tau in taus]
-    return min(fits, key=lambda f: f.fit.objective)
+    best = min(fits, key=lambda f: f.fit.objective)
+    tau = taus[-1]
+    while best.tau == tau and (tau := next_tau(tau)) <= steps:
+        longer = ScheduleFit(fit_at(tau), tau)
+        best = longer if longer.fit.objective < best.fit.objective else best
+    return best
+
+
+def next_tau(tau: float) -> float:
+    """The lag after ``tau`` on the grid's 1-3-10 sequence."""
+    return float(round(tau * (10 / 3 if f"{tau:g}".startswith("3") else 3)))
 
 
 def fit_schedule_law(curves: list[Curve], taus=TAUS) -> ScheduleFit:
@@ -144,7 +157,7 @@ def fit_schedule_law(curves: list[Curve], taus=TAUS) -> ScheduleFit:
     def fit_at(tau):
         X, y, _ = stack_curves(curves, tau)
         return fit_law(make_law("chinchilla", X, anneal=True), X, y, "huber")
-    return best_tau(fit_at, taus)
+    return best_tau(fit_at, taus, max(len(c.run.r) for c in curves))
 
 
 def fit_run_law(run: RunSchedule, at: np.ndarray, loss: np.ndarray, weights=None,
@@ -155,4 +168,4 @@ def fit_run_law(run: RunSchedule, at: np.ndarray, loss: np.ndarray, weights=None
         X = run.features(at, tau)[:, 1:]
         return fit_law(make_law(COMPUTE, X, anneal=True), X, loss, "lsq", weights,
                        max_nfev=max_nfev)
-    return best_tau(fit_at, taus)
+    return best_tau(fit_at, taus, int(np.max(at)))

@@ -17,7 +17,6 @@ import numpy as np
 
 from moelab.ladder.choose import Chosen, Data, choose, make_data, summary
 from moelab.ladder.schedule_law import (
-    TAUS,
     Curve,
     RunSchedule,
     fit_schedule_law,
@@ -66,8 +65,4 @@ def fit_curves(curves: list[Curve], flops: list[float], level: float = 0.9, n_bo
     d = curve_data(curves, flops, tau)
     ch = like.chosen.refit(d) if like else choose(d, level, n_boot=n_boot, seed=seed)
     report = summary(ch, d, n_boot, seed)
-    if tau == max(TAUS) and max(len(c.run.r) for c in curves) > tau:
-        report["method"]["warnings"].append(
-            f"the annealing lag tau took its longest candidate ({tau:g} steps): the curves "
-            "may want a longer one, which this law cannot give")
     return CurveFit(ch, tau, d, report)
