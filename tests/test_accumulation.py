@@ -177,14 +177,14 @@ def test_evaluation_batches_follow_the_micro_step():
 
 
 def test_the_start_line_says_the_micro_steps():
-    from moelab.train.setup import _model_costs
+    from moelab.train.peak import model_costs
 
     for microbatch, says in ((B * T // 4, f"{B * T} tokens/step in 4 micro-steps of {B * T // 4}; "),
                              (0, f"{B * T} tokens/step; ")):
         cfg = config(microbatch=microbatch)
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, peak_flops=1e12))
         lines = []
-        _model_costs(cfg, None, lines.append)
+        model_costs(cfg, None, lines.append)
         assert says in lines[0], lines
 
 

@@ -421,6 +421,11 @@ def test_replan_and_branch(runs, data_dir, tmp_path, capsys):  # noqa: F811
     assert (f"train.steps=9: {run} ends at step 7, where its re-timed decay (a replan or "
             f"branch) ends; to move the end: `moelab replan {run} --end-steps 9 --apply`") in \
         capsys.readouterr().err
+    # one it has passed: no replan gives that (it would be refused), so none is named
+    assert main(["train", str(original), "train.steps=5", "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"train.steps=5: {run} is at step 7 already, so it would train nothing" in err
+    assert "moelab replan" not in err
     assert main(["history", str(child)]) == 0
     out = capsys.readouterr().out
     assert "branch of" in out and "checkpoint for RL" in out and "branched_from" in out

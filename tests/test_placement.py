@@ -12,7 +12,7 @@ import pytest
 
 from helpers import ALL_OPTIONS, random_train_state, shared_run
 from moelab.cli import main
-from moelab.config import ModelConfig, ParallelConfig, RunConfig
+from moelab.config import ModelConfig, ParallelConfig, RunConfig, load_run_config
 from moelab.model.transformer import forward
 from moelab.parallel import placement as pl
 from moelab.parallel.transport.simulate import simulate_drops
@@ -95,7 +95,22 @@ def trained(tmp_path_factory, data_dir):  # noqa: F811
     return shared_run(tmp_path_factory, data_dir)[0]
 
 
-def test_drops_place_and_branch_place_experts(trained, tmp_path, capsys):
+def _reads_of(path, monkeypatch) -> list:
+    """A list that gains an entry each time the config file ``path`` is parsed from now on."""
+    from moelab.config import io as config_io
+
+    reads, parse = [], config_io.load_config
+
+    def counted(source="tiny", *a, **kw):
+        if str(source) == str(path):
+            reads.append(source)
+        return parse(source, *a, **kw)
+
+    monkeypatch.setattr(config_io, "load_config", counted)
+    return reads
+
+
+def test_drops_place_and_branch_place_experts(trained, tmp_path, capsys, monkeypatch):
     out = tmp_path / "drops.json"
     common = ["parallel.transport=pooled_global", "parallel.waves=1",
               "parallel.budget_group=2", "parallel.receiver_cf=1.0"]
@@ -108,10 +123,14 @@ def test_drops_place_and_branch_place_experts(trained, tmp_path, capsys):
     assert row["pooled_global placed"]["assignments"] == row["pooled_global"]["assignments"]
 
     child = tmp_path / "placed"
+    reads = _reads_of(trained / "config.yaml", monkeypatch)
+    load_run_config(trained)
+    once, reads[:] = len(reads), []  # what one reading of a run's config.yaml parses
     rc = main(["branch", str(trained), "--at", "30", "--cooldown", "2048", "--out", str(child),
                "--place-experts", "2"])
     text = capsys.readouterr()
     assert rc == 0, text.err
+    assert len(reads) == once  # read once: the checks, the plan shown and the branch made
     assert "experts re-placed for EP 2" in text.out
     lin = json.loads((child / "lineage.json").read_text())["placement"]
     slots = np.asarray(lin["slots"])

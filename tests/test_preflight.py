@@ -5,16 +5,19 @@ check's executables (no second compile), a later data stage's step checked up fr
 
 from __future__ import annotations
 
+import json
+import shutil
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from jax._src import monitoring
 
-from helpers import data_dir, micro_config  # noqa: F401 - data_dir is a fixture
+from helpers import data_dir, micro_config, shared_run  # noqa: F401 - data_dir is a fixture
 from moelab import util
+from moelab.cli import main
 from moelab.config import ConfigError, load_config
-from moelab.run.logs import read_metrics
+from moelab.run.logs import OPS_LOG, read_metrics
 from moelab.train import preflight, setup
 from moelab.train.loop import train
 from moelab.train.step import abstract_train_state
@@ -120,14 +123,37 @@ def test_a_run_that_does_not_fit_stops_before_training(tmp_path, data_dir,  # no
     with pytest.raises(ConfigError, match=r"the compiled train step needs [\d.]+ MiB .* but JAX "
                                           r"may use 1.0 MiB of it"):
         train(micro_config(data_dir, train={"steps": 2}), run, verbose=False)
-    _, events = read_metrics(run / "metrics.jsonl")
-    assert [e["event"] for e in events] == ["start", "failed"]
-    assert "ConfigError: the compiled train step needs" in events[-1]["error"]
-    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    assert not run.exists()  # refused: the new run's folder is gone with what it wrote
+    mine = tmp_path / "mine"  # a folder of the user's keeps what it held, and only that
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="the compiled train step needs"):
+        train(micro_config(data_dir, train={"steps": 2}), mine, verbose=False)
+    assert sorted(p.name for p in mine.iterdir()) == ["checkpoints", "notes.txt"]
     # told to start anyway, the same run trains (the CPU needs no more than it has)
     summary = train(micro_config(data_dir, train={"steps": 2, "memory_check": False}), run,
                     verbose=False)
     assert summary["step"] == 2
+
+
+def test_a_resume_that_does_not_fit_keeps_the_run_s_files(tmp_path_factory, tmp_path,
+                                                          data_dir, monkeypatch,  # noqa: F811
+                                                          no_share):
+    """Refused by the compiled step's check, after its resume event: the log records the
+    refusal, but config.yaml keeps the run's settings (a later plain resume would train what
+    was refused) and a pending replan stays pending, not logged as applied."""
+    run = shutil.copytree(shared_run(tmp_path_factory, data_dir)[0], tmp_path / "run")
+    (run / "plan_pending.json").write_text(json.dumps(
+        {"change": {"end": 40}, "requested_at_step": 30, "reason": "longer"}))
+    names = ("config.yaml", "provenance.json", "tokenizer.json", "plan_pending.json")
+    kept = {n: (run / n).read_bytes() for n in names}
+    monkeypatch.setattr(preflight, "allocator_memory", lambda d: (2**20, 2**19))
+    assert main(["resume", str(run), "train.log_every=5"]) == 2
+    assert {n: (run / n).read_bytes() for n in names} == kept
+    assert not (run / OPS_LOG).exists() or "replan_applied" not in (run / OPS_LOG).read_text()
+    _, events = read_metrics(run / "metrics.jsonl")
+    assert [e["event"] for e in events[-2:]] == ["resume", "failed"]
+    assert "ConfigError: the compiled train step needs" in events[-1]["error"]
 
 
 def test_a_run_the_cpu_host_cannot_hold_is_refused_before_its_state(tmp_path, data_dir,  # noqa: F811

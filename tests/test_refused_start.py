@@ -82,6 +82,7 @@ def test_a_refused_new_run_leaves_no_folder(sections, phrase, data_dir, tmp_path
     assert main(["train", str(cfg), "--run-dir", str(run)]) == 2
     assert phrase in _error_line(capsys)
     assert not run.exists()  # no config, provenance, tokenizer or lock left behind
+    assert not run.parent.exists()  # nor the folder made to hold it
     assert main(["history", str(run)]) != 0  # nothing there to mistake for a run
 
 
@@ -140,6 +141,25 @@ def test_a_refused_resume_keeps_the_replan_it_was_to_apply(resumable, capsys, no
     assert main(["resume", str(resumable)]) == 2
     assert "data.mixture_schedule[0].mixture: unknown domain(s) cod" in _error_line(capsys)
     assert _snapshot(resumable) == before
+
+
+def test_a_train_steps_the_run_has_reached_is_refused_with_its_fixes(resumable, capsys,
+                                                                    no_state_built):
+    """A finished run (step 30 of 30): the same end trains nothing and says so (exit 0, no
+    compile, no record); an earlier one is refused, naming the reached step and the ways to a
+    later end or an earlier one (a replan cannot end a finished run sooner: not offered)."""
+    run, before = resumable, _snapshot(resumable)
+    assert main(["resume", str(run), "train.steps=20"]) == 2
+    line = _error_line(capsys)
+    assert line == (f"moelab: error: train.steps=20: {run} is at step 30 already, so it would "
+                    f"train nothing; to train it on, give a train.steps above 30 (`moelab resume "
+                    f"{run} train.steps=M`); for a model that ends by step 20: `moelab branch "
+                    f"{run} --at K --cooldown TOKENS` from a checkpoint K in 10")
+    for given in ([], ["train.steps=30"]):
+        assert main(["resume", str(run), *given]) == 0
+        assert (f"{run} finished at step 30 already; nothing to train. To train it longer: "
+                f"`moelab resume {run} train.steps=N` with N above 30") in capsys.readouterr().err
+    assert _snapshot(run) == before
 
 
 @pytest.fixture(scope="module")

@@ -245,6 +245,22 @@ def test_a_start_removes_the_temporary_files_a_killed_start_left(run):
     assert not any(p.exists() for p in left) and other.exists()
 
 
+def test_a_start_removes_what_interrupted_saves_left_before_it_trains(run):
+    """A save killed (or failed) midway leaves a temporary folder as big as a checkpoint; a
+    resume removes it as it starts, not at its first save hours later, and keeps every
+    checkpoint."""
+    ckpts = run / "checkpoints"
+    steps = sorted(p.name for p in ckpts.iterdir() if p.name.startswith("step_"))
+    left = [ckpts / ".tmp-step_00000040.123.0a1b2c3d", ckpts / ".trash-step_00000010.0a1b2c3d",
+            ckpts / "step_00000040.orbax-checkpoint-tmp-1700000000"]  # orbax's own naming
+    for p in left:
+        (p / "state").mkdir(parents=True)
+        (p / "state" / "part").write_bytes(b"0" * 64)
+    _setup(recovered_config(run), run)
+    assert not any(p.exists() for p in left)
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".lease")) == steps
+
+
 @pytest.mark.parametrize("text, what", [("{not json", "not valid JSON"),
                                         ("[1, 2]", "not a JSON object"),
                                         (b"\xff\xfe{}", "not valid JSON")])

@@ -33,7 +33,7 @@ from moelab.run.logs import (
 )
 from moelab.run.provenance import CODE_FIELDS, branch_provenance
 from moelab.train.changes import Change, PlanError, apply_change, check_seq_len
-from moelab.train.resume import check_unedited
+from moelab.train.resume import as_started, check_config_identity
 from moelab.util import atomic_write_bytes, atomic_write_json, check_writable, native_work
 
 
@@ -85,12 +85,15 @@ def without_planned(cfg, at: int):
 
 def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: float | None = None,
                 mixture: dict | None = None, seq_len: int | None = None,
-                drop_planned: bool = False):
+                drop_planned: bool = False, loaded=None):
     """(the parent's config, the branch's config) for a cooldown from ``at``; the branch keeps
     the parent's mixture changes and context stages planned from ``at`` on (but those a new
-    ``mixture`` or ``seq_len`` replaces) unless ``drop_planned``."""
-    parent_cfg = load_run_config(parent).with_absolute_data()  # the parent's data, as trained
-    check_unedited(parent)  # a hand edit would be copied into a branch that cannot resume
+    ``mixture`` or ``seq_len`` replaces) unless ``drop_planned``. ``loaded``: the parent's
+    config.yaml as the caller read it (else read here)."""
+    # the parent's data, as trained
+    parent_cfg = (loaded or load_run_config(parent)).with_absolute_data()
+    # a hand edit would be copied into a branch that cannot resume
+    check_config_identity(as_started(parent_cfg), Path(parent))
     cfg = without_planned(parent_cfg, at) if drop_planned else parent_cfg
     if seq_len is not None:
         check_seq_len(cfg, seq_len, at, f"--seq-len {seq_len}")
@@ -114,11 +117,11 @@ def plan_branch(parent: Path | str, at: int, cooldown_tokens: int, *, floor: flo
                                                     seq_len=seq_len), keep_warmup=False)
 
 
-def parent_data(parent: Path | str, accept: bool = False) -> dict:
+def parent_data(parent: Path | str, accept: bool = False, loaded=None) -> dict:
     """The parent's provenance record with the data its folder holds now; a branch of a run
     whose data changed is refused unless ``accept``, and then its record holds the new data
-    and ``"changes"`` the accepted changes."""
-    cfg = load_run_config(parent).with_absolute_data()
+    and ``"changes"`` the accepted changes. ``loaded``: as in ``plan_branch``."""
+    cfg = (loaded or load_run_config(parent)).with_absolute_data()
     recorded = run_data_record(parent)  # provenance.json, else the checkpoint's or own tokenizer
     now = data_identity(cfg.data, cfg.model.vocab_size)
     changes = check_data(parent, recorded, now, cfg.data.data_dir, accept)
@@ -211,18 +214,21 @@ def write_placed(state: dict, meta: dict, at: int, slots_LE, ckpt_dir) -> None:
 def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str | None = None,
            floor: float | None = None, mixture: dict | None = None, seq_len: int | None = None,
            place_ranks: int | None = None, reason: str = "", command: str | None = None,
-           accept_data_change: bool = False, drop_planned: bool = False) -> Path:
+           accept_data_change: bool = False, drop_planned: bool = False,
+           loaded=None) -> Path:
     """Create the branch folder (it must not exist yet); returns its path. ``place_ranks``:
     re-place its experts for an EP group of that many ranks (``moelab.parallel.placement``).
-    A parent whose data changed is refused unless ``accept_data_change``."""
+    A parent whose data changed is refused unless ``accept_data_change``. ``loaded``: the
+    parent's config.yaml as the caller read it, so the branch is the plan it showed."""
     from moelab.run.load import restore_state
     from moelab.train.step import abstract_train_state
 
     parent = Path(parent)
-    data = parent_data(parent, accept_data_change)
+    loaded = loaded or load_run_config(parent)
+    data = parent_data(parent, accept_data_change, loaded)
     parent_cfg, child_cfg = plan_branch(parent, at, cooldown_tokens, floor=floor,
                                         mixture=mixture, seq_len=seq_len,
-                                        drop_planned=drop_planned)
+                                        drop_planned=drop_planned, loaded=loaded)
     child = branch_dir(parent, at, out)  # refused before any restoring or routing
     check_can_record(parent, child)
     placed = None

@@ -203,15 +203,17 @@ def cmd_branch(args) -> int:
     check_run_folder(args.run)
     parent = Path(args.run)
     tokens = parse_tokens(args.cooldown, "--cooldown")
+    loaded = load_run_config(parent)  # read once: the plan shown is the branch made
     if args.place_experts is not None:  # before any planning or restoring: the parent's experts
-        br.placement_group(load_run_config(parent), args.place_experts)
+        br.placement_group(loaded, args.place_experts)
     mixture = _mixture(args)
-    br.parent_data(parent, args.accept_data_change)  # refused before any planning
+    br.parent_data(parent, args.accept_data_change, loaded)  # refused before any planning
     child = br.branch_dir(parent, args.at, args.out)  # a used folder: refused, dry run or not
     if not args.dry_run:  # an unwritable one too where the branch would be made
         br.check_can_record(parent, child)
     before, after = br.plan_branch(parent, args.at, tokens, floor=args.floor, mixture=mixture,
-                                   seq_len=args.seq_len, drop_planned=args.drop_planned)
+                                   seq_len=args.seq_len, drop_planned=args.drop_planned,
+                                   loaded=loaded)
     data_note = _check_data(after, args)  # refusals before anything is printed
     forecast = (rp.format_forecast(rp.ladder_forecast(args.ladder, {"parent": before,
                                                                     "branch": after}))
@@ -236,7 +238,7 @@ def cmd_branch(args) -> int:
                       mixture=mixture, seq_len=args.seq_len, place_ranks=args.place_experts,
                       reason=args.reason, command=shlex.join(args.argv),
                       accept_data_change=args.accept_data_change,
-                      drop_planned=args.drop_planned)
+                      drop_planned=args.drop_planned, loaded=loaded)
     tokens = after.data.tokens_before(after.train.steps) - after.data.tokens_before(args.at)
     print(f"branch {child}: from step {args.at} of {parent} to step {after.train.steps} "
           f"(cooldown of {tokens:,} tokens); parent untouched but for one line in its ops.jsonl")

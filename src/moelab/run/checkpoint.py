@@ -13,7 +13,7 @@ A save builds everything inside a ``.tmp-*`` directory -- orbax finalises ``stat
 only then renames the whole directory to ``step_XXXXXXXX``. That rename is the commit: a crash at
 any point leaves either no ``step_*`` directory or a complete one, never a half-written checkpoint
 that looks valid. Leftover ``.tmp-*`` directories are never listed and are removed by the next
-``save``.
+``save`` (and by a trainer's start: ``remove_leftovers``).
 
 The manifest lets a restore detect damage that orbax itself would not notice (a flipped byte in an
 array chunk restores "successfully" with wrong values), as well as missing or truncated files.
@@ -84,6 +84,7 @@ META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 _TMP_PREFIX = ".tmp-"  # a save in progress / crash leftover
 _TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned or overwritten)
+_ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's own save in progress (``step_3.orbax-...-tmp-N``)
 _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
 
 
@@ -234,7 +235,7 @@ class Checkpointer:
         main = jax.process_index() == 0
         if main:
             self.dir.mkdir(parents=True, exist_ok=True)
-            self._remove_leftovers()
+            self.remove_leftovers()
         final = self.step_dir(step)
         # Every process must name the same temporary directory: process 0 picks it.
         token = broadcast_str(f"{os.getpid()}.{uuid.uuid4().hex[:8]}")
@@ -320,14 +321,12 @@ class Checkpointer:
             list(pool.map(_fsync_path, dirs))
         return out
 
-    def _remove_leftovers(self) -> None:
-        for p in self.dir.iterdir():
-            if p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
+    def remove_leftovers(self) -> None:
+        """Remove what interrupted saves and deletions left (by the folder's one writer)."""
+        for p in self.dir.iterdir() if self.dir.is_dir() else ():
+            if p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) or _ORBAX_TMP in p.name:
                 info(f"checkpoint: removing leftover {p} (interrupted save or delete)")
-                if p.is_dir():
-                    shutil.rmtree(p, ignore_errors=True)
-                else:
-                    p.unlink(missing_ok=True)
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def _prune(self) -> None:
         for s in prunable(self.steps(), self.keep, leased_steps(self.dir, remove_stale=True),

@@ -76,22 +76,32 @@ def run_lock(run_dir: Path | str, command: str | None = None, *,
     write the folder, e.g. every process but the first of a multi-process run)."""
     fresh = not Path(run_dir).exists()
     had_lock = (Path(run_dir) / LOCK_FILE).exists()
+    made = _missing_parents(Path(run_dir))  # those acquire makes (mkdir -p)
     fd = acquire(run_dir, command, name) if enabled else None
     try:
         yield
     finally:
         if fd is not None:
             if fresh:  # a command that failed before writing anything leaves no folder
-                _remove_if_only_the_lock(Path(run_dir))
+                _remove_if_only_the_lock(Path(run_dir), made)
             elif not had_lock and not (Path(run_dir) / "config.yaml").exists():
                 (Path(run_dir) / LOCK_FILE).unlink(missing_ok=True)  # nor a lock in yours
             release(fd)
 
 
-def _remove_if_only_the_lock(run_dir: Path) -> None:
+def _missing_parents(run_dir: Path) -> list[Path]:
+    """The folders above ``run_dir`` that do not exist yet, nearest first."""
+    return [p for p in run_dir.absolute().parents if not p.exists()]
+
+
+def _remove_if_only_the_lock(run_dir: Path, parents: list[Path]) -> None:
+    """Remove ``run_dir`` when it holds only the lock, then those of the ``parents`` it made
+    that stayed empty (``--run-dir runs/new/x`` refused leaves no ``runs/new``)."""
     try:
         if [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
             (run_dir / LOCK_FILE).unlink()
             run_dir.rmdir()
+            for parent in parents:
+                parent.rmdir()
     except OSError:  # something appeared meanwhile: the folder is in use, keep it
         pass

@@ -16,7 +16,9 @@ from dataclasses import dataclass
 
 import jax
 
+from moelab.config import RunConfig
 from moelab.planner.cluster import accelerator_of_kind
+from moelab.planner.counts import param_counts, train_flops_per_token
 
 # A CPU core's nominal peak: two 256-bit FMA units x 8 float32 lanes x 2 FLOPs x ~3 GHz, the
 # AVX2 server core XLA's CPU backend vectorises for, rounded (96 -> 100 GFLOP/s). Fixed rather
@@ -124,3 +126,23 @@ def measure_peak_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32",
         jax.block_until_ready(out)
         best = min(best, (time.perf_counter() - t) / calls)
     return 2.0 * n**3 / best
+
+
+def model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, Peaks]:
+    """(parameter counts, peaks of all devices) of a run of ``cfg`` on ``mesh`` (None: one
+    device), announced with the FLOPs per token."""
+    counts = param_counts(cfg.model)
+    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
+    flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
+    peak = run_peaks(cfg.train.peak_flops, cfg.model.compute_dtype, devices)
+    measured = ("" if peak.measured is None or peak.rated_is_measured else
+                f"; measured {cfg.model.compute_dtype} matmul {format_flops(peak.measured)}")
+    micro = cfg.micro_seqs()  # train.microbatch_tokens: the step accumulates its micro-steps
+    accum = (f" in {cfg.data.batch_size // micro} micro-steps of {micro * cfg.data.seq_len}"
+             if micro < cfg.data.batch_size else "")
+    say(f"model: {counts['total'] / 1e6:.2f}M parameters, {counts['active'] / 1e6:.2f}M active "
+        f"per token; {tokens_per_step} tokens/step{accum}; {flops_per_token / 1e6:.1f} "
+        "MFLOP/token; "
+        f"MFU against {format_flops(peak.rated)} ({peak.source}){measured}")
+    return counts, peak

@@ -35,6 +35,7 @@ from moelab.train.changes import (
     lr_curve,
     recorded_decisions,
 )
+from moelab.util import is_url
 
 PENDING = "plan_pending.json"
 
@@ -144,9 +145,12 @@ def check_given_end(cfg: RunConfig, run_dir: Path | str) -> None:
     """A train.steps typed for a run whose end a replan or branch set would be dropped for that
     end (a config that restates no operation inherits them: ``inherit_operations``): refused,
     naming the way to move the end."""
-    if resume_step(run_dir) is None:
+    at = resume_step(run_dir)
+    if at is None:
         return
     saved = recovered_config(run_dir)
+    if cfg.train.steps != saved.train.steps and cfg.train.steps <= at:  # no replan moves it there
+        raise ConfigError(stop_step_text(cfg.train.steps, at, saved.train.steps, run_dir))
     if saved.optim.decays and not cfg.optim.decays and cfg.train.steps != saved.train.steps:
         raise ConfigError(f"train.steps={cfg.train.steps}: {run_dir} ends at step "
                           f"{saved.train.steps}, where its re-timed decay (a replan or branch) "
@@ -261,14 +265,27 @@ def check_unedited(run_dir: Path | str) -> RunConfig:
     return saved
 
 
+def stop_step_text(steps: int, at: int, end: int, run_dir: Path | str) -> str:
+    """Why train.steps=``steps`` is refused for a run at step ``at`` that ends at ``end``, and
+    the fixes: a later end, or an earlier one that a replan or a branch still can give."""
+    text = (f"train.steps={steps}: {run_dir} is at step {at} already, so it would train "
+            f"nothing; to train it on, give a train.steps above {at} (`moelab resume {run_dir} "
+            f"train.steps=M`)")
+    if at < end:  # not at its end yet: a replan may still end it sooner than planned
+        text += (f", or, to end it sooner than step {end}, `moelab replan {run_dir} --end-steps "
+                 f"M --apply` with M above {at}")
+    earlier = [s for s in Checkpointer(Path(run_dir) / "checkpoints").steps() if s < steps]
+    if earlier:  # a step it passed: a cooldown branch from before it ends there
+        text += (f"; for a model that ends by step {steps}: `moelab branch {run_dir} --at K "
+                 f"--cooldown TOKENS` from a checkpoint K in {', '.join(map(str, earlier))}")
+    return text
+
+
 def check_stop_step(saved: RunConfig, cfg: RunConfig, at: int, run_dir: Path) -> None:
     """A new train.steps at or below the step the run resumes from would train nothing."""
     steps = cfg.train.steps
     if steps != saved.train.steps and steps <= at:
-        raise ConfigError(f"train.steps={steps}: {run_dir} is at step {at} already, so it would "
-                          f"train nothing; give a train.steps above {at} to train on, or, to "
-                          f"end a run earlier, `moelab replan {run_dir} --end-steps N` before it "
-                          "gets there")
+        raise ConfigError(stop_step_text(steps, at, saved.train.steps, run_dir))
 
 
 def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
@@ -296,3 +313,28 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
                           f"{why} a new --run-dir (or, to continue this run as it was "
                           f"configured, `moelab resume {run_dir}`)")
     return cfg
+
+
+def say_start(cfg: RunConfig, run_dir: Path | str, start: int | None, changed: list[str],
+              started_before: bool, say) -> None:
+    """The line a resume (``start``: its step) or a restart begins with: the settings it
+    changes, and steps it adds past the LR schedule's end (they train at the floor LR).
+    ``run_dir``: the run as the user named it (a URL run's URL, not this machine's copy)."""
+    if start is None:
+        if started_before:
+            say(f"{run_dir}: no checkpoint to resume from (stopped before its first); training "
+                "from step 0")
+        return
+    say(f"resuming {run_dir} from step {start}" + (
+        f", with {len(changed)} setting(s) changed from its config.yaml: " + "; ".join(changed)
+        if changed else ""))
+    # where the LR reaches its floor: the base schedule's end, or a replan's or branch's decay
+    end, floor = cfg.floor_end
+    first = max(start, end) + 1
+    if cfg.train.steps >= first:
+        span = (f"step {first} trains" if first == cfg.train.steps else
+                f"steps {first}-{cfg.train.steps} train")
+        say(f"note: its LR schedule ends at step {end}, so {span} at the floor LR ({floor:g} x "
+            "peak)" + (
+                f"; to decay over the longer run instead: moelab replan {run_dir} --end-steps "
+                f"{cfg.train.steps} --apply" if start < end and not is_url(run_dir) else ""))

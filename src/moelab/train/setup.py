@@ -9,6 +9,7 @@ the data it prepares and then find it built.
 from __future__ import annotations
 
 import functools
+import shutil
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Callable, Iterator, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from moelab.config import RunConfig, save_config
+from moelab.config import ConfigError, RunConfig, save_config
 from moelab.data.prepare import (
     PreparedData,
     data_identity,
@@ -33,7 +34,6 @@ from moelab.model.axes import DATA
 from moelab.parallel import transport
 from moelab.parallel.distributed import barrier, is_main
 from moelab.parallel.mesh import check_device_count, mesh_from_config, shard_batch
-from moelab.planner.counts import param_counts, train_flops_per_token
 from moelab.run.checkpoint import Checkpointer, CheckpointError
 from moelab.run.identity import (
     DATA_FIELDS,
@@ -53,7 +53,7 @@ from moelab.run.provenance import provenance
 from moelab.tempfiles import remove_temp_files
 from moelab.train.adapt import check_adaptive, check_adaptive_heldout
 from moelab.train.heldout import check_heldout
-from moelab.train.peak import Peaks, format_flops, run_peaks
+from moelab.train.peak import Peaks, model_costs
 from moelab.train.preflight import (
     check_host_memory,
     check_step_memory,
@@ -65,6 +65,7 @@ from moelab.train.resume import (
     resolve_run_config,
     resume_changes,
     resume_step,
+    say_start,
 )
 from moelab.train.step import (
     abstract_train_state,
@@ -86,7 +87,6 @@ from moelab.util import (
     atomic_write_json,
     describe_error,
     info,
-    is_url,
     native_work,
 )
 
@@ -181,6 +181,27 @@ def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: d
     commit_pending(run_dir, cfg)  # a replan applied by this resume: log it, drop the request
 
 
+def _say_missing_records(cfg: RunConfig, run_dir: Path, at: int | None, recorded: dict,
+                         say) -> None:
+    """What a resume writes back that the run folder lacks (both written once it starts)."""
+    if at is not None and not (run_dir / "config.yaml").is_file():
+        say(f"{run_dir}/config.yaml: missing; resuming with the config the checkpoint of step "
+            f"{at} was trained with (its meta.json), written back now")
+    if at is not None and compared_fields(recorded) != DATA_FIELDS:
+        say(f"{run_dir}: no record of the data it trained on (a run of an older moelab); "
+            f"recording the corpus and tokenizer of {cfg.data.data_dir} as its data now")
+
+
+def _checks_passed(run: RunSetup, at: int | None, data: PreparedData, prov: dict) -> None:
+    """Once the compiled step's checks pass: a resume writes the run's files (its config with
+    a pending replan applied), and what failed or killed saves left half-made goes now, not at
+    the first save (as big as a checkpoint: its disk space is needed)."""
+    if run.main and at is not None:
+        _write_run_folder(run.cfg, run.run_dir, data, prov)
+    if run.main:
+        run.ckpt.remove_leftovers()
+
+
 def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool,
                    url: str | None = None) -> Trackers:
     """The run's trackers (the main process's only). W&B knows a run by its folder, or by its
@@ -232,61 +253,36 @@ def _check_memory(run: RunSetup, state, cands: list[RunConfig]) -> None:
                           run.mesh, run.say)
 
 
+# What a start writes in its run folder: a new run refused before its first step removes them
+RUN_FILES = ("config.yaml", "tokenizer.json", "provenance.json", "metrics.jsonl", "checkpoints",
+             "tensorboard", "wandb")
+
+
+def _new_run_files(run_dir: Path, at: int | None) -> list[Path]:
+    """The run files a start of ``run_dir`` makes when it holds no run yet (no checkpoint, no
+    log): each is new. Empty for a run with a record, which keeps this start's too."""
+    made = [run_dir / name for name in RUN_FILES if not (run_dir / name).exists()]
+    return made if at is None and run_dir / "metrics.jsonl" in made else []
+
+
 @contextmanager
-def _end_recorded(trackers, step: int) -> Iterator[None]:
+def _end_recorded(trackers, step: int, made: list[Path]) -> Iterator[None]:
     """However the setup ends after the run's start or resume event (a refusal, an error, a
-    stop signal; the memory check compiles for minutes on a large model), its log says so."""
+    stop signal; the memory check compiles for minutes on a large model), its log says so;
+    but a new run refused (``made``: the files it wrote) leaves none of them."""
     try:
         yield
     except BaseException as e:
-        kind = "aborted" if isinstance(e, KeyboardInterrupt) else "failed"
-        trackers.event(kind, step, error=describe_error(e))
+        # said to every tracker (W&B would show a run closed without it as finished) ...
+        trackers.event("aborted" if isinstance(e, KeyboardInterrupt) else "failed", step,
+                       error=describe_error(e))
         trackers.close()
+        for path in made if isinstance(e, ConfigError) else []:  # ... then a refusal's removed
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
         raise
-
-
-def _say_start(cfg: RunConfig, run_dir: Path | str, start: int | None, changed: list[str],
-               started_before: bool, say) -> None:
-    """The line a resume (``start``: its step) or a restart begins with: the settings it
-    changes, and steps it adds past the LR schedule's end (they train at the floor LR).
-    ``run_dir``: the run as the user named it (a URL run's URL, not this machine's copy)."""
-    if start is None:
-        if started_before:
-            say(f"{run_dir}: no checkpoint to resume from (stopped before its first); training "
-                "from step 0")
-        return
-    say(f"resuming {run_dir} from step {start}" + (
-        f", with {len(changed)} setting(s) changed from its config.yaml: " + "; ".join(changed)
-        if changed else ""))
-    # where the LR reaches its floor: the base schedule's end, or a replan's or branch's decay
-    end, floor = cfg.floor_end
-    first = max(start, end) + 1
-    if cfg.train.steps >= first:
-        span = (f"step {first} trains" if first == cfg.train.steps else
-                f"steps {first}-{cfg.train.steps} train")
-        say(f"note: its LR schedule ends at step {end}, so {span} at the floor LR ({floor:g} x "
-            "peak)" + (
-                f"; to decay over the longer run instead: moelab replan {run_dir} --end-steps "
-                f"{cfg.train.steps} --apply" if start < end and not is_url(run_dir) else ""))
-
-
-def _model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, Peaks]:
-    """(parameter counts, peaks of all devices), announced with the FLOPs per token."""
-    counts = param_counts(cfg.model)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
-    devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
-    peak = run_peaks(cfg.train.peak_flops, cfg.model.compute_dtype, devices)
-    measured = ("" if peak.measured is None or peak.rated_is_measured else
-                f"; measured {cfg.model.compute_dtype} matmul {format_flops(peak.measured)}")
-    micro = cfg.micro_seqs()  # train.microbatch_tokens: the step accumulates its micro-steps
-    accum = (f" in {cfg.data.batch_size // micro} micro-steps of {micro * cfg.data.seq_len}"
-             if micro < cfg.data.batch_size else "")
-    say(f"model: {counts['total'] / 1e6:.2f}M parameters, {counts['active'] / 1e6:.2f}M active "
-        f"per token; {tokens_per_step} tokens/step{accum}; {flops_per_token / 1e6:.1f} "
-        "MFLOP/token; "
-        f"MFU against {format_flops(peak.rated)} ({peak.source}){measured}")
-    return counts, peak
 
 
 def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Callable]:
@@ -378,9 +374,11 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     ``hold``: keeps the data folder marked as read by this run until it closes.
     A resume must find the data the run recorded, unless ``accept_data_change``.
 
-    The run folder is written only once every check has passed and the train state is built:
-    a start refused (or stopped) before leaves a new folder empty, which the run's lock then
-    removes, and a resumed run's folder as it was."""
+    The run folder is written only once every check on the data has passed and the train
+    state is built: a start refused (or stopped) before leaves a new folder empty, which the
+    run's lock then removes, and a resumed run's folder as it was. The compiled step's checks
+    come after: a new run they refuse removes what it wrote; a resume writes its config and
+    applies a pending replan only once they pass (its log records a refusal there)."""
     run_dir = Path(run_dir)
     cfg = cfg.with_absolute_data()  # the run's own data, wherever it is resumed from
     at = resume_step(run_dir)  # None: nothing trained yet, any data may (re)start it
@@ -389,12 +387,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     cfg, changed = _resolved(cfg, run_dir, recorded, accept_data_change)
     main = is_main()  # with several processes, process 0 alone writes the run folder
     say = info if verbose and main else _quiet
-    if at is not None and not (run_dir / "config.yaml").is_file():
-        say(f"{run_dir}/config.yaml: missing; resuming with the config the checkpoint of step "
-            f"{at} was trained with (its meta.json), written back now")
-    if at is not None and compared_fields(recorded) != DATA_FIELDS:
-        say(f"{run_dir}: no record of the data it trained on (a run of an older moelab); "
-            f"recording the corpus and tokenizer of {cfg.data.data_dir} as its data now")
+    _say_missing_records(cfg, run_dir, at, recorded, say)
     mesh = mesh_from_config(cfg.parallel)  # refuses more devices than are visible
     shapes = functools.cache(functools.partial(abstract_train_state, cfg))  # traced once
     state_sh = train_state_shardings(cfg, mesh, shapes)
@@ -408,8 +401,9 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     with native_work():  # compiles and first programs: a stop signal ends the process at once
         state = init_sharded_state(cfg, state_sh)
     prov = provenance(cfg, inputs.now)
-    if main:  # nothing refused it: from here on the folder holds the run
-        _write_run_folder(cfg, run_dir, data, prov)
+    made = _new_run_files(run_dir, at) if main else []
+    if main and at is None:  # a new run's folder holds it from here: a restart after a stop in
+        _write_run_folder(cfg, run_dir, data, prov)  # the checks below says it starts over
     ckpt = Checkpointer(run_dir / "checkpoints", keep=cfg.train.keep_ckpts,
                         every=cfg.train.ckpt_every,
                         asynchronous=cfg.train.async_ckpt)
@@ -421,19 +415,19 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     start, meta = 0, {}
     if restored is not None:
         start, state, meta = restored
-    _say_start(cfg, mirror.url if mirror else run_dir, start if restored is not None else None,
-               changed, started_before, say)
+    say_start(cfg, mirror.url if mirror else run_dir, start if restored is not None else None,
+              changed, started_before, say)
     sampler.restore(start, meta.get("data"))
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"), **process_identity(),
                    devices=1 if mesh is None else mesh.size, processes=jax.process_count(),
                    **({"changed": changed} if start and changed else {}))
-    with _end_recorded(trackers, start), native_work():
+    with _end_recorded(trackers, start, made), native_work():
         if inputs.changes:  # the run's record of what it trained on from here
             trackers.event("data_change", start, accepted="--accept-data-change",
                            **{f: {"recorded": a, "now": b} for f, (a, b) in inputs.changes.items()})
         hardware = HardwareMonitor()
-        counts, peak = _model_costs(cfg, mesh, say)
+        counts, peak = model_costs(cfg, mesh, say)
         cands = remat_candidates(cfg, jax.default_backend())  # [cfg] unless model.remat=auto
         step_fn, eval_fn = _step_functions(cands[0], mesh, state_sh, say)
         run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
@@ -446,4 +440,5 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
                        remat=((cands[0].model.remat, cands[0].model.scan_unroll)
                               if len(cands) > 1 else None))
         _check_memory(run, state, cands)
+    _checks_passed(run, at, data, prov)
     return run, state
