@@ -682,3 +682,28 @@ def test_drops_are_on_the_progress_line_and_in_the_summary_where_routes_can_drop
               "baseline/prose/gzip9_bpb": 3.1947})
     assert format_summary(s).endswith("\n  prose vs gzip   model 3.206, gzip -9 3.195 bits/byte: "
                                       "the model does NOT beat gzip")
+
+
+def test_a_save_between_logged_steps_starts_its_pause_once_the_steps_are_done(
+        tmp_path, data_dir, monkeypatch):  # noqa: F811
+    """Throughput is tokens over the time off pauses. A save at a step that logs nothing began
+    its pause while the steps before it were still queued on the device, so their compute
+    counted as paused (38,585 tok/s and 122% MFU shown for 3,100 on a CPU, with
+    train.ckpt_every=4): the state a save reads is ready before its pause starts. The device
+    is held up here by a second per step, in a callback, so the steps are surely queued."""
+    import time
+
+    import moelab.train.loop as loop
+
+    delay = jax.jit(lambda s: {**s, "step": jax.pure_callback(
+        lambda x: (time.sleep(1.0), x)[1], jax.ShapeDtypeStruct((), s["step"].dtype),
+        s["step"])})
+    step_at = loop.train_step_at
+    monkeypatch.setattr(loop, "train_step_at", lambda run, step: (
+        lambda state, batch: (lambda out: (delay(out[0]), out[1]))(
+            step_at(run, step)(state, batch))))
+    ready, save = [], loop._save
+    monkeypatch.setattr(loop, "_save", lambda run, p, wait=True: (
+        ready.append(all(x.is_ready() for x in jax.tree.leaves(p.state))), save(run, p, wait)))
+    quiet_train(resume_cfg(data_dir, steps=5, ckpt_every=2, log_every=5), tmp_path / "run")
+    assert ready[:2] == [True, True], ready  # steps 2 and 4 (then the final save at 5)

@@ -113,6 +113,13 @@ class Adapter:
     def n_dev(self) -> int:
         return 1 if self.run.mesh is None else self.run.mesh.devices.size
 
+    def acts_at(self, step: int) -> bool:
+        """Whether ``before_step`` does anything at ``step`` (it reads the state when it does)."""
+        cfg, every = self.run.cfg, self.run.cfg.parallel.replace_every
+        return (any(c.step == step and c.pending for c in cfg.data.context_stages)
+                or any(c.step == step and c.placement for c in cfg.data.stages())
+                or bool(every and step and step % every == 0))
+
     def before_step(self, step: int, state: dict) -> dict:
         """The state to train ``step`` from: a pending gate decided, a decided stage's
         placement applied, the placement re-fitted when ``parallel.replace_every`` says."""

@@ -23,7 +23,6 @@ a non-finite state is never saved (``train.on_nonfinite``: stop, or skip such st
 
 from __future__ import annotations
 
-import json
 import signal
 import time
 from contextlib import ExitStack
@@ -32,21 +31,19 @@ from pathlib import Path
 
 import jax
 
-from moelab.config import ConfigError, RunConfig
+from moelab.config import RunConfig
 from moelab.config.io import flatten_config
-from moelab.data.prepare import with_tokenizer_vocab
 from moelab.data.sampler import heldout_text
 from moelab.parallel.distributed import agree_any, agree_signal, check_same_run, is_main
 from moelab.planner.counts import train_flops_per_token
-from moelab.run.checkpoint import Checkpointer, CheckpointError, save_failure
+from moelab.run.checkpoint import CheckpointError, save_failure
 from moelab.run.lock import run_lock
-from moelab.run.logs import read_metrics
 from moelab.train.adapt import Adapter
 
 # evaluate is called through this module's name (tests patch it)
 from moelab.train.heldout import evaluate, final_eval_tokens, gzip_bpb, sample_text
 from moelab.train.profile import StepTracer
-from moelab.train.resume import resolve_run_config, resume_step
+from moelab.train.resume import finished_summary, resume_step
 from moelab.train.setup import RunSetup, setup_run, train_step_at
 from moelab.train.step import FINITE_CHECKED, drops_text, first_nonfinite, nonfinite_advice
 from moelab.train.tracker import (
@@ -141,7 +138,7 @@ def _train(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | No
 
 def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | None,
                    accept_data_change: bool, mirror, reading: ExitStack) -> dict:
-    done = _finished_summary(cfg, run_dir, info if verbose and is_main() else (lambda _m: None))
+    done = finished_summary(cfg, run_dir, info if verbose and is_main() else (lambda _m: None))
     if done is not None:
         return {**done, "run_dir": mirror.url if mirror is not None else str(run_dir)}
     try:
@@ -178,38 +175,6 @@ def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: 
     if run.main:
         atomic_write_json(run.run_dir / "summary.json", summary)
     return summary
-
-
-def _finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
-    """The saved summary of a run that finished at the step it is at, when ``cfg`` (as a
-    resume resolves it) ends there too: a resume then has nothing to do and says so, adding
-    nothing to the run's records. Else None."""
-    at, path = resume_step(run_dir), run_dir / "summary.json"
-    if at is None or not path.is_file():
-        return None
-    _, events = read_metrics(run_dir / "metrics.jsonl")
-    if not any(e["event"] == "finished" and e["step"] == at for e in events):
-        return None
-    try:  # an earlier start's summary (this one's was not written: killed) or a damaged one:
-        saved = json.loads(path.read_text())  # the final evaluation is done again
-    except ValueError:
-        return None
-    if not isinstance(saved, dict) or saved.get("step") != at or saved.get("interrupted"):
-        return None
-    try:  # other data or settings: setup says what differs, the data first
-        resolved = resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()), run_dir)
-    except ConfigError:
-        return None
-    if resolved.train.steps > at:  # trained longer now (a new train.steps, a pending replan)
-        return None
-    ckpt = Checkpointer(run_dir / "checkpoints")
-    try:
-        ckpt.check_folder(ckpt.step_dir(at), at)
-    except CheckpointError:
-        return None  # damaged: the resume falls back to an older one and trains it again
-    say(f"{run_dir} finished at step {at} already; nothing to train. To train it longer: "
-        f"`moelab resume {run_dir} train.steps=N` with N above {at}")
-    return saved
 
 
 def _record_end(run: RunSetup, kind: str, step: int, e: BaseException, **fields) -> None:
@@ -257,6 +222,8 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
     stop = p.eval_pending and not _log_eval(run, p, flag)
     adapter = Adapter(run)  # drop gates and re-placement (off the clock; they record events)
     while p.step < steps and not stop:
+        if adapter.acts_at(p.step):
+            _settle(p)
         p.state = _paused(p, adapter.before_step, p.step, p.state)
         change = run.sampler.change_at(p.step)
         if change:  # new mixture or context; a new shape recompiles: restart the clock
@@ -282,10 +249,19 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
         if p.eval_pending and not stop:
             stop = not _log_eval(run, p, flag)
         if not stop and p.step % cfg.train.ckpt_every == 0 and p.step < steps:
+            _settle(p)
             _paused(p, _save, run, p, False)  # written in the background (train.async_ckpt)
     if stop:  # every process takes part: it may have been another process's signal
         agreed = agree_signal(flag.signal)
         p.stop_signal = flag.signal or agreed or "SIGTERM"
+
+
+def _settle(p: _Progress) -> None:
+    """Wait, on the clock, for the steps still queued on the device: a pause that reads the
+    state (a save, a re-placement) would otherwise count their compute as paused, and the
+    throughput between two logged steps as many times what the device does. (Evaluation
+    waits there already: it first reads the steps' finite checks.)"""
+    jax.block_until_ready(p.state)
 
 
 def _paused(p: _Progress, fn, *args):

@@ -23,7 +23,8 @@ from moelab.config import (
 )
 from moelab.config.errors import INT32_MAX
 from moelab.config.run import TRANSPORT_KNOBS
-from moelab.run.checkpoint import Checkpointer
+from moelab.data.prepare import with_tokenizer_vocab
+from moelab.run.checkpoint import Checkpointer, CheckpointError
 from moelab.run.identity import checkpoint_config, run_config_or_checkpoint
 from moelab.run.logs import log_operation, read_metrics
 from moelab.train.changes import (
@@ -338,3 +339,35 @@ def say_start(cfg: RunConfig, run_dir: Path | str, start: int | None, changed: l
             "peak)" + (
                 f"; to decay over the longer run instead: moelab replan {run_dir} --end-steps "
                 f"{cfg.train.steps} --apply" if start < end and not is_url(run_dir) else ""))
+
+
+def finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
+    """The saved summary of a run that finished at the step it is at, when ``cfg`` (as a
+    resume resolves it) ends there too: a resume then has nothing to do and says so, adding
+    nothing to the run's records. Else None."""
+    at, path = resume_step(run_dir), run_dir / "summary.json"
+    if at is None or not path.is_file():
+        return None
+    _, events = read_metrics(run_dir / "metrics.jsonl")
+    if not any(e["event"] == "finished" and e["step"] == at for e in events):
+        return None
+    try:  # an earlier start's summary (this one's was not written: killed) or a damaged one:
+        saved = json.loads(path.read_text())  # the final evaluation is done again
+    except ValueError:
+        return None
+    if not isinstance(saved, dict) or saved.get("step") != at or saved.get("interrupted"):
+        return None
+    try:  # other data or settings: setup says what differs, the data first
+        resolved = resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()), run_dir)
+    except ConfigError:
+        return None
+    if resolved.train.steps > at:  # trained longer now (a new train.steps, a pending replan)
+        return None
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    try:
+        ckpt.check_folder(ckpt.step_dir(at), at)
+    except CheckpointError:
+        return None  # damaged: the resume falls back to an older one and trains it again
+    say(f"{run_dir} finished at step {at} already; nothing to train. To train it longer: "
+        f"`moelab resume {run_dir} train.steps=N` with N above {at}")
+    return saved
