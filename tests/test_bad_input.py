@@ -249,6 +249,9 @@ CASES = [
     (["train", "tiny", "data.batch_size=-2"], 2, "data.batch_size"),
     (["train", "tiny", "model.n_experts=0"], 2, "model.n_experts"),
     (["train", "tiny", "parallel.transport=carrier_pigeon"], 2, "parallel.transport"),
+    (["train", "tiny", "parallel.transport=pooled-wave"], 2, "parallel.transport='pooled-wave': "
+     "must be one of pooled_wave, pooled_global, expert_cells, ragged, waterfill; did you mean "
+     "pooled_wave?"),
     (["train", "nopreset"], 2, "'nopreset': no such preset or file"),
     (["train", "{d}/missing.yaml"], 2, "{d}/missing.yaml: not found"),
     (["train", "{d}/empty.yaml"], 2, "{d}/empty.yaml: empty"),
@@ -347,7 +350,10 @@ CASES = [
     (["plan", "tiny", "--accelerator", "custom"], 2, "--peak-flops: required"),
     (["plan", "tiny", "--peak-flops", "-1"], 2, "--peak-flops -1"),
     (["plan", "tiny", "--hbm-gib", "-1"], 2, "--hbm-gib -1"),
-    ([*PLAN8, "--ep", "3"], 2, "--ep 3: must divide model.n_experts=8"),
+    ([*PLAN8, "--ep", "3"], 2, "--ep 3: must divide model.n_experts=8; give one of 1, 2, 4, 8 "
+     "(dividing --devices 8 too)"),
+    ([*PLAN8, "--ep", "4", "--fsdp", "3"], 2, "--fsdp 3: must divide --devices 8; give one of "
+     "1, 2, 4, 8"),
     ([*PLAN8, "--optimizer", "sgd"], 2, "--optimizer sgd"),
     ([*PLAN8, "--cf", "0"], 2, "--cf 0"),
     ([*PLAN8, "--waves", "0"], 2, "--waves 0"),
@@ -475,6 +481,19 @@ DATA_CASES = [  # data build, corpus and token store inputs
     (["data", "build", "{d}/txt", "--out", "{d}/txt"], 2, "--out {d}/txt: inside the input"),
     (["data", "build", "{d}/table.csv", "--out", "{d}/o10"], 2,
      "input {d}/table.csv: unknown file type '.csv' (known: .txt"),
+    # the same input as a config's data.source: the fix names the config field too
+    (["train", "tiny", "data.source={d}/table.csv", "data.data_dir={d}/o11", "--run-dir",
+      "{d}/r4"], 2, "read .csv with --format hf-files (data.format=hf-files in a config)"),
+    # your own text given as data.data_dir (the folder of a built corpus): data.source reads it
+    (["train", "tiny", "data.data_dir={d}/table.csv", "--run-dir", "{d}/r5"], 2,
+     "data.data_dir={d}/table.csv: a file; data.data_dir is where moelab keeps the corpus built "
+     "from your text: to train on {d}/table.csv, give data.source={d}/table.csv "
+     "data.data_dir={d}/table-data"),
+    (["train", "tiny", "data.data_dir={d}/txt", "--run-dir", "{d}/r6"], 2,
+     "data.data_dir={d}/txt: a folder of files, not a corpus; data.data_dir is where moelab "
+     "keeps the corpus built from your text: to train on {d}/txt, give data.source={d}/txt "
+     "data.data_dir={d}/txt-data (or build it first: `moelab data build {d}/txt --out "
+     "{d}/txt-data`)"),
     (["data", "build", "{d}/txt", "--out", "{d}/badmanifest"], 2,
      "{d}/badmanifest/corpus/manifest.json: not valid JSON"),
     (["train", "tiny", "data.data_dir={d}/badjsonl", "model.vocab_size=512", "--run-dir",
@@ -500,7 +519,7 @@ RUN_CASES = [  # a run's identity: resume, branch, eval, generate, export
      "corpus fingerprint 0000000000000000 recorded"),
     (["resume", "{d}/at30", "train.steps=10"], 2, "train.steps=10: {d}/at30 is at step 30 "
      "already"),
-    (["resume", "{d}/at30", "train.steps=10"], 2, "`moelab replan {d}/at30 --end-steps N`"),
+    (["resume", "{d}/at30", "train.steps=10"], 2, "(`moelab resume {d}/at30 train.steps=M`)"),
     (["train", "{d}/at30/config.yaml", "model.d_model=64", "--run-dir", "{d}/nocfg"], 2,
      "model.d_model: {d}/nocfg was started with 32, now 64"),
     (["generate", "{d}/othertok"], 2, "{d}/othertok/tokenizer.json: not the tokenizer this run "

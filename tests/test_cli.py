@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -384,6 +385,20 @@ def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
     with pytest.raises(ConfigError, match=f"model.vocab_size=2048 disagrees .*tokenizer.json .*"
                        f"set model.vocab_size={cfg.model.vocab_size}, or 0"):
         with_tokenizer_vocab(load_config("tiny", [f"data.data_dir={out_dir}"]))
+
+
+def test_data_build_hint_quotes_a_folder_with_spaces(tmp_path, capsys):
+    """The printed command pastes into a shell as is: a folder with spaces stays one argument
+    (unquoted, the shell split it and train refused the second half as an override)."""
+    src = _user_inputs(tmp_path / "my src")
+    out_dir = tmp_path / "my data" / "built it"
+    rc, out, err = run_main(["data", "build", str(src), "--out", str(out_dir), "--vocab", "300"],
+                            capsys)
+    assert rc == 0, err
+    hint = next(line for line in out.splitlines() if line.startswith("train on it with:"))
+    argv = shlex.split(hint.split("moelab train ", 1)[1])
+    cfg = with_tokenizer_vocab(load_config(argv[0], argv[1:]))
+    assert Path(cfg.data.data_dir) == out_dir and cfg.model.vocab_size > 256, hint
 
 
 def test_data_build_hint_fits_the_shortest_held_out_text(tmp_path, capsys):

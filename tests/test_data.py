@@ -228,6 +228,42 @@ def test_a_record_s_domain_that_is_no_name_is_skipped_with_its_reason():
          "folder's name)")]
 
 
+def test_a_reason_shared_by_many_records_is_said_once(tmp_path):
+    """A JSONL file whose records all lack the text field: one item naming the file once,
+    its first lines and a count, then the fix (it repeated the same words for 8 lines)."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "d.jsonl").write_text("".join(json.dumps({"content": f"doc {i}"}) + "\n"
+                                                     for i in range(300)))
+    with pytest.raises(DataError) as e:
+        build_user_corpus([tmp_path / "in"], tmp_path / "corpus")
+    said = str(e.value)
+    assert said.count("missing field") == 1 and said.count("d.jsonl") == 1, said
+    assert ("skipped 300 inputs: in/d.jsonl line 1, line 2, line 3 and 297 more: missing field "
+            "'text' (fields: content); --text-field (data.text_field)") in said, said
+    two = skip_summary([("a.txt", "empty file"), ("b.txt", "empty file"), ("c.csv", "x")])
+    assert two == "skipped 3 inputs: a.txt, b.txt: empty file; c.csv: x", two
+
+
+def test_data_text_says_what_a_run_trains_on(data_dir):
+    """The start-up's and summary's data line: the folder, what its corpus was built from, its
+    training tokens and domains, with data.mixture's share of each."""
+    from moelab.config import DataConfig
+    from moelab.config.data import MixtureChange
+    from moelab.data.prepare import data_text
+
+    store = TokenStore(next(data_dir.glob("tokens-*")))
+    n = sum(store.n_tokens("train", d) for d in store.domains("train"))
+    src = load_manifest(data_dir / "corpus")["sources"]
+    said = data_text(DataConfig(data_dir=str(data_dir)), store, data_dir / "corpus")
+    assert said == (f"{data_dir} (built from {', '.join(src)}): {n:,} training tokens in 3 "
+                    "domains: code, logs, prose"), said
+    mixed = DataConfig(data_dir=str(data_dir), mixture={"prose": 3, "code": 1},
+                       mixture_schedule=[MixtureChange(10, {"logs": 1})])
+    assert data_text(mixed, store, data_dir / "corpus").endswith("code 25%, logs 0%, prose 75%")
+    assert data_text(mixed, store, data_dir / "corpus", 10).endswith("code 0%, logs 100%, "
+                                                                       "prose 0%")  # changed
+
+
 def test_nothing_usable_is_a_clear_error(tmp_path):
     d = tmp_path / "bad"
     d.mkdir()

@@ -184,10 +184,10 @@ def test_missing_filesystem_package_and_bad_options(tmp_path, monkeypatch, capsy
     with pytest.raises(DataError, match="not found: HuggingFaceFW/fineweb; .* by the URL of its "
                        r"data files: hf://datasets/HuggingFaceFW/fineweb/PATH \(--format"):
         build_user_corpus(["HuggingFaceFW/fineweb"], tmp_path / "c", fmt="hf-stream")
-    with pytest.raises(DataError, match=r"not found: notes/corpus.txt$"):  # a file's name
+    with pytest.raises(DataError, match=r"not found: notes/corpus.txt; give existing "):  # a file's name
         build_user_corpus(["notes/corpus.txt"], tmp_path / "c")
     (tmp_path / "texts").mkdir()  # a missing file in a folder that exists is only missing
-    with pytest.raises(DataError, match=r"not found: texts/a.txt$"):
+    with pytest.raises(DataError, match=r"not found: texts/a.txt; give existing "):
         build_user_corpus(["texts/a.txt"], tmp_path / "c")
     with pytest.raises(DataError, match="format 'hf' .*must be one of files, hf-disk"):
         build_user_corpus([tmp_path], tmp_path / "c", fmt="hf")

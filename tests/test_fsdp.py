@@ -103,6 +103,21 @@ def test_fsdp_leaves_indivisible_dimensions_replicated():
     assert specs[("embed",)] == P("data", None)  # the vocabulary divides
 
 
+def test_the_mesh_line_claims_fsdp_only_where_it_splits():
+    """parallel.fsdp with EP 8 on 8 devices leaves a data axis of one: the start-up says it
+    has no effect, and its mesh line no longer also says FSDP splits the state."""
+    from moelab.train.setup import _step_functions
+
+    require_devices()
+    for ep, splits in ((8, False), (4, True)):
+        cfg = config(ep, fsdp=True)
+        mesh = mesh_from_config(cfg.parallel)
+        said = []
+        _step_functions(cfg, mesh, train_state_shardings(cfg, mesh), said.append)  # no compile
+        line = next(s for s in said if s.startswith("mesh:"))
+        assert ("FSDP" in line) == splits and any("no effect" in s for s in said) != splits, said
+
+
 def step_flops(ep: int, fsdp: bool) -> float:
     """XLA's FLOPs of one device's compiled train step."""
     ca = compiled_step(ep, fsdp).cost_analysis()

@@ -156,3 +156,15 @@ def test_summary_reports_rated_mfu_and_share_of_measured_peak(profiled_run, data
     text = format_summary(s)
     assert f"MFU {s['throughput/mfu']:.1%} of {format_flops(s['peak_flops'])} ({cores} CPU" in text
     assert "of the matmul peak measured at start" in text
+
+
+def test_summary_says_what_it_trained_on(profiled_run, data_dir):
+    """The summary names the data the run trained on (folder, corpus origin, domains), and its
+    sample line carries no control character a young model may draw (they drove the terminal
+    and made `| grep` call the output binary)."""
+    _, s = profiled_run
+    assert s["data"].startswith(f"{data_dir} (built from ") and "code, logs, prose" in s["data"]
+    text = format_summary({**s, "sample": "a\x00b\x1b[2Jc\nd\u00e9"})
+    assert f"  data             {s['data']}" in text.splitlines()
+    assert "  sample: a\ufffdb\ufffd[2Jc d\u00e9" in text.splitlines(), text
+

@@ -91,7 +91,9 @@ def _build(args, out: Path, vocab: int, command: str) -> int:
         print(note)
     if keep_own:
         vocab = vocab_needed(load_tokenizer(own))
-        print(f"train on it with: moelab train tiny data.data_dir={out} model.vocab_size={vocab}"
+        # quoted as a shell needs it: a folder with spaces is one argument when pasted
+        print("train on it with: moelab train tiny "
+              + shlex.join([f"data.data_dir={out}", f"model.vocab_size={vocab}"])
               + _fitting_seq_len(store))
     return 0
 

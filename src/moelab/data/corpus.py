@@ -378,7 +378,8 @@ def check_user_inputs(paths: list[Path | str], fmt: str = "files", text_field: s
     inputs = [resolve_input(p) for p in paths]  # a URL's filesystem must be installed
     missing = [str(p) for p, i in zip(paths, inputs) if i is None]
     if missing:
-        raise DataError(f"input path(s) not found: {', '.join(missing)}{hub_hint(missing)}")
+        raise DataError(f"input path(s) not found: {', '.join(missing)}{hub_hint(missing)}; "
+                        "give existing files or folders (data.source in a config)")
     if fmt != "files":
         need_extra("datasets", "datasets", f"--format {fmt}: reading Hugging Face datasets")
     else:

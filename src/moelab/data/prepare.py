@@ -70,6 +70,8 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
         check_builtin_kind(dcfg, m)
         _check_head(dcfg, corpus_dir, m)
         return
+    if dcfg.source:  # a missing or unreadable source is refused before any "building" line
+        corpus.check_user_inputs([dcfg.source], dcfg.format, dcfg.text_field, dcfg.split)
     t = time.time()
     if dcfg.sampler == "stream":
         say(f"keeping the first {dcfg.stream_head_mb:g} MB of {dcfg.source} in {corpus_dir} "
@@ -91,15 +93,26 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
 
 def no_corpus_message(data_dir: Path | str) -> str:
     """Why a data folder other than the built-in one, holding no corpus, is not filled with
-    the built-in corpus (it would then train on other data than asked, in the user's folder)."""
+    the built-in corpus (it would then train on other data than asked, in the user's folder).
+    A folder of your files (or a file) is what ``data.source`` or `data build` reads: said so,
+    since building into it is refused (an --out inside its input)."""
     data_dir = Path(data_dir)
     if (data_dir / "manifest.json").is_file():
         return (f"data.data_dir={data_dir}: a corpus folder itself; give the folder that holds "
                 f"it: data.data_dir={data_dir.parent}")
+    if data_dir.is_file() or (data_dir.is_dir() and not (data_dir / "corpus").exists()
+                              and any(not p.name.startswith(".") for p in data_dir.iterdir())):
+        what = "a file" if data_dir.is_file() else "a folder of files, not a corpus"
+        new = f"{data_dir.parent / data_dir.stem}-data"
+        return (f"data.data_dir={data_dir}: {what}; data.data_dir is where moelab keeps the "
+                f"corpus built from your text: to train on {data_dir}, give "
+                + shlex.join([f"data.source={data_dir}", f"data.data_dir={new}"])
+                + f" (or build it first: `moelab data build {shlex.quote(str(data_dir))} --out "
+                f"{shlex.quote(new)}`)")
     return (f"data.data_dir={data_dir}: no corpus there ({data_dir / 'corpus' / 'manifest.json'}"
             " not found); build one from your files with `moelab data build FILES --out "
-            f"{data_dir}`, or leave data.data_dir at {BUILTIN_OUT}, where the built-in corpus "
-            "is built when missing")
+            f"{shlex.quote(str(data_dir))}`, or leave data.data_dir at {BUILTIN_OUT}, where the "
+            "built-in corpus is built when missing")
 
 
 def head_bytes(dcfg: DataConfig) -> int:
@@ -176,6 +189,8 @@ def prepare_data(dcfg: DataConfig, vocab_size: int, verbose: bool = True,
     if not lock:
         return _prepare(dcfg, vocab_size, verbose, progress, workers, on_tokenizer)
     root = Path(dcfg.data_dir)
+    if root.exists() and not root.is_dir():  # the lock's mkdir would fail with errno's words
+        raise DataError(no_corpus_message(root))
     made = first_missing(root)  # the folders the lock makes: gone again if nothing is built
     with _preparation_lock(root, info if verbose else (lambda _msg: None)) as locked:
         try:
@@ -332,6 +347,29 @@ def resolve_config(config: str | None, overrides: list[str]) -> tuple[str, RunCo
 def vocab_needed(tok) -> int:
     """Embedding rows a tokenizer needs: its largest id + 1 (added tokens may leave gaps)."""
     return max(tok.get_vocab(with_added_tokens=True).values()) + 1
+
+
+def data_text(dcfg: DataConfig, tokens: store.TokenStore, corpus_dir: Path, step: int = 0,
+              show: int = 8) -> str:
+    """What a run trains on at ``step``, in one line (its start-up and its summary): the data
+    folder, where its corpus came from, its training tokens and domains, with the share of
+    each in the mixture then (a domain the mixture does not name gets none)."""
+    m = corpus.load_manifest(corpus_dir, splits=False)
+    built = ", ".join(map(str, m.get("sources", []))) if m.get("kind") == "user" else ""
+    domains = tokens.domains("train")
+    n = sum(tokens.n_tokens("train", d) for d in domains)
+    if dcfg.sampler == "stream":  # the local store holds the head; training reads the source
+        origin, what = f"streamed from {dcfg.source}", f"a head of {n:,} tokens kept here"
+    else:
+        origin, what = (f"built from {built}" if built else "the built-in corpus",
+                        f"{n:,} training tokens")
+    mix = dcfg.segment_at(step).mixture  # data.mixture, or a later mixture change's
+    total = sum(mix.values())
+    names = [f"{d} {mix.get(d, 0) / total:.0%}" if mix and dcfg.sampler != "stream" else d
+             for d in domains]
+    more = f" and {len(names) - show} more" if len(names) > show else ""
+    return (f"{dcfg.data_dir} ({origin}): {what} in {len(domains)} "
+            f"domain{'s' * (len(domains) != 1)}: {', '.join(names[:show])}{more}")
 
 
 def _describe(manifest: dict) -> str:

@@ -59,7 +59,7 @@ def unknown_suffix(path: Input) -> str | None:
 
 def known_suffixes() -> str:
     return (f"known: {', '.join(s for s in KNOWN_SUFFIXES if s)}, or none; rename a text file "
-            "to .txt, or read .csv with --format hf-files")
+            "to .txt, or read .csv with --format hf-files (data.format=hf-files in a config)")
 
 
 def resolve_input(path: Path | str) -> Input | None:

@@ -51,11 +51,15 @@ class Layout:
         m = cfg.model
         if self.devices < 1 or self.ep < 1 or self.fsdp < 1:
             raise ConfigError("--devices/--ep/--fsdp: must be >= 1")
+        fit_ep = ", ".join(str(d) for d in divisors(math.gcd(m.n_experts, self.devices)))
         if m.n_experts % self.ep:
-            raise ConfigError(f"--ep {self.ep}: must divide model.n_experts={m.n_experts}")
-        for name, deg in (("ep", self.ep), ("fsdp", self.fsdp)):
+            raise ConfigError(f"--ep {self.ep}: must divide model.n_experts={m.n_experts}; give "
+                              f"one of {fit_ep} (dividing --devices {self.devices} too)")
+        for name, deg, fit in (("ep", self.ep, fit_ep),
+                               ("fsdp", self.fsdp, ", ".join(map(str, divisors(self.devices))))):
             if self.devices % deg:
-                raise ConfigError(f"--{name} {deg}: must divide --devices {self.devices}")
+                raise ConfigError(f"--{name} {deg}: must divide --devices {self.devices}; give "
+                                  f"one of {fit}")
         if cfg.data.batch_size % self.devices:
             raise ConfigError(f"--devices {self.devices}: must divide data.batch_size="
                               f"{cfg.data.batch_size} (each device trains whole sequences)")

@@ -33,6 +33,7 @@ import jax
 
 from moelab.config import RunConfig
 from moelab.config.io import flatten_config
+from moelab.data.prepare import data_text
 from moelab.data.sampler import heldout_text
 from moelab.parallel.distributed import agree_any, agree_signal, check_same_run, is_main
 from moelab.planner.counts import train_flops_per_token
@@ -46,13 +47,7 @@ from moelab.train.profile import StepTracer
 from moelab.train.resume import finished_summary, resume_step
 from moelab.train.setup import RunSetup, setup_run, train_step_at
 from moelab.train.step import FINITE_CHECKED, drops_text, first_nonfinite, nonfinite_advice
-from moelab.train.tracker import (
-    abort_text,
-    check_trackers,
-    fmt_time,
-    mfu_text,
-    stage_text,
-)
+from moelab.train.tracker import abort_text, check_trackers, fmt_time, mfu_text, stage_text
 from moelab.util import (
     atomic_write_json,
     describe_error,
@@ -394,6 +389,7 @@ def _summary(run: RunSetup, p: _Progress, t_run: float) -> dict:
                                                    "throughput/mfu",
                                                    "throughput/share_of_measured_peak")})
     summary["drops"] = drops_text(cfg, p.metrics) or None
+    summary["data"] = data_text(cfg.data, run.store, run.data.corpus_dir, max(p.step - 1, 0))
     return summary
 
 

@@ -22,6 +22,7 @@ from moelab.config import ConfigError, RunConfig, save_config
 from moelab.data.prepare import (
     PreparedData,
     data_identity,
+    data_text,
     given_tokenizer,
     prepare_data,
     with_tokenizer_vocab,
@@ -290,13 +291,13 @@ def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Call
     train_experts, eval_experts = transport_fns(cfg, mesh)
     step_fn = make_train_step(cfg, train_experts, mesh, state_sh)
     eval_fn = make_eval_step(cfg, eval_experts, mesh)
-    if cfg.parallel.fsdp and (mesh is None or mesh.shape[DATA] == 1):
+    fsdp = cfg.parallel.fsdp and mesh is not None and mesh.shape[DATA] > 1
+    if cfg.parallel.fsdp and not fsdp:
         say("note: parallel.fsdp has no effect here: the mesh's data axis has one device")
     if mesh is not None:
         say(f"mesh: {dict(mesh.shape)}; transport "
             f"{transport.training_transport(cfg.parallel)} (evaluation: dropless)"
-            + ("; FSDP: parameters and optimizer state split over data" if cfg.parallel.fsdp
-               else ""))
+            + ("; FSDP: parameters and optimizer state split over data" if fsdp else ""))
     return step_fn, eval_fn
 
 
@@ -417,6 +418,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
         start, state, meta = restored
     say_start(cfg, mirror.url if mirror else run_dir, start if restored is not None else None,
               changed, started_before, say)
+    say(f"data: {data_text(cfg.data, store, data.corpus_dir, start)}")  # what it trains on
     sampler.restore(start, meta.get("data"))
     trackers.event("resume" if start else "start", start, config_hash=cfg.hash(),
                    git_commit=prov.get("git_commit"), **process_identity(),

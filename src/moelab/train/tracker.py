@@ -362,6 +362,8 @@ def format_summary(s: dict) -> str:
              if not s.get("start_step") else  # a resume: its own share, and the run's total
              f"  tokens trained   {s['tokens_trained']:,} in all; {s['tokens_this_start']:,} "
              f"from step {s['start_step']} in {fmt_time(s['wall_time_s'])}"]
+    if s.get("data"):
+        lines.append(f"  data             {s['data']}")
     if s.get("train/loss") is not None:
         lines.append(f"  train loss       {s['train/loss']:.4f} nats/token")
     if s.get("drops"):
@@ -383,6 +385,7 @@ def format_summary(s: dict) -> str:
         verdict = "beats" if model < s["baseline/prose/gzip9_bpb"] else "does NOT beat"
         lines.append(f"  prose vs gzip   model {model:.3f}, gzip -9 "
                      f"{s['baseline/prose/gzip9_bpb']:.3f} bits/byte: the model {verdict} gzip")
-    if s.get("sample"):
-        lines.append("  sample: " + s["sample"].replace("\n", " ")[:300])
+    if s.get("sample"):  # control characters a young model draws would drive the terminal
+        lines.append("  sample: " + "".join(c if c.isprintable() else " " if c in "\n\t" else
+                                           "\ufffd" for c in s["sample"][:300]))
     return "\n".join(lines)

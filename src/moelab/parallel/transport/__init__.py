@@ -20,6 +20,8 @@ here.
 
 from __future__ import annotations
 
+import difflib
+
 import jax
 import jax.numpy as jnp
 
@@ -44,8 +46,10 @@ __all__ = ["DROPLESS", "TRANSPORTS", "BufferRows", "DropCounts", "Transport", "c
 
 
 def get(name: str) -> Transport:
-    if name not in TRANSPORTS:
-        raise ConfigError(f"parallel.transport={name!r}: must be one of {', '.join(TRANSPORTS)}")
+    if name not in TRANSPORTS:  # "pooled-wave", "Ragged": the one meant, named
+        close = difflib.get_close_matches(name.lower().replace("-", "_"), TRANSPORTS, n=1)
+        raise ConfigError(f"parallel.transport={name!r}: must be one of {', '.join(TRANSPORTS)}"
+                          + (f"; did you mean {close[0]}?" if close else ""))
     return TRANSPORTS[name]
 
 
