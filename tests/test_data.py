@@ -607,3 +607,23 @@ def test_a_tokenizer_smaller_than_asked_is_said(tmp_path, capsys):
     err = capsys.readouterr().err
     got = load_tokenizer(tmp_path / "data" / "tokenizer-5000.json").get_vocab_size()
     assert got < 5000 and f": {got:,} tokens, fewer than the 5,000 asked" in err
+
+
+def test_a_tokenizer_trained_smaller_than_the_model_s_vocabulary_is_noted(tmp_path):
+    """data.source with model.vocab_size=0 sizes the model before its tokenizer is trained,
+    and a small corpus runs out of merges first: the start-up says how many rows go unused and
+    how to size the model to the tokenizer. A folder's own tokenizer is taken at its size."""
+    from types import SimpleNamespace
+
+    from moelab.config import DataConfig
+    from moelab.data.prepare import unused_rows_note
+
+    tok = SimpleNamespace(get_vocab=lambda with_added_tokens: {"a": 0, "<|endoftext|>": 344})
+    dcfg = DataConfig(data_dir=str(tmp_path))
+    assert unused_rows_note(dcfg, tok, 4096) == (
+        "note: the tokenizer trained on this corpus has 345 tokens, the model 4,096 embedding "
+        "rows (its size was set before the tokenizer was trained); `moelab data build` gives a "
+        "data folder its own tokenizer, whose size model.vocab_size=0 then takes")
+    assert unused_rows_note(dcfg, tok, 345) is None
+    (tmp_path / "tokenizer.json").write_text("{}")  # the folder's own
+    assert unused_rows_note(dcfg, tok, 4096) is None

@@ -344,6 +344,17 @@ def resolve_config(config: str | None, overrides: list[str]) -> tuple[str, RunCo
     return source, with_tokenizer_vocab(load_config(source, overrides))
 
 
+def unused_rows_note(dcfg: DataConfig, tok, vocab_size: int) -> str | None:
+    """A note when a tokenizer trained for a run (a ceiling: a small corpus runs out of merges)
+    leaves embedding rows of ``vocab_size`` unused, with the way to size the model to it."""
+    if given_tokenizer(dcfg) is not None or vocab_needed(tok) >= vocab_size:
+        return None
+    return (f"note: the tokenizer trained on this corpus has {vocab_needed(tok):,} tokens, the "
+            f"model {vocab_size:,} embedding rows (its size was set before the tokenizer was "
+            "trained); `moelab data build` gives a data folder its own tokenizer, whose size "
+            "model.vocab_size=0 then takes")
+
+
 def vocab_needed(tok) -> int:
     """Embedding rows a tokenizer needs: its largest id + 1 (added tokens may leave gaps)."""
     return max(tok.get_vocab(with_added_tokens=True).values()) + 1

@@ -25,6 +25,7 @@ from moelab.data.prepare import (
     data_text,
     given_tokenizer,
     prepare_data,
+    unused_rows_note,
     with_tokenizer_vocab,
 )
 from moelab.data.sampler import SteppedSampler
@@ -360,6 +361,8 @@ def _checked_inputs(cfg: RunConfig, run_dir: Path, data: PreparedData, recorded:
     # gates and re-placement route it, on the devices the mesh will span (0: every one)
     check_adaptive_heldout(cfg, store, cfg.parallel.devices or len(jax.devices()))
     tok = load_tokenizer(data.tokenizer_path)
+    if note := unused_rows_note(cfg.data, tok, cfg.model.vocab_size):
+        say(note)
     now, changes = _checked_data(cfg, run_dir, recorded, store, tok, data.tokenizer_path,
                                  accept, say)
     sampler = (StreamSampler(cfg.data, tok, data.corpus_dir) if cfg.data.sampler == "stream"
