@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -524,6 +525,27 @@ def test_interrupted_save_is_not_a_checkpoint(tmp_path):
     assert not any(p.name.startswith(".tmp-") or "orbax-checkpoint-tmp" in p.name
                    for p in tmp_path.iterdir())
     assert ck.steps() == [1, 5]
+
+
+def test_a_re_save_of_a_step_killed_before_its_commit_keeps_the_old_checkpoint(tmp_path):
+    """Re-saving a step moves its checkpoint aside, then commits the new one: killed between
+    the two renames, neither is a checkpoint. The old one was removed with the leftovers; it
+    is put back (the new one, never committed, goes). One moved aside whose step was
+    committed again is removed."""
+    ck = Checkpointer(tmp_path)
+    ck.save(4, {"w": np.arange(10, dtype=np.float32)}, {"x": 4})
+    ck.save(6, {"w": np.ones(10, np.float32)}, {"x": 6})
+    os.rename(tmp_path / "step_00000004", tmp_path / ".replaced-step_00000004.0a1b2c3d")
+    (tmp_path / ".tmp-step_00000004.1.0a1b2c3d").mkdir()  # the new one, not committed
+    shutil.copytree(tmp_path / "step_00000006", tmp_path / ".replaced-step_00000006.9f8e7d6c")
+    assert ck.steps() == [6]
+    ck.remove_leftovers()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000006"]
+    state, meta = ck.restore(4, {"w": np.zeros(10, np.float32)})
+    assert meta == {"x": 4}
+    np.testing.assert_array_equal(state["w"], np.arange(10, dtype=np.float32))
+    ck.save(4, {"w": np.full(10, 2, np.float32)}, {"x": 44})  # a re-save leaves nothing aside
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000004", "step_00000006"]
 
 
 MESH_SCRIPT = """

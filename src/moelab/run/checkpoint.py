@@ -13,7 +13,8 @@ A save builds everything inside a ``.tmp-*`` directory -- orbax finalises ``stat
 only then renames the whole directory to ``step_XXXXXXXX``. That rename is the commit: a crash at
 any point leaves either no ``step_*`` directory or a complete one, never a half-written checkpoint
 that looks valid. Leftover ``.tmp-*`` directories are never listed and are removed by the next
-``save`` (and by a trainer's start: ``remove_leftovers``).
+``save`` (and by a trainer's start: ``remove_leftovers``); a checkpoint moved aside for a re-save
+of its step (``.replaced-*``) is put back there when that save never committed.
 
 The manifest lets a restore detect damage that orbax itself would not notice (a flipped byte in an
 array chunk restores "successfully" with wrong values), as well as missing or truncated files.
@@ -83,7 +84,8 @@ STATE_DIR = "state"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
 _TMP_PREFIX = ".tmp-"  # a save in progress / crash leftover
-_TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned or overwritten)
+_TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned, or replaced once committed)
+_REPLACED_PREFIX = ".replaced-"  # a complete checkpoint moved aside while its step is re-saved
 _ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's own save in progress (``step_3.orbax-...-tmp-N``)
 _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
 
@@ -292,8 +294,8 @@ class Checkpointer:
             _fsync_path(tmp)
             if final.exists():
                 info(f"checkpoint: step {step} already exists at {final}; replacing it")
-                old = self.dir / f"{_TRASH_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}"
-                os.rename(final, old)
+                old = self.dir / f"{_REPLACED_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}"
+                os.rename(final, old)  # whole (a rename): put back if killed before the commit
             os.rename(tmp, final)  # the commit
             _fsync_path(self.dir)
         except BaseException:
@@ -302,8 +304,10 @@ class Checkpointer:
                 old = None
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        if old is not None:  # its step is committed again: the old one is only trash now
+            trash = self.dir / f"{_TRASH_PREFIX}{old.name.removeprefix(_REPLACED_PREFIX)}"
+            os.rename(old, trash)
+            shutil.rmtree(trash, ignore_errors=True)
         self._prune()
         if self.on_commit is not None:  # e.g. the upload of a remote run folder
             self.on_commit(step)
@@ -322,9 +326,15 @@ class Checkpointer:
         return out
 
     def remove_leftovers(self) -> None:
-        """Remove what interrupted saves and deletions left (by the folder's one writer)."""
+        """Remove what interrupted saves and deletions left (by the folder's one writer); a
+        checkpoint moved aside by a re-save of its step killed before its commit goes back."""
         for p in self.dir.iterdir() if self.dir.is_dir() else ():
-            if p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)) or _ORBAX_TMP in p.name:
+            final = self.dir / p.name.removeprefix(_REPLACED_PREFIX).rsplit(".", 1)[0]
+            if p.name.startswith(_REPLACED_PREFIX) and not final.exists():
+                info(f"checkpoint: putting back {final.name} (a save replacing it was killed)")
+                os.rename(p, final)
+            elif p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX, _REPLACED_PREFIX)) \
+                    or _ORBAX_TMP in p.name:
                 info(f"checkpoint: removing leftover {p} (interrupted save or delete)")
                 shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
