@@ -137,7 +137,12 @@ def test_a_command_that_writes_nothing_leaves_no_new_run_folder(tmp_path):
         with run_lock(new):
             assert (new / LOCK_FILE).is_file()
             raise ValueError("refused before anything was written")
-    assert not new.exists() and (tmp_path / "runs").is_dir()
+    assert not (tmp_path / "runs").exists()  # the folders it made above the run's too
+    (tmp_path / "runs").mkdir()
+    with pytest.raises(ValueError):
+        with run_lock(new):
+            raise ValueError("refused before anything was written")
+    assert not new.exists() and (tmp_path / "runs").is_dir()  # one that was there stays
     with run_lock(new):
         (new / "config.yaml").write_text("x: 1\n")
     assert (new / LOCK_FILE).read_text() == "" and (new / "config.yaml").is_file()
