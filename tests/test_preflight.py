@@ -136,6 +136,23 @@ def test_a_run_that_does_not_fit_stops_before_training(tmp_path, data_dir,  # no
     assert summary["step"] == 2
 
 
+def test_a_refusal_is_said_where_its_files_cannot_all_go(tmp_path, data_dir,  # noqa: F811
+                                                         monkeypatch, no_share):
+    """A folder of the refused run that will not go (a file a tracker's helper process still
+    holds on a network filesystem): the refusal is what ends the command, not that error."""
+    monkeypatch.setattr(preflight, "allocator_memory", lambda d: (2**20, 2**19))
+
+    def stuck(path, *a, **kw):
+        raise OSError(39, "Directory not empty", str(path))
+
+    monkeypatch.setattr(setup.shutil, "rmtree", stuck)
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match="the compiled train step needs"):
+        train(micro_config(data_dir, train={"steps": 2, "tensorboard": True}), run,
+              verbose=False)
+    assert (run / "tensorboard").is_dir() and not (run / "config.yaml").exists()
+
+
 def test_a_resume_that_does_not_fit_keeps_the_run_s_files(tmp_path_factory, tmp_path,
                                                           data_dir, monkeypatch,  # noqa: F811
                                                           no_share):

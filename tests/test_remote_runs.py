@@ -148,6 +148,25 @@ def test_history_and_resume_take_a_run_url(memory_run, capsys):
             < text.count("\n"))  # the copy trained on, not the original
 
 
+def test_a_train_steps_a_run_url_has_reached_names_the_url(memory_run, capsys):
+    """Refused with the run's URL, not its staging copy (`moelab resume STAGING` would train
+    that copy as a local run), and without replan or branch (they take local runs only); so is
+    a setting a run keeps."""
+    fs = fsspec.filesystem("memory")
+    fs.copy("/runs/a", "/runs/reached", recursive=True)
+    url = "memory://runs/reached"
+    assert cli.main(["resume", url, f"train.steps={STEPS - 1}"]) == 2
+    err = capsys.readouterr().err
+    assert (f"moelab: error: train.steps={STEPS - 1}: {url} is at step {STEPS} already, so it "
+            f"would train nothing; to train it on, give a train.steps above {STEPS} (`moelab "
+            f"resume {url} train.steps=M`)\n") in err, err
+    assert str(staging_dir(url)) not in err
+    assert cli.main(["resume", url, "model.d_model=64"]) == 2
+    err = capsys.readouterr().err
+    assert f"model.d_model: {url} was started with" in err and f"`moelab resume {url}`)" in err
+    assert str(staging_dir(url)) not in err
+
+
 def test_export_takes_a_run_url(memory_run, tmp_path, capsys):
     out = tmp_path / "hf"
     assert cli.main(["export", memory_run, str(out), "--to", "hf"]) == 0

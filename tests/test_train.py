@@ -684,13 +684,9 @@ def test_drops_are_on_the_progress_line_and_in_the_summary_where_routes_can_drop
                                       "the model does NOT beat gzip")
 
 
-def test_a_save_between_logged_steps_starts_its_pause_once_the_steps_are_done(
-        tmp_path, data_dir, monkeypatch):  # noqa: F811
-    """Throughput is tokens over the time off pauses. A save at a step that logs nothing began
-    its pause while the steps before it were still queued on the device, so their compute
-    counted as paused (38,585 tok/s and 122% MFU shown for 3,100 on a CPU, with
-    train.ckpt_every=4): the state a save reads is ready before its pause starts. The device
-    is held up here by a second per step, in a callback, so the steps are surely queued."""
+def _held_up(monkeypatch) -> None:
+    """Each train step held up on the device by a second (a callback), so the loop runs ahead
+    of it and the steps are surely queued."""
     import time
 
     import moelab.train.loop as loop
@@ -702,8 +698,42 @@ def test_a_save_between_logged_steps_starts_its_pause_once_the_steps_are_done(
     monkeypatch.setattr(loop, "train_step_at", lambda run, step: (
         lambda state, batch: (lambda out: (delay(out[0]), out[1]))(
             step_at(run, step)(state, batch))))
+
+
+def test_a_save_between_logged_steps_starts_its_pause_once_the_steps_are_done(
+        tmp_path, data_dir, monkeypatch):  # noqa: F811
+    """Throughput is tokens over the time off pauses. A save at a step that logs nothing began
+    its pause while the steps before it were still queued on the device, so their compute
+    counted as paused (38,585 tok/s and 122% MFU shown for 3,100 on a CPU, with
+    train.ckpt_every=4): the state a save reads is ready before its pause starts. The device
+    is held up here by a second per step, in a callback, so the steps are surely queued."""
+    import moelab.train.loop as loop
+
+    _held_up(monkeypatch)
     ready, save = [], loop._save
     monkeypatch.setattr(loop, "_save", lambda run, p, wait=True: (
         ready.append(all(x.is_ready() for x in jax.tree.leaves(p.state))), save(run, p, wait)))
     quiet_train(resume_cfg(data_dir, steps=5, ckpt_every=2, log_every=5), tmp_path / "run")
     assert ready[:2] == [True, True], ready  # steps 2 and 4 (then the final save at 5)
+
+
+def test_a_trace_starts_and_stops_once_the_steps_are_done(tmp_path, data_dir,  # noqa: F811
+                                                         monkeypatch):
+    """Starting a trace waits for the steps before it, stopping it for the traced ones: both
+    waits counted as paused, so the traced steps' compute was off the clock (tiny,
+    train.profile_steps=10:14: 14,165 tok/s shown for 9,022). They wait on the clock now."""
+    from moelab.train.profile import StepTracer
+
+    _held_up(monkeypatch)
+    monkeypatch.setattr(jax.profiler, "start_trace", lambda *a, **kw: None)  # nothing written
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: None)
+    seen = []
+    for name, acts in (("before", StepTracer.starts_at), ("after", StepTracer.stops_at)):
+        def watched(self, step, state, real=getattr(StepTracer, name), acts=acts, name=name):
+            if acts(self, step):
+                seen.append((name, step, all(x.is_ready() for x in jax.tree.leaves(state))))
+            return real(self, step, state)
+        monkeypatch.setattr(StepTracer, name, watched)
+    quiet_train(resume_cfg(data_dir, steps=5, ckpt_every=10, log_every=5,
+                           profile_steps="3:5"), tmp_path / "run")
+    assert seen == [("before", 3, True), ("after", 4, True)], seen

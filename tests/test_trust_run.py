@@ -261,6 +261,28 @@ def test_a_start_removes_what_interrupted_saves_left_before_it_trains(run):
     assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".lease")) == steps
 
 
+def test_a_checkpoint_a_killed_re_save_moved_aside_is_resumed_from(run, capsys, monkeypatch):
+    """A re-save of step 30 killed between moving its checkpoint aside and committing the new
+    one leaves no step_30: it is put back before the checkpoints are listed, so this finished
+    run says so and builds nothing (it was put back after the restore: the run resumed from
+    step 20 and trained steps 21-30 again)."""
+    from moelab.cli import main
+    from moelab.train import setup as train_setup
+
+    def built(*_a, **_kw):
+        raise AssertionError("the train state was built: the run resumed from an older step")
+
+    ckpts = run / "checkpoints"
+    (ckpts / "step_00000030").rename(ckpts / ".replaced-step_00000030.0a1b2c3d")
+    before = (run / "metrics.jsonl").read_bytes()
+    monkeypatch.setattr(train_setup, "init_sharded_state", built)
+    assert main(["resume", str(run)]) == 0
+    assert "finished at step 30 already; nothing to train" in capsys.readouterr().err
+    assert sorted(p.name for p in ckpts.iterdir() if not p.name.startswith(".lease")) == [
+        "step_00000010", "step_00000020", "step_00000030"]
+    assert (run / "metrics.jsonl").read_bytes() == before
+
+
 @pytest.mark.parametrize("text, what", [("{not json", "not valid JSON"),
                                         ("[1, 2]", "not a JSON object"),
                                         (b"\xff\xfe{}", "not valid JSON")])

@@ -1,5 +1,6 @@
 """Small helpers shared across moelab: atomic file writes, hashing, logging to stderr (and a
-console whose reader went away), folder locks, SIGTERM and SIGHUP as interrupts."""
+console whose reader went away), whether a folder can be written, SIGTERM and SIGHUP as
+interrupts. Folder locks: ``moelab.locks``."""
 
 from __future__ import annotations
 

@@ -14,7 +14,9 @@ only then renames the whole directory to ``step_XXXXXXXX``. That rename is the c
 any point leaves either no ``step_*`` directory or a complete one, never a half-written checkpoint
 that looks valid. Leftover ``.tmp-*`` directories are never listed and are removed by the next
 ``save`` (and by a trainer's start: ``remove_leftovers``); a checkpoint moved aside for a re-save
-of its step (``.replaced-*``) is put back there when that save never committed.
+of its step (``.replaced-*``) is put back there when that save never committed (``put_back``, by
+a trainer before it lists the checkpoints to resume from). The manifest's records of the files:
+``moelab.run.ckpt_files``.
 
 The manifest lets a restore detect damage that orbax itself would not notice (a flipped byte in an
 array chunk restores "successfully" with wrong values), as well as missing or truncated files.
@@ -43,7 +45,6 @@ import sys
 import time
 import uuid
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from pathlib import Path
 from typing import Any, Callable
@@ -61,8 +62,17 @@ from moelab.run.ckpt_failures import (
     save_failure,
     short,
 )
+from moelab.run.ckpt_files import check_files, fsync_path, hash_and_sync
 from moelab.run.ckpt_lease import leased_steps, prunable, reading
-from moelab.run.ckpt_names import orbax_manager_options, step_name, step_of
+from moelab.run.ckpt_names import (
+    REPLACED_PREFIX,
+    TMP_PREFIX,
+    TRASH_PREFIX,
+    leftovers,
+    orbax_manager_options,
+    step_name,
+    step_of,
+)
 from moelab.run.ckpt_target import (
     CheckpointError,
     CheckpointMismatch,
@@ -74,7 +84,7 @@ from moelab.run.ckpt_target import (
     saved_entries,
 )
 from moelab.run.ckpt_wait import Aside, orbax_errors_quiet
-from moelab.util import atomic_write_json, info, sha256_file
+from moelab.util import atomic_write_json, info
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointDamaged", "CheckpointGone",
            "CheckpointMismatch", "CheckpointWarning", "orbax_manager_options", "save_failure"]
@@ -83,23 +93,11 @@ FORMAT = "moelab-checkpoint/1"
 STATE_DIR = "state"
 META_FILE = "meta.json"
 MANIFEST_FILE = "manifest.json"
-_TMP_PREFIX = ".tmp-"  # a save in progress / crash leftover
-_TRASH_PREFIX = ".trash-"  # a checkpoint being deleted (pruned, or replaced once committed)
-_REPLACED_PREFIX = ".replaced-"  # a complete checkpoint moved aside while its step is re-saved
-_ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's own save in progress (``step_3.orbax-...-tmp-N``)
 _MAX_GONE = 20  # a reader gives up after so many checkpoints pruned under it
 
 
 class CheckpointWarning(UserWarning):
     """A damaged checkpoint was skipped in favour of an older one."""
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Checkpointer:
@@ -241,7 +239,7 @@ class Checkpointer:
         final = self.step_dir(step)
         # Every process must name the same temporary directory: process 0 picks it.
         token = broadcast_str(f"{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        tmp = self.dir / f"{_TMP_PREFIX}{final.name}.{token}"
+        tmp = self.dir / f"{TMP_PREFIX}{final.name}.{token}"
         if main:
             tmp.mkdir()
         barrier(f"checkpoint-{step}-start")
@@ -282,7 +280,7 @@ class Checkpointer:
         old: Path | None = None
         try:
             atomic_write_json(tmp / META_FILE, meta)
-            files = self._hash_and_sync(tmp)
+            files = hash_and_sync(tmp)
             manifest = {
                 "format": FORMAT,
                 "step": step,
@@ -291,13 +289,13 @@ class Checkpointer:
                 "files": files,
             }
             atomic_write_json(tmp / MANIFEST_FILE, manifest)
-            _fsync_path(tmp)
+            fsync_path(tmp)
             if final.exists():
                 info(f"checkpoint: step {step} already exists at {final}; replacing it")
-                old = self.dir / f"{_REPLACED_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}"
+                old = self.dir / f"{REPLACED_PREFIX}{final.name}.{uuid.uuid4().hex[:8]}"
                 os.rename(final, old)  # whole (a rename): put back if killed before the commit
             os.rename(tmp, final)  # the commit
-            _fsync_path(self.dir)
+            fsync_path(self.dir)
         except BaseException:
             if old is not None and not final.exists():
                 os.rename(old, final)  # put the previous checkpoint of this step back
@@ -305,38 +303,27 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         if old is not None:  # its step is committed again: the old one is only trash now
-            trash = self.dir / f"{_TRASH_PREFIX}{old.name.removeprefix(_REPLACED_PREFIX)}"
+            trash = self.dir / f"{TRASH_PREFIX}{old.name.removeprefix(REPLACED_PREFIX)}"
             os.rename(old, trash)
             shutil.rmtree(trash, ignore_errors=True)
         self._prune()
         if self.on_commit is not None:  # e.g. the upload of a remote run folder
             self.on_commit(step)
 
-    def _hash_and_sync(self, root: Path) -> dict[str, dict[str, Any]]:
-        files = sorted(p for p in root.rglob("*") if p.is_file())
-        dirs = sorted(p for p in root.rglob("*") if p.is_dir())
-
-        def one(p: Path) -> tuple[str, dict[str, Any]]:
-            _fsync_path(p)
-            return p.relative_to(root).as_posix(), {"size": p.stat().st_size, "sha256": sha256_file(p)}
-
-        with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-            out = dict(pool.map(one, files))
-            list(pool.map(_fsync_path, dirs))
-        return out
+    def put_back(self) -> None:
+        """Put back each checkpoint a re-save of its step moved aside and was killed before
+        committing (by the folder's one writer, before it lists the checkpoints to resume)."""
+        for p, final in leftovers(self.dir)[0]:
+            info(f"checkpoint: putting back {final.name} (a save replacing it was killed)")
+            os.rename(p, final)
 
     def remove_leftovers(self) -> None:
-        """Remove what interrupted saves and deletions left (by the folder's one writer); a
-        checkpoint moved aside by a re-save of its step killed before its commit goes back."""
-        for p in self.dir.iterdir() if self.dir.is_dir() else ():
-            final = self.dir / p.name.removeprefix(_REPLACED_PREFIX).rsplit(".", 1)[0]
-            if p.name.startswith(_REPLACED_PREFIX) and not final.exists():
-                info(f"checkpoint: putting back {final.name} (a save replacing it was killed)")
-                os.rename(p, final)
-            elif p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX, _REPLACED_PREFIX)) \
-                    or _ORBAX_TMP in p.name:
-                info(f"checkpoint: removing leftover {p} (interrupted save or delete)")
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        """Remove what interrupted saves and deletions left (by the folder's one writer), once
+        a checkpoint moved aside by a re-save killed before its commit is back."""
+        self.put_back()
+        for p in leftovers(self.dir)[1]:
+            info(f"checkpoint: removing leftover {p} (interrupted save or delete)")
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
     def _prune(self) -> None:
         for s in prunable(self.steps(), self.keep, leased_steps(self.dir, remove_stale=True),
@@ -344,7 +331,7 @@ class Checkpointer:
             if s in leased_steps(self.dir):  # listed again just before the rename: the window in
                 continue  # which a new reader can lose its lease race stays microseconds long
             path = self.step_dir(s)
-            trash = self.dir / f"{_TRASH_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}"
+            trash = self.dir / f"{TRASH_PREFIX}{path.name}.{uuid.uuid4().hex[:8]}"
             try:
                 os.rename(path, trash)  # disappears from steps() atomically
             except OSError as e:
@@ -419,7 +406,7 @@ class Checkpointer:
             if manifest.get("format") != FORMAT or manifest.get("step") != step:
                 raise CheckpointDamaged(f"bad manifest (format={manifest.get('format')!r}, "
                                         f"step={manifest.get('step')!r})")
-            self._check_files(path, manifest["files"])
+            check_files(path, manifest["files"], self.verify)
         except FileNotFoundError as e:
             name = Path(e.filename).name if e.filename else MANIFEST_FILE
             raise CheckpointDamaged(f"no {name} (deleted or damaged)") from e
@@ -442,18 +429,3 @@ class Checkpointer:
         restored = jax.tree.map(match_leaf_type, abstract, restored)
         check_restored(target, restored)
         return restored, meta
-
-    def _check_files(self, path: Path, files: dict[str, dict[str, Any]]) -> None:
-        for rel, want in files.items():
-            p = path / rel
-            if not p.is_file():
-                raise CheckpointDamaged(f"missing file {rel}")
-            size = p.stat().st_size
-            if size != want["size"]:
-                raise CheckpointDamaged(f"file {rel} has {size} bytes, manifest says {want['size']}")
-        if self.verify:
-            with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-                sums = dict(zip(files, pool.map(lambda rel: sha256_file(path / rel), files)))
-            bad = [rel for rel, want in files.items() if sums[rel] != want["sha256"]]
-            if bad:
-                raise CheckpointDamaged(f"checksum mismatch (corrupted file) in {', '.join(bad)}")

@@ -35,9 +35,15 @@ from moelab.config import RunConfig
 from moelab.config.io import flatten_config
 from moelab.data.prepare import data_text
 from moelab.data.sampler import heldout_text
-from moelab.parallel.distributed import agree_any, agree_signal, check_same_run, is_main
+from moelab.parallel.distributed import (
+    agree_any,
+    agree_signal,
+    barrier,
+    check_same_run,
+    is_main,
+)
 from moelab.planner.counts import train_flops_per_token
-from moelab.run.checkpoint import CheckpointError, save_failure
+from moelab.run.checkpoint import Checkpointer, CheckpointError, save_failure
 from moelab.run.lock import run_lock
 from moelab.train.adapt import Adapter
 
@@ -133,6 +139,9 @@ def _train(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | No
 
 def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: str | None,
                    accept_data_change: bool, mirror, reading: ExitStack) -> dict:
+    if is_main():  # a re-save of a step killed between its renames: the old one resumes
+        Checkpointer(run_dir / "checkpoints").put_back()
+    barrier("checkpoints-put-back")  # listed by every process from here
     done = finished_summary(cfg, run_dir, info if verbose and is_main() else (lambda _m: None))
     if done is not None:
         return {**done, "run_dir": mirror.url if mirror is not None else str(run_dir)}
@@ -225,6 +234,8 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
             run.trackers.event("data_stage", p.step, **change)
             run.say(stage_text(p.step, change))
             p.t_first, p.paused = None, 0.0
+        if tracer.starts_at(p.step + 1):
+            _settle(p)
         _paused(p, tracer.before, p.step + 1, p.state)  # writing a trace is off the clock
         step_fn = train_step_at(run, p.step)
         p.state, m = step_fn(p.state, run.put_batch(run.sampler.batch(p.step)))
@@ -232,6 +243,8 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
         for where, why in run.sampler.new_skips():  # a stream's bad records, each said once
             run.say(f"note: the data stream skipped {where}: {why}")
             run.trackers.event("data_skipped", p.step, where=where, reason=why)
+        if tracer.stops_at(p.step):  # the traced steps' compute is on it
+            _settle(p)
         _paused(p, tracer.after, p.step, p.state)
         p.unchecked.append((p.step, _check_values(m)))
         stop = agree_any(flag.signal is not None)  # all processes stop at the same step
@@ -253,9 +266,9 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
 
 def _settle(p: _Progress) -> None:
     """Wait, on the clock, for the steps still queued on the device: a pause that reads the
-    state (a save, a re-placement) would otherwise count their compute as paused, and the
-    throughput between two logged steps as many times what the device does. (Evaluation
-    waits there already: it first reads the steps' finite checks.)"""
+    state (a save, a re-placement, a trace's start or stop) would otherwise count their compute
+    as paused, and the throughput between two logged steps as many times what the device does.
+    (Evaluation waits there already: it first reads the steps' finite checks.)"""
     jax.block_until_ready(p.state)
 
 

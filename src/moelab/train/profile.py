@@ -36,8 +36,16 @@ class StepTracer:
         self.say = say
         self.active = False
 
+    def starts_at(self, step: int) -> bool:
+        """Whether ``before(step)`` starts the trace (waiting for the steps before it)."""
+        return bool(self.range) and not self.active and self.range[0] <= step < self.range[1]
+
+    def stops_at(self, step: int) -> bool:
+        """Whether ``after(step)`` stops the trace (waiting for the traced steps)."""
+        return self.active and step >= self.range[1] - 1
+
     def before(self, step: int, state: Any) -> None:
-        if self.range and not self.active and self.range[0] <= step < self.range[1]:
+        if self.starts_at(step):
             jax.block_until_ready(state)
             self.folder.mkdir(parents=True, exist_ok=True)
             jax.profiler.start_trace(str(self.folder), create_perfetto_trace=True)
@@ -46,7 +54,7 @@ class StepTracer:
     def after(self, step: int, state: Any) -> None:
         if self.active:
             self.last = step
-            if step >= self.range[1] - 1:
+            if self.stops_at(step):
                 self.close(state)
 
     def close(self, state: Any = None) -> None:

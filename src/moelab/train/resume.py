@@ -150,8 +150,7 @@ def check_given_end(cfg: RunConfig, run_dir: Path | str) -> None:
     if at is None:
         return
     saved = recovered_config(run_dir)
-    if cfg.train.steps != saved.train.steps and cfg.train.steps <= at:  # no replan moves it there
-        raise ConfigError(stop_step_text(cfg.train.steps, at, saved.train.steps, run_dir))
+    check_stop_step(saved, cfg, at, Path(run_dir))  # no replan moves it there
     if saved.optim.decays and not cfg.optim.decays and cfg.train.steps != saved.train.steps:
         raise ConfigError(f"train.steps={cfg.train.steps}: {run_dir} ends at step "
                           f"{saved.train.steps}, where its re-timed decay (a replan or branch) "
@@ -266,12 +265,17 @@ def check_unedited(run_dir: Path | str) -> RunConfig:
     return saved
 
 
-def stop_step_text(steps: int, at: int, end: int, run_dir: Path | str) -> str:
+def stop_step_text(steps: int, at: int, end: int, run_dir: Path | str,
+                   name: str | None = None) -> str:
     """Why train.steps=``steps`` is refused for a run at step ``at`` that ends at ``end``, and
-    the fixes: a later end, or an earlier one that a replan or a branch still can give."""
-    text = (f"train.steps={steps}: {run_dir} is at step {at} already, so it would train "
-            f"nothing; to train it on, give a train.steps above {at} (`moelab resume {run_dir} "
+    the fixes: a later end, or an earlier one that a replan or a branch still can give (not to
+    a run URL, ``name``: ``run_dir`` is then its staging copy, and they take local runs)."""
+    shown = name or run_dir
+    text = (f"train.steps={steps}: {shown} is at step {at} already, so it would train "
+            f"nothing; to train it on, give a train.steps above {at} (`moelab resume {shown} "
             f"train.steps=M`)")
+    if name is not None:
+        return text
     if at < end:  # not at its end yet: a replan may still end it sooner than planned
         text += (f", or, to end it sooner than step {end}, `moelab replan {run_dir} --end-steps "
                  f"M --apply` with M above {at}")
@@ -282,16 +286,18 @@ def stop_step_text(steps: int, at: int, end: int, run_dir: Path | str) -> str:
     return text
 
 
-def check_stop_step(saved: RunConfig, cfg: RunConfig, at: int, run_dir: Path) -> None:
+def check_stop_step(saved: RunConfig, cfg: RunConfig, at: int, run_dir: Path,
+                    name: str | None = None) -> None:
     """A new train.steps at or below the step the run resumes from would train nothing."""
     steps = cfg.train.steps
     if steps != saved.train.steps and steps <= at:
-        raise ConfigError(stop_step_text(steps, at, saved.train.steps, run_dir))
+        raise ConfigError(stop_step_text(steps, at, saved.train.steps, run_dir, name))
 
 
-def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
+def resolve_run_config(cfg: RunConfig, run_dir: Path, name: str | None = None) -> RunConfig:
     """The config to use in ``run_dir``: the saved one, updated only where a resume allows.
-    A folder without checkpoints has trained nothing yet, so any config may (re)start it."""
+    A folder without checkpoints has trained nothing yet, so any config may (re)start it.
+    ``name``: a run URL whose staging copy ``run_dir`` is (its refusals name the URL)."""
     at = resume_step(run_dir)
     if at is None:
         return with_sampler_of(cfg, None).with_frozen_schedule()
@@ -304,15 +310,15 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path) -> RunConfig:
     cfg = with_sampler_of(cfg, saved)  # not given: the run's own
     # operations (replan, branch) are kept, a pending replan applied, the past left as it was
     cfg = resume_config(saved, cfg.with_frozen_schedule(), run_dir)
-    check_stop_step(saved, cfg, at, run_dir)
+    check_stop_step(saved, cfg, at, run_dir, name)
     old, new = flatten_config(saved.to_dict()), flatten_config(cfg.to_dict())
     bad = _differing(old, new, RESUMABLE_CHANGES | set(OPERATION_FIELDS))
     if bad:
         k = bad[0]
         why = KEPT_BECAUSE.get(k, "A run folder trains one model: use")
-        raise ConfigError(f"{k}: {run_dir} was started with {old.get(k)!r}, now {new.get(k)!r}. "
-                          f"{why} a new --run-dir (or, to continue this run as it was "
-                          f"configured, `moelab resume {run_dir}`)")
+        raise ConfigError(f"{k}: {name or run_dir} was started with {old.get(k)!r}, now "
+                          f"{new.get(k)!r}. {why} a new --run-dir (or, to continue this run as "
+                          f"it was configured, `moelab resume {name or run_dir}`)")
     return cfg
 
 

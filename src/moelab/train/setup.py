@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import shutil
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple
@@ -280,10 +280,8 @@ def _end_recorded(trackers, step: int, made: list[Path]) -> Iterator[None]:
                        error=describe_error(e))
         trackers.close()
         for path in made if isinstance(e, ConfigError) else []:  # ... then a refusal's removed
-            if path.is_dir():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+            with suppress(OSError):  # as far as it can be: the refusal is what must be said
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         raise
 
 
@@ -326,13 +324,13 @@ def _check_resume_data(cfg: RunConfig, run_dir: Path, recorded: dict, accept: bo
                          given_tokenizer(cfg.data))
 
 
-def _resolved(cfg: RunConfig, run_dir: Path, recorded: dict,
-              accept: bool) -> tuple[RunConfig, list[str]]:
+def _resolved(cfg: RunConfig, run_dir: Path, recorded: dict, accept: bool,
+              name: str | None) -> tuple[RunConfig, list[str]]:
     """(the config the run trains with, the settings a resume changes), refused before
     anything is built, from the config and what the data folder holds now."""
     _check_resume_data(cfg, run_dir, recorded, accept)
     cfg = with_tokenizer_vocab(cfg)  # model.vocab_size 0: the tokenizer's
-    cfg = transport.check_config(resolve_run_config(cfg, run_dir), len(jax.devices()))
+    cfg = transport.check_config(resolve_run_config(cfg, run_dir, name), len(jax.devices()))
     transport.check_backend(cfg.parallel, jax.default_backend())
     check_device_count(cfg, jax.devices())
     # said, and kept in the resume event
@@ -388,7 +386,8 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
     at = resume_step(run_dir)  # None: nothing trained yet, any data may (re)start it
     started_before = (run_dir / "config.yaml").is_file()  # a start stopped before a checkpoint
     recorded = run_data_record(run_dir) if at is not None else {}
-    cfg, changed = _resolved(cfg, run_dir, recorded, accept_data_change)
+    cfg, changed = _resolved(cfg, run_dir, recorded, accept_data_change,
+                             mirror.url if mirror else None)
     main = is_main()  # with several processes, process 0 alone writes the run folder
     say = info if verbose and main else _quiet
     _say_missing_records(cfg, run_dir, at, recorded, say)
