@@ -58,8 +58,8 @@ def test_process_0_leaves_no_folder_when_another_does_not_share_it(two, monkeypa
     two(0, unseen=[1])
     monkeypatch.setattr(distributed, "broadcast_str", lambda text: ".shared-0123")
     with pytest.raises(ValueError, match=r"process\(es\) 1 do not see this run folder"):
-        distributed.check_same_run({}, tmp_path / "run")
-    assert not (tmp_path / "run").exists()
+        distributed.check_same_run({}, tmp_path / "runs" / "run")
+    assert not (tmp_path / "runs").exists()  # nor the folder it made above the run's
 
 
 def test_a_shared_folder_passes_and_keeps_no_probe(two, monkeypatch, tmp_path):

@@ -282,6 +282,30 @@ def nearest_existing(path: Path | str) -> Path:
     return next(p for p in (path, *path.parents) if p.exists())
 
 
+def first_missing(path: Path) -> Path | None:
+    """The outermost folder on ``path``'s way (``path`` included) that does not exist yet,
+    which making ``path`` makes; None when ``path`` exists."""
+    made = None
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            break
+        made = p
+    return made
+
+
+def remove_made_parents(folder: Path, made: Path | None) -> None:
+    """After ``folder`` is removed: the folders above it up to ``made`` (the outermost one a
+    command made, ``first_missing``) while they are empty; one something else wrote into
+    stays, and so does every one above it."""
+    for p in folder.parents if made is not None and made != folder else ():
+        try:
+            p.rmdir()
+        except OSError:
+            return
+        if p == made:
+            return
+
+
 def writable(folder: Path | str) -> bool:
     """Whether this process can create files in ``folder``, or in its nearest existing
     ancestor when the folder is still to be made: a file is made there and removed. A probe,

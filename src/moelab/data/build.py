@@ -35,7 +35,7 @@ from moelab.locks import (
     take_lock,
 )
 from moelab.tempfiles import remove_temp_files
-from moelab.util import atomic_write_text, info, is_url, sha256_file
+from moelab.util import atomic_write_text, info, is_url, remove_made_parents, sha256_file
 
 BUILTIN_OUT = "data/builtin"  # the built-in corpus: every default-preset run trains on it
 LOCK_FILE = ".lock"
@@ -217,17 +217,6 @@ def check_finished(data_dir: Path | str) -> None:
                     "), then train")
 
 
-def first_missing(out: Path) -> Path | None:
-    """The outermost folder on ``out``'s path (``out`` included) that does not exist yet, which
-    a build into ``out`` makes; None when ``out`` exists."""
-    made = None
-    for p in (out, *out.parents):
-        if p.exists() or p.is_symlink():
-            break
-        made = p
-    return made
-
-
 def remove_if_unused(out: Path, made: Path | None = None, *, keep: bool = False) -> None:
     """Remove ``out`` if it holds nothing but its lock file, the build's ``UNFINISHED`` mark and
     empty folders (a build that made it and failed before writing anything), and the folders
@@ -243,13 +232,7 @@ def remove_if_unused(out: Path, made: Path | None = None, *, keep: bool = False)
     if keep:
         return
     out.rmdir()
-    for p in out.parents if made is not None and made != out else ():
-        try:
-            p.rmdir()  # an empty folder the build made; one something else wrote into stays
-        except OSError:
-            return
-        if p == made:
-            return
+    remove_made_parents(out, made)
 
 
 def take_data_lock(out: Path, command: str) -> int:

@@ -17,7 +17,7 @@ from moelab.data.errors import DataError
 from moelab.data.prepare import prepare_data, vocab_needed
 from moelab.data.store import TokenStore
 from moelab.data.tokenizer import MIN_VOCAB, load_tokenizer
-from moelab.util import atomic_write_bytes, sha256_file
+from moelab.util import atomic_write_bytes, first_missing, sha256_file
 
 
 def cmd_data_build(args) -> int:
@@ -41,7 +41,7 @@ def cmd_data_build(args) -> int:
     build.check_inputs(args.inputs, out)
     if args.inputs:  # paths, types and extras before the folder (and its lock) is made
         corpus.check_user_inputs(args.inputs, args.format, args.text_field, args.split)
-    made = build.first_missing(out)  # the folders this build makes (None: out exists)
+    made = first_missing(out)  # the folders this build makes (None: out exists)
     was_empty = made is None and out.is_dir() and not any(out.iterdir())
     # SIGTERM unwinds like Ctrl-C (moelab.cli): temp files go and the lock is released
     command = shlex.join(getattr(args, "argv", ["moelab"]))

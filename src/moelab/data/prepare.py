@@ -38,7 +38,6 @@ from moelab.data.build import (
     BUILTIN_OUT,
     OWN_TOKENIZER,
     check_finished,
-    first_missing,
     hold_reader,
     is_builtin_folder,
     lock_error,
@@ -47,7 +46,7 @@ from moelab.data.build import (
 )
 from moelab.data.errors import DataError
 from moelab.locks import LockHeld, describe_holder, release_lock
-from moelab.util import info, sha256_file, writable
+from moelab.util import first_missing, info, sha256_file, writable
 
 DEFAULT_VOCAB = 4096  # a new tokenizer's size when model.vocab_size is 0
 PREPARING = "preparing a run's data"  # a lock holder other preparations wait for

@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from moelab.util import info
+from moelab.util import first_missing, info, remove_made_parents
 
 COORDINATOR_TIMEOUT_S = 300  # jax.distributed.initialize's own initialization_timeout
 _options: dict = {}  # this process's --num-processes, compared with process 0's (check_same_run)
@@ -249,9 +249,9 @@ def check_same_run(settings: dict, run_dir: Path | str | None) -> None:
 def _check_shared_folder(run_dir: Path) -> None:
     """Process 0 leaves a file in ``run_dir``; every process must see it there."""
     probe = run_dir / broadcast_str(f".shared-{uuid.uuid4().hex[:16]}")
-    made = False
+    made = None
     if is_main():
-        made = not run_dir.exists()
+        made = first_missing(run_dir)  # the folders this makes: gone again below
         run_dir.mkdir(parents=True, exist_ok=True)
         probe.touch()
     barrier("run-folder-probe")
@@ -259,9 +259,10 @@ def _check_shared_folder(run_dir: Path) -> None:
     barrier("run-folder-probed")
     if is_main():
         probe.unlink(missing_ok=True)
-        if made:  # a refused start leaves no folder behind
+        if made is not None:  # a refused start leaves no folder behind
             try:
                 run_dir.rmdir()
+                remove_made_parents(run_dir, made)
             except OSError:  # something else appeared there meanwhile: keep it
                 pass
     fix = "give every process the same --run-dir, on a filesystem every host sees"

@@ -20,6 +20,7 @@ from moelab.config import ConfigError
 from moelab.locks import LockHeld, lock_refusal, release_lock, take_lock
 from moelab.locks import holder_record as _record
 from moelab.run.logs import command_line
+from moelab.util import first_missing, remove_made_parents
 
 LOCK_FILE = ".lock"
 
@@ -76,7 +77,7 @@ def run_lock(run_dir: Path | str, command: str | None = None, *,
     write the folder, e.g. every process but the first of a multi-process run)."""
     fresh = not Path(run_dir).exists()
     had_lock = (Path(run_dir) / LOCK_FILE).exists()
-    made = _missing_parents(Path(run_dir))  # those acquire makes (mkdir -p)
+    made = first_missing(Path(run_dir))  # the folders acquire makes (mkdir -p)
     fd = acquire(run_dir, command, name) if enabled else None
     try:
         yield
@@ -89,19 +90,13 @@ def run_lock(run_dir: Path | str, command: str | None = None, *,
             release(fd)
 
 
-def _missing_parents(run_dir: Path) -> list[Path]:
-    """The folders above ``run_dir`` that do not exist yet, nearest first."""
-    return [p for p in run_dir.absolute().parents if not p.exists()]
-
-
-def _remove_if_only_the_lock(run_dir: Path, parents: list[Path]) -> None:
-    """Remove ``run_dir`` when it holds only the lock, then those of the ``parents`` it made
-    that stayed empty (``--run-dir runs/new/x`` refused leaves no ``runs/new``)."""
+def _remove_if_only_the_lock(run_dir: Path, made: Path | None) -> None:
+    """Remove ``run_dir`` when it holds only the lock, then the folders above it up to
+    ``made`` that stayed empty (``--run-dir runs/new/x`` refused leaves no ``runs/new``)."""
     try:
         if [p.name for p in run_dir.iterdir()] == [LOCK_FILE]:
             (run_dir / LOCK_FILE).unlink()
             run_dir.rmdir()
-            for parent in parents:
-                parent.rmdir()
+            remove_made_parents(run_dir, made)
     except OSError:  # something appeared meanwhile: the folder is in use, keep it
         pass
