@@ -622,8 +622,9 @@ def test_a_tokenizer_trained_smaller_than_the_model_s_vocabulary_is_noted(tmp_pa
     dcfg = DataConfig(data_dir=str(tmp_path))
     assert unused_rows_note(dcfg, tok, 4096) == (
         "note: the tokenizer trained on this corpus has 345 tokens, the model 4,096 embedding "
-        "rows (its size was set before the tokenizer was trained); `moelab data build` gives a "
-        "data folder its own tokenizer, whose size model.vocab_size=0 then takes")
+        "rows (its size was set before the tokenizer was trained); for a new run sized to it, "
+        "`moelab data build ... --out NEW` gives a new data folder its own tokenizer, whose size "
+        "model.vocab_size=0 then takes")
     assert unused_rows_note(dcfg, tok, 345) is None
     (tmp_path / "tokenizer.json").write_text("{}")  # the folder's own
     assert unused_rows_note(dcfg, tok, 4096) is None

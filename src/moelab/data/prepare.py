@@ -350,8 +350,8 @@ def unused_rows_note(dcfg: DataConfig, tok, vocab_size: int) -> str | None:
         return None
     return (f"note: the tokenizer trained on this corpus has {vocab_needed(tok):,} tokens, the "
             f"model {vocab_size:,} embedding rows (its size was set before the tokenizer was "
-            "trained); `moelab data build` gives a data folder its own tokenizer, whose size "
-            "model.vocab_size=0 then takes")
+            "trained); for a new run sized to it, `moelab data build ... --out NEW` gives a new "
+            "data folder its own tokenizer, whose size model.vocab_size=0 then takes")
 
 
 def vocab_needed(tok) -> int:
