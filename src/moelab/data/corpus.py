@@ -396,7 +396,7 @@ def check_user_inputs(paths: list[Path | str], fmt: str = "files", text_field: s
 def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | str,
                       heldout_fraction: float = 0.02, domain: str | None = None,
                       fmt: str = "files", text_field: str = "text", split: str = "",
-                      head_bytes: int = 0) -> dict:
+                      head_bytes: int = 0, inputs: list | None = None) -> dict:
     """Build a corpus from your own files and return its manifest.
 
     Inputs are local paths or fsspec URLs (gs://, s3://, memory://, file://), read as ``fmt``:
@@ -416,10 +416,12 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     (a ValueError) is raised. Document ids name their origin ("books/a.txt", "web/x.jsonl
     line 7", "t.parquet row 3"). ``head_bytes`` > 0: only the inputs' first documents, until
     their texts hold that many UTF-8 bytes (what a streaming run keeps locally; recorded in the
-    manifest as ``head_bytes``); the inputs are read no further.
+    manifest as ``head_bytes``); the inputs are read no further. ``inputs``: what
+    ``check_user_inputs`` returned for them, where the caller checked first (not walked again).
     """
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
-    inputs = check_user_inputs(paths, fmt, text_field, split)
+    if inputs is None:
+        inputs = check_user_inputs(paths, fmt, text_field, split)
     skips: Skips = []
     default = clean_domain(domain) if domain else None
     corpus_dir = Path(corpus_dir)  # write_corpus makes it before it reads the documents

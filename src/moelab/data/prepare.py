@@ -69,19 +69,21 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
         check_builtin_kind(dcfg, m)
         _check_head(dcfg, corpus_dir, m)
         return
-    if dcfg.source:  # a missing or unreadable source is refused before any "building" line
-        corpus.check_user_inputs([dcfg.source], dcfg.format, dcfg.text_field, dcfg.split)
+    # a missing or unreadable source is refused before any "building" line
+    inputs = (corpus.check_user_inputs([dcfg.source], dcfg.format, dcfg.text_field, dcfg.split)
+              if dcfg.source else None)
     t = time.time()
     if dcfg.sampler == "stream":
         say(f"keeping the first {dcfg.stream_head_mb:g} MB of {dcfg.source} in {corpus_dir} "
             "(the stream's head: tokenizer and held-out evaluation) ...")
         m = corpus.build_user_corpus([dcfg.source], corpus_dir, fmt=dcfg.format,
                                      text_field=dcfg.text_field, split=dcfg.split,
-                                     head_bytes=head_bytes(dcfg))
+                                     head_bytes=head_bytes(dcfg), inputs=inputs)
     elif dcfg.source:
         say(f"building the corpus of {dcfg.source} ({dcfg.format}) in {corpus_dir} ...")
         m = corpus.build_user_corpus([dcfg.source], corpus_dir, fmt=dcfg.format,
-                                     text_field=dcfg.text_field, split=dcfg.split)
+                                     text_field=dcfg.text_field, split=dcfg.split,
+                                     inputs=inputs)
     elif not is_builtin_folder(dcfg.data_dir):  # a typo, or a folder of your own: never filled
         raise DataError(no_corpus_message(dcfg.data_dir))
     else:
