@@ -229,7 +229,7 @@ class ParallelConfig:
                 f"must divide parallel.devices={self.devices}"
                 + ("; set parallel.devices=0 (every visible device) or a multiple of "
                    f"{self.expert}, or parallel.expert=1 for one device" if self.devices == 1
-                   else f", not {self.expert}: give one of {_listed(divisors(self.devices))}"
+                   else f", not {self.expert}: give one of {listed(divisors(self.devices))}"
                    ", or change parallel.devices"))
         require(isinstance(self.transport, str) and self.transport != "", f"{p}.transport",
                 "must name a transport (docs/transport.md lists them)")
@@ -239,10 +239,10 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _listed(values: list[int], most: int = 8) -> str:
+def listed(values: list[int], most: int = 8) -> str:
     """``values`` for an error line: all of them, or the first and last few of a long list."""
     if len(values) > most:
-        return f"{_listed(values[:most // 2])}, ..., {_listed(values[-most // 2:])}"
+        return f"{listed(values[:most // 2])}, ..., {listed(values[-most // 2:])}"
     return ", ".join(map(str, values))
 
 
@@ -262,7 +262,7 @@ def check_microbatch(microbatch: int, segments, devices: int) -> None:
     that fit all of them (a value that fits only the failing segment would fail another)."""
     p = "train.microbatch_tokens"
     fits = microbatch_fits(segments, devices)
-    fix = (f"; give one of {_listed(fits)}, or 0 for the whole batch" if fits else
+    fix = (f"; give one of {listed(fits)}, or 0 for the whole batch" if fits else
            "; no value fits every data stage: give 0 for the whole batch")
     for seg in segments:
         seq_len, batch = seg.seq_len, seg.batch_size
@@ -293,7 +293,7 @@ class RunConfig:
         fit_ep = [d for d in divisors(m.n_experts) if par.devices == 0 or par.devices % d == 0]
         require(m.n_experts % par.expert == 0, "parallel.expert",
                 f"must divide model.n_experts={m.n_experts} (each rank holds n_experts/expert),"
-                f" not {par.expert}: give one of {_listed(fit_ep)}"
+                f" not {par.expert}: give one of {listed(fit_ep)}"
                 + (f" (dividing parallel.devices={par.devices} too)" if par.devices else ""))
         fits = [n for n in divisors(self.data.batch_size) if n <= 64]
         require(par.devices == 0 or self.data.batch_size % par.devices == 0, "data.batch_size",

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from moelab.config import ConfigError, ModelConfig, ParallelConfig, RunConfig
 from moelab.config.model import REMAT_POLICIES
-from moelab.config.run import divisors
+from moelab.config.run import divisors, listed
 from moelab.model import layers
 from moelab.model import transformer as tr
 from moelab.model.experts import auto_impl
@@ -51,12 +51,12 @@ class Layout:
         m = cfg.model
         if self.devices < 1 or self.ep < 1 or self.fsdp < 1:
             raise ConfigError("--devices/--ep/--fsdp: must be >= 1")
-        fit_ep = ", ".join(str(d) for d in divisors(math.gcd(m.n_experts, self.devices)))
+        fit_ep = listed(divisors(math.gcd(m.n_experts, self.devices)))
         if m.n_experts % self.ep:
             raise ConfigError(f"--ep {self.ep}: must divide model.n_experts={m.n_experts}; give "
                               f"one of {fit_ep} (dividing --devices {self.devices} too)")
         for name, deg, fit in (("ep", self.ep, fit_ep),
-                               ("fsdp", self.fsdp, ", ".join(map(str, divisors(self.devices))))):
+                               ("fsdp", self.fsdp, listed(divisors(self.devices)))):
             if self.devices % deg:
                 raise ConfigError(f"--{name} {deg}: must divide --devices {self.devices}; give "
                                   f"one of {fit}")

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ConfigError, ParallelConfig
-from moelab.config.run import divisors
+from moelab.config.run import divisors, listed
 from moelab.model.axes import EXPERT
 from moelab.model.dispatch import gather_rows, invert, rank_in_group, token_of, weighted_routes
 from moelab.model.experts import DropCounts, GroupLayout, counts_layout, sorted_swiglu
@@ -61,7 +61,7 @@ def check(par: ParallelConfig, n_local: int) -> None:
     require_parallel(G >= 1 and n_local % G == 0, "budget_group",
                      f"{G} experts per budget group must divide the local experts "
                      f"E_l={n_local} (pooled_global); set parallel.budget_group to one of "
-                     f"{', '.join(map(str, divisors(n_local)))}, or change "
+                     f"{listed(divisors(n_local))}, or change "
                      "parallel.expert")
     B = par.fair_blocks
     require_parallel(B >= 0 and (B == 0 or B % par.expert == 0), "fair_blocks",

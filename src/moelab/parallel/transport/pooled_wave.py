@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
-from moelab.config.run import divisors
+from moelab.config.run import divisors, listed
 from moelab.model.axes import EXPERT
 from moelab.model.dispatch import combine_rows, gather_rows, invert, rank_in_group, token_of
 from moelab.model.experts import DropCounts, swiglu_bank
@@ -42,7 +42,7 @@ def check(par: ParallelConfig, n_local: int) -> None:
     require_parallel(n_local % par.waves == 0, "waves",
                      f"local experts E_l={n_local} must be divisible by waves={par.waves} "
                      f"(pooled_wave); set parallel.waves to one of "
-                     f"{', '.join(map(str, divisors(n_local)))}, or change "
+                     f"{listed(divisors(n_local))}, or change "
                      "parallel.expert")
 
 
