@@ -226,26 +226,22 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
     stop = p.eval_pending and not _log_eval(run, p, flag)
     adapter = Adapter(run)  # drop gates and re-placement (off the clock; they record events)
     while p.step < steps and not stop:
-        if adapter.acts_at(p.step):
-            _settle(p)
-        p.state = _paused(p, adapter.before_step, p.step, p.state)
+        p.state = _paused(p, adapter.before_step, p.step, p.state,
+                          settle=adapter.acts_at(p.step))
         change = run.sampler.change_at(p.step)
         if change:  # new mixture or context; a new shape recompiles: restart the clock
             run.trackers.event("data_stage", p.step, **change)
             run.say(stage_text(p.step, change))
             p.t_first, p.paused = None, 0.0
-        if tracer.starts_at(p.step + 1):
-            _settle(p)
-        _paused(p, tracer.before, p.step + 1, p.state)  # writing a trace is off the clock
+        _paused(p, tracer.before, p.step + 1, p.state,  # writing a trace is off the clock
+                settle=tracer.starts_at(p.step + 1))
         step_fn = train_step_at(run, p.step)
         p.state, m = step_fn(p.state, run.put_batch(run.sampler.batch(p.step)))
         p.step += 1
         for where, why in run.sampler.new_skips():  # a stream's bad records, each said once
             run.say(f"note: the data stream skipped {where}: {why}")
             run.trackers.event("data_skipped", p.step, where=where, reason=why)
-        if tracer.stops_at(p.step):  # the traced steps' compute is on it
-            _settle(p)
-        _paused(p, tracer.after, p.step, p.state)
+        _paused(p, tracer.after, p.step, p.state, settle=tracer.stops_at(p.step))
         p.unchecked.append((p.step, _check_values(m)))
         stop = agree_any(flag.signal is not None)  # all processes stop at the same step
         if p.t_first is None:  # exclude compilation from throughput
@@ -257,24 +253,22 @@ def _step_loop(run: RunSetup, p: _Progress, flag: _StopFlag, tracer: StepTracer)
         if p.eval_pending and not stop:
             stop = not _log_eval(run, p, flag)
         if not stop and p.step % cfg.train.ckpt_every == 0 and p.step < steps:
-            _settle(p)
-            _paused(p, _save, run, p, False)  # written in the background (train.async_ckpt)
+            # written in the background (train.async_ckpt)
+            _paused(p, _save, run, p, False, settle=True)
     if stop:  # every process takes part: it may have been another process's signal
         agreed = agree_signal(flag.signal)
         p.stop_signal = flag.signal or agreed or "SIGTERM"
 
 
-def _settle(p: _Progress) -> None:
-    """Wait, on the clock, for the steps still queued on the device: a pause that reads the
-    state (a save, a re-placement, a trace's start or stop) would otherwise count their compute
-    as paused, and the throughput between two logged steps as many times what the device does.
-    (Evaluation waits there already: it first reads the steps' finite checks.)"""
-    jax.block_until_ready(p.state)
-
-
-def _paused(p: _Progress, fn, *args):
+def _paused(p: _Progress, fn, *args, settle: bool = False):
     """Run evaluation, a save or an adaptation outside the throughput clock (before the clock
-    starts, nothing is on it)."""
+    starts, nothing is on it). ``settle``: ``fn`` reads the state (a save, a re-placement, a
+    trace's start or stop), so the steps still queued on the device finish first, on the
+    clock: else their compute would count as paused, and the throughput between two logged
+    steps as many times what the device does. (Evaluation waits there already: it first reads
+    the steps' finite checks.)"""
+    if settle:
+        jax.block_until_ready(p.state)
     t0 = time.time()
     out = fn(*args)
     if p.t_first is not None:
