@@ -198,10 +198,11 @@ def _checks_passed(run: RunSetup, at: int | None, data: PreparedData, prov: dict
     """Once the compiled step's checks pass: a resume writes the run's files (its config with
     a pending replan applied), and what failed or killed saves left half-made goes now, not at
     the first save (as big as a checkpoint: its disk space is needed)."""
-    if run.main and at is not None:
+    if not run.main:
+        return
+    if at is not None:
         _write_run_folder(run.cfg, run.run_dir, data, prov)
-    if run.main:
-        run.ckpt.remove_leftovers()
+    run.ckpt.remove_leftovers()
 
 
 def _open_trackers(cfg: RunConfig, run_dir: Path, main: bool,
