@@ -366,6 +366,15 @@ def test_a_build_of_many_domains_is_summed_up_in_a_few_lines():
     assert lines[-1].split() == ["all", "60", "600", "19", "190"]
 
 
+def _hint(out: str) -> tuple[list[str], str]:
+    """The printed `moelab train ...` command of a build's output: (CONFIG and overrides, its
+    --run-dir), split as a shell would."""
+    hint = next(line for line in out.splitlines() if line.startswith("train on it with:"))
+    argv = shlex.split(hint.split("moelab train ", 1)[1])
+    at = argv.index("--run-dir")
+    return argv[:at] + argv[at + 2:], argv[at + 1]
+
+
 def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
     """The printed `moelab train ...` command must train on what was just built (the folder's
     own tokenizer.json); the tiny preset's vocab_size alone (2048) is refused, never trained
@@ -375,10 +384,12 @@ def test_data_build_hint_uses_the_built_tokenizer(tmp_path, capsys):
     rc, out, err = run_main(["data", "build", str(src), "--out", str(out_dir), "--vocab", "300"],
                             capsys)
     assert rc == 0, err
-    hint = next(line for line in out.splitlines() if line.startswith("train on it with:"))
-    argv = hint.split("moelab train ", 1)[1].split()
+    argv, run_dir = _hint(out)
     cfg = with_tokenizer_vocab(load_config(argv[0], argv[1:]))
     assert Path(cfg.data.data_dir) == out_dir
+    # a run folder of its own: the default, runs/tiny, is the built-in corpus's run and refuses
+    # this data and tokenizer
+    assert run_dir == "runs/built"
     assert f"tokenizer: {out_dir / 'tokenizer.json'}" in out.splitlines()  # the one runs read
     assert given_tokenizer(cfg.data) == out_dir / "tokenizer.json"
     assert (out_dir / "tokenizer.json").read_bytes() == (out_dir / "tokenizer-300.json").read_bytes()
@@ -395,10 +406,10 @@ def test_data_build_hint_quotes_a_folder_with_spaces(tmp_path, capsys):
     rc, out, err = run_main(["data", "build", str(src), "--out", str(out_dir), "--vocab", "300"],
                             capsys)
     assert rc == 0, err
-    hint = next(line for line in out.splitlines() if line.startswith("train on it with:"))
-    argv = shlex.split(hint.split("moelab train ", 1)[1])
+    argv, run_dir = _hint(out)
     cfg = with_tokenizer_vocab(load_config(argv[0], argv[1:]))
-    assert Path(cfg.data.data_dir) == out_dir and cfg.model.vocab_size > 256, hint
+    assert Path(cfg.data.data_dir) == out_dir and cfg.model.vocab_size > 256, argv
+    assert run_dir == "runs/built it"
 
 
 def test_data_build_hint_fits_the_shortest_held_out_text(tmp_path, capsys):
@@ -412,11 +423,11 @@ def test_data_build_hint_fits_the_shortest_held_out_text(tmp_path, capsys):
     rc, out, err = run_main(["data", "build", str(tmp_path / "src"), "--out", str(out_dir),
                              "--vocab", "300", "--workers", "1"], capsys)
     assert rc == 0, err
-    hint = next(line for line in out.splitlines() if line.startswith("train on it with:"))
-    cfg = load_config("tiny", hint.split("moelab train tiny ", 1)[1].split())
+    argv, _ = _hint(out)
+    cfg = load_config(argv[0], argv[1:])
     store = TokenStore(next(out_dir.glob("tokens-*")))
     held = [store.n_tokens("heldout", d) for d in store.domains("heldout")]
-    assert min(held) < 257 and cfg.data.seq_len < min(held) <= 2 * cfg.data.seq_len, hint
+    assert min(held) < 257 and cfg.data.seq_len < min(held) <= 2 * cfg.data.seq_len, argv
 
 
 def test_data_build_with_nothing_usable_fails_clearly(tmp_path, capsys, monkeypatch):

@@ -114,6 +114,17 @@ def test_not_enough_data(text, runs, why):
     assert v.status == NO_DATA and v.value is None and why in v.detail
 
 
+def test_an_arm_no_run_is_attached_as_is_named_with_the_records_arms():
+    runs = [_arm("a", MFU), _arm("shared", MFU)]
+    v = evaluate(parse_criterion("throughput/mfu last in a - sahred <= 0"), runs,
+                 arms=["a", "shared", "b"])
+    assert v.status == NO_DATA and v.detail == (
+        "no run is attached as arm sahred (the record's arms: a, shared, b; a typo for "
+        "'shared'?): attach one with --arm sahred, or correct the criterion"), v.detail
+    v = evaluate(parse_criterion("throughput/mfu last in b - c <= 0"), runs, arms=["a", "b"])
+    assert v.detail.startswith("no usable run for arm b; no run is attached as arm c ("), v.detail
+
+
 def test_arm_difference_ratio_every_run_rule_and_short_runs():
     a = _arm("shared", {"eval/prose/loss": [(100, 4.0), (250, 3.50)], "moe/drop_fraction":
                         [(10, 0.0), (250, 0.004)]})

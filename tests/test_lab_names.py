@@ -79,3 +79,41 @@ def test_a_criterion_comparing_an_arm_with_itself_is_refused(tmp_path, capsys, c
     assert rc == 2 and (f"criterion {text!r}: compares arm 'shared' with itself, which gives "
                         f"{0 if combine == '-' else 1} whatever its runs log") in err, err
     assert not (tmp_path / "lab").exists()
+
+
+def test_the_lab_refuses_urls_for_its_folders(tmp_path, capsys, monkeypatch):
+    """The lab works on local folders only (README): a URL is refused naming it, never taken
+    for a local path (gs://b/r became ./gs:/b/r, where `lab report --out` wrote its report)."""
+    monkeypatch.chdir(tmp_path)
+    lab = ["--lab-dir", "lab"]
+    assert run_main([*NEW, "t", *lab], capsys)[0] == 0
+    for argv, named in ((["attach", "1", "gs://b/r"], "gs://b/r"),
+                        (["detach", "1", "s3://b/r", "--reason", "x"], "s3://b/r"),
+                        (["report", "1", "--out", "gs://b/rep"], "--out gs://b/rep"),
+                        (["live", "gs://b/r", "--port", "0"], "gs://b/r")):
+        rc, _, err = run_main(["lab", *argv, *lab], capsys)
+        assert rc == 2 and f"{named}: a URL; the lab reads and writes local folders" in err, err
+    rc, _, err = run_main(["lab", "list", "--lab-dir", "gs://b/lab"], capsys)
+    assert rc == 2 and "--lab-dir gs://b/lab: a URL" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lab"]  # no ./gs:/ folder made
+
+
+def test_accented_letters_keep_their_place_in_the_record_name(tmp_path, capsys):
+    lab = ["--lab-dir", str(tmp_path / "lab")]
+    rc, out, _ = run_main([*NEW, "Über-Routing à la carte", *lab], capsys)
+    assert rc == 0 and "0001-uber-routing-a-la-carte.md" in out, out  # was 0001-ber-routing-la-
+    rec = rec_mod.load(next((tmp_path / "lab").glob("0001-*.md")))
+    assert rec.title == "Über-Routing à la carte"  # the title itself is kept as written
+
+
+def test_a_folder_name_that_is_no_arm_name_asks_for_arm(tmp_path, capsys):
+    lab = ["--lab-dir", str(tmp_path / "lab")]
+    assert run_main([*NEW, "t", *lab], capsys)[0] == 0
+    run = _write_run(tmp_path / "runs" / "my run", arm_shift=0.0)
+    rc, _, err = run_main(["lab", "attach", "1", str(run), *lab], capsys)
+    assert rc == 2 and "--arm 'my run'" not in err, err  # no --arm was given
+    assert ("arm 'my run' (the run folder's name): use letters, digits" in err
+            and "give one with --arm NAME" in err), err
+    rc, _, err = run_main(["lab", "attach", "1", str(run), "--arm", "my arm", *lab], capsys)
+    assert rc == 2 and "--arm 'my arm': use letters" in err and "give one" not in err, err
+    assert run_main(["lab", "attach", "1", str(run), "--arm", "mine", *lab], capsys)[0] == 0

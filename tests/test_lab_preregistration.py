@@ -37,6 +37,19 @@ def test_criteria_changed_after_attach_are_not_called_pre_registered_anywhere(la
     assert "every pre-registered criterion" not in text
 
 
+def test_lab_show_says_criteria_changed_after_attach(lab, capsys):  # noqa: F811
+    from test_cli import run_main
+
+    show = ["lab", "show", "1", "--lab-dir", str(lab.parent)]
+    rc, out, _ = run_main(show, capsys)
+    assert rc == 0 and "pre-registered" not in out, out
+    rec = rec_mod.load(lab)  # the criteria edited by hand after the runs' results
+    rec_mod.save(rec_mod.Record(**{**rec.__dict__, "criteria": rec.criteria[:1]}), lab)
+    rc, out, _ = run_main(show, capsys)
+    assert rc == 0 and (f"note: {rec.id} is not pre-registered for every run: its criteria "
+                        "changed after shared, routed") in out, out
+
+
 def _branch(tmp_path, parent_started: float):
     """A parent run that started at ``parent_started`` and its branch, resumed now."""
     parent = tmp_path / "runs" / "parent"

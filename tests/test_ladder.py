@@ -22,14 +22,8 @@ from moelab.ladder.fit import fit_ladder, write_outputs
 from moelab.ladder.folder import load_ladder, write_ladder
 from moelab.ladder.guard import GuardRules, check, guard_run
 from moelab.ladder.observe import EVAL_LOSS
-from moelab.ladder.plan import (
-    LadderRule,
-    active_params,
-    format_ladder_plan,
-    plan_ladder,
-    run_stats,
-    warmup_note,
-)
+from moelab.ladder.plan import LadderRule, active_params, plan_ladder, run_stats
+from moelab.ladder.plan_text import format_ladder_plan, warmup_note
 from moelab.ladder.points import fit_points, frontier, read_points
 from moelab.ladder.powerlaw import COMPUTE, fit_law, fit_with_bootstrap, make_law
 from moelab.ladder.run import is_finished, run_ladder

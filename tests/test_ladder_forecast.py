@@ -301,6 +301,11 @@ def test_compare_recovers_a_known_multiplier_and_flags_extrapolation(tmp_path, c
     # a dense law of a smaller exponent, 3x at 1e16: the multiplier grows with compute
     a_b = 200 * 1e16 ** -0.15 * 3e16 ** 0.12
     flat = write_runs_csv(tmp_path / "flat.csv", mult=1.0, alpha=0.12, a=a_b, seed=2)
+    again = f"{tmp_path}/./moe.csv"  # one side twice, spelt otherwise: a multiplier of 1
+    rc, out, err = run_main(["ladder", "compare", str(moe), again, "--no-plots"], capsys)
+    assert rc == 2 and out == "" and err.strip() == (
+        f"moelab: error: {again}: the same ladder as {moe}; compare two "
+        "ladders (e.g. an MoE ladder and its dense twin), or CSVs of their runs"), out + err
     rc, out, _ = run_main(["ladder", "compare", str(moe), str(flat), "--boot", "20",
                            "--no-plots"], capsys)
     assert rc == 0 and "how it moves with compute" in out

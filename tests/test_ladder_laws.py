@@ -167,6 +167,25 @@ def test_plan_leaves_out_runs_over_the_cost_cap():
         plan_ladder(target, dataclasses.replace(grid, max_run_share=0))
 
 
+def test_the_plan_names_the_runs_it_leaves_out(capsys):
+    from test_cli import run_main
+
+    # d96 is the target's width at twice its tokens: it costs more than the target
+    rc, out, _ = run_main(["ladder", "plan", "tiny", "model.d_model=96", "model.n_heads=6",
+                           "model.n_kv_heads=2", "model.head_dim=16", "--widths", "32,48,96",
+                           "--token-multipliers", "1,2"], capsys)
+    assert rc == 0 and "d96-L4-t2" not in out, out
+    assert "note: left out as costing more than the target itself: d96 x2 tokens 2x" in out, out
+    left: list[str] = []
+    grid = LadderRule(rungs=3, widths=(16, 32, 48), depths=(2, 2, 2),
+                      token_multipliers=(0.5, 2.0, 6.0), max_run_share=0.03)
+    kept = plan_ladder(micro_target(), grid, left)
+    assert len(kept) == 7 and len(left) == 2 and all(" x" in x for x in left), left
+    from moelab.ladder.plan_text import format_ladder_plan
+    assert ("note: left out as costing more than 0.03 of the target's FLOPs (--max-run-share): "
+            + ", ".join(left)) in format_ladder_plan("m", micro_target(), kept, grid, left)
+
+
 def test_benchmark_data_sets_are_cited_and_split_by_budget():
     readme = (BENCH_DATA / "README.md").read_text()
     names = sorted(p.name for p in BENCH_DATA.glob("*.csv"))

@@ -90,12 +90,17 @@ def _build(args, out: Path, vocab: int, command: str) -> int:
     for note in short_heldout_notes(store):
         print(note)
     if keep_own:
-        vocab = vocab_needed(load_tokenizer(own))
-        # quoted as a shell needs it: a folder with spaces is one argument when pasted
-        print("train on it with: moelab train tiny "
-              + shlex.join([f"data.data_dir={out}", f"model.vocab_size={vocab}"])
-              + _fitting_seq_len(store))
+        print(train_hint(out, vocab_needed(load_tokenizer(own))) + _fitting_seq_len(store))
     return 0
+
+
+def train_hint(out: Path, vocab: int) -> str:
+    """The command that trains on a built folder, quoted as a shell needs it (a folder with
+    spaces is one argument when pasted), in a run folder of its own: the default, runs/tiny,
+    is the built-in corpus's run, which refuses another corpus and tokenizer."""
+    return "train on it with: moelab train tiny " + shlex.join([
+        "--run-dir", f"runs/{Path(out).resolve().name}", f"data.data_dir={out}",
+        f"model.vocab_size={vocab}"])
 
 
 # a build may hold up to 256 domains: past this many, the summary counts the rest

@@ -9,11 +9,19 @@ from pathlib import Path
 from moelab.config.errors import require
 from moelab.lab import records as rec_mod
 from moelab.lab.criteria import check_arms, check_metric_family, count_labels, parse_criterion
-from moelab.util import check_writable
+from moelab.util import check_writable, is_url
 
 CRITERION_HELP = ("pre-registered criterion, repeatable: METRIC [AGG] [over steps A-B] "
                   "[in ARM [- ARM | / ARM]] OP VALUE[%%] [; falsified if OP VALUE[%%]], e.g. "
                   "'throughput/mfu median over steps 50-199 >= 22.5%%'")
+
+
+def local_folder(value: str, what: str = "", fix: str = "copy the run here") -> Path:
+    """A folder the lab reads or writes: local only. Path() would take a URL for a local path
+    (gs://b/r becomes gs:/b/r), so a report was written under ./gs:/ and a run not found."""
+    require(not is_url(value), f"{what} {value}".strip(),
+            f"a URL; the lab reads and writes local folders only: {fix}")
+    return Path(value)
 
 
 def cmd_new(args) -> int:
@@ -91,7 +99,12 @@ def _field(name: str, text: str) -> str:
 
 
 def cmd_show(args) -> int:
-    from moelab.lab.report import evaluate_record, still_running
+    from moelab.lab.report import (
+        changed_arms,
+        evaluate_record,
+        not_preregistered,
+        still_running,
+    )
     from moelab.run.logs import shown_path
 
     path, rec = rec_mod.find(args.id, args.lab_dir)
@@ -113,6 +126,10 @@ def cmd_show(args) -> int:
             print(f"  {ref.arm:<{w}} {'detached':<12} {d['at']:<14} "
                   f"{shown_path(rec_mod.run_path(path, ref))}\n  {'':<{w}} reason: {d['reason']}")
     print("criteria (verdicts on the attached runs now):")
+    # as the report says it: an edit after results must not read as pre-registered here either
+    early = [r.name for r in runs if rec_mod.started_before(rec, r.started)]
+    if not_pre := not_preregistered(early, changed_arms(rec)):
+        print(f"  note: {rec.id} is not pre-registered for every run: {not_pre}")
     running = {r.arm for r in still_running(runs)}  # verdicts that may yet change
     for c, v in verdicts:
         print(f"  [{v.label()}] {c}\n      {v.detail}" + ("  (short run)" if v.short_run else "")
@@ -124,7 +141,7 @@ def cmd_show(args) -> int:
 
 def cmd_attach(args) -> int:
     path, rec = rec_mod.find(args.id, args.lab_dir)
-    run = Path(args.run)
+    run = local_folder(args.run)
     if not (run / "config.yaml").is_file():  # `train --record` attaches before the folder exists
         raise FileNotFoundError(not_a_run(path, rec, run, args.id))
     attach_run(path, run, args.arm)
@@ -179,7 +196,7 @@ def attach_run(record_file: Path, run_dir: Path, arm: str | None,
 
 def cmd_detach(args) -> int:
     path, _ = rec_mod.find(args.id, args.lab_dir)
-    rec = rec_mod.detach(path, Path(args.run), args.reason)
+    rec = rec_mod.detach(path, local_folder(args.run), args.reason)
     print(f"run {args.run} is detached from {rec.id}: it takes no part in verdicts now, and "
           f"`moelab lab report {rec.id}` lists it under Detached runs with the reason")
     return 0
@@ -199,7 +216,7 @@ def cmd_report(args) -> int:
     require(args.publish or not args.issue, f"--issue {args.issue}", "only --publish posts "
             "to an issue; add --publish, or leave --issue out to write the report only")
     path, rec = rec_mod.find(args.id, args.lab_dir)
-    out = Path(args.out) if args.out else path.parent / rec.id
+    out = local_folder(args.out, "--out", "give a local folder") if args.out else path.parent / rec.id
     require(not out.exists() or out.is_dir(), f"--out {out}", "a file is in the way; give a "
             "folder (the report and its plots are written there)")
     check_writable(out, f"--out {out}", "give a folder you can write")
@@ -215,6 +232,8 @@ def cmd_report(args) -> int:
 def cmd_live(args) -> int:
     from moelab.lab.live import serve
 
+    for target in args.target:
+        local_folder(target)
     serve(args.target, lab=args.lab_dir, host=args.host, port=args.port, refresh_s=args.refresh)
     return 0
 

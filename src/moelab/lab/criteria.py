@@ -242,6 +242,20 @@ def _aggregate(c: Criterion, run: ArmRun) -> tuple[float | None, str]:
     return value, f"{run.arm}: {c.agg} of {len(points)} value{'s' * (len(points) != 1)} = {shown}"
 
 
+def _no_data_why(missing: Sequence[str], arms: Sequence[str]) -> str:
+    """Why the ``missing`` arms give no data: no usable run, or (for an arm none of the record's
+    ``arms`` is: a typo in the criterion reads as missing data forever) no run attached."""
+    absent = [a for a in missing if arms and a not in arms]
+    unusable = [a for a in missing if a not in absent]
+    why = [f"no usable run for arm {', '.join(unusable)}"] if unusable else []
+    if absent:
+        near = [m for a in absent for m in difflib.get_close_matches(a, arms, 1, 0.6)]
+        why.append(f"no run is attached as arm {', '.join(absent)} (the record's arms: "
+                   f"{', '.join(arms)}{f'; a typo for {near[0]!r}?' if near else ''}): attach "
+                   f"one with --arm {absent[0]}, or correct the criterion")
+    return "; ".join(why)
+
+
 def evaluate(c: Criterion, runs: Sequence[ArmRun], min_steps: int = 0,
              arms: Sequence[str] = ()) -> Verdict:
     """The verdict of ``c`` on one usable run per arm (``runs``); see the module docstring.
@@ -250,7 +264,7 @@ def evaluate(c: Criterion, runs: Sequence[ArmRun], min_steps: int = 0,
     by_arm = {r.arm: r for r in runs}
     missing = [a for a in (c.arms or arms) if a not in by_arm]
     if missing or not runs:
-        why = f"no usable run for arm {', '.join(missing)}" if missing else "no usable runs"
+        why = _no_data_why(missing, arms) if missing else "no usable runs"
         return Verdict(NO_DATA, None, why)
     used = [by_arm[a] for a in c.arms] if c.arms else list(runs)
     short = bool(min_steps) and any(r.last_step < min_steps for r in used)

@@ -17,15 +17,16 @@ import datetime as dt
 import hashlib
 import os
 import re
+import unicodedata
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
 
 from moelab.config import ConfigError, load_yaml
-from moelab.config.errors import require_folder
+from moelab.config.errors import require, require_folder
 from moelab.lab.criteria import parse_criterion
-from moelab.util import atomic_write_text, read_utf8
+from moelab.util import atomic_write_text, is_url, read_utf8
 
 DEFAULT_LAB_DIR = "experiments"
 DETACHED, REATTACHED = "detached", "reattached"  # the events of a run's history
@@ -98,14 +99,18 @@ def lab_dir(path: str | Path | None = None) -> Path:
     """The folder of records: ``path`` (--lab-dir), else $MOELAB_LAB_DIR, else experiments/;
     one a file stands at or above is refused, naming where it came from."""
     env = os.environ.get("MOELAB_LAB_DIR")
+    where = f"--lab-dir {path}" if path else f"MOELAB_LAB_DIR={env}" if env else DEFAULT_LAB_DIR
+    # checked before Path(), which makes gs://b/x a local gs:/b/x
+    require(not is_url(path or env or ""), where, "a URL; records live in a local folder")
     folder = Path(path or env or DEFAULT_LAB_DIR)
-    where = f"--lab-dir {path}" if path else f"MOELAB_LAB_DIR={env}" if env else str(folder)
     require_folder(folder, where, "give the folder of records (new or existing)")
     return folder
 
 
 def slugify(title: str, max_len: int = 40) -> str:
-    words = re.sub(r"[^a-z0-9]+", " ", title.lower()).split()
+    # accents dropped, not their letters: "Über-Routing" -> uber-routing (not ber-routing)
+    plain = unicodedata.normalize("NFKD", title).encode("ascii", "ignore").decode()
+    words = re.sub(r"[^a-z0-9]+", " ", plain.lower()).split()
     slug = ""
     for w in words:
         if len(slug) + len(w) + 1 > max_len:
@@ -379,10 +384,13 @@ def _attach(record_file: Path, run_dir: Path, arm: str | None,
     if detached and keep_detached:
         return rec, DETACHED
     # a detached run comes back as the arm it left by default
-    arm = arm or (rec.runs[i].arm if detached else Path(run_dir).resolve().name)
+    given, arm = arm, arm or (rec.runs[i].arm if detached else Path(run_dir).resolve().name)
     if not re.fullmatch(r"[A-Za-z0-9_.]+(?:-[A-Za-z0-9_.]+)*", arm):
-        raise ValueError(f"--arm {arm!r}: use letters, digits, '_', '.' and single '-' inside "
-                         "(criteria refer to arms by this name)")
+        # without --arm the name is the folder's, which the user never typed as an arm
+        where = f"--arm {arm!r}" if given else f"arm {arm!r} (the run folder's name)"
+        raise ValueError(f"{where}: use letters, digits, '_', '.' and single '-' inside "
+                         "(criteria refer to arms by this name)"
+                         + ("" if given else "; give one with --arm NAME"))
     if i is not None and not detached:
         if rec.runs[i].arm != arm:
             raise ValueError(f"{run_dir}: already attached to {rec.id} as arm "

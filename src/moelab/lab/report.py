@@ -109,7 +109,7 @@ def config_differences(runs: list[RunData]) -> dict[str, list[str]]:
                     if f.get(k) != base.get(k)] for r, f in zip(runs, flats)}
 
 
-def _not_preregistered(early: list[str], changed: list[str]) -> str:
+def not_preregistered(early: list[str], changed: list[str]) -> str:
     """Why the criteria are not pre-registered for some runs, or "" when they are for all."""
     why = ([f"{', '.join(early)} trained before it was written"] if early else []) + (
         [f"its criteria changed after {', '.join(changed)} attached"] if changed else [])
@@ -122,7 +122,7 @@ def _verdict_section(verdicts: list[tuple[Criterion, Verdict]], runs: list[RunDa
     attached before the criteria changed (not pre-registered for either)."""
     names = {arm: r.name for arm, r in newest_usable(runs).items()}
     running = {r.arm for r in still_running(runs)}
-    not_pre = _not_preregistered(early, list(changed))
+    not_pre = not_preregistered(early, list(changed))
     rows = []
     for i, (c, v) in enumerate(verdicts, 1):
         value = "–" if v.value is None else fmt_value(v.value, c.success.percent)

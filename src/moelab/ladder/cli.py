@@ -37,7 +37,8 @@ def cmd_plan(args) -> int:
     from moelab.config import load_config, split_overrides
     from moelab.data.prepare import with_tokenizer_vocab
     from moelab.ladder.folder import check_out, write_ladder
-    from moelab.ladder.plan import LadderRule, format_ladder_plan, plan_ladder
+    from moelab.ladder.plan import LadderRule, plan_ladder
+    from moelab.ladder.plan_text import format_ladder_plan
 
     if args.config is None or "=" in args.config:  # no default: tiny's rungs share one width
         raise ConfigError("ladder plan: give the TARGET config first, a preset or YAML (e.g. "
@@ -56,8 +57,8 @@ def cmd_plan(args) -> int:
                       depths=args.depths or (), batch_size=args.batch_size, evals=args.evals,
                       token_multipliers=args.token_multipliers or (1.0,), seeds=args.seeds,
                       lr_exp=args.lr_exp, max_run_share=args.max_run_share)
-    rungs = plan_ladder(target, rule)
-    print(format_ladder_plan(Path(source).stem, target, rungs, rule))
+    rungs = plan_ladder(target, rule, left_out := [])
+    print(format_ladder_plan(Path(source).stem, target, rungs, rule, left_out))
     if args.out:
         lad = write_ladder(args.out, Path(source).stem, target, rule, rungs)
         print(f"ladder written to {lad.root}/ (ladder.json, configs/); next: "
@@ -403,9 +404,8 @@ def _add_guard(sub) -> None:
                    help=f"relative loss tolerance beyond the band (default {GuardRules.loss_tol:g})")
     g.add_argument("--grad-norm-max", type=float, default=GuardRules.grad_norm_max,
                    help=f"grad norm ceiling (default {GuardRules.grad_norm_max:g})")
-    g.add_argument("--patience", type=int, default=GuardRules.patience,
-                   help="consecutive out-of-band points before alerting (default "
-                   f"{GuardRules.patience})")
+    g.add_argument("--patience", type=int, default=GuardRules.patience, help="consecutive "
+                   f"out-of-band points before alerting (default {GuardRules.patience})")
     g.add_argument("--window", type=int, default=GuardRules.window,
                    help=f"trailing median window, in logged points (default {GuardRules.window})")
     g.add_argument("--strict", action="store_true", help="exit 3 when the log holds alerts")

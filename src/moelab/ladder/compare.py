@@ -80,6 +80,9 @@ def load_side(path: Path | str) -> Side:
 def load_sides(path_a, path_b) -> tuple[Side, Side]:
     """Both sides, or the problems of each one that cannot be fitted, one line each (fixing
     A's alone would only bring up B's on the next try)."""
+    if Path(path_a).resolve() == Path(path_b).resolve():  # its multiplier is 1 by definition
+        raise ValueError(f"{path_b}: the same ladder as {path_a}; compare two ladders (e.g. an "
+                         "MoE ladder and its dense twin), or CSVs of their runs")
     sides, errors = [], []
     for path in (path_a, path_b):
         try:
