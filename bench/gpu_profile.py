@@ -59,6 +59,9 @@ LINK_BYTES = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2, "all-to-all
 ATTENTION_FUNCS = {"attend", "_attend", "causal_attend", "_fused", "attention_mask", "exclusive"}
 EXPERT_FILES = ("experts.py", "grouped_matmul.py")  # plus any model file named *gmm* / *grouped*
 MOVE_OPS = {"sort", "gather", "scatter"}
+# conditionals (file name, function) that a balanced step never enters, counted as not run: a
+# ragged exchange's later rounds, taken only where a rank receives more than one round's rows
+UNTAKEN = {("ragged.py", "_later_rounds")}
 # instructions that only route values or hold other computations: no kernel of their own
 STRUCTURAL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
               "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",
@@ -172,8 +175,14 @@ class Hlo:
         """Instruction name -> times it runs per call of the module: computations reached from
         the entry through loops (times their known trip counts) and calls; a conditional runs
         one of its branches, which the HLO does not say, so each counts 1 / branches (the
-        layers' global / sliding-window attention: their mean, not their sum)."""
+        layers' global / sliding-window attention: their mean, not their sum), but those of
+        ``UNTAKEN`` count 0."""
         times: dict[str, float] = {}
+
+        def branch_share(ins: Instr) -> float:
+            if any((Path(file).name, func) in UNTAKEN for file, func in self.stack(ins)):
+                return 0.0
+            return 1 / max(1, len(ins.calls))
 
         def walk(comp: str, n: float) -> None:
             for ins in self.comps.get(comp, []):
@@ -181,7 +190,7 @@ class Hlo:
                 if ins.opcode in ("while", "call", "conditional", "async-start"):
                     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"', ins.attrs)
                     per = (int(trip.group(1)) if trip and ins.opcode == "while" else
-                           1 / max(1, len(ins.calls)) if ins.opcode == "conditional" else 1)
+                           branch_share(ins) if ins.opcode == "conditional" else 1)
                     for c in ins.calls:
                         walk(c, n * per)
 

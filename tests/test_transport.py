@@ -148,6 +148,36 @@ def test_dropless_results_identical_across_ep(kind):
         assert_close(dw, dw0, tol=1e-5)
 
 
+@pytest.mark.parametrize("cf", [2.0, 0.5])
+def test_ragged_rounds_carry_every_row_to_one_rank(cf):
+    """Every route of every token to rank 0's experts at EP 8: 8 times a rank's assignments A,
+    4 rounds of ragged_round_cf 2 (0.5: 16 rounds of half of A). The later rounds carry what
+    the first cannot: outputs and gradients equal the dense reference, nothing dropped."""
+    expert = jnp.asarray(np.tile(np.arange(K), (N, 1)), jnp.int32)  # E_l = 3 = K: rank 0's
+    out, stats, grads = run(tc("ragged", ragged_round_cf=cf), 8, DATA, expert)
+    ref_out, ref_grads = dense_run(DATA["z"], expert, DATA["weight"], DATA["w"], DATA["g"])
+    assert_close(out, ref_out)
+    assert_close(grads, ref_grads)
+    assert drop_totals(stats)["dropped"] == 0
+
+
+def test_ragged_memory_follows_its_round():
+    """The receive buffers are one round's, not the worst case's: XLA's temporaries for a layer
+    at ragged_round_cf 1 are well below those of one worst-case round (cf 8 at EP 8; the
+    emulation's per-peer buffers are the same in both), and the plan counts one round."""
+    from moelab.planner.memory import transport_memory
+    from moelab.planner.xla import compare_transport_with_xla
+
+    require_devices()
+    shape = dict(tokens=256, top_k=4, n_experts=16, width=64, expert_dim=64)
+    temp = {cf: compare_transport_with_xla("ragged", **shape, ragged_round_cf=cf)["xla_temp"]
+            for cf in (1.0, 8.0)}
+    assert temp[1.0] < 0.75 * temp[8.0], temp
+    rows = {cf: transport_memory("ragged", ranks=8, ragged_round_cf=cf, **shape)["bank_rows"]
+            for cf in (1.0, 8.0, 20.0)}
+    assert rows == {1.0: 1024, 8.0: 8 * 1024, 20.0: 8 * 1024}  # A = 256 x 4; at most 8 A
+
+
 def at_cf(kind: str, cf: float) -> ParallelConfig:
     """Every capacity factor ``cf``: one config (one compiled runner) per transport at EP 4
     serves the determinism, waterfill acceptance and waterfill-vs-pooled_wave tests."""
@@ -348,20 +378,21 @@ def primitives(jaxpr, acc=None):
 
 # Collectives per layer, from the design: each float exchange is transposed once in the
 # backward; the dispatched payload is kept, so no dispatch is repeated by the remat.
-# ragged/waterfill on CPU use the emulation: all_to_all for rows, ids and return.
+# ragged/waterfill on CPU use the emulation: all_to_all for rows, ids and return, each also
+# moving its int32 offsets (ragged: in one round, ragged_round_cf = EP; the counts all-gathered)
 W = ParallelConfig().waves
 EXPECTED = {"expert_cells": ({"all_to_all": 2}, {"all_to_all": 4}),
             "pooled_wave": ({"all_to_all": 2 * W}, {"all_to_all": 4 * W}),
             "pooled_global": ({"all_to_all": 2 * W, "all_gather": 1},
                               {"all_to_all": 4 * W, "all_gather": 1}),
-            "ragged": ({"all_to_all": 3}, {"all_to_all": 5}),
-            "waterfill": ({"all_to_all": 3, "all_gather": 1}, {"all_to_all": 5, "all_gather": 1})}
+            "ragged": ({"all_to_all": 6, "all_gather": 1}, {"all_to_all": 8, "all_gather": 1}),
+            "waterfill": ({"all_to_all": 6, "all_gather": 1}, {"all_to_all": 8, "all_gather": 1})}
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_collective_counts_and_no_float_scatter_add(kind):
     require_devices()
-    fn = make_transport_fn(make_mesh(expert=4), tc(kind))
+    fn = make_transport_fn(make_mesh(expert=4), tc(kind, ragged_round_cf=4.0))
     f = lambda z, wt, w: fn(z, DATA["expert"], wt, w)[0]
     args = (DATA["z"], DATA["weight"], DATA["w"])
     fwd = primitives(jax.make_jaxpr(f)(*args).jaxpr)
@@ -460,7 +491,8 @@ def test_config_validation():
 @pytest.mark.parametrize("kind,field", [
     ("pooled_wave", "sender_cf"), ("pooled_wave", "receiver_cf"),
     ("pooled_global", "global_sender_cf"), ("pooled_global", "receiver_cf"),
-    ("expert_cells", "capacity_factor"), ("waterfill", "capacity_factor")])
+    ("expert_cells", "capacity_factor"), ("waterfill", "capacity_factor"),
+    ("ragged", "ragged_round_cf")])
 def test_capacity_factor_with_too_many_decimals_is_refused_naming_the_field(kind, field):
     """A factor whose exact ratio the traced ceiling cannot hold in int32 was accepted by every
     check and failed when the step was traced, naming no field; the check names the field and
@@ -512,21 +544,30 @@ def test_padding_takes_no_capacity_and_experts_fn_plugs_in():
     assert int(r.drops.assignments) == int(r_local.drops.assignments) == N * K
 
 
-@pytest.mark.parametrize("kind", ["ragged", "waterfill"])
-def test_native_ragged_path_traces(kind):
+@pytest.mark.parametrize("kind,later", [("ragged", False), ("ragged", True),
+                                        ("waterfill", False)])
+def test_native_ragged_path_traces(kind, later):
     """XLA:CPU cannot run ragged_all_to_all, but the native path must trace and differentiate:
-    rows, ids and the return move by ragged_all_to_all; the two float ones are transposed."""
+    rows, ids and the return move by ragged_all_to_all; the two float ones are transposed. A
+    ragged exchange's later rounds (here 3 more, ragged_round_cf 1 at EP 4) trace once, in a
+    loop."""
     require_devices()
-    fn = make_transport_fn(make_mesh(expert=4), tc(kind, ragged_impl="native"))
+    cf = 1.0 if later else 4.0  # one round of A rows, or of the worst case 4 A
+    fn = make_transport_fn(make_mesh(expert=4), tc(kind, ragged_impl="native",
+                                                    ragged_round_cf=cf))
     f = lambda z, wt, w: fn(z, DATA["expert"], wt, w)[0]
     args = (DATA["z"], DATA["weight"], DATA["w"])
     fwd = Counter(primitives(jax.make_jaxpr(f)(*args).jaxpr))
     grad = Counter(primitives(jax.make_jaxpr(
         jax.grad(lambda *a: jnp.sum(f(*a) * DATA["g"]), argnums=(0, 1, 2)))(*args).jaxpr))
     n = lambda c, name: sum(v for (p, dt), v in c.items() if p == name)
-    assert (n(fwd, "ragged_all_to_all"), n(fwd, "all_to_all"), n(fwd, "all_gather")) == (3, 0, 1)
+    traced = 2 if later else 1
+    assert (n(fwd, "ragged_all_to_all"), n(fwd, "all_to_all"), n(fwd, "all_gather")) == (
+        3 * traced, 0, 1)
     # (JAX's transpose of ragged_all_to_all exchanges its int32 offsets with small all_to_alls.)
-    assert n(grad, "ragged_all_to_all") == 5
+    # A later round is recomputed in the backward: its rows and ids again (its return, whose
+    # result the backward does not need, is not), then the two transposes.
+    assert n(grad, "ragged_all_to_all") == 5 + (3 + 2 + 2 if later else 0)
     assert not [p for p, dt in grad if p == "all_to_all" and "float" in dt]
 
 

@@ -213,6 +213,9 @@ class ParallelConfig:
     budget_group: int = 2  # pooled_global: experts sharing one receive budget (fixed, not E_l)
     fair_blocks: int = 0  # pooled_global: token blocks sharing a busy expert; 0 = one per rank
     ragged_impl: str = "auto"  # ragged/waterfill: auto | native (ragged_all_to_all) | emulated
+    # ragged (and evaluation's exchange at EP > 1): one round's receive buffer, ceil(cf *
+    # assignments per rank) rows; a rank receiving more takes further rounds (nothing drops)
+    ragged_round_cf: float = 2.0
     # FSDP: parameters and optimizer state split over the "data" axis too; each layer's weights
     # are gathered inside the layer scan, its gradients reduce-scattered back
     fsdp: bool = False

@@ -200,7 +200,7 @@ def transport_memory(kind: str, *, tokens: int, top_k: int, n_experts: int, rank
       up and hidden (3I per row), rows returned (the backward recomputes the wave in buffers
       of the same sizes);
     peak = kept + wave. Waterfill and ragged are counted as the native ragged exchange with a
-    grouped-matmul kernel; ragged's receive buffer is the worst case S*A rows this code sizes.
+    grouped-matmul kernel; ragged's receive buffer is one round's (``parallel.ragged_round_cf``).
     """
     par = ParallelConfig(transport=kind, **caps)
     S, H, I = ranks, width, expert_dim
@@ -213,7 +213,7 @@ def transport_memory(kind: str, *, tokens: int, top_k: int, n_experts: int, rank
 
 # the parallel.* fields a transport's buffers follow (the grouping ones at the config's values)
 CAPACITY_FIELDS = ("capacity_factor", "sender_cf", "global_sender_cf", "receiver_cf", "waves",
-                   "budget_group", "fair_blocks")
+                   "budget_group", "fair_blocks", "ragged_round_cf")
 
 
 def transport_options(par: ParallelConfig, sweeps: dict[str, list] | None = None) -> list[dict]:

@@ -216,4 +216,6 @@ def _format_transports(mem: dict, m: dict, wdt: str, U: float, un: str) -> list[
 def _capacity(t: dict) -> str:
     caps = [f for f in ("capacity_factor", "sender_cf", "global_sender_cf", "receiver_cf")
             if f in t]
+    if "ragged_round_cf" in t:  # dropless: the factor sizes one round of its exchange
+        return f"rounds of {t['ragged_round_cf']:.2f}"
     return "cf " + "/".join(f"{t[f]:.2f}" for f in caps) if caps else "dropless"

@@ -93,8 +93,7 @@ def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: Paral
     # Accepted rows per destination <= E_l * cap, and per (source, destination) <= A; every
     # rank already knows what each source sends each destination.
     out = ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, n_experts=n_experts,
-                          recv_rows=E_l * cap, peer_rows=min(A, E_l * cap),
-                          native=use_native(par), axis=axis,
+                          R=E_l * cap, most=E_l * cap, native=use_native(par), axis=axis,
                           counts_SS=share_SE.reshape(S, S, E_l).sum(axis=-1), kernel=kernel)
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
     return out.astype(z_TH.dtype), DropCounts.of(n_valid, 0, n_valid - jnp.sum(sent_A))
