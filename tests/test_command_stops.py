@@ -74,3 +74,25 @@ def test_a_ctrl_c_that_lands_in_a_gc_callback_still_stops_the_command(abandoned,
     finally:
         signal.signal(signal.SIGINT, before)
     assert fired and (rc, err) == (130, "\nmoelab: aborted\n")
+
+
+def test_a_stop_while_a_native_worker_starts_ends_the_process_at_once(abandoned, monkeypatch):
+    """A signal that lands while ``Thread.start`` waits for the worker to begin (a busy
+    machine) left the worker running unmarked: the interpreter's shutdown then stopped the
+    BPE trainer's threads inside native code (an abort, not exit 130)."""
+    import threading
+
+    release = threading.Event()
+    started = threading.Thread.start
+
+    def start_then_stop(self):
+        started(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", start_then_stop)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            util.in_worker_thread(release.wait)
+    finally:
+        release.set()
+    assert abandoned

@@ -994,6 +994,27 @@ def test_a_stop_as_a_branch_commits_leaves_it_with_both_log_lines(runs, tmp_path
     assert [e["event"] for e in ops_events(parent)][-1] == "branch"
 
 
+def test_a_branch_killed_as_it_appears_has_its_own_log_line(runs, tmp_path, monkeypatch):
+    """kill -9 (which no handler defers) right after the branch folder appears: the branch
+    holds its branched_from line, written before it appeared."""
+    import os
+
+    class Killed(BaseException):
+        pass
+
+    def rename_then_killed(*args):
+        os_rename(*args)
+        raise Killed
+
+    os_rename = os.rename
+    parent = Path(shutil.copytree(runs / "parent", tmp_path / "parent"))
+    monkeypatch.setattr(os, "rename", rename_then_killed)
+    with pytest.raises(Killed):
+        main(["branch", str(parent), "--at", "3", "--cooldown", "512"])
+    monkeypatch.undo()
+    assert [e["event"] for e in ops_events(tmp_path / "parent-cooldown3")] == ["branched_from"]
+
+
 def test_an_operation_run_as_python_m_moelab_is_recorded_as_moelab(monkeypatch):
     import sys
 

@@ -235,9 +235,12 @@ def test_a_finished_run_resumed_says_so_and_adds_nothing(run, capsys):
 
 
 def test_a_start_removes_the_temporary_files_a_killed_start_left(run):
-    """kill -9 while summary.json (or another file of the run) was being written leaves its
-    temporary file; the next start removes it, and files of other writers stay."""
-    left = [run / ".summary.json.0a1b2c3d4e5f.tmp", run / ".config.yaml.ffeeddccbbaa.tmp"]
+    """kill -9 while summary.json (or another file of the run, a replan's request or plot)
+    was being written leaves its temporary file; the next start removes it, and files of other
+    writers stay."""
+    left = [run / ".summary.json.0a1b2c3d4e5f.tmp", run / ".config.yaml.ffeeddccbbaa.tmp",
+            run / ".plan_pending.json.0a1b2c3d4e5f.tmp",
+            run / ".replan_preview.png.0a1b2c3d4e5f.tmp"]
     other = run / ".notes.txt.0a1b2c3d4e5f.tmp"
     for p in [*left, other]:
         p.write_text("{")

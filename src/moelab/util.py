@@ -181,8 +181,9 @@ def in_worker_thread(fn: Callable[[], T]) -> T:
             out["error"] = e
 
     worker = threading.Thread(target=work, name="moelab-native", daemon=True)
-    worker.start()
     try:
+        # start() waits for the thread to begin: a signal there leaves it running too
+        worker.start()
         # A signal's handler raises here (KeyboardInterrupt, Terminated). Short joins: the
         # kernel may deliver the signal to the worker thread, which does not wake a join
         # blocked in C, so the handler would wait for the worker to end.

@@ -269,14 +269,15 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
             lin["placement"] = {**placed, "slots": placed["slots"].tolist()}
             change["place_experts"] = place_ranks
         atomic_write_json(tmp / LINEAGE, lin)
+        # in the folder before it appears: a kill -9 as it appears cannot leave it without
+        log_operation(tmp, "branched_from", at, reason=reason, command=command,
+                      parent=link_to(child, parent), **change)
         with stops_deferred():  # the branch appears with both log lines or not at all
             try:
                 os.rename(tmp, child)
             except OSError:
                 raise PlanError(f"--out {child}: created by another process meanwhile; choose "
                                 "another folder") from None
-            log_operation(child, "branched_from", at, reason=reason, command=command,
-                          parent=link_to(child, parent), **change)
             log_operation(parent, "branch", at, reason=reason, command=command,
                           child=link_to(parent, child), **change)
     return child

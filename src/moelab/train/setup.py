@@ -63,6 +63,7 @@ from moelab.train.preflight import (
     remat_candidates,
 )
 from moelab.train.resume import (
+    PENDING,
     commit_pending,
     resolve_run_config,
     resume_changes,
@@ -173,9 +174,9 @@ def _prepare(cfg: RunConfig, main: bool, verbose: bool, hold: ExitStack | None) 
 
 def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    # the writes of a start that was killed (none of another writer's: the run folder's lock)
+    # the writes of a killed start or replan (none of another writer's: the run folder's lock)
     remove_temp_files(run_dir, ("config.yaml", "tokenizer.json", "provenance.json",
-                                "summary.json"))
+                                "summary.json", PENDING, "replan_preview.png"))
     save_config(cfg, run_dir / "config.yaml")
     # A copy of the tokenizer makes the run folder self-contained for `moelab generate`.
     atomic_write_bytes(run_dir / "tokenizer.json", data.tokenizer_path.read_bytes())
