@@ -990,6 +990,9 @@ def test_a_stop_as_a_branch_commits_leaves_it_with_both_log_lines(runs, tmp_path
     assert main(["branch", str(parent), "--at", "3", "--cooldown", "512"]) == 130
     monkeypatch.undo()
     child = tmp_path / "parent-cooldown3"
+    # the stop says the branch is whole (a bare "aborted" read as if it were not)
+    assert (f"moelab: aborted, after the branch {child} was written in full"
+            in capsys.readouterr().err)
     assert [e["event"] for e in ops_events(child)] == ["branched_from"]
     assert [e["event"] for e in ops_events(parent)][-1] == "branch"
 
@@ -1025,7 +1028,7 @@ def test_an_operation_run_as_python_m_moelab_is_recorded_as_moelab(monkeypatch):
 
 
 def test_a_stop_as_a_replan_is_requested_leaves_the_plan_with_its_request(runs, tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, capsys):
     from moelab.ops import replan as rp
 
     run = Path(shutil.copytree(runs / "stopped", tmp_path / "run"))
@@ -1033,6 +1036,7 @@ def test_a_stop_as_a_replan_is_requested_leaves_the_plan_with_its_request(runs, 
     assert main(["replan", str(run), "--end-steps", "5", "--apply", "--plot",
                  str(tmp_path / "p.png")]) == 130
     assert (run / PENDING).is_file()
+    assert "aborted, after the replan request" in capsys.readouterr().err
     assert [e["event"] for e in ops_events(run)] == ["replan_requested"]
 
 

@@ -134,8 +134,8 @@ class HungUp(Terminated):
     signal_name, said = "SIGHUP", "hangup (SIGHUP)"
 
 
-def stop_said(e: KeyboardInterrupt) -> str:  # "aborted" for Ctrl-C
-    return e.said if isinstance(e, Terminated) else "aborted"
+def stop_said(e: KeyboardInterrupt) -> str:  # "aborted" for Ctrl-C, unless it was given more
+    return getattr(e, "said", "aborted")
 
 
 def stop_signals() -> list[signal.Signals]:

@@ -272,7 +272,8 @@ def branch(parent: Path | str, at: int, cooldown_tokens: int, *, out: Path | str
         # in the folder before it appears: a kill -9 as it appears cannot leave it without
         log_operation(tmp, "branched_from", at, reason=reason, command=command,
                       parent=link_to(child, parent), **change)
-        with stops_deferred():  # the branch appears with both log lines or not at all
+        # the branch appears with both log lines or not at all
+        with stops_deferred(f"the branch {child} was written in full"):
             try:
                 os.rename(tmp, child)
             except OSError:

@@ -76,7 +76,8 @@ def request(run_dir: Path | str, change: Change, *, at: int, reason: str = "",
             command: str | None = None) -> dict:
     """Write the pending plan (replacing an earlier one) and log the request."""
     pending = {"change": change.to_dict(), "requested_at_step": at, "reason": reason}
-    with stops_deferred():  # a stop leaves neither the plan without its request nor the reverse
+    # a stop leaves neither the plan without its request nor the reverse
+    with stops_deferred(f"the replan request {Path(run_dir) / PENDING} was written in full"):
         atomic_write_json(Path(run_dir) / PENDING, pending)
         log_operation(run_dir, "replan_requested", at, reason=reason, command=command,
                       change=change.to_dict())

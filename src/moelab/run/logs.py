@@ -184,11 +184,13 @@ def command_line() -> str:
 
 
 @contextmanager
-def stops_deferred() -> Iterator[None]:
+def stops_deferred(done: str = "") -> Iterator[None]:
     """Ctrl-C, SIGTERM and SIGHUP held back until the block ends, then acted on as usual: for
     the few writes that must land together (a branch folder and the log lines that name it, a
     pending replan and its request), so a stop never leaves one without the other. (A signal
-    mask would not do: another thread of this process may take the signal.)"""
+    mask would not do: another thread of this process may take the signal.) ``done``: what the
+    block has then written in full, which the stop's message names (a bare "aborted" read as
+    if it had not been)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -203,7 +205,12 @@ def stops_deferred() -> Iterator[None]:
         for s, handler in old.items():
             signal.signal(s, handler)
         if got:
-            signal.raise_signal(got[0])
+            try:
+                signal.raise_signal(got[0])
+            except BaseException as e:  # the handler's KeyboardInterrupt or stop
+                if done:
+                    e.said = f"{getattr(e, 'said', 'aborted')}, after {done}"
+                raise
 
 
 def log_operation(run_dir: Path | str, kind: str, step: int, *, reason: str = "",
