@@ -181,11 +181,15 @@ def ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, *, n_experts: in
         return jax.lax.cond(received > lo, lambda b, a: b + jax.checkpoint(run)(*a),
                             lambda b, a: b, back, one_round(lo)), None
 
-    back = run(*one_round(0))
-    if most > R:
-        back = _later_rounds(lambda b: jax.lax.scan(later_round, b, jnp.arange(R, most, R))[0],
-                             received > R, back)
-    return combine_rows(back, weight_TK, pos_A.reshape(T, k), src_M)
+    first = one_round(0)
+    if most <= R:
+        return combine_rows(run(*first), weight_TK, pos_A.reshape(T, k), src_M)
+    # The later rounds first, and a barrier between them and the first round: their backward
+    # then runs after the first round's, which has freed its residuals (XLA otherwise held both)
+    later = _later_rounds(lambda b: jax.lax.scan(later_round, b, jnp.arange(R, most, R))[0],
+                          received > R, jnp.zeros_like(sent_AH))
+    first, later = jax.lax.optimization_barrier((first, later))
+    return combine_rows(later + run(*first), weight_TK, pos_A.reshape(T, k), src_M)
 
 
 def ragged(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
