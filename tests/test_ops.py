@@ -1080,3 +1080,23 @@ def test_a_stop_while_experts_are_placed_ends_the_process_at_once(runs, tmp_path
         br.branch(runs / "parent", 3, 1000, out=tmp_path / "b", place_ranks=2)
     assert util._abandoned
     assert not (tmp_path / "b").exists()
+
+
+def test_a_stop_as_a_branch_fails_to_appear_does_not_say_it_was_written(runs, tmp_path,
+                                                                        monkeypatch, capsys):
+    """Ctrl-C held back while the branch folder fails to appear (another process made it): the
+    stop must not say the branch was written in full."""
+    import os
+    import signal
+
+    def taken(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        raise OSError("exists")
+
+    parent = Path(shutil.copytree(runs / "parent", tmp_path / "parent"))
+    monkeypatch.setattr(os, "rename", taken)
+    assert main(["branch", str(parent), "--at", "3", "--cooldown", "512"]) == 130
+    monkeypatch.undo()
+    err = capsys.readouterr().err
+    assert "moelab: aborted" in err and "written in full" not in err, err
+    assert not (tmp_path / "parent-cooldown3").exists()

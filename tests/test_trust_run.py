@@ -235,17 +235,16 @@ def test_a_finished_run_resumed_says_so_and_adds_nothing(run, capsys):
 
 
 def test_a_start_removes_the_temporary_files_a_killed_start_left(run):
-    """kill -9 while summary.json (or another file of the run, a replan's request or plot)
-    was being written leaves its temporary file; the next start removes it, and files of other
-    writers stay."""
+    """kill -9 while summary.json (or another file of the run, a replan's request) was being
+    written leaves its temporary file; the next start removes it, and files of other writers
+    stay (a dry-run replan's plot: it takes no lock)."""
     left = [run / ".summary.json.0a1b2c3d4e5f.tmp", run / ".config.yaml.ffeeddccbbaa.tmp",
-            run / ".plan_pending.json.0a1b2c3d4e5f.tmp",
-            run / ".replan_preview.png.0a1b2c3d4e5f.tmp"]
-    other = run / ".notes.txt.0a1b2c3d4e5f.tmp"
-    for p in [*left, other]:
+            run / ".plan_pending.json.0a1b2c3d4e5f.tmp"]
+    other = [run / ".notes.txt.0a1b2c3d4e5f.tmp", run / ".replan_preview.png.0a1b2c3d4e5f.tmp"]
+    for p in [*left, *other]:
         p.write_text("{")
     _setup(recovered_config(run), run)
-    assert not any(p.exists() for p in left) and other.exists()
+    assert not any(p.exists() for p in left) and all(p.exists() for p in other)
 
 
 def test_a_start_removes_what_interrupted_saves_left_before_it_trains(run):
@@ -295,3 +294,22 @@ def test_a_damaged_provenance_names_the_file_and_the_fix(tmp_path, text, what):
     path.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ConfigError, match=rf"provenance.json: {what}.*restore it from a copy"):
         read_provenance(tmp_path)
+
+
+def test_a_start_leaves_the_plot_a_dry_run_replan_is_writing(run, monkeypatch):
+    """A dry-run replan writes its preview plot without the run folder's lock (it previews a
+    run that may be training); a start of the run meanwhile removed the plot's temporary file,
+    and the replan failed at its rename."""
+    import matplotlib.figure
+
+    from moelab.cli import main
+
+    save = matplotlib.figure.Figure.savefig
+
+    def save_as_the_run_starts(self, f, **kw):
+        save(self, f, **kw)
+        _setup(recovered_config(run), run)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", save_as_the_run_starts)
+    assert main(["replan", str(run), "--end-steps", "40"]) == 0
+    assert (run / "replan_preview.png").is_file()

@@ -199,8 +199,10 @@ def stops_deferred(done: str = "") -> Iterator[None]:
     sigs = [s for s in (signal.SIGINT, *stop_signals())
             if signal.getsignal(s) not in (signal.SIG_IGN, None)]
     old = {s: signal.signal(s, lambda signum, _frame: got.append(signum)) for s in sigs}
+    whole = False  # the block's writes all done: a block that raised wrote less than ``done``
     try:
         yield
+        whole = True
     finally:
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -208,7 +210,7 @@ def stops_deferred(done: str = "") -> Iterator[None]:
             try:
                 signal.raise_signal(got[0])
             except BaseException as e:  # the handler's KeyboardInterrupt or stop
-                if done:
+                if done and whole:
                     e.said = f"{getattr(e, 'said', 'aborted')}, after {done}"
                 raise
 

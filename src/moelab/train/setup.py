@@ -174,9 +174,9 @@ def _prepare(cfg: RunConfig, main: bool, verbose: bool, hold: ExitStack | None) 
 
 def _write_run_folder(cfg: RunConfig, run_dir: Path, data: PreparedData, prov: dict) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    # the writes of a killed start or replan (none of another writer's: the run folder's lock)
+    # a killed start's or replan --apply's writes (held the lock: a dry run's plot did not)
     remove_temp_files(run_dir, ("config.yaml", "tokenizer.json", "provenance.json",
-                                "summary.json", PENDING, "replan_preview.png"))
+                                "summary.json", PENDING))
     save_config(cfg, run_dir / "config.yaml")
     # A copy of the tokenizer makes the run folder self-contained for `moelab generate`.
     atomic_write_bytes(run_dir / "tokenizer.json", data.tokenizer_path.read_bytes())

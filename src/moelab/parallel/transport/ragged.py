@@ -18,7 +18,8 @@ so the results are identical. ``ragged_exchange`` is shared with the waterfill t
 sends only its accepted assignments, at most one round's.
 
 Forward, per round: 3 collectives that move data (rows, ids, return), plus one all_gather of
-the counts; the gradient adds the transposes of the two float exchanges.
+the counts; the gradient adds the transposes of the two float exchanges, and for a later round
+its rows and ids moved again (its recompute).
 """
 
 from __future__ import annotations
