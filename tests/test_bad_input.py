@@ -330,6 +330,8 @@ CASES = [
     (["plan", "tiny", "--tokens", "-5"], 2, "--tokens -5"),
     (["plan", "tiny", "parallel.sender_cf=1e12"], 2, "parallel.sender_cf: 1e+12 is past any "
      "useful size (at most 1024; n_experts=8 already keeps every row)"),
+    (["plan", "tiny", "parallel.ragged_round_cf=1e30"], 2, "parallel.ragged_round_cf: 1e+30 "
+     "is past any useful size (at most 1024"),
     (["plan", "tiny", "--json", "{d}/afile/p.json"], 2, "--json {d}/afile/p.json: cannot be written"),
     (["plan", "tiny", "--tokens", "nan"], 2, "--tokens nan"),
     (["plan", "{d}/empty.yaml"], 2, "{d}/empty.yaml: empty"),

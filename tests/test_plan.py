@@ -608,6 +608,14 @@ def test_the_transport_table_sizes_the_configured_capacity_factor(capsys):
                 if line.split()[:2] == [kind, "cf"]] == ["1.25", "1.70", "2.00", "4.00"]
 
 
+def test_the_transport_table_shows_a_small_round_factor_as_given(capsys):
+    """ragged_round_cf 0.001 (one-row rounds) read 'rounds of 0.00' in the table."""
+    assert main(["plan", "tiny", "parallel.devices=8", "parallel.expert=8",
+                 "parallel.ragged_round_cf=0.001"]) == 0
+    row = next(x for x in capsys.readouterr().out.splitlines() if x.split()[:1] == ["ragged"])
+    assert row.split()[1:4] == ["rounds", "of", "0.001"]
+
+
 @pytest.mark.parametrize("option", [["--mfu", "0.2"], ["--ep", "8"], ["--fsdp", "4"],
                                     ["--offload", "master"], ["--waves", "2"],
                                     ["--tokens-per-s", "5e6"], ["--optimizer", "muon"],

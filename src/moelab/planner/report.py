@@ -217,5 +217,10 @@ def _capacity(t: dict) -> str:
     caps = [f for f in ("capacity_factor", "sender_cf", "global_sender_cf", "receiver_cf")
             if f in t]
     if "ragged_round_cf" in t:  # dropless: the factor sizes one round of its exchange
-        return f"rounds of {t['ragged_round_cf']:.2f}"
-    return "cf " + "/".join(f"{t[f]:.2f}" for f in caps) if caps else "dropless"
+        return f"rounds of {_factor(t['ragged_round_cf'])}"
+    return "cf " + "/".join(_factor(t[f]) for f in caps) if caps else "dropless"
+
+
+def _factor(cf: float) -> str:
+    """Two decimals, or as many as a smaller factor needs (0.001 is no 0.00)."""
+    return f"{cf:.2f}" if cf >= 0.01 and round(cf, 2) == cf else f"{cf:.9g}"

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ParallelConfig
+from moelab.config.data import MAX_CF
 from moelab.model.axes import EXPERT
 from moelab.model.dispatch import (
     combine_rows,
@@ -54,6 +55,10 @@ def check(par: ParallelConfig, n_local: int) -> None:
     require_parallel(par.ragged_impl in ("auto", "native", "emulated"), "ragged_impl",
                      "must be auto, native or emulated")
     require_cf(par, "ragged_round_cf", 1)
+    # one round of S x A rows carries every row already; far past it the plan's sizes are noise
+    require_parallel(par.ragged_round_cf <= MAX_CF, "ragged_round_cf",
+                     f"{par.ragged_round_cf:g} is past any useful size (at most {MAX_CF:g}; a "
+                     "round of parallel.expert x a rank's assignments carries every row)")
 
 
 def use_native(par: ParallelConfig) -> bool:
