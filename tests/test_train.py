@@ -672,6 +672,11 @@ def test_drops_are_on_the_progress_line_and_in_the_summary_where_routes_can_drop
                               "parallel.transport=pooled_wave"])
     assert drops_text(ep4, m) == "51.9% (sender 28.2%, receiver 23.7%)"
     assert drops_text(load_config("tiny"), m) == ""  # EP 1: dropless, nothing to say
+    # the dropless ragged exchange drops none; rows carried by its later rounds are said
+    ragged = load_config("tiny", ["parallel.devices=8", "parallel.expert=4",
+                                 "parallel.transport=ragged"])
+    assert drops_text(ragged, {**m, "moe/late_fraction": 0.0}) == ""
+    assert drops_text(ragged, {"moe/late_fraction": 0.031}) == "none (3.1% of rows in later rounds)"
     s = {"run_dir": "r", "step": 3, "steps": 3, "interrupted": None, "params_total": 1e6,
          "params_active": 5e5, "tokens_trained": 10, "wall_time_s": 1.0,
          "drops": drops_text(ep4, m)}
@@ -682,6 +687,19 @@ def test_drops_are_on_the_progress_line_and_in_the_summary_where_routes_can_drop
               "baseline/prose/gzip9_bpb": 3.1947})
     assert format_summary(s).endswith("\n  prose vs gzip   model 3.206, gzip -9 3.195 bits/byte: "
                                       "the model does NOT beat gzip")
+
+
+def test_rows_of_later_ragged_rounds_are_a_metric_overall_not_per_layer():
+    import jax.numpy as jnp
+
+    from moelab.model.experts import DropCounts
+    from moelab.train.step import router_metrics
+
+    zero = jnp.zeros(2, jnp.int32)
+    drops = DropCounts.of(jnp.array([400, 400]), zero, zero, jnp.array([0, 100]))  # 2 layers
+    m = router_metrics({"load_LE": jnp.ones((2, 4)), "entropy_L": jnp.ones(2), "drops_L": drops})
+    assert float(m["moe/late_fraction"]) == 0.125 and float(m["moe/drop_fraction"]) == 0.0
+    assert not [k for k in m if k.startswith("moe/layer_") and "late" in k]
 
 
 def _held_up(monkeypatch) -> None:

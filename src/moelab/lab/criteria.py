@@ -107,7 +107,7 @@ METRIC_NAMES = {
               "tokens"),
     "eval": ("loss", "bpb"),
     "throughput": ("tokens_per_s", "mfu", "share_of_measured_peak"),
-    "moe": ("drop_fraction", "sender_drop_fraction", "receiver_drop_fraction",
+    "moe": ("drop_fraction", "sender_drop_fraction", "receiver_drop_fraction", "late_fraction",
             "load_max_over_mean", "routing_entropy"),
     "hw": ("cpu_percent", "mem_percent", "process_rss_gb", "accel_util_percent",
            "accel_mem_gb", "accel_mem_percent"),

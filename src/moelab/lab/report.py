@@ -71,7 +71,7 @@ def evaluate_record(record_file: Path, rec: rec_mod.Record
 def _num(x, key: str = "") -> str:
     if not isinstance(x, (int, float)):
         return "–"
-    if key == "throughput/mfu" or key.endswith("drop_fraction"):
+    if key == "throughput/mfu" or key.endswith(("drop_fraction", "late_fraction")):
         return f"{100 * x:.2f}%"
     if key == "throughput/tokens_per_s":
         return f"{x:,.0f}"

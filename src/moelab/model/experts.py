@@ -136,16 +136,20 @@ class DropCounts(NamedTuple):
     """int32 counts of one rank's share (a pytree: stacks over layers and devices).
 
     ``assignments`` and ``sender_dropped`` are counted at the source, ``receiver_dropped`` at
-    the destination; summed over all ranks they give the totals."""
+    the destination; summed over all ranks they give the totals. ``late``: rows a rank received
+    past the first round of the ragged exchange, which later rounds carried (none dropped: a
+    slower step, not lost rows; ``parallel.ragged_round_cf``)."""
 
     assignments: jax.Array
     sender_dropped: jax.Array
     receiver_dropped: jax.Array
+    late: jax.Array
 
     @classmethod
-    def of(cls, assignments, sender_dropped=0, receiver_dropped=0) -> "DropCounts":
+    def of(cls, assignments, sender_dropped=0, receiver_dropped=0, late=0) -> "DropCounts":
         as_i32 = lambda x: jnp.asarray(x, jnp.int32)
-        return cls(as_i32(assignments), as_i32(sender_dropped), as_i32(receiver_dropped))
+        return cls(as_i32(assignments), as_i32(sender_dropped), as_i32(receiver_dropped),
+                   as_i32(late))
 
     def total(self) -> "DropCounts":
         """Summed over every axis (int32, in the jitted program)."""
@@ -154,17 +158,19 @@ class DropCounts(NamedTuple):
 
 def drop_fractions(d: DropCounts) -> dict:
     """Metrics from (possibly stacked) counts, summed over the last axis; jit-safe (float32).
-    Keys follow the metric names: drop_fraction, sender_drop_fraction, receiver_drop_fraction."""
+    Keys follow the metric names: drop_fraction, sender_drop_fraction, receiver_drop_fraction,
+    late_fraction (``DropCounts.late`` over the assignments)."""
     n = jnp.maximum(jnp.sum(d.assignments.astype(jnp.float32), axis=-1), 1.0)
-    s = jnp.sum(d.sender_dropped.astype(jnp.float32), axis=-1) / n
-    r = jnp.sum(d.receiver_dropped.astype(jnp.float32), axis=-1) / n
-    return {"drop_fraction": s + r, "sender_drop_fraction": s, "receiver_drop_fraction": r}
+    share = lambda counts: jnp.sum(counts.astype(jnp.float32), axis=-1) / n  # noqa: E731
+    s, r = share(d.sender_dropped), share(d.receiver_dropped)
+    return {"drop_fraction": s + r, "sender_drop_fraction": s, "receiver_drop_fraction": r,
+            "late_fraction": share(d.late)}
 
 
 def drop_totals(d: DropCounts) -> dict:
     """Host side: exact totals summed in int64 over every axis, plus ``dropped``."""
     out = {k: int(np.asarray(v).astype(np.int64).sum()) for k, v in d._asdict().items()}
-    out["dropped"] = out["sender_dropped"] + out["receiver_dropped"]
+    out["dropped"] = out["sender_dropped"] + out["receiver_dropped"]  # ``late`` ones arrived
     return out
 
 

@@ -69,6 +69,7 @@ def router_metrics(stats: dict, prefix: str = "moe") -> dict:
     d = stats["drops_L"]  # DropCounts of [L] arrays
     overall = drop_fractions(d)  # sums over the layer axis
     per_layer = drop_fractions(type(d)(*(v[:, None] for v in d)))
+    per_layer.pop("late_fraction")  # the ragged exchange's later rounds: overall only
     out = {f"{prefix}/load_max_over_mean": jnp.mean(ratio),
            f"{prefix}/routing_entropy": jnp.mean(stats["entropy_L"]),
            **{f"{prefix}/{k}": v for k, v in overall.items()}}
@@ -82,8 +83,9 @@ def router_metrics(stats: dict, prefix: str = "moe") -> dict:
 def drops_text(cfg: RunConfig, metrics: dict) -> str:
     """The dropped share of routed assignments, for the progress line and the summary, where
     the training transport can drop (empty for a dropless one)."""
-    if transport.training_transport(cfg.parallel) == transport.DROPLESS:
-        return ""
+    if transport.training_transport(cfg.parallel) == transport.DROPLESS:  # none; later rounds?
+        late = metrics.get("moe/late_fraction") or 0.0
+        return f"none ({late:.1%} of rows in later rounds)" if late else ""
     get = lambda k: metrics.get(f"moe/{k}drop_fraction") or 0.0  # noqa: E731
     return (f"{get(''):.1%} (sender {get('sender_'):.1%}, receiver "
             f"{get('receiver_'):.1%})")

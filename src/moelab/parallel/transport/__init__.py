@@ -168,7 +168,7 @@ def make_transport_fn(mesh, par: ParallelConfig, kernel: tuple[str, int] | None 
 
         tok = batch_spec(2)
         w_specs = {k: expert_weight_spec(v.ndim) for k, v in weights.items()}
-        stat_specs = DropCounts(*(per_device_spec(),) * 3)
+        stat_specs = DropCounts(*(per_device_spec(),) * len(DropCounts._fields))
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, tok, w_specs),
                                out_specs=(tok, stat_specs))
         return mapped(z_NH, expert_NK, weight_NK, valid_NK, weights)

@@ -152,7 +152,8 @@ def _later_rounds(rounds, needed, back):
 def ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, *, n_experts: int, R: int,
                     most: int, native: bool, axis: str, counts_SS=None,
                     kernel: tuple = ("blocks", 128)):
-    """Send the assignments marked ``sent_A`` to their experts, compute, return, combine (fp32).
+    """Send the assignments marked ``sent_A`` to their experts, compute, return, combine (fp32);
+    also the rows this rank received past the first round (``DropCounts.late``).
 
     ``R``: rows of one round's receive buffer; ``most``: the most rows any rank can receive
     (rounds: ceil(most / R)); ``counts_SS``: rows sent per (source, destination) when the
@@ -188,14 +189,15 @@ def ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, *, n_experts: in
                             lambda b, a: b, back, one_round(lo)), None
 
     first = one_round(0)
+    late = jnp.maximum(jnp.sum(counts_SS[:, jax.lax.axis_index(axis)]) - R, 0)  # DropCounts
     if most <= R:
-        return combine_rows(run(*first), weight_TK, pos_A.reshape(T, k), src_M)
+        return combine_rows(run(*first), weight_TK, pos_A.reshape(T, k), src_M), late
     # The later rounds first, and a barrier between them and the first round: their backward
     # then runs after the first round's, which has freed its residuals (XLA otherwise held both)
     later = _later_rounds(lambda b: jax.lax.scan(later_round, b, jnp.arange(R, most, R))[0],
                           received > R, jnp.zeros_like(sent_AH))
     first, later = jax.lax.optimization_barrier((first, later))
-    return combine_rows(later + run(*first), weight_TK, pos_A.reshape(T, k), src_M)
+    return combine_rows(later + run(*first), weight_TK, pos_A.reshape(T, k), src_M), late
 
 
 def ragged(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: ParallelConfig,
@@ -207,11 +209,11 @@ def ragged(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: Parallel
     S = jax.lax.axis_size(axis)
     expert_A, valid_A = assignment_arrays(expert_TK, valid_TK)
     # Worst case: every assignment of every source lands on one rank.
-    out = ragged_exchange(z_TH, expert_A, valid_A, weight_TK, w_local, n_experts=n_experts,
-                          R=round_rows(par, A, S), most=S * A, native=use_native(par),
-                          axis=axis, kernel=kernel)
+    out, late = ragged_exchange(z_TH, expert_A, valid_A, weight_TK, w_local,
+                                n_experts=n_experts, R=round_rows(par, A, S), most=S * A,
+                                native=use_native(par), axis=axis, kernel=kernel)
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
-    return out.astype(z_TH.dtype), DropCounts.of(n_valid)
+    return out.astype(z_TH.dtype), DropCounts.of(n_valid, late=late)
 
 
 TRANSPORT = Transport("ragged", ragged, rows, ("ragged_impl", "ragged_round_cf"), check,

@@ -90,11 +90,11 @@ def waterfill(z_TH, expert_TK, weight_TK, w_local, *, n_experts: int, par: Paral
     keep_E = expert_keep_E(count_SE.sum(axis=0), cap_l, E_l)
     share_SE = source_share_SE(count_SE, keep_E, A)
     sent_A = valid_A & (r_A < jnp.take(share_SE[jax.lax.axis_index(axis)], expert_A))
-    # Accepted rows per destination <= E_l * cap, and per (source, destination) <= A; every
-    # rank already knows what each source sends each destination.
-    out = ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, n_experts=n_experts,
-                          R=E_l * cap, most=E_l * cap, native=use_native(par), axis=axis,
-                          counts_SS=share_SE.reshape(S, S, E_l).sum(axis=-1), kernel=kernel)
+    # Accepted rows per destination <= E_l * cap (one round: none late), and per (source,
+    # destination) <= A; every rank already knows what each source sends each destination.
+    out, _ = ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, n_experts=n_experts,
+                             R=E_l * cap, most=E_l * cap, native=use_native(par), axis=axis,
+                             counts_SS=share_SE.reshape(S, S, E_l).sum(axis=-1), kernel=kernel)
     n_valid = jnp.sum(valid_A.astype(jnp.int32))
     return out.astype(z_TH.dtype), DropCounts.of(n_valid, 0, n_valid - jnp.sum(sent_A))
 
