@@ -186,6 +186,17 @@ def test_the_start_line_says_the_micro_steps():
         lines = []
         model_costs(cfg, None, lines.append)
         assert says in lines[0], lines
+    # a resume inside a context stage trains the stage's shape: its tokens and FLOPs per token
+    from moelab.config import ContextStage
+    from moelab.planner.counts import train_flops_per_token
+
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, context_stages=[
+        ContextStage(2, 4 * T, B // 8)])).validate()
+    lines = []
+    model_costs(cfg, None, lines.append, 3)
+    flops = train_flops_per_token(cfg.model, 4 * T) / 1e6
+    assert f"; {B * T // 2} tokens/step (1 x {4 * T} at step 3: a context stage); " \
+        f"{flops:.1f} MFLOP/token" in lines[0], lines
 
 
 def test_old_microbatch_key_still_loads():

@@ -447,7 +447,7 @@ CASES = [
     (["replan", RUN, "--end-steps", "-5"], 2, "--end-steps -5"),
     (["replan", RUN, "--end-tokens", "lots"], 2, "--end-tokens: 'lots'"),
     (["replan", RUN, "--deadline", "soon"], 2, "--deadline soon: not '+36h'"),
-    (["replan", RUN, "--mixture", "prose"], 2, "mixture: 'prose'"),
+    (["replan", RUN, "--mixture", "prose"], 2, "--mixture prose: 'prose' is not DOMAIN=WEIGHT"),
     (["replan", RUN, "--seq-len", "0"], 2, "--seq-len 0"),
     (["replan", RUN, "--end-steps", "20", "--floor", "2"], 2, "--floor 2"),
     (["branch", RUN, "--at", "7", "--cooldown", "1M", "--dry-run"], 2,

@@ -675,6 +675,20 @@ def test_a_stage_capacity_past_any_useful_size_is_refused(stage):
         load_config("tiny", [f"data.context_stages={json.dumps(stages)}"])
 
 
+@pytest.mark.parametrize("stage, said", [
+    ("{step: 10, seq_len: 4096}", "data.context_stages[0]: its batch of 2 sequences (the tokens "
+     "per batch at seq_len 4096) must be divisible by parallel.devices=4 (each device gets "
+     "rows): give the stage a batch_size that is a multiple of 4, e.g. 4"),
+    ("{step: 10, seq_len: 512, batch_size: 6}", "data.context_stages[0].batch_size: its batch "
+     "of 6 sequences must be divisible by parallel.devices=4 (each device gets rows): give the "
+     "stage a batch_size that is a multiple of 4, e.g. 4"),
+])
+def test_a_stage_batch_the_devices_cannot_split_is_named_with_the_fix(stage, said):
+    with pytest.raises(ConfigError) as e:
+        load_config("tiny", ["parallel.devices=4", f"data.context_stages=[{stage}]"])
+    assert str(e.value) == said
+
+
 def test_a_decided_stage_s_capacity_wins_over_a_typed_one_and_says_so():
     """A gate decided at step 3 set receiver_cf 1.5 from there on: a resume that types
     parallel.receiver_cf=2.0 trains at 1.5 after step 3, and now hears it; a move to a

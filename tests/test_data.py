@@ -567,6 +567,28 @@ def test_mixture_errors(small):
         MixtureSampler(small["store"], seq_len=16, batch_size=4, mixture={"alpha": 0.0})
 
 
+def test_a_mixture_naming_a_domain_as_its_source_did_gets_the_stored_name():
+    """A build keeps ASCII domain names (clean_domain): "café" is stored as "cafe-<hash>", so a
+    mixture that names it as the source did is told the name to write."""
+    from moelab.data.sampler import resolve_mixture
+
+    class Store:  # what resolve_mixture reads of a token store
+        def domains(self, split):
+            return sorted([clean_domain("café"), clean_domain("日本語"), "prose"])
+
+        def n_tokens(self, split, domain):
+            return 1000
+
+    with pytest.raises(DataError) as e:
+        resolve_mixture(Store(), "train", 16, {"café": 1.0, "日本語": 1.0, "poetry": 1.0})
+    assert str(e.value) == (
+        f"data.mixture: unknown domain(s) café, poetry, 日本語; available in train: "
+        f"{clean_domain('café')}, {clean_domain('日本語')}, prose; the corpus stores café as "
+        f"{clean_domain('café')}, 日本語 as {clean_domain('日本語')}: name them so")
+    assert resolve_mixture(Store(), "train", 16, {clean_domain("café"): 1.0}) == {
+        clean_domain("café"): 1.0}
+
+
 # ---------------------------------------------------------------------------------------------
 # evaluation
 

@@ -28,6 +28,7 @@ from moelab.config import (
     ContextStage,
     MixtureChange,
     config_from_dict,
+    load_config,
     load_run_config,
 )
 from moelab.data.prepare import prepare_data
@@ -148,10 +149,18 @@ def test_a_resume_may_not_rewrite_the_past_of_an_operation():
     saved = apply_change(base, 6, Change(end=10, mixture={"prose": 1.0}), keep_warmup=True)
     later = apply_change(saved, 8, Change(end=9, seq_len=64), keep_warmup=True)
     check_future_only(saved, later, 8)  # appends from step 8 on: fine
-    with pytest.raises(ConfigError, match="optim.decays: the run was trained to step 8"):
+    with pytest.raises(ConfigError, match=r"optim.decays\[0\]: the run trained to step 8 with "
+                       r"\{start: 6, end: 10, floor: 0.2\}, the config gives \{start: 7, end: 10, "
+                       r"floor: 0.2\}"):
         check_future_only(saved, apply_change(base, 7, Change(end=10), keep_warmup=True), 8)
-    with pytest.raises(ConfigError, match="data.mixture_schedule"):
+    with pytest.raises(ConfigError, match=r"data.mixture_schedule\[0\]: the run trained to step 8"
+                       r" with \{step: 6, mixture: \{prose: 1.0\}\}, the config gives no entry; "
+                       "entries before step 8 stay as trained: add new ones from step 8 on"):
         check_future_only(saved, dataclasses.replace(saved, data=base.data), 8)
+    early = dataclasses.replace(later.data, context_stages=[ContextStage(7, 64)])
+    with pytest.raises(ConfigError, match=r"data.context_stages\[0\]: the run trained to step 8 "
+                       r"with no entry, the config gives \{step: 7, seq_len: 64\}"):
+        check_future_only(saved, dataclasses.replace(later, data=early), 8)
     # a resume from a preset that knows nothing of the operations keeps them and their end
     kept = inherit_operations(saved, base)
     assert kept.optim.decays == saved.optim.decays and kept.train.steps == 10
@@ -229,6 +238,27 @@ def test_rope_is_checked_against_the_longest_distance_a_rope_layer_sees():
     assert "attends over 1,024 tokens" in rope_note(windowed) and ": ok" in rope_note(windowed)
 
 
+def test_train_notes_a_context_stage_past_rope_s_wavelength_with_the_theta_that_reaches_it():
+    """replan and branch said it; a stage typed into the config trained with no word."""
+    from moelab.config.run import rope_warning
+
+    stage = ["data.context_stages=[{step: 5, seq_len: 65536, batch_size: 1}]"]
+    cfg = load_config("tiny", stage)
+    assert rope_warning(cfg) == (
+        "note: a RoPE layer attends over 65,536 tokens (context up to 65,536), past RoPE's "
+        "longest wavelength 35,333 (model.rope_theta 10000 on 32 dims): distant positions alias; "
+        "model.rope_theta >= 19,328 reaches it (fixed for a run: set it at the start), or a "
+        "shorter data.seq_len or context stage")
+    assert rope_warning(load_config("tiny", [*stage, "model.rope_theta=19328"])) is None
+    assert rope_warning(load_config("tiny", [*stage, "model.rope_theta=19327"])) is not None
+    assert rope_warning(load_config("tiny", [])) is None
+    from moelab.train.peak import model_costs
+
+    said = []  # a run says it after its model line (after any refusal of bad input)
+    model_costs(load_config("tiny", [*stage, "train.peak_flops=1e12"]), None, said.append)
+    assert said[1:] == [rope_warning(cfg)]
+
+
 def test_parsing_of_tokens_mixtures_and_deadlines():
     assert parse_tokens("1.5M") == 1_500_000 and parse_tokens("2e3") == 2000
     with pytest.raises(PlanError, match="not a token count"):
@@ -236,8 +266,12 @@ def test_parsing_of_tokens_mixtures_and_deadlines():
     assert parse_mixture("prose=0.7, code=0.3") == {"prose": 0.7, "code": 0.3}
     with pytest.raises(PlanError, match="DOMAIN=WEIGHT"):
         parse_mixture("prose")
-    with pytest.raises(PlanError, match="domain 'prose' given twice in 'prose=1,prose=2'; keep"):
+    with pytest.raises(PlanError, match="--mixture prose=1,prose=2: domain 'prose' given twice; "
+                       "keep one"):
         parse_mixture("prose=1,prose=2")  # as a YAML mapping refuses a repeated key
+    with pytest.raises(PlanError, match=r"^--mixture prose=-1,code=1: 'prose=-1' is not "
+                       r"DOMAIN=WEIGHT \(weight >= 0\)"):  # named as the option typed
+        parse_mixture("prose=-1,code=1")
     assert step_arg("1e3") == 1000 and step_arg("70") == 70  # written as the config takes it
     for bad in ("1.5", "ten"):
         with pytest.raises(argparse.ArgumentTypeError):
@@ -319,6 +353,20 @@ def test_resume_after_a_mixture_change_equals_an_uninterrupted_run(runs, tmp_pat
     assert cfg.data.mixture_schedule == [MixtureChange(3, MIX)]
     stage = [e for e in read_metrics(run / "metrics.jsonl")[1] if e["event"] == "data_stage"]
     assert stage[0]["step"] == 3 and stage[0]["mixture"] == {"code": 0.5, "prose": 0.5}
+
+
+def test_a_finished_run_names_the_replan_waiting_for_a_new_end(runs, tmp_path, capsys):
+    run = Path(shutil.copytree(runs / "stopped", tmp_path / "run"))  # finished at step 3
+    assert main(["replan", str(run), "--mixture", "code=1", "--apply", "--plot",
+                 str(tmp_path / "p.png")]) == 0
+    assert "note: the run ends at step 3 (train.steps), where this change starts" in \
+        capsys.readouterr().out
+    assert main(["resume", str(run)]) == 0  # nothing trains, nothing compiles
+    said = capsys.readouterr()
+    assert ("finished at step 3 already; nothing to train. To train it longer: `moelab resume "
+            f"{run} train.steps=N` with N above 3 (the pending replan, mixture={{'code': 1.0}}, "
+            "requested at step 3, applies from step 3 then)") in said.out + said.err
+    assert (run / PENDING).is_file()
 
 
 def test_a_second_replan_apply_is_refused_and_replace_names_both(runs, tmp_path, capsys):
@@ -527,6 +575,11 @@ def test_replan_notes_the_mixture_and_steps_flat_at_the_floor(runs, capsys):
     assert plan_notes(done, level, 5) == [
         f"note: steps 6-9 train flat at the LR {lr5:.3e}: the new floor is the LR the run has "
         "at step 5"]
+    stopped = apply_change(done, 12, Change(mixture={"code": 1.0}), keep_warmup=True)
+    assert plan_notes(done, stopped, 12)[-1] == (
+        "note: the run ends at step 12 (train.steps), where this change starts, so it trains "
+        "nothing until the end moves: add a new end (--end-steps, --end-tokens, --deadline), or "
+        "resume with train.steps=N")
     mixed = apply_change(done, 6, Change(mixture={"prose": 1.0}), keep_warmup=True)
     assert plan_notes(mixed, apply_change(mixed, 8, Change(mixture={"code": 1.0}),
                                           keep_warmup=True), 8) == [
@@ -624,6 +677,20 @@ def test_history_says_when_resumes_changed_the_expert_parallelism(tmp_path, chan
     run = _ep_run(tmp_path, [(None, [], {s: 0.1 for s in range(1, 11)}),
                              (10, changed, {s: 0.1 for s in range(11, 21)})])
     assert said in format_history(run)
+
+
+def test_history_shows_a_data_stage_s_sampling_shares_of_every_domain(tmp_path):
+    from moelab.ops.record import format_history
+    from moelab.run.logs import JsonlTracker
+
+    run = _ep_run(tmp_path, [(None, [], {1: 0.0})])
+    log = JsonlTracker(run / "metrics.jsonl")
+    log.event("data_stage", 10, seq_len=512, batch_size=8, mixture={
+        "bible": 0.15719832367953354, "code": 0.33980282185273386, "prose": 0.26785587270342,
+        "shakespeare": 0.2351429817643126})
+    log.close()
+    assert ('data_stage         batch_size=8, mixture={"bible": 0.1572, "code": 0.3398, "prose": '
+            '0.2679, "shakespeare": 0.2351}, seq_len=512') in format_history(run)
 
 
 def test_the_stage_table_splits_where_a_resume_changed_the_expert_parallelism(tmp_path):

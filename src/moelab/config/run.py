@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -304,9 +305,12 @@ class RunConfig:
                 "(each device gets rows); or give parallel.devices one that divides it: "
                 + ", ".join(map(str, fits)))
         for i, c in enumerate(self.data.context_stages):
-            require(par.devices == 0 or self.data.stage_batch(c) % par.devices == 0,
-                    f"data.context_stages[{i}]", f"batch of {self.data.stage_batch(c)} sequences"
-                    f" must be divisible by parallel.devices={par.devices}")
+            rows, d = self.data.stage_batch(c), par.devices
+            require(d == 0 or rows % d == 0, f"data.context_stages[{i}]" + (
+                ".batch_size" if c.batch_size else ""), f"its batch of {rows} sequences" + (
+                "" if c.batch_size else f" (the tokens per batch at seq_len {c.seq_len})") +
+                f" must be divisible by parallel.devices={d} (each device gets rows): give the "
+                f"stage a batch_size that is a multiple of {d}, e.g. {max(d, rows - rows % d)}")
             self._check_stage_gate(c, f"data.context_stages[{i}]")
         require(par.replace_every == 0 or par.expert > 1, "parallel.replace_every",
                 "expert placement needs expert parallelism: set parallel.expert > 1, or 0 here")
@@ -376,3 +380,33 @@ class RunConfig:
     def hash(self) -> str:
         blob = json.dumps(self.to_dict(), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def rope_reach(cfg: RunConfig) -> tuple[int, float, int, int]:
+    """(dims RoPE rotates per head r, its longest wavelength 2*pi*theta^((r-2)/r), the longest
+    distance a RoPE layer attends over, the longest context of any data stage). Positions are
+    computed for each batch's length, so what matters is a layer's window or the whole context
+    against the wavelength: beyond it positions alias. Global layers without RoPE
+    (model.global_rope false) do not count; a distance of 0: no layer uses RoPE."""
+    m = cfg.model
+    r = int(m.head_dim * m.rope_fraction)
+    longest = max(g.seq_len for g in cfg.data.segments())
+    spans = [min(w, longest) if w > 0 else longest
+             for w, is_global in zip(m.layer_windows(), m.layer_is_global())
+             if not (is_global and not m.global_rope)]
+    wave = 2 * math.pi * m.rope_theta ** ((r - 2) / r) if r else 0.0
+    return r, wave, (max(spans) if spans and r else 0), longest
+
+
+def rope_warning(cfg: RunConfig) -> str | None:
+    """A note for a run whose context (a stage's included) a RoPE layer attends over past
+    RoPE's longest wavelength, with the model.rope_theta that reaches it; else None."""
+    r, wave, span, longest = rope_reach(cfg)
+    if span <= wave or r <= 2:
+        return None
+    theta = (span / (2 * math.pi)) ** (r / (r - 2))
+    return (f"note: a RoPE layer attends over {span:,} tokens (context up to {longest:,}), "
+            f"past RoPE's longest wavelength {wave:,.0f} (model.rope_theta {cfg.model.rope_theta:g}"
+            f" on {r} dims): distant positions alias; model.rope_theta >= {math.ceil(theta):,} "
+            "reaches it (fixed for a run: set it at the start), or a shorter data.seq_len or "
+            "context stage")

@@ -28,6 +28,7 @@ from moelab.data.corpus import iter_documents, load_manifest
 from moelab.data.errors import DataError
 from moelab.data.permutation import permute, round_keys
 from moelab.data.store import TokenStore
+from moelab.data.user_docs import clean_domain
 
 BASE_FIELDS = ("data.mixture", "data.seq_len")  # where a run's first segment is configured
 
@@ -50,7 +51,8 @@ def resolve_mixture(store: TokenStore, split: str, seq_len: int,
         unknown = sorted(set(mixture) - set(available))
         if unknown:
             raise DataError(f"{mix_field}: unknown domain(s) {', '.join(unknown)}; "
-                            f"available in {split}: {', '.join(available)}")
+                            f"available in {split}: {', '.join(available)}"
+                            + _stored_names(unknown, available))
         weights = {}
         for d in sorted(mixture):
             w = mixture[d]
@@ -72,6 +74,14 @@ def resolve_mixture(store: TokenStore, split: str, seq_len: int,
         raise DataError(f"{mix_field}: no domain to sample from (weights {mixture!r}, "
                         f"available: {', '.join(available)}); give one a weight > 0")
     return {d: w / total for d, w in sorted(weights.items())}
+
+
+def _stored_names(names: list[str], available: list[str]) -> str:
+    """The names a corpus stores the given domain names under (a build keeps ASCII names,
+    ``clean_domain``), for a mixture that names them as the source did."""
+    stored = {n: clean_domain(n) for n in names if clean_domain(n) in available}
+    return ("" if not stored else "; the corpus stores " + ", ".join(
+        f"{n} as {c}" for n, c in stored.items()) + ": name them so")
 
 
 class MixtureSampler:

@@ -77,13 +77,6 @@ def _end_option(args) -> str:
     return f"--end-steps {args.end_steps}"
 
 
-def _describe(pending: dict) -> str:
-    """A pending replan in one phrase: its change and the step it was asked at."""
-    change = ", ".join(f"{k}={v}" for k, v in pending["change"].items()) or "no change"
-    at = pending.get("requested_at_step")
-    return change + (f", requested at step {at:,}" if at is not None else "")
-
-
 def _check_data(cfg, args) -> str:
     """Build the samplers of every segment when the run's token store is at hand, so a bad
     mixture or a context longer than a domain's stream fails now, not at the change, and
@@ -129,7 +122,7 @@ def _replan(args) -> int:
     from moelab.config import load_run_config
     from moelab.ops import replan as rp
     from moelab.ops.plot import plot_file, plot_replan
-    from moelab.train.resume import check_unedited, read_pending, resume_step
+    from moelab.train.resume import check_unedited, pending_text, read_pending, resume_step
 
     check_change_args(args)
     check_run_folder(args.run)
@@ -139,7 +132,7 @@ def _replan(args) -> int:
     check_unedited(run)  # a hand edit would be planned from, then refused at the resume
     pending = read_pending(run)  # a damaged request is named before any planning
     if pending is not None and args.apply and not args.replace:
-        raise PlanError(f"{run / rp.PENDING}: a plan is already pending ({_describe(pending)}); "
+        raise PlanError(f"{run / rp.PENDING}: a plan is already pending ({pending_text(pending)}); "
                         "add --replace to replace it with this one, or resume the run first")
     if args.seq_len is not None:
         check_seq_len(cfg, args.seq_len, resume_step(run) or 0, f"--seq-len {args.seq_len}")
@@ -181,14 +174,14 @@ def _replan(args) -> int:
     print(f"plot: {plot_replan(before, after, at, plot)}")
     if not args.apply:
         print("dry run: the run's plan is unchanged; add --apply to apply it at the next resume"
-              + (f" (a plan is pending: {_describe(pending)}; --apply --replace replaces it)"
+              + (f" (a plan is pending: {pending_text(pending)}; --apply --replace replaces it)"
                  if pending is not None else "")
               + ("; --replace acts only with --apply" if args.replace else ""))
         return 0
     new = rp.request(run, change, at=now["step"], reason=args.reason,
                      command=shlex.join(args.argv))
     if pending is not None:
-        print(f"replaced the pending plan ({_describe(pending)}) with ({_describe(new)})")
+        print(f"replaced the pending plan ({pending_text(pending)}) with ({pending_text(new)})")
     print(f"pending: {run / rp.PENDING}; applied when the run resumes "
           f"(`moelab resume {run}`), from the step it resumes at")
     return 0

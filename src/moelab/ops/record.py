@@ -349,6 +349,17 @@ def _fmt_time(t) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t)) if t else "?"
 
 
+def _rounded(v):
+    """Floats to 4 significant digits, inside lists and mappings too: a data stage's sampling
+    shares read in full precision would fill the line before its second domain."""
+    if isinstance(v, float):
+        return float(f"{v:.4g}")
+    if isinstance(v, dict):
+        return {k: _rounded(x) for k, x in v.items()}
+    return [_rounded(x) for x in v] if isinstance(v, list) else v
+
+
 def _short(v) -> str:
+    v = _rounded(v)
     text = json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else str(v)
     return text if len(text) <= 80 else text[:77] + "..."

@@ -142,8 +142,9 @@ def _weights(mixture: dict) -> str:
 
 
 def plan_notes(before: RunConfig, after: RunConfig, at: int) -> list[str]:
-    """What the table cannot show: a new mixture (domains left out get no batches), and an
-    end whose added steps train flat at the LR the run has already decayed to."""
+    """What the table cannot show: a new mixture (domains left out get no batches), a change
+    at the end of a stopped run (nothing trains it), and an end whose added steps train flat
+    at the LR the run has already decayed to."""
     notes = []
     old, new = before.data.segment_at(at).mixture, after.data.segment_at(at).mixture
     if new != old:
@@ -152,6 +153,10 @@ def plan_notes(before: RunConfig, after: RunConfig, at: int) -> list[str]:
                      + (f" ({', '.join(gone)}: no more batches)" if gone and old else
                         " (domains not named: no more batches)" if not old else ""))
     end = after.train.steps
+    if end <= at:  # a stopped run's end, which the change leaves: nothing would train it
+        notes.append(f"note: the run ends at step {end:,} (train.steps), where this change "
+                     "starts, so it trains nothing until the end moves: add a new end "
+                     "(--end-steps, --end-tokens, --deadline), or resume with train.steps=N")
     if end > at + 1:
         first, last = logged_lr(after, [at + 1, end])
         if np.isclose(first, last, rtol=1e-6):

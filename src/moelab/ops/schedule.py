@@ -11,10 +11,9 @@ import argparse
 import re
 from pathlib import Path
 
-import numpy as np
-
 from moelab.config import RunConfig
 from moelab.config.errors import INT32_MAX, file_for_run_folder, require
+from moelab.config.run import rope_reach
 from moelab.train.changes import PlanError
 from moelab.util import is_url
 
@@ -84,33 +83,24 @@ def parse_mixture(text: str) -> dict[str, float]:
     for part in filter(None, (p.strip() for p in text.split(","))):
         m = re.fullmatch(rf"([\w.-]+)\s*=\s*({_NUMBER})", part)
         if not m:
-            raise PlanError(f"mixture: {part!r} is not DOMAIN=WEIGHT (weight >= 0); write e.g. "
-                            "prose=0.7,code=0.3")
+            raise PlanError(f"--mixture {text}: {part!r} is not DOMAIN=WEIGHT (weight >= 0); "
+                            "write e.g. prose=0.7,code=0.3")
         if m.group(1) in out:  # as a YAML mapping refuses a repeated key
-            raise PlanError(f"mixture: domain {m.group(1)!r} given twice in {text!r}; keep one")
+            raise PlanError(f"--mixture {text}: domain {m.group(1)!r} given twice; keep one")
         out[m.group(1)] = float(m.group(2))
     if not out or sum(out.values()) <= 0:
-        raise PlanError(f"mixture: {text!r} gives no weight > 0; write e.g. prose=0.7,code=0.3")
+        raise PlanError(f"--mixture {text}: no weight > 0; write e.g. prose=0.7,code=0.3")
     return out
 
 
 def rope_note(cfg: RunConfig) -> str:
-    """Whether RoPE tells positions apart across the longest context stage. Positions are
-    computed for each batch's length (no table sized for the first stage); what matters is the
-    longest distance a RoPE layer attends over (its window, or the whole context) against the
-    longest rotary wavelength 2*pi*theta^((r-2)/r) for r rotated dims: beyond it positions
-    alias. Global layers without RoPE (model.global_rope false) do not count."""
-    m = cfg.model
-    r = int(m.head_dim * m.rope_fraction)
-    longest = max(g.seq_len for g in cfg.data.segments())
-    spans = [min(w, longest) if w > 0 else longest
-             for w, is_global in zip(m.layer_windows(), m.layer_is_global())
-             if not (is_global and not getattr(m, "global_rope", True))]
-    if r == 0 or not spans:
+    """Whether RoPE tells positions apart across the longest context stage
+    (``moelab.config.run.rope_reach``)."""
+    r, wave, span, longest = rope_reach(cfg)
+    if not span:
         return f"RoPE: not used; longest context {longest:,} tokens"
-    wave = 2 * np.pi * m.rope_theta ** ((r - 2) / r)
-    verdict = ("ok" if max(spans) <= wave else "WARNING: beyond the wavelength distant "
+    verdict = ("ok" if span <= wave else "WARNING: beyond the wavelength distant "
                "positions alias (model.rope_theta is fixed for a run: plan it at the start)")
-    return (f"RoPE: theta {m.rope_theta:g} on {r} dims per head, longest wavelength "
+    return (f"RoPE: theta {cfg.model.rope_theta:g} on {r} dims per head, longest wavelength "
             f"{wave:,.0f} tokens; longest distance a RoPE layer attends over "
-            f"{max(spans):,} tokens (context up to {longest:,}): {verdict}")
+            f"{span:,} tokens (context up to {longest:,}): {verdict}")

@@ -12,6 +12,7 @@ why these live in ``train`` (a resume applies them) and ``moelab.ops`` builds on
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,13 +198,38 @@ def _entries(cfg: RunConfig) -> dict[str, list[tuple[int, object]]]:
             "data.context_stages": [(c.step, c) for c in cfg.data.context_stages]}
 
 
+def _flow(v) -> str:
+    """A value in YAML flow style, as a config override takes it."""
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_flow(x)}" for k, x in v.items()) + "}"
+    return "[" + ", ".join(map(_flow, v)) + "]" if isinstance(v, list) else str(v)
+
+
+def _brief(entry) -> str:
+    """An operation entry in YAML flow style, the fields at their defaults left out."""
+    if entry is None:
+        return "no entry"
+
+    def default(f):
+        return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+    return _flow({f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)
+                  if getattr(entry, f.name) != default(f)})
+
+
 def check_future_only(saved: RunConfig, cfg: RunConfig, step: int) -> None:
-    """Refuse a resume at ``step`` whose operations differ from the saved ones before it."""
+    """Refuse a resume at ``step`` whose operations differ from the saved ones before it,
+    naming the first entry that differs (the list is sorted by step, so its index is the
+    config's)."""
     old, new = _entries(saved), _entries(cfg)
     for name in OPERATION_FIELDS:
         past_old = [e for s, e in old[name] if s < step]
         past_new = [e for s, e in new[name] if s < step]
         if past_old != past_new:
-            raise ConfigError(f"{name}: the run was trained to step {step} with {past_old}, now "
-                              f"{past_new}; an operation may change only steps from {step} on "
-                              "(use `moelab branch` to try another past)")
+            i = next(i for i, (a, b) in enumerate(itertools.zip_longest(past_old, past_new))
+                     if a != b)
+            a, b = (x[i] if i < len(x) else None for x in (past_old, past_new))
+            raise ConfigError(f"{name}[{i}]: the run trained to step {step} with {_brief(a)}, "
+                              f"the config gives {_brief(b)}; entries before step {step} stay "
+                              f"as trained: add new ones from step {step} on (or use `moelab "
+                              "branch` to try another past)")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import jax
 
 from moelab.config import RunConfig
+from moelab.config.run import rope_warning
 from moelab.planner.cluster import accelerator_of_kind
 from moelab.planner.counts import param_counts, train_flops_per_token
 
@@ -128,21 +129,27 @@ def measure_peak_flops(n: int = 2048, repeats: int = 5, dtype: str = "float32",
     return 2.0 * n**3 / best
 
 
-def model_costs(cfg: RunConfig, mesh, say) -> tuple[dict, Peaks]:
+def model_costs(cfg: RunConfig, mesh, say, step: int = 0) -> tuple[dict, Peaks]:
     """(parameter counts, peaks of all devices) of a run of ``cfg`` on ``mesh`` (None: one
-    device), announced with the FLOPs per token."""
+    device), announced with the FLOPs per token of the batch shape it trains at ``step`` (a
+    resume inside a context stage trains the stage's)."""
     counts = param_counts(cfg.model)
-    tokens_per_step = cfg.data.batch_size * cfg.data.seq_len
-    flops_per_token = train_flops_per_token(cfg.model, cfg.data.seq_len)
+    seg = cfg.data.segment_at(step)
+    tokens_per_step = seg.batch_size * seg.seq_len
+    flops_per_token = train_flops_per_token(cfg.model, seg.seq_len)
     devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
     peak = run_peaks(cfg.train.peak_flops, cfg.model.compute_dtype, devices)
     measured = ("" if peak.measured is None or peak.rated_is_measured else
                 f"; measured {cfg.model.compute_dtype} matmul {format_flops(peak.measured)}")
-    micro = cfg.micro_seqs()  # train.microbatch_tokens: the step accumulates its micro-steps
-    accum = (f" in {cfg.data.batch_size // micro} micro-steps of {micro * cfg.data.seq_len}"
-             if micro < cfg.data.batch_size else "")
+    micro = cfg.micro_seqs(step)  # train.microbatch_tokens: the step accumulates its micro-steps
+    accum = (f" in {seg.batch_size // micro} micro-steps of {micro * seg.seq_len}"
+             if micro < seg.batch_size else "")
+    shape = ("" if (seg.seq_len, seg.batch_size) == (cfg.data.seq_len, cfg.data.batch_size)
+             else f" ({seg.batch_size} x {seg.seq_len} at step {step}: a context stage)")
     say(f"model: {counts['total'] / 1e6:.2f}M parameters, {counts['active'] / 1e6:.2f}M active "
-        f"per token; {tokens_per_step} tokens/step{accum}; {flops_per_token / 1e6:.1f} "
+        f"per token; {tokens_per_step} tokens/step{shape}{accum}; {flops_per_token / 1e6:.1f} "
         "MFLOP/token; "
         f"MFU against {format_flops(peak.rated)} ({peak.source}){measured}")
+    if rope_warning(cfg):  # said after the refusals of bad input: a stage past RoPE's reach
+        say(rope_warning(cfg))
     return counts, peak

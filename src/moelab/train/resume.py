@@ -112,6 +112,13 @@ def read_pending(run_dir: Path | str) -> dict | None:
     return pending
 
 
+def pending_text(pending: dict) -> str:
+    """A pending replan in one phrase: its change and the step it was asked at."""
+    change = ", ".join(f"{k}={v}" for k, v in pending["change"].items()) or "no change"
+    at = pending.get("requested_at_step")
+    return change + (f", requested at step {at:,}" if at is not None else "")
+
+
 def resume_config(saved: RunConfig, cfg: RunConfig, run_dir: Path | str) -> RunConfig:
     """The config a resume of ``run_dir`` trains with: the run's operations kept, a pending
     replan applied at the resume step, and no operation allowed to rewrite the past."""
@@ -374,6 +381,9 @@ def finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
         ckpt.check_folder(ckpt.step_dir(at), at)
     except CheckpointError:
         return None  # damaged: the resume falls back to an older one and trains it again
+    pending = read_pending(run_dir)
     say(f"{run_dir} finished at step {at} already; nothing to train. To train it longer: "
-        f"`moelab resume {run_dir} train.steps=N` with N above {at}")
+        f"`moelab resume {run_dir} train.steps=N` with N above {at}" + (
+            f" (the pending replan, {pending_text(pending)}, applies from step {at} then)"
+            if pending else ""))
     return saved

@@ -433,7 +433,7 @@ def setup_run(cfg: RunConfig, run_dir: Path | str, *, verbose: bool, mirror=None
             trackers.event("data_change", start, accepted="--accept-data-change",
                            **{f: {"recorded": a, "now": b} for f, (a, b) in inputs.changes.items()})
         hardware = HardwareMonitor()
-        counts, peak = model_costs(cfg, mesh, say)
+        counts, peak = model_costs(cfg, mesh, say, start)
         cands = remat_candidates(cfg, jax.default_backend())  # [cfg] unless model.remat=auto
         step_fn, eval_fn = _step_functions(cands[0], mesh, state_sh, say)
         run = RunSetup(cfg=cfg, run_dir=run_dir, main=main, say=say, data=data, store=store,
