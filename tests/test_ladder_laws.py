@@ -167,6 +167,13 @@ def test_plan_leaves_out_runs_over_the_cost_cap():
         plan_ladder(target, dataclasses.replace(grid, max_run_share=0))
 
 
+def test_a_share_just_over_the_cap_reads_as_over_it():
+    from moelab.ladder.plan import above
+
+    assert (above(0.304, 0.3), above(0.30001, 0.3), above(2.0, 1.0), above(1.6, 1.0)) == (
+        "0.304", "0.30001", "2", "1.6")
+
+
 def test_the_plan_names_the_runs_it_leaves_out(capsys):
     from test_cli import run_main
 

@@ -314,6 +314,12 @@ def _check_transport(target: RunConfig, rule: LadderRule) -> None:
             raise ConfigError(f"ladder rungs at --batch-size {rule.batch_size}: {e}") from None
 
 
+def above(x: float, cap: float) -> str:
+    """``x`` (> ``cap``) with the fewest significant digits, two at least, that still read as
+    above ``cap``: 0.304 against a cap of 0.3 is 0.304, not 0.3."""
+    return next((t for n in range(2, 17) if float(t := f"{x:.{n}g}") > cap), repr(x))
+
+
 def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule(),
                 left_out: list[str] | None = None) -> list[Rung]:
     """The rungs, smallest first, each with its stats and its FLOPs share of the target;
@@ -334,7 +340,8 @@ def plan_ladder(target: RunConfig, rule: LadderRule = LadderRule(),
         stats["share"] = stats["flops"] / c_target
         stats["token_multiplier"] = m
         if stats["share"] > rule.max_run_share:
-            over.append(f"d{d}" + ("" if m == 1 else f" x{m:g} tokens") + f" {stats['share']:.2g}x")
+            over.append(f"d{d}" + ("" if m == 1 else f" x{m:g} tokens")
+                        + f" {above(stats['share'], rule.max_run_share)}x")
             continue
         base = f"d{d}-L{n_layers}" + ("" if m == 1 else f"-t{m:g}")
         for r in range(rule.seeds):  # seed replicates: the fit averages their noise
