@@ -79,7 +79,7 @@ def resolve_mixture(store: TokenStore, split: str, seq_len: int,
 def _stored_names(names: list[str], available: list[str]) -> str:
     """The names a corpus stores the given domain names under (a build keeps ASCII names,
     ``clean_domain``), for a mixture that names them as the source did."""
-    stored = {n: clean_domain(n) for n in names if clean_domain(n) in available}
+    stored = {n: c for n in names if (c := clean_domain(n)) in available}
     return ("" if not stored else "; the corpus stores " + ", ".join(
         f"{n} as {c}" for n, c in stored.items()) + ": name them so")
 

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from moelab.util import pid_alive, read_json_object, stop_signals
+from moelab.util import pid_alive, read_json_object, stop_said, stop_signals
 
 OPS_LOG = "ops.jsonl"
 LINEAGE = "lineage.json"  # in a branch (moelab branch): its parent, step and reason
@@ -211,7 +211,7 @@ def stops_deferred(done: str = "") -> Iterator[None]:
                 signal.raise_signal(got[0])
             except BaseException as e:  # the handler's KeyboardInterrupt or stop
                 if done and whole:
-                    e.said = f"{getattr(e, 'said', 'aborted')}, after {done}"
+                    e.said = f"{stop_said(e)}, after {done}"
                 raise
 
 

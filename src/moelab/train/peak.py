@@ -150,6 +150,6 @@ def model_costs(cfg: RunConfig, mesh, say, step: int = 0) -> tuple[dict, Peaks]:
         f"per token; {tokens_per_step} tokens/step{shape}{accum}; {flops_per_token / 1e6:.1f} "
         "MFLOP/token; "
         f"MFU against {format_flops(peak.rated)} ({peak.source}){measured}")
-    if rope_warning(cfg):  # said after the refusals of bad input: a stage past RoPE's reach
-        say(rope_warning(cfg))
+    if note := rope_warning(cfg):  # said after the refusals of bad input: past RoPE's reach
+        say(note)
     return counts, peak

@@ -172,7 +172,7 @@ def ragged_exchange(z_TH, expert_A, sent_A, weight_TK, w_local, *, n_experts: in
     pos_A = jnp.where(sent_A, _exclusive_cumsum(counts_S)[dest_A] + r_A, A)
     src_M = invert(pos_A, A)
     sent_AH = gather_rows(z_TH, token_of(src_M, k, A), pos_A.reshape(T, k))
-    ids_A = jnp.take(expert_A % E_l + 1, src_M, mode="fill", fill_value=0)
+    ids_A = take_rows(expert_A % E_l + 1, src_M)
     send_off_SS = _exclusive_cumsum(counts_SS, axis=1)  # s's rows for d in s's send buffer
     exchange = functools.partial(_native if native else _emulated, axis=axis)
     if S == 1:  # one rank: its send buffer is its whole stream, in one round
