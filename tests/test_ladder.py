@@ -751,6 +751,11 @@ def test_cli_plan_writes_a_ladder_and_guard_reports(tmp_path, capsys, ladder):
                            "--depths", "8,12,16,22", "--out", str(tmp_path / "lad")], capsys)
     assert rc == 0 and "ladder cost:" in out and "d2048-L22" in out
     assert len(load_ladder(tmp_path / "lad").rungs) == 4
+    # another plan into that folder: the refusal alone, no table that reads as planned
+    rc, out, err = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,1024,1536",
+                             "--depths", "8,12,16", "--out", str(tmp_path / "lad")], capsys)
+    assert rc == 2 and "different ladder (other target, rungs or rung configs);" in err
+    assert out == "", out
     rc, _, err = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,x"], capsys)
     assert rc == 2 and "comma-separated integers" in err
     rc, out, _ = run_main(["ladder", "plan", "535b-a23b", "--widths", "768,1536",  # 2 rungs

@@ -259,6 +259,25 @@ def test_train_notes_a_context_stage_past_rope_s_wavelength_with_the_theta_that_
     assert said[1:] == [rope_warning(cfg)]
 
 
+def test_train_notes_schedule_entries_that_start_past_the_run_s_end():
+    """A context stage or mixture change at or past train.steps trains nothing: said at the
+    start (it was accepted without a word), and not for entries inside the run."""
+    from moelab.config.run import unreached_warning
+    from moelab.train.peak import model_costs
+
+    late = ["train.steps=40", "data.context_stages=[{step: 20, seq_len: 256, batch_size: 2}, "
+            "{step: 40, seq_len: 512, batch_size: 1}]",
+            "data.mixture_schedule=[{step: 50, mixture: {prose: 1}}]"]
+    assert unreached_warning(load_config("tiny", late)) == (
+        "note: data.context_stages[1] (step 40), data.mixture_schedule[0] (step 50) start(s) at "
+        "or past train.steps=40: not trained unless the run goes on (`moelab replan RUN "
+        "--end-steps N`, or a larger train.steps)")
+    assert unreached_warning(load_config("tiny", [late[1], "train.steps=41"])) is None
+    said = []
+    model_costs(load_config("tiny", [*late, "train.peak_flops=1e12"]), None, said.append)
+    assert said[-1] == unreached_warning(load_config("tiny", late))
+
+
 def test_parsing_of_tokens_mixtures_and_deadlines():
     assert parse_tokens("1.5M") == 1_500_000 and parse_tokens("2e3") == 2000
     with pytest.raises(PlanError, match="not a token count"):
@@ -788,6 +807,26 @@ def test_a_resume_names_the_entries_a_list_setting_gained(tmp_path, monkeypatch)
         "same + [{'step': 30, 'mixture': {'prose': 1.0, 'code': 3.0}}]"]
 
 
+def test_a_resume_shows_where_two_long_values_differ(tmp_path, monkeypatch):
+    """A long setting changed past its first 60 characters: the record shows both values
+    where they differ, not two cut texts that read the same."""
+    import moelab.train.resume as resume
+    from moelab.config import load_config, save_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    entry = "{step: 25, mixture: {prose: 1, code: 1}}, {step: 40, mixture: {prose: 1, code: %d}}"
+    save_config(load_config("tiny", ["data.mixture_schedule=[%s]" % (entry % 1)]),
+                run / "config.yaml")
+    monkeypatch.setattr(resume, "resume_step", lambda run_dir: 30)
+    cfg = resume.as_started(load_config(
+        "tiny", ["data.mixture_schedule=[%s]" % (entry % 3)]).with_absolute_data())
+    [line] = resume.resume_changes(run, cfg)
+    was, now = line.removeprefix("data.mixture_schedule ").split(" -> ")
+    assert "'code': 1.0}}]" in was and "'code': 3.0}}]" in now, line
+    assert max(len(was), len(now)) <= 60, line
+
+
 @pytest.mark.parametrize("last_alive", [True, False])
 def test_history_names_the_starts_that_ended_with_no_final_record(tmp_path, last_alive):
     """A start killed (kill -9, out of memory) writes no final event: history says it crashed,
@@ -976,11 +1015,11 @@ def test_a_new_context_keeps_the_tokens_per_batch_of_the_stage_it_replaces():
     assert (seg.seq_len, seg.batch_size) == (128, 2)
     check_seq_len(cfg, 256, at=5)  # 256 divides the stage's 256 tokens, not data's 128
     with pytest.raises(PlanError, match=r"--seq-len 96: must divide the run's 256 tokens per "
-                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 128, 256"):
+                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 64, 128"):
         check_seq_len(cfg, 96, at=5, option="--seq-len 96")
     # the change itself is checked by the same rule, in the same words, named as its field
     with pytest.raises(PlanError, match=r"^seq_len 96: must divide the run's 256 tokens per "
-                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 128, 256$"):
+                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 64, 128$"):
         apply_change(cfg, 5, Change(seq_len=96), keep_warmup=False)
     # a run at data's own shape keeps batch_size 0 ("data's tokens per batch")
     assert apply_change(cfg_with(), 5, Change(seq_len=64),

@@ -410,3 +410,18 @@ def rope_warning(cfg: RunConfig) -> str | None:
             f" on {r} dims): distant positions alias; model.rope_theta >= {math.ceil(theta):,} "
             "reaches it (fixed for a run: set it at the start), or a shorter data.seq_len or "
             "context stage")
+
+
+def unreached_warning(cfg: RunConfig) -> str | None:
+    """A note naming data schedule entries (context stages, mixture changes) that start at or
+    past train.steps, so train nothing unless the run is extended; else None."""
+    d, end = cfg.data, cfg.train.steps
+    late = [f"data.{name}[{i}] (step {e.step:,})"
+            for name, entries in (("context_stages", d.context_stages),
+                                  ("mixture_schedule", d.mixture_schedule))
+            for i, e in enumerate(entries) if e.step >= end]
+    if not late:
+        return None
+    return (f"note: {', '.join(late)} start(s) at or past train.steps={end:,}: not trained "
+            "unless the run goes on (`moelab replan RUN --end-steps N`, or a larger "
+            "train.steps)")

@@ -24,8 +24,8 @@ def _list_of(kind, what: str, example: str):
         try:
             return tuple(kind(x) for x in text.split(",") if x.strip())
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated {what}, "
-                                             f"e.g. {example}") from None
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: expected comma-separated {what}, e.g. {example}") from None
     return parse
 
 
@@ -57,10 +57,10 @@ def cmd_plan(args) -> int:
                       depths=args.depths or (), batch_size=args.batch_size, evals=args.evals,
                       token_multipliers=args.token_multipliers or (1.0,), seeds=args.seeds,
                       lr_exp=args.lr_exp, max_run_share=args.max_run_share)
-    rungs = plan_ladder(target, rule, left_out := [])
+    rungs = plan_ladder(target, rule, left_out := [])  # written, then shown: a refusal alone
+    lad = args.out and write_ladder(args.out, Path(source).stem, target, rule, rungs)
     print(format_ladder_plan(Path(source).stem, target, rungs, rule, left_out))
-    if args.out:
-        lad = write_ladder(args.out, Path(source).stem, target, rule, rungs)
+    if lad:
         print(f"ladder written to {lad.root}/ (ladder.json, configs/); next: "
               f"moelab ladder run {lad.root}")
     return 0

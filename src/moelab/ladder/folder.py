@@ -45,16 +45,8 @@ def write_ladder(root: Path | str, target_name: str, target: RunConfig, rule: La
                  rungs: list[Rung]) -> Ladder:
     root = Path(root)
     lad = Ladder(root, target_name, target, rungs)
+    check_same_ladder(root, target, rungs)
     old = root / "ladder.json"
-    if old.exists():
-        prev = load_ladder(root)
-        # every rung's config, not only its name: a rule that changes no name (the LR
-        # exponent, the warmup) would otherwise mix runs of the old plan into the new one
-        if prev.target.hash() != target.hash() or [(r.name, r.cfg.hash()) for r in prev.rungs] \
-                != [(r.name, r.cfg.hash()) for r in rungs]:
-            raise ValueError(f"{root}: holds a different ladder (other target, rungs or rung "
-                             "configs) and its rungs' runs, which stay as they are; plan this "
-                             "one into a new --out folder")
     for r in rungs:
         save_config(r.cfg, lad.config_path(r.name))
     save_config(target, lad.config_path("target"))
@@ -63,6 +55,21 @@ def write_ladder(root: Path | str, target_name: str, target: RunConfig, rule: La
         "rule": dataclasses.asdict(rule),
         "rungs": [{"name": r.name, "config": r.cfg.to_dict(), "stats": r.stats} for r in rungs]})
     return lad
+
+
+def check_same_ladder(root: Path, target: RunConfig, rungs: list[Rung]) -> None:
+    """Refuse to plan into a folder holding another ladder (its runs would mix with these)."""
+    if not (root / "ladder.json").exists():
+        return
+    prev = load_ladder(root)
+    # every rung's config, not only its name: a rule that changes no name (the LR exponent,
+    # the warmup) would otherwise mix runs of the old plan into the new one
+    if prev.target.hash() != target.hash() or [(r.name, r.cfg.hash()) for r in prev.rungs] \
+            != [(r.name, r.cfg.hash()) for r in rungs]:
+        runs = " and its rungs' runs, which stay as they are" if any(
+            (root / d).is_dir() for d in ("rungs", "target")) else ""
+        raise ValueError(f"{root}: holds a different ladder (other target, rungs or rung "
+                         f"configs){runs}; plan this one into a new --out folder")
 
 
 def check_out(root: Path | str | None) -> None:

@@ -334,9 +334,10 @@ def evaluate(records: list[dict], cfg: RunConfig, pred: dict, fractions=FRACTION
 
 
 def format_forecast(run: str, res: dict, observed: float | None = None) -> str:
+    n, e = res["train_points"], res["evaluations"]
     lines = [f"{run}: step {res['step']} of {res['steps']} ({res['progress']:.0%}), "
-             f"{res['train_points']} training-loss values and {res['evaluations']} held-out "
-             f"evaluation(s) after {MIN_PROGRESS:.0%} of the run",
+             f"{n} training-loss value{'s' * (n != 1)} and {e} held-out "
+             f"evaluation{'s' * (e != 1)} after {MIN_PROGRESS:.0%} of the run",
              f"final held-out loss ({EVAL_LOSS} at step {res['steps']}), central "
              f"{res['level']:.0%} bands:"]
     for name, f in res["forecasts"].items():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -69,7 +70,11 @@ def check_seq_len(cfg: RunConfig, seq_len: int, at: int, option: str = "") -> No
     seg = cfg.data.segment_at(at)
     tokens = seg.seq_len * seg.batch_size
     if tokens % seq_len:
-        fits = [n for n in (seg.seq_len * 2**k for k in (1, 2, 3)) if tokens % n == 0]
+        # the whole-row lengths nearest the one asked, below and above it
+        divs = {d for i in range(1, math.isqrt(tokens) + 1) if tokens % i == 0
+                for d in (i, tokens // i)}
+        fits = [n for n in (max((d for d in divs if d < seq_len), default=None),
+                            min((d for d in divs if d > seq_len), default=None)) if n]
         raise PlanError(f"{option or f'seq_len {seq_len}'}: must divide the run's {tokens:,} "
                         f"tokens per batch at step {at:,} ({seg.seq_len} x {seg.batch_size}, "
                         "which stay constant)" + (f", e.g. {', '.join(map(str, fits))}"

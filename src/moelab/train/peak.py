@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import jax
 
 from moelab.config import RunConfig
-from moelab.config.run import rope_warning
+from moelab.config.run import rope_warning, unreached_warning
 from moelab.planner.cluster import accelerator_of_kind
 from moelab.planner.counts import param_counts, train_flops_per_token
 
@@ -150,6 +150,7 @@ def model_costs(cfg: RunConfig, mesh, say, step: int = 0) -> tuple[dict, Peaks]:
         f"per token; {tokens_per_step} tokens/step{shape}{accum}; {flops_per_token / 1e6:.1f} "
         "MFLOP/token; "
         f"MFU against {format_flops(peak.rated)} ({peak.source}){measured}")
-    if note := rope_warning(cfg):  # said after the refusals of bad input: past RoPE's reach
-        say(note)
+    for note in (rope_warning(cfg), unreached_warning(cfg)):  # after refusals of bad input
+        if note:
+            say(note)
     return counts, peak

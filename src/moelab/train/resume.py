@@ -223,23 +223,35 @@ def resume_changes(run_dir: Path | str, cfg: RunConfig, devices: int | None = No
     saved = as_started(recovered_config(run_dir).with_absolute_data())
     old, new = flatten_config(saved.to_dict()), flatten_config(cfg.to_dict())
 
-    def short(v) -> str:
-        text = repr(v)
-        return text if len(text) <= 60 else text[:57] + "..."
-
     def change(k: str) -> str:
         a, b = old.get(k), new.get(k)
         if isinstance(a, list) and isinstance(b, list) and a and b[:len(a)] == a:
             # entries added (a replan's decay, mixture change or stage): name them, not the
             # entries kept, which a cut text would show in their place
-            return f"{k} {short(a)} -> the same + {short(b[len(a):])}"
-        return f"{k} {short(a)} -> {short(b)}"
+            return f"{k} {_cut(repr(a))} -> the same + {_cut(repr(b[len(a):]))}"
+        ta, tb = repr(a), repr(b)
+        # long values alike at the start (paths, lists): both cut where they first differ
+        at = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        return f"{k} {_cut(ta, at)} -> {_cut(tb, at)}"
 
     lines = {k: change(k) for k in _differing(old, new, ())}
     k, was = "parallel.devices", devices_in_use(run_dir)
     if devices and was and was != devices and 0 in (old.get(k), new.get(k)):
         lines[k] = f"{k} {old.get(k)!r} -> {new.get(k)!r} ({was} -> {devices} devices)"
     return [lines[k] for k in sorted(lines)]
+
+
+def _cut(text: str, at: int = 0, width: int = 60) -> str:
+    """``text`` in at most about ``width`` characters, showing its character ``at`` (where
+    two values first differ) with a little of what comes before it."""
+    if len(text) <= width:
+        return text
+    start = max(0, at - 20)
+    if start <= 3:
+        return text[:width - 3] + "..."
+    if start + width - 3 >= len(text):
+        return "..." + text[3 - width:]
+    return "..." + text[start:start + width - 6] + "..."
 
 
 def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
