@@ -5,11 +5,16 @@ per component and remat policy, traced on abstract inputs (nothing runs; a CPU i
         data.batch_size=16 model.compute_dtype=bfloat16 model.loss_chunk=8192
     ... --remat none full     the policies audited, as model.remat overrides (default: both)
     ... --backend cpu         the path a CPU runs (default gpu: the path a GPU runs)
+    ... --devices 8 parallel.expert=8 parallel.transport=pooled_wave
+                              on a mesh of 8 (fake CPU) devices, as moelab train lays it out
 
-The step is ``moelab.train.step.make_train_step(cfg)`` on one device (no mesh, no transport),
-traced with ``jax.make_jaxpr`` on ``jax.eval_shape``'d state; ``moelab.planner.flop_audit``
-walks the jaxpr (loop trip counts, cond branches, Pallas grids) and names each matmul's
-component. ``--backend gpu`` traces the choices a GPU makes (``planner.as_gpu.
+The step is ``moelab.train.step.make_train_step`` as moelab train builds it (on one device, or
+on a mesh with its expert-parallel transport and FSDP: ``bench/gpu_rows.traced_step``), traced
+on ``jax.eval_shape``'d state; ``moelab.planner.flop_audit`` walks the jaxpr (loop trip counts,
+cond branches, Pallas grids, a shard_map's body once per device) and names each matmul's
+component. On a mesh the figures are the whole mesh's: a transport's capacity padding shows in
+the routed experts' row (the ragged exchange's later rounds count as not taken); work that
+XLA's partitioner replicates outside a shard_map would not show. ``--backend gpu`` traces the choices a GPU makes (``planner.as_gpu.
 traced_as_gpu``): ``attention_impl=auto`` is cuDNN's fused attention when it fits (bfloat16,
 head_dim a multiple of 8 up to 128), ``moe_impl=auto`` the gmm kernel. ``mgpu`` (the Hopper
 kernels) is refused: its matmuls are Mosaic GPU wgmma, which the walk does not count. Model
@@ -24,26 +29,41 @@ Results: bench/results/NAME.json (and $OUT/NAME.json when $OUT is set).
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import os
-import shutil
 import sys
-import time
-from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 
-from common import parser, print_table, run_main, save
-from moelab.config import ConfigError, load_config
-from moelab.config.model import REMAT_POLICIES
-from moelab.model.experts import resolve_impl
-from moelab.model.layers import resolve_attention
-from moelab.planner import flop_audit as fa
-from moelab.planner.as_gpu import traced_as_gpu
-from moelab.planner.counts import train_flops_per_token
-from moelab.train.step import abstract_train_state, make_train_step
+def _devices_asked(argv: list[str]) -> str:
+    """--devices' value as typed (argparse checks it later); "1" when not given."""
+    for i, a in enumerate(argv):
+        if a.startswith("--devices="):
+            return a.split("=", 1)[1]
+        if a == "--devices" and i + 1 < len(argv):
+            return argv[i + 1]
+    return "1"
+
+
+if __name__ == "__main__" and _devices_asked(sys.argv[1:]).isdigit():  # before jax is imported
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
+                               f"device_count={max(1, int(_devices_asked(sys.argv[1:])))}").strip()
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import shutil  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+
+from common import parser, print_table, run_main, save  # noqa: E402
+from gpu_rows import traced_step  # noqa: E402
+from moelab.config import ConfigError, load_config  # noqa: E402
+from moelab.config.model import REMAT_POLICIES  # noqa: E402
+from moelab.model.experts import resolve_impl  # noqa: E402
+from moelab.model.layers import resolve_attention  # noqa: E402
+from moelab.planner import flop_audit as fa  # noqa: E402
+from moelab.planner.as_gpu import traced_as_gpu  # noqa: E402
+from moelab.planner.counts import train_flops_per_token  # noqa: E402
 
 TARGETS = {"none": 1.05, "full": 1.40}  # executed / model FLOPs, per remat policy
 
@@ -68,21 +88,29 @@ def check(cfg, name: str) -> dict:
 
 def load(args) -> dict:
     """{policy: (config, kernels)}, every input checked before any tracing."""
-    if any(o.split("=")[0].strip() == "model.remat" for o in args.overrides):
-        raise ConfigError("model.remat: set by --remat here; drop the override")
+    for key, option in (("model.remat", "--remat"), ("parallel.devices", "--devices")):
+        if any(o.split("=")[0].strip() == key for o in args.overrides):
+            raise ConfigError(f"{key}: set by {option} here; drop the override")
+    have = len(jax.devices())
+    if not 1 <= args.devices <= have:
+        raise ConfigError(f"--devices {args.devices}: {have} device(s) here; give 1 to {have} "
+                          "(run as a script, it makes the CPU devices it is given)")
     out = {}
     for policy in args.remat:
-        cfg = load_config(args.config, args.overrides + [f"model.remat={policy}"])
+        cfg = load_config(args.config, [f"parallel.devices={args.devices}", *args.overrides,
+                                        f"model.remat={policy}"])
         out[policy] = (cfg, check(cfg, args.backend))
     return out
 
 
 def trace(cfg, name: str):
-    """The train step's closed jaxpr on abstract state and batch."""
-    with backend(name):
-        state = abstract_train_state(cfg)
-        batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), jnp.int32)
-        return jax.make_jaxpr(make_train_step(cfg))(state, batch)
+    """The train step's closed jaxpr on abstract state and batch, on its mesh where it has
+    several devices (moelab train's layout)."""
+    from moelab.parallel.mesh import make_mesh
+
+    n = cfg.parallel.devices
+    mesh = make_mesh(expert=cfg.parallel.expert, devices=jax.devices()[:n]) if n > 1 else None
+    return traced_step(cfg, "cuda" if name == "gpu" else "cpu", mesh=mesh).jaxpr
 
 
 def audit(cfg, name: str) -> dict:
@@ -95,7 +123,7 @@ def audit(cfg, name: str) -> dict:
     if abs(rows[-1]["model"] / planner - 1) > 1e-9:
         raise RuntimeError("planner.flop_audit.model_flops no longer adds up to "
                            "planner.counts.train_flops_per_token: update it")
-    notes = sorted({n for d in dots for n in d.notes})
+    notes = sorted({n for d in dots for n in d.notes}) + MESH_NOTES * (cfg.parallel.expert > 1)
     return {"tokens": tokens, "rows": rows, "largest": fa.grouped(dots)[:8],
             "fp32": fa.fp32_matmuls(dots), "notes": notes,
             "seconds": time.perf_counter() - t}
@@ -106,9 +134,16 @@ FP32_BY_DESIGN = {"router": "routing decisions in float32, as the reference syst
                             "weights changed ~1% of tokens' top-k experts (model/moe.py)"}
 
 
+# what an expert-parallel step's figures are (they are no longer the model's work alone)
+MESH_NOTES = ["routed experts on a mesh: every row of the transport's receive buffers counted "
+              "(its capacity, a static bound: gmm skips unused trailing tiles at run time; "
+              "ragged's later rounds, which only a skewed routing takes, not counted); the "
+              "remat targets are for one device"]
+
+
 def verdicts(policy: str, cfg, res: dict) -> dict:
     ratio = res["rows"][-1]["ratio"]
-    target = TARGETS.get(policy)
+    target = TARGETS.get(policy) if cfg.parallel.expert == 1 else None
     bf16 = cfg.model.compute_dtype == "bfloat16"
     unplanned = [g for g in res["fp32"] if g["component"] not in FP32_BY_DESIGN]
     return {"ratio": ratio, "ratio_target": target,
@@ -119,7 +154,10 @@ def verdicts(policy: str, cfg, res: dict) -> dict:
 
 
 def show(policy: str, cfg, kernels: dict, res: dict, v: dict) -> None:
-    print(f"\n== remat {policy} (model.remat={policy}): {res['tokens']:,} tokens/step, "
+    p = cfg.parallel
+    mesh = (f" on {p.devices} devices" + (f", {p.transport} at EP {p.expert}" if p.expert > 1
+                                          else "")) if p.devices > 1 else ""
+    print(f"\n== remat {policy} (model.remat={policy}): {res['tokens']:,} tokens/step{mesh}, "
           f"attention {kernels['attention']}, experts {kernels['experts']}, "
           f"{cfg.model.compute_dtype}; traced and walked in {res['seconds']:.1f} s")
     rows = [{**r, "share": r["executed"] / res["rows"][-1]["executed"]} for r in res["rows"]]
@@ -165,6 +203,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                     choices=list(REMAT_POLICIES), help="remat policies (default: none full)")
     ap.add_argument("--backend", choices=["gpu", "cpu"], default="gpu",
                     help="trace the path a GPU runs (default) or the one a CPU runs")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="devices of the mesh (default 1; more are fake CPU devices)")
     ap.add_argument("--name", default="flop_audit", help="results file name")
     is_override = lambda a: "=" in a and not a.startswith("-")  # noqa: E731
     args = ap.parse_args([a for a in argv if not is_override(a)])

@@ -43,6 +43,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from moelab.planner.flop_audit import UNTAKEN  # conditionals a balanced step never enters
+
 ATTENTION, GROUPED, MATMUL = "attention", "grouped GEMM", "other matmuls"
 MOVES, ELEMENTWISE, OPTIMIZER = "sort/gather/scatter", "elementwise/other", "optimizer"
 COLLECTIVES = "collectives"  # between GPUs (a step on several: bench/gpu_compile.py --gpus)
@@ -59,9 +61,6 @@ LINK_BYTES = {"all-gather": 1, "reduce-scatter": 1, "all-reduce": 2, "all-to-all
 ATTENTION_FUNCS = {"attend", "_attend", "causal_attend", "_fused", "attention_mask", "exclusive"}
 EXPERT_FILES = ("experts.py", "grouped_matmul.py")  # plus any model file named *gmm* / *grouped*
 MOVE_OPS = {"sort", "gather", "scatter"}
-# conditionals (file name, function) that a balanced step never enters, counted as not run: a
-# ragged exchange's later rounds, taken only where a rank receives more than one round's rows
-UNTAKEN = {("ragged.py", "_later_rounds")}
 # instructions that only route values or hold other computations: no kernel of their own
 STRUCTURAL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
               "conditional", "after-all", "partition-id", "replica-id", "opt-barrier",

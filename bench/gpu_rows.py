@@ -11,6 +11,7 @@ measured. The exit status says whether the row finished.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -129,21 +130,32 @@ def train(spec: dict, row: Row) -> None:
 
 
 def lowered_step(cfg, platform: str = "cuda", sharding=None, mesh=None):
-    """A config's training step lowered for ``platform`` at its own shapes, nothing allocated;
-    for "cuda" traced with a GPU's choices on any machine (``planner.as_gpu.traced_as_gpu``:
-    cuDNN attention, the expert kernel's GPU form and expert-parallel transport). ``sharding``:
-    where the state and batch live (bench/gpu_compile.py: a deviceless GPU's), else the default
-    device; or on ``mesh``, laid out as moelab train lays a run out (its transport, FSDP)."""
-    import contextlib
+    """A config's training step lowered for ``platform`` at its own shapes, nothing allocated
+    (``traced_step``)."""
+    with _traced_for(platform):  # the Triton kernels' lowering asks the device too
+        return traced_step(cfg, platform, sharding, mesh).lower(lowering_platforms=(platform,))
 
+
+def _traced_for(platform: str):
+    from moelab.planner.as_gpu import traced_as_gpu
+
+    return traced_as_gpu() if platform == "cuda" else contextlib.nullcontext()
+
+
+def traced_step(cfg, platform: str = "cuda", sharding=None, mesh=None):
+    """A config's training step traced at its own shapes (``jax.stages.Traced``: its
+    ``.jaxpr``), nothing allocated; for "cuda" with a GPU's choices on any machine
+    (``planner.as_gpu.traced_as_gpu``: cuDNN attention, the expert kernel's GPU form and
+    expert-parallel transport). ``sharding``: where the state and batch live
+    (bench/gpu_compile.py: a deviceless GPU's), else the default device; or on ``mesh``, laid
+    out as moelab train lays a run out (its transport, FSDP)."""
     from jax.sharding import NamedSharding
 
     from moelab.parallel.mesh import batch_spec, state_shardings
-    from moelab.planner.as_gpu import traced_as_gpu
     from moelab.train.step import abstract_train_state, make_train_step, transport_fns
 
     on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
-    with traced_as_gpu() if platform == "cuda" else contextlib.nullcontext():
+    with _traced_for(platform):
         shapes = abstract_train_state(cfg)
         batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), "int32")
         if mesh is None:
@@ -154,7 +166,7 @@ def lowered_step(cfg, platform: str = "cuda", sharding=None, mesh=None):
             step = make_train_step(cfg, transport_fns(cfg, mesh)[0], mesh, state_sh)
             state = jax.tree.map(on, shapes, state_sh)
             batch = on(batch, NamedSharding(mesh, batch_spec(2)))
-        return step.trace(state, batch).lower(lowering_platforms=(platform,))
+        return step.trace(state, batch)
 
 
 def lowered_for_cuda(spec: dict) -> str:

@@ -239,6 +239,36 @@ def test_the_hopper_kernels_are_refused_not_counted_as_zero():
         bench.load(cpu)
 
 
+def test_a_mesh_counts_every_device_and_ragged_s_first_round_only():
+    """On 8 devices (expert parallelism 8) each shard_map's body counts once per device: every
+    component outside the routed experts executes what it does on one device. The routed
+    experts count their transport's buffers: ragged's grow by one A rows a device from
+    ragged_round_cf 1 to 2 (one model's worth in all), and its later rounds (here up to 7 or
+    3 more, taken only where routing is skewed) are not counted."""
+    bench = bench_flop_audit()
+    base = ["tiny", "--remat", "none", "--backend", "cpu"]
+    mesh = ["--devices", "8", "parallel.expert=8", "parallel.transport=ragged"]
+
+    def rows(argv):
+        args = bench.parse(argv)
+        [(cfg, _)] = bench.load(args).values()
+        res = bench.audit(cfg, args.backend)
+        assert (bench.verdicts("none", cfg, res)["ratio_target"] is None) == (cfg.parallel.expert
+                                                                               > 1)
+        return {r["component"]: r for r in res["rows"]}
+
+    one = rows(base)
+    cf = {c: rows([*base, *mesh, f"parallel.ragged_round_cf={c}"]) for c in (1, 2)}
+    for comp, r in one.items():
+        if comp not in ("routed experts", "total"):
+            assert cf[1][comp]["executed"] == cf[2][comp]["executed"] == r["executed"], comp
+    routed = [cf[c]["routed experts"] for c in (1, 2)]
+    assert math.isclose(routed[1]["executed"] - routed[0]["executed"], routed[0]["model"],
+                        rel_tol=1e-9), routed
+    with pytest.raises(ConfigError, match="parallel.devices: set by --devices here"):
+        bench.load(bench.parse([*base, "--devices", "4", "parallel.devices=8"]))
+
+
 def bench_flop_audit():
     """bench/flop_audit.py as a module."""
     import sys

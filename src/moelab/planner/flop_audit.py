@@ -20,20 +20,24 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import numpy as np
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
 from moelab.config import ModelConfig
 from moelab.planner import counts
+from moelab.planner.jaxpr_fold import fold, small
 
-FOLD_LIMIT = 4096  # elements: fold only flags, indices and counters, never activations
 UNROLL_LIMIT = 1024  # scan steps walked one by one when a known input may pick a branch
+# conds that a step takes only where routing is skewed, as (file, function) making them:
+# counted as not taken here and by bench/gpu_profile.py (the ragged exchange's later rounds)
+UNTAKEN = {("ragged.py", "_later_rounds")}
 # cuDNN flash attention per (query, visible key) pair: the forward runs QK^T and PV; the
 # backward recomputes QK^T, then dV, dP, dQ and dK (the planner counts 2 + 4)
 FWD_PRODUCTS, BWD_PRODUCTS = 2, 5
 _ATTENTION = re.compile(r"dot_product_attention(_fp8)?_(fwd|bwd)(_wrapper)?")
-# entered once per call; other holders of a jaxpr (shard_map, Mosaic GPU mesh kernels): noted
+# entered once per call; other holders of a jaxpr (Mosaic GPU mesh kernels): noted
 _CALLS = {"jit", "pjit", "closed_call", "call", "core_call", "remat2", "checkpoint",
           "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_vmap_call"}
 
@@ -71,7 +75,7 @@ class _Ctx:
 
 def dot_flops(closed: ClosedJaxpr) -> list[Dot]:
     """Every matmul of ``closed`` (``jax.make_jaxpr(f)(*args)``) with its trip count."""
-    consts = [_small(c) for c in closed.consts]
+    consts = [small(c) for c in closed.consts]
     return _walk(closed.jaxpr, consts + [None] * len(closed.jaxpr.invars), _Ctx())[0]
 
 
@@ -82,10 +86,6 @@ def _names(eqn) -> tuple[str, ...]:
     wrappers = {"jvp", "transpose", "vmap", "rematted_computation", "checkpoint"}
     parts = re.split(r"[/()]", str(eqn.source_info.name_stack))
     return tuple(p for p in parts if p and p not in wrappers)
-
-
-def _small(x):  # a known value kept for folding; None when too large to matter
-    return np.asarray(x) if np.size(x) <= FOLD_LIMIT else None
 
 
 def _read(env: dict, v):
@@ -109,10 +109,11 @@ def _equation(eqn, ins: list, ctx: _Ctx) -> tuple[list[Dot], list]:
         return [_matmul(eqn, ctx)], none
     if _ATTENTION.fullmatch(name):
         return [_fused_attention(eqn, ctx)], none
-    handler = {"scan": _scan, "while": _while, "cond": _cond, "pallas_call": _pallas}.get(name)
+    handler = {"scan": _scan, "while": _while, "cond": _cond, "pallas_call": _pallas,
+               "shard_map": _shard_map}.get(name)
     if handler is not None:
         return handler(eqn, ins, ctx)
-    return _call(eqn, ins, ctx) if _subjaxprs(eqn.params) else ([], _fold(eqn, ins))
+    return _call(eqn, ins, ctx) if _subjaxprs(eqn.params) else ([], fold(eqn, ins))
 
 
 def _record(eqn, kind: str, flops: float, ctx: _Ctx) -> Dot:
@@ -162,50 +163,13 @@ def _fused_attention(eqn, ctx: _Ctx) -> Dot:
                    out_shape=q)
 
 
-# Host evaluation of the primitives that carry flags, indices and counters (numpy, no compiles).
-_BINARY = {"add": np.add, "sub": np.subtract, "mul": np.multiply, "max": np.maximum,
-           "min": np.minimum, "eq": np.equal, "ne": np.not_equal, "lt": np.less,
-           "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "and": np.bitwise_and,
-           "or": np.bitwise_or, "xor": np.bitwise_xor, "rem": np.fmod}
-_UNARY = {"neg": np.negative, "not": np.invert, "abs": np.abs, "sign": np.sign, "copy": np.copy,
-          "copy_p": np.copy, "reduce_sum": np.sum, "reduce_max": np.max, "reduce_min": np.min}
-_FOLD = {
-    **{k: (lambda f: lambda p, a, b: f(a, b))(f) for k, f in _BINARY.items()},
-    **{k: (lambda f: lambda p, x: f(x, tuple(p["axes"])) if "axes" in p else f(x))(f)
-       for k, f in _UNARY.items()},
-    "div": lambda p, a, b: (np.trunc(a / b) if a.dtype.kind in "iu" else a / b).astype(a.dtype),
-    "integer_pow": lambda p, x: x ** p["y"],
-    "convert_element_type": lambda p, x: x.astype(p["new_dtype"]),
-    "select_n": lambda p, c, *xs: np.choose(c.astype(int), np.broadcast_arrays(*xs)),
-    "broadcast_in_dim": lambda p, x, *_: np.broadcast_to(np.expand_dims(x, [
-        d for d in range(len(p["shape"])) if d not in p["broadcast_dimensions"]]), p["shape"]),
-    "iota": lambda p: np.indices(p["shape"])[p["dimension"]],
-    "reshape": lambda p, x, *_: x.reshape(p["new_sizes"]),
-    "squeeze": lambda p, x: np.squeeze(x, tuple(p["dimensions"])),
-    "transpose": lambda p, x: np.transpose(x, p["permutation"]),
-    "concatenate": lambda p, *xs: np.concatenate(xs, p["dimension"]),
-    "slice": lambda p, x: x[tuple(slice(a, b, c) for a, b, c in zip(
-        p["start_indices"], p["limit_indices"], p["strides"] or [1] * x.ndim))],
-}
-
-
-def _fold(eqn, ins: list) -> list:
-    """The outputs of a small equation whose inputs are all known (``_FOLD`` primitives)."""
-    fold = _FOLD.get(eqn.primitive.name)
-    out = eqn.outvars[0].aval if fold is not None else None
-    if out is None or any(x is None for x in ins) or math.prod(out.shape) > FOLD_LIMIT:
-        return [None] * len(eqn.outvars)
-    value = np.asarray(fold(eqn.params, *map(np.asarray, ins)), dtype=out.dtype)
-    return [value if value.shape == tuple(out.shape) else None]
-
-
 def _subjaxprs(params: dict) -> list[tuple[Jaxpr, list]]:
     """(jaxpr, consts) of every program held in an equation's parameters."""
     out = []
     for v in params.values():
         for x in (v if isinstance(v, (tuple, list)) else (v,)):
             if isinstance(x, ClosedJaxpr):
-                out.append((x.jaxpr, [_small(c) for c in x.consts]))
+                out.append((x.jaxpr, [small(c) for c in x.consts]))
             elif isinstance(x, Jaxpr):
                 out.append((x, []))
     return out
@@ -251,7 +215,7 @@ def _scan(eqn, ins: list, ctx: _Ctx) -> tuple[list[Dot], list]:
     """length x the body; step by step (each distinct known input walked once) when a known
     input (a layer's window or kind) may pick a branch inside."""
     p = eqn.params
-    body, consts = p["jaxpr"].jaxpr, [_small(c) for c in p["jaxpr"].consts]
+    body, consts = p["jaxpr"].jaxpr, [small(c) for c in p["jaxpr"].consts]
     L, (nc, nk) = p["length"], _scan_split(p)
     if not (L <= UNROLL_LIMIT and any(x is not None for x in ins[nc:]) and _has_branches(body)):
         known = consts + ins[:nc] + [None] * (len(ins) - nc)
@@ -301,17 +265,42 @@ def _while(eqn, ins: list, ctx: _Ctx) -> tuple[list[Dot], list]:
     body, trips = eqn.params["body_jaxpr"], _counted_trips(eqn, ins)
     note = None if trips is not None else "while: trip count unknown, body counted once"
     inner = ctx.enter(eqn, trips=1 if trips is None else trips, note=note)
-    known = [_small(c) for c in body.consts] + ins[cnc:cnc + bnc]
+    known = [small(c) for c in body.consts] + ins[cnc:cnc + bnc]
     dots, _ = _walk(body.jaxpr, known + [None] * (len(ins) - cnc - bnc), inner)
     return dots, [None] * len(eqn.outvars)
 
 
+def _shard_map(eqn, ins: list, ctx: _Ctx) -> tuple[list[Dot], list]:
+    """A shard_map: its body (at one device's shapes) once per device of the axes it makes
+    manual, so its matmuls count for the whole mesh as the rest of the program's do."""
+    p, mesh = eqn.params, eqn.params["mesh"]
+    axes = p.get("newly_manual_axes", p.get("manual_axes", mesh.axis_names))
+    devices = math.prod(dict(zip(mesh.axis_names, mesh.axis_sizes))[a] for a in axes)
+    body = p["jaxpr"]  # known values pass in where a device sees them whole (replicated)
+    known = [x if x is not None and np.shape(x) == tuple(v.aval.shape) else None
+             for x, v in zip(ins, body.invars)]
+    dots, outs = _walk(body, known, ctx.enter(eqn, trips=devices))
+    return dots, [x if x is not None and np.shape(x) == tuple(v.aval.shape) else None
+                  for x, v in zip(outs, eqn.outvars)]
+
+
+def _untaken(eqn) -> bool:
+    """A ``cond`` whose true branch a balanced routing never takes (``UNTAKEN``)."""
+    tb = eqn.source_info.traceback
+    return tb is not None and any((Path(f.file_name).name, f.function_name) in UNTAKEN
+                                  for f in tb.frames)
+
+
 def _cond(eqn, ins: list, ctx: _Ctx) -> tuple[list[Dot], list]:
-    """The branch a known index picks; else the costliest branch (noted)."""
+    """The branch a known index picks; else the costliest branch (noted), but for ``UNTAKEN``
+    conds the false one (noted)."""
     branches = eqn.params["branches"]
-    walk = lambda b, c: _walk(b.jaxpr, [_small(x) for x in b.consts] + ins[1:], c)  # noqa: E731
+    walk = lambda b, c: _walk(b.jaxpr, [small(x) for x in b.consts] + ins[1:], c)  # noqa: E731
     if ins[0] is not None:
         return walk(branches[int(np.clip(ins[0], 0, len(branches) - 1))], ctx.enter(eqn))
+    if len(branches) == 2 and _untaken(eqn):
+        note = "ragged's later rounds counted as not taken (each rank's rows fit one round)"
+        return walk(branches[0], ctx.enter(eqn, note=note))[0], [None] * len(eqn.outvars)
     note = f"cond: the costliest of {len(branches)} branches (index unknown while tracing)"
     walked = [walk(b, ctx.enter(eqn, note=note))[0] for b in branches]
     return max(walked, key=lambda ds: sum(d.total for d in ds)), [None] * len(eqn.outvars)
