@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -164,6 +165,29 @@ def test_a_train_steps_a_run_url_has_reached_names_the_url(memory_run, capsys):
     assert cli.main(["resume", url, "model.d_model=64"]) == 2
     err = capsys.readouterr().err
     assert f"model.d_model: {url} was started with" in err and f"`moelab resume {url}`)" in err
+    assert str(staging_dir(url)) not in err
+
+
+def test_a_finished_or_hand_edited_run_url_is_named_by_its_url(memory_run, capsys):
+    """A resume of a finished run URL said the staging copy had finished (and suggested
+    resuming that copy); a config.yaml edited at the URL was named by the staging copy's path,
+    which the next start overwrites, with replan and branch, which take local runs only."""
+    fs = fsspec.filesystem("memory")
+    fs.copy("/runs/a", "/runs/edited", recursive=True)
+    url = "memory://runs/edited"
+    assert cli.main(["resume", url]) == 0
+    err = capsys.readouterr().err
+    assert (f"{url} finished at step {STEPS} already; nothing to train. To train it longer: "
+            f"`moelab resume {url} train.steps=N`") in err, err
+    assert str(staging_dir(url)) not in err
+    text = fs.cat_file("/runs/edited/config.yaml").decode()
+    edited = re.sub(r"(?m)^(  lr: ).*$", r"\g<1>0.5", text)
+    assert edited != text
+    fs.pipe_file("/runs/edited/config.yaml", edited.encode())
+    assert cli.main(["resume", url]) == 2
+    err = capsys.readouterr().err
+    assert f"moelab: error: {url}/config.yaml: differs from the config the checkpoint of" in err
+    assert "Restore config.yaml to those values\n" in err and "replan" not in err, err
     assert str(staging_dir(url)) not in err
 
 

@@ -142,7 +142,8 @@ def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: 
     if is_main():  # a re-save of a step killed between its renames: the old one resumes
         Checkpointer(run_dir / "checkpoints").put_back()
     barrier("checkpoints-put-back")  # listed by every process from here
-    done = finished_summary(cfg, run_dir, info if verbose and is_main() else (lambda _m: None))
+    done = finished_summary(cfg, run_dir, info if verbose and is_main() else (lambda _m: None),
+                            mirror.url if mirror is not None else None)
     if done is not None:
         return {**done, "run_dir": mirror.url if mirror is not None else str(run_dir)}
     try:

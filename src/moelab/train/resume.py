@@ -254,9 +254,10 @@ def _cut(text: str, at: int = 0, width: int = 60) -> str:
     return "..." + text[start:start + width - 6] + "..."
 
 
-def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
+def check_config_identity(saved: RunConfig, run_dir: Path, name: str | None = None) -> None:
     """Refuse a config.yaml that differs from the config the newest checkpoint was trained with
-    (a hand edit): name the fields and the ways to change a run that exist."""
+    (a hand edit): name the fields and the ways to change a run that exist. ``name``: a run
+    URL whose staging copy ``run_dir`` is (the file to restore is the URL's)."""
     got = checkpoint_config(run_dir)
     if got is None:
         return
@@ -267,11 +268,12 @@ def check_config_identity(saved: RunConfig, run_dir: Path) -> None:
     if bad:
         what = ", ".join(f"{k} ({new.get(k)!r} in config.yaml, {old.get(k)!r} in meta.json)"
                          for k in bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
-        raise ConfigError(f"{run_dir}/config.yaml: differs from the config the checkpoint of "
-                          f"step {step} was trained with (its meta.json): {what}. Restore "
-                          "config.yaml to those values; to change a run, use `moelab replan` "
-                          "(end, decay, mixture, context) or `moelab branch` (a new run folder "
-                          "from a checkpoint)")
+        raise ConfigError(f"{name or run_dir}/config.yaml: differs from the config the "
+                          f"checkpoint of step {step} was trained with (its meta.json): {what}. "
+                          "Restore config.yaml to those values" + (
+                              "" if name else "; to change a run, use `moelab replan` (end, "
+                              "decay, mixture, context) or `moelab branch` (a new run folder "
+                              "from a checkpoint)"))
     check_future_only(trained, saved, step)  # an operation's past, edited by hand
 
 
@@ -321,7 +323,7 @@ def resolve_run_config(cfg: RunConfig, run_dir: Path, name: str | None = None) -
     if at is None:
         return with_sampler_of(cfg, None).with_frozen_schedule()
     saved = as_started(recovered_config(run_dir).with_absolute_data())
-    check_config_identity(saved, run_dir)
+    check_config_identity(saved, run_dir, name)
     if cfg.optim.schedule_steps == 0:  # "follow train.steps" means the length it started with
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
             cfg.optim, schedule_steps=saved.optim.schedule_steps,
@@ -366,7 +368,7 @@ def say_start(cfg: RunConfig, run_dir: Path | str, start: int | None, changed: l
                 f"{cfg.train.steps} --apply" if start < end and not is_url(run_dir) else ""))
 
 
-def finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
+def finished_summary(cfg: RunConfig, run_dir: Path, say, name: str | None = None) -> dict | None:
     """The saved summary of a run that finished at the step it is at, when ``cfg`` (as a
     resume resolves it) ends there too: a resume then has nothing to do and says so, adding
     nothing to the run's records. Else None."""
@@ -383,7 +385,8 @@ def finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
     if not isinstance(saved, dict) or saved.get("step") != at or saved.get("interrupted"):
         return None
     try:  # other data or settings: setup says what differs, the data first
-        resolved = resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()), run_dir)
+        resolved = resolve_run_config(with_tokenizer_vocab(cfg.with_absolute_data()), run_dir,
+                                      name)
     except ConfigError:
         return None
     if resolved.train.steps > at:  # trained longer now (a new train.steps, a pending replan)
@@ -394,8 +397,9 @@ def finished_summary(cfg: RunConfig, run_dir: Path, say) -> dict | None:
     except CheckpointError:
         return None  # damaged: the resume falls back to an older one and trains it again
     pending = read_pending(run_dir)
-    say(f"{run_dir} finished at step {at} already; nothing to train. To train it longer: "
-        f"`moelab resume {run_dir} train.steps=N` with N above {at}" + (
+    shown = name or run_dir
+    say(f"{shown} finished at step {at} already; nothing to train. To train it longer: "
+        f"`moelab resume {shown} train.steps=N` with N above {at}" + (
             f" (the pending replan, {pending_text(pending)}, applies from step {at} then)"
             if pending else ""))
     return saved
