@@ -358,6 +358,8 @@ CASES = [
      "1, 2, 4, 8"),
     ([*PLAN8, "--optimizer", "sgd"], 2, "--optimizer sgd"),
     ([*PLAN8, "--cf", "0"], 2, "--cf 0"),
+    ([*PLAN8, "--cf", "2000"], 2, "--cf 2000: capacity factors must be > 0 and at most 1024"),
+    ([*PLAN8[:4], "--tokens-per-s", "1e12"], 2, "--tokens-per-s 1e12: implies"),
     ([*PLAN8, "--waves", "0"], 2, "--waves 0"),
     # ladder
     ([*FIT, "{d}/missing.csv"], 2, "--points {d}/missing.csv: not found"),

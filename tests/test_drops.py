@@ -157,3 +157,24 @@ def test_default_tokens_per_rank_of_a_run_on_every_visible_device():
     assert run_tokens_per_rank(cfg(8, 4), visible=1) == 1024
     assert run_tokens_per_rank(cfg(0, 4), visible=8) == 1024
     assert run_tokens_per_rank(cfg(1, 1), visible=8) == 8192  # a single-device run
+
+
+def test_a_forecast_says_when_the_held_out_text_holds_fewer_batches(trained, tmp_path,
+                                                                    capsys):
+    """--batches asks for more batches than the held-out text holds: the forecast ran on fewer
+    without a word (--batches 10 on tiny's built-in text ran 2); it says how many, in the text
+    and the JSON."""
+    from moelab.ops.drops_cli import load_run_for_drops
+    from moelab.parallel.routing import heldout_spans
+
+    cfg = load_run_for_drops(trained, ["parallel.waves=1"], None, 2)[0]
+    spans = len(heldout_spans(cfg, 64))
+    per_rank = 64 * max(1, spans // 4)  # two or three batches of 2 ranks
+    held = spans // (2 * per_rank // 64)
+    out = tmp_path / "drops.json"
+    assert main(["drops", str(trained), "parallel.waves=1", "--seq-len", "64", "--ranks", "2",
+                 "--tokens-per-rank", str(per_rank), "--batches", "50", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["batches"] for r in rows} == {held} and held < 50
+    assert (f"note: {held} of the 50 batches asked for (--batches): the held-out text holds no more "
+            f"of 2 ranks x {per_rank:,} tokens") in capsys.readouterr().out

@@ -161,6 +161,17 @@ def test_accelerators_and_bad_cluster_input():
         cluster_estimate(1e9, 1e12, accelerator("h100"), 8, mfu=20)
 
 
+def test_a_throughput_past_the_cluster_peak_is_refused(capsys):
+    """--tokens-per-s whose implied MFU is over 100% (the reference's cluster-wide 2,757,601
+    given for one rack of 64) printed MFU 254.4% and its days; 1e20 printed 838290292363636.4%.
+    Refused before any memory is planned."""
+    assert main(["plan", "535b-a23b", "--devices", "64", "--tokens-per-s", "2757601"]) == 2
+    assert ("--tokens-per-s 2.7576e06: implies 2.54x the peak of 64 x GB200 at 2.5 PFLOP/s"
+            in capsys.readouterr().err)
+    assert main(["plan", "535b-a23b", "--devices", "704", "--tokens-per-s", "2757601"]) == 0
+    assert "23.1%     2,757,601" in capsys.readouterr().out
+
+
 # ---------------------------------------------------------------------------------------------
 # memory
 
@@ -645,3 +656,34 @@ def test_a_small_plan_is_printed_in_mib():
     big = load_config("d1024")
     text = format_plan("d1024", build_plan(big, layout=Layout(devices=64, ep=8)))
     assert "MiB" not in text.split("memory per device")[1] and " GiB" in text
+
+
+@pytest.mark.parametrize("devices, ep, overrides", [
+    (8, 2, ["model.vocab_size=2050"]),  # 4 data ways: the blocks split, embedding and head not
+    (6, 2, []),  # 3 data ways: no power-of-two dimension splits
+])
+def test_fsdp_state_per_device_is_what_the_shardings_hold(devices, ep, overrides, capsys):
+    """moelab train splits a parameter over FSDP only where its FSDP dimension divides by the
+    data ways: the plan divided every non-routed parameter (535b-a23b on 704 devices, EP 64,
+    parallel.fsdp=true: 9.4B parameters a device planned, 21.8B held). Shardings only, nothing
+    compiled."""
+    from jax.sharding import NamedSharding
+
+    from moelab.parallel.mesh import make_mesh, param_specs
+
+    cfg = load_config("tiny", [f"data.batch_size={devices * 4}", *overrides])
+    mesh = make_mesh(expert=ep, devices=jax.devices()[:devices])
+    specs, shapes = param_specs(mesh, cfg.model, fsdp=True), tr.param_shapes(cfg.model)
+    leaves = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    held = sum(math.prod(NamedSharding(mesh, specs[tuple(k.key for k in path)]).shard_shape(s))
+               for path, s in leaves[0])
+    state = state_memory(cfg, Layout(devices, ep=ep, fsdp=devices // ep))
+    assert state["params_per_device"] == held
+    # the head stays whole: no gathered copy, its gradient among the gradients
+    assert state["fsdp_whole"] > 0 and "fsdp_head" not in state
+    assert (state["fsdp_gather"] > 0) == (devices == 8)
+    assert main(["plan", "tiny", *overrides, f"data.batch_size={devices * 4}", "--devices",
+                 str(devices), "--ep", str(ep), "--fsdp", str(devices // ep)]) == 0
+    assert (f"({state['fsdp_whole']:,} of the rest stay whole on every device: FSDP splits a "
+            f"parameter only where its largest dimension divides by {devices // ep})"
+            in capsys.readouterr().out)

@@ -80,6 +80,9 @@ def _forecast_run(args) -> int:
           f"the step-{loaded.step} model at its context {cfg.data.seq_len} "
           f"({rows[0][next(iter(pars))]['assignments']:,} assignments per context){fitted}")
     print(drops.format_rows(rows, [n for n in rows[0] if n in pars or n.endswith(" placed")]))
+    if rows[0]["batches"] < args.batches:  # pick_spans takes what the held-out text holds
+        print(f"note: {rows[0]['batches']} of the {args.batches} batches asked for (--batches): "
+              f"the held-out text holds no more of {ranks} ranks x {per_rank:,} tokens")
     if args.json:
         atomic_write_text(args.json, json.dumps({"run": str(args.run), "ranks": ranks,
                                                  "tokens_per_rank": per_rank,

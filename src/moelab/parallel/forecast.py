@@ -98,12 +98,13 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
              place: bool = False, fit_model: tuple | None = None,
              per_rank_given: bool = True) -> list[dict]:
     """One row per context length (and the run's own): drop rates per transport, summed over
-    layers and batches. Held-out text is drawn in spans of ``span`` tokens (default: the
-    longest length), so calls with the same span and seed see the same tokens. ``placed``
-    ({length: {name: slots [layers, E]}}) adds a "NAME placed" column per transport re-placed
-    at that length; ``place`` fits one placement per transport, used at every length, on the
-    held-out spans the batches do not use, at the longest length, routed by ``fit_model``
-    ((params, model state) of an earlier checkpoint with the same expert order; default: the
+    layers and batches (``batches`` of them: at most as many as the held-out text holds).
+    Held-out text is drawn in spans of ``span`` tokens (default: the longest length), so
+    calls with the same span and seed see the same tokens. ``placed`` ({length: {name: slots
+    [layers, E]}}) adds a "NAME placed" column per transport re-placed at that length;
+    ``place`` fits one placement per transport, used at every length, on the held-out spans
+    the batches do not use, at the longest length, routed by ``fit_model`` ((params, model
+    state) of an earlier checkpoint with the same expert order; default: the
     forecasting model). An earlier model's placement meets the router it will serve, which
     has drifted since it was fitted: a same-router fit cannot see that drift, which is what
     a placement leaves to drop (bench/placed_forecast.py)."""
@@ -136,12 +137,13 @@ def forecast(cfg: RunConfig, params, state, seq_lens: list[int], pars: dict[str,
             fit_ids, cfg.model.n_experts, pars, ranks, max(lens)).items()}
         placed = {L: fitted for L in lens}
     ids = route_spans(route, params, state, spans[picked], now)  # [layers, n, span, k]
-    rows = []
+    rows, n_batches = [], len(picked) // (ranks * tokens_per_rank // span)
     for L in lens:
         variants = {name: (par, None) for name, par in pars.items()}
         variants |= {f"{name} placed": (pars[name], slots)
                      for name, slots in (placed or {}).get(L, {}).items()}
         rows.append({"seq_len": L, "x_now": L / now, "seqs_per_rank": tokens_per_rank // L,
+                     "batches": n_batches,  # fewer than asked where the held-out text ends
                      **batch_drops(ids, L, variants, cfg.model.n_experts, ranks,
                                    tokens_per_rank, seed)})
     return rows

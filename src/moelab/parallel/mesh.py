@@ -83,6 +83,12 @@ def _flat(tree) -> dict:
         tree, is_leaf=lambda x: isinstance(x, tuple) or x is None)[0]}
 
 
+def fsdp_splits(shape: tuple, dim: int | None, n_data: int) -> bool:
+    """Whether FSDP over ``n_data`` ways splits a parameter of ``shape`` along its declared FSDP
+    dimension ``dim``: only where that divides evenly; otherwise every device keeps it whole."""
+    return n_data > 1 and dim is not None and shape[dim] % n_data == 0
+
+
 def param_specs(mesh: Mesh, cfg: ModelConfig, fsdp: bool = False) -> dict:
     """{parameter path: PartitionSpec} as the model declares them
     (``moelab.model.transformer.param_decls``: routed experts [L, E, ...] split over "expert").
@@ -94,7 +100,7 @@ def param_specs(mesh: Mesh, cfg: ModelConfig, fsdp: bool = False) -> dict:
     specs = {}
     for key, axes in _flat(param_axes(cfg)).items():
         d = dims.get(key)
-        if fsdp and n_data > 1 and d is not None and shapes[key][d] % n_data == 0:
+        if fsdp and fsdp_splits(shapes[key], d, n_data):
             axes = axes[:d] + (DATA,) + axes[d + 1:]
         specs[key] = P(*axes)
     return specs

@@ -12,6 +12,7 @@ import sys
 
 from moelab.config import ConfigError
 from moelab.config.cli import epilog_overrides
+from moelab.config.data import MAX_CF
 from moelab.config.errors import require
 from moelab.data.prepare import resolve_config
 from moelab.planner.cluster import ACCELERATORS, accelerator
@@ -80,8 +81,8 @@ def check_plan_options(args) -> None:
     for mfu in args.mfu:
         require(0 < mfu <= 1, f"--mfu {mfu:g}", "a fraction in (0, 1], e.g. 0.2 for 20%")
     for cf in args.cf or []:
-        require(math.isfinite(cf) and cf > 0, f"--cf {cf:g}", "capacity factors must be > 0, "
-                "e.g. 1.25 2.0")
+        require(0 < cf <= MAX_CF, f"--cf {cf:g}", f"capacity factors must be > 0 and at "
+                f"most {MAX_CF:g} (as parallel.capacity_factor), e.g. 1.25 2.0")
     for waves in args.waves:
         require(waves >= 1, f"--waves {waves}", "wave counts must be >= 1")
     if args.json:

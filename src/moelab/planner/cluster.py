@@ -94,6 +94,12 @@ def cluster_estimate(flops_per_token: float, tokens: float, acc: Accelerator, de
     if tokens_per_s <= 0:
         tokens_per_s = mfu * peak / flops_per_token
     mfu = tokens_per_s * flops_per_token / peak
+    if mfu > 1:  # a figure of another cluster, a per-device one, or a typo
+        given = f"{tokens_per_s:g}".replace("e+", "e")
+        raise ConfigError(f"--tokens-per-s {given}: implies {mfu:.3g}x the peak of "
+                          f"{devices} x {acc.name} at {acc.peak_flops / 1e15:.3g} PFLOP/s "
+                          f"({flops_per_token:.4g} FLOPs a token); give the measured tokens/s "
+                          "of these devices together, or check --devices and --accelerator")
     seconds = tokens / tokens_per_s
     return {"accelerator": acc.name, "devices": devices, "mfu": mfu,
             "tokens_per_s": tokens_per_s, "seconds": seconds, "days": seconds / 86400,

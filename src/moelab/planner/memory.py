@@ -23,6 +23,7 @@ from moelab.model import layers
 from moelab.model import transformer as tr
 from moelab.model.experts import auto_impl
 from moelab.parallel import transport
+from moelab.parallel.mesh import fsdp_splits
 from moelab.planner.counts import ROUTED, param_leaves
 from moelab.planner.residuals import measured
 
@@ -94,13 +95,28 @@ def _muon_matrix(name: str, in_blocks: bool, shape: tuple) -> bool:
             and not name.startswith("conv_"))
 
 
+def param_splits(m: ModelConfig, layout: Layout) -> list[tuple[str, bool, tuple, int]]:
+    """(name, in_blocks, shape, ways) of every parameter: the routed experts split ``ep`` ways,
+    every other one ``fsdp`` ways where its FSDP dimension divides evenly, else whole on every
+    device, as moelab train shards them (``moelab.parallel.mesh.param_specs``)."""
+    dims = tr.param_fsdp_dims(m)
+    out = []
+    for name, in_blocks, shape in param_leaves(m):
+        dim = (dims["blocks"] if in_blocks else dims)[name]
+        ways = (layout.ep if name in ROUTED else
+                layout.fsdp if fsdp_splits(shape, dim, layout.fsdp) else 1)
+        out.append((name, in_blocks, shape, ways))
+    return out
+
+
 def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
     """Per-device bytes of weights, gradients and optimizer state (each split by ep or fsdp)."""
     m = cfg.model
     wbytes = jnp.dtype(m.compute_dtype).itemsize
     per_dev = muon = 0.0
-    for name, in_blocks, shape in param_leaves(m):
-        n = math.prod(shape) / (layout.ep if name in ROUTED else layout.fsdp)
+    splits = param_splits(m, layout)
+    for name, in_blocks, shape, ways in splits:
+        n = math.prod(shape) / ways
         per_dev += n
         muon += n if _muon_matrix(name, in_blocks, shape) else 0.0
     on_host = "master" in layout.offload
@@ -118,14 +134,20 @@ def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
            "gradients": (wbytes if on_host else 4) * per_dev,
            "optimizer_state": 0.0 if "opt" in layout.offload else opt,
            "host": (4 * per_dev if on_host else 0.0) + (opt if "opt" in layout.offload else 0.0)}
-    if layout.fsdp > 1:  # the current and the next layer's gathered non-routed weights
-        blocks = sum(math.prod(s) for name, b, s in param_leaves(m) if b and name not in ROUTED)
+    if layout.fsdp > 1:
+        split = [(name, b, s) for name, b, s, ways in splits if ways > 1 and name not in ROUTED]
+        # parameters FSDP leaves whole: their FSDP dimension does not divide by the degree
+        out["fsdp_whole"] = sum(math.prod(s) for name, _, s, ways in splits
+                                if ways == 1 and name not in ROUTED)
+        # the current and the next layer's gathered non-routed weights (the split ones)
+        blocks = sum(math.prod(s) for _, b, s in split if b)
         out["fsdp_gather"] = 2 * wbytes * blocks / m.n_layers
         # the LM head, gathered before the loss (moelab.parallel.mesh.outer_gather), and its
         # float32 gradient [D, V], which the loss forms whole in its forward and keeps until
         # the backward reduce-scatters it: the gradients above hold 1 / fsdp of it
-        head = m.d_model * m.vocab_size
-        out["fsdp_head"] = wbytes * head + 4 * head * (1 - 1 / layout.fsdp)
+        if any(name == "head" for name, _, _ in split):
+            head = m.d_model * m.vocab_size
+            out["fsdp_head"] = wbytes * head + 4 * head * (1 - 1 / layout.fsdp)
         # the embedding table, gathered for the lookup, is not kept; its whole gradient lives
         # at the backward's end, beside no activations: neither sets the peak
     return out
@@ -267,8 +289,8 @@ def memory_report(cfg: RunConfig, layout: Layout, transports: list[dict] | None 
     head = state.get("fsdp_head", 0.0)
     for a in acts.values():
         a.update(fsdp_head=head, peak=a["saved"] + max(a["layer"], head))
-    fixed = sum(v for k, v in state.items() if k not in ("params_per_device", "host",
-                                                          "fsdp_head"))
+    fixed = sum(v for k, v in state.items() if k not in ("params_per_device", "fsdp_whole",
+                                                          "host", "fsdp_head"))
     remat = planned_remat(m.remat, acts, fixed, hbm_bytes)
     rows = []
     for t in (transports or []) if not local else []:

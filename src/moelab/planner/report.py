@@ -115,6 +115,15 @@ def _fsdp_note(lay: dict) -> list[str]:
             f"--devices / --ep = {data} ways with parallel.fsdp=true, or not at all)"]
 
 
+def _whole_note(st: dict, lay: dict) -> list[str]:
+    """A line where FSDP leaves parameters whole: moelab train splits one only where its FSDP
+    dimension divides by the degree (an FSDP of 11 splits no 6144-wide matrix)."""
+    if not st.get("fsdp_whole"):
+        return []
+    return [f"    ({st['fsdp_whole']:,} of the rest stay whole on every device: FSDP splits a "
+            f"parameter only where its largest dimension divides by {lay['fsdp']})"]
+
+
 def _unit(mem: dict) -> tuple[float, str]:
     """MiB where every figure is under a GiB (a small config's read 0.00 GiB throughout, which
     no one can check against XLA or a run), else GiB; device memory is always in GiB."""
@@ -143,6 +152,7 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
            *_fsdp_note(lay),
            f"    {'parameters per device':<30}{st['params_per_device']:>14,.0f}  "
            "(routed / ep + the rest / fsdp)",
+           *_whole_note(st, lay),
            row("master weights (fp32)", None if "master" in host else st["master_weights"],
                "on host" if "master" in host else ""),
            row(f"compute weights ({wdt})", st["compute_weights"] if "master" in host else None,
@@ -153,7 +163,7 @@ def _format_memory(mem: dict, m: dict) -> list[str]:
                None if "opt" in host else st["optimizer_state"],
                "on host" if "opt" in host else "the reference's MuonH, planned: moelab trains "
                "AdamW" if lay["optimizer"] == "muon" else "")]
-    if "fsdp_gather" in st:
+    if st.get("fsdp_gather"):  # none where FSDP splits no block weight
         out.append(row("FSDP gather (2 layers)", st["fsdp_gather"]))
     if "fsdp_head" in st:
         out.append(row("FSDP head + its gradient", st["fsdp_head"], "live at the loss: in the "

@@ -11,11 +11,12 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ConfigError, RunConfig
-from moelab.planner.counts import ROUTED, param_leaves
+from moelab.planner.counts import ROUTED
 from moelab.planner.memory import (
     CAPACITY_FIELDS,
     Layout,
     memory_report,
+    param_splits,
     planned_config,
     planned_experts,
     transport_memory,
@@ -118,8 +119,11 @@ def compare_sharded_with_xla(cfg: RunConfig, layout: Layout, compile_fn: Callabl
     cpu_extra = 0.0
     if layout.fsdp > 1 and jax.default_backend() == "cpu":
         m = cfg.model
-        blocks = sum(math.prod(s) for name, b, s in param_leaves(m) if b and name not in ROUTED)
-        cpu_extra = 4 * (blocks + 2 * m.d_model * m.vocab_size) * (1 - 1 / layout.fsdp)
+        split = [(name, b, s) for name, b, s, ways in param_splits(m, layout)
+                 if ways > 1 and name not in ROUTED]  # FSDP leaves the others whole
+        blocks = sum(math.prod(s) for _, b, s in split if b)
+        outer = sum(math.prod(s) for name, _, s in split if name in ("embed", "head"))
+        cpu_extra = 4 * (blocks + outer) * (1 - 1 / layout.fsdp)
     total = estimate + cpu_extra
     return {"xla": xla, "estimate": estimate, "cpu_gradient_all_reduce": cpu_extra,
             "ratio": total / xla["peak"], "transport": kind, "waves": waves,
