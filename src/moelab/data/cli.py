@@ -16,15 +16,15 @@ from moelab.data.encode import MAX_DEFAULT_WORKERS
 from moelab.data.errors import DataError
 from moelab.data.prepare import prepare_data, vocab_needed
 from moelab.data.store import TokenStore
-from moelab.data.tokenizer import MIN_VOCAB, load_tokenizer
+from moelab.data.tokenizer import load_tokenizer, vocab_problem
 from moelab.util import atomic_write_bytes, first_missing, sha256_file
 
 
 def cmd_data_build(args) -> int:
     out = build.output_folder(args.inputs, args.out)
     require(not out.exists() or out.is_dir(), f"--out {out}", "a file is in the way; give a folder")
-    require(args.tokenizer or args.vocab >= MIN_VOCAB, f"--vocab {args.vocab}",
-            f"must be >= {MIN_VOCAB} (256 byte tokens, <|endoftext|> and at least one merge)")
+    require(args.tokenizer or not vocab_problem(args.vocab), f"--vocab {args.vocab}",
+            str(vocab_problem(args.vocab)))
     require(0 < args.heldout < 1, f"--heldout {args.heldout}",
             "a fraction of the documents in (0, 1), e.g. 0.02; every domain keeps held-out "
             "text (training evaluates on it and refuses a corpus without it)")
@@ -242,7 +242,8 @@ def register(sub) -> None:
                    f"{build.BUILTIN_OUT}, the built-in corpus)")
     b.add_argument("--force", action="store_true", help="replace a corpus the folder holds from "
                    "other inputs or options; its tokenizers and token stores are retrained")
-    b.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary size to train")
+    b.add_argument("--vocab", type=int, default=4096,
+                   help="BPE vocabulary size to train (258 to 16,777,216)")
     b.add_argument("--tokenizer", help="use this tokenizer.json instead of training one")
     b.add_argument("--heldout", type=float, default=0.02,
                    help="held-out fraction of documents, in (0, 1); each domain holds out at "

@@ -36,7 +36,7 @@ from typing import Iterable, Iterator
 from moelab.config.data import DATA_FORMATS
 from moelab.config.errors import need_extra
 from moelab.data.builtin_docs import CODE_CAP, bible_docs, code_docs, prose_docs, shakespeare_docs
-from moelab.data.errors import DataError, Skips, read_json, skip_summary
+from moelab.data.errors import DataError, Skips, read_json, skip_record, skip_summary
 from moelab.data.hf_docs import hf_docs
 from moelab.data.user_docs import (
     bounded_docs,
@@ -46,12 +46,10 @@ from moelab.data.user_docs import (
     folder_name,
     head,
     hub_hint,
-    input_files,
-    is_folder,
-    known_suffixes,
     resolve_input,
     unknown_suffix,
 )
+from moelab.data.walk import check_named_input, input_files
 from moelab.util import atomic_write_json, extra_command, info, is_url, open_atomic, sha256_file
 
 SPLITS = ("train", "heldout")
@@ -241,7 +239,6 @@ def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction:
         lone = {any_id[d] for d in n_docs if n_docs[d] == 1}  # split, wherever its id falls
 
         stats = {d: {s: {"docs": 0, "bytes": 0} for s in SPLITS} for d in sorted(n_docs)}
-        (corpus_dir / "manifest.json").unlink(missing_ok=True)  # incomplete until rewritten
         with (open_atomic(corpus_dir / "train.jsonl") as ftrain,
               open_atomic(corpus_dir / "heldout.jsonl") as fheld,
               open(scratch, encoding="utf-8") as f):
@@ -250,6 +247,11 @@ def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction:
                 st = stats[doc["domain"]][split]
                 st["docs"] += 1
                 st["bytes"] += len(doc["text"].encode("utf-8"))
+            if not any(st["train"]["docs"] for st in stats.values()):  # the old files stay
+                raise DataError(f"--heldout {heldout_fraction}: every document of {what} is "
+                                "held out, leaving none to train a tokenizer and a model on; "
+                                "give a smaller --heldout, e.g. the default 0.02")
+            (corpus_dir / "manifest.json").unlink(missing_ok=True)  # gone before the renames
     finally:
         Path(scratch).unlink(missing_ok=True)
     _say_unevaluated(stats)
@@ -262,7 +264,7 @@ def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction:
         "domains": stats,
         "total": {s: {k: sum(stats[d][s][k] for d in stats) for k in ("docs", "bytes")}
                   for s in SPLITS},
-        "skipped": _skip_record(skipped),
+        "skipped": skip_record(skipped),
         "files": files,
         # sha256 over the two files' hashes: names the exact corpus contents
         "fingerprint": hashlib.sha256(
@@ -270,13 +272,6 @@ def write_corpus(corpus_dir: Path | str, docs: Iterable[dict], heldout_fraction:
     }
     atomic_write_json(corpus_dir / "manifest.json", manifest)
     return manifest
-
-
-def _skip_record(skipped: Skips, keep: int = 200) -> dict:
-    return {"count": len(skipped),
-            # counted by reason without details: "unreadable file (...)" -> "unreadable file"
-            "by_reason": dict(sorted(Counter(r.split(" (")[0] for _, r in skipped).items())),
-            "items": [f"{where}: {reason}" for where, reason in skipped[:keep]]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,12 +375,11 @@ def check_user_inputs(paths: list[Path | str], fmt: str = "files", text_field: s
     if missing:
         raise DataError(f"input path(s) not found: {', '.join(missing)}{hub_hint(missing)}; "
                         "give existing files or folders (data.source in a config)")
+    for p, i in zip(paths, inputs):
+        check_named_input(p, i, fmt)
     if fmt != "files":
         need_extra("datasets", "datasets", f"--format {fmt}: reading Hugging Face datasets")
     else:
-        for p, i in zip(paths, inputs):  # a file you name must be one moelab can read
-            if not is_folder(i) and unknown_suffix(i):
-                raise DataError(f"input {p}: {unknown_suffix(i)} ({known_suffixes()})")
         parquet = next((p for p, _ in input_files(inputs) if p.suffix.lower() == ".parquet"),
                        None)
         if parquet is not None:  # before any work: which extra reads it

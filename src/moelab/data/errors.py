@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 Skips = list[tuple[str, str]]  # bad inputs as (where, reason)
@@ -33,6 +34,8 @@ SKIP_FIXES: dict[str | tuple[str, ...], str] = {
                                         "utf-8, or -f utf-16)",
     "unknown file type": "rename a text file to .txt (read .csv with --format hf-files, "
                          "data.format=hf-files)",
+    "a folder datasets' save_to_disk wrote": "read a folder datasets' save_to_disk wrote with "
+                                             "--format hf-disk (data.format=hf-disk)",
 }
 
 
@@ -68,3 +71,11 @@ def skip_summary(skipped: Skips, prefix: str = "", show: int = 8) -> str:
     fixes = [fix for kind, fix in SKIP_FIXES.items() if any(r.startswith(kind) for _, r in skipped)]
     return (f"{prefix}skipped {len(skipped)} input{'s' * (len(skipped) != 1)}: {items}{more}"
             + "".join(f"; {fix}" for fix in fixes))
+
+
+def skip_record(skipped: Skips, keep: int = 200) -> dict:
+    """The skipped inputs as a manifest records them: counts by reason, the first ``keep``."""
+    return {"count": len(skipped),
+            # counted by reason without details: "unreadable file (...)" -> "unreadable file"
+            "by_reason": dict(sorted(Counter(r.split(" (")[0] for _, r in skipped).items())),
+            "items": [f"{where}: {reason}" for where, reason in skipped[:keep]]}

@@ -20,9 +20,9 @@ from moelab.data.user_docs import (
     RemoteFile,
     clean_domain,
     folder_name,
-    input_files,
     record_doc,
 )
+from moelab.data.walk import input_files
 
 # data-file suffix -> datasets' packaged builder
 BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet",
@@ -148,6 +148,6 @@ def hf_docs(inputs: list[Input], fmt: str, field: str, split: str, domain: str |
                 name = src.name if isinstance(src, RemoteFile) else Path(src).absolute().name
                 yield from _disk_docs(src, name, domain, field, split, skips)
                 continue
-            for f, name in input_files([src]):
+            for f, name in input_files([src], skips):
                 yield from data_file_docs(f, name, domain, field, split, skips,
                                            fmt == "hf-stream", str(scratch))

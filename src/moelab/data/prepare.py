@@ -328,6 +328,10 @@ def with_tokenizer_vocab(cfg: RunConfig) -> RunConfig:
                               f"{tokenizer.MIN_VOCAB} tokens (256 bytes, <|endoftext|> and a "
                               "merge), and this data folder has no tokenizer.json of its "
                               f"own; give more, or 0 for the default {DEFAULT_VOCAB}")
+        if size > tokenizer.MAX_VOCAB:  # a typo of a size aborts the tokenizer trainer
+            raise ConfigError(f"model.vocab_size={given}: a new tokenizer "
+                              f"{tokenizer.vocab_problem(size)}; give fewer, or 0 for the "
+                              f"default {DEFAULT_VOCAB}")
     else:
         size = vocab_needed(tokenizer.load_tokenizer(path))
         if given and given != size:

@@ -51,9 +51,9 @@ from moelab.data.user_docs import (
     clean_domain,
     file_docs,
     folder_name,
-    input_files,
     unknown_suffix,
 )
+from moelab.data.walk import input_files
 
 DOC_BATCH = 64  # documents per encode call (at most tokenizer.BATCH_CHARS characters)
 

@@ -21,6 +21,19 @@ EOS_TOKEN = "<|endoftext|>"
 # end-of-text tokens of common tokenizers, for tokenizer.json files trained elsewhere
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|im_end|>")
 MIN_VOCAB = 256 + 1 + 1  # every byte, the separator, and at least one merge
+# The BPE trainer reserves memory for every token asked up front (~70 bytes each): 1e9 aborted
+# the process on a failed 70 GB allocation. Real vocabularies stay far below this.
+MAX_VOCAB = 1 << 24
+
+
+def vocab_problem(size: int) -> str | None:
+    """Why a tokenizer of ``size`` tokens cannot be trained, or None when it can."""
+    if size < MIN_VOCAB:
+        return f"must be >= {MIN_VOCAB} (256 byte tokens, <|endoftext|> and at least one merge)"
+    if size > MAX_VOCAB:
+        return (f"must be <= {MAX_VOCAB:,} (the tokenizer trainer reserves memory for every "
+                "token asked; common vocabularies are 32k to 256k)")
+    return None
 
 
 BATCH_CHARS = 4 << 20  # characters per batch handed to the tokenizers library, at most
@@ -64,9 +77,8 @@ def _text_batches(corpus_dir: Path, size: int = 1000) -> Iterator[list[str]]:
 def train_tokenizer(corpus_dir: Path | str, out_path: Path | str,
                     vocab_size: int = 4096) -> Tokenizer:
     """Train a byte-level BPE on the corpus' train split and save it (atomically) to out_path."""
-    if vocab_size < MIN_VOCAB:
-        raise DataError(f"vocab_size={vocab_size}: must be >= {MIN_VOCAB} "
-                        "(256 byte tokens + <|endoftext|> + merges)")
+    if problem := vocab_problem(vocab_size):
+        raise DataError(f"vocab_size={vocab_size}: {problem}")
     load_manifest(corpus_dir)  # a clear error if the corpus is missing or unfinished
     tok = Tokenizer(models.BPE())
     # add_prefix_space=False: no invented leading space, so decoding gives the text back exactly
@@ -97,7 +109,24 @@ def load_tokenizer(path: Path | str) -> Tokenizer:
     except Exception as e:  # noqa: BLE001 - the Rust error types are not exported
         raise DataError(f"tokenizer {path}: not a valid HF tokenizer.json ({e})") from None
     eos_id(tok, where=str(path))  # fail now, not at the first packed document
+    check_encodes(tok, str(path))
     return tok
+
+
+# words, digits, punctuation, whitespace and non-ASCII: what any corpus holds
+_PROBE = "Probe 42: moelab's text, café naïve 東京 🙂\n\tend."
+
+
+def check_encodes(tok: Tokenizer, where: str) -> None:
+    """Refuse a tokenizer that fails on ordinary text (a word-level one without an unknown
+    token raises on any word it lacks): found here, not as a traceback midway through
+    tokenizing a corpus."""
+    try:
+        tok.encode(_PROBE, add_special_tokens=False)
+    except Exception as e:  # noqa: BLE001 - the Rust error types are not exported
+        raise DataError(f"tokenizer {where}: cannot encode ordinary text ({e}); give one "
+                        "that covers any text (a byte-level BPE, or one with an unknown "
+                        "token), or leave --tokenizer (data.tokenizer) out to train one") from None
 
 
 def eos_id(tok: Tokenizer, where: str = "tokenizer") -> int:

@@ -148,61 +148,8 @@ def check_new_domain(name: str, seen) -> None:
             "subject, not a URL or an id), or none, or gather the files in fewer folders")
 
 
-DATA_FOLDER_SKIP = "a moelab data folder (an earlier build's output), not read as input"
-
-
-def data_folders(rels: list[PurePosixPath]) -> list[PurePosixPath]:
-    """The folders among the relative file paths ``rels`` that `moelab data build` wrote: one
-    holding corpus/manifest.json (a data folder), or a corpus folder (manifest.json beside
-    train.jsonl) elsewhere. Reading them would train on an earlier corpus, held-out text too."""
-    files = set(rels)
-    found = set()
-    for rel in rels:
-        if rel.name == "manifest.json" and rel.parent / "train.jsonl" in files:
-            corpus = rel.parent
-            found.add(corpus.parent if corpus.name == "corpus" else corpus)
-    return sorted(found)
-
-
-def _walk(rels: list[PurePosixPath], name: str, skips: Skips | None) -> list[PurePosixPath]:
-    """The visible files of a folder (relative paths, sorted) less its data folders, each
-    recorded in ``skips`` under its display name (``name``: the folder's)."""
-    rels = [r for r in sorted(rels) if not any(part.startswith(".") for part in r.parts)]
-    skipped = data_folders(rels)
-    for d in skipped:
-        if skips is not None:
-            skips.append(((PurePosixPath(name) / d).as_posix(), DATA_FOLDER_SKIP))
-    return [r for r in rels if not any(r.is_relative_to(d) for d in skipped)]
-
-
-def _remote_files(root: RemoteFile, skips: Skips | None) -> list[tuple[Input, str]]:
-    if not root.fs.isdir(root.path):
-        return [(root, root.name)]
-    top = PurePosixPath(root.path)
-    rels = [PurePosixPath(p).relative_to(top) for p in root.fs.find(root.path)]
-    return [(RemoteFile(root.fs, (top / r).as_posix()), (PurePosixPath(root.name) / r).as_posix())
-            for r in _walk(rels, root.name, skips)]
-
-
-def input_files(paths: list[Input], skips: Skips | None = None) -> list[tuple[Input, str]]:
-    """(file, display name) for each input; folders are walked in sorted order.
-
-    Hidden entries (.git, .DS_Store) inside folders are ignored, and so are the data folders
-    of earlier builds (recorded in ``skips``); display names are relative to each argument's
-    parent, so ids do not depend on where the corpus lives on disk.
-    """
-    out = []
-    for root in paths:
-        if isinstance(root, RemoteFile):
-            out += _remote_files(root, skips)
-        elif root.is_dir():
-            rels = [PurePosixPath(p.relative_to(root).as_posix()) for p in root.rglob("*")
-                    if p.is_file()]
-            out += [(root / r, (PurePosixPath(root.name) / r).as_posix())
-                    for r in _walk(rels, root.name, skips)]
-        else:
-            out.append((root, root.name))
-    return out
+UTF16_BOMS = (b"\xff\xfe", b"\xfe\xff")
+UTF16_SKIP = "UTF-16 text (not UTF-8)"
 
 
 def _text_file_docs(path: Input, name: str, domain: str, skips: Skips,
@@ -211,8 +158,8 @@ def _text_file_docs(path: Input, name: str, domain: str, skips: Skips,
     if not raw.strip():
         skips.append((name, "empty file"))
         return
-    if raw.startswith((b"\xff\xfe", b"\xfe\xff")):  # a byte-order mark: not binary
-        skips.append((name, "UTF-16 text (not UTF-8)"))
+    if raw.startswith(UTF16_BOMS):  # a byte-order mark: not binary
+        skips.append((name, UTF16_SKIP))
         return
     if b"\x00" in raw:
         skips.append((name, "binary content (NUL bytes)"))
@@ -260,6 +207,11 @@ def _jsonl_docs(path: Input, name: str, domain: str, skips: Skips,
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{name} line {lineno}"
+            if lineno == 1 and raw.startswith(UTF16_BOMS):  # each line would read as binary
+                skips.append((name, UTF16_SKIP))
+                return
+            if lineno == 1:  # a UTF-8 byte-order mark (Windows tools write one) is no text
+                raw = raw.removeprefix(b"\xef\xbb\xbf")
             if not raw.strip():
                 continue
             if b"\x00" in raw:
@@ -287,6 +239,9 @@ def _json_docs(path: Input, name: str, domain: str, skips: Skips,
     else one JSON value: an array of records, or one record."""
     with path.open("rb") as f:
         first = f.readline()
+    if first.startswith(UTF16_BOMS):
+        skips.append((name, UTF16_SKIP))
+        return
     try:
         lines = isinstance(json.loads(first), dict)
     except ValueError:
