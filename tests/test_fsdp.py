@@ -103,6 +103,26 @@ def test_fsdp_leaves_indivisible_dimensions_replicated():
     assert specs[("embed",)] == P("data", None)  # the vocabulary divides
 
 
+def test_a_start_names_the_parameters_fsdp_leaves_whole():
+    """FSDP splits a parameter only where its FSDP dimension divides by the data axis: a start
+    said nothing of those it leaves whole (all of them at d_model 36 on 8 devices). The note
+    counts exactly the parameters whose sharding holds no "data"."""
+    from moelab.model.transformer import param_shapes
+    from moelab.parallel.mesh import _flat, fsdp_note
+
+    cfg = config(1, fsdp=True)
+    mesh = mesh_from_config(cfg.parallel)
+    assert fsdp_note(mesh, cfg.model, True) is None  # the widths divide by 8: all split
+    m = dataclasses.replace(cfg.model, d_model=36, head_dim=18)
+    specs, shapes = param_specs(mesh, m, fsdp=True), _flat(param_shapes(m))
+    whole = sum(int(np.prod(shapes[k])) for k, spec in specs.items()
+                if "data" not in spec and "expert" not in spec)
+    note = fsdp_note(mesh, m, True)
+    assert note.startswith(f"note: FSDP over 8 devices leaves {whole:,} (") and "wq" in note
+    assert "splits one only where its FSDP dimension divides by 8" in note
+    assert fsdp_note(mesh, m, False) is None
+
+
 def test_the_mesh_line_claims_fsdp_only_where_it_splits():
     """parallel.fsdp with EP 8 on 8 devices leaves a data axis of one: the start-up says it
     has no effect, and its mesh line no longer also says FSDP splits the state."""

@@ -106,6 +106,34 @@ def param_specs(mesh: Mesh, cfg: ModelConfig, fsdp: bool = False) -> dict:
     return specs
 
 
+def fsdp_note(mesh: Mesh | None, cfg: ModelConfig, fsdp: bool) -> str | None:
+    """A start's note where parallel.fsdp splits less than asked: nothing (one device on
+    "data"), or not the parameters whose FSDP dimension does not divide by the "data" axis
+    (each device then holds them whole); None where it splits every one it can."""
+    if not fsdp or mesh is None:
+        return None
+    n = mesh.shape[DATA]
+    if n == 1:
+        return "note: parallel.fsdp has no effect here: the mesh's data axis has one device"
+    shapes, dims = _flat(param_shapes(cfg)), _flat(param_fsdp_dims(cfg))
+    whole = {k: int(np.prod(s)) for k, s in shapes.items()
+             if dims.get(k) is not None and not fsdp_splits(s, dims[k], n)}
+    if not whole:
+        return None
+    total, kept = sum(int(np.prod(s)) for k, s in shapes.items() if dims.get(k) is not None), \
+        sum(whole.values())
+    by_name: dict[str, int] = {}
+    for k, size in whole.items():
+        by_name[str(k[-1])] = by_name.get(str(k[-1]), 0) + size
+    names = sorted(by_name, key=lambda k: -by_name[k])  # the largest first
+    names = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+    what = ("all" if kept == total else f"{kept:,} ({kept / total:.0%})") + (
+        f" of the {total:,} parameters it may split ({names})")
+    return (f"note: FSDP over {n} devices leaves {what} whole on every device: it splits one "
+            f"only where its FSDP dimension divides by {n}; a data axis dividing the model's "
+            "widths (a power of two) splits them all")
+
+
 def state_shardings(mesh: Mesh, state, cfg: ModelConfig, fsdp: bool = False):
     """Shardings for a train state: each parameter as ``param_specs`` says, each optimizer
     moment like the parameter it belongs to (a leaf whose path ends with a parameter's path and

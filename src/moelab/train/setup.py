@@ -35,7 +35,7 @@ from moelab.data.tokenizer import load_tokenizer
 from moelab.model.axes import DATA
 from moelab.parallel import transport
 from moelab.parallel.distributed import barrier, is_main
-from moelab.parallel.mesh import check_device_count, mesh_from_config, shard_batch
+from moelab.parallel.mesh import check_device_count, fsdp_note, mesh_from_config, shard_batch
 from moelab.run.checkpoint import Checkpointer, CheckpointError
 from moelab.run.identity import (
     DATA_FIELDS,
@@ -293,8 +293,8 @@ def _step_functions(cfg: RunConfig, mesh, state_sh, say) -> tuple[Callable, Call
     step_fn = make_train_step(cfg, train_experts, mesh, state_sh)
     eval_fn = make_eval_step(cfg, eval_experts, mesh)
     fsdp = cfg.parallel.fsdp and mesh is not None and mesh.shape[DATA] > 1
-    if cfg.parallel.fsdp and not fsdp:
-        say("note: parallel.fsdp has no effect here: the mesh's data axis has one device")
+    if note := fsdp_note(mesh, cfg.model, cfg.parallel.fsdp):  # where it splits less
+        say(note)
     if mesh is not None:
         say(f"mesh: {dict(mesh.shape)}; transport "
             f"{transport.training_transport(cfg.parallel)} (evaluation: dropless)"
