@@ -144,3 +144,26 @@ def test_links_to_folders_are_read_once(tmp_path):
     assert manifest["skipped"]["items"] == [
         f"in/{name}: a link to a folder read already (a loop, or a second link to it)"
         for name in ("loop", "prose")]
+
+
+def test_a_start_says_when_the_source_changed_since_its_corpus_was_built(tmp_path, capsys):
+    """data.source edited after its corpus was built: the run trains on the corpus as built
+    (a resume must), which it did without a word; now a note names what changed."""
+    from moelab.config import DataConfig
+    from moelab.data.prepare import prepare_data
+
+    src = tmp_path / "src" / "prose"
+    src.mkdir(parents=True)
+    for i in range(12):
+        (src / f"d{i:02d}.txt").write_text(f"document {i}: " + "some plain words here. " * 20)
+    dcfg = DataConfig(source=str(tmp_path / "src"), data_dir=str(tmp_path / "data"))
+    for _ in range(2):  # the build, then a start on the corpus it built: nothing to say
+        prepare_data(dcfg, 300, progress=False)
+        assert "changed since the corpus" not in capsys.readouterr().err
+    (src / "d03.txt").write_text("an edited document, " * 20)
+    (src / "new.txt").write_text("a new document, " * 20)
+    prepare_data(dcfg, 300, progress=False)
+    err = capsys.readouterr().err
+    assert (f"note: data.source {tmp_path / 'src'} changed since the corpus in "
+            f"{tmp_path / 'data' / 'corpus'} was built (1 changed, 1 added; e.g. "
+            "src/prose/d03.txt): this run trains on the corpus as built") in err, err

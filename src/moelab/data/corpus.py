@@ -49,7 +49,7 @@ from moelab.data.user_docs import (
     resolve_input,
     unknown_suffix,
 )
-from moelab.data.walk import check_named_input, input_files
+from moelab.data.walk import check_named_input, input_files, source_stamp
 from moelab.util import atomic_write_json, extra_command, info, is_url, open_atomic, sha256_file
 
 SPLITS = ("train", "heldout")
@@ -435,7 +435,10 @@ def build_user_corpus(paths: list[Path | str] | Path | str, corpus_dir: Path | s
     # "format" is the manifest's own version (write_corpus): the read mode has its own key
     fields = {"kind": "user", "sources": [normalize_source(p) for p in paths],
               "source_format": fmt, "text_field": text_field, **({"split": split} if split else {}),
-              **({"head_bytes": head_bytes} if head_bytes else {})}
+              **({"head_bytes": head_bytes} if head_bytes else {}),
+              # each file's size and time: a later start says the source changed since
+              **({"source_files": st} if not head_bytes and (st := source_stamp(inputs, fmt))
+                 else {})}
     docs = bounded_docs(all_docs())
     manifest = write_corpus(corpus_dir, head(docs, head_bytes) if head_bytes else docs,
                             heldout_fraction, fields, skips, what=", ".join(map(str, paths)))

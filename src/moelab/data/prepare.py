@@ -45,6 +45,8 @@ from moelab.data.build import (
     take_data_lock,
 )
 from moelab.data.errors import DataError
+from moelab.data.user_docs import resolve_input
+from moelab.data.walk import source_stamp, stamp_changes
 from moelab.locks import LockHeld, describe_holder, release_lock
 from moelab.util import first_missing, info, sha256_file, writable
 
@@ -66,6 +68,7 @@ def _build_corpus(dcfg: DataConfig, corpus_dir: Path, say) -> None:
         m = corpus.load_manifest(corpus_dir)  # a damaged one is refused here
         if dcfg.source:
             _check_built_from(dcfg, corpus_dir, m)
+            _say_source_changed(dcfg, corpus_dir, m, say)
         check_builtin_kind(dcfg, m)
         _check_head(dcfg, corpus_dir, m)
         return
@@ -153,6 +156,20 @@ def _check_built_from(dcfg: DataConfig, corpus_dir: Path, m: dict) -> None:
         raise ConfigError(f"data.{diff[0]}={asked[diff[0]]!r}: the corpus in {corpus_dir} "
                           f"was built with {diff[0]}={had[diff[0]]!r}; set another "
                           "data.data_dir, or delete that corpus folder to rebuild it")
+
+
+def _say_source_changed(dcfg: DataConfig, corpus_dir: Path, m: dict, say) -> None:
+    """A note where data.source's files differ from those the corpus was built from: a run
+    trains on the corpus as built (a resume must), not on the edited text."""
+    built = m.get("source_files")
+    found = resolve_input(dcfg.source) if built is not None else None
+    if found is None:  # recorded before this field, behind a URL, or the source is gone
+        return
+    now = source_stamp([found], dcfg.format)
+    if now is not None and (changes := stamp_changes(built, now)):
+        say(f"note: data.source {dcfg.source} changed since the corpus in {corpus_dir} was "
+            f"built ({changes}): this run trains on the corpus as built; to train on the text "
+            "as it is now, give another data.data_dir (a corpus is built there)")
 
 
 def check_builtin_kind(dcfg: DataConfig, m: dict | None = None) -> None:

@@ -126,3 +126,29 @@ def input_files(paths: list[Input], skips: Skips | None = None) -> list[tuple[In
         else:
             out.append((root, root.name))
     return out
+
+
+STAMPED_FORMATS = ("files", "hf-files")  # read file by file: each file's stamp says a change
+
+
+def source_stamp(inputs: list[Input], fmt: str) -> dict[str, list[int]] | None:
+    """[size, modification time in ns] of every file the local ``inputs`` hold, by display
+    name: recorded with a corpus, so a later start can say its source changed since. None for
+    inputs behind URLs and the formats read another way (``STAMPED_FORMATS``)."""
+    if fmt not in STAMPED_FORMATS or any(isinstance(i, RemoteFile) for i in inputs):
+        return None
+    return {name: [(st := Path(path).stat()).st_size, st.st_mtime_ns]
+            for path, name in input_files(inputs)}
+
+
+def stamp_changes(built: dict, now: dict) -> str | None:
+    """How the files of a source differ from their ``source_stamp`` at the build, in a few
+    words ("2 changed, 1 added (e.g. prose/a.txt)"); None where none does."""
+    kinds = (("changed", [n for n in built if n in now and built[n] != now[n]]),
+             ("added", [n for n in now if n not in built]),
+             ("removed", [n for n in built if n not in now]))
+    names = [n for _, found in kinds for n in found]
+    if not names:
+        return None
+    return (", ".join(f"{len(found)} {kind}" for kind, found in kinds if found)
+            + f"; e.g. {names[0]}")
