@@ -13,6 +13,7 @@ import shutil
 import warnings
 
 import numpy as np
+import pytest
 
 from export_fixtures import (
     TOL,
@@ -243,6 +244,61 @@ def test_an_empty_out_folder_is_filled_in_place(exported, tmp_path, monkeypatch)
     load(target)  # the export loads from the link's folder
 
 
+@pytest.mark.parametrize("when", ["writing", "moved"])
+def test_a_stop_says_what_it_left_in_out(when, exported, tmp_path, capsys, monkeypatch):
+    """A Ctrl-C during the export said only "aborted": nothing about OUT, written elsewhere
+    first and so absent (or, stopped just after the move, whole)."""
+    import moelab.export.hf as hf
+
+    run = exported("softmax_router").out.parent / "run"
+    real = hf._move_into_place if when == "moved" else hf.write_folder
+
+    def stop(*args, **kwargs):
+        real(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf, "_move_into_place" if when == "moved" else "write_folder", stop)
+    out = tmp_path / "out"
+    assert main(["export", str(run), str(out), "--to", "hf"]) == 130
+    said = capsys.readouterr().err.strip().splitlines()[-1]
+    if when == "writing":
+        assert said == (f"moelab: aborted during the export; nothing was written to {out}: run "
+                        "the same command again")
+        assert list(tmp_path.iterdir()) == []  # the temporary folder removed too
+    else:
+        assert said == f"moelab: aborted as the export ended; {out}/ is complete"
+        assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_what_a_killed_export_left_goes_and_a_live_one_s_stays(exported, tmp_path, capsys):
+    """A kill -9 during an export left its staging folder (the model's size) beside OUT for
+    good, and one inside an empty OUT refused every later export there as "not empty"."""
+    import socket
+
+    run = exported("softmax_router").out.parent / "run"
+    gone = _gone_pid()
+    host = socket.gethostname()
+    left = [tmp_path / f".out.tmp-{host}-{gone}", tmp_path / f".out.tmp-{gone}",
+            tmp_path / "empty" / f".moelab-export.tmp-{host}-{gone}"]
+    kept = [tmp_path / f".out.tmp-{host}-1", tmp_path / f".out.tmp-elsewhere-{gone}"]
+    for folder in left + kept:
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_text("partial")
+    for out in (tmp_path / "out", tmp_path / "empty"):
+        assert main(["export", str(run), str(out), "--to", "hf"]) == 0
+        assert (out / "config.json").is_file()
+    assert not [p for p in left if p.exists()] and all(p.exists() for p in kept)
+    assert capsys.readouterr().err.count("the unfinished export of a process that is gone") == 3
+
+
+def _gone_pid() -> int:
+    import subprocess
+
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
 def test_the_card_scores_each_task_once_from_its_fullest_evaluation(tmp_path):
     """A `moelab eval --limit 10` smoke run beside a full one at the same step: the card gave
     both sets of scores unlabelled, and the harness's sample_len as a metric."""
@@ -264,6 +320,14 @@ def test_the_card_scores_each_task_once_from_its_fullest_evaluation(tmp_path):
     result("moelab_local-step7.json", 0.5, 10, 2000)  # newer, on fewer examples
     rows = [r for r in _harness_lines(tmp_path, 7) if r.startswith("| moelab")]
     assert rows == ["| moelab_choice | acc | 0.5333 | 30 of 30 |"]
+    # another tool's or a hand-edited file of odd shape ended the export in a traceback
+    for i, odd in enumerate([{"moelab": 5}, {"moelab": {"step": 7}, "results": 5},
+                             {"moelab": {"step": 7}, "results": {"t": 3}},
+                             {"moelab": {"step": 7}, "results": {"t": {"acc": 1}},
+                              "n-samples": [1]}]):
+        (tmp_path / "eval" / f"odd{i}.json").write_text(json.dumps(odd))
+    assert [r for r in _harness_lines(tmp_path, 7) if r.startswith("| ")][1:] == [
+        "| moelab_choice | acc | 0.5333 | 30 of 30 |", "| t | acc | 1 | - |"]
 
 
 def test_an_empty_out_must_be_writable_itself_not_its_parent(tmp_path, monkeypatch):

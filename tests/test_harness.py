@@ -435,7 +435,7 @@ def test_tasks_given_twice_run_once_and_a_group_beside_its_own_task_is_one_line(
     monkeypatch.setattr(moelab.run.load, "load_run", _never)
     monkeypatch.setattr(moelab.harness.lm, "MoelabLM", _never)
     monkeypatch.setattr(lm_eval, "simple_evaluate", _never)
-    (tmp_path / "run").mkdir()
+    _committed(tmp_path / "run", 1)  # a run without a checkpoint is refused before the tasks
     rc, _, err = run_main(["eval", str(tmp_path / "run"), "--tasks", "moelab_local,moelab_choice"],
                           capsys)
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
@@ -445,6 +445,34 @@ def test_tasks_given_twice_run_once_and_a_group_beside_its_own_task_is_one_line(
 
 def _never(*args, **kwargs):
     raise AssertionError("the checkpoint was loaded or the evaluation ran")
+
+
+def _committed(run, step: int) -> None:
+    """A checkpoint folder as the checkpointer lists it (its manifest; no contents)."""
+    from moelab.run.checkpoint import MANIFEST_FILE, step_name
+
+    (run / "checkpoints" / step_name(step)).mkdir(parents=True)
+    (run / "checkpoints" / step_name(step) / MANIFEST_FILE).write_text("{}")
+
+
+@pytest.mark.parametrize("step", [None, 7])
+def test_a_run_without_the_checkpoint_is_said_before_the_tasks_load(step, tmp_path, capsys,
+                                                                   monkeypatch):
+    """A run with no checkpoint (or none at --step) was said only after every task's dataset
+    had loaded (downloaded, for the harness's built-ins), or failed to."""
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setattr(TaskManager, "load", _never)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    if step is not None:
+        _committed(run, 5)
+    rc, _, err = run_main(["eval", str(run), "--tasks", "moelab_local",
+                           *(["--step", str(step)] if step is not None else [])], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == ("moelab: error: " + (f"{run}/checkpoints: no checkpoint yet; train "
+                                                "first" if step is None else
+                                                f"{run}: no checkpoint at step 7; available: [5]"))
 
 
 def test_a_group_s_yaml_file_named_by_its_path_says_to_name_the_group(tmp_path, capsys,

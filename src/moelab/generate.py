@@ -88,7 +88,7 @@ def programs(cfg: ModelConfig, seq_len: int) -> Programs:
     tests share them; each compiles once per input shape)."""
     if not isinstance(seq_len, numbers.Integral) or seq_len < 1:
         raise ValueError(f"generate: seq_len={seq_len!r} must be a positive integer (the "
-                         "trained context, data.seq_len)")
+                         "trained context)")
 
     def row_pick(x_1TD, n, params, key, temperature, top_p, top_k):
         row = head_logits(x_1TD[0, n - 1], params["head"])
@@ -234,7 +234,7 @@ def _sample_prompts(args, prompts: list[str], run) -> None:
     line."""
     check_top_k(args.top_k, run.cfg.model.vocab_size)
     print(f"{args.run}: sampling from the checkpoint of step {run.step}", file=sys.stderr)
-    ctx = run.cfg.data.seq_len
+    ctx = run.context  # data.seq_len, or a longer context stage's
     for i, prompt in enumerate(prompts):
         n = len(run.tokenizer.encode(prompt).ids)
         if n > ctx:  # the sampler's window: the prompt's start falls out of it

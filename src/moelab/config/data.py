@@ -167,6 +167,11 @@ class DataConfig:
         """The context stage training at ``step`` (None: data.seq_len)."""
         return next((c for c in reversed(self.stages()) if c.step <= step), None)
 
+    def trained_context(self, step: int) -> int:
+        """The longest context the first ``step`` steps trained on (a checkpoint's, which
+        sampling and export keep): data.seq_len, or a longer context stage begun before."""
+        return max(g.seq_len for g in self.segments() if g.start < max(step, 1))
+
     def segment_at(self, step: int) -> DataSegment:
         return next(g for g in reversed(self.segments()) if g.start <= step)
 

@@ -72,12 +72,24 @@ def _data_source(d) -> str:
             f"`{folder.name}`)")
 
 
+def _batches(d, step: int) -> str:
+    """The batch shapes the first ``step`` steps trained: '32 x 256', then each context
+    stage's begun before ``step`` ('16 x 512 from step 1,000')."""
+    out, last = [], None
+    for g in d.segments():  # a mixture change starts a segment of the same shape
+        if (g.batch_size, g.seq_len) != last and (g.start < step or last is None):
+            last = g.batch_size, g.seq_len
+            out.append(f"{g.batch_size} x {g.seq_len}"
+                       + (f" from step {g.start:,}" if g.start else ""))
+    return ", then ".join(out)
+
+
 def _training_lines(cfg, step: int, prov: dict) -> list[str]:
     d = cfg.data
     source = _data_source(d)
     tok = prov.get("tokenizer_sha256")
     return [f"- checkpoint: step {step:,} of {cfg.train.steps:,} "
-            f"({cfg.data.tokens_before(step):,} tokens of batches {d.batch_size} x {d.seq_len})",
+            f"({cfg.data.tokens_before(step):,} tokens of batches {_batches(d, step)})",
             f"- data: {source}" + (f", corpus fingerprint `{prov['corpus_fingerprint']}`"
                                    if prov.get("corpus_fingerprint") else ""),
             "- tokenizer: the run's `tokenizer.json`" + (f" (sha256 `{tok}`)" if tok else ""),
@@ -115,6 +127,12 @@ def _heldout_lines(run_dir: Path, step: int) -> list[str]:
     return lines
 
 
+def _obj(value) -> dict:
+    """An entry of an eval/ file that should be an object; {} where it is not (another
+    tool's file, or a hand-edited one): no score is read from it."""
+    return value if isinstance(value, dict) else {}
+
+
 def _harness_lines(run_dir: Path, step: int) -> list[str]:
     """`moelab eval` results (eval/*.json) of the exported step: one row per task metric, each
     task from the file that scored it on the most examples (a --limit smoke run beside a full
@@ -122,11 +140,13 @@ def _harness_lines(run_dir: Path, step: int) -> list[str]:
     best: dict[str, tuple[int, float, dict, str]] = {}
     for path in (run_dir / "eval").glob("*.json"):
         res = read_json(path) or {}
-        if (res.get("moelab") or {}).get("step") != step:
+        if _obj(res.get("moelab")).get("step") != step:
             continue
-        counts = res.get("n-samples") or {}
-        for task, metrics in (res.get("results") or {}).items():
-            n = {k: v for k, v in (counts.get(task) or {}).items()  # a hand-edited file's
+        counts = _obj(res.get("n-samples"))
+        for task, metrics in _obj(res.get("results")).items():
+            if not isinstance(metrics, dict):
+                continue
+            n = {k: v for k, v in _obj(counts.get(task)).items()  # a hand-edited file's
                  if isinstance(v, int) and not isinstance(v, bool)}  # odd counts: not shown
             seen = (f"{n['effective']:,} of {n['original']:,}" if "effective" in n
                     and "original" in n else "-")
@@ -183,7 +203,7 @@ def model_card(run, run_dir: Path, name: str, title: str | None = None) -> str:
     """README.md of the export of ``run`` (a LoadedRun from ``run_dir``), loaded as ``name``;
     ``title``: the run's name (by default its folder's)."""
     cfg, step, prov = run.cfg, run.step, read_provenance(run_dir)
-    seq_len = cfg.data.seq_len
+    seq_len = run.context  # data.seq_len, or a longer context stage's
     sections = [
         HEADER, f"# {title or Path(run_dir).resolve().name}: a moelab Mixture-of-Experts "
         "language model",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from moelab.config.errors import require
-from moelab.util import is_url
+from moelab.util import is_url, stop_said
 
 
 def cmd_export(args) -> int:
@@ -14,12 +14,27 @@ def cmd_export(args) -> int:
     require(args.step is None or args.step >= 0, f"--step {args.step}",
             "must be a checkpoint step (>= 0); omit it for the newest")
     out = Path(args.out)
-    # a URL as given: Path() mangles it (file:///x -> file:/x)
-    step, n = export(args.run if is_url(args.run) else Path(args.run), args.to, out, args.step)
+    had = (out / "config.json").is_file()  # an export already there is never taken for this one
+    try:
+        # a URL as given: Path() mangles it (file:///x -> file:/x)
+        step, n = export(args.run if is_url(args.run) else Path(args.run), args.to, out,
+                         args.step)
+    except KeyboardInterrupt as e:  # the CLI prints the message and exits 128 + the signal
+        e.args = (stopped(e, out, had),)
+        raise
     print(f"exported {args.run} (step {step}, {n:,} parameters) to {out}/")
     print(f"load it: transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}, "
           "trust_remote_code=True)")
     return 0
+
+
+def stopped(e: KeyboardInterrupt, out: Path, had: bool) -> str:
+    """What a stop during the export left: OUT whole (config.json, moved in last, is there) or
+    as it was (the files are written elsewhere first)."""
+    if not had and (out / "config.json").is_file():
+        return f"{stop_said(e)} as the export ended; {out}/ is complete"
+    return (f"{stop_said(e)} during the export; nothing was written to {out}: run the same "
+            "command again")
 
 
 def register(sub) -> None:

@@ -16,8 +16,11 @@ files, config.json last.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +35,9 @@ from moelab.util import (
     check_writable,
     chmod_as_created,
     extra_command,
+    info,
     is_url,
+    pid_alive,
 )
 
 HF_MODELING = Path(__file__).parent / "hf_modeling"
@@ -125,7 +130,8 @@ def hf_config(cfg, eos: int, step: int) -> dict:
         "sliding_window": m.sliding_window or None,  # transformers' "no window"
         "layer_types": layer_types(m),
         "hidden_act": "silu",
-        "max_position_embeddings": cfg.data.seq_len,  # the context it was trained on
+        # the context it was trained on: data.seq_len, or a longer context stage's
+        "max_position_embeddings": cfg.data.trained_context(step),
         "bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,  # end-of-text separates
         "dtype": "float32", "use_cache": True, "tie_word_embeddings": False,
         "moelab_step": step,
@@ -181,7 +187,7 @@ def write_folder(folder: Path, run, run_dir: Path, name: str, title: str | None 
     atomic_write_json(folder / "generation_config.json",
                       {"eos_token_id": eos, "pad_token_id": eos, "use_cache": True})
     shutil.copyfile(run_dir / "tokenizer.json", folder / "tokenizer.json")
-    for file, obj in tokenizer_files(run.tokenizer, run.cfg.data.seq_len).items():
+    for file, obj in tokenizer_files(run.tokenizer, run.context).items():
         atomic_write_json(folder / file, obj)
     for code in CODE_FILES:
         shutil.copyfile(HF_MODELING / code, folder / code)
@@ -193,10 +199,23 @@ def write_folder(folder: Path, run, run_dir: Path, name: str, title: str | None 
 def _staging(out: Path) -> Path:
     """Where the export is written before it moves into place: a sibling of a new OUT (renamed
     to it whole), or inside an empty OUT, which stays (it may be the current folder, a mount
-    point or a link, which a rename over it would break)."""
+    point or a link, which a rename over it would break). Named by host and process, so that
+    one a killed export left is told from one under way (``_left_by_killed``)."""
+    tag = f"tmp-{socket.gethostname()}-{os.getpid()}"
     if out.is_dir():
-        return out / f".moelab-export.tmp-{os.getpid()}"
-    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+        return out / f".moelab-export.{tag}"
+    return out.parent / f".{out.name}.{tag}"
+
+
+def _left_by_killed(out: Path) -> list[Path]:
+    """Staging folders of exports to ``out`` whose process, on this host, is gone (kill -9, a
+    lost machine): a whole model's size each, and inside an empty OUT they made it not empty."""
+    here = socket.gethostname()
+    found = [*(out.glob(".moelab-export.tmp-*") if out.is_dir() else []),
+             *out.parent.glob(f".{glob.escape(out.name)}.tmp-*")]
+    named = [(p, re.fullmatch(r".*\.tmp-(?:(.+)-)?(\d+)", p.name)) for p in found]
+    return [p for p, m in named if m and p.is_dir() and (m[1] or here) == here
+            and not pid_alive(int(m[2]))]
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:
@@ -223,6 +242,9 @@ def export_hf(run_dir: Path | str, out: Path, step: int | None = None) -> tuple[
     URL, to ``out``; returns (step, params)."""
     from moelab.run.load import load_run, run_name  # JAX and orbax: loaded only when exporting
 
+    for stale in _left_by_killed(out):
+        shutil.rmtree(stale, ignore_errors=True)
+        info(f"{stale}: removed, the unfinished export of a process that is gone")
     check_out(out)
     _save_file()  # a missing extra stops here, before the checkpoint is read
     files = Path(run_dir)  # the run's other files: tokenizer, summary, evaluations

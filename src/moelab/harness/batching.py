@@ -37,7 +37,7 @@ def make_window(context: Sequence[int], continuation: Sequence[int], seq_len: in
                          "end-of-text token stands in for an empty context)")
     if not 1 <= len(continuation) <= seq_len:
         raise ValueError(f"a continuation of {len(continuation)} tokens cannot be scored: it "
-                         f"must be 1..{seq_len} tokens (the run's data.seq_len); use a "
+                         f"must be 1..{seq_len} tokens (the run's trained context); use a "
                          "loglikelihood_rolling task for long texts")
     full = (list(context) + list(continuation))[-(seq_len + 1):]
     return Window(full[:-1], full[1:], len(continuation))

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from moelab.config.errors import ConfigError, need_extra, require
-from moelab.util import atomic_write_text
+from moelab.util import atomic_write_text, is_url
 
 
 def check_options(tasks: Sequence[str], limit: int | None, batch_size: int,
@@ -120,13 +120,15 @@ def evaluate_run(run_dir: Path | str, tasks: Sequence[str], *, limit: int | None
 
     from moelab.harness.lm import MoelabLM
     from moelab.harness.registry import render_local_tasks, task_manager
-    from moelab.run.load import load_run
+    from moelab.run.load import check_checkpoint, load_run
     from moelab.run.provenance import code_version
 
     # Offline only when the environment says so: moelab's local tasks read files beside the
     # package and need no network; the harness's built-ins download their datasets unless cached.
     with quiet_git(), tempfile.TemporaryDirectory(prefix="moelab-tasks-") as tmp:
         manager = task_manager(tasks, include_paths, render_local_tasks(Path(tmp)))
+        if not is_url(run_dir):  # no checkpoint (at --step): said before datasets download
+            check_checkpoint(Path(run_dir), step)
         # The tasks are built (their data loaded) before the checkpoint, so that what the
         # harness refuses as it builds them (a group beside one of its own tasks, a dataset out
         # of reach) is said before that wait; simple_evaluate's own load gets the same tasks.

@@ -25,7 +25,7 @@ class MoelabLM(LM):
         super().__init__()
         require(batch_size >= 1, f"--batch-size {batch_size}", "must be >= 1")
         self.run = run
-        self.seq_len = run.cfg.data.seq_len
+        self.seq_len = run.context  # the trained context: data.seq_len or a stage's
         self.batch_size = batch_size
         self.max_gen_toks = max_gen_toks
         self.eot = eos_id(run.tokenizer)

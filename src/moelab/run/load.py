@@ -42,12 +42,17 @@ class LoadedRun:
     model_state: dict
     tokenizer: object
 
+    @property
+    def context(self) -> int:
+        """The context the checkpoint was trained on: the window sampling and scoring keep."""
+        return self.cfg.data.trained_context(self.step)
+
     def generate(self, prompt: str, max_tokens: int = 100, *, temperature: float = 0.8,
                  top_p: float = 0.95, top_k: int | None = None, seed: int = 0,
                  on_text: Callable[[str], None] | None = None) -> str:
         """The sampled continuation of ``prompt``; ``on_text`` gets it in pieces as it is
         drawn (together, the text returned)."""
-        sample = make_sampler(self.cfg.model, self.cfg.data.seq_len)
+        sample = make_sampler(self.cfg.model, self.context)
         ids = encode_batch(self.tokenizer, [prompt])[0]
         pieces: list[str] = []
 
@@ -108,6 +113,20 @@ def inference_target(cfg: RunConfig) -> dict:
                                    "model_state": tr.init_state(cfg.model)})
 
 
+def missing_checkpoint(run_dir: Path, step: int | None, steps: list[int]) -> FileNotFoundError:
+    if step is None:
+        return FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint yet; train first")
+    return FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: {steps}")
+
+
+def check_checkpoint(run_dir: Path, step: int | None = None) -> None:
+    """Refuse a run folder with no checkpoint (at ``step``) as ``restore_state`` would, for
+    callers with slow work before the restore (an evaluation's task datasets)."""
+    ckpt = Checkpointer(run_dir / "checkpoints")
+    if not (ckpt.steps() if step is None else ckpt.step_dir(step).is_dir()):
+        raise missing_checkpoint(run_dir, step, ckpt.steps())
+
+
 def restore_state(run_dir: Path, cfg, step: int | None = None,
                   target: dict | None = None) -> tuple[int, dict, dict]:
     """(step, state, meta) of the run's checkpoint ``step`` (the newest usable by default),
@@ -120,12 +139,11 @@ def restore_state(run_dir: Path, cfg, step: int | None = None,
         if step is None:  # a live run's newest, held by a read lease (retried when pruned)
             got = ckpt.restore_latest(target, partial=partial)
             if got is None:
-                raise FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint yet; train first")
+                raise missing_checkpoint(run_dir, None, [])
             step, state, meta = got
         else:
             if not ckpt.step_dir(step).is_dir():  # one without its manifest: named damaged
-                raise FileNotFoundError(f"{run_dir}: no checkpoint at step {step}; available: "
-                                        f"{ckpt.steps()}")
+                raise missing_checkpoint(run_dir, step, ckpt.steps())
             try:
                 state, meta = ckpt.restore(step, target, partial=partial)
             except CheckpointDamaged as e:
