@@ -27,3 +27,13 @@ def _gpu_share_kept(monkeypatch):
     resume`, run in-process by CLI tests, set XLA_CLIENT_MEM_FRACTION where none is set."""
     for var in ("XLA_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_MEM_FRACTION"):
         monkeypatch.setenv(var, os.environ.get(var, ""))
+
+
+@pytest.fixture(autouse=True)
+def _no_abandoned_work(monkeypatch):
+    """Each test starts with no native work marked as interrupted (``util.native_work``): a
+    stop that one test simulates in-process must not end a later test's `moelab` call with
+    ``os._exit`` (``util.exit_if_abandoned``), which would end pytest itself."""
+    from moelab import util
+
+    monkeypatch.setattr(util, "_abandoned", [])

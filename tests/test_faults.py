@@ -46,6 +46,7 @@ from moelab.run.checkpoint import Checkpointer, CheckpointError, CheckpointWarni
 from moelab.run.lock import LOCK_FILE, RunLocked, acquire, release
 from moelab.run.logs import JsonlTracker, read_metrics
 from moelab.train import loop
+from moelab.train.tracker import format_summary
 from test_train import events, load_state, losses, quiet_train
 
 SMALL = {"steps": 4, "ckpt_every": 2}  # the small run: checkpoints at steps 2 and 4
@@ -347,6 +348,44 @@ def test_sigterm_during_the_final_evaluation_stops_it_and_a_rerun_does_it(
     assert [(e["event"], e["step"]) for e in events(run)][-2:] == [("resume", 5), ("finished", 5)]
     # the rerun trains no step: its summary has the step's loss all the same
     assert s["train/loss"] == losses(run)[5]
+
+
+def test_a_rerun_that_trains_no_step_reports_no_throughput_of_its_own(
+        data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """A stop in the final evaluation leaves the rerun nothing to train: its summary showed the
+    tokens/s and MFU the checkpoint kept from the start before (beside "0 tokens from step 3"),
+    and that start's share of its measured peak next to this start's measured peak."""
+    cfg, run = micro_config(data_dir, train={"steps": 3}), tmp_path / "run"
+    monkeypatch.setattr(loop, "evaluate", lambda *_a, **_k: None)  # a stop abandoned it
+    first = quiet_train(cfg, run)
+    assert first["interrupted"] == "SIGTERM" and first["throughput/tokens_per_s"] > 0
+    monkeypatch.undo()
+    s = quiet_train(cfg, run)
+    assert (s["interrupted"], s["start_step"], s["tokens_this_start"]) == (None, 3, 0)
+    assert s["train/loss"] == losses(run)[3]  # the state's loss, logged by the start before
+    assert [s[k] for k in ("throughput/tokens_per_s", "throughput/mfu",
+                           "throughput/share_of_measured_peak")] == [None, None, None]
+    assert "throughput" not in format_summary(s)
+
+
+def test_ctrl_c_twice_in_an_evaluation_ends_the_process_at_once(
+        small_run, data_dir, tmp_path, monkeypatch):  # noqa: F811
+    """Ctrl-C twice landing in an evaluation (its first call compiles, in XLA's threads) ended
+    `moelab train` with a segmentation fault at interpreter shutdown instead of exit 130: the
+    loop, like the setup, has the CLI end the process right after its records are written."""
+    from moelab import util
+
+    run = copy_run(small_run, tmp_path)
+    monkeypatch.setattr(util, "_abandoned", [])  # what a stop in native work marks
+
+    def aborted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "evaluate", aborted)
+    with pytest.raises(KeyboardInterrupt, match="nothing trained since the checkpoint at step 5"):
+        quiet_train(micro_config(data_dir, train={**SMALL, "steps": 5}), run)
+    assert util._abandoned  # XLA's threads may still run: the CLI ends with os._exit(130)
+    assert [(e["event"], e["step"]) for e in events(run)][-2:] == [("resume", 4), ("aborted", 5)]
 
 
 def test_a_summary_left_by_an_earlier_start_is_not_taken_for_the_finished_run_s(

@@ -84,6 +84,17 @@ def test_unknown_accelerator_and_the_peak_flops_setting():
     assert given.metrics(1.5e12) == {"throughput/mfu": 0.5}
 
 
+@pytest.mark.parametrize("flops, text", [
+    (87.6e9, "87.6 GFLOP/s"), (999.4e9, "999 GFLOP/s"), (5e8, "0.5 GFLOP/s"),
+    (989e12, "989 TFLOP/s"), (2.5e15, "2.5 PFLOP/s"),
+    # rounding up into the next unit: "1e+03 GFLOP/s" before
+    (999.6e9, "1 TFLOP/s"), (999.7e12, "1 PFLOP/s"),
+    (1024 * 989e12, "1.01 EFLOP/s"),  # a thousand H100s: "1.01e+03 PFLOP/s" before
+])
+def test_flops_read_with_the_unit_their_rounded_value_takes(flops, text):
+    assert format_flops(flops) == text
+
+
 @pytest.mark.parametrize("value, message", [
     ("7", "START:END"),  # the text typed: 7 is not a range
     ("0:3", "START:END"),

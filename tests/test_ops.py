@@ -314,7 +314,8 @@ def test_stage_report_averages_drops_per_context_stage(tmp_path):
         for s, d in drops.items():
             f.write(json.dumps({"step": s, "train/loss": 1.0, "moe/drop_fraction": d,
                                 "moe/sender_drop_fraction": d / 2,
-                                "moe/receiver_drop_fraction": d / 2}) + "\n")
+                                "moe/receiver_drop_fraction": d / 2,
+                                "throughput/tokens_per_s": 100.0 * s}) + "\n")
     rows = stage_report(tmp_path)
     assert [(r["seq_len"], r["first_step"], r["last_step"]) for r in rows] == [(32, 0, 4),
                                                                             (64, 4, 8)]
@@ -322,6 +323,11 @@ def test_stage_report_averages_drops_per_context_stage(tmp_path):
     assert rows[1]["drop_mean"] == pytest.approx(0.25)
     assert rows[1]["drop_max"] == pytest.approx(0.40)
     assert rows[1]["receiver_drop_mean"] == pytest.approx(0.125)
+    # the rate is a median, not a mean as the drops, nor the last rate as the summary's: said
+    assert rows[1]["tokens_per_s"] == pytest.approx(650.0)
+    from moelab.ops.record import format_history
+
+    assert "tokens/s: median of the logged rates" in format_history(tmp_path)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -200,10 +200,14 @@ def test_ctrl_c_twice_names_the_checkpoint_a_rerun_resumes_from(
     d = micro_dict(data_dir, train={"steps": 7, "ckpt_every": 3})
     cfg_file, run = write_config_yaml(tmp_path / "micro.yaml", d), tmp_path / "run"
     signals_after_step(monkeypatch, 6, signal.SIGINT, signal.SIGINT)  # Ctrl-C twice in step 6
+    monkeypatch.setattr(util, "_abandoned", [])
+    ended = []  # the CLI's os._exit: XLA's threads may still run, shutdown could crash in them
+    monkeypatch.setattr(util, "exit_if_abandoned", lambda c: ended.append(util._abandoned and c))
     rc, _, err = run_main(["train", str(cfg_file), "--run-dir", str(run)], capsys)
     said = ("aborted at step 5 without saving; the newest checkpoint is at step 3: run the "
             "same command to resume from it (steps 4-5 train again)")
     assert rc == 130 and err.endswith(f"moelab: {said}\n"), err
+    assert ended == [130]
     end = events(run)[-1]
     assert (end["event"], end["step"], end["resume_from"]) == ("aborted", 5, 3)
     assert said in end["error"]

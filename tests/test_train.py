@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import shutil
 import signal
 import subprocess
@@ -276,6 +277,33 @@ def test_metrics_log_has_the_expected_keys(run30):
     assert kinds[0] == "start" and kinds[-1] == "finished"
     assert evs[-1]["step"] == 30
     assert (evs[0]["devices"], evs[0]["processes"]) == (1, 1)  # what it trained on
+
+
+def documented_metrics() -> set[str]:
+    """The keys the README's list of metric keys names (with their <i>, <domain>, ...)."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    para = text[text.index("Metric keys follow"):]  # up to W&B's own x-axis, train/step
+    return set(re.findall(r"`((?:train|data|throughput|moe|eval|hw)/[^`]+)`",
+                          para[:para.index("`train.wandb=true`")]))
+
+
+def test_every_logged_metric_is_documented_and_every_documented_one_logged(run30):
+    """`train/total_loss` and `train/tokens` were logged in every record and named nowhere."""
+    run, _ = run30
+    named = documented_metrics()
+    logged = {k for r in read_metrics(run / "metrics.jsonl")[0] for k in r} - {"step", "time"}
+
+    def is_named(key: str) -> bool:
+        if key.startswith("hw/"):
+            return "hw/..." in named  # listed one by one in docs/lab.md
+        if m := re.fullmatch(r"moe/layer_\d+/(.+)", key):
+            return "moe/layer_<i>/..." in named and f"moe/{m[1]}" in named
+        return re.sub(r"^eval/[^/]+/", "eval/<domain>/", key) in named
+
+    assert not sorted(k for k in logged if not is_named(k))
+    # the share of the measured peak: none here, where train.peak_flops is given
+    plain = {k for k in named if "<" not in k and "..." not in k}
+    assert plain - logged == {"throughput/share_of_measured_peak"}
 
 
 def test_logged_lr_follows_the_schedule(run30):

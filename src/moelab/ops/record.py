@@ -272,7 +272,9 @@ def _stage_lines(rows: list[dict], events: list[dict]) -> list[str]:
     labels = list(dict.fromkeys(r["transport"] for r in rows))
     moved = [e["step"] for e in events if e.get("event") == "resume" and any(
         str(c).split(" ", 1)[0] in EP_FIELDS for c in e.get("changed") or [])]
-    how = "drop = dropped / routed assignments, mean over logged steps"
+    # the logged rate is each start's since its clock started: the summary shows the last one
+    how = ("drop = dropped / routed assignments, mean over logged steps; tokens/s: median of "
+           "the logged rates; loss: the last logged")
     if len(labels) == 1:
         head = f"  context stages ({labels[0]}; {how}):"
     else:

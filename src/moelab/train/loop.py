@@ -59,6 +59,7 @@ from moelab.util import (
     describe_error,
     info,
     is_url,
+    native_work,
     silence_gone_console,
     stop_signals,
 )
@@ -102,6 +103,7 @@ class _Progress:
     step: int
     state: dict  # the live train state (the step function donates the previous one)
     metrics: dict = field(default_factory=dict)  # the last logged, saved with each checkpoint
+    logged: bool = False  # ``metrics`` is this start's (else the checkpoint's, an earlier one's)
     t_first: float | None = None  # end of the first step since (re)compilation: the clock start
     step_first: int | None = None  # the step count then
     paused: float = 0.0  # seconds of evaluation and saves since t_first, off the clock
@@ -161,8 +163,11 @@ def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: 
     t_run = time.time()
     with _StopFlag() as flag:
         try:
-            _run_steps(run, progress, flag)
-            summary = _finish(run, progress, t_run, sample_prompt, flag)
+            # Ctrl-C twice may land in XLA's compile or run (an evaluation's first call): the CLI
+            # then ends the process at once, as interpreter shutdown would stop its threads
+            with native_work():  # inside native code (a segmentation fault, not exit 130)
+                _run_steps(run, progress, flag)
+                summary = _finish(run, progress, t_run, sample_prompt, flag)
         except KeyboardInterrupt as e:  # Ctrl-C twice: say where a re-run resumes
             run.ckpt.close()  # a background save completes first: it may be the newest
             newest = run.ckpt.latest_step()
@@ -333,7 +338,7 @@ def _log_metrics(run: RunSetup, p: _Progress, m) -> None:
     metrics = {k: float(v) for k, v in jax.device_get(m).items()}
     if not metrics.pop("train/finite"):
         return
-    p.metrics = metrics
+    p.metrics, p.logged = metrics, True
     busy = time.time() - p.t_first - p.paused
     done = step - p.step_first
     tokens = cfg.data.tokens_before(step)
@@ -393,9 +398,10 @@ def _summary(run: RunSetup, p: _Progress, t_run: float) -> dict:
                "tokens_this_start": cfg.data.tokens_before(p.step) - cfg.data.tokens_before(
                    run.start), "wall_time_s": time.time() - t_run, "peak_flops": run.peak.rated,
                "peak_source": run.peak.source, "measured_peak_flops": run.peak.measured}
-    summary.update({k: p.metrics.get(k) for k in ("train/loss", "throughput/tokens_per_s",
-                                                   "throughput/mfu",
-                                                   "throughput/share_of_measured_peak")})
+    summary["train/loss"] = p.metrics.get("train/loss")  # the state's, whichever start logged it
+    # a rate only as this start measured it: a start that trained no step has none
+    summary.update({k: p.metrics.get(k) if p.logged else None for k in (
+        "throughput/tokens_per_s", "throughput/mfu", "throughput/share_of_measured_peak")})
     summary["drops"] = drops_text(cfg, p.metrics) or None
     summary["data"] = data_text(cfg.data, run.store, run.data.corpus_dir, max(p.step - 1, 0))
     return summary

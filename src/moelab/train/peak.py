@@ -100,9 +100,11 @@ def run_peaks(peak_flops: float, dtype: str, devices: list) -> Peaks:
 
 
 def format_flops(x: float) -> str:
-    """``x`` FLOP/s with a readable unit: 122 GFLOP/s, 989 TFLOP/s, 2.5 PFLOP/s."""
-    for unit, scale in (("PFLOP/s", 1e15), ("TFLOP/s", 1e12)):
-        if x >= scale:
+    """``x`` FLOP/s with a readable unit: 122 GFLOP/s, 989 TFLOP/s, 2.5 PFLOP/s, 1.01 EFLOP/s
+    (a thousand H100s). The unit is picked after rounding: 999.7 GFLOP/s is 1 TFLOP/s, not
+    "1e+03 GFLOP/s"."""
+    for unit, scale in (("EFLOP/s", 1e18), ("PFLOP/s", 1e15), ("TFLOP/s", 1e12)):
+        if float(f"{x / scale:.3g}") >= 1:
             return f"{x / scale:.3g} {unit}"
     return f"{x / 1e9:.3g} GFLOP/s"
 
