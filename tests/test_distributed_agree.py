@@ -3,15 +3,21 @@ one --num-processes), stop with the signal one of them received, and one that lo
 ends at once with one line. Each test stands in one process of two: the collectives answer as
 the other process would (tests/test_multiprocess.py runs real pairs)."""
 
+import signal
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import jax
 import pytest
 
-from helpers import subprocess_env
+from helpers import micro_dict, multiprocess_env, subprocess_env, write_config_yaml
 from moelab.parallel import distributed
+from moelab.run.checkpoint import CheckpointError
+from moelab.train import loop
 
 
 @pytest.fixture
@@ -138,3 +144,76 @@ def test_process_0_whose_peer_never_joins_ends_with_one_line_at_its_deadline():
     assert last.startswith("moelab: error: --coordinator 127.0.0.1:") and (
         "not all 2 processes joined within 2 s" in last and "--coordinator-timeout" in last
         and "--process-id 0..1 once (a second process with one id ends the first)" in last)
+
+
+def test_processes_owning_different_device_counts_are_refused(two, monkeypatch):
+    """JAX's collectives between processes would fail with a bare "cannot reshape array"."""
+    two(1)
+    devices = [SimpleNamespace(process_index=i) for i in (0, 0, 1, 1, 1, 1)]
+    monkeypatch.setattr(jax, "devices", lambda: devices)
+    monkeypatch.setattr(distributed, "broadcast_bytes", lambda data: data)
+    with pytest.raises(ValueError, match=r"^the processes own different numbers of devices "
+                       r"\(process 0: 2; process 1: 4\); give each process as many .*XLA_FLAGS"):
+        distributed.check_same_run({"train.steps": 12}, None)
+    distributed.check_device_counts([0, 0, 1, 1])  # as many each: passes
+
+
+GLOO_LOST = "UNKNOWN: Gloo AllGather failed: Connection closed by peer [127.0.0.1]:39620"
+
+
+def test_a_save_that_lost_another_process_ends_as_a_lost_peer(monkeypatch, capsys):
+    """Not a checkpoint failure to "free space" for, then minutes in JAX's exit barrier and a
+    native crash: the lost process's error, which ends this one at once with one line."""
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+    def save(*a, **k):
+        raise jax.errors.JaxRuntimeError(GLOO_LOST)
+
+    run = SimpleNamespace(cfg=SimpleNamespace(to_dict=dict), sampler=SimpleNamespace(state=dict),
+                          tok_record={}, remat=None, trackers=SimpleNamespace(flush=lambda: None),
+                          ckpt=SimpleNamespace(save=save))
+    with pytest.raises(jax.errors.JaxRuntimeError):
+        loop._save(run, loop._Progress(step=4, state={}))
+    # an error raised from it ends the process as it does
+    wrapped = CheckpointError("checkpoint of step 4 not saved")
+    wrapped.__cause__ = jax.errors.JaxRuntimeError(GLOO_LOST)
+    def exit_now(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(distributed.os, "_exit", exit_now)
+    with pytest.raises(SystemExit):
+        distributed._uncaught(lambda *a: pytest.fail("traceback printed"), type(wrapped),
+                              wrapped, None)
+    assert "lost contact with another process" in capsys.readouterr().err
+
+
+def test_a_stop_signal_ends_process_0_while_it_waits_for_the_others(tmp_path, data_dir):
+    """JAX's wait for the other processes is native: a SIGTERM (or Ctrl-C) waited with it for
+    --coordinator-timeout (300 s by default) instead of stopping the command."""
+    cfg = write_config_yaml(tmp_path / "c.yaml", micro_dict(data_dir))
+    port = distributed_port()
+    p = subprocess.Popen([sys.executable, "-m", "moelab", "train", str(cfg), "--run-dir",
+                          str(tmp_path / "run"), "--coordinator", f"127.0.0.1:{port}",
+                          "--num-processes", "2", "--process-id", "0"],
+                         env=multiprocess_env(1), stderr=subprocess.PIPE, text=True)
+    killer = threading.Timer(180, p.kill)  # ends the test whatever happens
+    killer.start()
+    try:
+        # once JAX waits for the other process: its coordinator answers on the port
+        distributed.wait_for_coordinator(f"127.0.0.1:{port}", 100)
+        p.send_signal(signal.SIGTERM)
+        err = p.communicate(timeout=60)[1]
+    except subprocess.TimeoutExpired:
+        pytest.fail("the stop signal did not end the wait")
+    finally:
+        killer.cancel()
+        p.kill()
+        p.wait()
+    assert p.returncode == 143 and "moelab: terminated (SIGTERM)" in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def distributed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

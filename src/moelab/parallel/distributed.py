@@ -20,12 +20,13 @@ import sys
 import threading
 import time
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from moelab.util import first_missing, info, remove_made_parents
+from moelab.util import first_missing, in_worker_thread, info, remove_made_parents
 
 COORDINATOR_TIMEOUT_S = 300  # jax.distributed.initialize's own initialization_timeout
 _options: dict = {}  # this process's --num-processes, compared with process 0's (check_same_run)
@@ -63,9 +64,10 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     watchdog = threading.Timer(wait, abandon, (_never_joined(coordinator, num_processes, wait),))
     watchdog.daemon = True
     watchdog.start()
-    try:
-        jax.distributed.initialize(coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=wait + 30)
+    try:  # in a thread: the wait is native, and would hold Ctrl-C and SIGTERM until it ends
+        in_worker_thread(lambda: jax.distributed.initialize(
+            coordinator, num_processes=num_processes, process_id=process_id,
+            initialization_timeout=wait + 30))
     except ValueError as e:  # JAX found no cluster: "coordinator_address should be defined."
         jax.config.update("jax_cpu_collectives_implementation", collectives)
         if coordinator is not None:
@@ -83,11 +85,23 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
 _LOST = re.compile(r"(?i)connection|peer|socket|unavailable|gloo|nccl")  # not, e.g., an OOM
 
 
+def lost_peer_error(error: BaseException) -> BaseException | None:
+    """The failed collective behind ``error`` (itself, or one it was raised from) when it
+    failed because another process of several is gone; None otherwise."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen and jax.process_count() > 1:
+        seen.add(id(error))
+        if isinstance(error, jax.errors.JaxRuntimeError) and _LOST.search(str(error)):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def _uncaught(previous, kind, error, trace) -> None:
     """A collective that failed because another process is gone: ``lost_peer``."""
-    if (issubclass(kind, jax.errors.JaxRuntimeError) and jax.process_count() > 1
-            and _LOST.search(str(error))):
-        lost_peer(error)
+    lost = lost_peer_error(error) if isinstance(error, BaseException) else None
+    if lost is not None:
+        lost_peer(lost)
     previous(kind, error, trace)
 
 
@@ -229,6 +243,7 @@ def check_same_run(settings: dict, run_dir: Path | str | None) -> None:
     hang in their first checkpoint, or train apart."""
     if jax.process_count() == 1:
         return
+    check_device_counts([d.process_index for d in jax.devices()])
     if run_dir is not None:
         _check_shared_folder(Path(run_dir))
     norm = json.loads(json.dumps({**settings, **_options}, sort_keys=True, default=str))
@@ -244,6 +259,22 @@ def check_same_run(settings: dict, run_dir: Path | str | None) -> None:
     if others:
         raise ValueError(f"process(es) {', '.join(map(str, others))} were started with other "
                          f"settings than process 0 (each names them); {fix}")
+
+
+def check_device_counts(owners: list[int]) -> None:
+    """Refuse processes that own different numbers of devices (``owners``: each device's
+    process index): JAX's collectives between processes (``processes_where``...) need as
+    many on each, and fail with a bare reshape error otherwise. Every process sees all
+    devices, so all refuse together."""
+    counts = Counter(owners)
+    first = counts[0]
+    other = [f"process {i}: {n}" for i, n in sorted(counts.items()) if n != first]
+    if other:
+        more = f" (and {len(other) - 4} more)" if len(other) > 4 else ""
+        raise ValueError(f"the processes own different numbers of devices (process 0: {first}; "
+                         f"{', '.join(other[:4])}{more}); give each process as many (the same "
+                         "count of visible GPUs on every host; on a CPU the same "
+                         "--xla_force_host_platform_device_count in XLA_FLAGS)")
 
 
 def _check_shared_folder(run_dir: Path) -> None:

@@ -41,6 +41,7 @@ from moelab.parallel.distributed import (
     barrier,
     check_same_run,
     is_main,
+    lost_peer_error,
 )
 from moelab.planner.counts import train_flops_per_token
 from moelab.run.checkpoint import Checkpointer, CheckpointError, save_failure
@@ -300,6 +301,8 @@ def _save(run: RunSetup, p: _Progress, wait: bool = True) -> None:
     except CheckpointError:  # an earlier background save failed: reported with its own step
         raise
     except Exception as e:  # noqa: BLE001 -- any failure: the same report, the cause inside
+        if lost_peer_error(e) is not None:  # another process is gone: ends this one at once
+            raise
         raise CheckpointError(save_failure(run.ckpt, p.step, e)) from e
 
 
