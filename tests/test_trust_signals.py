@@ -104,6 +104,7 @@ def stall(*_args, **_kw):
     time.sleep(120)
 
 load.load_run = stall
+load.check_checkpoint = lambda *_args, **_kw: None  # the run folder holds none: its load stalls
 sys.exit(cli.main(sys.argv[1:]))
 """
 
