@@ -14,10 +14,11 @@ on ``jax.eval_shape``'d state; ``moelab.planner.flop_audit`` walks the jaxpr (lo
 cond branches, Pallas grids, a shard_map's body once per device) and names each matmul's
 component. On a mesh the figures are the whole mesh's: a transport's capacity padding shows in
 the routed experts' row (the ragged exchange's later rounds count as not taken); work that
-XLA's partitioner replicates outside a shard_map would not show. ``--backend gpu`` traces the choices a GPU makes (``planner.as_gpu.
-traced_as_gpu``): ``attention_impl=auto`` is cuDNN's fused attention when it fits (bfloat16,
-head_dim a multiple of 8 up to 128), ``moe_impl=auto`` the gmm kernel. ``mgpu`` (the Hopper
-kernels) is refused: its matmuls are Mosaic GPU wgmma, which the walk does not count. Model
+XLA's partitioner replicates outside a shard_map would not show. ``--backend gpu`` traces the
+choices a GPU makes (``planner.as_gpu.traced_as_gpu``): ``attention_impl=auto`` is cuDNN's
+fused attention when it fits (bfloat16, head_dim a multiple of 8 up to 128), ``moe_impl=auto``
+the gmm kernel. ``mgpu`` (the Hopper kernels) is refused: its matmuls are Mosaic GPU wgmma,
+which the walk does not count. Model
 FLOPs: ``planner.counts.train_flops_per_token`` x tokens per step, split by component. Short
 convs run as elementwise multiply-adds, not matmuls: their executed column is 0.
 
@@ -106,10 +107,9 @@ def load(args) -> dict:
 def trace(cfg, name: str):
     """The train step's closed jaxpr on abstract state and batch, on its mesh where it has
     several devices (moelab train's layout)."""
-    from moelab.parallel.mesh import make_mesh
+    from moelab.parallel.mesh import mesh_from_config
 
-    n = cfg.parallel.devices
-    mesh = make_mesh(expert=cfg.parallel.expert, devices=jax.devices()[:n]) if n > 1 else None
+    mesh = mesh_from_config(cfg.parallel)
     return traced_step(cfg, "cuda" if name == "gpu" else "cpu", mesh=mesh).jaxpr
 
 

@@ -142,8 +142,23 @@ def test_links_to_folders_are_read_once(tmp_path):
                   for d in iter_documents(tmp_path / "corpus", s))
     assert docs == ["in/a0.txt", "in/again/a0.txt", "in/again/a1.txt"]  # "again" sorts first
     assert manifest["skipped"]["items"] == [
-        f"in/{name}: a link to a folder read already (a loop, or a second link to it)"
+        f"in/{name}: a link to a folder read under another name (a loop, or a second way to it)"
         for name in ("loop", "prose")]
+
+
+def test_a_folder_inside_the_input_is_read_as_itself_not_as_a_link_sorting_before_it(tmp_path):
+    """A link to a folder of the input, sorting before it, read that folder's files under the
+    link's name (its domain too) and reported the real folder as "a link to a folder read
+    already"."""
+    inp = tmp_path / "in"
+    _texts(inp / "prose", 2)
+    (inp / "alias").symlink_to(inp / "prose")
+    manifest = build_user_corpus([inp], tmp_path / "corpus")
+    docs = sorted((d["id"], d["domain"]) for s in ("train", "heldout")
+                  for d in iter_documents(tmp_path / "corpus", s))
+    assert docs == [("in/prose/a0.txt", "prose"), ("in/prose/a1.txt", "prose")]
+    assert manifest["skipped"]["items"] == [
+        "in/alias: a link to a folder read under another name (a loop, or a second way to it)"]
 
 
 def test_a_start_says_when_the_source_changed_since_its_corpus_was_built(tmp_path, capsys):

@@ -176,5 +176,5 @@ def test_a_forecast_says_when_the_held_out_text_holds_fewer_batches(trained, tmp
                  "--tokens-per-rank", str(per_rank), "--batches", "50", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert {r["batches"] for r in rows} == {held} and held < 50
-    assert (f"note: {held} of the 50 batches asked for (--batches): the held-out text holds no more "
-            f"of 2 ranks x {per_rank:,} tokens") in capsys.readouterr().out
+    assert (f"note: {held} of the 50 batches asked for (--batches): the held-out text holds no "
+            f"more of 2 ranks x {per_rank:,} tokens") in capsys.readouterr().out

@@ -463,8 +463,11 @@ def test_a_run_without_the_checkpoint_is_said_before_the_tasks_load(step, tmp_pa
     from lm_eval.tasks import TaskManager
 
     monkeypatch.setattr(TaskManager, "load", _never)
+    from moelab.config import load_config, save_config
+
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
+    save_config(load_config("tiny"), run / "config.yaml")  # a start stopped before its first
     if step is not None:
         _committed(run, 5)
     rc, _, err = run_main(["eval", str(run), "--tasks", "moelab_local",
@@ -473,6 +476,23 @@ def test_a_run_without_the_checkpoint_is_said_before_the_tasks_load(step, tmp_pa
     assert err.strip() == ("moelab: error: " + (f"{run}/checkpoints: no checkpoint yet; train "
                                                 "first" if step is None else
                                                 f"{run}: no checkpoint at step 7; available: [5]"))
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_a_folder_that_holds_no_run_is_named_so_before_the_tasks_load(made, tmp_path, capsys,
+                                                                      monkeypatch):
+    """A mistyped run folder (or one holding no run) was said to have "no checkpoint yet;
+    train first", as if a run were there."""
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setattr(TaskManager, "load", _never)
+    run = tmp_path / "typo"
+    if made:  # a folder of something else
+        run.mkdir()
+    rc, _, err = run_main(["eval", str(run), "--tasks", "moelab_local", "--output",
+                           str(tmp_path / "r.json")], capsys)
+    assert rc == 2 and err.strip() == (f"moelab: error: {run}: not a run folder (no "
+                                       "config.yaml); train one with `moelab train` first"), err
 
 
 def test_a_group_s_yaml_file_named_by_its_path_says_to_name_the_group(tmp_path, capsys,

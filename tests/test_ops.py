@@ -1020,12 +1020,15 @@ def test_a_new_context_keeps_the_tokens_per_batch_of_the_stage_it_replaces():
     seg = new.data.segment_at(5)
     assert (seg.seq_len, seg.batch_size) == (128, 2)
     check_seq_len(cfg, 256, at=5)  # 256 divides the stage's 256 tokens, not data's 128
+    # the nearest lengths but 64, which the run trains at there: a change to it is no change
     with pytest.raises(PlanError, match=r"--seq-len 96: must divide the run's 256 tokens per "
-                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 64, 128"):
+                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 32, 128"):
         check_seq_len(cfg, 96, at=5, option="--seq-len 96")
+    with pytest.raises(PlanError, match="the run already trains at 64 tokens at step 5"):
+        apply_change(cfg, 5, Change(seq_len=64), keep_warmup=False)
     # the change itself is checked by the same rule, in the same words, named as its field
     with pytest.raises(PlanError, match=r"^seq_len 96: must divide the run's 256 tokens per "
-                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 64, 128$"):
+                       r"batch at step 5 \(64 x 4, which stay constant\), e.g. 32, 128$"):
         apply_change(cfg, 5, Change(seq_len=96), keep_warmup=False)
     # a run at data's own shape keeps batch_size 0 ("data's tokens per batch")
     assert apply_change(cfg_with(), 5, Change(seq_len=64),

@@ -172,6 +172,15 @@ def test_a_throughput_past_the_cluster_peak_is_refused(capsys):
     assert "23.1%     2,757,601" in capsys.readouterr().out
 
 
+def test_mfu_1_is_never_refused_as_a_throughput_past_the_peak():
+    """--mfu 1 (allowed: a fraction in (0, 1]) gives the peak's tokens/s, whose MFU read back
+    can round to 1 + 2e-16: it was refused as a --tokens-per-s never given."""
+    gb200 = accelerator("gb200")
+    for devices in range(1, 2049, 7):
+        for fpt in (253942744312.6823, 1.234e9, 7.77e11):
+            assert cluster_estimate(fpt, 1e12, gb200, devices, mfu=1.0)["mfu"] == 1.0
+
+
 # ---------------------------------------------------------------------------------------------
 # memory
 

@@ -84,23 +84,34 @@ def _remote_files(root: RemoteFile, skips: Skips | None) -> list[tuple[Input, st
             for r in _walk(rels, root.name, skips)]
 
 
-LINK_LOOP_SKIP = "a link to a folder read already (a loop, or a second link to it)"
+LINK_SKIP = "a link to a folder read under another name (a loop, or a second way to it)"
+
+
+def _visible_walk(root: Path, follow: bool):
+    """``os.walk`` of ``root`` in sorted order, not entering hidden folders (``_walk`` drops
+    their files anyway)."""
+    for top, dirs, files in os.walk(root, followlinks=follow):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        yield top, dirs, files
 
 
 def _local_files(root: Path, skips: Skips | None) -> list[PurePosixPath]:
     """The files under ``root`` (relative paths), through links to folders too: a folder of
-    links to where the text is kept was read as empty (``rglob`` does not follow them). A
-    folder whose real path was read already is skipped, so a link cannot loop or read twice.
-    Hidden folders are not entered (``_walk`` drops their files anyway)."""
+    links to where the text is kept was read as empty (``rglob`` does not follow them). Each
+    real folder is read once, under its own path where it is inside ``root`` (a link sorting
+    before it named its files and domain, and it was skipped as the link), else under the
+    first link reaching it; the other ways to it are skipped, so a link cannot loop."""
+    base = os.path.realpath(root)
+    own = {os.path.realpath(top) for top, _, _ in _visible_walk(root, follow=False)}
     rels, seen = [], set()
-    for top, dirs, files in os.walk(root, followlinks=True):
+    for top, dirs, files in _visible_walk(root, follow=True):
         rel = Path(top).relative_to(root)
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        if (real := os.path.realpath(top)) in seen:
+        real = os.path.realpath(top)
+        linked = real != os.path.normpath(os.path.join(base, rel))
+        if real in seen or (linked and real in own):
             dirs[:] = []
             if skips is not None:
-                skips.append(((PurePosixPath(root.name) / rel.as_posix()).as_posix(),
-                              LINK_LOOP_SKIP))
+                skips.append(((PurePosixPath(root.name) / rel.as_posix()).as_posix(), LINK_SKIP))
             continue
         seen.add(real)
         rels += [PurePosixPath((rel / f).as_posix()) for f in files if Path(top, f).is_file()]
@@ -129,6 +140,7 @@ def input_files(paths: list[Input], skips: Skips | None = None) -> list[tuple[In
 
 
 STAMPED_FORMATS = ("files", "hf-files")  # read file by file: each file's stamp says a change
+MAX_STAMPED = 100_000  # files: a source of more is not stamped (about 6 MB of manifest)
 
 
 def source_stamp(inputs: list[Input], fmt: str) -> dict[str, list[int]] | None:
@@ -137,13 +149,22 @@ def source_stamp(inputs: list[Input], fmt: str) -> dict[str, list[int]] | None:
     inputs behind URLs and the formats read another way (``STAMPED_FORMATS``)."""
     if fmt not in STAMPED_FORMATS or any(isinstance(i, RemoteFile) for i in inputs):
         return None
-    return {name: [(st := Path(path).stat()).st_size, st.st_mtime_ns]
-            for path, name in input_files(inputs)}
+    files = input_files(inputs)
+    if len(files) > MAX_STAMPED:  # the manifest, read on every start, stays small
+        return None
+    out = {}
+    for path, name in files:
+        try:
+            st = Path(path).stat()
+        except OSError:  # gone since the walk: not there, as a file removed is
+            continue
+        out[name] = [st.st_size, st.st_mtime_ns]
+    return out
 
 
 def stamp_changes(built: dict, now: dict) -> str | None:
     """How the files of a source differ from their ``source_stamp`` at the build, in a few
-    words ("2 changed, 1 added (e.g. prose/a.txt)"); None where none does."""
+    words ("2 changed, 1 added; e.g. prose/a.txt"); None where none does."""
     kinds = (("changed", [n for n in built if n in now and built[n] != now[n]]),
              ("added", [n for n in now if n not in built]),
              ("removed", [n for n in built if n not in now]))

@@ -93,8 +93,9 @@ def cluster_estimate(flops_per_token: float, tokens: float, acc: Accelerator, de
     peak = acc.peak_flops * devices
     if tokens_per_s <= 0:
         tokens_per_s = mfu * peak / flops_per_token
-    mfu = tokens_per_s * flops_per_token / peak
-    if mfu > 1:  # a figure of another cluster, a per-device one, or a typo
+    else:
+        mfu = tokens_per_s * flops_per_token / peak
+    if mfu > 1:  # a rate of another cluster, a per-device one, or a typo (--mfu stays as given)
         given = f"{tokens_per_s:g}".replace("e+", "e")
         raise ConfigError(f"--tokens-per-s {given}: implies {mfu:.3g}x the peak of "
                           f"{devices} x {acc.name} at {acc.peak_flops / 1e15:.3g} PFLOP/s "

@@ -45,9 +45,9 @@ _FOLD = {
 
 def fold(eqn, ins: list) -> list:
     """The outputs of a small equation whose inputs are all known (``_FOLD`` primitives)."""
-    fold = _FOLD.get(eqn.primitive.name)
-    out = eqn.outvars[0].aval if fold is not None else None
+    host = _FOLD.get(eqn.primitive.name)
+    out = eqn.outvars[0].aval if host is not None else None
     if out is None or any(x is None for x in ins) or math.prod(out.shape) > FOLD_LIMIT:
         return [None] * len(eqn.outvars)
-    value = np.asarray(fold(eqn.params, *map(np.asarray, ins)), dtype=out.dtype)
+    value = np.asarray(host(eqn.params, *map(np.asarray, ins)), dtype=out.dtype)
     return [value if value.shape == tuple(out.shape) else None]

@@ -98,8 +98,7 @@ def run_config(run_dir: Path, step: int | None) -> RunConfig:
     try:
         cfg, from_step = run_config_or_checkpoint(run_dir, step=step)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "
-                                "`moelab train` first") from None
+        raise not_a_run_folder(run_dir) from None
     if from_step is not None:
         info(f"{run_dir}/config.yaml: not found; using the config the checkpoint of step "
              f"{from_step} was trained with (its meta.json)")
@@ -113,6 +112,11 @@ def inference_target(cfg: RunConfig) -> dict:
                                    "model_state": tr.init_state(cfg.model)})
 
 
+def not_a_run_folder(run_dir: Path) -> FileNotFoundError:
+    return FileNotFoundError(f"{run_dir}: not a run folder (no config.yaml); train one with "
+                             "`moelab train` first")
+
+
 def missing_checkpoint(run_dir: Path, step: int | None, steps: list[int]) -> FileNotFoundError:
     if step is None:
         return FileNotFoundError(f"{run_dir}/checkpoints: no checkpoint yet; train first")
@@ -123,6 +127,8 @@ def check_checkpoint(run_dir: Path, step: int | None = None) -> None:
     """Refuse a run folder with no checkpoint (at ``step``) as ``restore_state`` would, for
     callers with slow work before the restore (an evaluation's task datasets)."""
     ckpt = Checkpointer(run_dir / "checkpoints")
+    if not (run_dir / "config.yaml").is_file() and not ckpt.steps():  # a typo, another folder
+        raise not_a_run_folder(run_dir)
     if not (ckpt.steps() if step is None else ckpt.step_dir(step).is_dir()):
         raise missing_checkpoint(run_dir, step, ckpt.steps())
 

@@ -70,9 +70,10 @@ def check_seq_len(cfg: RunConfig, seq_len: int, at: int, option: str = "") -> No
     seg = cfg.data.segment_at(at)
     tokens = seg.seq_len * seg.batch_size
     if tokens % seq_len:
-        # the whole-row lengths nearest the one asked, below and above it
+        # the whole-row lengths nearest the one asked, below and above it, but the one the
+        # run trains at there (no change: refused as such)
         divs = {d for i in range(1, math.isqrt(tokens) + 1) if tokens % i == 0
-                for d in (i, tokens // i)}
+                for d in (i, tokens // i)} - {seg.seq_len}
         fits = [n for n in (max((d for d in divs if d < seq_len), default=None),
                             min((d for d in divs if d > seq_len), default=None)) if n]
         raise PlanError(f"{option or f'seq_len {seq_len}'}: must divide the run's {tokens:,} "

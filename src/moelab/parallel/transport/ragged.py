@@ -145,7 +145,8 @@ def _round(sent_AH, ids_A, size_SS, from_SS, first_SS, w_local, *, R: int, kerne
 def _later_rounds(rounds, needed, back):
     """``rounds(back)`` where ``needed`` (a rank receives more than one round's rows), else
     ``back``: every rank enters or skips it together, and a step that skips it skips its
-    backward too (bench/gpu_profile.py counts it as not run)."""
+    backward too (``planner.flop_audit.UNTAKEN``: the FLOP audit and bench/gpu_profile.py count
+    it as not run)."""
     return jax.lax.cond(needed, rounds, lambda b: b, back)
 
 
