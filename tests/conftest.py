@@ -37,3 +37,22 @@ def _no_abandoned_work(monkeypatch):
     from moelab import util
 
     monkeypatch.setattr(util, "_abandoned", [])
+
+
+@pytest.fixture(autouse=True)
+def _stop_signals_kept():
+    """Each test ends with SIGINT handled and unblocked as it found it: a test leaving it
+    ignored or blocked (a library's, or a command's teardown run in-process) made every later
+    Ctrl-C test in the same worker, and the commands it starts (they inherit both), see no
+    signal at all. Such a test is named by a warning."""
+    import signal
+    import warnings
+
+    before = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    after = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    if after != before:
+        if before[0] is not None:  # None: a handler not set from Python, left as it is
+            signal.signal(signal.SIGINT, before[0])
+        signal.pthread_sigmask(signal.SIG_SETMASK, before[1])
+        warnings.warn(f"this test left SIGINT as {after} (was {before}); restored")
