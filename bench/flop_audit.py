@@ -49,7 +49,6 @@ if __name__ == "__main__" and _devices_asked(sys.argv[1:]).isdigit():  # before 
                                f"device_count={max(1, int(_devices_asked(sys.argv[1:])))}").strip()
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import shutil  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -57,25 +56,25 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 
 from common import parser, print_table, run_main, save  # noqa: E402
-from gpu_rows import traced_step  # noqa: E402
+from gpu_rows import traced_for, traced_step  # noqa: E402
 from moelab.config import ConfigError, load_config  # noqa: E402
 from moelab.config.model import REMAT_POLICIES  # noqa: E402
 from moelab.model.experts import resolve_impl  # noqa: E402
 from moelab.model.layers import resolve_attention  # noqa: E402
 from moelab.planner import flop_audit as fa  # noqa: E402
-from moelab.planner.as_gpu import traced_as_gpu  # noqa: E402
 from moelab.planner.counts import train_flops_per_token  # noqa: E402
 
 TARGETS = {"none": 1.05, "full": 1.40}  # executed / model FLOPs, per remat policy
 
 
-def backend(name: str):
-    return traced_as_gpu() if name == "gpu" else contextlib.nullcontext()
+def platform(name: str) -> str:
+    """The platform the step is traced for with ``--backend name``."""
+    return "cuda" if name == "gpu" else "cpu"
 
 
 def check(cfg, name: str) -> dict:
     """The kernels the traced step uses; an error naming the option when it cannot be traced."""
-    with backend(name):
+    with traced_for(platform(name)):
         try:
             attention, experts = resolve_attention(cfg.model), resolve_impl(cfg.model)
         except ValueError as e:  # ConfigError included: both name the option
@@ -110,7 +109,7 @@ def trace(cfg, name: str):
     from moelab.parallel.mesh import mesh_from_config
 
     mesh = mesh_from_config(cfg.parallel)
-    return traced_step(cfg, "cuda" if name == "gpu" else "cpu", mesh=mesh).jaxpr
+    return traced_step(cfg, platform(name), mesh=mesh).jaxpr
 
 
 def audit(cfg, name: str) -> dict:

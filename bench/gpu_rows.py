@@ -132,11 +132,13 @@ def train(spec: dict, row: Row) -> None:
 def lowered_step(cfg, platform: str = "cuda", sharding=None, mesh=None):
     """A config's training step lowered for ``platform`` at its own shapes, nothing allocated
     (``traced_step``)."""
-    with _traced_for(platform):  # the Triton kernels' lowering asks the device too
+    with traced_for(platform):  # the Triton kernels' lowering asks the device too
         return traced_step(cfg, platform, sharding, mesh).lower(lowering_platforms=(platform,))
 
 
-def _traced_for(platform: str):
+def traced_for(platform: str):
+    """Where the step is traced for ``platform``: as a GPU runs it for "cuda" (on any machine),
+    else as is."""
     from moelab.planner.as_gpu import traced_as_gpu
 
     return traced_as_gpu() if platform == "cuda" else contextlib.nullcontext()
@@ -155,7 +157,7 @@ def traced_step(cfg, platform: str = "cuda", sharding=None, mesh=None):
     from moelab.train.step import abstract_train_state, make_train_step, transport_fns
 
     on = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)  # noqa: E731
-    with _traced_for(platform):
+    with traced_for(platform):
         shapes = abstract_train_state(cfg)
         batch = jax.ShapeDtypeStruct((cfg.data.batch_size, cfg.data.seq_len + 1), "int32")
         if mesh is None:

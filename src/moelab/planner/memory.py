@@ -109,6 +109,12 @@ def param_splits(m: ModelConfig, layout: Layout) -> list[tuple[str, bool, tuple,
     return out
 
 
+def fsdp_split(splits: list[tuple[str, bool, tuple, int]]) -> list[tuple[str, bool, tuple]]:
+    """(name, in_blocks, shape) of the non-routed parameters that ``param_splits`` has FSDP
+    split: the ones gathered before use (the others stay whole on every device)."""
+    return [(name, b, s) for name, b, s, ways in splits if ways > 1 and name not in ROUTED]
+
+
 def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
     """Per-device bytes of weights, gradients and optimizer state (each split by ep or fsdp)."""
     m = cfg.model
@@ -135,7 +141,7 @@ def state_memory(cfg: RunConfig, layout: Layout) -> dict[str, float]:
            "optimizer_state": 0.0 if "opt" in layout.offload else opt,
            "host": (4 * per_dev if on_host else 0.0) + (opt if "opt" in layout.offload else 0.0)}
     if layout.fsdp > 1:
-        split = [(name, b, s) for name, b, s, ways in splits if ways > 1 and name not in ROUTED]
+        split = fsdp_split(splits)
         # parameters FSDP leaves whole: their FSDP dimension does not divide by the degree
         out["fsdp_whole"] = sum(math.prod(s) for name, _, s, ways in splits
                                 if ways == 1 and name not in ROUTED)

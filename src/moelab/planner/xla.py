@@ -11,10 +11,10 @@ import jax
 import jax.numpy as jnp
 
 from moelab.config import ConfigError, RunConfig
-from moelab.planner.counts import ROUTED
 from moelab.planner.memory import (
     CAPACITY_FIELDS,
     Layout,
+    fsdp_split,
     memory_report,
     param_splits,
     planned_config,
@@ -119,8 +119,7 @@ def compare_sharded_with_xla(cfg: RunConfig, layout: Layout, compile_fn: Callabl
     cpu_extra = 0.0
     if layout.fsdp > 1 and jax.default_backend() == "cpu":
         m = cfg.model
-        split = [(name, b, s) for name, b, s, ways in param_splits(m, layout)
-                 if ways > 1 and name not in ROUTED]  # FSDP leaves the others whole
+        split = fsdp_split(param_splits(m, layout))  # FSDP leaves the others whole
         blocks = sum(math.prod(s) for _, b, s in split if b)
         outer = sum(math.prod(s) for name, _, s in split if name in ("embed", "head"))
         cpu_extra = 4 * (blocks + outer) * (1 - 1 / layout.fsdp)

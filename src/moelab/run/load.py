@@ -127,10 +127,11 @@ def check_checkpoint(run_dir: Path, step: int | None = None) -> None:
     """Refuse a run folder with no checkpoint (at ``step``) as ``restore_state`` would, for
     callers with slow work before the restore (an evaluation's task datasets)."""
     ckpt = Checkpointer(run_dir / "checkpoints")
-    if not (run_dir / "config.yaml").is_file() and not ckpt.steps():  # a typo, another folder
+    steps = ckpt.steps()
+    if not (run_dir / "config.yaml").is_file() and not steps:  # a typo, another folder
         raise not_a_run_folder(run_dir)
-    if not (ckpt.steps() if step is None else ckpt.step_dir(step).is_dir()):
-        raise missing_checkpoint(run_dir, step, ckpt.steps())
+    if not (steps if step is None else ckpt.step_dir(step).is_dir()):
+        raise missing_checkpoint(run_dir, step, steps)
 
 
 def restore_state(run_dir: Path, cfg, step: int | None = None,

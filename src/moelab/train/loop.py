@@ -145,10 +145,11 @@ def _train_reading(cfg: RunConfig, run_dir: Path, verbose: bool, sample_prompt: 
     if is_main():  # a re-save of a step killed between its renames: the old one resumes
         Checkpointer(run_dir / "checkpoints").put_back()
     barrier("checkpoints-put-back")  # listed by every process from here
+    url = mirror.url if mirror is not None else None  # a run URL: named by it, not its copy
     done = finished_summary(cfg, run_dir, info if verbose and is_main() else (lambda _m: None),
-                            mirror.url if mirror is not None else None)
+                            url)
     if done is not None:
-        return {**done, "run_dir": mirror.url if mirror is not None else str(run_dir)}
+        return {**done, "run_dir": url or str(run_dir)}
     try:
         run, state = setup_run(cfg, run_dir, verbose=verbose, mirror=mirror,
                                accept_data_change=accept_data_change, hold=reading)
